@@ -1,0 +1,16 @@
+//! The contract between rl's XDP program and its daemon.
+//!
+//! Everything here compiles for `bpfel-unknown-none` (no_std, no allocation)
+//! and for the host: the map layouts both sides agree on, and the limiter
+//! arithmetic. The XDP program runs [`limiter::admit_shared`] on every packet;
+//! the host runs the very same function in unit, property and threaded tests.
+//!
+//! With the `user` feature the map types implement `aya::Pod`, so the daemon
+//! can read and write them directly.
+#![no_std]
+
+pub mod limiter;
+pub mod maps;
+
+pub use limiter::{admit_shared, gcra, Admit, Limit, SharedWord};
+pub use maps::*;

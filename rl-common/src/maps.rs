@@ -1,0 +1,171 @@
+//! Map names and the `#[repr(C)]` keys and values the XDP program and the
+//! daemon share. Every layout is pinned by a size assertion: a silent change
+//! would make lookups miss.
+
+use core::mem::size_of;
+
+use crate::limiter::Limit;
+
+/// Per-source buckets (`BPF_MAP_TYPE_LRU_HASH`, [`SourceKey`] ➜ [`Bucket`]).
+/// Its capacity is set at load time from `datapath.max_sources`.
+pub const MAP_SOURCES: &str = "RL_SOURCES";
+/// The single-entry [`DatapathConfig`] array written by the daemon.
+pub const MAP_CONFIG: &str = "RL_CONFIG";
+/// Per-CPU `u64` counters indexed by the `STAT_*` constants.
+pub const MAP_STATS: &str = "RL_STATS";
+
+/// The limiter program's name in the object file.
+pub const PROG_LIMITER: &str = "rl";
+/// A program that only returns `XDP_DROP`: the floor for benchmarks.
+pub const PROG_FLOOR: &str = "rl_floor";
+
+/// Rule id of the `[default]` limit.
+pub const RULE_DEFAULT: u32 = 0;
+
+/// The key of a bucket: a source address masked to its aggregation prefix.
+///
+/// `addr` holds the 16 bytes of an IPv6 address in network byte order, as
+/// four words read straight from the packet (so the words are in network
+/// order, not host order). IPv4 sources are stored IPv4-mapped
+/// (`::ffff:a.b.c.d`), so the two families never share a bucket.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SourceKey {
+    pub addr: [u32; 4],
+    /// Which limit this bucket belongs to ([`RULE_DEFAULT`] for `[default]`).
+    pub rule: u32,
+}
+const _: () = assert!(size_of::<SourceKey>() == 20);
+
+impl SourceKey {
+    /// The key for the 16 network-order bytes of an (IPv4-mapped) address.
+    pub fn from_bytes(bytes: [u8; 16], rule: u32) -> Self {
+        let w = |i: usize| u32::from_ne_bytes([bytes[i], bytes[i + 1], bytes[i + 2], bytes[i + 3]]);
+        SourceKey {
+            addr: [w(0), w(4), w(8), w(12)],
+            rule,
+        }
+    }
+
+    /// The 16 network-order bytes of the (IPv4-mapped) address.
+    pub fn addr_bytes(&self) -> [u8; 16] {
+        let mut out = [0u8; 16];
+        for (i, w) in self.addr.iter().enumerate() {
+            out[i * 4..i * 4 + 4].copy_from_slice(&w.to_ne_bytes());
+        }
+        out
+    }
+}
+
+/// The third word of an IPv4-mapped address (`::ffff:0:0/96`), in network order.
+pub const V4_MAPPED_WORD: u32 = u32::from_ne_bytes([0, 0, 0xff, 0xff]);
+
+/// A bucket: the GCRA theoretical arrival time, in `bpf_ktime_get_ns` time.
+/// Updated only with compare-and-swap (see [`crate::admit_shared`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Bucket {
+    pub tat_ns: u64,
+}
+const _: () = assert!(size_of::<Bucket>() == 8);
+
+/// What the daemon tells the datapath; entry 0 of [`MAP_CONFIG`].
+/// Until the daemon writes it, `enabled` is 0 and every packet passes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DatapathConfig {
+    /// The `[default]` per-source limit.
+    pub default_limit: Limit,
+    /// Mask applied to IPv4 sources (network order), from `ipv4_prefix`.
+    pub v4_mask: u32,
+    /// 1 once the daemon has written a configuration.
+    pub enabled: u32,
+    /// Mask applied to IPv6 sources (network-order words), from `ipv6_prefix`.
+    pub v6_mask: [u32; 4],
+}
+const _: () = assert!(size_of::<DatapathConfig>() == 40);
+
+/// The network-order mask words of a `prefix`-bit mask over `BITS` bits,
+/// as read from packet memory.
+pub fn prefix_mask_words<const N: usize>(prefix: u8) -> [u32; N] {
+    let mut out = [0u32; N];
+    let mut left = prefix as u32;
+    for w in out.iter_mut() {
+        let bits = if left >= 32 { 32 } else { left };
+        left -= bits;
+        let host = if bits == 0 { 0 } else { u32::MAX << (32 - bits) };
+        *w = u32::from_ne_bytes(host.to_be_bytes());
+    }
+    out
+}
+
+// Counters: one per-CPU array of u64, indexed by these constants.
+/// Packets passed (all of them, including non-IP).
+pub const STAT_PASSED_PKTS: u32 = 0;
+pub const STAT_PASSED_BYTES: u32 = 1;
+/// Packets dropped (all of them, including malformed).
+pub const STAT_DROPPED_PKTS: u32 = 2;
+pub const STAT_DROPPED_BYTES: u32 = 3;
+/// Of the passed: frames that are not IPv4/IPv6 (never limited).
+pub const STAT_NON_IP: u32 = 4;
+/// Of the dropped: IP packets with truncated or malformed headers.
+pub const STAT_MALFORMED: u32 = 5;
+/// Buckets created for sources seen for the first time (or after eviction).
+pub const STAT_NEW_SOURCES: u32 = 6;
+/// Of the dropped: the source's bucket could not be created or found.
+pub const STAT_NO_STATE: u32 = 7;
+/// Of the dropped: other CPUs won the bucket's compare-and-swap every retry.
+pub const STAT_CONTENDED: u32 = 8;
+/// Number of counters.
+pub const STAT_COUNT: u32 = 9;
+
+/// Counter names for logs and metrics, indexed like the `STAT_*` constants.
+pub const STAT_NAMES: [&str; STAT_COUNT as usize] = [
+    "passed_packets",
+    "passed_bytes",
+    "dropped_packets",
+    "dropped_bytes",
+    "non_ip_packets",
+    "malformed_packets",
+    "new_sources",
+    "no_state_drops",
+    "contended_drops",
+];
+
+#[cfg(feature = "user")]
+mod pod {
+    unsafe impl aya::Pod for super::SourceKey {}
+    unsafe impl aya::Pod for super::Bucket {}
+    unsafe impl aya::Pod for super::DatapathConfig {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn masks_keep_prefix_bits_in_network_order() {
+        let m: [u32; 1] = prefix_mask_words(24);
+        assert_eq!(m[0].to_ne_bytes(), [255, 255, 255, 0]);
+        let m: [u32; 4] = prefix_mask_words(64);
+        assert_eq!(m[1].to_ne_bytes(), [255; 4]);
+        assert_eq!(m[2], 0);
+        let m: [u32; 4] = prefix_mask_words(52);
+        assert_eq!(m[1].to_ne_bytes(), [255, 255, 240, 0]);
+        let m: [u32; 4] = prefix_mask_words(128);
+        assert_eq!(m, [u32::MAX; 4]);
+        let m: [u32; 1] = prefix_mask_words(0);
+        assert_eq!(m, [0]);
+    }
+
+    #[test]
+    fn source_key_bytes_round_trip() {
+        let mut b = [0u8; 16];
+        b[10] = 0xff;
+        b[11] = 0xff;
+        b[12..].copy_from_slice(&[192, 0, 2, 7]);
+        let k = SourceKey::from_bytes(b, 3);
+        assert_eq!(k.addr[2], V4_MAPPED_WORD);
+        assert_eq!(k.addr_bytes(), b);
+    }
+}

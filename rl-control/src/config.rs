@@ -1,0 +1,238 @@
+//! The rule file: schema, defaults and validation.
+//!
+//! A bad file is never half-used: [`Config::from_str`] either returns a fully
+//! validated configuration or one error naming `file:line:column`, what is
+//! wrong and what is allowed. There is no fallback to defaults on error (a
+//! typo must not silently turn limits off).
+
+use std::{fmt, ops::Range, path::Path};
+
+use serde::Deserialize;
+use toml::Spanned;
+
+/// The configuration used when `rl-control run` gets no `--config`.
+pub const EMBEDDED_DEFAULT: &str = "\
+# rl's embedded default: every source held to 1000 packets/s, burst 2000.
+[datapath]
+max_sources = 1048576
+ipv4_prefix = 32
+ipv6_prefix = 64
+
+[default]
+rate = 1000
+burst = 2000
+";
+
+/// Largest LRU capacity accepted. Each entry costs roughly 100 bytes of
+/// kernel memory, so this caps the map near 1.6 GiB.
+pub const MAX_SOURCES_LIMIT: u64 = 16 * 1024 * 1024;
+/// Highest per-source rate accepted, in packets per second.
+pub const MAX_RATE: u64 = 100_000_000;
+/// Largest burst accepted, in packets.
+pub const MAX_BURST: u64 = 1_000_000_000;
+
+/// A validated configuration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Config {
+    pub datapath: Datapath,
+    pub default: DefaultLimit,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Datapath {
+    /// LRU capacity of the per-source map.
+    pub max_sources: u32,
+    /// IPv4 sources are aggregated to this prefix length.
+    pub ipv4_prefix: u8,
+    /// IPv6 sources are aggregated to this prefix length.
+    pub ipv6_prefix: u8,
+}
+
+/// The per-source limit applied to all traffic.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DefaultLimit {
+    /// Packets per second.
+    pub rate: u64,
+    /// Packets a source may send at once after being quiet.
+    pub burst: u64,
+}
+
+/// A config error located in its file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    /// The file (or `<embedded default>`).
+    pub origin: String,
+    /// 1-based line and column, when the error has a place in the file.
+    pub at: Option<(usize, usize)>,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.at {
+            Some((line, col)) => write!(f, "{}:{line}:{col}: {}", self.origin, self.message),
+            None => write!(f, "{}: {}", self.origin, self.message),
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+// The file's schema. Unknown keys are errors everywhere.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    #[serde(default)]
+    datapath: RawDatapath,
+    default: Option<Spanned<RawDefault>>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawDatapath {
+    max_sources: Option<Spanned<i64>>,
+    ipv4_prefix: Option<Spanned<i64>>,
+    ipv6_prefix: Option<Spanned<i64>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDefault {
+    rate: Spanned<i64>,
+    burst: Option<Spanned<i64>>,
+}
+
+impl Config {
+    /// Reads and validates `path`.
+    pub fn from_file(path: &Path) -> Result<Config, ConfigError> {
+        let origin = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+            origin: origin.clone(),
+            at: None,
+            message: format!("cannot read the config file: {e}"),
+        })?;
+        Config::from_str(&text, &origin)
+    }
+
+    /// The embedded default configuration.
+    pub fn embedded_default() -> Config {
+        Config::from_str(EMBEDDED_DEFAULT, "<embedded default>")
+            .expect("the embedded default configuration is valid")
+    }
+
+    /// Parses and validates `text`; `origin` names it in errors.
+    pub fn from_str(text: &str, origin: &str) -> Result<Config, ConfigError> {
+        let err = |span: Option<Range<usize>>, message: String| ConfigError {
+            origin: origin.to_string(),
+            at: span.map(|s| line_col(text, s.start)),
+            message,
+        };
+        let raw: RawConfig =
+            toml::from_str(text).map_err(|e| err(e.span(), e.message().trim().to_string()))?;
+
+        let ranged = |v: &Option<Spanned<i64>>, name: &str, lo: i64, hi: i64, default: i64| {
+            match v {
+                None => Ok(default),
+                Some(s) if (lo..=hi).contains(s.get_ref()) => Ok(*s.get_ref()),
+                Some(s) => Err(err(
+                    Some(s.span()),
+                    format!("{name} = {} is out of range: allowed {lo}..={hi}", s.get_ref()),
+                )),
+            }
+        };
+        let d = &raw.datapath;
+        let datapath = Datapath {
+            max_sources: ranged(&d.max_sources, "datapath.max_sources", 1, MAX_SOURCES_LIMIT as i64, 1 << 20)? as u32,
+            ipv4_prefix: ranged(&d.ipv4_prefix, "datapath.ipv4_prefix", 1, 32, 32)? as u8,
+            ipv6_prefix: ranged(&d.ipv6_prefix, "datapath.ipv6_prefix", 1, 128, 64)? as u8,
+        };
+
+        let Some(def) = raw.default else {
+            return Err(err(
+                None,
+                "missing [default] table: add `[default]` with `rate = <packets per second>` \
+                 and optionally `burst = <packets>`"
+                    .into(),
+            ));
+        };
+        let rate = ranged(&Some(def.get_ref().rate.clone()), "default.rate", 1, MAX_RATE as i64, 0)?;
+        let burst = ranged(&def.get_ref().burst, "default.burst", 1, MAX_BURST as i64, rate)?;
+        let default = DefaultLimit {
+            rate: rate as u64,
+            burst: burst as u64,
+        };
+        // The arithmetic's own limits (interval ≥ 1 ns, span fits 64 bits).
+        if let Err(e) = rl_common::Limit::per_second(default.rate, default.burst) {
+            return Err(err(
+                Some(def.span()),
+                format!("[default] rate {rate} with burst {burst} cannot be represented: {e:?}"),
+            ));
+        }
+        Ok(Config { datapath, default })
+    }
+}
+
+/// 1-based line and column (in characters) of byte `offset` in `text`.
+fn line_col(text: &str, offset: usize) -> (usize, usize) {
+    let before = &text[..offset.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let col = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+    (line, col)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn error_of(text: &str) -> String {
+        Config::from_str(text, "rules.toml").unwrap_err().to_string()
+    }
+
+    #[test]
+    fn embedded_default_is_1000_pps_burst_2000() {
+        let c = Config::embedded_default();
+        assert_eq!(c.default, DefaultLimit { rate: 1000, burst: 2000 });
+        assert_eq!(c.datapath, Datapath { max_sources: 1 << 20, ipv4_prefix: 32, ipv6_prefix: 64 });
+    }
+
+    #[test]
+    fn defaults_fill_missing_datapath_and_burst() {
+        let c = Config::from_str("[default]\nrate = 50\n", "x").unwrap();
+        assert_eq!(c.default.burst, 50, "burst defaults to rate");
+        assert_eq!(c.datapath.ipv6_prefix, 64);
+    }
+
+    #[test]
+    fn errors_name_line_column_and_allowed_range() {
+        assert_eq!(
+            error_of("[default]\nrate = 0\n"),
+            "rules.toml:2:8: default.rate = 0 is out of range: allowed 1..=100000000"
+        );
+        assert_eq!(
+            error_of("[datapath]\nipv6_prefix = 129\n[default]\nrate = 5\n"),
+            "rules.toml:2:15: datapath.ipv6_prefix = 129 is out of range: allowed 1..=128"
+        );
+        assert_eq!(
+            error_of("[default]\nrate = 5\nburst = 0\n"),
+            "rules.toml:3:9: default.burst = 0 is out of range: allowed 1..=1000000000"
+        );
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_syntax_are_located() {
+        let e = error_of("[default]\nrate = 5\nbrust = 3\n");
+        assert!(e.starts_with("rules.toml:3:1: unknown field `brust`"), "{e}");
+        let e = error_of("[datapth]\n");
+        assert!(e.starts_with("rules.toml:1:2: unknown field `datapth`"), "{e}");
+        let e = error_of("[default]\nrate = \"fast\"\n");
+        assert!(e.starts_with("rules.toml:2:8: invalid type: string \"fast\""), "{e}");
+        let e = error_of("[default\n");
+        assert!(e.starts_with("rules.toml:1:"), "{e}");
+    }
+
+    #[test]
+    fn missing_default_is_an_error_not_a_silent_no_limit() {
+        let e = error_of("[datapath]\nmax_sources = 10\n");
+        assert!(e.contains("missing [default] table"), "{e}");
+    }
+}

@@ -1,0 +1,10 @@
+//! rl-control: the daemon and CLI of rl, the XDP rate limiter.
+//!
+//! Data flows one way: [`config`] (parse and validate the rule file) ➜
+//! [`compile`] (rules ➜ map entries) ➜ [`datapath`] (aya: load, attach, maps)
+//! ➜ [`daemon`] (run loop, signals, reload, periodic counters).
+
+pub mod compile;
+pub mod config;
+pub mod daemon;
+pub mod datapath;

@@ -1,0 +1,140 @@
+//! Per-source limiting: the source's bucket in an LRU hash, charged with the
+//! shared GCRA arithmetic from rl-common through one compare-and-swap.
+
+use core::intrinsics::{atomic_cxchg, AtomicOrdering};
+
+use aya_ebpf::{
+    bindings::BPF_NOEXIST,
+    helpers::bpf_ktime_get_ns,
+    macros::map,
+    maps::{Array, LruHashMap, PerCpuArray},
+    programs::XdpContext,
+};
+use aya_log_ebpf::debug;
+use rl_common::{
+    admit_shared, Admit, SharedWord, Bucket, DatapathConfig, SourceKey, RULE_DEFAULT, STAT_CONTENDED,
+    STAT_NEW_SOURCES, STAT_NO_STATE,
+};
+
+use crate::{parse::Packet, stats};
+
+/// Buckets by masked source. The daemon sets the real capacity at load
+/// (`datapath.max_sources`); LRU eviction bounds memory under floods of
+/// random sources.
+#[map(name = "RL_SOURCES")]
+static RL_SOURCES: LruHashMap<SourceKey, Bucket> = LruHashMap::with_max_entries(65_536, 0);
+
+/// Runtime configuration, written by the daemon before it attaches.
+#[map(name = "RL_CONFIG")]
+static RL_CONFIG: Array<DatapathConfig> = Array::with_max_entries(1, 0);
+
+/// Per-CPU counts of rare events, used only to rate-limit their log lines.
+#[map(name = "RL_LOG_SEEN")]
+static RL_LOG_SEEN: PerCpuArray<u64> = PerCpuArray::with_max_entries(rl_common::STAT_COUNT, 0);
+
+pub enum Verdict {
+    Pass,
+    Drop,
+}
+
+#[inline(always)]
+pub fn limit_source(ctx: &XdpContext, pkt: &Packet) -> Verdict {
+    let Some(cfg) = RL_CONFIG.get(0) else {
+        return Verdict::Pass;
+    };
+    if cfg.enabled == 0 {
+        // Not configured yet (the daemon attaches only after writing config).
+        return Verdict::Pass;
+    }
+    let key = SourceKey {
+        addr: masked_source(pkt, cfg),
+        rule: RULE_DEFAULT,
+    };
+    let Some(bucket) = bucket(&key) else {
+        rare_event(ctx, STAT_NO_STATE);
+        return Verdict::Drop;
+    };
+    let now = unsafe { bpf_ktime_get_ns() };
+    let cell = Tat(unsafe { &raw mut (*bucket).tat_ns });
+    match admit_shared(&cell, now, &cfg.default_limit) {
+        Admit::Pass => Verdict::Pass,
+        Admit::Drop => Verdict::Drop,
+        Admit::Contended => {
+            rare_event(ctx, STAT_CONTENDED);
+            Verdict::Drop
+        }
+    }
+}
+
+/// A bucket's TAT word. It lives in map memory shared by all CPUs, so it is
+/// only read whole and only changed by compare-and-swap.
+struct Tat(*mut u64);
+
+impl SharedWord for Tat {
+    #[inline(always)]
+    fn load(&self) -> u64 {
+        unsafe { core::ptr::read_volatile(self.0) }
+    }
+
+    #[inline(always)]
+    fn compare_exchange(&self, current: u64, new: u64) -> Result<u64, u64> {
+        // BPF_ATOMIC | BPF_CMPXCHG (needs BPF CPU v3, set by `cargo xtask build`).
+        let (seen, ok) = unsafe {
+            atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(
+                self.0, current, new,
+            )
+        };
+        if ok {
+            Ok(seen)
+        } else {
+            Err(seen)
+        }
+    }
+}
+
+#[inline(always)]
+fn masked_source(pkt: &Packet, cfg: &DatapathConfig) -> [u32; 4] {
+    if pkt.is_v6 {
+        [
+            pkt.src[0] & cfg.v6_mask[0],
+            pkt.src[1] & cfg.v6_mask[1],
+            pkt.src[2] & cfg.v6_mask[2],
+            pkt.src[3] & cfg.v6_mask[3],
+        ]
+    } else {
+        [0, 0, pkt.src[2], pkt.src[3] & cfg.v4_mask]
+    }
+}
+
+/// The source's bucket, created full if it is new. When two CPUs see a new
+/// source at once, `BPF_NOEXIST` lets exactly one insert win and both then
+/// charge the same bucket.
+#[inline(always)]
+fn bucket(key: &SourceKey) -> Option<*mut Bucket> {
+    if let Some(b) = RL_SOURCES.get_ptr_mut(key) {
+        return Some(b);
+    }
+    if RL_SOURCES
+        .insert(key, &Bucket { tat_ns: 0 }, BPF_NOEXIST as u64)
+        .is_ok()
+    {
+        stats::bump(STAT_NEW_SOURCES);
+    }
+    RL_SOURCES.get_ptr_mut(key)
+}
+
+/// Counts a rare event and logs it at the 1st, 2nd, 4th, 8th… occurrence on
+/// this CPU, so a storm of them costs a handful of log records, not one each.
+#[inline(always)]
+fn rare_event(ctx: &XdpContext, stat: u32) {
+    stats::bump(stat);
+    if let Some(seen) = RL_LOG_SEEN.get_ptr_mut(stat) {
+        let n = unsafe {
+            *seen += 1;
+            *seen
+        };
+        if n & (n - 1) == 0 {
+            debug!(ctx, "rl: event {} seen {} times on this cpu", stat, n);
+        }
+    }
+}

@@ -1,0 +1,228 @@
+//! Headers ➜ a small packet summary.
+//!
+//! Verdicts for what cannot be parsed (documented in README.md, "Datapath"):
+//! - Not IPv4/IPv6 (ARP, LLDP, a frame shorter than Ethernet, a truncated VLAN
+//!   tag, a third VLAN tag): [`Parsed::NotIp`] ➜ passed, never limited.
+//! - IPv4/IPv6 whose L3 header is truncated or invalid (version mismatch,
+//!   IHL < 5, more than [`MAX_IPV6_EXT`] extension headers), or whose TCP, UDP,
+//!   ICMP or ICMPv6 header is cut short: [`Parsed::Malformed`] ➜ dropped. No
+//!   host would accept them, and passing them would let a flood dodge the
+//!   limit by cutting its headers.
+//! - Non-first fragments carry no L4 header: they are limited by source with
+//!   `dst_port = 0`. Other L4 protocols are limited by source as well.
+
+use core::mem::size_of;
+
+use aya_ebpf::programs::XdpContext;
+
+const ETH_HLEN: usize = 14;
+const VLAN_HLEN: usize = 4;
+const IPV4_MIN_HLEN: usize = 20;
+const IPV6_HLEN: usize = 40;
+const TCP_MIN_HLEN: usize = 20;
+const UDP_HLEN: usize = 8;
+/// ICMP and ICMPv6: type, code and checksum.
+const ICMP_MIN_HLEN: usize = 4;
+/// IPv6 extension header and fragment header length unit.
+const IPV6_EXT_UNIT: usize = 8;
+
+/// At most this many VLAN tags (802.1Q inside 802.1ad) are skipped.
+pub const MAX_VLAN_TAGS: usize = 2;
+/// At most this many IPv6 extension headers are skipped; a longer chain is
+/// treated as malformed (bounded for the verifier, and real traffic uses few).
+pub const MAX_IPV6_EXT: usize = 6;
+
+const ETH_P_IP: u16 = 0x0800;
+const ETH_P_IPV6: u16 = 0x86DD;
+const ETH_P_8021Q: u16 = 0x8100;
+const ETH_P_8021AD: u16 = 0x88A8;
+
+pub const IPPROTO_ICMP: u8 = 1;
+pub const IPPROTO_TCP: u8 = 6;
+pub const IPPROTO_UDP: u8 = 17;
+pub const IPPROTO_ICMPV6: u8 = 58;
+const IPPROTO_HOPOPTS: u8 = 0;
+const IPPROTO_ROUTING: u8 = 43;
+const IPPROTO_FRAGMENT: u8 = 44;
+const IPPROTO_AH: u8 = 51;
+const IPPROTO_DSTOPTS: u8 = 60;
+
+/// What the limiter needs from a packet.
+pub struct Packet {
+    /// Source address as four network-order words; IPv4 is IPv4-mapped.
+    pub src: [u32; 4],
+    pub is_v6: bool,
+    /// L4 protocol number (after IPv6 extension headers).
+    pub proto: u8,
+    /// Destination port for TCP/UDP first fragments, otherwise 0.
+    pub dst_port: u16,
+    /// TCP flags byte (CWR..FIN), otherwise 0.
+    pub tcp_flags: u8,
+}
+
+pub enum Parsed {
+    Ip(Packet),
+    NotIp,
+    Malformed,
+}
+
+/// The one bounds-checked access to packet memory: a pointer to a `T` at
+/// `offset`, if the whole `T` lies inside the packet.
+#[inline(always)]
+fn ptr_at<T>(ctx: &XdpContext, offset: usize) -> Option<*const T> {
+    let start = ctx.data();
+    let end = ctx.data_end();
+    if start + offset + size_of::<T>() > end {
+        return None;
+    }
+    Some((start + offset) as *const T)
+}
+
+#[inline(always)]
+fn read<T: Copy>(ctx: &XdpContext, offset: usize) -> Option<T> {
+    // Unaligned: packet headers after VLAN tags or IP options are not aligned.
+    ptr_at::<T>(ctx, offset).map(|p| unsafe { p.read_unaligned() })
+}
+
+#[inline(always)]
+fn read_be16(ctx: &XdpContext, offset: usize) -> Option<u16> {
+    read::<[u8; 2]>(ctx, offset).map(u16::from_be_bytes)
+}
+
+#[inline(always)]
+pub fn parse(ctx: &XdpContext) -> Parsed {
+    let Some(mut ethertype) = read_be16(ctx, 12) else {
+        return Parsed::NotIp;
+    };
+    let mut off = ETH_HLEN;
+    for _ in 0..MAX_VLAN_TAGS {
+        if ethertype != ETH_P_8021Q && ethertype != ETH_P_8021AD {
+            break;
+        }
+        // A VLAN tag: 2 bytes TCI, then the inner EtherType.
+        let Some(inner) = read_be16(ctx, off + 2) else {
+            return Parsed::NotIp;
+        };
+        ethertype = inner;
+        off += VLAN_HLEN;
+    }
+    match ethertype {
+        ETH_P_IP => parse_ipv4(ctx, off),
+        ETH_P_IPV6 => parse_ipv6(ctx, off),
+        _ => Parsed::NotIp,
+    }
+}
+
+#[inline(always)]
+fn parse_ipv4(ctx: &XdpContext, off: usize) -> Parsed {
+    let Some(hdr) = read::<[u8; IPV4_MIN_HLEN]>(ctx, off) else {
+        return Parsed::Malformed;
+    };
+    let version = hdr[0] >> 4;
+    let ihl = (hdr[0] & 0x0f) as usize * 4;
+    if version != 4 || ihl < IPV4_MIN_HLEN {
+        return Parsed::Malformed;
+    }
+    // Options included: the whole header must be present.
+    if ptr_at::<u8>(ctx, off + ihl - 1).is_none() {
+        return Parsed::Malformed;
+    }
+    let frag_offset = u16::from_be_bytes([hdr[6], hdr[7]]) & 0x1fff;
+    let src = u32::from_ne_bytes([hdr[12], hdr[13], hdr[14], hdr[15]]);
+    let pkt = Packet {
+        src: [0, 0, rl_common::V4_MAPPED_WORD, src],
+        is_v6: false,
+        proto: hdr[9],
+        dst_port: 0,
+        tcp_flags: 0,
+    };
+    if frag_offset != 0 {
+        return Parsed::Ip(pkt);
+    }
+    parse_l4(ctx, off + ihl, pkt)
+}
+
+#[inline(always)]
+fn parse_ipv6(ctx: &XdpContext, off: usize) -> Parsed {
+    let Some(hdr) = read::<[u8; IPV6_HLEN]>(ctx, off) else {
+        return Parsed::Malformed;
+    };
+    if hdr[0] >> 4 != 6 {
+        return Parsed::Malformed;
+    }
+    let w = |i: usize| u32::from_ne_bytes([hdr[i], hdr[i + 1], hdr[i + 2], hdr[i + 3]]);
+    let mut pkt = Packet {
+        src: [w(8), w(12), w(16), w(20)],
+        is_v6: true,
+        proto: hdr[6],
+        dst_port: 0,
+        tcp_flags: 0,
+    };
+    let mut off = off + IPV6_HLEN;
+    for _ in 0..MAX_IPV6_EXT {
+        match pkt.proto {
+            IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS => {
+                let Some(ext) = read::<[u8; 2]>(ctx, off) else {
+                    return Parsed::Malformed;
+                };
+                pkt.proto = ext[0];
+                off += (ext[1] as usize + 1) * IPV6_EXT_UNIT;
+            }
+            IPPROTO_AH => {
+                // AH counts its length in 4-byte units, minus 2.
+                let Some(ext) = read::<[u8; 2]>(ctx, off) else {
+                    return Parsed::Malformed;
+                };
+                pkt.proto = ext[0];
+                off += (ext[1] as usize + 2) * 4;
+            }
+            IPPROTO_FRAGMENT => {
+                let Some(frag) = read::<[u8; 4]>(ctx, off) else {
+                    return Parsed::Malformed;
+                };
+                pkt.proto = frag[0];
+                off += IPV6_EXT_UNIT;
+                if u16::from_be_bytes([frag[2], frag[3]]) & 0xfff8 != 0 {
+                    // A non-first fragment: no L4 header follows.
+                    return Parsed::Ip(pkt);
+                }
+            }
+            _ => return parse_l4(ctx, off, pkt),
+        }
+    }
+    match pkt.proto {
+        IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS | IPPROTO_AH | IPPROTO_FRAGMENT => {
+            Parsed::Malformed
+        }
+        _ => parse_l4(ctx, off, pkt),
+    }
+}
+
+#[inline(always)]
+fn parse_l4(ctx: &XdpContext, off: usize, mut pkt: Packet) -> Parsed {
+    match pkt.proto {
+        IPPROTO_TCP => {
+            let Some(tcp) = read::<[u8; TCP_MIN_HLEN]>(ctx, off) else {
+                return Parsed::Malformed;
+            };
+            if (tcp[12] >> 4) < 5 {
+                return Parsed::Malformed;
+            }
+            pkt.dst_port = u16::from_be_bytes([tcp[2], tcp[3]]);
+            pkt.tcp_flags = tcp[13];
+        }
+        IPPROTO_UDP => {
+            let Some(udp) = read::<[u8; UDP_HLEN]>(ctx, off) else {
+                return Parsed::Malformed;
+            };
+            pkt.dst_port = u16::from_be_bytes([udp[2], udp[3]]);
+        }
+        IPPROTO_ICMP | IPPROTO_ICMPV6 => {
+            if ptr_at::<[u8; ICMP_MIN_HLEN]>(ctx, off).is_none() {
+                return Parsed::Malformed;
+            }
+        }
+        _ => {}
+    }
+    Parsed::Ip(pkt)
+}
