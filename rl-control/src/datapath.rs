@@ -298,16 +298,30 @@ impl Datapath {
 
     /// Counters summed over all CPUs.
     pub fn counters(&self) -> Result<Counters, DatapathError> {
+        let mut out = Counters::default();
+        for cpu in self.counters_per_cpu()? {
+            for (o, v) in out.0.iter_mut().zip(cpu.0) {
+                *o += v;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Counters of each possible CPU, indexed by CPU number.
+    pub fn counters_per_cpu(&self) -> Result<Vec<Counters>, DatapathError> {
         let map = self
             .ebpf
             .map(MAP_STATS)
             .ok_or_else(|| DatapathError::Load(format!("map {MAP_STATS} is missing")))?;
         let arr: PerCpuArray<&MapData, u64> =
             PerCpuArray::try_from(map).map_err(|e| map_error(MAP_STATS, e))?;
-        let mut out = Counters::default();
-        for (i, slot) in out.0.iter_mut().enumerate() {
-            let per_cpu = arr.get(&(i as u32), 0).map_err(|e| map_error(MAP_STATS, e))?;
-            *slot = per_cpu.iter().sum();
+        let mut out = Vec::new();
+        for stat in 0..STAT_COUNT {
+            let values = arr.get(&stat, 0).map_err(|e| map_error(MAP_STATS, e))?;
+            out.resize(values.len(), Counters::default());
+            for (cpu, v) in values.iter().enumerate() {
+                out[cpu].0[stat as usize] = *v;
+            }
         }
         Ok(out)
     }

@@ -1,0 +1,137 @@
+//! The real `rl-control` binary, run in a lab namespace, killed on drop.
+
+use std::{
+    io::{BufRead, BufReader},
+    path::PathBuf,
+    process::{Child, Command, ExitStatus, Stdio},
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context, Result};
+
+use crate::lab::Netns;
+
+/// The `rl-control` binary next to the running test or tool (same profile),
+/// or `$RL_CONTROL_BIN`.
+pub fn binary() -> PathBuf {
+    if let Some(p) = std::env::var_os("RL_CONTROL_BIN") {
+        return p.into();
+    }
+    let exe = std::env::current_exe().expect("current_exe");
+    for dir in exe.ancestors().skip(1).take(2) {
+        let candidate = dir.join("rl-control");
+        if candidate.is_file() {
+            return candidate;
+        }
+    }
+    panic!(
+        "rl-control binary not found next to {}: build it first (`cargo xtask test` does)",
+        exe.display()
+    );
+}
+
+/// Runs `rl-control args…` inside `ns` (or the current namespace) to completion.
+pub fn run_once(ns: Option<&Netns>, args: &[&str]) -> Result<(ExitStatus, String)> {
+    let out = command(ns, args).output().context("running rl-control")?;
+    let mut text = String::from_utf8_lossy(&out.stdout).into_owned();
+    text.push_str(&String::from_utf8_lossy(&out.stderr));
+    Ok((out.status, text))
+}
+
+fn command(ns: Option<&Netns>, args: &[&str]) -> Command {
+    let mut c = match ns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", &ns.name]).arg(binary());
+            c
+        }
+        None => Command::new(binary()),
+    };
+    c.args(args).env("RUST_LOG", "info");
+    c
+}
+
+/// A running daemon. Its stderr is collected line by line.
+pub struct Daemon {
+    child: Child,
+    log: Arc<Mutex<String>>,
+}
+
+impl Daemon {
+    /// Starts `rl-control args…` in `ns` (`ip netns exec` execs it, so the
+    /// child's pid is the daemon's).
+    pub fn spawn(ns: &Netns, args: &[&str]) -> Result<Daemon> {
+        let mut child = command(Some(ns), args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("starting rl-control")?;
+        let log = Arc::new(Mutex::new(String::new()));
+        let stderr = child.stderr.take().unwrap();
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let mut l = sink.lock().unwrap();
+                l.push_str(&line);
+                l.push('\n');
+            }
+        });
+        Ok(Daemon { child, log })
+    }
+
+    pub fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+
+    /// Waits until the log contains `needle`, or fails with the log so far.
+    pub fn wait_for(&mut self, needle: &str, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if self.log().contains(needle) {
+                return Ok(());
+            }
+            if let Some(status) = self.child.try_wait()? {
+                std::thread::sleep(Duration::from_millis(100));
+                bail!("rl-control exited ({status}) before logging {needle:?}:\n{}", self.log());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        bail!("rl-control did not log {needle:?} within {timeout:?}:\n{}", self.log())
+    }
+
+    /// Sends `signal` and waits for exit; returns the status and full log.
+    pub fn stop(mut self, signal: libc::c_int) -> Result<(ExitStatus, String)> {
+        unsafe { libc::kill(self.child.id() as i32, signal) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(status) = self.child.try_wait()? {
+                // Let the reader thread take the last lines.
+                std::thread::sleep(Duration::from_millis(100));
+                return Ok((status, self.log()));
+            }
+            if Instant::now() > deadline {
+                bail!("rl-control did not exit within 10 s of signal {signal}:\n{}", self.log());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Parses `name=value` from the daemon's final counters line.
+pub fn final_counter(log: &str, name: &str) -> Option<u64> {
+    let line = log.lines().rev().find(|l| l.contains("final counters:"))?;
+    let key = format!("{name}=");
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix(&key))
+        .and_then(|v| v.parse().ok())
+}

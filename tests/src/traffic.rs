@@ -1,0 +1,159 @@
+//! Real packets: UDP floods and paced senders in the sender namespace, and a
+//! receiver in the protected namespace that counts what got through, per
+//! source address.
+
+use std::{
+    collections::HashMap,
+    net::{IpAddr, SocketAddr, UdpSocket},
+    os::fd::AsRawFd,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        mpsc, Arc,
+    },
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result};
+
+use crate::lab::{pin_to_cpu, Netns};
+
+/// The UDP port floods are sent to.
+pub const PORT: u16 = 7777;
+const PAYLOAD: [u8; 32] = [0x5a; 32];
+
+/// What a sender did.
+#[derive(Debug, Clone, Copy)]
+pub struct Sent {
+    pub packets: u64,
+    pub started: Instant,
+    pub ended: Instant,
+}
+
+impl Sent {
+    pub fn seconds(&self) -> f64 {
+        (self.ended - self.started).as_secs_f64()
+    }
+}
+
+fn socket(src: IpAddr) -> Result<UdpSocket> {
+    UdpSocket::bind(SocketAddr::new(src, 0)).with_context(|| format!("binding a sender to {src}"))
+}
+
+/// Sends as fast as one thread can from `src` to `dst` for `duration`,
+/// optionally pinned to `cpu`.
+pub fn flood(
+    ns: &Netns,
+    src: IpAddr,
+    dst: IpAddr,
+    duration: Duration,
+    cpu: Option<usize>,
+) -> JoinHandle<Result<Sent>> {
+    ns.spawn(move || {
+        if let Some(cpu) = cpu {
+            pin_to_cpu(cpu)?;
+        }
+        let sock = socket(src)?;
+        let to = SocketAddr::new(dst, PORT);
+        let started = Instant::now();
+        let mut packets = 0u64;
+        loop {
+            for _ in 0..64 {
+                // ENOBUFS and friends: the packet was not sent, not counted.
+                if sock.send_to(&PAYLOAD, to).is_ok() {
+                    packets += 1;
+                }
+            }
+            if started.elapsed() >= duration {
+                break;
+            }
+        }
+        Ok(Sent { packets, started, ended: Instant::now() })
+    })
+}
+
+/// Sends `count` packets from `src` to `dst`, evenly paced at `pps`.
+pub fn paced(ns: &Netns, src: IpAddr, dst: IpAddr, pps: u64, count: u64) -> JoinHandle<Result<Sent>> {
+    ns.spawn(move || {
+        let sock = socket(src)?;
+        let to = SocketAddr::new(dst, PORT);
+        let started = Instant::now();
+        let gap = Duration::from_nanos(1_000_000_000 / pps);
+        let mut packets = 0;
+        for i in 0..count {
+            let due = started + gap * i as u32;
+            if let Some(wait) = due.checked_duration_since(Instant::now()) {
+                std::thread::sleep(wait);
+            }
+            sock.send_to(&PAYLOAD, to).context("paced send")?;
+            packets += 1;
+        }
+        Ok(Sent { packets, started, ended: Instant::now() })
+    })
+}
+
+/// Joins a sender thread, surfacing any error.
+pub fn join(h: JoinHandle<Result<Sent>>) -> Result<Sent> {
+    h.join().map_err(|_| anyhow::anyhow!("sender thread panicked"))?
+}
+
+/// A UDP receiver on [`PORT`] (IPv4 and IPv6) counting datagrams per source.
+pub struct Receiver {
+    stop: Arc<AtomicBool>,
+    handle: JoinHandle<Result<HashMap<IpAddr, u64>>>,
+}
+
+impl Receiver {
+    /// Starts receiving in `ns`; returns once the socket is bound.
+    pub fn start(ns: &Netns) -> Result<Receiver> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (ready_tx, ready_rx) = mpsc::channel();
+        let stop2 = stop.clone();
+        let handle = ns.spawn(move || -> Result<HashMap<IpAddr, u64>> {
+            let sock = UdpSocket::bind(SocketAddr::new("::".parse().unwrap(), PORT))
+                .context("binding the receiver")?;
+            // A deep buffer so a busy machine cannot make the receiver, rather
+            // than rl, lose packets. SO_RCVBUFFORCE works for root.
+            let size: libc::c_int = 64 << 20;
+            unsafe {
+                libc::setsockopt(
+                    sock.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    libc::SO_RCVBUFFORCE,
+                    &size as *const _ as *const libc::c_void,
+                    std::mem::size_of::<libc::c_int>() as u32,
+                );
+            }
+            sock.set_read_timeout(Some(Duration::from_millis(50)))?;
+            let _ = ready_tx.send(());
+            let mut counts = HashMap::new();
+            let mut buf = [0u8; 2048];
+            let mut quiet_since_stop = 0;
+            loop {
+                match sock.recv_from(&mut buf) {
+                    Ok((_, from)) => *counts.entry(from.ip().to_canonical()).or_insert(0) += 1,
+                    Err(_) if stop2.load(Ordering::Relaxed) => {
+                        quiet_since_stop += 1;
+                        if quiet_since_stop >= 4 {
+                            break;
+                        }
+                    }
+                    Err(_) => {}
+                }
+            }
+            Ok(counts)
+        });
+        ready_rx
+            .recv_timeout(Duration::from_secs(5))
+            .context("the receiver did not start")?;
+        Ok(Receiver { stop, handle })
+    }
+
+    /// Stops after the socket has drained; returns datagrams per source.
+    pub fn finish(self) -> Result<HashMap<IpAddr, u64>> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.handle
+            .join()
+            .map_err(|_| anyhow::anyhow!("receiver thread panicked"))?
+    }
+}

@@ -1,0 +1,250 @@
+//! Packet-level tests of the real XDP program through BPF_PROG_TEST_RUN:
+//! parsing verdicts, counters, aggregation and cross-CPU exactness.
+
+use std::time::Instant;
+
+use rl_common::{
+    STAT_CONTENDED, STAT_DROPPED_PKTS, STAT_MALFORMED, STAT_NEW_SOURCES, STAT_NON_IP,
+    STAT_PASSED_PKTS,
+};
+use rl_control::datapath::Datapath;
+use rl_tests::{datapath, frames::*, lab::{pin_to_cpu, require_root}};
+
+const XDP_DROP: u32 = 1;
+const XDP_PASS: u32 = 2;
+
+/// Runs `frame` `n` times, one test run each; returns (passed, dropped).
+fn offer(dp: &Datapath, frame: &[u8], n: u32) -> (u32, u32) {
+    let mut out = (0, 0);
+    for _ in 0..n {
+        match dp.test_run(frame, 1).expect("test run").0 {
+            XDP_PASS => out.0 += 1,
+            XDP_DROP => out.1 += 1,
+            v => panic!("unexpected verdict {v}"),
+        }
+    }
+    out
+}
+
+fn verdict(dp: &Datapath, frame: &[u8]) -> u32 {
+    dp.test_run(frame, 1).expect("test run").0
+}
+
+/// A limit that does not refill during a test (1 packet/s).
+fn config(burst: u32, extra: &str) -> String {
+    format!("[datapath]\nmax_sources = 4096\n{extra}\n[default]\nrate = 1\nburst = {burst}\n")
+}
+
+fn v6(last: u8, net: u8) -> [u8; 16] {
+    let mut a = [0u8; 16];
+    a[0] = 0xfd;
+    a[7] = net;
+    a[15] = last;
+    a
+}
+
+#[test]
+fn malformed_and_truncated_frames_get_defined_verdicts() {
+    require_root();
+    let dp = datapath(&config(1000, "")).unwrap();
+    let src = [192, 0, 2, 1];
+    let v4 = |proto, l4: &[u8]| eth(&[], ETH_P_IP, &ipv4(src, proto, &[], l4));
+    let mut bad_version = ipv4(src, UDP, &[], &udp(53));
+    bad_version[0] = 0x65;
+    let mut short_ihl = ipv4(src, UDP, &[], &udp(53));
+    short_ihl[0] = 0x44;
+    let mut tcp_doff = tcp(80, 0x02);
+    tcp_doff[12] = 4 << 4;
+    // Seven destination-options headers before UDP: one more than the bound.
+    let seven_ext = (0..7).fold(udp(53), |inner, i| ipv6_ext(if i == 0 { UDP } else { 60 }, &inner));
+    let six_ext = (0..6).fold(udp(53), |inner, i| ipv6_ext(if i == 0 { UDP } else { 60 }, &inner));
+    let two_ext = ipv6_ext(60, &ipv6_ext(UDP, &udp(53)));
+    let mut non_first_v4 = ipv4(src, UDP, &[], &[1, 2, 3]);
+    non_first_v4[6] = 0x00;
+    non_first_v4[7] = 0x10; // offset 16 × 8 bytes
+
+    // (what, frame, verdict, counted as non-IP, counted as malformed)
+    let cases: Vec<(&str, Vec<u8>, u32, bool, bool)> = vec![
+        ("ARP", eth(&[], ETH_P_ARP, &[0u8; 28]), XDP_PASS, true, false),
+        ("Ethernet header only", eth(&[], 0x88b5, &[]), XDP_PASS, true, false),
+        ("truncated VLAN tag", eth(&[], ETH_P_8021Q, &[0, 100]), XDP_PASS, true, false),
+        (
+            "three VLAN tags",
+            eth(&[(ETH_P_8021AD, 1), (ETH_P_8021Q, 2), (ETH_P_8021Q, 3)], ETH_P_IP, &ipv4(src, UDP, &[], &udp(53))),
+            XDP_PASS,
+            true,
+            false,
+        ),
+        ("IPv4 header cut at 10 bytes", eth(&[], ETH_P_IP, &ipv4(src, UDP, &[], &[])[..10]), XDP_DROP, false, true),
+        ("IPv4 version 6 in an IPv4 frame", eth(&[], ETH_P_IP, &bad_version), XDP_DROP, false, true),
+        ("IPv4 IHL 4", eth(&[], ETH_P_IP, &short_ihl), XDP_DROP, false, true),
+        (
+            "IPv4 options cut short",
+            eth(&[], ETH_P_IP, &ipv4(src, UDP, &[1, 1, 1, 1, 1, 1, 1, 1], &[])[..24]),
+            XDP_DROP,
+            false,
+            true,
+        ),
+        ("TCP header cut at 10 bytes", v4(TCP, &tcp(80, 2)[..10]), XDP_DROP, false, true),
+        ("TCP data offset 4", v4(TCP, &tcp_doff), XDP_DROP, false, true),
+        ("UDP header cut at 4 bytes", v4(UDP, &udp(53)[..4]), XDP_DROP, false, true),
+        ("ICMP header cut at 2 bytes", v4(ICMP, &[8, 0]), XDP_DROP, false, true),
+        ("IPv6 header cut at 30 bytes", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), UDP, &udp(53))[..30]), XDP_DROP, false, true),
+        ("IPv6 seven extension headers", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 60, &seven_ext)), XDP_DROP, false, true),
+        ("IPv6 extension header cut", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 0, &[17])), XDP_DROP, false, true),
+        ("IPv6 UDP cut after extension header", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 0, &ipv6_ext(UDP, &[0, 53]))), XDP_DROP, false, true),
+        // Well-formed but unusual: limited by source (the bucket has room), so passed.
+        ("IPv4 with options + UDP", eth(&[], ETH_P_IP, &ipv4(src, UDP, &[1, 1, 1, 1], &udp(53))), XDP_PASS, false, false),
+        ("IPv4 non-first fragment", eth(&[], ETH_P_IP, &non_first_v4), XDP_PASS, false, false),
+        ("IPv4 GRE (unknown L4)", v4(47, &[0, 0, 8, 0]), XDP_PASS, false, false),
+        ("IPv4 ICMP echo", v4(ICMP, &icmp_echo()), XDP_PASS, false, false),
+        ("IPv6 six extension headers + UDP", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 60, &six_ext)), XDP_PASS, false, false),
+        ("IPv6 two extension headers + UDP", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 0, &two_ext)), XDP_PASS, false, false),
+        ("IPv6 non-first fragment", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 44, &ipv6_frag(UDP, 100, &[1, 2]))), XDP_PASS, false, false),
+        ("IPv6 first fragment + UDP", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 44, &ipv6_frag(UDP, 0, &udp(53)))), XDP_PASS, false, false),
+        ("ICMPv6 echo", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), ICMPV6, &[128, 0, 0, 0, 0, 1, 0, 1])), XDP_PASS, false, false),
+        ("TCP SYN", v4(TCP, &tcp(22, 0x02)), XDP_PASS, false, false),
+    ];
+
+    let (mut non_ip, mut malformed, mut passed, mut dropped) = (0, 0, 0, 0);
+    for (what, frame, want, is_non_ip, is_malformed) in &cases {
+        assert_eq!(verdict(&dp, frame), *want, "{what}");
+        non_ip += *is_non_ip as u64;
+        malformed += *is_malformed as u64;
+        if *want == XDP_PASS { passed += 1 } else { dropped += 1 }
+    }
+    let c = dp.counters().unwrap();
+    assert_eq!(c.get(STAT_NON_IP), non_ip, "{c}");
+    assert_eq!(c.get(STAT_MALFORMED), malformed, "{c}");
+    assert_eq!(c.get(STAT_PASSED_PKTS), passed, "{c}");
+    assert_eq!(c.get(STAT_DROPPED_PKTS), dropped, "{c}");
+    assert_eq!(c.get(STAT_PASSED_PKTS) + c.get(STAT_DROPPED_PKTS), cases.len() as u64);
+    // Only well-formed IP packets create buckets: 192.0.2.1 and fd00::1.
+    assert_eq!(c.get(STAT_NEW_SOURCES), 2, "{c}");
+}
+
+#[test]
+fn frames_shorter_than_ethernet_are_rejected_by_the_kernel_or_passed() {
+    require_root();
+    let dp = datapath(&config(10, "")).unwrap();
+    // The kernel's test runner refuses frames under 14 bytes; if it ever
+    // accepts them, the program must pass them as non-IP.
+    match dp.test_run(&[0u8; 6], 1) {
+        Ok((v, _)) => {
+            assert_eq!(v, XDP_PASS);
+            assert_eq!(dp.counters().unwrap().get(STAT_NON_IP), 1);
+        }
+        Err(e) => assert!(e.to_string().contains("Invalid argument"), "{e}"),
+    }
+}
+
+#[test]
+fn burst_then_drop_and_sources_are_independent() {
+    require_root();
+    let dp = datapath(&config(5, "")).unwrap();
+    assert_eq!(offer(&dp, &udp4([198, 51, 100, 1]), 20), (5, 15));
+    // Another source has its own full bucket.
+    assert_eq!(offer(&dp, &udp4([198, 51, 100, 2]), 20), (5, 15));
+    // The same address over IPv6 (mapped form is distinct) is another source.
+    let mut mapped = [0u8; 16];
+    mapped[15] = 1;
+    assert_eq!(offer(&dp, &udp6(mapped), 7), (5, 2));
+    let c = dp.counters().unwrap();
+    assert_eq!((c.get(STAT_PASSED_PKTS), c.get(STAT_DROPPED_PKTS)), (15, 32));
+    assert_eq!(c.get(STAT_NEW_SOURCES), 3);
+    assert_eq!(dp.sources().unwrap().keys().count(), 3);
+}
+
+#[test]
+fn vlan_tagged_frames_are_limited_like_untagged() {
+    require_root();
+    let dp = datapath(&config(4, "")).unwrap();
+    let src = [203, 0, 113, 9];
+    let packet = ipv4(src, UDP, &[], &udp(53));
+    // Single 802.1Q tag and 802.1ad + 802.1Q (QinQ) share the source's bucket
+    // with untagged frames: 4 pass in total, whatever the tagging.
+    assert_eq!(offer(&dp, &eth(&[(ETH_P_8021Q, 100)], ETH_P_IP, &packet), 2), (2, 0));
+    assert_eq!(offer(&dp, &eth(&[(ETH_P_8021AD, 200), (ETH_P_8021Q, 300)], ETH_P_IP, &packet), 1), (1, 0));
+    assert_eq!(offer(&dp, &eth(&[], ETH_P_IP, &packet), 3), (1, 2));
+    assert_eq!(offer(&dp, &eth(&[(ETH_P_8021Q, 100)], ETH_P_IP, &packet), 2), (0, 2));
+    // A new IPv6 source behind two tags gets its own burst.
+    let v6pkt = ipv6(v6(7, 1), UDP, &udp(53));
+    assert_eq!(offer(&dp, &eth(&[(ETH_P_8021AD, 1), (ETH_P_8021Q, 2)], ETH_P_IPV6, &v6pkt), 6), (4, 2));
+}
+
+#[test]
+fn sources_are_aggregated_to_the_configured_prefixes() {
+    require_root();
+    let dp = datapath(&config(3, "ipv4_prefix = 24\nipv6_prefix = 64")).unwrap();
+    // Two IPv4 hosts in one /24 share a bucket, another /24 does not.
+    assert_eq!(offer(&dp, &udp4([10, 1, 1, 1]), 2), (2, 0));
+    assert_eq!(offer(&dp, &udp4([10, 1, 1, 200]), 3), (1, 2));
+    assert_eq!(offer(&dp, &udp4([10, 1, 2, 1]), 3), (3, 0));
+    // Two IPv6 hosts in one /64 share a bucket, another /64 does not.
+    assert_eq!(offer(&dp, &udp6(v6(1, 1)), 2), (2, 0));
+    assert_eq!(offer(&dp, &udp6(v6(99, 1)), 3), (1, 2));
+    assert_eq!(offer(&dp, &udp6(v6(1, 2)), 3), (3, 0));
+    assert_eq!(dp.sources().unwrap().keys().count(), 4);
+
+    // With /128 every IPv6 address is its own source.
+    let dp = datapath(&config(3, "ipv6_prefix = 128")).unwrap();
+    assert_eq!(offer(&dp, &udp6(v6(1, 1)), 3), (3, 0));
+    assert_eq!(offer(&dp, &udp6(v6(2, 1)), 3), (3, 0));
+}
+
+/// Two threads pinned to different CPUs run the same source's packet through
+/// the program at the same time. The bucket (1 packet/s, burst B) barely
+/// refills during the run, so exactly B packets may pass (+1 per elapsed
+/// second). A lost update or a token spent twice shows up as more than that.
+#[test]
+fn one_source_on_two_cpus_at_once_spends_each_token_once() {
+    require_root();
+    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    assert!(cpus >= 2, "this test needs at least 2 CPUs to run the program concurrently; found {cpus}");
+    const BURST: u64 = 300_000;
+    const REPEAT: u32 = 1_000_000;
+    const ROUNDS: u32 = 3;
+    let dp = datapath(&config(BURST as u32, "")).unwrap();
+    let frame = udp4([198, 18, 0, 1]);
+    let start = Instant::now();
+    let barrier = std::sync::Barrier::new(2);
+    let spans: Vec<(Instant, Instant)> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|cpu| {
+                let (dp, frame, barrier) = (&dp, &frame, &barrier);
+                s.spawn(move || {
+                    pin_to_cpu(cpu).unwrap();
+                    barrier.wait();
+                    let t0 = Instant::now();
+                    for _ in 0..ROUNDS {
+                        dp.test_run(frame, REPEAT).unwrap();
+                    }
+                    (t0, Instant::now())
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let elapsed = start.elapsed().as_secs_f64();
+    let per_cpu = dp.counters_per_cpu().unwrap();
+    let passed_on = |cpu: usize| per_cpu[cpu].get(STAT_PASSED_PKTS);
+    let c = dp.counters().unwrap();
+    let passed = c.get(STAT_PASSED_PKTS);
+    let offered = 2 * u64::from(REPEAT) * u64::from(ROUNDS);
+    assert_eq!(passed + c.get(STAT_DROPPED_PKTS), offered, "{c}");
+    // The two runs overlapped in time and both CPUs spent tokens.
+    assert!(spans[0].0 < spans[1].1 && spans[1].0 < spans[0].1, "runs did not overlap: {spans:?}");
+    assert!(
+        passed_on(0) > BURST / 10 && passed_on(1) > BURST / 10,
+        "both CPUs must draw on the bucket concurrently: cpu0 {} cpu1 {}",
+        passed_on(0),
+        passed_on(1)
+    );
+    let refill = elapsed.ceil() as u64 + 1;
+    assert!(
+        passed >= BURST && passed <= BURST + refill,
+        "passed {passed}, allowed {BURST}..={} (contended drops {})",
+        BURST + refill,
+        c.get(STAT_CONTENDED)
+    );
+}
