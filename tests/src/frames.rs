@@ -97,3 +97,24 @@ pub fn udp4(src: [u8; 4]) -> Vec<u8> {
 pub fn udp6(src: [u8; 16]) -> Vec<u8> {
     eth(&[], ETH_P_IPV6, &ipv6(src, UDP, &udp(53)))
 }
+
+/// The IPv4 or IPv6 source of an Ethernet frame, behind any VLAN tags.
+pub fn source_of(frame: &[u8]) -> Option<std::net::IpAddr> {
+    let mut off = 12;
+    loop {
+        let ethertype = u16::from_be_bytes([*frame.get(off)?, *frame.get(off + 1)?]);
+        off += 2;
+        match ethertype {
+            ETH_P_8021Q | ETH_P_8021AD => off += 2,
+            ETH_P_IP => {
+                let b: [u8; 4] = frame.get(off + 12..off + 16)?.try_into().ok()?;
+                return Some(b.into());
+            }
+            ETH_P_IPV6 => {
+                let b: [u8; 16] = frame.get(off + 8..off + 24)?.try_into().ok()?;
+                return Some(b.into());
+            }
+            _ => return None,
+        }
+    }
+}

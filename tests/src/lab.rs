@@ -212,3 +212,4 @@ impl Lab {
         Ok(out.contains("prog/xdp"))
     }
 }
+

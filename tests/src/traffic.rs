@@ -157,3 +157,115 @@ impl Receiver {
             .map_err(|_| anyhow::anyhow!("receiver thread panicked"))?
     }
 }
+
+/// An AF_PACKET socket bound to `dev` in the current namespace.
+fn packet_socket(dev: &str) -> Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    let proto = (libc::ETH_P_ALL as u16).to_be();
+    let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW, proto as i32) };
+    if fd < 0 {
+        anyhow::bail!("AF_PACKET socket: {}", std::io::Error::last_os_error());
+    }
+    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    let name = std::ffi::CString::new(dev)?;
+    let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    if ifindex == 0 {
+        anyhow::bail!("no interface {dev}");
+    }
+    let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+    sll.sll_family = libc::AF_PACKET as u16;
+    sll.sll_protocol = proto;
+    sll.sll_ifindex = ifindex as i32;
+    let rc = unsafe {
+        libc::bind(
+            fd.as_raw_fd(),
+            &sll as *const _ as *const libc::sockaddr,
+            std::mem::size_of::<libc::sockaddr_ll>() as u32,
+        )
+    };
+    if rc != 0 {
+        anyhow::bail!("binding AF_PACKET to {dev}: {}", std::io::Error::last_os_error());
+    }
+    Ok(fd)
+}
+
+/// Sends the hand-built Ethernet `frame` on `dev` as fast as one thread can
+/// for `duration` (for frames the kernel cannot build itself, such as VLAN
+/// tags on a kernel without VLAN support).
+pub fn raw_flood(ns: &Netns, dev: &'static str, frame: Vec<u8>, duration: Duration) -> JoinHandle<Result<Sent>> {
+    ns.spawn(move || {
+        let fd = packet_socket(dev)?;
+        let started = Instant::now();
+        let mut packets = 0u64;
+        loop {
+            for _ in 0..64 {
+                let n = unsafe { libc::send(fd.as_raw_fd(), frame.as_ptr().cast(), frame.len(), 0) };
+                if n == frame.len() as isize {
+                    packets += 1;
+                }
+            }
+            if started.elapsed() >= duration {
+                break;
+            }
+        }
+        Ok(Sent { packets, started, ended: Instant::now() })
+    })
+}
+
+/// Counts, per source address, the frames arriving on `dev` that XDP passed
+/// (packet taps run after XDP), whatever their tags.
+pub struct TapReceiver {
+    stop: Arc<AtomicBool>,
+    handle: JoinHandle<Result<HashMap<IpAddr, u64>>>,
+}
+
+impl TapReceiver {
+    pub fn start(ns: &Netns, dev: &'static str) -> Result<TapReceiver> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (ready_tx, ready_rx) = mpsc::channel();
+        let stop2 = stop.clone();
+        let handle = ns.spawn(move || -> Result<HashMap<IpAddr, u64>> {
+            let fd = packet_socket(dev)?;
+            let size: libc::c_int = 64 << 20;
+            let tv = libc::timeval { tv_sec: 0, tv_usec: 50_000 };
+            unsafe {
+                libc::setsockopt(fd.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVBUFFORCE,
+                    &size as *const _ as *const libc::c_void, 4);
+                libc::setsockopt(fd.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVTIMEO,
+                    &tv as *const _ as *const libc::c_void, std::mem::size_of::<libc::timeval>() as u32);
+            }
+            let _ = ready_tx.send(());
+            let mut counts = HashMap::new();
+            let mut buf = [0u8; 2048];
+            let mut quiet = 0;
+            loop {
+                let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+                let mut len = std::mem::size_of::<libc::sockaddr_ll>() as u32;
+                let n = unsafe {
+                    libc::recvfrom(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0,
+                        &mut sll as *mut _ as *mut libc::sockaddr, &mut len)
+                };
+                if n > 0 {
+                    if sll.sll_pkttype != libc::PACKET_OUTGOING as u8 {
+                        if let Some(src) = crate::frames::source_of(&buf[..n as usize]) {
+                            *counts.entry(src).or_insert(0) += 1;
+                        }
+                    }
+                } else if stop2.load(Ordering::Relaxed) {
+                    quiet += 1;
+                    if quiet >= 4 {
+                        break;
+                    }
+                }
+            }
+            Ok(counts)
+        });
+        ready_rx.recv_timeout(Duration::from_secs(5)).context("the tap receiver did not start")?;
+        Ok(TapReceiver { stop, handle })
+    }
+
+    pub fn finish(self) -> Result<HashMap<IpAddr, u64>> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.handle.join().map_err(|_| anyhow::anyhow!("tap receiver thread panicked"))?
+    }
+}
