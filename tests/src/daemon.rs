@@ -100,9 +100,14 @@ impl Daemon {
         bail!("rl-control did not log {needle:?} within {timeout:?}:\n{}", self.log())
     }
 
+    /// Sends `signal` to the daemon.
+    pub fn signal(&self, signal: libc::c_int) {
+        unsafe { libc::kill(self.child.id() as i32, signal) };
+    }
+
     /// Sends `signal` and waits for exit; returns the status and full log.
     pub fn stop(mut self, signal: libc::c_int) -> Result<(ExitStatus, String)> {
-        unsafe { libc::kill(self.child.id() as i32, signal) };
+        self.signal(signal);
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             if let Some(status) = self.child.try_wait()? {

@@ -1,0 +1,173 @@
+//! The real `rl-control` binary: start, limit, signals, reload, and every bad
+//! input the operator can give it. Bad input must produce one clear line, a
+//! non-zero exit, and leave nothing attached.
+
+use std::{path::PathBuf, time::Duration};
+
+use rl_tests::{
+    daemon::{final_counter, run_once, Daemon},
+    expected_passed,
+    lab::{Lab, VB},
+    tolerance,
+    traffic::{flood, join, Receiver},
+};
+
+const ATTACHED: &str = "attached:";
+const START: Duration = Duration::from_secs(20);
+
+fn write(dir: &tempfile::TempDir, name: &str, text: &str) -> PathBuf {
+    let p = dir.path().join(name);
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+/// The error line of a failed run: exactly one line starting with `error: `.
+fn error_line(out: &str) -> String {
+    let errors: Vec<&str> = out.lines().filter(|l| l.starts_with("error: ")).collect();
+    assert_eq!(errors.len(), 1, "expected exactly one error line in:\n{out}");
+    errors[0].to_string()
+}
+
+#[test]
+fn daemon_limits_a_flood_and_detaches_on_sigterm() {
+    let lab = Lab::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write(&dir, "rules.toml", "[datapath]\nmax_sources = 1024\n[default]\nrate = 100\nburst = 50\n");
+    let mut d = Daemon::spawn(&lab.b, &["run", "--iface", VB, "--config", cfg.to_str().unwrap(), "--stats-interval", "1"]).unwrap();
+    d.wait_for(ATTACHED, START).unwrap();
+    assert!(lab.xdp_attached().unwrap());
+    let rx = Receiver::start(&lab.b).unwrap();
+    let sent = join(flood(&lab.a, lab.v4(1), lab.v4(2), Duration::from_millis(3200), None)).unwrap();
+    let got = rx.finish().unwrap();
+    // Let a periodic report happen, then stop.
+    d.wait_for("pkt/s", Duration::from_secs(5)).unwrap();
+    let (status, log) = d.stop(libc::SIGTERM).unwrap();
+    assert!(status.success(), "exit {status}:\n{log}");
+    assert!(log.contains("SIGTERM received: detaching"), "{log}");
+    assert!(!lab.xdp_attached().unwrap(), "XDP still attached after SIGTERM");
+
+    let passed = got.get(&lab.v4(1)).copied().unwrap_or(0);
+    let expected = expected_passed(100, 50, sent.seconds());
+    assert!((passed as f64 - expected).abs() <= tolerance(expected), "passed {passed}, expected {expected:.1}");
+    let dropped = final_counter(&log, "dropped_packets").expect("final counters in the log");
+    assert!(dropped as f64 > sent.packets as f64 * 0.5, "dropped {dropped} of {} sent:\n{log}", sent.packets);
+}
+
+#[test]
+fn daemon_without_config_runs_the_embedded_default_and_detaches_on_sigint() {
+    let lab = Lab::new().unwrap();
+    let mut d = Daemon::spawn(&lab.b, &["run", "--iface", VB, "--mode", "skb"]).unwrap();
+    d.wait_for(ATTACHED, START).unwrap();
+    let log = d.log();
+    assert!(log.contains("no --config given: using the embedded default (1000 packets/s, burst 2000 per source)"), "{log}");
+    assert!(log.contains("mode=skb"), "{log}");
+    assert!(lab.xdp_attached().unwrap());
+    let (status, log) = d.stop(libc::SIGINT).unwrap();
+    assert!(status.success(), "exit {status}:\n{log}");
+    assert!(log.contains("SIGINT received: detaching"), "{log}");
+    assert!(!lab.xdp_attached().unwrap(), "XDP still attached after SIGINT");
+}
+
+#[test]
+fn sighup_reloads_a_valid_file_and_keeps_running_on_an_invalid_one() {
+    let lab = Lab::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write(&dir, "rules.toml", "[default]\nrate = 100\n");
+    let mut d = Daemon::spawn(&lab.b, &["run", "--iface", VB, "--config", cfg.to_str().unwrap()]).unwrap();
+    d.wait_for(ATTACHED, START).unwrap();
+    std::fs::write(&cfg, "[default]\nrate = 100\nburst = -1\n").unwrap();
+    d.signal(libc::SIGHUP);
+    d.wait_for("reload rejected, keeping the running config:", Duration::from_secs(5)).unwrap();
+    assert!(d.log().contains("rules.toml:3:9: default.burst = -1 is out of range"), "{}", d.log());
+    assert!(lab.xdp_attached().unwrap());
+    std::fs::write(&cfg, "[default]\nrate = 7\nburst = 9\n").unwrap();
+    d.signal(libc::SIGHUP);
+    d.wait_for("every source held to 7 packets/s, burst 9", Duration::from_secs(5)).unwrap();
+    let (status, log) = d.stop(libc::SIGTERM).unwrap();
+    assert!(status.success(), "{log}");
+}
+
+#[test]
+fn check_config_accepts_valid_and_locates_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let ok = write(&dir, "ok.toml", "[datapath]\nmax_sources = 100\n[default]\nrate = 5\nburst = 10\n");
+    let (status, out) = run_once(None, &["check-config", ok.to_str().unwrap()]).unwrap();
+    assert!(status.success(), "{out}");
+    assert!(out.contains("ok (every source held to 5 packets/s, burst 10; up to 100 sources)"), "{out}");
+
+    let cases = [
+        ("rate0.toml", "[default]\nrate = 0\n", "rate0.toml:2:8: default.rate = 0 is out of range: allowed 1..=100000000"),
+        ("prefix.toml", "[datapath]\nipv6_prefix = 129\n[default]\nrate = 1\n", "prefix.toml:2:15: datapath.ipv6_prefix = 129 is out of range: allowed 1..=128"),
+        ("v4prefix.toml", "[datapath]\nipv4_prefix = 33\n[default]\nrate = 1\n", "v4prefix.toml:2:15: datapath.ipv4_prefix = 33 is out of range: allowed 1..=32"),
+        ("unknown.toml", "[default]\nrate = 1\nburts = 2\n", "unknown.toml:3:1: unknown field `burts`, expected `rate` or `burst`"),
+        ("syntax.toml", "[default]\nrate = = 1\n", "syntax.toml:2:8: "),
+        ("nodefault.toml", "[datapath]\n", "nodefault.toml: missing [default] table"),
+    ];
+    for (name, text, want) in cases {
+        let p = write(&dir, name, text);
+        let (status, out) = run_once(None, &["check-config", p.to_str().unwrap()]).unwrap();
+        assert_eq!(status.code(), Some(1), "{name}: {out}");
+        let line = error_line(&out);
+        assert!(line.contains(want), "{name}: got {line:?}, want {want:?}");
+    }
+    let (status, out) = run_once(None, &["check-config", "/nonexistent/rules.toml"]).unwrap();
+    assert_eq!(status.code(), Some(1));
+    assert!(error_line(&out).contains("/nonexistent/rules.toml: cannot read the config file"), "{out}");
+}
+
+/// Every bad input to `run`: one error line, exit 1, nothing attached.
+#[test]
+fn bad_input_to_run_fails_cleanly_and_leaves_nothing_attached() {
+    let lab = Lab::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let bad = write(&dir, "bad.toml", "[default]\nrate = 0\n");
+    let unknown = write(&dir, "unknown.toml", "[default]\nrate = 10\n[extra]\n");
+    let good = write(&dir, "good.toml", "[default]\nrate = 10\n");
+    let (bad, unknown, good) = (bad.to_str().unwrap(), unknown.to_str().unwrap(), good.to_str().unwrap());
+
+    let cases: Vec<(Vec<&str>, String)> = vec![
+        (vec!["run", "--iface", VB, "--config", "/nonexistent.toml"], "cannot read the config file".into()),
+        (vec!["run", "--iface", VB, "--config", bad], "bad.toml:2:8: default.rate = 0 is out of range".into()),
+        (vec!["run", "--iface", VB, "--config", unknown], "unknown.toml:3:2: unknown field `extra`".into()),
+        (vec!["run", "--iface", "nosuch0", "--config", good], "interface `nosuch0` does not exist".into()),
+    ];
+    for (args, want) in &cases {
+        let (status, out) = run_once(Some(&lab.b), args).unwrap();
+        assert_eq!(status.code(), Some(1), "{args:?}: {out}");
+        let line = error_line(&out);
+        assert!(line.contains(want.as_str()), "{args:?}: got {line:?}, want {want:?}");
+        assert!(!lab.xdp_attached().unwrap(), "{args:?} left XDP attached");
+    }
+
+    // Missing privileges: root without capabilities (empty bounding set).
+    let out = std::process::Command::new("ip")
+        .args(["netns", "exec", &lab.b.name, "setpriv", "--bounding-set=-all", "--inh-caps=-all"])
+        .arg(rl_tests::daemon::binary())
+        .args(["run", "--iface", VB, "--config", good])
+        .output()
+        .expect("setpriv (util-linux)");
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(
+        error_line(&text).contains("permission denied while loading the XDP object: run rl-control as root"),
+        "{text}"
+    );
+    assert!(!lab.xdp_attached().unwrap());
+
+    // An interface that already carries another XDP program, in every mode.
+    let mut first = Daemon::spawn(&lab.b, &["run", "--iface", VB, "--config", good]).unwrap();
+    first.wait_for(ATTACHED, START).unwrap();
+    for mode in ["auto", "native", "skb"] {
+        let (status, out) = run_once(Some(&lab.b), &["run", "--iface", VB, "--config", good, "--mode", mode]).unwrap();
+        assert_eq!(status.code(), Some(1), "{mode}: {out}");
+        assert!(
+            error_line(&out).contains(&format!("interface `{VB}` already has an XDP program attached")),
+            "{mode}: {out}"
+        );
+    }
+    // The first daemon is untouched and still owns the interface.
+    assert!(lab.xdp_attached().unwrap());
+    let (status, log) = first.stop(libc::SIGTERM).unwrap();
+    assert!(status.success(), "{log}");
+    assert!(!lab.xdp_attached().unwrap());
+}
