@@ -151,6 +151,16 @@ impl fmt::Display for Counters {
     }
 }
 
+/// Load-time knobs of the XDP object.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LoadOptions {
+    /// Benchmarks only: treat every packet as coming from a new source, to
+    /// time the LRU insert path with one repeated frame.
+    pub bench_new_sources: bool,
+}
+
+const GLOBAL_BENCH_NEW_SOURCES: &str = "RL_BENCH_NEW_SOURCES";
+
 /// Where the limiter is attached.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Attachment {
@@ -169,8 +179,14 @@ impl Datapath {
     /// Loads the object, sizes the source map and writes the configuration.
     /// Nothing is attached yet.
     pub fn load(compiled: &Compiled) -> Result<Datapath, DatapathError> {
+        Datapath::load_with(compiled, LoadOptions::default())
+    }
+
+    /// [`Datapath::load`] with load-time knobs.
+    pub fn load_with(compiled: &Compiled, opts: LoadOptions) -> Result<Datapath, DatapathError> {
         let ebpf = EbpfLoader::new()
             .map_max_entries(MAP_SOURCES, compiled.max_sources)
+            .override_global(GLOBAL_BENCH_NEW_SOURCES, &u32::from(opts.bench_new_sources), true)
             .load(OBJECT)
             .map_err(|e| {
                 classify("loading the XDP object", &e)

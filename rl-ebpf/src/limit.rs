@@ -9,6 +9,7 @@ use aya_ebpf::{
     macros::map,
     maps::{Array, LruHashMap, PerCpuArray},
     programs::XdpContext,
+    Global,
 };
 use aya_log_ebpf::debug;
 use rl_common::{
@@ -32,6 +33,17 @@ static RL_CONFIG: Array<DatapathConfig> = Array::with_max_entries(1, 0);
 #[map(name = "RL_LOG_SEEN")]
 static RL_LOG_SEEN: PerCpuArray<u64> = PerCpuArray::with_max_entries(rl_common::STAT_COUNT, 0);
 
+/// Benchmark only: when the loader sets this to 1, every packet is treated as
+/// a new source (its address is salted with a per-CPU counter), so
+/// BPF_PROG_TEST_RUN can time the LRU insert path with one repeated frame.
+/// It is a load-time constant: at 0 (always, outside `cargo xtask bench`)
+/// the verifier removes the branch.
+#[unsafe(no_mangle)]
+static RL_BENCH_NEW_SOURCES: Global<u32> = Global::new(0);
+
+#[map(name = "RL_BENCH")]
+static RL_BENCH: PerCpuArray<u32> = PerCpuArray::with_max_entries(1, 0);
+
 pub enum Verdict {
     Pass,
     Drop,
@@ -46,10 +58,18 @@ pub fn limit_source(ctx: &XdpContext, pkt: &Packet) -> Verdict {
         // Not configured yet (the daemon attaches only after writing config).
         return Verdict::Pass;
     }
-    let key = SourceKey {
+    let mut key = SourceKey {
         addr: masked_source(pkt, cfg),
         rule: RULE_DEFAULT,
     };
+    if RL_BENCH_NEW_SOURCES.load() != 0 {
+        if let Some(salt) = RL_BENCH.get_ptr_mut(0) {
+            unsafe {
+                *salt = (*salt).wrapping_add(1);
+                key.addr[3] ^= *salt;
+            }
+        }
+    }
     let Some(bucket) = bucket(&key) else {
         rare_event(ctx, STAT_NO_STATE);
         return Verdict::Drop;

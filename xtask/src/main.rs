@@ -1,1 +1,145 @@
-fn main() {}
+//! Developer and CI commands for rl. Run through the cargo alias:
+//! `cargo xtask <command>`.
+
+mod bootstrap;
+
+use std::{path::PathBuf, process::Command};
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+
+/// Prints one progress line.
+#[macro_export]
+macro_rules! step {
+    ($($t:tt)*) => { eprintln!("xtask: {}", format!($($t)*)) };
+}
+
+#[derive(Parser)]
+#[command(name = "cargo xtask", about = "Build, test, demo and benchmark rl")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Install what a fresh machine lacks: rust-src for nightly, bpf-linker, test packages.
+    Bootstrap,
+    /// Bootstrap, then build the XDP object and the host binaries.
+    Build {
+        /// Optimised host binaries.
+        #[arg(long)]
+        release: bool,
+    },
+    /// Bootstrap, build, then run every test (unit, TestRun and end-to-end; needs root).
+    Test,
+    /// Build, then run the veth lab demo: floods from several sources against the embedded default.
+    Demo,
+    /// Build (release), then measure ns/packet with BPF_PROG_TEST_RUN against an XDP_DROP floor.
+    Bench {
+        /// Repetitions per measurement (BPF_PROG_TEST_RUN `repeat`).
+        #[arg(long, default_value_t = 1_000_000)]
+        repeat: u32,
+    },
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Cmd::Bootstrap => bootstrap::bootstrap(),
+        Cmd::Build { release } => build(release),
+        Cmd::Test => test(),
+        Cmd::Demo => demo(),
+        Cmd::Bench { repeat } => bench(repeat),
+    };
+    if let Err(e) = result {
+        eprintln!("xtask: error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+/// Runs `cmd`, failing with its exit status.
+pub fn run(cmd: &mut Command) -> Result<()> {
+    let status = cmd.status().with_context(|| format!("starting {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed ({status})");
+    }
+    Ok(())
+}
+
+fn workspace_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+/// The host cargo that runs xtask.
+fn cargo() -> Command {
+    let mut c = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    c.current_dir(workspace_root());
+    c
+}
+
+/// Builds the XDP object with nightly into target/bpf.
+fn build_ebpf() -> Result<()> {
+    step!("building the XDP program (rl-ebpf, {} toolchain)", bootstrap::nightly());
+    let root = workspace_root();
+    run(Command::new("rustup")
+        .args(["run", &bootstrap::nightly(), "cargo", "build", "--release"])
+        .args(["--target", "bpfel-unknown-none", "-Z", "build-std=core"])
+        .arg("--target-dir")
+        .arg(root.join("target/bpf"))
+        .current_dir(root.join("rl-ebpf"))
+        .env("PATH", bootstrap::path_with_cargo_bin())
+        // BPF CPU v3: 64-bit atomic compare-and-swap for the shared buckets.
+        .env("CARGO_ENCODED_RUSTFLAGS", "-Ctarget-cpu=v3")
+        .env_remove("RUSTFLAGS")
+        .env_remove("RUSTC")
+        .env_remove("RUSTC_WRAPPER")
+        .env_remove("RUSTC_WORKSPACE_WRAPPER")
+        .env_remove("RUSTUP_TOOLCHAIN")
+        .env_remove("CARGO_TARGET_DIR"))
+}
+
+fn build(release: bool) -> Result<()> {
+    bootstrap::bootstrap()?;
+    build_ebpf()?;
+    step!("building host binaries ({})", if release { "release" } else { "debug" });
+    let mut c = cargo();
+    c.args(["build", "--workspace", "--bins"]);
+    if release {
+        c.arg("--release");
+    }
+    run(&mut c)
+}
+
+fn require_root(what: &str) -> Result<()> {
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("{what} needs root (network namespaces, XDP attach, BPF maps): run it as root, e.g. `sudo -E cargo xtask {what}`");
+    }
+    Ok(())
+}
+
+fn test() -> Result<()> {
+    build(false)?;
+    step!("unit and property tests (rl-common, rl-control)");
+    run(cargo().args(["test", "--workspace", "--exclude", "rl-tests"]))?;
+    require_root("test")?;
+    step!("XDP tests: TestRun packets and end-to-end floods in network namespaces (about 1 minute)");
+    // One at a time: floods share two CPUs and their timing is the measurement.
+    run(cargo().args(["test", "-p", "rl-tests", "--", "--test-threads=1"]))?;
+    step!("all tests passed");
+    Ok(())
+}
+
+fn demo() -> Result<()> {
+    build(false)?;
+    require_root("demo")?;
+    run(cargo().args(["run", "--quiet", "-p", "rl-tests", "--bin", "rl-demo"]))
+}
+
+fn bench(repeat: u32) -> Result<()> {
+    build(true)?;
+    require_root("bench")?;
+    run(cargo()
+        .args(["run", "--quiet", "--release", "-p", "rl-tests", "--bin", "rl-bench", "--"])
+        .arg(repeat.to_string()))
+}
