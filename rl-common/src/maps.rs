@@ -85,8 +85,8 @@ pub struct DatapathConfig {
 }
 const _: () = assert!(size_of::<DatapathConfig>() == 40);
 
-/// The network-order mask words of a `prefix`-bit mask over `BITS` bits,
-/// as read from packet memory.
+/// The `N` network-order words (as read from packet memory) of a mask that
+/// keeps the first `prefix` bits of a `32 × N`-bit address.
 pub fn prefix_mask_words<const N: usize>(prefix: u8) -> [u32; N] {
     let mut out = [0u32; N];
     let mut left = prefix as u32;
