@@ -40,6 +40,24 @@ fn socket(src: IpAddr) -> Result<UdpSocket> {
     UdpSocket::bind(SocketAddr::new(src, 0)).with_context(|| format!("binding a sender to {src}"))
 }
 
+/// Calls `send` (true when a packet left) as fast as one thread can for
+/// `duration`; failed sends (ENOBUFS and friends) are not counted.
+fn send_for(duration: Duration, mut send: impl FnMut() -> bool) -> Sent {
+    let started = Instant::now();
+    let mut packets = 0u64;
+    loop {
+        for _ in 0..64 {
+            if send() {
+                packets += 1;
+            }
+        }
+        if started.elapsed() >= duration {
+            break;
+        }
+    }
+    Sent { packets, started, ended: Instant::now() }
+}
+
 /// Sends as fast as one thread can from `src` to `dst` for `duration`,
 /// optionally pinned to `cpu`.
 pub fn flood(
@@ -55,20 +73,7 @@ pub fn flood(
         }
         let sock = socket(src)?;
         let to = SocketAddr::new(dst, PORT);
-        let started = Instant::now();
-        let mut packets = 0u64;
-        loop {
-            for _ in 0..64 {
-                // ENOBUFS and friends: the packet was not sent, not counted.
-                if sock.send_to(&PAYLOAD, to).is_ok() {
-                    packets += 1;
-                }
-            }
-            if started.elapsed() >= duration {
-                break;
-            }
-        }
-        Ok(Sent { packets, started, ended: Instant::now() })
+        Ok(send_for(duration, || sock.send_to(&PAYLOAD, to).is_ok()))
     })
 }
 
@@ -95,67 +100,6 @@ pub fn paced(ns: &Netns, src: IpAddr, dst: IpAddr, pps: u64, count: u64) -> Join
 /// Joins a sender thread, surfacing any error.
 pub fn join(h: JoinHandle<Result<Sent>>) -> Result<Sent> {
     h.join().map_err(|_| anyhow::anyhow!("sender thread panicked"))?
-}
-
-/// A UDP receiver on [`PORT`] (IPv4 and IPv6) counting datagrams per source.
-pub struct Receiver {
-    stop: Arc<AtomicBool>,
-    handle: JoinHandle<Result<HashMap<IpAddr, u64>>>,
-}
-
-impl Receiver {
-    /// Starts receiving in `ns`; returns once the socket is bound.
-    pub fn start(ns: &Netns) -> Result<Receiver> {
-        let stop = Arc::new(AtomicBool::new(false));
-        let (ready_tx, ready_rx) = mpsc::channel();
-        let stop2 = stop.clone();
-        let handle = ns.spawn(move || -> Result<HashMap<IpAddr, u64>> {
-            let sock = UdpSocket::bind(SocketAddr::new("::".parse().unwrap(), PORT))
-                .context("binding the receiver")?;
-            // A deep buffer so a busy machine cannot make the receiver, rather
-            // than rl, lose packets. SO_RCVBUFFORCE works for root.
-            let size: libc::c_int = 64 << 20;
-            unsafe {
-                libc::setsockopt(
-                    sock.as_raw_fd(),
-                    libc::SOL_SOCKET,
-                    libc::SO_RCVBUFFORCE,
-                    &size as *const _ as *const libc::c_void,
-                    std::mem::size_of::<libc::c_int>() as u32,
-                );
-            }
-            sock.set_read_timeout(Some(Duration::from_millis(50)))?;
-            let _ = ready_tx.send(());
-            let mut counts = HashMap::new();
-            let mut buf = [0u8; 2048];
-            let mut quiet_since_stop = 0;
-            loop {
-                match sock.recv_from(&mut buf) {
-                    Ok((_, from)) => *counts.entry(from.ip().to_canonical()).or_insert(0) += 1,
-                    Err(_) if stop2.load(Ordering::Relaxed) => {
-                        quiet_since_stop += 1;
-                        if quiet_since_stop >= 4 {
-                            break;
-                        }
-                    }
-                    Err(_) => {}
-                }
-            }
-            Ok(counts)
-        });
-        ready_rx
-            .recv_timeout(Duration::from_secs(5))
-            .context("the receiver did not start")?;
-        Ok(Receiver { stop, handle })
-    }
-
-    /// Stops after the socket has drained; returns datagrams per source.
-    pub fn finish(self) -> Result<HashMap<IpAddr, u64>> {
-        self.stop.store(true, Ordering::Relaxed);
-        self.handle
-            .join()
-            .map_err(|_| anyhow::anyhow!("receiver thread panicked"))?
-    }
 }
 
 /// An AF_PACKET socket bound to `dev` in the current namespace.
@@ -195,77 +139,114 @@ fn packet_socket(dev: &str) -> Result<std::os::fd::OwnedFd> {
 pub fn raw_flood(ns: &Netns, dev: &'static str, frame: Vec<u8>, duration: Duration) -> JoinHandle<Result<Sent>> {
     ns.spawn(move || {
         let fd = packet_socket(dev)?;
-        let started = Instant::now();
-        let mut packets = 0u64;
-        loop {
-            for _ in 0..64 {
-                let n = unsafe { libc::send(fd.as_raw_fd(), frame.as_ptr().cast(), frame.len(), 0) };
-                if n == frame.len() as isize {
-                    packets += 1;
-                }
-            }
-            if started.elapsed() >= duration {
-                break;
-            }
-        }
-        Ok(Sent { packets, started, ended: Instant::now() })
+        Ok(send_for(duration, || {
+            let n = unsafe { libc::send(fd.as_raw_fd(), frame.as_ptr().cast(), frame.len(), 0) };
+            n == frame.len() as isize
+        }))
     })
 }
 
-/// Counts, per source address, the frames arriving on `dev` that XDP passed
-/// (packet taps run after XDP), whatever their tags.
-pub struct TapReceiver {
+/// One received packet: its source if it counts, `None` if it does not.
+type Received = Option<IpAddr>;
+
+/// Counts received packets per source address on its own thread until
+/// [`Receiver::finish`]: either UDP datagrams on [`PORT`] ([`Receiver::start`])
+/// or every frame XDP passed on an interface ([`Receiver::tap`]).
+pub struct Receiver {
     stop: Arc<AtomicBool>,
     handle: JoinHandle<Result<HashMap<IpAddr, u64>>>,
 }
 
-impl TapReceiver {
-    pub fn start(ns: &Netns, dev: &'static str) -> Result<TapReceiver> {
-        let stop = Arc::new(AtomicBool::new(false));
-        let (ready_tx, ready_rx) = mpsc::channel();
-        let stop2 = stop.clone();
-        let handle = ns.spawn(move || -> Result<HashMap<IpAddr, u64>> {
+/// A deep receive buffer, so a busy machine cannot make the receiver, rather
+/// than rl, lose packets (SO_RCVBUFFORCE works for root), and a short read
+/// timeout so the receiver notices when to stop.
+fn prepare_receive(fd: std::os::fd::RawFd) {
+    let size: libc::c_int = 64 << 20;
+    let tv = libc::timeval { tv_sec: 0, tv_usec: 50_000 };
+    unsafe {
+        libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVBUFFORCE,
+            &size as *const _ as *const libc::c_void, std::mem::size_of::<libc::c_int>() as u32);
+        libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVTIMEO,
+            &tv as *const _ as *const libc::c_void, std::mem::size_of::<libc::timeval>() as u32);
+    }
+}
+
+impl Receiver {
+    /// A UDP receiver on [`PORT`] (IPv4 and IPv6) in `ns`; returns once bound.
+    pub fn start(ns: &Netns) -> Result<Receiver> {
+        Receiver::spawn(ns, "UDP receiver", || {
+            let sock = UdpSocket::bind(SocketAddr::new("::".parse().unwrap(), PORT))
+                .context("binding the receiver")?;
+            prepare_receive(sock.as_raw_fd());
+            Ok(move |buf: &mut [u8]| -> Option<Received> {
+                sock.recv_from(buf).ok().map(|(_, from)| Some(from.ip().to_canonical()))
+            })
+        })
+    }
+
+    /// Counts the frames arriving on `dev` in `ns` that XDP passed (packet
+    /// taps run after XDP), whatever their VLAN tags.
+    pub fn tap(ns: &Netns, dev: &'static str) -> Result<Receiver> {
+        Receiver::spawn(ns, "tap receiver", move || {
             let fd = packet_socket(dev)?;
-            let size: libc::c_int = 64 << 20;
-            let tv = libc::timeval { tv_sec: 0, tv_usec: 50_000 };
-            unsafe {
-                libc::setsockopt(fd.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVBUFFORCE,
-                    &size as *const _ as *const libc::c_void, 4);
-                libc::setsockopt(fd.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVTIMEO,
-                    &tv as *const _ as *const libc::c_void, std::mem::size_of::<libc::timeval>() as u32);
-            }
-            let _ = ready_tx.send(());
-            let mut counts = HashMap::new();
-            let mut buf = [0u8; 2048];
-            let mut quiet = 0;
-            loop {
+            prepare_receive(fd.as_raw_fd());
+            Ok(move |buf: &mut [u8]| -> Option<Received> {
                 let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
                 let mut len = std::mem::size_of::<libc::sockaddr_ll>() as u32;
                 let n = unsafe {
                     libc::recvfrom(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0,
                         &mut sll as *mut _ as *mut libc::sockaddr, &mut len)
                 };
-                if n > 0 {
-                    if sll.sll_pkttype != libc::PACKET_OUTGOING as u8 {
-                        if let Some(src) = crate::frames::source_of(&buf[..n as usize]) {
-                            *counts.entry(src).or_insert(0) += 1;
+                if n <= 0 {
+                    return None;
+                }
+                let incoming = sll.sll_pkttype != libc::PACKET_OUTGOING as u8;
+                Some(incoming.then(|| crate::frames::source_of(&buf[..n as usize])).flatten())
+            })
+        })
+    }
+
+    /// Runs `open` in `ns`, then calls the receive function it returns
+    /// (`None` on timeout) until stopped and drained.
+    fn spawn<R>(ns: &Netns, what: &'static str, open: impl FnOnce() -> Result<R> + Send + 'static) -> Result<Receiver>
+    where
+        R: FnMut(&mut [u8]) -> Option<Received>,
+    {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (ready_tx, ready_rx) = mpsc::channel();
+        let stop2 = stop.clone();
+        let handle = ns.spawn(move || -> Result<HashMap<IpAddr, u64>> {
+            let mut recv = open()?;
+            let _ = ready_tx.send(());
+            let mut counts = HashMap::new();
+            let mut buf = [0u8; 2048];
+            let mut quiet_since_stop = 0;
+            loop {
+                match recv(&mut buf) {
+                    Some(Some(src)) => *counts.entry(src).or_insert(0) += 1,
+                    Some(None) => {}
+                    None if stop2.load(Ordering::Relaxed) => {
+                        quiet_since_stop += 1;
+                        if quiet_since_stop >= 4 {
+                            break;
                         }
                     }
-                } else if stop2.load(Ordering::Relaxed) {
-                    quiet += 1;
-                    if quiet >= 4 {
-                        break;
-                    }
+                    None => {}
                 }
             }
             Ok(counts)
         });
-        ready_rx.recv_timeout(Duration::from_secs(5)).context("the tap receiver did not start")?;
-        Ok(TapReceiver { stop, handle })
+        ready_rx
+            .recv_timeout(Duration::from_secs(5))
+            .with_context(|| format!("the {what} did not start"))?;
+        Ok(Receiver { stop, handle })
     }
 
+    /// Stops after the socket has drained; returns packets per source.
     pub fn finish(self) -> Result<HashMap<IpAddr, u64>> {
         self.stop.store(true, Ordering::Relaxed);
-        self.handle.join().map_err(|_| anyhow::anyhow!("tap receiver thread panicked"))?
+        self.handle
+            .join()
+            .map_err(|_| anyhow::anyhow!("receiver thread panicked"))?
     }
 }

@@ -10,7 +10,7 @@ use rl_tests::{
     frames::{eth, ipv4, udp, ETH_P_8021AD, ETH_P_8021Q, ETH_P_IP, UDP},
     lab::{Lab, VA, VB},
     tolerance,
-    traffic::{flood, join, paced, raw_flood, Receiver, Sent, TapReceiver},
+    traffic::{flood, join, paced, raw_flood, Receiver, Sent},
 };
 
 const FLOOD: Duration = Duration::from_millis(3200);
@@ -143,7 +143,7 @@ fn vlan_and_qinq_traffic_is_limited_like_untagged() {
     let (rate, burst) = (100, 50);
     let lab = Lab::new().unwrap();
     let _dp = attach(&lab, &config(rate, burst, ""), AttachMode::Native).unwrap();
-    let rx = TapReceiver::start(&lab.b, VB).unwrap();
+    let rx = Receiver::tap(&lab.b, VB).unwrap();
     let (q, qinq, plain) = ([192, 0, 2, 10], [192, 0, 2, 11], [192, 0, 2, 12]);
     let tagged = |tags: &[(u16, u16)], src| eth(tags, ETH_P_IP, &ipv4(src, UDP, &[], &udp(53)));
     let hs = [
