@@ -9,8 +9,10 @@
 //! can read and write them directly.
 #![no_std]
 
+pub mod clock;
 pub mod limiter;
 pub mod maps;
 
+pub use clock::TickClock;
 pub use limiter::{admit_shared, gcra, Admit, Limit, SharedWord};
 pub use maps::*;

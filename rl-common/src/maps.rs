@@ -4,20 +4,23 @@
 
 use core::mem::size_of;
 
-use crate::limiter::Limit;
+use crate::{clock::TickClock, limiter::Limit};
 
 /// Per-source buckets (`BPF_MAP_TYPE_LRU_HASH`, [`SourceKey`] ➜ [`Bucket`]).
 /// Its capacity is set at load time from `datapath.max_sources`.
 pub const MAP_SOURCES: &str = "RL_SOURCES";
 /// The single-entry [`DatapathConfig`] array written by the daemon.
 pub const MAP_CONFIG: &str = "RL_CONFIG";
-/// Per-CPU `u64` counters indexed by the `STAT_*` constants.
+/// Per-CPU [`Stats`], one entry: one lookup per packet covers every counter.
 pub const MAP_STATS: &str = "RL_STATS";
 
 /// The limiter program's name in the object file.
 pub const PROG_LIMITER: &str = "rl";
 /// A program that only returns `XDP_DROP`: the floor for benchmarks.
 pub const PROG_FLOOR: &str = "rl_floor";
+/// A program that writes `[jiffies64, ktime_ns]` (native-endian `u64`s) into
+/// the first 16 bytes of the packet: the daemon's [`TickClock`] calibration.
+pub const PROG_CLOCK: &str = "rl_clock";
 
 /// Rule id of the `[default]` limit.
 pub const RULE_DEFAULT: u32 = 0;
@@ -82,8 +85,24 @@ pub struct DatapathConfig {
     pub enabled: u32,
     /// Mask applied to IPv6 sources (network-order words), from `ipv6_prefix`.
     pub v6_mask: [u32; 4],
+    /// The tick clock, measured by the daemon at load.
+    pub clock: TickClock,
+    /// 1 when `default_limit` reads time through `clock` (see
+    /// [`TickClock::suits`]), 0 for `bpf_ktime_get_ns`.
+    pub default_coarse: u32,
+    pub _pad: u32,
 }
-const _: () = assert!(size_of::<DatapathConfig>() == 40);
+const _: () = assert!(size_of::<DatapathConfig>() == 64);
+
+impl DatapathConfig {
+    /// This configuration with `clock`, each limit reading the tick clock
+    /// exactly when the clock [suits](TickClock::suits) it.
+    pub fn with_clock(mut self, clock: TickClock) -> Self {
+        self.clock = clock;
+        self.default_coarse = clock.suits(&self.default_limit) as u32;
+        self
+    }
+}
 
 /// The `N` network-order words (as read from packet memory) of a mask that
 /// keeps the first `prefix` bits of a `32 × N`-bit address.
@@ -99,7 +118,12 @@ pub fn prefix_mask_words<const N: usize>(prefix: u8) -> [u32; N] {
     out
 }
 
-// Counters: one per-CPU array of u64, indexed by these constants.
+/// Every counter of one CPU, indexed by the `STAT_*` constants.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stats(pub [u64; STAT_COUNT as usize]);
+
+// Counters: indices into [`Stats`].
 /// Packets passed (all of them, including non-IP).
 pub const STAT_PASSED_PKTS: u32 = 0;
 pub const STAT_PASSED_BYTES: u32 = 1;
@@ -137,6 +161,7 @@ mod pod {
     unsafe impl aya::Pod for super::SourceKey {}
     unsafe impl aya::Pod for super::Bucket {}
     unsafe impl aya::Pod for super::DatapathConfig {}
+    unsafe impl aya::Pod for super::Stats {}
 }
 
 #[cfg(test)]

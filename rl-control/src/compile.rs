@@ -25,6 +25,8 @@ pub fn compile(config: &Config) -> Compiled {
             v4_mask,
             enabled: 1,
             v6_mask: prefix_mask_words::<4>(d.ipv6_prefix),
+            // Filled in by the datapath, which measures the kernel tick.
+            ..DatapathConfig::default()
         },
     }
 }

@@ -4,7 +4,12 @@
 //! Every map is reached only through the methods here, so a layout mismatch
 //! between the object and rl-common fails at start-up, not at lookup.
 
-use std::{error::Error as StdError, ffi::CString, fmt, io, time::Duration};
+use std::{
+    error::Error as StdError,
+    ffi::CString,
+    fmt, io,
+    time::{Duration, Instant},
+};
 
 use aya::{
     maps::{Array, HashMap, MapData, PerCpuArray},
@@ -13,8 +18,8 @@ use aya::{
 };
 use aya_log::EbpfLogger;
 use rl_common::{
-    Bucket, DatapathConfig, SourceKey, MAP_CONFIG, MAP_SOURCES, MAP_STATS, PROG_FLOOR,
-    PROG_LIMITER, STAT_COUNT, STAT_NAMES,
+    Bucket, DatapathConfig, SourceKey, Stats, TickClock, MAP_CONFIG, MAP_SOURCES, MAP_STATS,
+    PROG_CLOCK, PROG_FLOOR, PROG_LIMITER, STAT_COUNT, STAT_NAMES,
 };
 use thiserror::Error;
 use tracing::warn;
@@ -173,6 +178,7 @@ pub struct Attachment {
 pub struct Datapath {
     ebpf: Ebpf,
     attachment: Option<Attachment>,
+    clock: TickClock,
 }
 
 impl Datapath {
@@ -195,8 +201,10 @@ impl Datapath {
         let mut dp = Datapath {
             ebpf,
             attachment: None,
+            clock: TickClock::default(),
         };
         dp.load_program(PROG_LIMITER)?;
+        dp.clock = dp.calibrate_clock()?;
         dp.set_config(&compiled.datapath)?;
         // Fail now, not later, if the object's maps do not match rl-common.
         dp.counters()?;
@@ -238,9 +246,67 @@ impl Datapath {
         }
     }
 
+    /// The tick clock measured at load (`tick_ns` 0 if it could not be).
+    pub fn clock(&self) -> TickClock {
+        self.clock
+    }
+
+    /// Measures the kernel tick against ktime with the `rl_clock` program:
+    /// the (jiffies, ktime) pairs read just after two ticks ~40 ms apart give
+    /// `1e9 / HZ` and the offset between the clocks. Takes about 50 ms. If the
+    /// tick cannot be measured, every limit uses ktime (slower, still exact).
+    fn calibrate_clock(&mut self) -> Result<TickClock, DatapathError> {
+        self.load_program(PROG_CLOCK)?;
+        let prog = self.program(PROG_CLOCK)?;
+        let sample = || -> Result<(u64, u64), DatapathError> {
+            let frame = [0u8; 64];
+            let mut out = [0u8; 64];
+            prog.test_run(TestRunOptions {
+                data_in: Some(&frame),
+                data_out: Some(&mut out),
+                ..TestRunOptions::new()
+            })
+            .map_err(|e| {
+                classify("measuring the kernel tick", &e).unwrap_or_else(|| DatapathError::TestRun {
+                    program: PROG_CLOCK,
+                    cause: chain(&e),
+                })
+            })?;
+            let word = |i: usize| u64::from_ne_bytes(out[i..i + 8].try_into().expect("8 bytes"));
+            Ok((word(0), word(8)))
+        };
+        // The first reading after jiffies change: within a few µs of the tick.
+        let edge = || -> Result<Option<(u64, u64)>, DatapathError> {
+            let start = Instant::now();
+            let (j0, _) = sample()?;
+            while start.elapsed() < Duration::from_millis(200) {
+                let s = sample()?;
+                if s.0 != j0 {
+                    return Ok(Some(s));
+                }
+            }
+            Ok(None)
+        };
+        let first = edge()?;
+        std::thread::sleep(Duration::from_millis(40));
+        let second = edge()?;
+        match first.zip(second).and_then(|(a, b)| TickClock::from_edges(a, b)) {
+            Some(clock) => {
+                tracing::debug!(tick_ns = clock.tick_ns, "kernel tick measured");
+                Ok(clock)
+            }
+            None => {
+                warn!("could not measure the kernel tick; every limit reads bpf_ktime_get_ns (exact, a little slower)");
+                Ok(TickClock::default())
+            }
+        }
+    }
+
     /// Replaces the configuration the datapath reads on every packet. One map
-    /// update: each packet sees the old entry or the new one.
+    /// update: each packet sees the old entry or the new one. The measured
+    /// tick clock is filled in here.
     pub fn set_config(&mut self, cfg: &DatapathConfig) -> Result<(), DatapathError> {
+        let cfg = &cfg.with_clock(self.clock);
         let map = self
             .ebpf
             .map_mut(MAP_CONFIG)
@@ -248,6 +314,17 @@ impl Datapath {
         let mut arr: Array<&mut MapData, DatapathConfig> =
             Array::try_from(map).map_err(|e| map_error(MAP_CONFIG, e))?;
         arr.set(0, cfg, 0).map_err(|e| map_error(MAP_CONFIG, e))
+    }
+
+    /// The configuration the datapath is reading now.
+    pub fn config(&self) -> Result<DatapathConfig, DatapathError> {
+        let map = self
+            .ebpf
+            .map(MAP_CONFIG)
+            .ok_or_else(|| DatapathError::Load(format!("map {MAP_CONFIG} is missing")))?;
+        let arr: Array<&MapData, DatapathConfig> =
+            Array::try_from(map).map_err(|e| map_error(MAP_CONFIG, e))?;
+        arr.get(&0, 0).map_err(|e| map_error(MAP_CONFIG, e))
     }
 
     /// Attaches the limiter to `iface`. In `Auto` mode, native is tried first;
@@ -329,17 +406,10 @@ impl Datapath {
             .ebpf
             .map(MAP_STATS)
             .ok_or_else(|| DatapathError::Load(format!("map {MAP_STATS} is missing")))?;
-        let arr: PerCpuArray<&MapData, u64> =
+        let arr: PerCpuArray<&MapData, Stats> =
             PerCpuArray::try_from(map).map_err(|e| map_error(MAP_STATS, e))?;
-        let mut out = Vec::new();
-        for stat in 0..STAT_COUNT {
-            let values = arr.get(&stat, 0).map_err(|e| map_error(MAP_STATS, e))?;
-            out.resize(values.len(), Counters::default());
-            for (cpu, v) in values.iter().enumerate() {
-                out[cpu].0[stat as usize] = *v;
-            }
-        }
-        Ok(out)
+        let values = arr.get(&0, 0).map_err(|e| map_error(MAP_STATS, e))?;
+        Ok(values.iter().map(|s| Counters(s.0)).collect())
     }
 
     /// The per-source bucket map.

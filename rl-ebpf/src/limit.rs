@@ -5,7 +5,7 @@ use core::intrinsics::{atomic_cxchg, AtomicOrdering};
 
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
-    helpers::bpf_ktime_get_ns,
+    helpers::{bpf_jiffies64, bpf_ktime_get_ns},
     macros::map,
     maps::{Array, LruHashMap, PerCpuArray},
     programs::XdpContext,
@@ -17,7 +17,7 @@ use rl_common::{
     STAT_NEW_SOURCES, STAT_NO_STATE,
 };
 
-use crate::{parse::Packet, stats};
+use crate::{parse::Packet, stats::Counters};
 
 /// Buckets by masked source. The daemon sets the real capacity at load
 /// (`datapath.max_sources`); LRU eviction bounds memory under floods of
@@ -50,7 +50,7 @@ pub enum Verdict {
 }
 
 #[inline(always)]
-pub fn limit_source(ctx: &XdpContext, pkt: &Packet) -> Verdict {
+pub fn limit_source(ctx: &XdpContext, pkt: &Packet, stats: &Counters) -> Verdict {
     let Some(cfg) = RL_CONFIG.get(0) else {
         return Verdict::Pass;
     };
@@ -70,17 +70,22 @@ pub fn limit_source(ctx: &XdpContext, pkt: &Packet) -> Verdict {
             }
         }
     }
-    let Some(bucket) = bucket(&key) else {
-        rare_event(ctx, STAT_NO_STATE);
+    let Some(bucket) = bucket(&key, stats) else {
+        rare_event(ctx, stats, STAT_NO_STATE);
         return Verdict::Drop;
     };
-    let now = unsafe { bpf_ktime_get_ns() };
+    let now = if cfg.default_coarse != 0 {
+        // Inlined by the verifier into one load; see rl_common::clock.
+        cfg.clock.at(unsafe { bpf_jiffies64() })
+    } else {
+        unsafe { bpf_ktime_get_ns() }
+    };
     let cell = Tat(unsafe { &raw mut (*bucket).tat_ns });
     match admit_shared(&cell, now, &cfg.default_limit) {
         Admit::Pass => Verdict::Pass,
         Admit::Drop => Verdict::Drop,
         Admit::Contended => {
-            rare_event(ctx, STAT_CONTENDED);
+            rare_event(ctx, stats, STAT_CONTENDED);
             Verdict::Drop
         }
     }
@@ -130,7 +135,7 @@ fn masked_source(pkt: &Packet, cfg: &DatapathConfig) -> [u32; 4] {
 /// source at once, `BPF_NOEXIST` lets exactly one insert win and both then
 /// charge the same bucket.
 #[inline(always)]
-fn bucket(key: &SourceKey) -> Option<*mut Bucket> {
+fn bucket(key: &SourceKey, stats: &Counters) -> Option<*mut Bucket> {
     if let Some(b) = RL_SOURCES.get_ptr_mut(key) {
         return Some(b);
     }
@@ -138,7 +143,7 @@ fn bucket(key: &SourceKey) -> Option<*mut Bucket> {
         .insert(key, &Bucket { tat_ns: 0 }, BPF_NOEXIST as u64)
         .is_ok()
     {
-        stats::bump(STAT_NEW_SOURCES);
+        stats.bump(STAT_NEW_SOURCES);
     }
     RL_SOURCES.get_ptr_mut(key)
 }
@@ -146,8 +151,8 @@ fn bucket(key: &SourceKey) -> Option<*mut Bucket> {
 /// Counts a rare event and logs it at the 1st, 2nd, 4th, 8th… occurrence on
 /// this CPU, so a storm of them costs a handful of log records, not one each.
 #[inline(always)]
-fn rare_event(ctx: &XdpContext, stat: u32) {
-    stats::bump(stat);
+fn rare_event(ctx: &XdpContext, stats: &Counters, stat: u32) {
+    stats.bump(stat);
     if let Some(seen) = RL_LOG_SEEN.get_ptr_mut(stat) {
         let n = unsafe {
             *seen += 1;

@@ -15,47 +15,65 @@ mod stats;
 
 use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
 
-use crate::{
-    limit::Verdict,
-    parse::Parsed,
-};
+use crate::{limit::Verdict, parse::Parsed, stats::Counters};
 
 /// The limiter. Every path ends in exactly one counted verdict.
 #[xdp]
 pub fn rl(ctx: XdpContext) -> u32 {
+    let Some(stats) = Counters::get() else {
+        // Unreachable (entry 0 of a per-CPU array always exists); fail open.
+        return xdp_action::XDP_PASS;
+    };
     let len = (ctx.data_end() - ctx.data()) as u64;
-    match try_rl(&ctx) {
+    match try_rl(&ctx, &stats) {
         Verdict::Pass => {
-            stats::passed(len);
+            stats.passed(len);
             xdp_action::XDP_PASS
         }
         Verdict::Drop => {
-            stats::dropped(len);
+            stats.dropped(len);
             xdp_action::XDP_DROP
         }
     }
 }
 
 #[inline(always)]
-fn try_rl(ctx: &XdpContext) -> Verdict {
+fn try_rl(ctx: &XdpContext, stats: &Counters) -> Verdict {
     let pkt = match parse::parse(ctx) {
         Parsed::Ip(pkt) => pkt,
         Parsed::NotIp => {
-            stats::bump(rl_common::STAT_NON_IP);
+            stats.bump(rl_common::STAT_NON_IP);
             return Verdict::Pass;
         }
         Parsed::Malformed => {
-            stats::bump(rl_common::STAT_MALFORMED);
+            stats.bump(rl_common::STAT_MALFORMED);
             return Verdict::Drop;
         }
     };
-    limit::limit_source(ctx, &pkt)
+    limit::limit_source(ctx, &pkt, stats)
 }
 
 /// The benchmark floor: the cheapest XDP program there is.
 #[xdp]
 pub fn rl_floor(_ctx: XdpContext) -> u32 {
     xdp_action::XDP_DROP
+}
+
+/// Clock calibration for the daemon: writes `[jiffies64, ktime_ns]` into the
+/// first 16 bytes of a test packet (see `rl_common::PROG_CLOCK`).
+#[xdp]
+pub fn rl_clock(ctx: XdpContext) -> u32 {
+    let p = ctx.data();
+    if p + 16 > ctx.data_end() {
+        return xdp_action::XDP_ABORTED;
+    }
+    unsafe {
+        let jiffies = aya_ebpf::helpers::bpf_jiffies64();
+        let ktime = aya_ebpf::helpers::bpf_ktime_get_ns();
+        core::ptr::write_unaligned(p as *mut u64, jiffies);
+        core::ptr::write_unaligned((p + 8) as *mut u64, ktime);
+    }
+    xdp_action::XDP_PASS
 }
 
 #[cfg(not(test))]

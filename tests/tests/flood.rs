@@ -40,9 +40,17 @@ fn assert_accurate(what: &str, passed: u64, rate: u64, burst: u64, sent: &[Sent]
 }
 
 /// One source floods for 3.2 s from the given CPUs; returns what reached the receiver.
-fn single_source_flood(rate: u64, burst: u64, mode: AttachMode, cpus: &[Option<usize>]) {
+/// `coarse`: whether the limit must read the tick clock (else ktime).
+fn single_source_flood(rate: u64, burst: u64, mode: AttachMode, cpus: &[Option<usize>], coarse: bool) {
     let lab = Lab::new().unwrap();
     let dp = attach(&lab, &config(rate, burst, ""), mode).unwrap();
+    let clock = dp.clock();
+    assert!(
+        [100, 250, 300, 1000].iter().any(|hz| clock.tick_ns == 1_000_000_000 / hz),
+        "the measured kernel tick {} ns is not 1e9/HZ for any usual HZ",
+        clock.tick_ns
+    );
+    assert_eq!(dp.config().unwrap().default_coarse, coarse as u32, "clock choice for {rate} pps burst {burst}");
     let rx = Receiver::start(&lab.b).unwrap();
     let senders: Vec<_> = cpus.iter().map(|cpu| flood(&lab.a, lab.v4(1), lab.v4(2), FLOOD, *cpu)).collect();
     let sent: Vec<Sent> = senders.into_iter().map(|h| join(h).unwrap()).collect();
@@ -67,12 +75,19 @@ fn single_source_flood(rate: u64, burst: u64, mode: AttachMode, cpus: &[Option<u
 
 #[test]
 fn flood_at_100_pps_passes_burst_plus_rate_times_duration() {
-    single_source_flood(100, 50, AttachMode::Native, &[None]);
+    single_source_flood(100, 50, AttachMode::Native, &[None], true);
 }
 
 #[test]
 fn flood_at_10000_pps_passes_burst_plus_rate_times_duration() {
-    single_source_flood(10_000, 1_000, AttachMode::Native, &[None]);
+    single_source_flood(10_000, 1_000, AttachMode::Native, &[None], true);
+}
+
+/// A burst shorter than a few kernel ticks reads ktime instead of jiffies;
+/// that path must be exactly as accurate.
+#[test]
+fn flood_with_a_burst_of_a_few_ms_is_as_accurate_on_ktime() {
+    single_source_flood(10_000, 20, AttachMode::Native, &[None], false);
 }
 
 /// In skb mode the program runs on the CPU that sent the packet, so two
@@ -81,7 +96,7 @@ fn flood_at_10000_pps_passes_burst_plus_rate_times_duration() {
 fn one_source_flooding_from_two_cpus_is_held_exactly() {
     let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     assert!(cpus >= 2, "this test needs 2 CPUs; found {cpus}");
-    single_source_flood(10_000, 1_000, AttachMode::Skb, &[Some(0), Some(1)]);
+    single_source_flood(10_000, 1_000, AttachMode::Skb, &[Some(0), Some(1)], true);
 }
 
 #[test]

@@ -1,0 +1,116 @@
+//! Which clock a limit reads: the kernel tick counter when it is precise
+//! enough, nanosecond ktime otherwise.
+//!
+//! Why: on the per-packet path `bpf_ktime_get_ns` is a real helper call (tens
+//! of nanoseconds on CPUs with return-stack mitigations), while
+//! `bpf_jiffies64` is inlined by the verifier into one load. Jiffies advance
+//! once per tick (4 ms at `HZ=250`), so a limit read through them behaves as
+//! GCRA in time rounded down to the last tick. That costs at most
+//! `rate × tick` packets of accuracy over any span (plus one), in either
+//! direction, which is negligible for a limit whose burst lasts many ticks and
+//! wrong for one that does not: [`TickClock::suits`] draws the line.
+
+use crate::limiter::Limit;
+
+/// A limit uses the tick clock only when its burst lasts at least this many
+/// ticks, so the rounding error is at most 1/8 of the burst.
+pub const COARSE_MIN_TICKS: u64 = 8;
+
+/// Maps the kernel's `jiffies64` onto ktime nanoseconds: `jiffies × tick_ns +
+/// offset_ns` (wrapping), measured by the daemon at load. The result is never
+/// ahead of ktime and lags it by less than one tick, so buckets may move
+/// between the two clocks without losing their meaning.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TickClock {
+    /// Nanoseconds per jiffy (`1e9 / HZ`); 0 when unknown, which disables it.
+    pub tick_ns: u64,
+    /// ktime at jiffy 0, modulo 2⁶⁴.
+    pub offset_ns: u64,
+}
+
+impl TickClock {
+    /// The clock from two (jiffies, ktime) readings taken right after a tick.
+    pub fn from_edges(a: (u64, u64), b: (u64, u64)) -> Option<TickClock> {
+        let ticks = b.0.checked_sub(a.0).filter(|&t| t > 0)?;
+        let measured = b.1.checked_sub(a.1)? / ticks;
+        // Snap to a whole HZ: the kernel's tick is 1e9 / HZ exactly.
+        let hz = (1_000_000_000 + measured / 2) / measured.max(1);
+        if !(10..=10_000).contains(&hz) {
+            return None;
+        }
+        let tick_ns = (1_000_000_000 + hz / 2) / hz;
+        Some(TickClock {
+            tick_ns,
+            offset_ns: a.1.wrapping_sub(a.0.wrapping_mul(tick_ns)),
+        })
+    }
+
+    /// Nanoseconds at `jiffies` on the ktime scale.
+    #[inline(always)]
+    pub fn at(&self, jiffies: u64) -> u64 {
+        jiffies.wrapping_mul(self.tick_ns).wrapping_add(self.offset_ns)
+    }
+
+    /// Whether `limit` stays accurate when read through this clock.
+    pub fn suits(&self, limit: &Limit) -> bool {
+        self.tick_ns != 0 && limit.burst_span_ns >= self.tick_ns.saturating_mul(COARSE_MIN_TICKS)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limiter::gcra;
+    use proptest::prelude::*;
+
+    #[test]
+    fn edges_give_the_kernel_tick() {
+        // HZ=250, readings a few µs after each tick.
+        let c = TickClock::from_edges((4_294_967_296, 10_000_003_000), (4_294_967_306, 10_040_004_500)).unwrap();
+        assert_eq!(c.tick_ns, 4_000_000);
+        assert_eq!(c.at(4_294_967_296), 10_000_003_000);
+        assert_eq!(c.at(4_294_967_297), 10_004_003_000);
+        let c = TickClock::from_edges((7, 1_000_000), (107, 101_000_900)).unwrap();
+        assert_eq!(c.tick_ns, 1_000_000, "HZ=1000");
+        assert_eq!(TickClock::from_edges((7, 5), (7, 9)), None, "no tick seen");
+    }
+
+    #[test]
+    fn only_limits_with_long_bursts_use_ticks() {
+        let c = TickClock { tick_ns: 4_000_000, offset_ns: 0 };
+        assert!(c.suits(&Limit::per_second(1000, 2000).unwrap()));
+        assert!(c.suits(&Limit::per_second(10_000, 320).unwrap()), "32 ms burst");
+        assert!(!c.suits(&Limit::per_second(10_000, 319).unwrap()));
+        assert!(!TickClock::default().suits(&Limit::per_second(1, 1000).unwrap()));
+    }
+
+    proptest! {
+        /// A flood read through the tick clock passes within `rate × tick + 1`
+        /// packets of the same flood read through ktime.
+        #[test]
+        fn tick_clock_error_is_at_most_rate_times_tick(
+            rate in 1u64..200_000,
+            burst_ticks in COARSE_MIN_TICKS..400,
+            step in 1_000u64..2_000_000,
+            packets in 1usize..20_000,
+            phase in 0u64..4_000_000,
+        ) {
+            let tick = 4_000_000u64;
+            let clock = TickClock { tick_ns: tick, offset_ns: 0 };
+            let interval = 1_000_000_000 / rate;
+            let burst = (burst_ticks * tick).div_ceil(interval).max(1);
+            let limit = Limit::per_second(rate, burst).unwrap();
+            prop_assert!(clock.suits(&limit));
+            let (mut fine, mut coarse) = ((0u64, 0u64), (0u64, 0u64));
+            let mut now = 1_000_000_000_000 + phase;
+            for _ in 0..packets {
+                if let Some(t) = gcra(fine.0, now, &limit) { fine = (t, fine.1 + 1); }
+                if let Some(t) = gcra(coarse.0, clock.at(now / tick), &limit) { coarse = (t, coarse.1 + 1); }
+                now += step;
+            }
+            let bound = rate * tick / 1_000_000_000 + 1;
+            prop_assert!(fine.1.abs_diff(coarse.1) <= bound, "exact {} coarse {} bound {}", fine.1, coarse.1, bound);
+        }
+    }
+}
