@@ -8,6 +8,7 @@ use std::{
     error::Error as StdError,
     ffi::CString,
     fmt, io,
+    net::IpAddr,
     time::{Duration, Instant},
 };
 
@@ -18,7 +19,7 @@ use aya::{
 };
 use aya_log::EbpfLogger;
 use rl_common::{
-    Bucket, DatapathConfig, SourceKey, Stats, TickClock, MAP_CONFIG, MAP_SOURCES, MAP_STATS,
+    Bucket, DatapathConfig, Key4, Key6, Stats, TickClock, MAP_CONFIG, MAP_SOURCES_V4, MAP_SOURCES_V6, MAP_STATS,
     PROG_CLOCK, PROG_FLOOR, PROG_LIMITER, STAT_COUNT, STAT_NAMES,
 };
 use thiserror::Error;
@@ -156,6 +157,14 @@ impl fmt::Display for Counters {
     }
 }
 
+/// One bucket: a source (masked to its aggregation prefix) under one limit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Source {
+    pub addr: IpAddr,
+    pub rule: u32,
+    pub bucket: Bucket,
+}
+
 /// Load-time knobs of the XDP object.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct LoadOptions {
@@ -191,7 +200,8 @@ impl Datapath {
     /// [`Datapath::load`] with load-time knobs.
     pub fn load_with(compiled: &Compiled, opts: LoadOptions) -> Result<Datapath, DatapathError> {
         let ebpf = EbpfLoader::new()
-            .map_max_entries(MAP_SOURCES, compiled.max_sources)
+            .map_max_entries(MAP_SOURCES_V4, compiled.max_sources)
+            .map_max_entries(MAP_SOURCES_V6, compiled.max_sources)
             .override_global(GLOBAL_BENCH_NEW_SOURCES, &u32::from(opts.bench_new_sources), true)
             .load(OBJECT)
             .map_err(|e| {
@@ -412,13 +422,28 @@ impl Datapath {
         Ok(values.iter().map(|s| Counters(s.0)).collect())
     }
 
-    /// The per-source bucket map.
-    pub fn sources(&self) -> Result<HashMap<&MapData, SourceKey, Bucket>, DatapathError> {
+    /// Every bucket the datapath holds, IPv4 then IPv6.
+    pub fn sources(&self) -> Result<Vec<Source>, DatapathError> {
+        let mut out = Vec::new();
+        let v4: HashMap<&MapData, Key4, Bucket> = self.source_map(MAP_SOURCES_V4)?;
+        for entry in v4.iter() {
+            let (k, bucket) = entry.map_err(|e| map_error(MAP_SOURCES_V4, e))?;
+            out.push(Source { addr: IpAddr::from(k.addr_bytes()), rule: k.rule, bucket });
+        }
+        let v6: HashMap<&MapData, Key6, Bucket> = self.source_map(MAP_SOURCES_V6)?;
+        for entry in v6.iter() {
+            let (k, bucket) = entry.map_err(|e| map_error(MAP_SOURCES_V6, e))?;
+            out.push(Source { addr: IpAddr::from(k.addr_bytes()), rule: k.rule, bucket });
+        }
+        Ok(out)
+    }
+
+    fn source_map<K: aya::Pod>(&self, name: &'static str) -> Result<HashMap<&MapData, K, Bucket>, DatapathError> {
         let map = self
             .ebpf
-            .map(MAP_SOURCES)
-            .ok_or_else(|| DatapathError::Load(format!("map {MAP_SOURCES} is missing")))?;
-        HashMap::try_from(map).map_err(|e| map_error(MAP_SOURCES, e))
+            .map(name)
+            .ok_or_else(|| DatapathError::Load(format!("map {name} is missing")))?;
+        HashMap::try_from(map).map_err(|e| map_error(name, e))
     }
 
     /// Runs `frame` through the limiter `repeat` times with

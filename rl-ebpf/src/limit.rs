@@ -13,17 +13,19 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::debug;
 use rl_common::{
-    admit_shared, Admit, SharedWord, Bucket, DatapathConfig, SourceKey, RULE_DEFAULT, STAT_CONTENDED,
-    STAT_NEW_SOURCES, STAT_NO_STATE,
+    admit_shared, Admit, Bucket, DatapathConfig, Key4, Key6, SharedWord, RULE_DEFAULT,
+    STAT_CONTENDED, STAT_NEW_SOURCES, STAT_NO_STATE,
 };
 
 use crate::{parse::Packet, stats::Counters};
 
-/// Buckets by masked source. The daemon sets the real capacity at load
-/// (`datapath.max_sources`); LRU eviction bounds memory under floods of
-/// random sources.
-#[map(name = "RL_SOURCES")]
-static RL_SOURCES: LruHashMap<SourceKey, Bucket> = LruHashMap::with_max_entries(65_536, 0);
+/// Buckets by masked source, one map per family (see rl_common::MAP_SOURCES_V6).
+/// The daemon sets the real capacity at load (`datapath.max_sources`); LRU
+/// eviction bounds memory under floods of random sources.
+#[map(name = "RL_SRC4")]
+static RL_SRC4: LruHashMap<Key4, Bucket> = LruHashMap::with_max_entries(65_536, 0);
+#[map(name = "RL_SRC6")]
+static RL_SRC6: LruHashMap<Key6, Bucket> = LruHashMap::with_max_entries(65_536, 0);
 
 /// Runtime configuration, written by the daemon before it attaches.
 #[map(name = "RL_CONFIG")]
@@ -58,19 +60,30 @@ pub fn limit_source(ctx: &XdpContext, pkt: &Packet, stats: &Counters) -> Verdict
         // Not configured yet (the daemon attaches only after writing config).
         return Verdict::Pass;
     }
-    let mut key = SourceKey {
-        addr: masked_source(pkt, cfg),
-        rule: RULE_DEFAULT,
-    };
+    let mut src = pkt.src;
     if RL_BENCH_NEW_SOURCES.load() != 0 {
         if let Some(salt) = RL_BENCH.get_ptr_mut(0) {
             unsafe {
                 *salt = (*salt).wrapping_add(1);
-                key.addr[3] ^= *salt;
+                src[3] ^= *salt;
             }
         }
     }
-    let Some(bucket) = bucket(&key, stats) else {
+    let bucket = if pkt.is_v6 {
+        let m = &cfg.v6_mask;
+        let key = Key6 {
+            rule: RULE_DEFAULT,
+            addr: [src[0] & m[0], src[1] & m[1], src[2] & m[2], src[3] & m[3]],
+        };
+        bucket(&RL_SRC6, &key, stats)
+    } else {
+        let key = Key4 {
+            rule: RULE_DEFAULT,
+            addr: src[3] & cfg.v4_mask,
+        };
+        bucket(&RL_SRC4, &key, stats)
+    };
+    let Some(bucket) = bucket else {
         rare_event(ctx, stats, STAT_NO_STATE);
         return Verdict::Drop;
     };
@@ -117,35 +130,18 @@ impl SharedWord for Tat {
     }
 }
 
-#[inline(always)]
-fn masked_source(pkt: &Packet, cfg: &DatapathConfig) -> [u32; 4] {
-    if pkt.is_v6 {
-        [
-            pkt.src[0] & cfg.v6_mask[0],
-            pkt.src[1] & cfg.v6_mask[1],
-            pkt.src[2] & cfg.v6_mask[2],
-            pkt.src[3] & cfg.v6_mask[3],
-        ]
-    } else {
-        [0, 0, pkt.src[2], pkt.src[3] & cfg.v4_mask]
-    }
-}
-
 /// The source's bucket, created full if it is new. When two CPUs see a new
 /// source at once, `BPF_NOEXIST` lets exactly one insert win and both then
 /// charge the same bucket.
 #[inline(always)]
-fn bucket(key: &SourceKey, stats: &Counters) -> Option<*mut Bucket> {
-    if let Some(b) = RL_SOURCES.get_ptr_mut(key) {
+fn bucket<K>(map: &LruHashMap<K, Bucket>, key: &K, stats: &Counters) -> Option<*mut Bucket> {
+    if let Some(b) = map.get_ptr_mut(key) {
         return Some(b);
     }
-    if RL_SOURCES
-        .insert(key, &Bucket { tat_ns: 0 }, BPF_NOEXIST as u64)
-        .is_ok()
-    {
+    if map.insert(key, &Bucket { tat_ns: 0 }, BPF_NOEXIST as u64).is_ok() {
         stats.bump(STAT_NEW_SOURCES);
     }
-    RL_SOURCES.get_ptr_mut(key)
+    map.get_ptr_mut(key)
 }
 
 /// Counts a rare event and logs it at the 1st, 2nd, 4th, 8th… occurrence on

@@ -49,7 +49,7 @@ const IPPROTO_DSTOPTS: u8 = 60;
 
 /// What the limiter needs from a packet.
 pub struct Packet {
-    /// Source address as four network-order words; IPv4 is IPv4-mapped.
+    /// Source address as four network-order words; IPv4 uses only `src[3]`.
     pub src: [u32; 4],
     pub is_v6: bool,
     /// L4 protocol number (after IPv6 extension headers).
@@ -130,7 +130,7 @@ fn parse_ipv4(ctx: &XdpContext, off: usize) -> Parsed {
     let frag_offset = u16::from_be_bytes([hdr[6], hdr[7]]) & 0x1fff;
     let src = u32::from_ne_bytes([hdr[12], hdr[13], hdr[14], hdr[15]]);
     let pkt = Packet {
-        src: [0, 0, rl_common::V4_MAPPED_WORD, src],
+        src: [0, 0, 0, src],
         is_v6: false,
         proto: hdr[9],
         dst_port: 0,

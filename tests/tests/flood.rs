@@ -146,7 +146,8 @@ fn ipv6_is_limited_per_64_by_default() {
     assert_accurate("IPv6 /64 number 3", n(apart_a), rate, burst, &sent[3..4]);
     assert_accurate("IPv6 /64 number 4", n(apart_b), rate, burst, &sent[4..5]);
     // Buckets: nets 1, 2, 3, 4 (plus link-local sources of neighbour discovery).
-    let keys = dp.sources().unwrap().keys().filter_map(Result::ok).filter(|k| k.addr_bytes()[0] == 0xfd).count();
+    let in_lab = |a: &IpAddr| matches!(a, IpAddr::V6(v6) if v6.octets()[0] == 0xfd);
+    let keys = dp.sources().unwrap().iter().filter(|s| in_lab(&s.addr)).count();
     assert_eq!(keys, 4, "expected one bucket per /64");
 }
 
