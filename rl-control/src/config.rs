@@ -10,6 +10,11 @@ use std::{fmt, ops::Range, path::Path};
 use serde::Deserialize;
 use toml::Spanned;
 
+use crate::{
+    rules::{validate_list, validate_rules, RawList, RawRule, Rule, MAX_LIST_CIDRS},
+    units::Cidr,
+};
+
 /// The configuration used when `rl-control run` gets no `--config`.
 pub const EMBEDDED_DEFAULT: &str = "\
 # rl's embedded default: every source held to 1000 packets/s, burst 2000.
@@ -36,6 +41,12 @@ pub const MAX_BURST: u64 = 1_000_000_000;
 pub struct Config {
     pub datapath: Datapath,
     pub default: DefaultLimit,
+    /// Sources never limited and never dropped by rules.
+    pub allow: Vec<Cidr>,
+    /// Sources always dropped (unless also allowed).
+    pub deny: Vec<Cidr>,
+    /// `[[rule]]`s in file order: the first match charges the packet.
+    pub rules: Vec<Rule>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -78,6 +89,27 @@ impl fmt::Display for ConfigError {
 
 impl std::error::Error for ConfigError {}
 
+/// The text being validated, to turn byte spans into located errors.
+pub(crate) struct Located<'a> {
+    pub text: &'a str,
+    pub origin: &'a str,
+}
+
+impl Located<'_> {
+    /// An error at `span` (an empty span at 0 names no place).
+    pub fn at(&self, span: Range<usize>, message: String) -> ConfigError {
+        ConfigError {
+            origin: self.origin.to_string(),
+            at: (span != (0..0)).then(|| self.line_col(span.start)),
+            message,
+        }
+    }
+
+    pub fn line_col(&self, offset: usize) -> (usize, usize) {
+        line_col(self.text, offset)
+    }
+}
+
 // The file's schema. Unknown keys are errors everywhere.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -85,6 +117,12 @@ struct RawConfig {
     #[serde(default)]
     datapath: RawDatapath,
     default: Option<Spanned<RawDefault>>,
+    #[serde(default)]
+    allow: Vec<RawList>,
+    #[serde(default)]
+    deny: Vec<RawList>,
+    #[serde(default)]
+    rule: Vec<Spanned<RawRule>>,
 }
 
 #[derive(Deserialize, Default)]
@@ -168,7 +206,21 @@ impl Config {
                 format!("[default] rate {rate} with burst {burst} cannot be represented: {e:?}"),
             ));
         }
-        Ok(Config { datapath, default })
+        let loc = Located { text, origin };
+        let allow = validate_list(&loc, "allow", &raw.allow)?;
+        let deny = validate_list(&loc, "deny", &raw.deny)?;
+        if allow.len() + deny.len() > MAX_LIST_CIDRS {
+            return Err(err(
+                None,
+                format!(
+                    "{} allow and {} deny CIDRs: the datapath holds at most {MAX_LIST_CIDRS} together",
+                    allow.len(),
+                    deny.len()
+                ),
+            ));
+        }
+        let rules = validate_rules(&loc, &raw.rule)?;
+        Ok(Config { datapath, default, allow, deny, rules })
     }
 }
 

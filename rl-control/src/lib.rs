@@ -1,6 +1,7 @@
 //! rl-control: the daemon and CLI of rl, the XDP rate limiter.
 //!
-//! Data flows one way: [`config`] (parse and validate the rule file) ➜
+//! Data flows one way: [`config`] (parse and validate the rule file, with
+//! [`rules`] for the rule language and [`units`] for its values) ➜
 //! [`compile`] (rules ➜ map entries) ➜ [`datapath`] (aya: load, attach, maps)
 //! ➜ [`daemon`] (run loop, signals, reload, periodic counters).
 
@@ -8,3 +9,5 @@ pub mod compile;
 pub mod config;
 pub mod daemon;
 pub mod datapath;
+pub mod rules;
+pub mod units;

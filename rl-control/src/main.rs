@@ -66,8 +66,11 @@ fn main() -> ExitCode {
         Command::CheckConfig { file } => Config::from_file(&file)
             .map(|c| {
                 println!(
-                    "{}: ok (every source held to {} packets/s, burst {}; up to {} sources)",
+                    "{}: ok ({} rules, {} allow and {} deny CIDRs; by default every source held to {} packets/s, burst {}; up to {} sources)",
                     file.display(),
+                    c.rules.len(),
+                    c.allow.len(),
+                    c.deny.len(),
                     c.default.rate,
                     c.default.burst,
                     c.datapath.max_sources

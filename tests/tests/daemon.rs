@@ -93,7 +93,7 @@ fn check_config_accepts_valid_and_locates_errors() {
     let ok = write(&dir, "ok.toml", "[datapath]\nmax_sources = 100\n[default]\nrate = 5\nburst = 10\n");
     let (status, out) = run_once(None, &["check-config", ok.to_str().unwrap()]).unwrap();
     assert!(status.success(), "{out}");
-    assert!(out.contains("ok (every source held to 5 packets/s, burst 10; up to 100 sources)"), "{out}");
+    assert!(out.contains("ok (0 rules, 0 allow and 0 deny CIDRs; by default every source held to 5 packets/s, burst 10; up to 100 sources)"), "{out}");
 
     let cases = [
         ("rate0.toml", "[default]\nrate = 0\n", "rate0.toml:2:8: default.rate = 0 is out of range: allowed 1..=100000000"),
