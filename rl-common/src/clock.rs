@@ -54,7 +54,13 @@ impl TickClock {
 
     /// Whether `limit` stays accurate when read through this clock.
     pub fn suits(&self, limit: &Limit) -> bool {
-        self.tick_ns != 0 && limit.burst_span_ns >= self.tick_ns.saturating_mul(COARSE_MIN_TICKS)
+        self.suits_span(limit.burst_span_ns)
+    }
+
+    /// Whether a limit whose shortest time scale (a token bucket's burst
+    /// span, a window's length) is `span_ns` stays accurate on this clock.
+    pub fn suits_span(&self, span_ns: u64) -> bool {
+        self.tick_ns != 0 && span_ns >= self.tick_ns.saturating_mul(COARSE_MIN_TICKS)
     }
 }
 

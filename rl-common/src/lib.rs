@@ -12,7 +12,8 @@
 pub mod clock;
 pub mod limiter;
 pub mod maps;
+pub mod window;
 
 pub use clock::TickClock;
-pub use limiter::{admit_shared, gcra, Admit, Limit, SharedWord};
+pub use limiter::{admit_shared, admit_with, gcra, gcra_cost, Admit, Limit, SharedWord};
 pub use maps::*;

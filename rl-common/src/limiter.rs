@@ -107,9 +107,16 @@ impl Limit {
 /// `None` if it must be dropped (the state is then left unchanged).
 #[inline(always)]
 pub const fn gcra(tat: u64, now: u64, limit: &Limit) -> Option<u64> {
+    gcra_cost(tat, now, limit.interval_ns, limit.burst_span_ns)
+}
+
+/// GCRA for a packet that costs `increment` ns of the bucket (a byte limit
+/// charges `bytes × ns per byte`): the bucket holds `burst_span_ns`.
+#[inline(always)]
+pub const fn gcra_cost(tat: u64, now: u64, increment: u64, burst_span_ns: u64) -> Option<u64> {
     let base = if tat > now { tat } else { now };
-    let new_tat = base.saturating_add(limit.interval_ns);
-    if new_tat - now <= limit.burst_span_ns {
+    let new_tat = base.saturating_add(increment);
+    if new_tat - now <= burst_span_ns {
         Some(new_tat)
     } else {
         None
@@ -137,15 +144,24 @@ pub enum Admit {
 /// update is lost.
 #[inline(always)]
 pub fn admit_shared<W: SharedWord>(cell: &W, now: u64, limit: &Limit) -> Admit {
-    let mut tat = cell.load();
+    admit_with(cell, |tat| gcra(tat, now, limit))
+}
+
+/// Charges one packet to the state word in `cell` with any one-word
+/// algorithm: `step` maps the current word to the new one, or to `None` when
+/// the packet must drop. Exact across CPUs for the same reason as GCRA: the
+/// word only moves by a compare-and-swap from the value `step` saw.
+#[inline(always)]
+pub fn admit_with<W: SharedWord, F: Fn(u64) -> Option<u64>>(cell: &W, step: F) -> Admit {
+    let mut word = cell.load();
     let mut tries = 0;
     while tries < CAS_RETRIES {
-        let Some(new_tat) = gcra(tat, now, limit) else {
+        let Some(new) = step(word) else {
             return Admit::Drop;
         };
-        match cell.compare_exchange(tat, new_tat) {
+        match cell.compare_exchange(word, new) {
             Ok(_) => return Admit::Pass,
-            Err(seen) => tat = seen,
+            Err(seen) => word = seen,
         }
         tries += 1;
     }

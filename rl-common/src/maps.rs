@@ -4,7 +4,7 @@
 
 use core::mem::size_of;
 
-use crate::{clock::TickClock, limiter::Limit};
+use crate::clock::TickClock;
 
 /// IPv4 buckets (`BPF_MAP_TYPE_LRU_HASH`, [`Key4`] ➜ [`Bucket`]).
 /// Its capacity is set at load time from `datapath.max_sources`.
@@ -71,9 +71,9 @@ impl Key6 {
     }
 }
 
-/// A bucket: the GCRA theoretical arrival time, in ktime nanoseconds (read
-/// directly or through [`TickClock`]).
-/// Updated only with compare-and-swap (see [`crate::admit_shared`]).
+/// A bucket: one state word of one limit (a GCRA theoretical arrival time
+/// in ktime nanoseconds, or a window counter, see [`crate::window`]).
+/// Updated only with compare-and-swap (see [`crate::admit_with`]).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Bucket {
@@ -83,35 +83,192 @@ const _: () = assert!(size_of::<Bucket>() == 8);
 
 /// What the daemon tells the datapath; entry 0 of [`MAP_CONFIG`].
 /// Until the daemon writes it, `enabled` is 0 and every packet passes.
+///
+/// Rule sets are double-buffered: every rule table has two slots, and a
+/// packet reads `slot` once and then looks only at that slot. A reload fills
+/// the other slot and flips `slot` with one write of this entry, so each
+/// packet sees the old rule set or the new one, never a mix.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DatapathConfig {
-    /// The `[default]` per-source limit.
-    pub default_limit: Limit,
-    /// Mask applied to IPv4 sources (network order), from `ipv4_prefix`.
-    pub v4_mask: u32,
-    /// 1 once the daemon has written a configuration.
-    pub enabled: u32,
-    /// Mask applied to IPv6 sources (network-order words), from `ipv6_prefix`.
-    pub v6_mask: [u32; 4],
     /// The tick clock, measured by the daemon at load.
     pub clock: TickClock,
-    /// 1 when `default_limit` reads time through `clock` (see
-    /// [`TickClock::suits`]), 0 for `bpf_ktime_get_ns`.
-    pub default_coarse: u32,
+    /// Unix-epoch nanoseconds minus ktime, for epoch-aligned windows.
+    pub epoch_offset_ns: u64,
+    /// 1 once the daemon has written a configuration.
+    pub enabled: u32,
+    /// The active slot, 0 or 1.
+    pub slot: u32,
+    /// `CFG_*` bits: which lookups the active rule set needs.
+    pub flags: u32,
     pub _pad: u32,
 }
-const _: () = assert!(size_of::<DatapathConfig>() == 64);
+const _: () = assert!(size_of::<DatapathConfig>() == 40);
 
-impl DatapathConfig {
-    /// This configuration with `clock`, each limit reading the tick clock
-    /// exactly when the clock [suits](TickClock::suits) it.
-    pub fn with_clock(mut self, clock: TickClock) -> Self {
-        self.clock = clock;
-        self.default_coarse = clock.suits(&self.default_limit) as u32;
+/// The active rule set has IPv4 allow/deny/src CIDRs: look sources up in
+/// [`MAP_LPM_V4`].
+pub const CFG_LPM_V4: u32 = 1;
+/// Likewise for IPv6 and [`MAP_LPM_V6`].
+pub const CFG_LPM_V6: u32 = 2;
+/// The active rule set has `[[rule]]`s: classify by [`MAP_L4`].
+pub const CFG_RULES: u32 = 4;
+
+/// Rules of both slots (`Array<RuleEntry>`): entry `slot × RULE_SLOTS + i`,
+/// `i = 0` being `[default]` and `i ≥ 1` the rules in file order.
+pub const MAP_RULES: &str = "RL_RULES";
+/// Most `[[rule]]`s plus `[default]`.
+pub const RULE_SLOTS: u32 = 1025;
+
+/// Protocol, port and SYN ➜ [`L4Entry`] (`Array<u32>`), per slot
+/// [`L4_SLOT_LEN`] entries: TCP without SYN-only match by port at
+/// [`L4_TCP`], TCP SYN (SYN set, ACK clear) at [`L4_TCP_SYN`], UDP at
+/// [`L4_UDP`], then ICMP, ICMPv6 and every other protocol.
+pub const MAP_L4: &str = "RL_L4";
+pub const L4_TCP: u32 = 0;
+pub const L4_TCP_SYN: u32 = 65_536;
+pub const L4_UDP: u32 = 131_072;
+pub const L4_ICMP: u32 = 196_608;
+pub const L4_ICMPV6: u32 = 196_609;
+pub const L4_OTHER: u32 = 196_610;
+pub const L4_SLOT_LEN: u32 = 196_611;
+
+/// What the L4 table says about a packet: `first` is the index of the first
+/// rule (file order) that matches its protocol, port and flags and has no
+/// `src` restriction (0: none, `[default]` applies unless a `src` rule does).
+/// `class` is nonzero when some rule with a `src` list comes before `first`:
+/// then [`MAP_DECIDE`] settles it with the source's class.
+pub struct L4Entry;
+impl L4Entry {
+    pub const fn pack(class: u16, first: u16) -> u32 {
+        (class as u32) << 16 | first as u32
+    }
+    pub const fn class(v: u32) -> u16 {
+        (v >> 16) as u16
+    }
+    pub const fn first(v: u32) -> u16 {
+        v as u16
+    }
+}
+
+/// Source CIDRs (`LpmTrie`): allow, deny and every rule's `src`, per slot.
+/// The key's data is `[slot, address bytes…]`, its prefix length
+/// `8 + CIDR length`. The value is a [`CidrEntry`].
+pub const MAP_LPM_V4: &str = "RL_LPM4";
+pub const MAP_LPM_V6: &str = "RL_LPM6";
+
+/// The longest CIDR matching a source: whether the source is allowed or
+/// denied (allow wins over deny whatever the lengths), and its source class:
+/// which rules' `src` lists contain it.
+pub struct CidrEntry;
+pub const LIST_NONE: u32 = 0;
+pub const LIST_ALLOW: u32 = 1;
+pub const LIST_DENY: u32 = 2;
+impl CidrEntry {
+    pub const fn pack(list: u32, src_class: u16) -> u32 {
+        (src_class as u32) << 16 | list
+    }
+    pub const fn list(v: u32) -> u32 {
+        v & 0xff
+    }
+    pub const fn src_class(v: u32) -> u16 {
+        (v >> 16) as u16
+    }
+}
+
+/// (slot, L4 class, source class) ➜ rule index (`HashMap<u64, u32>`); a
+/// missing entry means `first` of the L4 entry.
+pub const MAP_DECIDE: &str = "RL_DECIDE";
+pub const fn decide_key(slot: u32, l4_class: u16, src_class: u16) -> u64 {
+    (slot as u64) << 48 | (l4_class as u64) << 16 | src_class as u64
+}
+
+/// Per-CPU [`RuleStats`] (`PerCpuArray`): entry `slot × RULE_SLOTS + i` for
+/// rule `i`, then [`RSTAT_ALLOW`] and [`RSTAT_DENY`].
+pub const MAP_RULE_STATS: &str = "RL_RSTATS";
+pub const RSTAT_ALLOW: u32 = 2 * RULE_SLOTS;
+pub const RSTAT_DENY: u32 = 2 * RULE_SLOTS + 1;
+pub const RSTAT_LEN: u32 = 2 * RULE_SLOTS + 2;
+
+/// One rule's counters on one CPU.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RuleStats {
+    pub passed_pkts: u64,
+    pub passed_bytes: u64,
+    pub dropped_pkts: u64,
+    pub dropped_bytes: u64,
+    /// Would have dropped, passed because the rule's action is `shadow`.
+    pub shadow_pkts: u64,
+    pub shadow_bytes: u64,
+}
+
+/// Most limits on one rule (packet and byte limits counted separately).
+pub const MAX_LIMITS: usize = 4;
+
+/// `LimitEntry::kind` values (low byte) and flags.
+pub const LIMIT_GCRA: u32 = 0;
+pub const LIMIT_FIXED: u32 = 1;
+pub const LIMIT_SLIDING: u32 = 2;
+/// Counts bytes instead of packets.
+pub const LIMIT_BYTES: u32 = 1 << 8;
+/// Reads the tick clock instead of ktime (see [`TickClock::suits`]).
+pub const LIMIT_COARSE: u32 = 1 << 9;
+
+/// One compiled limit.
+///
+/// - GCRA: `a` = ns per counted unit in fixed point (`<< shift`), `b` =
+///   burst span in ns; a packet costs `(units × a) >> shift` ns.
+/// - Windows: `a` = window length in ns, `b` = cap per window in units of
+///   `2^shift` bytes (packets: `shift = 0`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LimitEntry {
+    pub kind: u32,
+    pub shift: u32,
+    pub a: u64,
+    pub b: u64,
+}
+const _: () = assert!(size_of::<LimitEntry>() == 24);
+
+impl LimitEntry {
+    /// This limit reading the tick clock exactly when `clock` suits it.
+    pub fn with_clock(mut self, clock: &TickClock) -> Self {
+        let span = if self.kind & 0xff == LIMIT_GCRA { self.b } else { self.a };
+        self.kind &= !LIMIT_COARSE;
+        if clock.suits_span(span) {
+            self.kind |= LIMIT_COARSE;
+        }
         self
     }
 }
+
+/// `RuleEntry::flags`.
+pub const RULE_SHADOW: u32 = 1;
+pub const RULE_ELASTIC: u32 = 2;
+
+/// One rule (or `[default]`) as the datapath applies it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RuleEntry {
+    /// Bucket keys use `id | limit index` (the low 3 bits of `id` are 0).
+    /// The daemon derives it from the rule's definition, so a rule that did
+    /// not change keeps its buckets across reloads and a changed one starts
+    /// fresh.
+    pub id: u32,
+    pub flags: u32,
+    pub n_limits: u32,
+    /// Mask for IPv4 keys (network order): the `[datapath]` prefix for
+    /// `key = "source"`, the rule's for `"prefix"`, 0 for `"global"`.
+    pub v4_mask: u32,
+    pub v6_mask: [u32; 4],
+    pub limits: [LimitEntry; MAX_LIMITS],
+    /// The shared pool of an elastic rule (bucket index [`POOL_INDEX`], address 0).
+    pub pool: LimitEntry,
+}
+const _: () = assert!(size_of::<RuleEntry>() == 152);
+
+/// Bucket-key index of an elastic rule's pool.
+pub const POOL_INDEX: u32 = 7;
 
 /// The `N` network-order words (as read from packet memory) of a mask that
 /// keeps the first `prefix` bits of a `32 × N`-bit address.
@@ -172,6 +329,9 @@ mod pod {
     unsafe impl aya::Pod for super::Bucket {}
     unsafe impl aya::Pod for super::DatapathConfig {}
     unsafe impl aya::Pod for super::Stats {}
+    unsafe impl aya::Pod for super::RuleStats {}
+    unsafe impl aya::Pod for super::LimitEntry {}
+    unsafe impl aya::Pod for super::RuleEntry {}
 }
 
 #[cfg(test)]

@@ -1,53 +1,526 @@
 //! Config ➜ map entries: the only place that knows both the rule file and the
 //! datapath's layouts.
+//!
+//! Classification is precomputed so the datapath's per-packet cost does not
+//! grow with the number of rules or CIDRs:
+//! - one LPM lookup of the source gives allow/deny and the source's *class*
+//!   (which rules' `src` lists contain it);
+//! - one array lookup by (protocol, port, SYN) gives the first rule without a
+//!   `src` list that matches, and an *L4 class* when rules with `src` lists
+//!   come before it;
+//! - only then, one hash lookup of (L4 class, source class) picks the rule.
 
-use rl_common::{prefix_mask_words, DatapathConfig, Limit};
+use std::{
+    collections::{hash_map::DefaultHasher, BTreeSet, HashMap},
+    hash::{Hash, Hasher},
+    net::IpAddr,
+};
 
-use crate::config::Config;
+use rl_common::{
+    decide_key, prefix_mask_words, CidrEntry, L4Entry, LimitEntry, RuleEntry, CFG_LPM_V4, CFG_LPM_V6,
+    CFG_RULES, L4_ICMP, L4_ICMPV6, L4_OTHER, L4_SLOT_LEN, L4_TCP, L4_TCP_SYN, L4_UDP, LIMIT_BYTES,
+    LIMIT_FIXED, LIMIT_GCRA, LIMIT_SLIDING, LIST_ALLOW, LIST_DENY, LIST_NONE, MAX_LIMITS, RULE_ELASTIC,
+    RULE_SHADOW,
+};
+
+use crate::{
+    config::Config,
+    rules::{Action, Algorithm, KeyScope, Mode, Proto, Rate, Rule, Unit},
+    units::Cidr,
+};
+
+const NS: u128 = 1_000_000_000;
 
 /// What the datapath needs from a [`Config`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Compiled {
-    /// Capacity of the per-source LRU map (fixed at load time).
+    /// Capacity of each per-source LRU map (fixed at load time).
     pub max_sources: u32,
-    /// Entry 0 of the config map.
-    pub datapath: DatapathConfig,
+    pub rules: RuleSet,
+}
+
+/// One slot's worth of classification tables and rule entries.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RuleSet {
+    /// `CFG_*` bits.
+    pub flags: u32,
+    /// Index 0 is `[default]`, then the rules in file order.
+    pub entries: Vec<RuleEntry>,
+    /// Names, indexed like `entries` (`"default"` first).
+    pub names: Vec<String>,
+    /// [`L4_SLOT_LEN`] packed [`L4Entry`] values.
+    pub l4: Vec<u32>,
+    /// Trie entries and their packed [`CidrEntry`] values.
+    pub lpm: Vec<(Cidr, u32)>,
+    /// (L4 class, source class) ➜ rule index.
+    pub decide: Vec<((u16, u16), u32)>,
+}
+
+impl RuleSet {
+    /// The decision key of `l4_class` and `src_class` in `slot`.
+    pub fn decide_key(slot: u32, l4_class: u16, src_class: u16) -> u64 {
+        decide_key(slot, l4_class, src_class)
+    }
+
+    /// The rule index the datapath picks for a packet: the same lookups, in
+    /// the same order, from the compiled tables. Host tests compare it with
+    /// a direct reading of the precedence rules.
+    pub fn classify(&self, src: IpAddr, l4_index: u32) -> Verdict {
+        let best = self
+            .lpm
+            .iter()
+            .filter(|(c, _)| c.covers(&Cidr { addr: src, len: if src.is_ipv4() { 32 } else { 128 } }))
+            .max_by_key(|(c, _)| c.len);
+        let (list, src_class) = best.map_or((LIST_NONE, 0), |(_, v)| (CidrEntry::list(*v), CidrEntry::src_class(*v)));
+        match list {
+            LIST_ALLOW => return Verdict::Allow,
+            LIST_DENY => return Verdict::Deny,
+            _ => {}
+        }
+        let e = self.l4[l4_index as usize];
+        let mut rule = L4Entry::first(e) as u32;
+        if L4Entry::class(e) != 0 {
+            if let Some((_, r)) = self.decide.iter().find(|(k, _)| *k == (L4Entry::class(e), src_class)) {
+                rule = *r;
+            }
+        }
+        Verdict::Rule(rule)
+    }
+}
+
+/// Where a packet goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    Allow,
+    Deny,
+    /// Charged to this rule index (0 = `[default]`).
+    Rule(u32),
 }
 
 pub fn compile(config: &Config) -> Compiled {
-    let d = &config.datapath;
-    let [v4_mask] = prefix_mask_words::<1>(d.ipv4_prefix);
     Compiled {
-        max_sources: d.max_sources,
-        datapath: DatapathConfig {
-            default_limit: Limit::per_second(config.default.rate, config.default.burst)
-                .expect("validated by config: rate and burst are representable"),
-            v4_mask,
-            enabled: 1,
-            v6_mask: prefix_mask_words::<4>(d.ipv6_prefix),
-            // Filled in by the datapath, which measures the kernel tick.
-            ..DatapathConfig::default()
-        },
+        max_sources: config.datapath.max_sources,
+        rules: compile_rules(config),
     }
+}
+
+fn compile_rules(config: &Config) -> RuleSet {
+    let d = &config.datapath;
+    let mut entries = Vec::with_capacity(config.rules.len() + 1);
+    let mut names = vec!["default".to_string()];
+    let default_rate = Rate { amount: config.default.rate, per_secs: 1, burst: config.default.burst };
+    entries.push(RuleEntry {
+        id: stable_id(&("default", default_rate, d.ipv4_prefix, d.ipv6_prefix)),
+        n_limits: 1,
+        v4_mask: prefix_mask_words::<1>(d.ipv4_prefix)[0],
+        v6_mask: prefix_mask_words::<4>(d.ipv6_prefix),
+        limits: [gcra(Unit::Packets, &default_rate), LimitEntry::default(), LimitEntry::default(), LimitEntry::default()],
+        ..RuleEntry::default()
+    });
+    for r in &config.rules {
+        names.push(r.name.clone());
+        entries.push(rule_entry(r, d.ipv4_prefix, d.ipv6_prefix));
+    }
+    // Unique ids within the set (a collision would make two rules share buckets).
+    let mut used = BTreeSet::new();
+    for e in entries.iter_mut() {
+        while !used.insert(e.id) {
+            e.id = e.id.wrapping_add(8);
+        }
+    }
+
+    let (lpm, src_classes) = compile_sources(config);
+    let (l4, decide) = compile_l4(&config.rules, &src_classes);
+    let mut flags = 0;
+    if lpm.iter().any(|(c, _)| c.addr.is_ipv4()) {
+        flags |= CFG_LPM_V4;
+    }
+    if lpm.iter().any(|(c, _)| c.addr.is_ipv6()) {
+        flags |= CFG_LPM_V6;
+    }
+    if !config.rules.is_empty() {
+        flags |= CFG_RULES;
+    }
+    RuleSet { flags, entries, names, l4, lpm, decide }
+}
+
+/// A 32-bit id of a definition, stable while the daemon runs, low 3 bits 0.
+fn stable_id(what: &impl Hash) -> u32 {
+    let mut h = DefaultHasher::new();
+    what.hash(&mut h);
+    let v = h.finish();
+    ((v ^ (v >> 32)) as u32) & !7
+}
+
+fn rule_entry(r: &Rule, v4_default: u8, v6_default: u8) -> RuleEntry {
+    let (v4, v6) = match r.key {
+        KeyScope::Source => (v4_default, v6_default),
+        KeyScope::Prefix { v4, v6 } => (v4, v6),
+        KeyScope::Global => (0, 0),
+    };
+    // The state's identity: what its buckets mean. Matching fields are
+    // included too: a rule that now matches other traffic starts fresh.
+    let id = stable_id(&(r, v4, v6));
+    let mut limits = [LimitEntry::default(); MAX_LIMITS];
+    for (slot, l) in limits.iter_mut().zip(&r.limits) {
+        let mut rate = l.rate;
+        if let Mode::Soft { percent } = r.mode {
+            let scale = |n: u64| (n as u128 * (100 + percent as u128) / 100).min(u64::MAX as u128) as u64;
+            rate.amount = scale(rate.amount);
+            rate.burst = scale(rate.burst);
+        }
+        *slot = match r.algorithm {
+            Algorithm::TokenBucket => gcra(l.unit, &rate),
+            Algorithm::FixedWindow => window(LIMIT_FIXED, rl_common::window::FIXED_MAX, l.unit, &rate),
+            Algorithm::SlidingWindow => window(LIMIT_SLIDING, rl_common::window::SLIDING_MAX, l.unit, &rate),
+        };
+    }
+    let mut flags = 0;
+    if r.action == Action::Shadow {
+        flags |= RULE_SHADOW;
+    }
+    let mut pool = LimitEntry::default();
+    if let Mode::Elastic { pool: p } = r.mode {
+        flags |= RULE_ELASTIC;
+        pool = gcra(Unit::Packets, &p);
+    }
+    RuleEntry {
+        id,
+        flags,
+        n_limits: r.limits.len() as u32,
+        v4_mask: if v4 == 0 { 0 } else { prefix_mask_words::<1>(v4)[0] },
+        v6_mask: if v6 == 0 { [0; 4] } else { prefix_mask_words::<4>(v6) },
+        limits,
+        pool,
+    }
+}
+
+/// A token bucket: GCRA with ns per unit in fixed point, as fine as fits
+/// (a 64 KiB packet times the cost must stay below 2⁶³).
+fn gcra(unit: Unit, rate: &Rate) -> LimitEntry {
+    let per_ns = rate.per_secs as u128 * NS;
+    let mut shift = 0;
+    let cost = |s: u32| (per_ns << s) / rate.amount as u128;
+    if unit == Unit::Bytes {
+        while shift < 32 && cost(shift + 1) * 65_536 < (1u128 << 63) {
+            shift += 1;
+        }
+    }
+    let a = cost(shift).max(1);
+    let b = (per_ns * rate.burst as u128 / rate.amount as u128).min(u64::MAX as u128 / 2);
+    LimitEntry {
+        kind: LIMIT_GCRA | if unit == Unit::Bytes { LIMIT_BYTES } else { 0 },
+        shift,
+        a: a.min(u64::MAX as u128 / 2) as u64,
+        b: b as u64,
+    }
+}
+
+/// A window counter; byte caps above what the word holds count in units of
+/// `2^shift` bytes.
+fn window(kind: u32, cap: u64, unit: Unit, rate: &Rate) -> LimitEntry {
+    let mut shift = 0;
+    while rate.amount >> shift > cap {
+        shift += 1;
+    }
+    LimitEntry {
+        kind: kind | if unit == Unit::Bytes { LIMIT_BYTES } else { 0 },
+        shift,
+        a: rate.per_secs * NS as u64,
+        b: rate.amount >> shift,
+    }
+}
+
+/// Every CIDR the trie needs, with its list and source class, and each
+/// class's set of rule indices (class 0: the empty set).
+fn compile_sources(config: &Config) -> (Vec<(Cidr, u32)>, Vec<BTreeSet<u32>>) {
+    let mut prefixes: BTreeSet<Cidr> = BTreeSet::new();
+    prefixes.extend(config.allow.iter().copied());
+    prefixes.extend(config.deny.iter().copied());
+    let mut src_of: HashMap<Cidr, Vec<u32>> = HashMap::new();
+    for (i, r) in config.rules.iter().enumerate() {
+        for c in &r.src {
+            prefixes.insert(*c);
+            src_of.entry(*c).or_default().push(i as u32 + 1);
+        }
+    }
+    let allow: HashMap<(bool, u8), BTreeSet<Vec<u8>>> = by_len(&config.allow);
+    let deny = by_len(&config.deny);
+    let src_list: Vec<Cidr> = src_of.keys().copied().collect();
+    let srcs = by_len(&src_list);
+    // Whether any CIDR in `set` covers `c`: one probe per length present.
+    let covered_by = |set: &HashMap<(bool, u8), BTreeSet<Vec<u8>>>, c: &Cidr| -> Vec<Cidr> {
+        let v4 = c.addr.is_ipv4();
+        set.iter()
+            .filter(|((fam, len), _)| *fam == v4 && *len <= c.len)
+            .filter_map(|((_, len), nets)| {
+                let m = crate::units::mask(&c.octets(), *len);
+                nets.contains(&m).then(|| Cidr { addr: addr_of(&m), len: *len })
+            })
+            .collect()
+    };
+    let mut classes: Vec<BTreeSet<u32>> = vec![BTreeSet::new()];
+    let mut class_ids: HashMap<BTreeSet<u32>, u16> = HashMap::from([(BTreeSet::new(), 0)]);
+    let mut out = Vec::with_capacity(prefixes.len());
+    for c in prefixes {
+        let list = if !covered_by(&allow, &c).is_empty() {
+            LIST_ALLOW
+        } else if !covered_by(&deny, &c).is_empty() {
+            LIST_DENY
+        } else {
+            LIST_NONE
+        };
+        let set: BTreeSet<u32> = covered_by(&srcs, &c).iter().flat_map(|n| src_of[n].iter().copied()).collect();
+        let next = classes.len() as u16;
+        let class = *class_ids.entry(set.clone()).or_insert_with(|| {
+            classes.push(set);
+            next
+        });
+        out.push((c, CidrEntry::pack(list, class)));
+    }
+    (out, classes)
+}
+
+fn by_len(cidrs: &[Cidr]) -> HashMap<(bool, u8), BTreeSet<Vec<u8>>> {
+    let mut m: HashMap<(bool, u8), BTreeSet<Vec<u8>>> = HashMap::new();
+    for c in cidrs {
+        m.entry((c.addr.is_ipv4(), c.len)).or_default().insert(c.octets());
+    }
+    m
+}
+
+fn addr_of(b: &[u8]) -> IpAddr {
+    match b.len() {
+        4 => IpAddr::from(<[u8; 4]>::try_from(b).expect("4 bytes")),
+        _ => IpAddr::from(<[u8; 16]>::try_from(b).expect("16 bytes")),
+    }
+}
+
+/// Which L4 table indices a rule matches.
+fn l4_ranges(r: &Rule) -> Vec<(u32, u32)> {
+    let ports: Vec<(u32, u32)> = if r.dst_ports.is_empty() {
+        vec![(0, 65_535)]
+    } else {
+        r.dst_ports.iter().map(|&(a, b)| (a as u32, b as u32)).collect()
+    };
+    let at = |base: u32| ports.iter().map(move |&(a, b)| (base + a, base + b));
+    let mut out = Vec::new();
+    let tcp = |out: &mut Vec<(u32, u32)>| {
+        if !r.syn_only {
+            out.extend(at(L4_TCP));
+        }
+        out.extend(at(L4_TCP_SYN));
+    };
+    match r.proto {
+        Proto::Tcp => tcp(&mut out),
+        Proto::Udp => out.extend(at(L4_UDP)),
+        Proto::Icmp => out.push((L4_ICMP, L4_ICMP)),
+        Proto::Icmpv6 => out.push((L4_ICMPV6, L4_ICMPV6)),
+        Proto::Any => {
+            tcp(&mut out);
+            out.extend(at(L4_UDP));
+            if r.dst_ports.is_empty() {
+                out.push((L4_ICMP, L4_OTHER));
+            }
+        }
+    }
+    out
+}
+
+/// The L4 table and the decision entries.
+fn compile_l4(rules: &[Rule], src_classes: &[BTreeSet<u32>]) -> (Vec<u32>, Vec<((u16, u16), u32)>) {
+    // Elementary intervals: the matching rule list is constant between
+    // consecutive range boundaries.
+    let ranges: Vec<Vec<(u32, u32)>> = rules.iter().map(l4_ranges).collect();
+    let mut cuts: BTreeSet<u32> = BTreeSet::from([0, L4_SLOT_LEN]);
+    for rs in &ranges {
+        for &(a, b) in rs {
+            cuts.insert(a);
+            cuts.insert(b + 1);
+        }
+    }
+    let cuts: Vec<u32> = cuts.into_iter().collect();
+    let mut l4 = vec![0u32; L4_SLOT_LEN as usize];
+    let mut class_ids: HashMap<Vec<u32>, u16> = HashMap::new();
+    let mut classes: Vec<Vec<u32>> = Vec::new();
+    for w in cuts.windows(2) {
+        let (lo, hi) = (w[0], w[1]);
+        let mut pre = Vec::new();
+        let mut first = 0;
+        for (i, rs) in ranges.iter().enumerate() {
+            if !rs.iter().any(|&(a, b)| a <= lo && lo <= b) {
+                continue;
+            }
+            if rules[i].src.is_empty() {
+                first = i as u32 + 1;
+                break;
+            }
+            pre.push(i as u32 + 1);
+        }
+        let class = if pre.is_empty() {
+            0
+        } else {
+            let next = classes.len() as u16 + 1;
+            *class_ids.entry(pre.clone()).or_insert_with(|| {
+                classes.push(pre);
+                next
+            })
+        };
+        for x in lo..hi {
+            l4[x as usize] = L4Entry::pack(class, first as u16);
+        }
+    }
+    let mut decide = Vec::new();
+    for (ci, pre) in classes.iter().enumerate() {
+        for (si, set) in src_classes.iter().enumerate() {
+            if let Some(r) = pre.iter().find(|r| set.contains(r)) {
+                decide.push(((ci as u16 + 1, si as u16), *r));
+            }
+        }
+    }
+    (l4, decide)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    fn config(text: &str) -> Config {
+        Config::from_str(text, "x").unwrap()
+    }
 
     #[test]
-    fn compiles_limit_and_masks() {
-        let c = Config::from_str(
-            "[datapath]\nipv4_prefix = 24\nipv6_prefix = 48\n[default]\nrate = 100\nburst = 7\n",
-            "x",
-        )
-        .unwrap();
-        let out = compile(&c);
-        assert_eq!(out.datapath.default_limit.interval_ns, 10_000_000);
-        assert_eq!(out.datapath.default_limit.burst_span_ns, 70_000_000);
-        assert_eq!(out.datapath.v4_mask.to_ne_bytes(), [255, 255, 255, 0]);
-        assert_eq!(out.datapath.v6_mask[1].to_ne_bytes(), [255, 255, 0, 0]);
-        assert_eq!(out.datapath.enabled, 1);
-        assert_eq!(out.max_sources, 1 << 20);
+    fn compiles_the_default_limit_and_masks() {
+        let c = compile(&config("[datapath]\nipv4_prefix = 24\nipv6_prefix = 48\n[default]\nrate = 100\nburst = 7\n"));
+        let d = &c.rules.entries[0];
+        assert_eq!((d.limits[0].a, d.limits[0].b, d.n_limits), (10_000_000, 70_000_000, 1));
+        assert_eq!(d.v4_mask.to_ne_bytes(), [255, 255, 255, 0]);
+        assert_eq!(d.v6_mask[1].to_ne_bytes(), [255, 255, 0, 0]);
+        assert_eq!(c.rules.flags, 0, "no rules, no CIDRs: the datapath skips classification");
+        assert_eq!(c.max_sources, 1 << 20);
+    }
+
+    #[test]
+    fn unchanged_rules_keep_their_ids_and_changed_ones_do_not() {
+        let a = compile(&config("[default]\nrate = 5\n[[rule]]\nname = \"a\"\nrate = 1\n[[rule]]\nname = \"b\"\nrate = 2\n"));
+        let b = compile(&config("[default]\nrate = 5\n[[rule]]\nname = \"b\"\nrate = 2\n[[rule]]\nname = \"a\"\nrate = 3\n"));
+        assert_eq!(a.rules.entries[0].id, b.rules.entries[0].id, "default unchanged");
+        assert_eq!(a.rules.entries[2].id, b.rules.entries[1].id, "rule b unchanged (moved)");
+        assert_ne!(a.rules.entries[1].id, b.rules.entries[2].id, "rule a changed its rate");
+        assert!(a.rules.entries.iter().all(|e| e.id & 7 == 0));
+    }
+
+    #[test]
+    fn limits_compile_per_algorithm_and_unit() {
+        let c = compile(&config(
+            "[default]\nrate = 5\n[[rule]]\nname = \"a\"\nbytes = \"1MB\"\nbyte_burst = \"2MB\"\n\
+             [[rule]]\nname = \"b\"\nrate = 100\nper = \"10s\"\nalgorithm = \"sliding_window\"\n\
+             [[rule]]\nname = \"c\"\nrate = 10\nburst = 20\nmode = \"soft\"\nsoft_percent = 50\n",
+        ));
+        let a = c.rules.entries[1].limits[0];
+        assert_eq!(a.kind, LIMIT_GCRA | LIMIT_BYTES);
+        // 1 MB/s = 1000 ns per byte; a 1000-byte packet costs 1 ms.
+        assert_eq!((1000 * a.a) >> a.shift, 1_000_000);
+        assert_eq!(a.b, 2_000_000_000, "2 MB of burst lasts 2 s");
+        let b = c.rules.entries[2].limits[0];
+        assert_eq!((b.kind, b.a, b.b, b.shift), (LIMIT_SLIDING, 10_000_000_000, 100, 0));
+        let soft = c.rules.entries[3].limits[0];
+        assert_eq!((soft.a, soft.b), (66_666_666, 66_666_666 * 30 + 20), "15/s, burst 30");
+    }
+
+    /// The precedence rules read directly from the config: allow, deny, the
+    /// first matching rule in file order, the default.
+    fn reference(config: &Config, src: IpAddr, l4_index: u32) -> Verdict {
+        let host = Cidr { addr: src, len: if src.is_ipv4() { 32 } else { 128 } };
+        if config.allow.iter().any(|c| c.covers(&host)) {
+            return Verdict::Allow;
+        }
+        if config.deny.iter().any(|c| c.covers(&host)) {
+            return Verdict::Deny;
+        }
+        for (i, r) in config.rules.iter().enumerate() {
+            let l4 = l4_ranges(r).iter().any(|&(a, b)| a <= l4_index && l4_index <= b);
+            let src_ok = r.src.is_empty() || r.src.iter().any(|c| c.covers(&host));
+            if l4 && src_ok {
+                return Verdict::Rule(i as u32 + 1);
+            }
+        }
+        Verdict::Rule(0)
+    }
+
+    #[test]
+    fn allow_wins_over_a_longer_deny_and_deny_over_rules() {
+        let c = config(
+            "[default]\nrate = 5\n[[allow]]\ncidr = \"10.0.0.0/8\"\n[[deny]]\ncidr = \"10.1.0.0/16\"\n\
+             [[deny]]\ncidr = \"192.0.2.0/24\"\n[[rule]]\nname = \"r\"\nsrc = [\"192.0.2.0/25\"]\nrate = 1\n",
+        );
+        let rs = compile(&c).rules;
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        assert_eq!(rs.classify(ip("10.1.2.3"), L4_UDP + 53), Verdict::Allow);
+        assert_eq!(rs.classify(ip("192.0.2.9"), L4_UDP + 53), Verdict::Deny);
+        assert_eq!(rs.classify(ip("198.51.100.1"), L4_UDP + 53), Verdict::Rule(0));
+    }
+
+    fn arb_rule(i: usize) -> impl Strategy<Value = String> {
+        let proto = prop_oneof![Just("any"), Just("tcp"), Just("udp"), Just("icmp"), Just("icmpv6")];
+        let ports = proptest::option::of(proptest::collection::vec((1u16..40, 0u16..5), 1..3));
+        let syn = any::<bool>();
+        let src = proptest::option::of(proptest::collection::vec((0u8..4, prop_oneof![Just(8u8), Just(16), Just(24)]), 1..3));
+        (proto, ports, syn, src).prop_map(move |(proto, ports, syn, src)| {
+            let mut s = format!("[[rule]]\nname = \"r{i}\"\nrate = 1\nproto = \"{proto}\"\n");
+            if let (Some(p), false) = (&ports, proto.starts_with("icmp")) {
+                let list: Vec<String> = p.iter().map(|(a, w)| format!("\"{}-{}\"", a, a + w)).collect();
+                s += &format!("dst_ports = [{}]\n", list.join(", "));
+            }
+            if syn && proto == "tcp" {
+                s += "tcp_flags = \"syn\"\n";
+            }
+            if let Some(src) = src {
+                let list: Vec<String> = src
+                    .iter()
+                    .map(|(n, len)| {
+                        let net = crate::units::mask(&[10, *n, *n, 0], *len);
+                        format!("\"{}.{}.{}.{}/{len}\"", net[0], net[1], net[2], net[3])
+                    })
+                    .collect();
+                s += &format!("src = [{}]\n", list.join(", "));
+            }
+            s
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        /// The compiled tables pick exactly the verdict the precedence rules
+        /// give, for random rule sets and packets.
+        #[test]
+        fn compiled_classification_equals_first_match(
+            rules in proptest::collection::vec(0usize..1, 0..8).prop_flat_map(|v| {
+                v.iter().enumerate().map(|(i, _)| arb_rule(i)).collect::<Vec<_>>()
+            }),
+            allow in proptest::option::of((0u8..4, 0u8..4)),
+            deny in proptest::option::of((0u8..4, 0u8..4)),
+            packets in proptest::collection::vec((0u8..4, 0u8..4, 0u32..6, 0u16..45), 1..60),
+        ) {
+            let mut text = String::from("[default]\nrate = 5\n");
+            if let Some((a, b)) = allow { text += &format!("[[allow]]\ncidr = \"10.{a}.{b}.0/24\"\n"); }
+            if let Some((a, _)) = deny { text += &format!("[[deny]]\ncidr = \"10.{a}.0.0/16\"\n"); }
+            text += &rules.concat();
+            let c = config(&text);
+            let rs = compile(&c).rules;
+            for (a, b, kind, port) in packets {
+                let src = IpAddr::from([10, a, b, 7]);
+                let l4 = match kind {
+                    0 => L4_TCP + port as u32,
+                    1 => L4_TCP_SYN + port as u32,
+                    2 => L4_UDP + port as u32,
+                    3 => L4_ICMP,
+                    4 => L4_ICMPV6,
+                    _ => L4_OTHER,
+                };
+                prop_assert_eq!(rs.classify(src, l4), reference(&c, src, l4), "{} at {}\n{}", src, l4, text);
+            }
+        }
     }
 }

@@ -115,7 +115,7 @@ fn reload(dp: &mut Datapath, opts: &RunOptions, current: &mut Config) {
         );
         compiled.max_sources = current.datapath.max_sources;
     }
-    match dp.set_config(&compiled.datapath) {
+    match dp.install(&compiled.rules) {
         Ok(()) => {
             info!(
                 "reloaded {}: every source held to {} packets/s, burst {}",

@@ -5,6 +5,7 @@
 //! between the object and rl-common fails at start-up, not at lookup.
 
 use std::{
+    collections::HashMap as StdHashMap,
     error::Error as StdError,
     ffi::CString,
     fmt, io,
@@ -19,13 +20,15 @@ use aya::{
 };
 use aya_log::EbpfLogger;
 use rl_common::{
-    Bucket, DatapathConfig, Key4, Key6, Stats, TickClock, MAP_CONFIG, MAP_SOURCES_V4, MAP_SOURCES_V6, MAP_STATS,
+    Bucket, DatapathConfig, Key4, Key6, RuleEntry, RuleStats, Stats, TickClock, MAP_CONFIG,
+    MAP_DECIDE, MAP_L4, MAP_LPM_V4, MAP_LPM_V6, MAP_RULES, MAP_RULE_STATS, MAP_SOURCES_V4,
+    MAP_SOURCES_V6, MAP_STATS, RSTAT_ALLOW, RSTAT_DENY, RULE_SLOTS,
     PROG_CLOCK, PROG_FLOOR, PROG_LIMITER, STAT_COUNT, STAT_NAMES,
 };
 use thiserror::Error;
 use tracing::warn;
 
-use crate::compile::Compiled;
+use crate::compile::{Compiled, RuleSet};
 
 /// The XDP object, built by `cargo xtask build` and embedded at compile time.
 static OBJECT: &[u8] = aya::include_bytes_aligned!(env!("RL_EBPF_OBJ"));
@@ -157,6 +160,39 @@ impl fmt::Display for Counters {
     }
 }
 
+fn map_mut<'a, M>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<M, DatapathError>
+where
+    M: TryFrom<&'a mut aya::maps::Map, Error = aya::maps::MapError>,
+{
+    let map = ebpf
+        .map_mut(name)
+        .ok_or_else(|| DatapathError::Load(format!("map {name} is missing")))?;
+    M::try_from(map).map_err(|e| map_error(name, e))
+}
+
+/// Unix-epoch time minus `CLOCK_MONOTONIC` (the clock `bpf_ktime_get_ns`
+/// reads), in ns, modulo 2⁶⁴.
+fn epoch_offset_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    let mono = ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64;
+    let real = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    real.wrapping_sub(mono)
+}
+
+fn add_stats<'a>(into: &mut RuleStats, from: impl Iterator<Item = &'a RuleStats>) {
+    for s in from {
+        into.passed_pkts += s.passed_pkts;
+        into.passed_bytes += s.passed_bytes;
+        into.dropped_pkts += s.dropped_pkts;
+        into.dropped_bytes += s.dropped_bytes;
+        into.shadow_pkts += s.shadow_pkts;
+        into.shadow_bytes += s.shadow_bytes;
+    }
+}
+
 /// One bucket: a source (masked to its aggregation prefix) under one limit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Source {
@@ -188,7 +224,32 @@ pub struct Datapath {
     ebpf: Ebpf,
     attachment: Option<Attachment>,
     clock: TickClock,
+    /// Unix-epoch ns minus ktime ns, for epoch-aligned windows.
+    epoch_offset_ns: u64,
+    /// The slot packets read now (`None` before the first install).
+    active: Option<u32>,
+    /// When the last flip happened: a slot is rewritten only after packets
+    /// that read the old value have surely finished.
+    flipped_at: Instant,
+    /// What each slot holds, to write only differences and to attribute
+    /// counters to rule names.
+    slots: [SlotContents; 2],
+    /// Counters of rule names from slots since rewritten.
+    retired: StdHashMap<String, RuleStats>,
 }
+
+/// A slot's tables as last written.
+#[derive(Default)]
+struct SlotContents {
+    names: Vec<String>,
+    l4: Vec<u32>,
+    lpm: Vec<(crate::units::Cidr, u32)>,
+    decide: Vec<u64>,
+}
+
+/// XDP programs finish within microseconds; waiting this long after a flip
+/// before rewriting the old slot leaves a wide margin.
+const SLOT_GRACE: Duration = Duration::from_millis(20);
 
 impl Datapath {
     /// Loads the object, sizes the source map and writes the configuration.
@@ -212,10 +273,16 @@ impl Datapath {
             ebpf,
             attachment: None,
             clock: TickClock::default(),
+            epoch_offset_ns: 0,
+            active: None,
+            flipped_at: Instant::now(),
+            slots: Default::default(),
+            retired: StdHashMap::new(),
         };
         dp.load_program(PROG_LIMITER)?;
         dp.clock = dp.calibrate_clock()?;
-        dp.set_config(&compiled.datapath)?;
+        dp.epoch_offset_ns = epoch_offset_ns();
+        dp.install(&compiled.rules)?;
         // Fail now, not later, if the object's maps do not match rl-common.
         dp.counters()?;
         dp.sources()?;
@@ -312,18 +379,142 @@ impl Datapath {
         }
     }
 
-    /// Replaces the configuration the datapath reads on every packet. One map
-    /// update: each packet sees the old entry or the new one. The measured
-    /// tick clock is filled in here.
-    pub fn set_config(&mut self, cfg: &DatapathConfig) -> Result<(), DatapathError> {
-        let cfg = &cfg.with_clock(self.clock);
+    /// Makes `rules` the active rule set: writes every table of the inactive
+    /// slot, then flips `slot` in the config entry with one map write, so
+    /// each packet sees the old rule set or the new one, never a mix, and
+    /// there is no instant without limits. Buckets are keyed by rule ids that
+    /// only change when a rule does, so unchanged rules keep their state.
+    pub fn install(&mut self, rules: &RuleSet) -> Result<(), DatapathError> {
+        let slot = self.active.map_or(0, |s| s ^ 1);
+        let since = self.flipped_at.elapsed();
+        if since < SLOT_GRACE {
+            std::thread::sleep(SLOT_GRACE - since);
+        }
+        let base = slot * RULE_SLOTS;
+
+        // Counters of the rules this slot held go to their names' totals.
+        let old = std::mem::take(&mut self.slots[slot as usize]);
+        {
+            let mut stats: PerCpuArray<&mut MapData, RuleStats> = map_mut(&mut self.ebpf, MAP_RULE_STATS)?;
+            let cpus = aya::util::nr_cpus().map_err(|(_, e)| map_error(MAP_RULE_STATS, e))?;
+            let zero = || {
+                aya::maps::PerCpuValues::try_from(vec![RuleStats::default(); cpus]).map_err(|e| map_error(MAP_RULE_STATS, e))
+            };
+            for (i, name) in old.names.iter().enumerate() {
+                let idx = base + i as u32;
+                let per_cpu = stats.get(&idx, 0).map_err(|e| map_error(MAP_RULE_STATS, e))?;
+                add_stats(self.retired.entry(name.clone()).or_default(), per_cpu.iter());
+                stats.set(idx, zero()?, 0).map_err(|e| map_error(MAP_RULE_STATS, e))?;
+            }
+        }
+
+        let mut entries: Array<&mut MapData, RuleEntry> = map_mut(&mut self.ebpf, MAP_RULES)?;
+        for (i, e) in rules.entries.iter().enumerate() {
+            let mut e = *e;
+            for l in e.limits.iter_mut() {
+                *l = l.with_clock(&self.clock);
+            }
+            e.pool = e.pool.with_clock(&self.clock);
+            entries.set(base + i as u32, e, 0).map_err(|e| map_error(MAP_RULES, e))?;
+        }
+
+        let mut l4: Array<&mut MapData, u32> = map_mut(&mut self.ebpf, MAP_L4)?;
+        let l4_base = slot * rl_common::L4_SLOT_LEN;
+        for (i, v) in rules.l4.iter().enumerate() {
+            if old.l4.get(i).copied().unwrap_or(0) != *v {
+                l4.set(l4_base + i as u32, v, 0).map_err(|e| map_error(MAP_L4, e))?;
+            }
+        }
+
+        for (c, _) in &old.lpm {
+            self.lpm_write(slot, c, None)?;
+        }
+        for (c, v) in &rules.lpm {
+            self.lpm_write(slot, c, Some(*v))?;
+        }
+
+        let mut decide: HashMap<&mut MapData, u64, u32> = map_mut(&mut self.ebpf, MAP_DECIDE)?;
+        for k in &old.decide {
+            let _ = decide.remove(k);
+        }
+        let mut keys = Vec::with_capacity(rules.decide.len());
+        for ((l4c, srcc), rule) in &rules.decide {
+            let k = RuleSet::decide_key(slot, *l4c, *srcc);
+            decide.insert(k, rule, 0).map_err(|e| map_error(MAP_DECIDE, e))?;
+            keys.push(k);
+        }
+
+        let cfg = DatapathConfig {
+            clock: self.clock,
+            epoch_offset_ns: self.epoch_offset_ns,
+            enabled: 1,
+            slot,
+            flags: rules.flags,
+            _pad: 0,
+        };
+        let mut config: Array<&mut MapData, DatapathConfig> = map_mut(&mut self.ebpf, MAP_CONFIG)?;
+        config.set(0, cfg, 0).map_err(|e| map_error(MAP_CONFIG, e))?;
+        self.active = Some(slot);
+        self.flipped_at = Instant::now();
+        self.slots[slot as usize] = SlotContents {
+            names: rules.names.clone(),
+            l4: rules.l4.clone(),
+            lpm: rules.lpm.clone(),
+            decide: keys,
+        };
+        Ok(())
+    }
+
+    fn lpm_write(&mut self, slot: u32, c: &crate::units::Cidr, value: Option<u32>) -> Result<(), DatapathError> {
+        use aya::maps::lpm_trie::{Key, LpmTrie};
+        let prefix = 8 + c.len as u32;
+        match c.addr {
+            IpAddr::V4(a) => {
+                let mut data = [0u8; 5];
+                data[0] = slot as u8;
+                data[1..].copy_from_slice(&a.octets());
+                let mut trie: LpmTrie<&mut MapData, [u8; 5], u32> = map_mut(&mut self.ebpf, MAP_LPM_V4)?;
+                let key = Key::new(prefix, data);
+                match value {
+                    Some(v) => trie.insert(&key, v, 0).map_err(|e| map_error(MAP_LPM_V4, e)),
+                    None => trie.remove(&key).map_err(|e| map_error(MAP_LPM_V4, e)),
+                }
+            }
+            IpAddr::V6(a) => {
+                let mut data = [0u8; 17];
+                data[0] = slot as u8;
+                data[1..].copy_from_slice(&a.octets());
+                let mut trie: LpmTrie<&mut MapData, [u8; 17], u32> = map_mut(&mut self.ebpf, MAP_LPM_V6)?;
+                let key = Key::new(prefix, data);
+                match value {
+                    Some(v) => trie.insert(&key, v, 0).map_err(|e| map_error(MAP_LPM_V6, e)),
+                    None => trie.remove(&key).map_err(|e| map_error(MAP_LPM_V6, e)),
+                }
+            }
+        }
+    }
+
+    /// Packets and bytes per rule name (plus `allow` and `deny`), summed
+    /// over CPUs and over every slot the name has been in since load.
+    pub fn rule_stats(&self) -> Result<std::collections::BTreeMap<String, RuleStats>, DatapathError> {
         let map = self
             .ebpf
-            .map_mut(MAP_CONFIG)
-            .ok_or_else(|| DatapathError::Load(format!("map {MAP_CONFIG} is missing")))?;
-        let mut arr: Array<&mut MapData, DatapathConfig> =
-            Array::try_from(map).map_err(|e| map_error(MAP_CONFIG, e))?;
-        arr.set(0, cfg, 0).map_err(|e| map_error(MAP_CONFIG, e))
+            .map(MAP_RULE_STATS)
+            .ok_or_else(|| DatapathError::Load(format!("map {MAP_RULE_STATS} is missing")))?;
+        let stats: PerCpuArray<&MapData, RuleStats> = PerCpuArray::try_from(map).map_err(|e| map_error(MAP_RULE_STATS, e))?;
+        let mut out: std::collections::BTreeMap<String, RuleStats> =
+            self.retired.iter().map(|(k, v)| (k.clone(), *v)).collect();
+        if let Some(slot) = self.active {
+            for (i, name) in self.slots[slot as usize].names.iter().enumerate() {
+                let per_cpu = stats.get(&(slot * RULE_SLOTS + i as u32), 0).map_err(|e| map_error(MAP_RULE_STATS, e))?;
+                add_stats(out.entry(name.clone()).or_default(), per_cpu.iter());
+            }
+        }
+        for (name, idx) in [("allow", RSTAT_ALLOW), ("deny", RSTAT_DENY)] {
+            let per_cpu = stats.get(&idx, 0).map_err(|e| map_error(MAP_RULE_STATS, e))?;
+            add_stats(out.entry(name.to_string()).or_default(), per_cpu.iter());
+        }
+        Ok(out)
     }
 
     /// The configuration the datapath is reading now.
