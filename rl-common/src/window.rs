@@ -19,6 +19,9 @@ pub const FIXED_MAX: u64 = FIXED_COUNT_MASK;
 /// `max` again at the start of the next.
 #[inline(always)]
 pub fn fixed_window(word: u64, now: u64, window_ns: u64, max: u64, cost: u64) -> Option<u64> {
+    if window_ns == 0 {
+        return None;
+    }
     let w = (now / window_ns) & FIXED_INDEX_MASK;
     let count = if word >> FIXED_COUNT_BITS == w { word & FIXED_COUNT_MASK } else { 0 };
     let next = count + cost;
@@ -42,6 +45,9 @@ pub const SLIDING_MAX: u64 = SLIDE_MASK;
 /// within `max`.
 #[inline(always)]
 pub fn sliding_window(word: u64, now: u64, window_ns: u64, max: u64, cost: u64) -> Option<u64> {
+    if window_ns == 0 {
+        return None;
+    }
     let full = now / window_ns;
     let into = now - full * window_ns;
     let w = full & 0xff;
@@ -56,7 +62,7 @@ pub fn sliding_window(word: u64, now: u64, window_ns: u64, max: u64, cost: u64) 
     // Fraction of the window still ahead, in 1/65536. Both terms are scaled
     // down for windows over 2⁴⁷ ns (39 h) so the shift cannot overflow.
     let s = if window_ns >> 47 != 0 { 16 } else { 0 };
-    let left = (((window_ns - into) >> s) << 16) / (window_ns >> s);
+    let left = (((window_ns - into) >> s) << 16) / (window_ns >> s).max(1);
     let weighted = (prev * left + 0xffff) >> 16;
     let next = cur + cost;
     if weighted + next > max {

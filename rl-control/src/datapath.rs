@@ -297,8 +297,14 @@ impl Datapath {
             .try_into()
             .map_err(|e: ProgramError| DatapathError::Load(chain(&e)))?;
         prog.load().map_err(|e| {
+            // The verifier rejects unsafe programs with EACCES: that is a
+            // bug in the program, not missing privileges, and its log says why.
+            let text = chain(&e);
+            if text.contains("erifier") && unsafe { libc::geteuid() } == 0 {
+                return DatapathError::Load(format!("program {name}: {text}"));
+            }
             classify("loading the XDP program", &e)
-                .unwrap_or_else(|| DatapathError::Load(format!("program {name}: {}", chain(&e))))
+                .unwrap_or_else(|| DatapathError::Load(format!("program {name}: {text}")))
         })
     }
 

@@ -1,35 +1,64 @@
-//! Per-source limiting: the source's bucket in an LRU hash, charged with the
-//! shared GCRA arithmetic from rl-common through one compare-and-swap.
+//! Classify ➜ charge. Which rule a packet belongs to comes from tables the
+//! daemon precomputed (see rl-control's `compile`): at most one LPM lookup of
+//! the source, one array lookup by protocol/port/SYN, and rarely one hash
+//! lookup. The rule's limits are then charged with the shared arithmetic
+//! from rl-common, each state word through compare-and-swap.
 
 use core::intrinsics::{atomic_cxchg, AtomicOrdering};
 
 use aya_ebpf::{
-    bindings::BPF_NOEXIST,
+    bindings::{BPF_F_NO_PREALLOC, BPF_NOEXIST},
     helpers::{bpf_jiffies64, bpf_ktime_get_ns},
     macros::map,
-    maps::{Array, LruHashMap, PerCpuArray},
+    maps::{lpm_trie::Key, Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
     programs::XdpContext,
     Global,
 };
 use aya_log_ebpf::debug;
 use rl_common::{
-    admit_shared, Admit, Bucket, DatapathConfig, Key4, Key6, SharedWord, RULE_DEFAULT,
+    admit_with, decide_key, gcra_cost,
+    window::{fixed_window, sliding_window},
+    Admit, Bucket, CidrEntry, DatapathConfig, Key4, Key6, L4Entry, LimitEntry, RuleEntry, RuleStats,
+    SharedWord, CFG_LPM_V4, CFG_LPM_V6, CFG_RULES, L4_ICMP, L4_ICMPV6, L4_OTHER, L4_SLOT_LEN, L4_TCP,
+    L4_TCP_SYN, L4_UDP, LIMIT_BYTES, LIMIT_COARSE, LIMIT_FIXED, LIMIT_GCRA, LIST_ALLOW, LIST_DENY,
+    MAX_LIMITS, POOL_INDEX, RSTAT_ALLOW, RSTAT_DENY, RSTAT_LEN, RULE_ELASTIC, RULE_SHADOW, RULE_SLOTS,
     STAT_CONTENDED, STAT_NEW_SOURCES, STAT_NO_STATE,
 };
 
-use crate::{parse::Packet, stats::Counters};
+use crate::{
+    parse::{Packet, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP},
+    stats::Counters,
+};
 
-/// Buckets by masked source, one map per family (see rl_common::MAP_SOURCES_V6).
-/// The daemon sets the real capacity at load (`datapath.max_sources`); LRU
-/// eviction bounds memory under floods of random sources.
+/// Buckets by (limit, masked source), one map per family (see
+/// rl_common::MAP_SOURCES_V6). The daemon sets the real capacity at load
+/// (`datapath.max_sources`); LRU eviction bounds memory under floods of
+/// random sources.
 #[map(name = "RL_SRC4")]
 static RL_SRC4: LruHashMap<Key4, Bucket> = LruHashMap::with_max_entries(65_536, 0);
 #[map(name = "RL_SRC6")]
 static RL_SRC6: LruHashMap<Key6, Bucket> = LruHashMap::with_max_entries(65_536, 0);
 
-/// Runtime configuration, written by the daemon before it attaches.
+/// Runtime configuration, written by the daemon; the last write of a reload.
 #[map(name = "RL_CONFIG")]
 static RL_CONFIG: Array<DatapathConfig> = Array::with_max_entries(1, 0);
+
+#[map(name = "RL_RULES")]
+static RL_RULES: Array<RuleEntry> = Array::with_max_entries(2 * RULE_SLOTS, 0);
+
+#[map(name = "RL_L4")]
+static RL_L4: Array<u32> = Array::with_max_entries(2 * L4_SLOT_LEN, 0);
+
+#[map(name = "RL_LPM4")]
+static RL_LPM4: LpmTrie<[u8; 5], u32> = LpmTrie::with_max_entries(2 * 327_680, BPF_F_NO_PREALLOC);
+#[map(name = "RL_LPM6")]
+static RL_LPM6: LpmTrie<[u8; 17], u32> = LpmTrie::with_max_entries(2 * 327_680, BPF_F_NO_PREALLOC);
+
+#[map(name = "RL_DECIDE")]
+static RL_DECIDE: HashMap<u64, u32> = HashMap::with_max_entries(1 << 21, BPF_F_NO_PREALLOC);
+
+#[map(name = "RL_RSTATS")]
+static RL_RSTATS: PerCpuArray<RuleStats> = PerCpuArray::with_max_entries(RSTAT_LEN, 0);
 
 /// Per-CPU counts of rare events, used only to rate-limit their log lines.
 #[map(name = "RL_LOG_SEEN")]
@@ -52,7 +81,7 @@ pub enum Verdict {
 }
 
 #[inline(always)]
-pub fn limit_source(ctx: &XdpContext, pkt: &Packet, stats: &Counters) -> Verdict {
+pub fn limit(ctx: &XdpContext, pkt: &Packet, stats: &Counters, len: u64) -> Verdict {
     let Some(cfg) = RL_CONFIG.get(0) else {
         return Verdict::Pass;
     };
@@ -60,6 +89,7 @@ pub fn limit_source(ctx: &XdpContext, pkt: &Packet, stats: &Counters) -> Verdict
         // Not configured yet (the daemon attaches only after writing config).
         return Verdict::Pass;
     }
+    let slot = cfg.slot & 1;
     let mut src = pkt.src;
     if RL_BENCH_NEW_SOURCES.load() != 0 {
         if let Some(salt) = RL_BENCH.get_ptr_mut(0) {
@@ -69,32 +99,255 @@ pub fn limit_source(ctx: &XdpContext, pkt: &Packet, stats: &Counters) -> Verdict
             }
         }
     }
-    let bucket = if pkt.is_v6 {
-        let m = &cfg.v6_mask;
+
+    // allow / deny / source class: one longest-prefix lookup.
+    let mut src_class = 0;
+    if let Some(v) = lpm(cfg, slot, pkt.is_v6, &src) {
+        match CidrEntry::list(v) {
+            LIST_ALLOW => {
+                count(RSTAT_ALLOW, len, Counted::Passed);
+                return Verdict::Pass;
+            }
+            LIST_DENY => {
+                count(RSTAT_DENY, len, Counted::Dropped);
+                return Verdict::Drop;
+            }
+            _ => src_class = CidrEntry::src_class(v),
+        }
+    }
+
+    // The rule: the first match in file order, precomputed.
+    let mut index = 0;
+    if cfg.flags & CFG_RULES != 0 {
+        if let Some(e) = RL_L4.get(slot * L4_SLOT_LEN + l4_index(pkt)) {
+            index = L4Entry::first(*e) as u32;
+            let class = L4Entry::class(*e);
+            if class != 0 {
+                if let Some(r) = unsafe { RL_DECIDE.get(&decide_key(slot, class, src_class)) } {
+                    index = *r;
+                }
+            }
+        }
+    }
+    let entry = slot * RULE_SLOTS + index;
+    let Some(rule) = RL_RULES.get(entry) else {
+        return Verdict::Pass;
+    };
+
+    let verdict = charge(ctx, cfg, rule, pkt.is_v6, &src, len, stats);
+    match verdict {
+        Verdict::Pass => count(entry, len, Counted::Passed),
+        Verdict::Drop if rule.flags & RULE_SHADOW != 0 => {
+            count(entry, len, Counted::Shadow);
+            return Verdict::Pass;
+        }
+        Verdict::Drop => count(entry, len, Counted::Dropped),
+    }
+    verdict
+}
+
+#[inline(always)]
+fn lpm(cfg: &DatapathConfig, slot: u32, is_v6: bool, src: &[u32; 4]) -> Option<u32> {
+    if is_v6 {
+        if cfg.flags & CFG_LPM_V6 == 0 {
+            return None;
+        }
+        let mut data = [0u8; 17];
+        data[0] = slot as u8;
+        for i in 0..4 {
+            let b = src[i].to_ne_bytes();
+            data[1 + 4 * i] = b[0];
+            data[2 + 4 * i] = b[1];
+            data[3 + 4 * i] = b[2];
+            data[4 + 4 * i] = b[3];
+        }
+        RL_LPM6.get(Key::new(8 + 128, data)).copied()
+    } else {
+        if cfg.flags & CFG_LPM_V4 == 0 {
+            return None;
+        }
+        let b = src[3].to_ne_bytes();
+        RL_LPM4.get(Key::new(8 + 32, [slot as u8, b[0], b[1], b[2], b[3]])).copied()
+    }
+}
+
+#[inline(always)]
+fn l4_index(pkt: &Packet) -> u32 {
+    const SYN: u8 = 0x02;
+    const ACK: u8 = 0x10;
+    let port = pkt.dst_port as u32;
+    match pkt.proto {
+        IPPROTO_TCP if pkt.tcp_flags & (SYN | ACK) == SYN => L4_TCP_SYN + port,
+        IPPROTO_TCP => L4_TCP + port,
+        IPPROTO_UDP => L4_UDP + port,
+        IPPROTO_ICMP => L4_ICMP,
+        IPPROTO_ICMPV6 => L4_ICMPV6,
+        _ => L4_OTHER,
+    }
+}
+
+enum Counted {
+    Passed,
+    Dropped,
+    Shadow,
+}
+
+#[inline(always)]
+fn count(index: u32, len: u64, what: Counted) {
+    if let Some(s) = RL_RSTATS.get_ptr_mut(index) {
+        // Per-CPU entry: only this CPU writes it.
+        let s = unsafe { &mut *s };
+        match what {
+            Counted::Passed => {
+                s.passed_pkts += 1;
+                s.passed_bytes += len;
+            }
+            Counted::Dropped => {
+                s.dropped_pkts += 1;
+                s.dropped_bytes += len;
+            }
+            Counted::Shadow => {
+                s.shadow_pkts += 1;
+                s.shadow_bytes += len;
+            }
+        }
+    }
+}
+
+/// The bucket of limit `which` of `rule` for this source.
+#[inline(always)]
+fn bucket_of(rule: &RuleEntry, which: u32, is_v6: bool, src: &[u32; 4], stats: &Counters) -> Option<*mut Bucket> {
+    if is_v6 {
+        let m = &rule.v6_mask;
         let key = Key6 {
-            rule: RULE_DEFAULT,
+            rule: rule.id | which,
             addr: [src[0] & m[0], src[1] & m[1], src[2] & m[2], src[3] & m[3]],
         };
         bucket(&RL_SRC6, &key, stats)
     } else {
         let key = Key4 {
-            rule: RULE_DEFAULT,
-            addr: src[3] & cfg.v4_mask,
+            rule: rule.id | which,
+            addr: src[3] & rule.v4_mask,
         };
         bucket(&RL_SRC4, &key, stats)
-    };
-    let Some(bucket) = bucket else {
-        rare_event(ctx, stats, STAT_NO_STATE);
+    }
+}
+
+/// Charges the packet to every limit of `rule`; all must pass. They are
+/// checked first and charged only if all would pass, so a packet dropped by
+/// one limit does not spend the others (a race between the check and the
+/// charge can still spend an earlier one: never more than the limits allow).
+#[inline(always)]
+fn charge(
+    ctx: &XdpContext,
+    cfg: &DatapathConfig,
+    rule: &RuleEntry,
+    is_v6: bool,
+    src: &[u32; 4],
+    len: u64,
+    stats: &Counters,
+) -> Verdict {
+    let n = rule.n_limits as usize;
+    if n == 1 {
+        // The common case: one limit, no separate check.
+        let Some(b) = bucket_of(rule, 0, is_v6, src, stats) else {
+            rare_event(ctx, stats, STAT_NO_STATE);
+            return Verdict::Drop;
+        };
+        return match admit(ctx, cfg, &rule.limits[0], b, len, stats) {
+            Verdict::Pass => Verdict::Pass,
+            Verdict::Drop => elastic(ctx, cfg, rule, is_v6, len, stats),
+        };
+    }
+    // Check every limit first (buckets are looked up again to charge them:
+    // the verifier cannot track map pointers kept in a stack array).
+    for i in 0..MAX_LIMITS {
+        if i >= n {
+            break;
+        }
+        let Some(b) = bucket_of(rule, i as u32, is_v6, src, stats) else {
+            rare_event(ctx, stats, STAT_NO_STATE);
+            return Verdict::Drop;
+        };
+        let word = Tat(unsafe { &raw mut (*b).tat_ns }).load();
+        if step(cfg, &rule.limits[i], len, word).is_none() {
+            return elastic(ctx, cfg, rule, is_v6, len, stats);
+        }
+    }
+    for i in 0..MAX_LIMITS {
+        if i >= n {
+            break;
+        }
+        let Some(b) = bucket_of(rule, i as u32, is_v6, src, stats) else {
+            return Verdict::Drop;
+        };
+        if let Verdict::Drop = admit(ctx, cfg, &rule.limits[i], b, len, stats) {
+            return Verdict::Drop;
+        }
+    }
+    Verdict::Pass
+}
+
+/// An elastic rule lets a key that is over its own limit through while the
+/// rule's shared pool has room; otherwise the drop stands.
+#[inline(always)]
+fn elastic(ctx: &XdpContext, cfg: &DatapathConfig, rule: &RuleEntry, is_v6: bool, len: u64, stats: &Counters) -> Verdict {
+    if rule.flags & RULE_ELASTIC == 0 {
+        return Verdict::Drop;
+    }
+    let Some(b) = bucket_of(rule, POOL_INDEX, is_v6, &[0; 4], stats) else {
         return Verdict::Drop;
     };
-    let now = if cfg.default_coarse != 0 {
-        // Inlined by the verifier into one load; see rl_common::clock.
+    admit(ctx, cfg, &rule.pool, b, len, stats)
+}
+
+/// The limit's clock: the inlined tick clock when it suits the limit.
+#[inline(always)]
+fn now(cfg: &DatapathConfig, limit: &LimitEntry) -> u64 {
+    if limit.kind & LIMIT_COARSE != 0 {
         cfg.clock.at(unsafe { bpf_jiffies64() })
     } else {
         unsafe { bpf_ktime_get_ns() }
+    }
+}
+
+/// One limit's step on its state word (see rl_common::limiter and ::window),
+/// for the read-only check of multi-limit rules.
+#[inline(always)]
+fn step(cfg: &DatapathConfig, limit: &LimitEntry, len: u64, word: u64) -> Option<u64> {
+    let t = now(cfg, limit);
+    let units = if limit.kind & LIMIT_BYTES != 0 { len } else { 1 };
+    match limit.kind & 0xff {
+        LIMIT_GCRA => gcra_cost(word, t, (units * limit.a) >> (limit.shift & 63), limit.b),
+        kind => {
+            let cost = (units + (1 << (limit.shift & 63)) - 1) >> (limit.shift & 63);
+            let epoch_ns = t.wrapping_add(cfg.epoch_offset_ns);
+            if kind == LIMIT_FIXED {
+                fixed_window(word, epoch_ns, limit.a, limit.b, cost)
+            } else {
+                sliding_window(word, epoch_ns, limit.a, limit.b, cost)
+            }
+        }
+    }
+}
+
+/// Charges one limit: the clock and the cost are computed once, then the
+/// algorithm's own compare-and-swap loop runs.
+#[inline(always)]
+fn admit(ctx: &XdpContext, cfg: &DatapathConfig, limit: &LimitEntry, b: *mut Bucket, len: u64, stats: &Counters) -> Verdict {
+    let cell = Tat(unsafe { &raw mut (*b).tat_ns });
+    let t = now(cfg, limit);
+    let units = if limit.kind & LIMIT_BYTES != 0 { len } else { 1 };
+    let shift = limit.shift & 63;
+    let (a, b) = (limit.a, limit.b);
+    let outcome = match limit.kind & 0xff {
+        LIMIT_GCRA => {
+            let inc = (units * a) >> shift;
+            admit_with(&cell, |w| gcra_cost(w, t, inc, b))
+        }
+        _ => admit_window(cfg, limit, &cell, t, units),
     };
-    let cell = Tat(unsafe { &raw mut (*bucket).tat_ns });
-    match admit_shared(&cell, now, &cfg.default_limit) {
+    match outcome {
         Admit::Pass => Verdict::Pass,
         Admit::Drop => Verdict::Drop,
         Admit::Contended => {
@@ -104,8 +357,23 @@ pub fn limit_source(ctx: &XdpContext, pkt: &Packet, stats: &Counters) -> Verdict
     }
 }
 
-/// A bucket's TAT word. It lives in map memory shared by all CPUs, so it is
-/// only read whole and only changed by compare-and-swap.
+/// Window limits, out of line: a BPF-to-BPF call costs a few ns, and keeping
+/// their code out of the token-bucket path keeps that path's registers free.
+#[inline(never)]
+fn admit_window(cfg: &DatapathConfig, limit: &LimitEntry, cell: &Tat, t: u64, units: u64) -> Admit {
+    let shift = limit.shift & 63;
+    let (a, b) = (limit.a, limit.b);
+    let cost = (units + (1 << shift) - 1) >> shift;
+    let epoch_ns = t.wrapping_add(cfg.epoch_offset_ns);
+    if limit.kind & 0xff == LIMIT_FIXED {
+        admit_with(cell, |w| fixed_window(w, epoch_ns, a, b, cost))
+    } else {
+        admit_with(cell, |w| sliding_window(w, epoch_ns, a, b, cost))
+    }
+}
+
+/// A bucket's state word. It lives in map memory shared by all CPUs, so it
+/// is only read whole and only changed by compare-and-swap.
 struct Tat(*mut u64);
 
 impl SharedWord for Tat {
@@ -146,7 +414,8 @@ fn bucket<K>(map: &LruHashMap<K, Bucket>, key: &K, stats: &Counters) -> Option<*
 
 /// Counts a rare event and logs it at the 1st, 2nd, 4th, 8th… occurrence on
 /// this CPU, so a storm of them costs a handful of log records, not one each.
-#[inline(always)]
+/// Out of line: the logging code is large and never on the hot path.
+#[inline(never)]
 fn rare_event(ctx: &XdpContext, stats: &Counters, stat: u32) {
     stats.bump(stat);
     if let Some(seen) = RL_LOG_SEEN.get_ptr_mut(stat) {

@@ -1,8 +1,9 @@
 //! rl's XDP program: parse ➜ limit ➜ count, one verdict per packet.
 //!
-//! The per-packet path does no string work and no loops over rules: one
-//! config lookup, one LRU hash lookup (plus an insert for a new source), one
-//! compare-and-swap, and two per-CPU counter increments.
+//! The per-packet path does no string work and no loops over rules: a config
+//! lookup, the precomputed classification (see `limit`), one LRU hash lookup
+//! per limit of the matched rule (plus an insert for a new source), one
+//! compare-and-swap each, and per-CPU counters.
 #![no_std]
 #![no_main]
 // compare-and-swap on map memory: see `limit::Tat`.
@@ -25,7 +26,7 @@ pub fn rl(ctx: XdpContext) -> u32 {
         return xdp_action::XDP_PASS;
     };
     let len = (ctx.data_end() - ctx.data()) as u64;
-    match try_rl(&ctx, &stats) {
+    match try_rl(&ctx, &stats, len) {
         Verdict::Pass => {
             stats.passed(len);
             xdp_action::XDP_PASS
@@ -38,7 +39,7 @@ pub fn rl(ctx: XdpContext) -> u32 {
 }
 
 #[inline(always)]
-fn try_rl(ctx: &XdpContext, stats: &Counters) -> Verdict {
+fn try_rl(ctx: &XdpContext, stats: &Counters, len: u64) -> Verdict {
     let pkt = match parse::parse(ctx) {
         Parsed::Ip(pkt) => pkt,
         Parsed::NotIp => {
@@ -50,7 +51,7 @@ fn try_rl(ctx: &XdpContext, stats: &Counters) -> Verdict {
             return Verdict::Drop;
         }
     };
-    limit::limit_source(ctx, &pkt, stats)
+    limit::limit(ctx, &pkt, stats, len)
 }
 
 /// The benchmark floor: the cheapest XDP program there is.
