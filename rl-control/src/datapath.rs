@@ -523,6 +523,18 @@ impl Datapath {
         Ok(out)
     }
 
+    /// Rule `index` (0 = `[default]`) of the active rule set, as the
+    /// datapath reads it.
+    pub fn active_rule(&self, index: u32) -> Result<RuleEntry, DatapathError> {
+        let map = self
+            .ebpf
+            .map(MAP_RULES)
+            .ok_or_else(|| DatapathError::Load(format!("map {MAP_RULES} is missing")))?;
+        let arr: Array<&MapData, RuleEntry> = Array::try_from(map).map_err(|e| map_error(MAP_RULES, e))?;
+        arr.get(&(self.active.unwrap_or(0) * RULE_SLOTS + index), 0)
+            .map_err(|e| map_error(MAP_RULES, e))
+    }
+
     /// The configuration the datapath is reading now.
     pub fn config(&self) -> Result<DatapathConfig, DatapathError> {
         let map = self

@@ -50,7 +50,8 @@ fn single_source_flood(rate: u64, burst: u64, mode: AttachMode, cpus: &[Option<u
         "the measured kernel tick {} ns is not 1e9/HZ for any usual HZ",
         clock.tick_ns
     );
-    assert_eq!(dp.config().unwrap().default_coarse, coarse as u32, "clock choice for {rate} pps burst {burst}");
+    let kind = dp.active_rule(0).unwrap().limits[0].kind;
+    assert_eq!(kind & rl_common::LIMIT_COARSE != 0, coarse, "clock choice for {rate} pps burst {burst}");
     let rx = Receiver::start(&lab.b).unwrap();
     let senders: Vec<_> = cpus.iter().map(|cpu| flood(&lab.a, lab.v4(1), lab.v4(2), FLOOD, *cpu)).collect();
     let sent: Vec<Sent> = senders.into_iter().map(|h| join(h).unwrap()).collect();
