@@ -501,7 +501,7 @@ impl Datapath {
     }
 
     /// Packets and bytes per rule name (plus `allow` and `deny`), summed
-    /// over CPUs and over every slot the name has been in since load.
+    /// over CPUs and over every rule set the name has been in since load.
     pub fn rule_stats(&self) -> Result<std::collections::BTreeMap<String, RuleStats>, DatapathError> {
         let map = self
             .ebpf
@@ -510,7 +510,8 @@ impl Datapath {
         let stats: PerCpuArray<&MapData, RuleStats> = PerCpuArray::try_from(map).map_err(|e| map_error(MAP_RULE_STATS, e))?;
         let mut out: std::collections::BTreeMap<String, RuleStats> =
             self.retired.iter().map(|(k, v)| (k.clone(), *v)).collect();
-        if let Some(slot) = self.active {
+        // Both slots: the inactive one keeps its counts until it is rewritten.
+        for slot in 0..2u32 {
             for (i, name) in self.slots[slot as usize].names.iter().enumerate() {
                 let per_cpu = stats.get(&(slot * RULE_SLOTS + i as u32), 0).map_err(|e| map_error(MAP_RULE_STATS, e))?;
                 add_stats(out.entry(name.clone()).or_default(), per_cpu.iter());
