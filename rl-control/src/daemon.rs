@@ -23,6 +23,46 @@ pub struct RunOptions {
     pub config: Option<PathBuf>,
     pub mode: AttachMode,
     pub stats_interval: Duration,
+    /// Written after attaching, removed on exit; `rl-control reload` reads it.
+    pub pid_file: Option<PathBuf>,
+    /// Reload when the config file changes on disk.
+    pub watch: bool,
+}
+
+/// How often the config file is checked for changes.
+const WATCH_INTERVAL: Duration = Duration::from_secs(1);
+
+/// `rl-control reload`: SIGHUP to the daemon named in `pid_file`.
+pub fn signal_reload(pid_file: &std::path::Path) -> Result<()> {
+    let text = std::fs::read_to_string(pid_file).with_context(|| {
+        format!("cannot read {}: is rl-control running? (its --pid-file must match)", pid_file.display())
+    })?;
+    let pid: libc::pid_t = text
+        .trim()
+        .parse()
+        .with_context(|| format!("{} does not hold a process id", pid_file.display()))?;
+    if unsafe { libc::kill(pid, libc::SIGHUP) } != 0 {
+        let e = std::io::Error::last_os_error();
+        anyhow::bail!("cannot signal rl-control (pid {pid} from {}): {e}; is it still running?", pid_file.display());
+    }
+    println!("asked rl-control (pid {pid}) to reload; its log shows the result");
+    Ok(())
+}
+
+/// What identifies a version of the config file on disk.
+fn file_stamp(path: &std::path::Path) -> Option<(std::time::SystemTime, u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path).ok()?;
+    Some((m.modified().ok()?, m.len(), m.ino()))
+}
+
+/// Removes the pid file when the daemon exits, however it exits.
+struct PidFile(PathBuf);
+
+impl Drop for PidFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }
 
 /// Loads the config named by `path`, or the embedded default.
@@ -57,6 +97,17 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         config.datapath.max_sources,
     );
 
+    let _pid_file = match &opts.pid_file {
+        Some(p) => match std::fs::write(p, format!("{}\n", std::process::id())) {
+            Ok(()) => Some(PidFile(p.clone())),
+            Err(e) => {
+                warn!("cannot write the pid file {}: {e}; `rl-control reload` will not find this daemon (SIGHUP still works)", p.display());
+                None
+            }
+        },
+        None => None,
+    };
+
     if let Some(logger) = dp.take_logger() {
         tokio::spawn(forward_kernel_logs(logger));
     }
@@ -68,11 +119,26 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     tick.tick().await;
     let mut last = dp.counters()?;
     let mut current = config;
+    let mut watch = tokio::time::interval(WATCH_INTERVAL);
+    let watched = opts.config.as_ref().filter(|_| opts.watch);
+    let mut stamp = watched.and_then(|p| file_stamp(p));
     loop {
         tokio::select! {
             _ = sigint.recv() => { info!("SIGINT received: detaching"); break; }
             _ = sigterm.recv() => { info!("SIGTERM received: detaching"); break; }
-            _ = sighup.recv() => reload(&mut dp, &opts, &mut current),
+            _ = sighup.recv() => {
+                info!("SIGHUP received: reloading");
+                reload(&mut dp, &opts, &mut current);
+                stamp = watched.and_then(|p| file_stamp(p));
+            }
+            _ = watch.tick(), if watched.is_some() => {
+                let now = watched.and_then(|p| file_stamp(p));
+                if now.is_some() && now != stamp {
+                    stamp = now;
+                    info!("the config file changed on disk: reloading");
+                    reload(&mut dp, &opts, &mut current);
+                }
+            }
             _ = tick.tick() => {
                 let now = dp.counters()?;
                 let d = now.since(&last);
@@ -93,11 +159,12 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     Ok(())
 }
 
-/// Re-reads the config file: a valid file replaces the limits in one map
-/// update (bucket state is kept); an invalid one changes nothing.
+/// Re-reads the config file. A valid file replaces the rule set atomically
+/// (unchanged rules keep their buckets); an invalid one changes nothing and
+/// its error, with line and column, goes to the log.
 fn reload(dp: &mut Datapath, opts: &RunOptions, current: &mut Config) {
     let Some(path) = &opts.config else {
-        warn!("SIGHUP: running on the embedded default, there is no file to reload");
+        warn!("reload: running on the embedded default, there is no file to reload");
         return;
     };
     let new = match Config::from_file(path) {
@@ -107,19 +174,21 @@ fn reload(dp: &mut Datapath, opts: &RunOptions, current: &mut Config) {
             return;
         }
     };
-    let mut compiled = compile(&new);
     if new.datapath.max_sources != current.datapath.max_sources {
         warn!(
             "reload: datapath.max_sources changes only on restart; keeping {}",
             current.datapath.max_sources
         );
-        compiled.max_sources = current.datapath.max_sources;
     }
+    let compiled = compile(&new);
     match dp.install(&compiled.rules) {
         Ok(()) => {
             info!(
-                "reloaded {}: every source held to {} packets/s, burst {}",
+                "reloaded {}: {} rules, {} allow and {} deny CIDRs; by default every source held to {} packets/s, burst {}",
                 path.display(),
+                new.rules.len(),
+                new.allow.len(),
+                new.deny.len(),
                 new.default.rate,
                 new.default.burst
             );

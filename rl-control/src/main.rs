@@ -21,8 +21,11 @@ struct Cli {
 enum Command {
     /// Attach the limiter to an interface and enforce the config until SIGINT or SIGTERM.
     ///
-    /// The config is validated before the interface is touched. SIGHUP reloads
-    /// the config file (an invalid file is logged and changes nothing).
+    /// The config is validated before the interface is touched. The config
+    /// file is reloaded on SIGHUP, on `rl-control reload`, and when the file
+    /// changes on disk: a valid file replaces the rules atomically (unchanged
+    /// rules keep their buckets), an invalid one is logged with its line and
+    /// column and changes nothing.
     ///
     /// Example: rl-control run --iface eth0 --config /etc/rl/rules.toml
     Run {
@@ -39,6 +42,22 @@ enum Command {
         /// Seconds between counter reports in the log.
         #[arg(long, value_name = "SECS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=86400))]
         stats_interval: u64,
+        /// Where to write the daemon's process id, for `rl-control reload`.
+        #[arg(long, value_name = "FILE", default_value = DEFAULT_PID_FILE)]
+        pid_file: PathBuf,
+        /// Do not reload when the config file changes on disk (SIGHUP and
+        /// `rl-control reload` still do).
+        #[arg(long)]
+        no_watch: bool,
+    },
+    /// Ask the running daemon to reload its config file (sends SIGHUP to the
+    /// process named in the pid file). Check the daemon's log for the result.
+    ///
+    /// Example: rl-control reload
+    Reload {
+        /// The daemon's pid file (as given to `run --pid-file`).
+        #[arg(long, value_name = "FILE", default_value = DEFAULT_PID_FILE)]
+        pid_file: PathBuf,
     },
     /// Validate a config file and exit: 0 if valid, 1 with `file:line:column: error` if not.
     ///
@@ -50,6 +69,8 @@ enum Command {
         file: PathBuf,
     },
 }
+
+const DEFAULT_PID_FILE: &str = "/run/rl-control.pid";
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -77,12 +98,15 @@ fn main() -> ExitCode {
                 )
             })
             .map_err(anyhow::Error::from),
-        Command::Run { iface, config, mode, stats_interval } => {
+        Command::Reload { pid_file } => daemon::signal_reload(&pid_file),
+        Command::Run { iface, config, mode, stats_interval, pid_file, no_watch } => {
             let opts = daemon::RunOptions {
                 iface,
                 config,
                 mode,
                 stats_interval: Duration::from_secs(stats_interval),
+                pid_file: Some(pid_file),
+                watch: !no_watch,
             };
             tokio::runtime::Builder::new_current_thread()
                 .enable_all()

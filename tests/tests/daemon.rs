@@ -171,3 +171,123 @@ fn bad_input_to_run_fails_cleanly_and_leaves_nothing_attached() {
     assert!(status.success(), "{log}");
     assert!(!lab.xdp_attached().unwrap());
 }
+
+/// Rules for the reload test: source 1 under "changing", source 3 under
+/// "steady", source 4 allowed.
+fn reload_rules(lab: &Lab, changing_rate: u64, extra_rule: bool) -> String {
+    let extra = if extra_rule { "[[rule]]\nname = \"added\"\nproto = \"tcp\"\nrate = 1\n" } else { "" };
+    format!(
+        "[datapath]\nmax_sources = 1024\n[default]\nrate = 1000000\n\
+         [[allow]]\ncidr = \"{}/32\"\n{extra}\
+         [[rule]]\nname = \"changing\"\nsrc = [\"{}/32\"]\nrate = {changing_rate}\nburst = 50\n\
+         [[rule]]\nname = \"steady\"\nsrc = [\"{}/32\"]\nrate = 200\nburst = 100\n",
+        lab.v4(4),
+        lab.v4(1),
+        lab.v4(3)
+    )
+}
+
+/// Writes `text` to `path` the way careful tools do: a new file renamed over
+/// the old one, so the daemon never reads half a file.
+fn replace(path: &std::path::Path, text: &str) {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+#[test]
+fn reload_under_a_flood_applies_new_limits_keeps_unchanged_state_and_loses_no_allowed_packet() {
+    let lab = Lab::new().unwrap();
+    lab.add_source(&format!("{}/24", lab.v4(3))).unwrap();
+    lab.add_source(&format!("{}/24", lab.v4(4))).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write(&dir, "rules.toml", &reload_rules(&lab, 100, false));
+    let pid = dir.path().join("pid");
+    let mut d = Daemon::spawn(
+        &lab.b,
+        &["run", "--iface", VB, "--config", cfg.to_str().unwrap(), "--pid-file", pid.to_str().unwrap(), "--no-watch"],
+    )
+    .unwrap();
+    d.wait_for(ATTACHED, START).unwrap();
+
+    let rx = Receiver::start(&lab.b).unwrap();
+    let span = Duration::from_millis(6400);
+    let changing = flood(&lab.a, lab.v4(1), lab.v4(2), span, None);
+    let steady = flood(&lab.a, lab.v4(3), lab.v4(2), span, None);
+    let allowed = rl_tests::traffic::paced(&lab.a, lab.v4(4), lab.v4(2), 200, 1200);
+    std::thread::sleep(Duration::from_millis(3200));
+    // The new file raises one limit and inserts a rule before both (indices move).
+    replace(&cfg, &reload_rules(&lab, 400, true));
+    let signalled = std::time::Instant::now();
+    d.signal(libc::SIGHUP);
+    d.wait_for("reloaded", Duration::from_secs(5)).unwrap();
+    let seen = std::time::Instant::now();
+    let (c, s, al) = (join(changing).unwrap(), join(steady).unwrap(), join(allowed).unwrap());
+    let got = rx.finish().unwrap();
+    let n = |ip| got.get(&ip).copied().unwrap_or(0);
+
+    // The changed rule: old limit until the flip, then a fresh bucket at the new rate.
+    // The flip happened between the signal and the log line.
+    let expect = |flip: std::time::Instant| {
+        let before = (flip - c.started).as_secs_f64();
+        let after = (c.ended - flip).as_secs_f64();
+        expected_passed(100, 50, before) + expected_passed(400, 50, after)
+    };
+    let (hi, lo) = (expect(signalled), expect(seen));
+    let passed = n(lab.v4(1)) as f64;
+    assert!(
+        passed >= lo - tolerance(lo) && passed <= hi + tolerance(hi),
+        "changed rule passed {passed}, expected {lo:.0}..{hi:.0} (flip {:?} after the signal)",
+        seen - signalled
+    );
+    // The unchanged rule kept its bucket: no second burst.
+    let expected = expected_passed(200, 100, s.seconds());
+    let passed = n(lab.v4(3)) as f64;
+    assert!((passed - expected).abs() <= tolerance(expected), "unchanged rule passed {passed}, expected {expected:.1} (a reset would add 100)");
+    assert_eq!(n(lab.v4(4)), al.packets, "allowed traffic lost packets across the reload");
+
+    // An invalid file changes nothing: the new rules keep enforcing.
+    replace(&cfg, "[default]\nrate = 0\n");
+    d.signal(libc::SIGHUP);
+    d.wait_for("reload rejected, keeping the running config:", Duration::from_secs(5)).unwrap();
+    assert!(d.log().contains("rules.toml:2:8: default.rate = 0 is out of range"), "{}", d.log());
+    let idle_from = c.ended;
+    let rx = Receiver::start(&lab.b).unwrap();
+    let again = join(flood(&lab.a, lab.v4(1), lab.v4(2), Duration::from_millis(1600), None)).unwrap();
+    let got = rx.finish().unwrap();
+    let refill = (400.0 * (again.started - idle_from).as_secs_f64()).min(50.0);
+    let expected = refill + 400.0 * again.seconds();
+    let passed = got.get(&lab.v4(1)).copied().unwrap_or(0) as f64;
+    assert!((passed - expected).abs() <= tolerance(expected) + 1.0, "after a rejected reload passed {passed}, expected {expected:.1}");
+    let (status, log) = d.stop(libc::SIGTERM).unwrap();
+    assert!(status.success(), "{log}");
+    assert!(!pid.exists(), "the pid file is removed on exit");
+}
+
+#[test]
+fn a_changed_file_and_the_reload_command_both_reload() {
+    let lab = Lab::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write(&dir, "rules.toml", "[default]\nrate = 100\n");
+    let pid = dir.path().join("pid");
+    let pid_arg = pid.to_str().unwrap();
+    let mut d = Daemon::spawn(&lab.b, &["run", "--iface", VB, "--config", cfg.to_str().unwrap(), "--pid-file", pid_arg]).unwrap();
+    d.wait_for(ATTACHED, START).unwrap();
+    replace(&cfg, "[default]\nrate = 7\nburst = 9\n");
+    d.wait_for("the config file changed on disk: reloading", Duration::from_secs(5)).unwrap();
+    d.wait_for("every source held to 7 packets/s, burst 9", Duration::from_secs(5)).unwrap();
+
+    std::fs::write(&cfg, "[default]\nrate = 8\n").unwrap();
+    let (status, out) = run_once(None, &["reload", "--pid-file", pid_arg]).unwrap();
+    assert!(status.success(), "{out}");
+    assert!(out.contains("asked rl-control"), "{out}");
+    d.wait_for("SIGHUP received: reloading", Duration::from_secs(5)).unwrap();
+    d.wait_for("every source held to 8 packets/s", Duration::from_secs(5)).unwrap();
+    let (status, log) = d.stop(libc::SIGTERM).unwrap();
+    assert!(status.success(), "{log}");
+
+    // No daemon: one clear error, exit 1.
+    let (status, out) = run_once(None, &["reload", "--pid-file", pid_arg]).unwrap();
+    assert_eq!(status.code(), Some(1), "{out}");
+    assert!(error_line(&out).contains("is rl-control running?"), "{out}");
+}
