@@ -74,6 +74,10 @@ pub fn load_config(path: Option<&PathBuf>) -> Result<Config> {
 }
 
 pub async fn run(opts: RunOptions) -> Result<()> {
+    // The file's stamp is taken before it is read: a change after this
+    // point, even during start-up, triggers a reload.
+    let watched = opts.config.as_ref().filter(|_| opts.watch);
+    let mut stamp = watched.and_then(|p| file_stamp(p));
     // Everything that can be checked is checked before the interface is touched.
     let config = load_config(opts.config.as_ref())?;
     if opts.config.is_none() {
@@ -120,8 +124,6 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     let mut last = dp.counters()?;
     let mut current = config;
     let mut watch = tokio::time::interval(WATCH_INTERVAL);
-    let watched = opts.config.as_ref().filter(|_| opts.watch);
-    let mut stamp = watched.and_then(|p| file_stamp(p));
     loop {
         tokio::select! {
             _ = sigint.recv() => { info!("SIGINT received: detaching"); break; }

@@ -182,6 +182,15 @@ fn epoch_offset_ns() -> u64 {
     real.wrapping_sub(mono)
 }
 
+/// Adds one rule's counts to the totals (shadow drops were passed).
+fn add_rule_totals(c: &mut Counters, r: &RuleStats) {
+    use rl_common::{STAT_DROPPED_BYTES, STAT_DROPPED_PKTS, STAT_PASSED_BYTES, STAT_PASSED_PKTS};
+    c.0[STAT_PASSED_PKTS as usize] += r.passed_pkts + r.shadow_pkts;
+    c.0[STAT_PASSED_BYTES as usize] += r.passed_bytes + r.shadow_bytes;
+    c.0[STAT_DROPPED_PKTS as usize] += r.dropped_pkts;
+    c.0[STAT_DROPPED_BYTES as usize] += r.dropped_bytes;
+}
+
 fn add_stats<'a>(into: &mut RuleStats, from: impl Iterator<Item = &'a RuleStats>) {
     for s in from {
         into.passed_pkts += s.passed_pkts;
@@ -617,6 +626,10 @@ impl Datapath {
                 *o += v;
             }
         }
+        // Counts of rule sets since replaced (their map entries were reset).
+        for r in self.retired.values() {
+            add_rule_totals(&mut out, r);
+        }
         Ok(out)
     }
 
@@ -629,7 +642,21 @@ impl Datapath {
         let arr: PerCpuArray<&MapData, Stats> =
             PerCpuArray::try_from(map).map_err(|e| map_error(MAP_STATS, e))?;
         let values = arr.get(&0, 0).map_err(|e| map_error(MAP_STATS, e))?;
-        Ok(values.iter().map(|s| Counters(s.0)).collect())
+        let mut out: Vec<Counters> = values.iter().map(|s| Counters(s.0)).collect();
+        // IP packets are counted once, in their rule's entry: add them all.
+        let map = self
+            .ebpf
+            .map(MAP_RULE_STATS)
+            .ok_or_else(|| DatapathError::Load(format!("map {MAP_RULE_STATS} is missing")))?;
+        let rules: PerCpuArray<&MapData, RuleStats> =
+            PerCpuArray::try_from(map).map_err(|e| map_error(MAP_RULE_STATS, e))?;
+        for idx in 0..rl_common::RSTAT_LEN {
+            let per_cpu = rules.get(&idx, 0).map_err(|e| map_error(MAP_RULE_STATS, e))?;
+            for (o, r) in out.iter_mut().zip(per_cpu.iter()) {
+                add_rule_totals(o, r);
+            }
+        }
+        Ok(out)
     }
 
     /// Every bucket the datapath holds, IPv4 then IPv6.

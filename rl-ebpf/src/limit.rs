@@ -80,13 +80,18 @@ pub enum Verdict {
     Drop,
 }
 
+/// Limits an IP packet and counts its verdict exactly once: in the per-rule
+/// counters (rules, `[default]`, allow, deny), or in the global ones when no
+/// rule set is installed yet. The daemon sums both for totals.
 #[inline(always)]
 pub fn limit(ctx: &XdpContext, pkt: &Packet, stats: &Counters, len: u64) -> Verdict {
     let Some(cfg) = RL_CONFIG.get(0) else {
+        stats.passed(len);
         return Verdict::Pass;
     };
     if cfg.enabled == 0 {
         // Not configured yet (the daemon attaches only after writing config).
+        stats.passed(len);
         return Verdict::Pass;
     }
     let slot = cfg.slot & 1;
@@ -131,6 +136,7 @@ pub fn limit(ctx: &XdpContext, pkt: &Packet, stats: &Counters, len: u64) -> Verd
     }
     let entry = slot * RULE_SLOTS + index;
     let Some(rule) = RL_RULES.get(entry) else {
+        stats.passed(len);
         return Verdict::Pass;
     };
 

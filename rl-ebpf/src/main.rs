@@ -18,7 +18,8 @@ use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
 
 use crate::{limit::Verdict, parse::Parsed, stats::Counters};
 
-/// The limiter. Every path ends in exactly one counted verdict.
+/// The limiter. Every path ends in exactly one counted verdict: non-IP and
+/// malformed frames in the global counters, IP packets in their rule's.
 #[xdp]
 pub fn rl(ctx: XdpContext) -> u32 {
     let Some(stats) = Counters::get() else {
@@ -26,32 +27,23 @@ pub fn rl(ctx: XdpContext) -> u32 {
         return xdp_action::XDP_PASS;
     };
     let len = (ctx.data_end() - ctx.data()) as u64;
-    match try_rl(&ctx, &stats, len) {
-        Verdict::Pass => {
-            stats.passed(len);
-            xdp_action::XDP_PASS
-        }
-        Verdict::Drop => {
-            stats.dropped(len);
-            xdp_action::XDP_DROP
-        }
-    }
-}
-
-#[inline(always)]
-fn try_rl(ctx: &XdpContext, stats: &Counters, len: u64) -> Verdict {
-    let pkt = match parse::parse(ctx) {
-        Parsed::Ip(pkt) => pkt,
+    let verdict = match parse::parse(&ctx) {
+        Parsed::Ip(pkt) => limit::limit(&ctx, &pkt, &stats, len),
         Parsed::NotIp => {
             stats.bump(rl_common::STAT_NON_IP);
-            return Verdict::Pass;
+            stats.passed(len);
+            Verdict::Pass
         }
         Parsed::Malformed => {
             stats.bump(rl_common::STAT_MALFORMED);
-            return Verdict::Drop;
+            stats.dropped(len);
+            Verdict::Drop
         }
     };
-    limit::limit(ctx, &pkt, stats, len)
+    match verdict {
+        Verdict::Pass => xdp_action::XDP_PASS,
+        Verdict::Drop => xdp_action::XDP_DROP,
+    }
 }
 
 /// The benchmark floor: the cheapest XDP program there is.
