@@ -170,6 +170,35 @@ where
     M::try_from(map).map_err(|e| map_error(name, e))
 }
 
+/// An LPM key's data: the slot byte, then the address.
+fn slot_key<const N: usize>(slot: u32, addr: &[u8]) -> [u8; N] {
+    let mut data = [0u8; N];
+    data[0] = slot as u8;
+    data[1..].copy_from_slice(addr);
+    data
+}
+
+/// Inserts (`Some`) or removes (`None`) one trie entry.
+fn lpm_set<const N: usize>(
+    ebpf: &mut Ebpf,
+    name: &'static str,
+    prefix: u32,
+    data: [u8; N],
+    value: Option<u32>,
+) -> Result<(), DatapathError>
+where
+    [u8; N]: aya::Pod,
+{
+    use aya::maps::lpm_trie::{Key, LpmTrie};
+    let mut trie: LpmTrie<&mut MapData, [u8; N], u32> = map_mut(ebpf, name)?;
+    let key = Key::new(prefix, data);
+    match value {
+        Some(v) => trie.insert(&key, v, 0),
+        None => trie.remove(&key),
+    }
+    .map_err(|e| map_error(name, e))
+}
+
 /// Unix-epoch time minus `CLOCK_MONOTONIC` (the clock `bpf_ktime_get_ns`
 /// reads), in ns, modulo 2⁶⁴.
 fn epoch_offset_ns() -> u64 {
@@ -481,31 +510,10 @@ impl Datapath {
     }
 
     fn lpm_write(&mut self, slot: u32, c: &crate::units::Cidr, value: Option<u32>) -> Result<(), DatapathError> {
-        use aya::maps::lpm_trie::{Key, LpmTrie};
         let prefix = 8 + c.len as u32;
         match c.addr {
-            IpAddr::V4(a) => {
-                let mut data = [0u8; 5];
-                data[0] = slot as u8;
-                data[1..].copy_from_slice(&a.octets());
-                let mut trie: LpmTrie<&mut MapData, [u8; 5], u32> = map_mut(&mut self.ebpf, MAP_LPM_V4)?;
-                let key = Key::new(prefix, data);
-                match value {
-                    Some(v) => trie.insert(&key, v, 0).map_err(|e| map_error(MAP_LPM_V4, e)),
-                    None => trie.remove(&key).map_err(|e| map_error(MAP_LPM_V4, e)),
-                }
-            }
-            IpAddr::V6(a) => {
-                let mut data = [0u8; 17];
-                data[0] = slot as u8;
-                data[1..].copy_from_slice(&a.octets());
-                let mut trie: LpmTrie<&mut MapData, [u8; 17], u32> = map_mut(&mut self.ebpf, MAP_LPM_V6)?;
-                let key = Key::new(prefix, data);
-                match value {
-                    Some(v) => trie.insert(&key, v, 0).map_err(|e| map_error(MAP_LPM_V6, e)),
-                    None => trie.remove(&key).map_err(|e| map_error(MAP_LPM_V6, e)),
-                }
-            }
+            IpAddr::V4(a) => lpm_set(&mut self.ebpf, MAP_LPM_V4, prefix, slot_key::<5>(slot, &a.octets()), value),
+            IpAddr::V6(a) => lpm_set(&mut self.ebpf, MAP_LPM_V6, prefix, slot_key::<17>(slot, &a.octets()), value),
         }
     }
 

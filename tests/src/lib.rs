@@ -41,3 +41,21 @@ pub fn expected_passed(rate: u64, burst: u64, seconds: f64) -> f64 {
 pub fn tolerance(expected: f64) -> f64 {
     (expected * 0.01).max(2.0)
 }
+
+/// XDP verdicts as `BPF_PROG_TEST_RUN` returns them.
+pub const XDP_DROP: u32 = 1;
+pub const XDP_PASS: u32 = 2;
+
+/// Runs `frame` through the limiter `n` times, one test run each; returns
+/// (passed, dropped).
+pub fn offer(dp: &Datapath, frame: &[u8], n: u32) -> (u32, u32) {
+    let mut out = (0, 0);
+    for _ in 0..n {
+        match dp.test_run(frame, 1).expect("test run").0 {
+            XDP_PASS => out.0 += 1,
+            XDP_DROP => out.1 += 1,
+            v => panic!("unexpected verdict {v}"),
+        }
+    }
+    out
+}

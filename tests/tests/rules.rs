@@ -4,10 +4,8 @@
 
 use rl_common::RuleStats;
 use rl_control::{compile::compile, config::Config, datapath::Datapath};
-use rl_tests::{datapath, frames::*, lab::require_root};
+use rl_tests::{datapath, frames::*, lab::require_root, offer};
 
-const XDP_DROP: u32 = 1;
-const XDP_PASS: u32 = 2;
 
 /// `[default]` never drops in these tests: 1,000,000 per second.
 fn with_default(rules: &str) -> String {
@@ -17,19 +15,6 @@ fn with_default(rules: &str) -> String {
 fn load(rules: &str) -> Datapath {
     require_root();
     datapath(&with_default(rules)).unwrap()
-}
-
-/// Runs `frame` `n` times; returns (passed, dropped).
-fn offer(dp: &Datapath, frame: &[u8], n: u32) -> (u32, u32) {
-    let mut out = (0, 0);
-    for _ in 0..n {
-        match dp.test_run(frame, 1).expect("test run").0 {
-            XDP_PASS => out.0 += 1,
-            XDP_DROP => out.1 += 1,
-            v => panic!("unexpected verdict {v}"),
-        }
-    }
-    out
 }
 
 fn stats(dp: &Datapath, name: &str) -> RuleStats {

@@ -8,23 +8,8 @@ use rl_common::{
     STAT_PASSED_PKTS,
 };
 use rl_control::datapath::Datapath;
-use rl_tests::{datapath, frames::*, lab::{pin_to_cpu, require_root}};
+use rl_tests::{datapath, frames::*, offer, XDP_DROP, XDP_PASS, lab::{pin_to_cpu, require_root}};
 
-const XDP_DROP: u32 = 1;
-const XDP_PASS: u32 = 2;
-
-/// Runs `frame` `n` times, one test run each; returns (passed, dropped).
-fn offer(dp: &Datapath, frame: &[u8], n: u32) -> (u32, u32) {
-    let mut out = (0, 0);
-    for _ in 0..n {
-        match dp.test_run(frame, 1).expect("test run").0 {
-            XDP_PASS => out.0 += 1,
-            XDP_DROP => out.1 += 1,
-            v => panic!("unexpected verdict {v}"),
-        }
-    }
-    out
-}
 
 fn verdict(dp: &Datapath, frame: &[u8]) -> u32 {
     dp.test_run(frame, 1).expect("test run").0

@@ -12,10 +12,11 @@ use rl_control::{
     config::Config,
     datapath::{Datapath, LoadOptions},
 };
-use rl_tests::frames::{udp4, udp6};
+use rl_tests::{
+    frames::{udp4, udp6},
+    XDP_DROP, XDP_PASS,
+};
 
-const XDP_DROP: u32 = 1;
-const XDP_PASS: u32 = 2;
 /// Interleaved rounds; each case runs `repeat` packets per round.
 const ROUNDS: usize = 11;
 
