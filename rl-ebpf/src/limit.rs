@@ -27,7 +27,7 @@ use rl_common::{
 
 use crate::{
     parse::{Packet, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP},
-    stats::Counters,
+    stats,
 };
 
 /// Buckets by (limit, masked source), one map per family (see
@@ -84,14 +84,14 @@ pub enum Verdict {
 /// counters (rules, `[default]`, allow, deny), or in the global ones when no
 /// rule set is installed yet. The daemon sums both for totals.
 #[inline(always)]
-pub fn limit(ctx: &XdpContext, pkt: &Packet, stats: &Counters, len: u64) -> Verdict {
+pub fn limit(ctx: &XdpContext, pkt: &Packet, len: u64) -> Verdict {
     let Some(cfg) = RL_CONFIG.get(0) else {
-        stats.passed(len);
+        stats::passed(len, None);
         return Verdict::Pass;
     };
     if cfg.enabled == 0 {
         // Not configured yet (the daemon attaches only after writing config).
-        stats.passed(len);
+        stats::passed(len, None);
         return Verdict::Pass;
     }
     let slot = cfg.slot & 1;
@@ -136,11 +136,11 @@ pub fn limit(ctx: &XdpContext, pkt: &Packet, stats: &Counters, len: u64) -> Verd
     }
     let entry = slot * RULE_SLOTS + index;
     let Some(rule) = RL_RULES.get(entry) else {
-        stats.passed(len);
+        stats::passed(len, None);
         return Verdict::Pass;
     };
 
-    let verdict = charge(ctx, cfg, rule, pkt.is_v6, &src, len, stats);
+    let verdict = charge(ctx, cfg, rule, pkt.is_v6, &src, len);
     match verdict {
         Verdict::Pass => count(entry, len, Counted::Passed),
         Verdict::Drop if rule.flags & RULE_SHADOW != 0 => {
@@ -222,20 +222,20 @@ fn count(index: u32, len: u64, what: Counted) {
 
 /// The bucket of limit `which` of `rule` for this source.
 #[inline(always)]
-fn bucket_of(rule: &RuleEntry, which: u32, is_v6: bool, src: &[u32; 4], stats: &Counters) -> Option<*mut Bucket> {
+fn bucket_of(rule: &RuleEntry, which: u32, is_v6: bool, src: &[u32; 4]) -> Option<*mut Bucket> {
     if is_v6 {
         let m = &rule.v6_mask;
         let key = Key6 {
             rule: rule.id | which,
             addr: [src[0] & m[0], src[1] & m[1], src[2] & m[2], src[3] & m[3]],
         };
-        bucket(&RL_SRC6, &key, stats)
+        bucket(&RL_SRC6, &key)
     } else {
         let key = Key4 {
             rule: rule.id | which,
             addr: src[3] & rule.v4_mask,
         };
-        bucket(&RL_SRC4, &key, stats)
+        bucket(&RL_SRC4, &key)
     }
 }
 
@@ -251,18 +251,17 @@ fn charge(
     is_v6: bool,
     src: &[u32; 4],
     len: u64,
-    stats: &Counters,
 ) -> Verdict {
     let n = rule.n_limits as usize;
     if n == 1 {
         // The common case: one limit, no separate check.
-        let Some(b) = bucket_of(rule, 0, is_v6, src, stats) else {
-            rare_event(ctx, stats, STAT_NO_STATE);
+        let Some(b) = bucket_of(rule, 0, is_v6, src) else {
+            rare_event(ctx, STAT_NO_STATE);
             return Verdict::Drop;
         };
-        return match admit(ctx, cfg, &rule.limits[0], b, len, stats) {
+        return match admit(ctx, cfg, &rule.limits[0], b, len) {
             Verdict::Pass => Verdict::Pass,
-            Verdict::Drop => elastic(ctx, cfg, rule, is_v6, len, stats),
+            Verdict::Drop => elastic(ctx, cfg, rule, is_v6, len),
         };
     }
     // Check every limit first (buckets are looked up again to charge them:
@@ -271,23 +270,23 @@ fn charge(
         if i >= n {
             break;
         }
-        let Some(b) = bucket_of(rule, i as u32, is_v6, src, stats) else {
-            rare_event(ctx, stats, STAT_NO_STATE);
+        let Some(b) = bucket_of(rule, i as u32, is_v6, src) else {
+            rare_event(ctx, STAT_NO_STATE);
             return Verdict::Drop;
         };
         let word = Tat(unsafe { &raw mut (*b).tat_ns }).load();
         if step(cfg, &rule.limits[i], len, word).is_none() {
-            return elastic(ctx, cfg, rule, is_v6, len, stats);
+            return elastic(ctx, cfg, rule, is_v6, len);
         }
     }
     for i in 0..MAX_LIMITS {
         if i >= n {
             break;
         }
-        let Some(b) = bucket_of(rule, i as u32, is_v6, src, stats) else {
+        let Some(b) = bucket_of(rule, i as u32, is_v6, src) else {
             return Verdict::Drop;
         };
-        if let Verdict::Drop = admit(ctx, cfg, &rule.limits[i], b, len, stats) {
+        if let Verdict::Drop = admit(ctx, cfg, &rule.limits[i], b, len) {
             return Verdict::Drop;
         }
     }
@@ -297,14 +296,14 @@ fn charge(
 /// An elastic rule lets a key that is over its own limit through while the
 /// rule's shared pool has room; otherwise the drop stands.
 #[inline(always)]
-fn elastic(ctx: &XdpContext, cfg: &DatapathConfig, rule: &RuleEntry, is_v6: bool, len: u64, stats: &Counters) -> Verdict {
+fn elastic(ctx: &XdpContext, cfg: &DatapathConfig, rule: &RuleEntry, is_v6: bool, len: u64) -> Verdict {
     if rule.flags & RULE_ELASTIC == 0 {
         return Verdict::Drop;
     }
-    let Some(b) = bucket_of(rule, POOL_INDEX, is_v6, &[0; 4], stats) else {
+    let Some(b) = bucket_of(rule, POOL_INDEX, is_v6, &[0; 4]) else {
         return Verdict::Drop;
     };
-    admit(ctx, cfg, &rule.pool, b, len, stats)
+    admit(ctx, cfg, &rule.pool, b, len)
 }
 
 /// The limit's clock: the inlined tick clock when it suits the limit.
@@ -340,7 +339,7 @@ fn step(cfg: &DatapathConfig, limit: &LimitEntry, len: u64, word: u64) -> Option
 /// Charges one limit: the clock and the cost are computed once, then the
 /// algorithm's own compare-and-swap loop runs.
 #[inline(always)]
-fn admit(ctx: &XdpContext, cfg: &DatapathConfig, limit: &LimitEntry, b: *mut Bucket, len: u64, stats: &Counters) -> Verdict {
+fn admit(ctx: &XdpContext, cfg: &DatapathConfig, limit: &LimitEntry, b: *mut Bucket, len: u64) -> Verdict {
     let cell = Tat(unsafe { &raw mut (*b).tat_ns });
     let t = now(cfg, limit);
     let units = if limit.kind & LIMIT_BYTES != 0 { len } else { 1 };
@@ -357,7 +356,7 @@ fn admit(ctx: &XdpContext, cfg: &DatapathConfig, limit: &LimitEntry, b: *mut Buc
         Admit::Pass => Verdict::Pass,
         Admit::Drop => Verdict::Drop,
         Admit::Contended => {
-            rare_event(ctx, stats, STAT_CONTENDED);
+            rare_event(ctx, STAT_CONTENDED);
             Verdict::Drop
         }
     }
@@ -408,12 +407,12 @@ impl SharedWord for Tat {
 /// source at once, `BPF_NOEXIST` lets exactly one insert win and both then
 /// charge the same bucket.
 #[inline(always)]
-fn bucket<K>(map: &LruHashMap<K, Bucket>, key: &K, stats: &Counters) -> Option<*mut Bucket> {
+fn bucket<K>(map: &LruHashMap<K, Bucket>, key: &K) -> Option<*mut Bucket> {
     if let Some(b) = map.get_ptr_mut(key) {
         return Some(b);
     }
     if map.insert(key, &Bucket { tat_ns: 0 }, BPF_NOEXIST as u64).is_ok() {
-        stats.bump(STAT_NEW_SOURCES);
+        stats::bump(STAT_NEW_SOURCES);
     }
     map.get_ptr_mut(key)
 }
@@ -422,8 +421,8 @@ fn bucket<K>(map: &LruHashMap<K, Bucket>, key: &K, stats: &Counters) -> Option<*
 /// this CPU, so a storm of them costs a handful of log records, not one each.
 /// Out of line: the logging code is large and never on the hot path.
 #[inline(never)]
-fn rare_event(ctx: &XdpContext, stats: &Counters, stat: u32) {
-    stats.bump(stat);
+fn rare_event(ctx: &XdpContext, stat: u32) {
+    stats::bump(stat);
     if let Some(seen) = RL_LOG_SEEN.get_ptr_mut(stat) {
         let n = unsafe {
             *seen += 1;

@@ -16,27 +16,21 @@ mod stats;
 
 use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
 
-use crate::{limit::Verdict, parse::Parsed, stats::Counters};
+use crate::{limit::Verdict, parse::Parsed};
 
 /// The limiter. Every path ends in exactly one counted verdict: non-IP and
 /// malformed frames in the global counters, IP packets in their rule's.
 #[xdp]
 pub fn rl(ctx: XdpContext) -> u32 {
-    let Some(stats) = Counters::get() else {
-        // Unreachable (entry 0 of a per-CPU array always exists); fail open.
-        return xdp_action::XDP_PASS;
-    };
     let len = (ctx.data_end() - ctx.data()) as u64;
     let verdict = match parse::parse(&ctx) {
-        Parsed::Ip(pkt) => limit::limit(&ctx, &pkt, &stats, len),
+        Parsed::Ip(pkt) => limit::limit(&ctx, &pkt, len),
         Parsed::NotIp => {
-            stats.bump(rl_common::STAT_NON_IP);
-            stats.passed(len);
+            stats::passed(len, Some(rl_common::STAT_NON_IP));
             Verdict::Pass
         }
         Parsed::Malformed => {
-            stats.bump(rl_common::STAT_MALFORMED);
-            stats.dropped(len);
+            stats::dropped(len, rl_common::STAT_MALFORMED);
             Verdict::Drop
         }
     };
