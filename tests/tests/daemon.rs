@@ -102,6 +102,9 @@ fn check_config_accepts_valid_and_locates_errors() {
         ("unknown.toml", "[default]\nrate = 1\nburts = 2\n", "unknown.toml:3:1: unknown field `burts`, expected `rate` or `burst`"),
         ("syntax.toml", "[default]\nrate = = 1\n", "syntax.toml:2:8: "),
         ("nodefault.toml", "[datapath]\n", "nodefault.toml: missing [default] table"),
+        ("dupe.toml", "[default]\nrate = 1\n[[rule]]\nname = \"a\"\nrate = 1\n[[rule]]\nname = \"a\"\nrate = 1\n", "dupe.toml:7:8: rule name \"a\" is already used on line 4"),
+        ("proto.toml", "[default]\nrate = 1\n[[rule]]\nname = \"a\"\nproto = \"sctp\"\nrate = 1\n", "proto.toml:5:9: rule \"a\": proto = \"sctp\" is not allowed: use one of any, tcp, udp, icmp, icmpv6"),
+        ("cidr.toml", "[default]\nrate = 1\n[[deny]]\ncidr = \"10.0.0.0/33\"\n", "cidr.toml:4:8: deny[0].cidr: \"10.0.0.0/33\": the prefix length must be 0..=32"),
     ];
     for (name, text, want) in cases {
         let p = write(&dir, name, text);

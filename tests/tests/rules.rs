@@ -281,3 +281,31 @@ fn reload_keeps_unchanged_rules_state_and_refreshes_changed_ones() {
     assert_eq!(offer(&dp, &udp4_to(a, 3), 2), (2, 0), "the removed rule no longer applies");
     assert_eq!(charged(&dp, "keep"), 6);
 }
+
+/// The datapath holds 1,000 rules and 100,000 deny CIDRs, and classifies
+/// correctly among them.
+#[test]
+fn holds_a_thousand_rules_and_a_hundred_thousand_cidrs() {
+    require_root();
+    let mut t = String::from("[datapath]\nmax_sources = 4096\n[default]\nrate = 1000000\n");
+    for i in 0..100_000u32 {
+        t += &format!("[[deny]]\ncidr = \"100.{}.{}.{}/32\"\n", 64 + (i >> 16), (i >> 8) & 255, i & 255);
+    }
+    for i in 0..999u32 {
+        t += &format!("[[rule]]\nname = \"r{i}\"\nproto = \"tcp\"\ndst_ports = [{}]\nrate = 2\nper = \"1d\"\n", 1000 + i);
+        if i % 10 == 0 {
+            t += &format!("src = [\"10.{}.{}.0/24\"]\n", (i >> 8) & 255, i & 255);
+        }
+    }
+    t += "[[rule]]\nname = \"last\"\nproto = \"udp\"\ndst_ports = [53]\nrate = 3\nper = \"1d\"\n";
+    let c = Config::from_str(&t, "big").unwrap();
+    assert_eq!((c.rules.len(), c.deny.len()), (1000, 100_000));
+    let dp = Datapath::load(&compile(&c)).unwrap();
+    assert_eq!(offer(&dp, &udp4_to([100, 65, 134, 159], 53), 2), (0, 2), "deny entry 99,999");
+    assert_eq!(offer(&dp, &udp4_to([100, 65, 134, 160], 53), 4), (3, 1), "not denied: the last rule");
+    assert_eq!(offer(&dp, &tcp4([203, 0, 113, 9], 1998, SYN), 3), (2, 1), "port 1998: rule r998");
+    assert_eq!(offer(&dp, &tcp4([203, 0, 113, 9], 1999, SYN), 3), (3, 0), "port 1999: no rule, the default");
+    assert_eq!(offer(&dp, &tcp4([10, 0, 0, 9], 1000, SYN), 3), (2, 1), "r0, whose src contains the source");
+    assert_eq!(offer(&dp, &tcp4([192, 0, 2, 9], 1000, SYN), 3), (3, 0), "r0 does not apply outside its src");
+    assert_eq!(charged(&dp, "last"), 4);
+}
