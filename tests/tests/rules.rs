@@ -201,6 +201,14 @@ per = "1d"
     assert_eq!(offer(&dp, &udp4_to(a, 3), 1), (1, 0));
     assert_eq!(offer(&dp, &udp4_to(c, 3), 3), (1, 2), "one bucket for everyone");
     assert_eq!(offer(&dp, &udp6(V6_IN), 1), (1, 0), "default: not on these ports");
+    // IPv6 prefix keys (/48 by default): V6_IN and V6_OUT differ in bits 33..48.
+    let v6_to = |src: [u8; 16], port: u16| eth(&[], ETH_P_IPV6, &ipv6(src, UDP, &udp(port)));
+    let mut same48 = V6_IN;
+    same48[15] = 200;
+    same48[8] = 7;
+    assert_eq!(offer(&dp, &v6_to(V6_IN, 2), 1), (1, 0));
+    assert_eq!(offer(&dp, &v6_to(same48, 2), 3), (1, 2), "the same IPv6 /48 shares one bucket");
+    assert_eq!(offer(&dp, &v6_to(V6_OUT, 2), 3), (2, 1), "another /48 does not");
 }
 
 #[test]
