@@ -17,7 +17,7 @@ use std::{
 };
 
 use rl_common::{
-    decide_key, prefix_mask_words, CidrEntry, L4Entry, LimitEntry, RuleEntry, CFG_LPM_V4, CFG_LPM_V6,
+    prefix_mask_words, CidrEntry, L4Entry, LimitEntry, RuleEntry, CFG_LPM_V4, CFG_LPM_V6,
     CFG_RULES, L4_ICMP, L4_ICMPV6, L4_OTHER, L4_SLOT_LEN, L4_TCP, L4_TCP_SYN, L4_UDP, LIMIT_BYTES,
     LIMIT_FIXED, LIMIT_GCRA, LIMIT_SLIDING, LIST_ALLOW, LIST_DENY, LIST_NONE, MAX_LIMITS, RULE_ELASTIC,
     RULE_SHADOW,
@@ -57,11 +57,6 @@ pub struct RuleSet {
 }
 
 impl RuleSet {
-    /// The decision key of `l4_class` and `src_class` in `slot`.
-    pub fn decide_key(slot: u32, l4_class: u16, src_class: u16) -> u64 {
-        decide_key(slot, l4_class, src_class)
-    }
-
     /// The rule index the datapath picks for a packet: the same lookups, in
     /// the same order, from the compiled tables. Host tests compare it with
     /// a direct reading of the precedence rules.

@@ -160,6 +160,16 @@ impl fmt::Display for Counters {
     }
 }
 
+fn map_ref<'a, M>(ebpf: &'a Ebpf, name: &'static str) -> Result<M, DatapathError>
+where
+    M: TryFrom<&'a aya::maps::Map, Error = aya::maps::MapError>,
+{
+    let map = ebpf
+        .map(name)
+        .ok_or_else(|| DatapathError::Load(format!("map {name} is missing")))?;
+    M::try_from(map).map_err(|e| map_error(name, e))
+}
+
 fn map_mut<'a, M>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<M, DatapathError>
 where
     M: TryFrom<&'a mut aya::maps::Map, Error = aya::maps::MapError>,
@@ -483,7 +493,7 @@ impl Datapath {
         }
         let mut keys = Vec::with_capacity(rules.decide.len());
         for ((l4c, srcc), rule) in &rules.decide {
-            let k = RuleSet::decide_key(slot, *l4c, *srcc);
+            let k = rl_common::decide_key(slot, *l4c, *srcc);
             decide.insert(k, rule, 0).map_err(|e| map_error(MAP_DECIDE, e))?;
             keys.push(k);
         }
@@ -520,11 +530,7 @@ impl Datapath {
     /// Packets and bytes per rule name (plus `allow` and `deny`), summed
     /// over CPUs and over every rule set the name has been in since load.
     pub fn rule_stats(&self) -> Result<std::collections::BTreeMap<String, RuleStats>, DatapathError> {
-        let map = self
-            .ebpf
-            .map(MAP_RULE_STATS)
-            .ok_or_else(|| DatapathError::Load(format!("map {MAP_RULE_STATS} is missing")))?;
-        let stats: PerCpuArray<&MapData, RuleStats> = PerCpuArray::try_from(map).map_err(|e| map_error(MAP_RULE_STATS, e))?;
+        let stats: PerCpuArray<&MapData, RuleStats> = map_ref(&self.ebpf, MAP_RULE_STATS)?;
         let mut out: std::collections::BTreeMap<String, RuleStats> =
             self.retired.iter().map(|(k, v)| (k.clone(), *v)).collect();
         // Both slots: the inactive one keeps its counts until it is rewritten.
@@ -544,23 +550,14 @@ impl Datapath {
     /// Rule `index` (0 = `[default]`) of the active rule set, as the
     /// datapath reads it.
     pub fn active_rule(&self, index: u32) -> Result<RuleEntry, DatapathError> {
-        let map = self
-            .ebpf
-            .map(MAP_RULES)
-            .ok_or_else(|| DatapathError::Load(format!("map {MAP_RULES} is missing")))?;
-        let arr: Array<&MapData, RuleEntry> = Array::try_from(map).map_err(|e| map_error(MAP_RULES, e))?;
+        let arr: Array<&MapData, RuleEntry> = map_ref(&self.ebpf, MAP_RULES)?;
         arr.get(&(self.active.unwrap_or(0) * RULE_SLOTS + index), 0)
             .map_err(|e| map_error(MAP_RULES, e))
     }
 
     /// The configuration the datapath is reading now.
     pub fn config(&self) -> Result<DatapathConfig, DatapathError> {
-        let map = self
-            .ebpf
-            .map(MAP_CONFIG)
-            .ok_or_else(|| DatapathError::Load(format!("map {MAP_CONFIG} is missing")))?;
-        let arr: Array<&MapData, DatapathConfig> =
-            Array::try_from(map).map_err(|e| map_error(MAP_CONFIG, e))?;
+        let arr: Array<&MapData, DatapathConfig> = map_ref(&self.ebpf, MAP_CONFIG)?;
         arr.get(&0, 0).map_err(|e| map_error(MAP_CONFIG, e))
     }
 
@@ -643,21 +640,11 @@ impl Datapath {
 
     /// Counters of each possible CPU, indexed by CPU number.
     pub fn counters_per_cpu(&self) -> Result<Vec<Counters>, DatapathError> {
-        let map = self
-            .ebpf
-            .map(MAP_STATS)
-            .ok_or_else(|| DatapathError::Load(format!("map {MAP_STATS} is missing")))?;
-        let arr: PerCpuArray<&MapData, Stats> =
-            PerCpuArray::try_from(map).map_err(|e| map_error(MAP_STATS, e))?;
+        let arr: PerCpuArray<&MapData, Stats> = map_ref(&self.ebpf, MAP_STATS)?;
         let values = arr.get(&0, 0).map_err(|e| map_error(MAP_STATS, e))?;
         let mut out: Vec<Counters> = values.iter().map(|s| Counters(s.0)).collect();
         // IP packets are counted once, in their rule's entry: add them all.
-        let map = self
-            .ebpf
-            .map(MAP_RULE_STATS)
-            .ok_or_else(|| DatapathError::Load(format!("map {MAP_RULE_STATS} is missing")))?;
-        let rules: PerCpuArray<&MapData, RuleStats> =
-            PerCpuArray::try_from(map).map_err(|e| map_error(MAP_RULE_STATS, e))?;
+        let rules: PerCpuArray<&MapData, RuleStats> = map_ref(&self.ebpf, MAP_RULE_STATS)?;
         for idx in 0..rl_common::RSTAT_LEN {
             let per_cpu = rules.get(&idx, 0).map_err(|e| map_error(MAP_RULE_STATS, e))?;
             for (o, r) in out.iter_mut().zip(per_cpu.iter()) {
@@ -670,25 +657,17 @@ impl Datapath {
     /// Every bucket the datapath holds, IPv4 then IPv6.
     pub fn sources(&self) -> Result<Vec<Source>, DatapathError> {
         let mut out = Vec::new();
-        let v4: HashMap<&MapData, Key4, Bucket> = self.source_map(MAP_SOURCES_V4)?;
+        let v4: HashMap<&MapData, Key4, Bucket> = map_ref(&self.ebpf, MAP_SOURCES_V4)?;
         for entry in v4.iter() {
             let (k, bucket) = entry.map_err(|e| map_error(MAP_SOURCES_V4, e))?;
             out.push(Source { addr: IpAddr::from(k.addr_bytes()), rule: k.rule, bucket });
         }
-        let v6: HashMap<&MapData, Key6, Bucket> = self.source_map(MAP_SOURCES_V6)?;
+        let v6: HashMap<&MapData, Key6, Bucket> = map_ref(&self.ebpf, MAP_SOURCES_V6)?;
         for entry in v6.iter() {
             let (k, bucket) = entry.map_err(|e| map_error(MAP_SOURCES_V6, e))?;
             out.push(Source { addr: IpAddr::from(k.addr_bytes()), rule: k.rule, bucket });
         }
         Ok(out)
-    }
-
-    fn source_map<K: aya::Pod>(&self, name: &'static str) -> Result<HashMap<&MapData, K, Bucket>, DatapathError> {
-        let map = self
-            .ebpf
-            .map(name)
-            .ok_or_else(|| DatapathError::Load(format!("map {name} is missing")))?;
-        HashMap::try_from(map).map_err(|e| map_error(name, e))
     }
 
     /// Runs `frame` through the limiter `repeat` times with
