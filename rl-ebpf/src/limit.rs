@@ -316,41 +316,56 @@ fn now(cfg: &DatapathConfig, limit: &LimitEntry) -> u64 {
     }
 }
 
-/// One limit's step on its state word (see rl_common::limiter and ::window),
-/// for the read-only check of multi-limit rules.
+/// What a packet counts against a limit: one packet, or its bytes.
 #[inline(always)]
-fn step(cfg: &DatapathConfig, limit: &LimitEntry, len: u64, word: u64) -> Option<u64> {
-    let t = now(cfg, limit);
-    let units = if limit.kind & LIMIT_BYTES != 0 { len } else { 1 };
-    match limit.kind & 0xff {
-        LIMIT_GCRA => gcra_cost(word, t, (units * limit.a) >> (limit.shift & 63), limit.b),
-        kind => {
-            let cost = (units + (1 << (limit.shift & 63)) - 1) >> (limit.shift & 63);
-            let epoch_ns = t.wrapping_add(cfg.epoch_offset_ns);
-            if kind == LIMIT_FIXED {
-                fixed_window(word, epoch_ns, limit.a, limit.b, cost)
-            } else {
-                sliding_window(word, epoch_ns, limit.a, limit.b, cost)
-            }
-        }
+fn units(limit: &LimitEntry, len: u64) -> u64 {
+    if limit.kind & LIMIT_BYTES != 0 {
+        len
+    } else {
+        1
     }
 }
 
-/// Charges one limit: the clock and the cost are computed once, then the
-/// algorithm's own compare-and-swap loop runs.
+/// A token-bucket step: `units` cost `units × a >> shift` ns (rl_common::limiter).
+#[inline(always)]
+fn gcra_step(limit: &LimitEntry, t: u64, units: u64, word: u64) -> Option<u64> {
+    gcra_cost(word, t, (units * limit.a) >> (limit.shift & 63), limit.b)
+}
+
+/// A window step (rl_common::window): the count is in `2^shift`-unit steps,
+/// rounded up, and windows are aligned to the Unix epoch.
+#[inline(always)]
+fn window_step(cfg: &DatapathConfig, limit: &LimitEntry, t: u64, units: u64, word: u64) -> Option<u64> {
+    let shift = limit.shift & 63;
+    let cost = (units + (1 << shift) - 1) >> shift;
+    let epoch_ns = t.wrapping_add(cfg.epoch_offset_ns);
+    if limit.kind & 0xff == LIMIT_FIXED {
+        fixed_window(word, epoch_ns, limit.a, limit.b, cost)
+    } else {
+        sliding_window(word, epoch_ns, limit.a, limit.b, cost)
+    }
+}
+
+/// One limit's step on its state word, for the read-only check of
+/// multi-limit rules.
+#[inline(always)]
+fn step(cfg: &DatapathConfig, limit: &LimitEntry, len: u64, word: u64) -> Option<u64> {
+    let (t, u) = (now(cfg, limit), units(limit, len));
+    match limit.kind & 0xff {
+        LIMIT_GCRA => gcra_step(limit, t, u, word),
+        _ => window_step(cfg, limit, t, u, word),
+    }
+}
+
+/// Charges one limit: the clock is read once, then the algorithm's
+/// compare-and-swap loop runs.
 #[inline(always)]
 fn admit(ctx: &XdpContext, cfg: &DatapathConfig, limit: &LimitEntry, b: *mut Bucket, len: u64) -> Verdict {
     let cell = Tat(unsafe { &raw mut (*b).tat_ns });
-    let t = now(cfg, limit);
-    let units = if limit.kind & LIMIT_BYTES != 0 { len } else { 1 };
-    let shift = limit.shift & 63;
-    let (a, b) = (limit.a, limit.b);
+    let (t, u) = (now(cfg, limit), units(limit, len));
     let outcome = match limit.kind & 0xff {
-        LIMIT_GCRA => {
-            let inc = (units * a) >> shift;
-            admit_with(&cell, |w| gcra_cost(w, t, inc, b))
-        }
-        _ => admit_window(cfg, limit, &cell, t, units),
+        LIMIT_GCRA => admit_with(&cell, |w| gcra_step(limit, t, u, w)),
+        _ => admit_window(cfg, limit, &cell, t, u),
     };
     match outcome {
         Admit::Pass => Verdict::Pass,
@@ -366,15 +381,7 @@ fn admit(ctx: &XdpContext, cfg: &DatapathConfig, limit: &LimitEntry, b: *mut Buc
 /// their code out of the token-bucket path keeps that path's registers free.
 #[inline(never)]
 fn admit_window(cfg: &DatapathConfig, limit: &LimitEntry, cell: &Tat, t: u64, units: u64) -> Admit {
-    let shift = limit.shift & 63;
-    let (a, b) = (limit.a, limit.b);
-    let cost = (units + (1 << shift) - 1) >> shift;
-    let epoch_ns = t.wrapping_add(cfg.epoch_offset_ns);
-    if limit.kind & 0xff == LIMIT_FIXED {
-        admit_with(cell, |w| fixed_window(w, epoch_ns, a, b, cost))
-    } else {
-        admit_with(cell, |w| sliding_window(w, epoch_ns, a, b, cost))
-    }
+    admit_with(cell, |w| window_step(cfg, limit, t, units, w))
 }
 
 /// A bucket's state word. It lives in map memory shared by all CPUs, so it
