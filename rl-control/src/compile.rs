@@ -191,18 +191,21 @@ fn rule_entry(r: &Rule, v4_default: u8, v6_default: u8) -> RuleEntry {
 }
 
 /// A token bucket: GCRA with ns per unit in fixed point, as fine as fits
-/// (a 64 KiB packet times the cost must stay below 2⁶³).
+/// (a 64 KiB packet times the cost must stay below 2⁶³). The cost rounds to
+/// nearest and the bucket holds exactly `burst` units of it, the arithmetic
+/// of [`rl_common::Limit`] (for packets, `shift = 0`, the very same values).
 fn gcra(unit: Unit, rate: &Rate) -> LimitEntry {
     let per_ns = rate.per_secs as u128 * NS;
+    let amount = rate.amount as u128;
     let mut shift = 0;
-    let cost = |s: u32| (per_ns << s) / rate.amount as u128;
+    let cost = |s: u32| ((per_ns << s) + amount / 2) / amount;
     if unit == Unit::Bytes {
         while shift < 32 && cost(shift + 1) * 65_536 < (1u128 << 63) {
             shift += 1;
         }
     }
     let a = cost(shift).max(1);
-    let b = (per_ns * rate.burst as u128 / rate.amount as u128).min(u64::MAX as u128 / 2);
+    let b = ((a * rate.burst as u128) >> shift).min(u64::MAX as u128 / 2);
     LimitEntry {
         kind: LIMIT_GCRA | if unit == Unit::Bytes { LIMIT_BYTES } else { 0 },
         shift,
@@ -421,7 +424,13 @@ mod tests {
         let b = c.rules.entries[2].limits[0];
         assert_eq!((b.kind, b.a, b.b, b.shift), (LIMIT_SLIDING, 10_000_000_000, 100, 0));
         let soft = c.rules.entries[3].limits[0];
-        assert_eq!((soft.a, soft.b), (66_666_666, 66_666_666 * 30 + 20), "15/s, burst 30");
+        assert_eq!((soft.a, soft.b), (66_666_667, 66_666_667 * 30), "15/s, burst 30");
+        // Packet limits compile to exactly rl_common::Limit's interval and span.
+        for (amount, per, burst) in [(7, 1, 3), (3, 1, 1), (200, 10, 1000), (1_000_000_000, 1, 5)] {
+            let l = gcra(Unit::Packets, &Rate { amount, per_secs: per, burst });
+            let want = rl_common::Limit::new(amount, per * 1_000_000_000, burst).unwrap();
+            assert_eq!((l.a, l.b, l.shift), (want.interval_ns, want.burst_span_ns, 0), "{amount}/{per}s burst {burst}");
+        }
     }
 
     /// The precedence rules read directly from the config: allow, deny, the
