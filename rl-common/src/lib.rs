@@ -2,8 +2,9 @@
 //!
 //! Everything here compiles for `bpfel-unknown-none` (no_std, no allocation)
 //! and for the host: the map layouts both sides agree on, and the limiter
-//! arithmetic. The XDP program runs [`limiter::admit_shared`] on every packet;
-//! the host runs the very same function in unit, property and threaded tests.
+//! arithmetic. The XDP program runs [`limiter::admit_with`] with the GCRA or
+//! window steps on every packet; the host runs the very same functions in
+//! unit, property and threaded tests.
 //!
 //! With the `user` feature the map types implement `aya::Pod`, so the daemon
 //! can read and write them directly.
@@ -15,5 +16,5 @@ pub mod maps;
 pub mod window;
 
 pub use clock::TickClock;
-pub use limiter::{admit_shared, admit_with, gcra, gcra_cost, Admit, Limit, SharedWord};
+pub use limiter::{admit_with, gcra, gcra_cost, Admit, Limit, SharedWord};
 pub use maps::*;

@@ -136,21 +136,14 @@ pub enum Admit {
     Contended,
 }
 
-/// Charges one packet at `now` to the bucket whose TAT lives in `cell`, which
-/// any number of CPUs may update at the same moment.
+/// Charges one packet to the state word in `cell`, which any number of CPUs
+/// may update at the same moment, with any one-word algorithm (GCRA, or a
+/// window from [`crate::window`]): `step` maps the current word to the new
+/// one, or to `None` when the packet must drop.
 ///
-/// Exact across CPUs: the TAT moves only by a successful compare-and-swap from
-/// the value the decision was computed on, so no token is spent twice and no
-/// update is lost.
-#[inline(always)]
-pub fn admit_shared<W: SharedWord>(cell: &W, now: u64, limit: &Limit) -> Admit {
-    admit_with(cell, |tat| gcra(tat, now, limit))
-}
-
-/// Charges one packet to the state word in `cell` with any one-word
-/// algorithm: `step` maps the current word to the new one, or to `None` when
-/// the packet must drop. Exact across CPUs for the same reason as GCRA: the
-/// word only moves by a compare-and-swap from the value `step` saw.
+/// Exact across CPUs: the word moves only by a successful compare-and-swap
+/// from the value `step` saw, so no token is spent twice and no update is
+/// lost.
 #[inline(always)]
 pub fn admit_with<W: SharedWord, F: Fn(u64) -> Option<u64>>(cell: &W, step: F) -> Admit {
     let mut word = cell.load();
@@ -320,7 +313,7 @@ mod tests {
                     s.spawn(|| {
                         let (mut pass, mut contended) = (0, 0);
                         for _ in 0..60_000 {
-                            match admit_shared(&cell, now, &limit) {
+                            match admit_with(&cell, |tat| gcra(tat, now, &limit)) {
                                 Admit::Pass => pass += 1,
                                 Admit::Contended => contended += 1,
                                 Admit::Drop => {}

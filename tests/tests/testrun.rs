@@ -130,10 +130,11 @@ fn burst_then_drop_and_sources_are_independent() {
     assert_eq!(offer(&dp, &udp4([198, 51, 100, 1]), 20), (5, 15));
     // Another source has its own full bucket.
     assert_eq!(offer(&dp, &udp4([198, 51, 100, 2]), 20), (5, 15));
-    // The same address over IPv6 (mapped form is distinct) is another source.
-    let mut mapped = [0u8; 16];
-    mapped[15] = 1;
-    assert_eq!(offer(&dp, &udp6(mapped), 7), (5, 2));
+    // An IPv6 source whose low bits equal an IPv4 source's is another source
+    // (the families live in separate maps).
+    let mut low = [0u8; 16];
+    low[15] = 1;
+    assert_eq!(offer(&dp, &udp6(low), 7), (5, 2));
     let c = dp.counters().unwrap();
     assert_eq!((c.get(STAT_PASSED_PKTS), c.get(STAT_DROPPED_PKTS)), (15, 32));
     assert_eq!(c.get(STAT_NEW_SOURCES), 3);
