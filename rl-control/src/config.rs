@@ -141,6 +141,19 @@ struct RawDefault {
 }
 
 impl Config {
+    /// One line saying what the config enforces, for `check-config` and the
+    /// reload log: "N rules, A allow and D deny CIDRs; by default …".
+    pub fn summary(&self) -> String {
+        format!(
+            "{} rules, {} allow and {} deny CIDRs; by default every source held to {} packets/s, burst {}",
+            self.rules.len(),
+            self.allow.len(),
+            self.deny.len(),
+            self.default.rate,
+            self.default.burst
+        )
+    }
+
     /// Reads and validates `path`.
     pub fn from_file(path: &Path) -> Result<Config, ConfigError> {
         let origin = path.display().to_string();

@@ -130,8 +130,9 @@ pub async fn run(opts: RunOptions) -> Result<()> {
             _ = sigterm.recv() => { info!("SIGTERM received: detaching"); break; }
             _ = sighup.recv() => {
                 info!("SIGHUP received: reloading");
-                reload(&mut dp, &opts, &mut current);
+                // Stamp first, as at start: a change during the reload is seen next tick.
                 stamp = watched.and_then(|p| file_stamp(p));
+                reload(&mut dp, &opts, &mut current);
             }
             _ = watch.tick(), if watched.is_some() => {
                 let now = watched.and_then(|p| file_stamp(p));
@@ -185,15 +186,7 @@ fn reload(dp: &mut Datapath, opts: &RunOptions, current: &mut Config) {
     let compiled = compile(&new);
     match dp.install(&compiled.rules) {
         Ok(()) => {
-            info!(
-                "reloaded {}: {} rules, {} allow and {} deny CIDRs; by default every source held to {} packets/s, burst {}",
-                path.display(),
-                new.rules.len(),
-                new.allow.len(),
-                new.deny.len(),
-                new.default.rate,
-                new.default.burst
-            );
+            info!("reloaded {}: {}", path.display(), new.summary());
             *current = new;
         }
         Err(e) => error!("reload failed, keeping the running config: {e}"),

@@ -86,16 +86,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::CheckConfig { file } => Config::from_file(&file)
             .map(|c| {
-                println!(
-                    "{}: ok ({} rules, {} allow and {} deny CIDRs; by default every source held to {} packets/s, burst {}; up to {} sources)",
-                    file.display(),
-                    c.rules.len(),
-                    c.allow.len(),
-                    c.deny.len(),
-                    c.default.rate,
-                    c.default.burst,
-                    c.datapath.max_sources
-                )
+                println!("{}: ok ({}; up to {} sources)", file.display(), c.summary(), c.datapath.max_sources)
             })
             .map_err(anyhow::Error::from),
         Command::Reload { pid_file } => daemon::signal_reload(&pid_file),
