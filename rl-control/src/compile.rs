@@ -253,7 +253,7 @@ fn compile_sources(config: &Config) -> (Vec<(Cidr, u32)>, Vec<BTreeSet<u32>>) {
             .filter(|((fam, len), _)| *fam == v4 && *len <= c.len)
             .filter_map(|((_, len), nets)| {
                 let m = crate::units::mask(&c.octets(), *len);
-                nets.contains(&m).then(|| Cidr { addr: addr_of(&m), len: *len })
+                nets.contains(&m).then(|| Cidr { addr: crate::units::bytes_to_addr(&m), len: *len })
             })
             .collect()
     };
@@ -285,13 +285,6 @@ fn by_len(cidrs: &[Cidr]) -> HashMap<(bool, u8), BTreeSet<Vec<u8>>> {
         m.entry((c.addr.is_ipv4(), c.len)).or_default().insert(c.octets());
     }
     m
-}
-
-fn addr_of(b: &[u8]) -> IpAddr {
-    match b.len() {
-        4 => IpAddr::from(<[u8; 4]>::try_from(b).expect("4 bytes")),
-        _ => IpAddr::from(<[u8; 16]>::try_from(b).expect("16 bytes")),
-    }
 }
 
 /// Which L4 table indices a rule matches.

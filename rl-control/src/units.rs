@@ -158,7 +158,8 @@ pub fn parse_cidr(text: &str) -> Result<Cidr, String> {
     Ok(cidr)
 }
 
-fn bytes_to_addr(b: &[u8]) -> IpAddr {
+/// The address of 4 (IPv4) or 16 (IPv6) bytes.
+pub fn bytes_to_addr(b: &[u8]) -> IpAddr {
     match b.len() {
         4 => IpAddr::from(<[u8; 4]>::try_from(b).expect("4 bytes")),
         _ => IpAddr::from(<[u8; 16]>::try_from(b).expect("16 bytes")),
