@@ -63,15 +63,18 @@ impl Netns {
         ip(&all)
     }
 
-    /// Sets a sysctl inside the namespace.
-    pub fn sysctl(&self, key: &str, value: &str) -> Result<()> {
-        let out = Command::new("ip")
-            .args(["netns", "exec", &self.name, "sysctl", "-qw", &format!("{key}={value}")])
-            .output()?;
+    /// Runs `program args…` inside the namespace.
+    pub fn exec(&self, program: &str, args: &[&str]) -> Result<()> {
+        let out = Command::new("ip").args(["netns", "exec", &self.name, program]).args(args).output()?;
         if !out.status.success() {
-            bail!("sysctl {key}={value} in {}: {}", self.name, String::from_utf8_lossy(&out.stderr));
+            bail!("{program} {} in {}: {}", args.join(" "), self.name, String::from_utf8_lossy(&out.stderr));
         }
         Ok(())
+    }
+
+    /// Sets a sysctl inside the namespace.
+    pub fn sysctl(&self, key: &str, value: &str) -> Result<()> {
+        self.exec("sysctl", &["-qw", &format!("{key}={value}")])
     }
 
     /// Runs `f` on a new thread that has entered this namespace, and returns
@@ -161,6 +164,11 @@ impl Lab {
         lab.b.ip(&["addr", "add", &format!("{}/24", lab.v4(2)), "dev", VB])?;
         lab.a.ip(&["addr", "add", &format!("{}/64", lab.v6(1)), "dev", VA, "nodad"])?;
         lab.b.ip(&["addr", "add", &format!("{}/64", lab.v6(2)), "dev", VB, "nodad"])?;
+        // A queue on the sending end: when the receiving veth's ring is full
+        // the kernel then holds senders back (and their sockets block)
+        // instead of silently dropping frames before XDP ever sees them, so
+        // every packet a test sends reaches rl.
+        lab.a.exec("tc", &["qdisc", "replace", "dev", VA, "root", "pfifo", "limit", "10000"])?;
         lab.a.ip(&["link", "set", VA, "up"])?;
         lab.b.ip(&["link", "set", VB, "up"])?;
         // Static neighbours: no ARP/ND exchange is needed (or counted).
