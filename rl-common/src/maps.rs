@@ -156,6 +156,18 @@ impl L4Entry {
 pub const MAP_LPM_V4: &str = "RL_LPM4";
 pub const MAP_LPM_V6: &str = "RL_LPM6";
 
+/// IPv4 first level, in front of the trie (`Array<u32>`, [`DIR16_LEN`]
+/// entries per slot, indexed by the source's top 16 bits): the
+/// [`CidrEntry`] of every address in that /16 when no CIDR longer than /16
+/// lies inside it (0 when none covers it either), else [`DIR16_LOOKUP`]: ask
+/// `RL_LPM4`. An array lookup is inlined by the verifier, so most sources
+/// never pay for a trie walk, however many CIDRs the lists hold.
+pub const MAP_DIR16: &str = "RL_DIR16";
+pub const DIR16_LEN: u32 = 65_536;
+/// Set in a [`MAP_DIR16`] value (outside [`CidrEntry`]'s bits): this /16
+/// holds longer CIDRs, so the trie decides.
+pub const DIR16_LOOKUP: u32 = 1 << 8;
+
 /// The longest CIDR matching a source: whether the source is allowed or
 /// denied (allow wins over deny whatever the lengths), and its source class:
 /// which rules' `src` lists contain it.

@@ -4,7 +4,9 @@
 //! Classification is precomputed so the datapath's per-packet cost does not
 //! grow with the number of rules or CIDRs:
 //! - one LPM lookup of the source gives allow/deny and the source's *class*
-//!   (which rules' `src` lists contain it);
+//!   (which rules' `src` lists contain it); for IPv4 an array indexed by the
+//!   source's /16 answers first, and the trie is walked only for sources in
+//!   a /16 that holds longer CIDRs;
 //! - one array lookup by (protocol, port, SYN) gives the first rule without a
 //!   `src` list that matches, and an *L4 class* when rules with `src` lists
 //!   come before it;
@@ -18,7 +20,7 @@ use std::{
 
 use rl_common::{
     prefix_mask_words, CidrEntry, L4Entry, LimitEntry, RuleEntry, CFG_LPM_V4, CFG_LPM_V6,
-    CFG_RULES, L4_ICMP, L4_ICMPV6, L4_OTHER, L4_SLOT_LEN, L4_TCP, L4_TCP_SYN, L4_UDP, LIMIT_BYTES,
+    CFG_RULES, DIR16_LEN, DIR16_LOOKUP, L4_ICMP, L4_ICMPV6, L4_OTHER, L4_SLOT_LEN, L4_TCP, L4_TCP_SYN, L4_UDP, LIMIT_BYTES,
     LIMIT_FIXED, LIMIT_GCRA, LIMIT_SLIDING, LIST_ALLOW, LIST_DENY, LIST_NONE, MAX_LIMITS, RULE_ELASTIC,
     RULE_SHADOW,
 };
@@ -52,6 +54,9 @@ pub struct RuleSet {
     pub l4: Vec<u32>,
     /// Trie entries and their packed [`CidrEntry`] values.
     pub lpm: Vec<(Cidr, u32)>,
+    /// The IPv4 first level ([`rl_common::MAP_DIR16`]): [`DIR16_LEN`]
+    /// values, or none when no IPv4 CIDR is listed.
+    pub dir16: Vec<u32>,
     /// (L4 class, source class) ➜ rule index.
     pub decide: Vec<((u16, u16), u32)>,
 }
@@ -61,12 +66,21 @@ impl RuleSet {
     /// the same order, from the compiled tables. Host tests compare it with
     /// a direct reading of the precedence rules.
     pub fn classify(&self, src: IpAddr, l4_index: u32) -> Verdict {
-        let best = self
-            .lpm
-            .iter()
-            .filter(|(c, _)| c.covers(&Cidr { addr: src, len: if src.is_ipv4() { 32 } else { 128 } }))
-            .max_by_key(|(c, _)| c.len);
-        let (list, src_class) = best.map_or((LIST_NONE, 0), |(_, v)| (CidrEntry::list(*v), CidrEntry::src_class(*v)));
+        let trie = || {
+            self.lpm
+                .iter()
+                .filter(|(c, _)| c.covers(&Cidr { addr: src, len: if src.is_ipv4() { 32 } else { 128 } }))
+                .max_by_key(|(c, _)| c.len)
+                .map_or(0, |(_, v)| *v)
+        };
+        let v = match src {
+            IpAddr::V4(a) if !self.dir16.is_empty() => match self.dir16[(u32::from(a) >> 16) as usize] {
+                v if v & DIR16_LOOKUP != 0 => trie(),
+                v => v,
+            },
+            _ => trie(),
+        };
+        let (list, src_class) = (CidrEntry::list(v), CidrEntry::src_class(v));
         match list {
             LIST_ALLOW => return Verdict::Allow,
             LIST_DENY => return Verdict::Deny,
@@ -127,8 +141,10 @@ fn compile_rules(config: &Config) -> RuleSet {
     let (lpm, src_classes) = compile_sources(config);
     let (l4, decide) = compile_l4(&config.rules, &src_classes);
     let mut flags = 0;
+    let mut dir16 = Vec::new();
     if lpm.iter().any(|(c, _)| c.addr.is_ipv4()) {
         flags |= CFG_LPM_V4;
+        dir16 = compile_dir16(&lpm);
     }
     if lpm.iter().any(|(c, _)| c.addr.is_ipv6()) {
         flags |= CFG_LPM_V6;
@@ -136,7 +152,7 @@ fn compile_rules(config: &Config) -> RuleSet {
     if !config.rules.is_empty() {
         flags |= CFG_RULES;
     }
-    RuleSet { flags, entries, names, l4, lpm, decide }
+    RuleSet { flags, entries, names, l4, lpm, dir16, decide }
 }
 
 /// A 32-bit id of a definition, stable while the daemon runs, low 3 bits 0.
@@ -277,6 +293,32 @@ fn compile_sources(config: &Config) -> (Vec<(Cidr, u32)>, Vec<BTreeSet<u32>>) {
         out.push((c, CidrEntry::pack(list, class)));
     }
     (out, classes)
+}
+
+/// The IPv4 first level: each /16 takes the value of the longest CIDR of at
+/// most 16 bits covering it (the trie's answer for every address in it),
+/// unless a longer CIDR lies inside it: then [`DIR16_LOOKUP`].
+fn compile_dir16(lpm: &[(Cidr, u32)]) -> Vec<u32> {
+    let mut dir = vec![0u32; DIR16_LEN as usize];
+    let mut v4: Vec<(u32, u8, u32)> = lpm
+        .iter()
+        .filter_map(|(c, v)| match c.addr {
+            IpAddr::V4(a) => Some((u32::from(a), c.len, *v)),
+            IpAddr::V6(_) => None,
+        })
+        .collect();
+    // Shorter prefixes first, so longer ones overwrite what they refine.
+    v4.sort_by_key(|&(_, len, _)| len);
+    for (addr, len, v) in v4 {
+        let first = (addr >> 16) as usize;
+        if len <= 16 {
+            let n = 1usize << (16 - len);
+            dir[first..first + n].fill(v);
+        } else {
+            dir[first] = DIR16_LOOKUP;
+        }
+    }
+    dir
 }
 
 fn by_len(cidrs: &[Cidr]) -> HashMap<(bool, u8), BTreeSet<Vec<u8>>> {
@@ -457,6 +499,31 @@ mod tests {
         assert_eq!(rs.classify(ip("10.1.2.3"), L4_UDP + 53), Verdict::Allow);
         assert_eq!(rs.classify(ip("192.0.2.9"), L4_UDP + 53), Verdict::Deny);
         assert_eq!(rs.classify(ip("198.51.100.1"), L4_UDP + 53), Verdict::Rule(0));
+    }
+
+    #[test]
+    fn the_ipv4_first_level_answers_whole_16s_and_defers_to_the_trie_inside_refined_ones() {
+        let c = config(
+            "[default]\nrate = 5\n[[allow]]\ncidr = \"10.0.0.0/8\"\n[[deny]]\ncidr = \"10.1.2.0/24\"\n\
+             [[deny]]\ncidr = \"192.0.2.0/24\"\n[[rule]]\nname = \"r\"\nsrc = [\"0.0.0.0/0\"]\nrate = 1\n",
+        );
+        let rs = compile(&c).rules;
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let at = |a: &str| rs.dir16[(u32::from(a.parse::<std::net::Ipv4Addr>().unwrap()) >> 16) as usize];
+        assert_eq!(rs.dir16.len(), DIR16_LEN as usize);
+        assert_eq!(CidrEntry::list(at("10.200.0.1")), LIST_ALLOW, "a /8 fills its 256 /16s");
+        assert_eq!(at("10.1.0.0"), DIR16_LOOKUP, "a /24 inside sends its /16 to the trie");
+        assert_eq!(at("192.0.0.0"), DIR16_LOOKUP);
+        let anywhere = at("203.0.113.1");
+        assert_eq!((CidrEntry::list(anywhere), CidrEntry::src_class(anywhere) != 0), (LIST_NONE, true), "/0 src list");
+        assert_eq!(rs.classify(ip("10.1.2.3"), L4_UDP + 53), Verdict::Allow);
+        assert_eq!(rs.classify(ip("10.1.9.9"), L4_UDP + 53), Verdict::Allow);
+        assert_eq!(rs.classify(ip("192.0.2.1"), L4_UDP + 53), Verdict::Deny);
+        assert_eq!(rs.classify(ip("192.0.3.1"), L4_UDP + 53), Verdict::Rule(1));
+        assert_eq!(rs.classify(ip("203.0.113.1"), L4_UDP + 53), Verdict::Rule(1));
+        // IPv6 only: no first level.
+        let v6 = compile(&config("[default]\nrate = 5\n[[deny]]\ncidr = \"2001:db8::/32\"\n")).rules;
+        assert!(v6.dir16.is_empty());
     }
 
     fn arb_rule(i: usize) -> impl Strategy<Value = String> {

@@ -21,7 +21,7 @@ use aya::{
 use aya_log::EbpfLogger;
 use rl_common::{
     Bucket, DatapathConfig, Key4, Key6, RuleEntry, RuleStats, Stats, TickClock, MAP_CONFIG,
-    MAP_DECIDE, MAP_L4, MAP_LPM_V4, MAP_LPM_V6, MAP_RULES, MAP_RULE_STATS, MAP_SOURCES_V4,
+    DIR16_LEN, MAP_DECIDE, MAP_DIR16, MAP_L4, MAP_LPM_V4, MAP_LPM_V6, MAP_RULES, MAP_RULE_STATS, MAP_SOURCES_V4,
     MAP_SOURCES_V6, MAP_STATS, RSTAT_ALLOW, RSTAT_DENY, RULE_SLOTS,
     PROG_CLOCK, PROG_FLOOR, PROG_LIMITER, STAT_COUNT, STAT_NAMES,
 };
@@ -292,6 +292,7 @@ struct SlotContents {
     names: Vec<String>,
     l4: Vec<u32>,
     lpm: Vec<(crate::units::Cidr, u32)>,
+    dir16: Vec<u32>,
     decide: Vec<u64>,
 }
 
@@ -480,11 +481,20 @@ impl Datapath {
             }
         }
 
+        // Trie first, then the first level that points into it.
         for (c, _) in &old.lpm {
             self.lpm_write(slot, c, None)?;
         }
         for (c, v) in &rules.lpm {
             self.lpm_write(slot, c, Some(*v))?;
+        }
+        let mut dir16: Array<&mut MapData, u32> = map_mut(&mut self.ebpf, MAP_DIR16)?;
+        let dir_base = slot * DIR16_LEN;
+        for i in 0..DIR16_LEN as usize {
+            let (was, now) = (old.dir16.get(i).copied().unwrap_or(0), rules.dir16.get(i).copied().unwrap_or(0));
+            if was != now {
+                dir16.set(dir_base + i as u32, now, 0).map_err(|e| map_error(MAP_DIR16, e))?;
+            }
         }
 
         let mut decide: HashMap<&mut MapData, u64, u32> = map_mut(&mut self.ebpf, MAP_DECIDE)?;
@@ -514,6 +524,7 @@ impl Datapath {
             names: rules.names.clone(),
             l4: rules.l4.clone(),
             lpm: rules.lpm.clone(),
+            dir16: rules.dir16.clone(),
             decide: keys,
         };
         Ok(())

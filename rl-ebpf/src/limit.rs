@@ -1,7 +1,8 @@
 //! Classify ➜ charge. Which rule a packet belongs to comes from tables the
-//! daemon precomputed (see rl-control's `compile`): at most one LPM lookup of
-//! the source, one array lookup by protocol/port/SYN, and rarely one hash
-//! lookup. The rule's limits are then charged with the shared arithmetic
+//! daemon precomputed (see rl-control's `compile`): for IPv4 one array lookup
+//! by the source's /16 and, only inside a /16 that lists longer CIDRs, an
+//! LPM lookup (IPv6: the LPM lookup), one array lookup by protocol/port/SYN,
+//! and rarely one hash lookup. The rule's limits are then charged with the shared arithmetic
 //! from rl-common, each state word through compare-and-swap.
 
 use core::intrinsics::{atomic_cxchg, AtomicOrdering};
@@ -18,7 +19,7 @@ use aya_log_ebpf::debug;
 use rl_common::{
     admit_with, decide_key, gcra_cost,
     window::{fixed_window, sliding_window},
-    Admit, Bucket, CidrEntry, DatapathConfig, Key4, Key6, L4Entry, LimitEntry, RuleEntry, RuleStats,
+    Admit, Bucket, CidrEntry, DIR16_LEN, DIR16_LOOKUP, DatapathConfig, Key4, Key6, L4Entry, LimitEntry, RuleEntry, RuleStats,
     SharedWord, CFG_LPM_V4, CFG_LPM_V6, CFG_RULES, L4_ICMP, L4_ICMPV6, L4_OTHER, L4_SLOT_LEN, L4_TCP,
     L4_TCP_SYN, L4_UDP, LIMIT_BYTES, LIMIT_COARSE, LIMIT_FIXED, LIMIT_GCRA, LIST_ALLOW, LIST_DENY,
     MAX_LIMITS, POOL_INDEX, RSTAT_ALLOW, RSTAT_DENY, RSTAT_LEN, RULE_ELASTIC, RULE_SHADOW, RULE_SLOTS,
@@ -48,6 +49,10 @@ static RL_RULES: Array<RuleEntry> = Array::with_max_entries(2 * RULE_SLOTS, 0);
 
 #[map(name = "RL_L4")]
 static RL_L4: Array<u32> = Array::with_max_entries(2 * L4_SLOT_LEN, 0);
+
+/// IPv4 first level in front of RL_LPM4 (rl_common::MAP_DIR16).
+#[map(name = "RL_DIR16")]
+static RL_DIR16: Array<u32> = Array::with_max_entries(2 * DIR16_LEN, 0);
 
 #[map(name = "RL_LPM4")]
 static RL_LPM4: LpmTrie<[u8; 5], u32> = LpmTrie::with_max_entries(2 * 327_680, BPF_F_NO_PREALLOC);
@@ -171,6 +176,12 @@ fn lpm(cfg: &DatapathConfig, slot: u32, is_v6: bool, src: &[u32; 4]) -> Option<u
     } else {
         if cfg.flags & CFG_LPM_V4 == 0 {
             return None;
+        }
+        // The source's /16 usually answers alone.
+        let top = u32::from_be(src[3]) >> 16;
+        let v = *RL_DIR16.get(slot * DIR16_LEN + top)?;
+        if v & DIR16_LOOKUP == 0 {
+            return Some(v);
         }
         let b = src[3].to_ne_bytes();
         RL_LPM4.get(Key::new(8 + 32, [slot as u8, b[0], b[1], b[2], b[3]])).copied()

@@ -2,12 +2,15 @@
 //! each as a ratio to a bare `XDP_DROP` program measured in the same run.
 //!
 //! Machines here are shared and noisy: load drifts over seconds and comes in
-//! bursts of milliseconds. So the cases are measured interleaved (every round
-//! runs each case, and each case's ratio is taken against the floor of the
-//! same round), each case's time in a round is the fastest of a few short
-//! runs (a burst of load only ever adds time, and a long run is likelier to
-//! catch one than the short floor run), and the figure reported is the median
-//! over rounds.
+//! bursts of milliseconds. So the process pins itself to one CPU, the cases
+//! are measured interleaved (every round runs each case), each case's time in
+//! a round is the fastest of a few runs, and two ratios are printed:
+//! - *best*: the fastest run of the case over the fastest run of the floor.
+//!   Interference only ever adds time, so the fastest run is the best
+//!   estimate of what the code itself costs; the targets are judged on it.
+//! - *median*: the median over rounds of the case's time over the floor's
+//!   time in the same round, which shows how much the machine's load moved
+//!   the figures.
 
 use anyhow::{bail, Context, Result};
 use rl_control::{
@@ -20,10 +23,10 @@ use rl_tests::{
     XDP_DROP, XDP_PASS,
 };
 
-/// Interleaved rounds; each case runs `repeat` packets per round, split into
-/// `SHOTS` runs of which the fastest counts.
-const ROUNDS: usize = 11;
-const SHOTS: u32 = 5;
+/// Interleaved rounds; in each, every case runs `SHOTS` times with `repeat`
+/// packets per BPF_PROG_TEST_RUN call, and the fastest shot counts.
+const ROUNDS: usize = 7;
+const SHOTS: u32 = 3;
 
 fn load(rate: u64, burst: u64, max_sources: u32, bench_new_sources: bool) -> Result<Datapath> {
     load_toml(&format!("[datapath]\nmax_sources = {max_sources}\n[default]\nrate = {rate}\nburst = {burst}\n"), bench_new_sources)
@@ -69,12 +72,17 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() -> Result<()> {
-    let total: u32 = std::env::args().nth(1).map(|s| s.parse()).transpose()?.unwrap_or(1_000_000);
-    let repeat = (total / SHOTS).max(1);
+    // One CPU for the whole run: no migrations between runs, warm caches.
+    let cpu = std::thread::available_parallelism().map_or(0, |n| n.get() - 1);
+    rl_tests::lab::pin_to_cpu(cpu)?;
+    let repeat: u32 = std::env::args().nth(1).map(|s| s.parse()).transpose()?.unwrap_or(1_000_000);
     let frame = udp4([198, 51, 100, 7]);
+    // In a /16 that holds deny CIDRs (but not denied): the IPv4 first level
+    // sends it on to the trie walk.
+    let frame_in_listed_16 = udp4([100, 65, 200, 7]);
     let frame6 = udp6([0x20, 0x01, 0x0d, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 7]);
     println!(
-        "rl XDP benchmark: BPF_PROG_TEST_RUN, {ROUNDS} interleaved rounds of {total} packets per case (fastest of {SHOTS} runs of {repeat}), 64-byte UDP/IPv4 frame"
+        "rl XDP benchmark: BPF_PROG_TEST_RUN with repeat = {repeat}, {ROUNDS} interleaved rounds, fastest of {SHOTS} runs per case and round, 64-byte UDP/IPv4 frame, pinned to CPU {cpu}"
     );
 
     let mut floor_dp = load(1, 1, 1024, false)?;
@@ -98,6 +106,7 @@ fn main() -> Result<()> {
     for dp in [&r1, &r100, &r1000, &r1_cidrs] {
         dp.test_run(&frame, 1)?;
     }
+    r1000.test_run(&frame_in_listed_16, 1)?;
 
     let mut cases = vec![
         Case { name: "floor (bare XDP_DROP)", want: XDP_DROP, run: Box::new(|| Ok(floor_dp.test_run_floor(&frame, repeat)?)), ns: vec![] },
@@ -109,6 +118,7 @@ fn main() -> Result<()> {
         Case { name: "100 rules", want: XDP_PASS, run: Box::new(|| Ok(r100.test_run(&frame, repeat)?)), ns: vec![] },
         Case { name: "1 rule + 100,000 deny CIDRs", want: XDP_PASS, run: Box::new(|| Ok(r1_cidrs.test_run(&frame, repeat)?)), ns: vec![] },
         Case { name: "1,000 rules + 100,000 deny CIDRs", want: XDP_PASS, run: Box::new(|| Ok(r1000.test_run(&frame, repeat)?)), ns: vec![] },
+        Case { name: "  same, source in a listed /16 (trie)", want: XDP_PASS, run: Box::new(|| Ok(r1000.test_run(&frame_in_listed_16, repeat)?)), ns: vec![] },
     ];
     for _ in 0..ROUNDS {
         for case in cases.iter_mut() {
@@ -124,12 +134,16 @@ fn main() -> Result<()> {
         }
     }
     let floor = cases[0].ns.clone();
-    println!("{:<36} {:>10} {:>10} {:>16}", "path", "median ns", "min ns", "× floor (median)");
+    let best = |v: &[f64]| v.iter().cloned().fold(f64::INFINITY, f64::min);
+    println!("{:<38} {:>8} {:>10} {:>13} {:>15}", "path", "best ns", "median ns", "× floor best", "× floor median");
     let mut ratios = Vec::new();
     for case in &cases {
-        let ratio = median(case.ns.iter().zip(&floor).map(|(n, f)| n / f).collect());
-        let min = case.ns.iter().cloned().fold(f64::INFINITY, f64::min);
-        println!("{:<36} {:>10.1} {:>10.1} {:>16.2}", case.name, median(case.ns.clone()), min, ratio);
+        let paired = median(case.ns.iter().zip(&floor).map(|(n, f)| n / f).collect());
+        let ratio = best(&case.ns) / best(&floor);
+        println!(
+            "{:<38} {:>8.1} {:>10.1} {:>13.2} {:>15.2}",
+            case.name, best(&case.ns), median(case.ns.clone()), ratio, paired
+        );
         ratios.push(ratio);
     }
     let c = new_dp.counters()?;
@@ -139,14 +153,16 @@ fn main() -> Result<()> {
         c.get(rl_common::STAT_NEW_SOURCES) as f64 / (repeat as f64 * SHOTS as f64 * ROUNDS as f64)
     );
     println!("clock: tick {} ns (0 = ktime only)", pass_dp.clock().tick_ns);
-    // Rule-count scaling, paired per round like the floor ratios.
-    let per_round = |i: usize, j: usize| median(cases[i].ns.iter().zip(&cases[j].ns).map(|(a, b)| a / b).collect());
-    let (big_vs_one, cidrs_vs_one) = (per_round(8, 5), per_round(7, 5));
-    let big_vs_cidrs = per_round(8, 7);
-    println!("1,000 rules + 100k CIDRs vs 1 rule: {big_vs_one:.2}×; vs 1 rule + the same CIDRs: {big_vs_cidrs:.2}×; the CIDRs alone cost {cidrs_vs_one:.2}×");
+    // Rule-count scaling, on the best runs like the floor ratios.
+    let vs = |i: usize, j: usize| best(&cases[i].ns) / best(&cases[j].ns);
+    let (big_vs_one, cidrs_vs_one, trie_vs_one, big_vs_cidrs) = (vs(8, 5), vs(7, 5), vs(9, 5), vs(8, 7));
     println!(
-        "target 1,000 rules ≤ 1.2× one rule: {} ({big_vs_cidrs:.2}× with the CIDR lookup in both, {big_vs_one:.2}× against a rule set without CIDRs)",
-        if big_vs_cidrs <= 1.2 { "met" } else { "MISSED" }
+        "1,000 rules + 100k CIDRs vs 1 rule: {big_vs_one:.2}× ({trie_vs_one:.2}× for a source whose /16 holds CIDRs, so the trie is walked); \
+         vs 1 rule + the same CIDRs: {big_vs_cidrs:.2}×; 1 rule + the CIDRs vs 1 rule: {cidrs_vs_one:.2}×"
+    );
+    println!(
+        "target 1,000 rules + 100k CIDRs ≤ 1.2× one rule: {} ({big_vs_one:.2}×)",
+        if big_vs_one <= 1.2 { "met" } else { "MISSED" }
     );
     let target = 3.0;
     for (name, ratio) in [("pass", ratios[1]), ("drop", ratios[3])] {
