@@ -4,7 +4,11 @@
 
 use core::mem::size_of;
 
-use crate::clock::TickClock;
+use crate::{
+    clock::TickClock,
+    limiter::gcra_cost,
+    window::{fixed_window, sliding_window},
+};
 
 /// IPv4 buckets (`BPF_MAP_TYPE_LRU_HASH`, [`Key4`] ➜ [`Bucket`]).
 /// Its capacity is set at load time from `datapath.max_sources`.
@@ -243,6 +247,38 @@ pub struct LimitEntry {
 const _: () = assert!(size_of::<LimitEntry>() == 24);
 
 impl LimitEntry {
+    /// A token-bucket step (GCRA): `units` cost `units × a >> shift` ns of a
+    /// bucket holding `b` ns. `now` is ktime.
+    #[inline(always)]
+    pub fn gcra_step(&self, word: u64, now: u64, units: u64) -> Option<u64> {
+        gcra_cost(word, now, (units * self.a) >> (self.shift & 63), self.b)
+    }
+
+    /// A window step: the count is in `2^shift`-unit steps, rounded up, and
+    /// windows are aligned to the Unix epoch (`now + epoch_offset_ns`).
+    #[inline(always)]
+    pub fn window_step(&self, word: u64, now: u64, epoch_offset_ns: u64, units: u64) -> Option<u64> {
+        let shift = self.shift & 63;
+        let cost = (units + (1 << shift) - 1) >> shift;
+        let epoch_ns = now.wrapping_add(epoch_offset_ns);
+        if self.kind & 0xff == LIMIT_FIXED {
+            fixed_window(word, epoch_ns, self.a, self.b, cost)
+        } else {
+            sliding_window(word, epoch_ns, self.a, self.b, cost)
+        }
+    }
+
+    /// One step of whichever algorithm this limit uses: the new state word
+    /// if `units` more fit at `now` (ktime), else `None`.
+    #[inline(always)]
+    pub fn step(&self, word: u64, now: u64, epoch_offset_ns: u64, units: u64) -> Option<u64> {
+        if self.kind & 0xff == LIMIT_GCRA {
+            self.gcra_step(word, now, units)
+        } else {
+            self.window_step(word, now, epoch_offset_ns, units)
+        }
+    }
+
     /// This limit reading the tick clock exactly when `clock` suits it.
     pub fn with_clock(mut self, clock: &TickClock) -> Self {
         let span = if self.kind & 0xff == LIMIT_GCRA { self.b } else { self.a };

@@ -17,11 +17,10 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::debug;
 use rl_common::{
-    admit_with, decide_key, gcra_cost,
-    window::{fixed_window, sliding_window},
+    admit_with, decide_key,
     Admit, Bucket, CidrEntry, DIR16_LEN, DIR16_LOOKUP, DatapathConfig, Key4, Key6, L4Entry, LimitEntry, RuleEntry, RuleStats,
     SharedWord, CFG_LPM_V4, CFG_LPM_V6, CFG_RULES, L4_ICMP, L4_ICMPV6, L4_OTHER, L4_SLOT_LEN, L4_TCP,
-    L4_TCP_SYN, L4_UDP, LIMIT_BYTES, LIMIT_COARSE, LIMIT_FIXED, LIMIT_GCRA, LIST_ALLOW, LIST_DENY,
+    L4_TCP_SYN, L4_UDP, LIMIT_BYTES, LIMIT_COARSE, LIMIT_GCRA, LIST_ALLOW, LIST_DENY,
     MAX_LIMITS, POOL_INDEX, RSTAT_ALLOW, RSTAT_DENY, RSTAT_LEN, RULE_ELASTIC, RULE_SHADOW, RULE_SLOTS,
     STAT_CONTENDED, STAT_NEW_SOURCES, STAT_NO_STATE,
 };
@@ -337,35 +336,11 @@ fn units(limit: &LimitEntry, len: u64) -> u64 {
     }
 }
 
-/// A token-bucket step: `units` cost `units × a >> shift` ns (rl_common::limiter).
-#[inline(always)]
-fn gcra_step(limit: &LimitEntry, t: u64, units: u64, word: u64) -> Option<u64> {
-    gcra_cost(word, t, (units * limit.a) >> (limit.shift & 63), limit.b)
-}
-
-/// A window step (rl_common::window): the count is in `2^shift`-unit steps,
-/// rounded up, and windows are aligned to the Unix epoch.
-#[inline(always)]
-fn window_step(cfg: &DatapathConfig, limit: &LimitEntry, t: u64, units: u64, word: u64) -> Option<u64> {
-    let shift = limit.shift & 63;
-    let cost = (units + (1 << shift) - 1) >> shift;
-    let epoch_ns = t.wrapping_add(cfg.epoch_offset_ns);
-    if limit.kind & 0xff == LIMIT_FIXED {
-        fixed_window(word, epoch_ns, limit.a, limit.b, cost)
-    } else {
-        sliding_window(word, epoch_ns, limit.a, limit.b, cost)
-    }
-}
-
 /// One limit's step on its state word, for the read-only check of
 /// multi-limit rules.
 #[inline(always)]
 fn step(cfg: &DatapathConfig, limit: &LimitEntry, len: u64, word: u64) -> Option<u64> {
-    let (t, u) = (now(cfg, limit), units(limit, len));
-    match limit.kind & 0xff {
-        LIMIT_GCRA => gcra_step(limit, t, u, word),
-        _ => window_step(cfg, limit, t, u, word),
-    }
+    limit.step(word, now(cfg, limit), cfg.epoch_offset_ns, units(limit, len))
 }
 
 /// Charges one limit: the clock is read once, then the algorithm's
@@ -375,7 +350,7 @@ fn admit(ctx: &XdpContext, cfg: &DatapathConfig, limit: &LimitEntry, b: *mut Buc
     let cell = Tat(unsafe { &raw mut (*b).tat_ns });
     let (t, u) = (now(cfg, limit), units(limit, len));
     let outcome = match limit.kind & 0xff {
-        LIMIT_GCRA => admit_with(&cell, |w| gcra_step(limit, t, u, w)),
+        LIMIT_GCRA => admit_with(&cell, |w| limit.gcra_step(w, t, u)),
         _ => admit_window(cfg, limit, &cell, t, u),
     };
     match outcome {
@@ -392,7 +367,7 @@ fn admit(ctx: &XdpContext, cfg: &DatapathConfig, limit: &LimitEntry, b: *mut Buc
 /// their code out of the token-bucket path keeps that path's registers free.
 #[inline(never)]
 fn admit_window(cfg: &DatapathConfig, limit: &LimitEntry, cell: &Tat, t: u64, units: u64) -> Admit {
-    admit_with(cell, |w| window_step(cfg, limit, t, units, w))
+    admit_with(cell, |w| limit.window_step(w, t, cfg.epoch_offset_ns, units))
 }
 
 /// A bucket's state word. It lives in map memory shared by all CPUs, so it

@@ -1,0 +1,166 @@
+//! What a key may still send under one limit, in the terms of HTTP
+//! rate-limit headers (`X-RateLimit-Limit`, `X-RateLimit-Remaining`,
+//! `Retry-After`), read from the state word the datapath keeps.
+//!
+//! The answers are defined by the datapath's own step functions
+//! ([`LimitEntry::step`]): `remaining` more packets pass now and one more
+//! would not; at `retry_after_ns` from now a packet passes and one
+//! nanosecond earlier it would not. The host tests check exactly that.
+
+use crate::maps::{LimitEntry, LIMIT_BYTES, LIMIT_GCRA};
+
+/// One limit's quota for one key, at one moment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Quota {
+    /// Units (packets, or bytes for a byte limit) a fresh key may send at
+    /// once: the burst, or the window's cap.
+    pub limit: u64,
+    /// Units that pass now, one after another.
+    pub remaining: u64,
+    /// Wait before one more unit passes (0 when `remaining > 0`).
+    pub retry_after_ns: u64,
+    /// Wait until the key is back to a full `limit`.
+    pub reset_ns: u64,
+}
+
+/// Units that pass one after another at `now` from state `word`.
+fn remaining(l: &LimitEntry, word: u64, now: u64, epoch_offset_ns: u64) -> u64 {
+    let shift = l.shift & 63;
+    if l.kind & 0xff == LIMIT_GCRA {
+        // The k-th unit passes while the TAT stays within the burst span.
+        let base = if word > now { word } else { now };
+        let room = l.b.saturating_sub(base - now) as u128;
+        if l.kind & LIMIT_BYTES != 0 {
+            // k bytes cost (k × a) >> shift ns.
+            let k = (((room + 1) << shift) - 1) / (l.a as u128).max(1);
+            return k.min(u64::MAX as u128) as u64;
+        }
+        let per = ((l.a >> shift) as u128).max(1);
+        return (room / per) as u64;
+    }
+    // Windows: how much the cap still holds, by stepping the real function
+    // (a binary search over the count: steps of one unit are monotone).
+    let fits = |n: u64| n == 0 || l.window_step(word, now, epoch_offset_ns, n).is_some();
+    let (mut lo, mut hi) = (0u64, l.b.saturating_mul(1 << shift).saturating_add(1));
+    while lo + 1 < hi {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
+}
+
+/// The smallest wait `d` (0 ..= `horizon`) after which `ok(now + d)` holds,
+/// for an `ok` that, once true, stays true.
+fn first_time(now: u64, horizon: u64, ok: impl Fn(u64) -> bool) -> u64 {
+    if ok(now) {
+        return 0;
+    }
+    let (mut lo, mut hi) = (0u64, horizon);
+    while lo + 1 < hi {
+        let mid = lo + (hi - lo) / 2;
+        if ok(now.saturating_add(mid)) {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    hi
+}
+
+/// The quota of `limit` for a key in state `word` at `now` (ktime ns; the
+/// limit's windows are aligned with `epoch_offset_ns`, as in the datapath).
+pub fn quota(limit: &LimitEntry, word: u64, now: u64, epoch_offset_ns: u64) -> Quota {
+    let rem = |t: u64| remaining(limit, word, t, epoch_offset_ns);
+    let full = remaining(limit, 0, now, epoch_offset_ns).max(rem(now));
+    // A token bucket refills within its burst span, a window within two windows.
+    let horizon = if limit.kind & 0xff == LIMIT_GCRA { limit.b } else { limit.a.saturating_mul(2) }.saturating_add(1);
+    Quota {
+        limit: full,
+        remaining: rem(now),
+        retry_after_ns: first_time(now, horizon, |t| rem(t) >= 1),
+        reset_ns: first_time(now, horizon, |t| rem(t) >= full),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::maps::{LIMIT_FIXED, LIMIT_SLIDING};
+    use proptest::prelude::*;
+
+    const S: u64 = 1_000_000_000;
+
+    fn gcra(rate_per_s: u64, burst: u64) -> LimitEntry {
+        let interval = S / rate_per_s;
+        LimitEntry { kind: LIMIT_GCRA, shift: 0, a: interval, b: burst * interval }
+    }
+
+    /// Sends `n` packets at `t`; returns the state and how many passed.
+    fn send(l: &LimitEntry, mut word: u64, t: u64, n: u64, off: u64) -> (u64, u64) {
+        let mut passed = 0;
+        for _ in 0..n {
+            if let Some(w) = l.step(word, t, off, 1) {
+                word = w;
+                passed += 1;
+            }
+        }
+        (word, passed)
+    }
+
+    /// The definition: `remaining` pass and one more does not; after
+    /// `retry_after` one passes and a nanosecond earlier none does.
+    fn check(l: &LimitEntry, word: u64, now: u64, off: u64) {
+        let q = quota(l, word, now, off);
+        let (_, passed) = send(l, word, now, q.remaining + 1, off);
+        assert_eq!(passed, q.remaining, "{q:?}");
+        assert_eq!(q.retry_after_ns == 0, q.remaining > 0, "{q:?}");
+        if q.retry_after_ns > 0 {
+            assert!(l.step(word, now + q.retry_after_ns, off, 1).is_some(), "{q:?}");
+            assert!(l.step(word, now + q.retry_after_ns - 1, off, 1).is_none(), "{q:?}");
+        }
+        assert_eq!(quota(l, word, now + q.reset_ns, off).remaining, q.limit, "{q:?}");
+        assert!(q.reset_ns >= q.retry_after_ns);
+    }
+
+    #[test]
+    fn a_fresh_bucket_has_its_burst_and_an_empty_one_waits_one_interval() {
+        let l = gcra(10, 5);
+        let q = quota(&l, 0, 100 * S, 0);
+        assert_eq!(q, Quota { limit: 5, remaining: 5, retry_after_ns: 0, reset_ns: 0 });
+        let (word, passed) = send(&l, 0, 100 * S, 10, 0);
+        assert_eq!(passed, 5);
+        let q = quota(&l, word, 100 * S, 0);
+        assert_eq!((q.remaining, q.retry_after_ns, q.reset_ns), (0, S / 10, S / 2));
+        check(&l, word, 100 * S, 0);
+    }
+
+    #[test]
+    fn a_fixed_window_resets_at_its_boundary() {
+        let l = LimitEntry { kind: LIMIT_FIXED, shift: 0, a: 10 * S, b: 3 };
+        let (word, _) = send(&l, 0, 104 * S, 3, 0);
+        let q = quota(&l, word, 104 * S, 0);
+        assert_eq!((q.limit, q.remaining, q.retry_after_ns, q.reset_ns), (3, 0, 6 * S, 6 * S));
+        check(&l, word, 104 * S, 0);
+    }
+
+    proptest! {
+        #[test]
+        fn quota_matches_the_datapath_steps(
+            kind in prop_oneof![Just(LIMIT_GCRA), Just(LIMIT_FIXED), Just(LIMIT_SLIDING)],
+            rate in 1u64..50, burst in 1u64..50,
+            sent in 0u64..120, gap_ms in 0u64..3000, start in 0u64..1_000_000_000_000u64,
+            off in 0u64..1_000_000_000_000u64,
+        ) {
+            let l = match kind {
+                LIMIT_GCRA => gcra(rate, burst),
+                k => LimitEntry { kind: k, shift: 0, a: S, b: rate },
+            };
+            let (word, _) = send(&l, 0, start, sent, off);
+            check(&l, word, start + gap_ms * 1_000_000, off);
+        }
+    }
+}
