@@ -248,9 +248,12 @@ fn window(kind: u32, cap: u64, unit: Unit, rate: &Rate) -> LimitEntry {
 /// Every CIDR the trie needs, with its list and source class, and each
 /// class's set of rule indices (class 0: the empty set).
 fn compile_sources(config: &Config) -> (Vec<(Cidr, u32)>, Vec<BTreeSet<u32>>) {
+    // Bans in force are deny entries (so `allow` still wins over them).
+    let deny_list: Vec<Cidr> =
+        config.deny.iter().copied().chain(config.active_bans(crate::config::unix_now()).map(|b| b.cidr)).collect();
     let mut prefixes: BTreeSet<Cidr> = BTreeSet::new();
     prefixes.extend(config.allow.iter().copied());
-    prefixes.extend(config.deny.iter().copied());
+    prefixes.extend(deny_list.iter().copied());
     let mut src_of: HashMap<Cidr, Vec<u32>> = HashMap::new();
     for (i, r) in config.rules.iter().enumerate() {
         for c in &r.src {
@@ -259,7 +262,7 @@ fn compile_sources(config: &Config) -> (Vec<(Cidr, u32)>, Vec<BTreeSet<u32>>) {
         }
     }
     let allow: HashMap<(bool, u8), BTreeSet<Vec<u8>>> = by_len(&config.allow);
-    let deny = by_len(&config.deny);
+    let deny = by_len(&deny_list);
     let src_list: Vec<Cidr> = src_of.keys().copied().collect();
     let srcs = by_len(&src_list);
     // Whether any CIDR in `set` covers `c`: one probe per length present.

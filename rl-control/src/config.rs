@@ -47,6 +47,42 @@ pub struct Config {
     pub deny: Vec<Cidr>,
     /// `[[rule]]`s in file order: the first match charges the packet.
     pub rules: Vec<Rule>,
+    /// `[api]`: where the admin API listens and how it authenticates.
+    pub api: ApiConfig,
+    /// `[[ban]]`: prefixes dropped until a moment (written by the admin API,
+    /// so a restart keeps them). Expired bans are ignored.
+    pub bans: Vec<Ban>,
+}
+
+/// The admin API's settings.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ApiConfig {
+    /// `listen = "127.0.0.1:9100"`; `--api` overrides it.
+    pub listen: Option<std::net::SocketAddr>,
+    /// `token_file = "..."`: a file holding the bearer token every `/v1`
+    /// request must carry.
+    pub token_file: Option<std::path::PathBuf>,
+}
+
+/// A temporary deny entry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Ban {
+    pub cidr: Cidr,
+    /// Unix time (seconds) at which the ban lifts.
+    pub until: u64,
+    pub reason: String,
+}
+
+impl Config {
+    /// Bans still in force at Unix time `now`.
+    pub fn active_bans(&self, now: u64) -> impl Iterator<Item = &Ban> {
+        self.bans.iter().filter(move |b| b.until > now)
+    }
+}
+
+/// Seconds since the Unix epoch.
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -123,6 +159,26 @@ struct RawConfig {
     deny: Vec<RawList>,
     #[serde(default)]
     rule: Vec<Spanned<RawRule>>,
+    #[serde(default)]
+    api: RawApi,
+    #[serde(default)]
+    ban: Vec<RawBan>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawApi {
+    listen: Option<Spanned<String>>,
+    token_file: Option<Spanned<String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawBan {
+    cidr: Spanned<String>,
+    until: Spanned<i64>,
+    #[serde(default)]
+    reason: String,
 }
 
 #[derive(Deserialize, Default)]
@@ -233,7 +289,30 @@ impl Config {
             ));
         }
         let rules = validate_rules(&loc, &raw.rule)?;
-        Ok(Config { datapath, default, allow, deny, rules })
+        let api = ApiConfig {
+            listen: match &raw.api.listen {
+                None => None,
+                Some(l) => Some(l.get_ref().parse().map_err(|_| {
+                    err(Some(l.span()), format!("api.listen = \"{}\" is not an address: write IP:PORT, such as \"127.0.0.1:9100\"", l.get_ref()))
+                })?),
+            },
+            token_file: raw.api.token_file.as_ref().map(|t| t.get_ref().into()),
+        };
+        let mut bans = Vec::with_capacity(raw.ban.len());
+        for (i, b) in raw.ban.iter().enumerate() {
+            let cidr = crate::units::parse_cidr(b.cidr.get_ref())
+                .map_err(|m| err(Some(b.cidr.span()), format!("ban[{i}].cidr: {m}")))?;
+            let until = u64::try_from(*b.until.get_ref())
+                .map_err(|_| err(Some(b.until.span()), format!("ban[{i}].until must be a Unix time in seconds, not negative")))?;
+            bans.push(Ban { cidr, until, reason: b.reason.clone() });
+        }
+        if allow.len() + deny.len() + bans.len() > MAX_LIST_CIDRS {
+            return Err(err(
+                None,
+                format!("{} allow, {} deny and {} ban CIDRs: the datapath holds at most {MAX_LIST_CIDRS} together", allow.len(), deny.len(), bans.len()),
+            ));
+        }
+        Ok(Config { datapath, default, allow, deny, rules, api, bans })
     }
 }
 

@@ -212,9 +212,7 @@ where
 /// Unix-epoch time minus `CLOCK_MONOTONIC` (the clock `bpf_ktime_get_ns`
 /// reads), in ns, modulo 2⁶⁴.
 fn epoch_offset_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    let mono = ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64;
+    let mono = monotonic_ns();
     let real = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64);
@@ -681,6 +679,66 @@ impl Datapath {
         Ok(out)
     }
 
+    /// How many buckets each map holds now (IPv4, IPv6). Walks the maps'
+    /// keys: a few hundred ns per bucket, so callers cache it.
+    pub fn tracked_sources(&self) -> Result<(u64, u64), DatapathError> {
+        let v4: HashMap<&MapData, Key4, Bucket> = map_ref(&self.ebpf, MAP_SOURCES_V4)?;
+        let v6: HashMap<&MapData, Key6, Bucket> = map_ref(&self.ebpf, MAP_SOURCES_V6)?;
+        Ok((v4.keys().filter(|k| k.is_ok()).count() as u64, v6.keys().filter(|k| k.is_ok()).count() as u64))
+    }
+
+    /// The quota of `addr` under every limit of the active rule set in which
+    /// it has a bucket (rule index, limit index, quota), as HTTP rate-limit
+    /// headers would state it. For limits on the tick clock the datapath's
+    /// time trails ktime by up to one tick, so waits are lengthened by a
+    /// tick: a client that waits `retry_after` is never early.
+    pub fn source_quotas(&self, addr: IpAddr) -> Result<Vec<(u32, u32, rl_common::Quota)>, DatapathError> {
+        let Some(slot) = self.active else { return Ok(Vec::new()) };
+        let names = &self.slots[slot as usize].names;
+        let rules: Array<&MapData, RuleEntry> = map_ref(&self.ebpf, MAP_RULES)?;
+        let v4: HashMap<&MapData, Key4, Bucket> = map_ref(&self.ebpf, MAP_SOURCES_V4)?;
+        let v6: HashMap<&MapData, Key6, Bucket> = map_ref(&self.ebpf, MAP_SOURCES_V6)?;
+        let now = monotonic_ns();
+        let mut out = Vec::new();
+        for i in 0..names.len() as u32 {
+            let rule = rules.get(&(slot * RULE_SLOTS + i), 0).map_err(|e| map_error(MAP_RULES, e))?;
+            for which in 0..rule.n_limits.min(rl_common::MAX_LIMITS as u32) {
+                let id = rule.id | which;
+                let bucket = match addr {
+                    IpAddr::V4(a) => {
+                        let key = Key4 { rule: id, addr: u32::from_ne_bytes(a.octets()) & rule.v4_mask };
+                        v4.get(&key, 0).ok()
+                    }
+                    IpAddr::V6(a) => {
+                        let o = a.octets();
+                        let w = |j: usize| u32::from_ne_bytes([o[j], o[j + 1], o[j + 2], o[j + 3]]) & rule.v6_mask[j / 4];
+                        v6.get(&Key6 { rule: id, addr: [w(0), w(4), w(8), w(12)] }, 0).ok()
+                    }
+                };
+                let Some(bucket) = bucket else { continue };
+                let limit = &rule.limits[which as usize];
+                let mut q = rl_common::quota(limit, bucket.tat_ns, now, self.epoch_offset_ns);
+                if limit.kind & rl_common::LIMIT_COARSE != 0 {
+                    let tick = self.clock.tick_ns;
+                    q.retry_after_ns += if q.retry_after_ns > 0 { tick } else { 0 };
+                    q.reset_ns += if q.reset_ns > 0 { tick } else { 0 };
+                }
+                out.push((i, which, q));
+            }
+        }
+        Ok(out)
+    }
+
+    /// The name of rule `index` in the active rule set.
+    pub fn rule_name(&self, index: u32) -> Option<&str> {
+        self.slots[self.active? as usize].names.get(index as usize).map(String::as_str)
+    }
+
+    /// The kernel's id of the limiter program (as `bpftool prog` shows it).
+    pub fn program_id(&self) -> Option<u32> {
+        self.program(PROG_LIMITER).ok()?.info().ok().map(|i| i.id())
+    }
+
     /// Runs `frame` through the limiter `repeat` times with
     /// `BPF_PROG_TEST_RUN`: returns the last verdict and the mean time per run.
     pub fn test_run(&self, frame: &[u8], repeat: u32) -> Result<(u32, Duration), DatapathError> {
@@ -711,4 +769,11 @@ fn run(prog: &Xdp, name: &'static str, frame: &[u8], repeat: u32) -> Result<(u32
             })
         })?;
     Ok((r.return_value, r.duration))
+}
+
+/// `CLOCK_MONOTONIC` in ns: the clock `bpf_ktime_get_ns` reads.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }

@@ -9,5 +9,6 @@ pub mod compile;
 pub mod config;
 pub mod daemon;
 pub mod datapath;
+pub mod document;
 pub mod rules;
 pub mod units;

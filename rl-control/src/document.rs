@@ -1,0 +1,231 @@
+//! The rule file as a document that the admin API edits.
+//!
+//! The TOML text stays the single source of truth: every API change is made
+//! to the text, then validated by the same loader as a file reload
+//! ([`crate::config::Config::from_str`]), and written back to the file. Adding
+//! or removing one rule or ban edits the document in place (comments and
+//! layout elsewhere survive); replacing the whole set takes the new text.
+//!
+//! JSON mirrors the file with two plural names: `rules` for `[[rule]]` and
+//! `bans` for `[[ban]]`.
+
+use toml_edit::{ArrayOfTables, DocumentMut, Item};
+
+/// Why an edit was refused, by HTTP meaning.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EditError {
+    /// The request itself is wrong (400).
+    Invalid(String),
+    /// A rule of that name exists (409).
+    Conflict(String),
+    /// No such rule or ban (404).
+    NotFound(String),
+}
+
+/// File keys ➜ JSON keys.
+const PLURALS: [(&str, &str); 2] = [("rule", "rules"), ("ban", "bans")];
+
+fn rename(v: &mut serde_json::Value, to_json: bool) {
+    if let Some(obj) = v.as_object_mut() {
+        for (file, json) in PLURALS {
+            let (from, to) = if to_json { (file, json) } else { (json, file) };
+            if let Some(x) = obj.remove(from) {
+                obj.insert(to.to_string(), x);
+            }
+        }
+    }
+}
+
+/// The document as JSON (the text must parse: it was validated when set).
+pub fn to_json(text: &str) -> serde_json::Value {
+    let value: toml::Value = toml::from_str(text).unwrap_or(toml::Value::Table(Default::default()));
+    let mut v = serde_json::to_value(value).unwrap_or_default();
+    if let Some(obj) = v.as_object_mut() {
+        for (_, json) in PLURALS {
+            obj.entry(json).or_insert_with(|| serde_json::Value::Array(vec![]));
+        }
+        for key in ["allow", "deny"] {
+            obj.entry(key).or_insert_with(|| serde_json::Value::Array(vec![]));
+        }
+    }
+    rename(&mut v, true);
+    v
+}
+
+/// TOML text for a JSON document (validated afterwards by the caller).
+pub fn from_json(json: &serde_json::Value) -> Result<String, EditError> {
+    if !json.is_object() {
+        return Err(EditError::Invalid("the body must be a JSON object like the one GET /v1/rules returns".into()));
+    }
+    let mut v = json.clone();
+    rename(&mut v, false);
+    let value = toml::Value::try_from(&v).map_err(|e| EditError::Invalid(format!("cannot express the body as TOML: {e}")))?;
+    toml::to_string(&value).map_err(|e| EditError::Invalid(format!("cannot express the body as TOML: {e}")))
+}
+
+fn parse(text: &str) -> Result<DocumentMut, EditError> {
+    text.parse::<DocumentMut>().map_err(|e| EditError::Invalid(format!("the current rule file does not parse: {e}")))
+}
+
+/// The document's `[[key]]` tables, created empty if absent.
+fn tables<'a>(doc: &'a mut DocumentMut, key: &str) -> Result<&'a mut ArrayOfTables, EditError> {
+    if doc.get(key).is_none() {
+        doc.insert(key, Item::ArrayOfTables(ArrayOfTables::new()));
+    }
+    doc.get_mut(key)
+        .and_then(Item::as_array_of_tables_mut)
+        .ok_or_else(|| EditError::Invalid(format!("`{key}` in the rule file is not a list of [[{key}]] tables")))
+}
+
+/// A TOML value for a JSON one (objects become inline tables, as in
+/// `limits = [{ rate = 200, per = "10s" }]`).
+fn value_from_json(v: &serde_json::Value) -> Result<toml_edit::Value, EditError> {
+    use serde_json::Value as J;
+    Ok(match v {
+        J::Null => return Err(EditError::Invalid("null is not a value in the rule file: leave the field out".into())),
+        J::Bool(b) => (*b).into(),
+        J::Number(n) => match (n.as_i64(), n.as_f64()) {
+            (Some(i), _) => i.into(),
+            (None, Some(f)) => f.into(),
+            _ => return Err(EditError::Invalid(format!("{n} is out of range"))),
+        },
+        J::String(s) => s.as_str().into(),
+        J::Array(a) => {
+            let mut out = toml_edit::Array::new();
+            for x in a {
+                out.push(value_from_json(x)?);
+            }
+            out.into()
+        }
+        J::Object(o) => {
+            let mut t = toml_edit::InlineTable::new();
+            for (k, x) in o {
+                t.insert(k, value_from_json(x)?);
+            }
+            t.into()
+        }
+    })
+}
+
+/// One `[[key]]` table made from a JSON object.
+fn table_from_json(key: &str, json: &serde_json::Value) -> Result<toml_edit::Table, EditError> {
+    let obj = json.as_object().ok_or_else(|| EditError::Invalid(format!("the {key} must be a JSON object")))?;
+    let mut t = toml_edit::Table::new();
+    for (k, v) in obj {
+        t.insert(k, toml_edit::value(value_from_json(v)?));
+    }
+    Ok(t)
+}
+
+fn name_of(t: &toml_edit::Table) -> Option<&str> {
+    t.get("name").and_then(|n| n.as_str())
+}
+
+/// Appends one `[[rule]]` (last in file order, so it matches after every
+/// existing rule).
+pub fn add_rule(text: &str, rule: &serde_json::Value) -> Result<String, EditError> {
+    let name = rule
+        .get("name")
+        .and_then(|n| n.as_str())
+        .ok_or_else(|| EditError::Invalid("the rule needs a \"name\" (string)".into()))?
+        .to_string();
+    let table = table_from_json("rule", rule)?;
+    let mut doc = parse(text)?;
+    let rules = tables(&mut doc, "rule")?;
+    if rules.iter().any(|t| name_of(t) == Some(name.as_str())) {
+        return Err(EditError::Conflict(format!("a rule named \"{name}\" exists: DELETE /v1/rules/{name} first, or PUT the whole set")));
+    }
+    rules.push(table);
+    Ok(doc.to_string())
+}
+
+/// Removes the `[[rule]]` named `name`.
+pub fn remove_rule(text: &str, name: &str) -> Result<String, EditError> {
+    let mut doc = parse(text)?;
+    let rules = tables(&mut doc, "rule")?;
+    let Some(i) = rules.iter().position(|t| name_of(t) == Some(name)) else {
+        return Err(EditError::NotFound(format!("no rule named \"{name}\"")));
+    };
+    rules.remove(i);
+    Ok(doc.to_string())
+}
+
+/// Sets the ban of `cidr` (replacing one of the same prefix).
+pub fn set_ban(text: &str, cidr: &str, until: u64, reason: &str) -> Result<String, EditError> {
+    let mut doc = parse(text)?;
+    let bans = tables(&mut doc, "ban")?;
+    bans.retain(|t| t.get("cidr").and_then(|c| c.as_str()) != Some(cidr));
+    let mut t = toml_edit::Table::new();
+    t.insert("cidr", toml_edit::value(cidr));
+    t.insert("until", toml_edit::value(until as i64));
+    if !reason.is_empty() {
+        t.insert("reason", toml_edit::value(reason));
+    }
+    bans.push(t);
+    Ok(doc.to_string())
+}
+
+/// Removes the bans for which `lift(cidr, until)` holds; returns the new
+/// text and how many were removed.
+pub fn remove_bans(text: &str, lift: impl Fn(&str, u64) -> bool) -> Result<(String, usize), EditError> {
+    let mut doc = parse(text)?;
+    let bans = tables(&mut doc, "ban")?;
+    let before = bans.len();
+    bans.retain(|t| {
+        let cidr = t.get("cidr").and_then(|c| c.as_str()).unwrap_or("");
+        let until = t.get("until").and_then(|u| u.as_integer()).unwrap_or(0).max(0) as u64;
+        !lift(cidr, until)
+    });
+    let removed = before - bans.len();
+    if bans.is_empty() {
+        doc.remove("ban");
+    }
+    Ok((doc.to_string(), removed))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    const FILE: &str = "# our limits\n[default]\nrate = 100 # per source\n\n[[rule]]\nname = \"ssh\"\nproto = \"tcp\"\ndst_ports = [22]\nrate = 5\n";
+
+    #[test]
+    fn adding_and_removing_a_rule_keeps_comments_and_validates() {
+        let rule = serde_json::json!({"name": "dns", "proto": "udp", "dst_ports": [53, "5353-5354"], "limits": [{"rate": 100, "per": "10s"}]});
+        let text = add_rule(FILE, &rule).unwrap();
+        assert!(text.contains("# our limits") && text.contains("# per source"), "{text}");
+        let c = Config::from_str(&text, "x").unwrap();
+        assert_eq!(c.rules.iter().map(|r| r.name.as_str()).collect::<Vec<_>>(), ["ssh", "dns"]);
+        assert_eq!(add_rule(&text, &rule).unwrap_err(), EditError::Conflict("a rule named \"dns\" exists: DELETE /v1/rules/dns first, or PUT the whole set".into()));
+        let text = remove_rule(&text, "ssh").unwrap();
+        assert_eq!(Config::from_str(&text, "x").unwrap().rules.len(), 1);
+        assert!(matches!(remove_rule(&text, "ssh"), Err(EditError::NotFound(_))));
+        assert!(matches!(add_rule(&text, &serde_json::json!({"proto": "tcp"})), Err(EditError::Invalid(_))));
+    }
+
+    #[test]
+    fn json_round_trips_through_the_file_form() {
+        let json = to_json(FILE);
+        assert_eq!(json["rules"][0]["name"], "ssh");
+        assert_eq!(json["allow"], serde_json::json!([]));
+        let back = from_json(&json).unwrap();
+        assert_eq!(Config::from_str(&back, "x").unwrap(), Config::from_str(FILE, "x").unwrap());
+        assert!(matches!(from_json(&serde_json::json!([1])), Err(EditError::Invalid(_))));
+        assert!(matches!(from_json(&serde_json::json!({"default": {"rate": null}})), Err(EditError::Invalid(_))));
+    }
+
+    #[test]
+    fn bans_are_set_replaced_and_lifted() {
+        let text = set_ban(FILE, "192.0.2.0/24", 2_000_000_000, "scanner").unwrap();
+        let text = set_ban(&text, "192.0.2.0/24", 2_000_000_100, "scanner again").unwrap();
+        let c = Config::from_str(&text, "x").unwrap();
+        assert_eq!(c.bans.len(), 1);
+        assert_eq!((c.bans[0].until, c.bans[0].reason.as_str()), (2_000_000_100, "scanner again"));
+        assert_eq!(c.active_bans(2_000_000_099).count(), 1);
+        assert_eq!(c.active_bans(2_000_000_100).count(), 0, "a ban lifts at its `until`");
+        let (text, n) = remove_bans(&text, |cidr, _| cidr == "192.0.2.0/24").unwrap();
+        assert_eq!(n, 1);
+        assert!(Config::from_str(&text, "x").unwrap().bans.is_empty());
+    }
+}
