@@ -201,10 +201,14 @@ impl Config {
     /// reload log: "N rules, A allow and D deny CIDRs; by default …".
     pub fn summary(&self) -> String {
         format!(
-            "{} rules, {} allow and {} deny CIDRs; by default every source held to {} packets/s, burst {}",
+            "{} rules, {} allow and {} deny CIDRs{}; by default every source held to {} packets/s, burst {}",
             self.rules.len(),
             self.allow.len(),
             self.deny.len(),
+            match self.active_bans(unix_now()).count() {
+                0 => String::new(),
+                n => format!(", {n} bans"),
+            },
             self.default.rate,
             self.default.burst
         )

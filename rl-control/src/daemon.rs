@@ -1,7 +1,12 @@
 //! The run loop: validate, load, attach, report, reload on SIGHUP, detach on
 //! SIGINT/SIGTERM.
 
-use std::{path::PathBuf, time::Duration};
+use std::{
+    net::SocketAddr,
+    path::PathBuf,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
 
 use anyhow::{Context, Result};
 use tokio::{
@@ -11,9 +16,11 @@ use tokio::{
 use tracing::{error, info, warn};
 
 use crate::{
+    api,
     compile::compile,
-    config::Config,
+    config::{Config, EMBEDDED_DEFAULT},
     datapath::{interface_index, AttachMode, Datapath},
+    state::{file_stamp, lock, Shared, State},
 };
 
 /// What `rl-control run` needs.
@@ -27,6 +34,8 @@ pub struct RunOptions {
     pub pid_file: Option<PathBuf>,
     /// Reload when the config file changes on disk.
     pub watch: bool,
+    /// Admin API address (overrides `[api] listen`).
+    pub api: Option<SocketAddr>,
 }
 
 /// How often the config file is checked for changes.
@@ -49,13 +58,6 @@ pub fn signal_reload(pid_file: &std::path::Path) -> Result<()> {
     Ok(())
 }
 
-/// What identifies a version of the config file on disk.
-fn file_stamp(path: &std::path::Path) -> Option<(std::time::SystemTime, u64, u64)> {
-    use std::os::unix::fs::MetadataExt;
-    let m = std::fs::metadata(path).ok()?;
-    Some((m.modified().ok()?, m.len(), m.ino()))
-}
-
 /// Removes the pid file when the daemon exits, however it exits.
 struct PidFile(PathBuf);
 
@@ -65,27 +67,63 @@ impl Drop for PidFile {
     }
 }
 
-/// Loads the config named by `path`, or the embedded default.
-pub fn load_config(path: Option<&PathBuf>) -> Result<Config> {
+/// Loads the config named by `path` (with its text), or the embedded default.
+pub fn load_config(path: Option<&PathBuf>) -> Result<(Config, String)> {
     match path {
-        Some(p) => Ok(Config::from_file(p)?),
-        None => Ok(Config::embedded_default()),
+        Some(p) => {
+            let text = std::fs::read_to_string(p)
+                .with_context(|| format!("cannot read the config file {}", p.display()))?;
+            Ok((Config::from_str(&text, &p.display().to_string())?, text))
+        }
+        None => Ok((Config::embedded_default(), EMBEDDED_DEFAULT.to_string())),
     }
+}
+
+/// The API's address and token, checked before anything is attached: a
+/// non-loopback address without a token is refused.
+fn api_settings(opts: &RunOptions, config: &Config) -> Result<(SocketAddr, Option<Arc<str>>)> {
+    let addr = match (opts.api, config.api.listen) {
+        (Some(a), _) | (None, Some(a)) => a,
+        (None, None) => api::DEFAULT_LISTEN.parse().expect("a valid default address"),
+    };
+    let token = match &config.api.token_file {
+        None => None,
+        Some(f) => {
+            let t = std::fs::read_to_string(f)
+                .with_context(|| format!("cannot read the API token file {} ([api] token_file)", f.display()))?;
+            let t = t.trim();
+            if t.is_empty() {
+                anyhow::bail!("the API token file {} is empty: put a long random token in it", f.display());
+            }
+            Some(Arc::from(t))
+        }
+    };
+    if !addr.ip().is_loopback() && token.is_none() {
+        anyhow::bail!(
+            "refusing to serve the admin API on {addr} without a token: anyone who can reach it could change the rules; \
+             set [api] token_file in the config, or listen on 127.0.0.1"
+        );
+    }
+    Ok((addr, token))
 }
 
 pub async fn run(opts: RunOptions) -> Result<()> {
     // The file's stamp is taken before it is read: a change after this
     // point, even during start-up, triggers a reload.
-    let watched = opts.config.as_ref().filter(|_| opts.watch);
-    let mut stamp = watched.and_then(|p| file_stamp(p));
+    let watched = opts.config.clone().filter(|_| opts.watch);
+    let stamp = watched.as_deref().and_then(file_stamp);
     // Everything that can be checked is checked before the interface is touched.
-    let config = load_config(opts.config.as_ref())?;
+    let (config, text) = load_config(opts.config.as_ref())?;
     if opts.config.is_none() {
         info!(
             "no --config given: using the embedded default ({} packets/s, burst {} per source)",
             config.default.rate, config.default.burst
         );
     }
+    let (api_addr, token) = api_settings(&opts, &config)?;
+    let listener = tokio::net::TcpListener::bind(api_addr).await.with_context(|| {
+        format!("cannot listen on {api_addr} for the admin API (is another rl-control running? choose another address with --api)")
+    })?;
     interface_index(&opts.iface)?;
     let compiled = compile(&config);
     let mut dp = Datapath::load(&compiled)?;
@@ -100,29 +138,51 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         config.datapath.ipv6_prefix,
         config.datapath.max_sources,
     );
+    if let Some(logger) = dp.take_logger() {
+        tokio::spawn(forward_kernel_logs(logger));
+    }
+    let map_ids = dp.source_map_ids();
+    let state: Shared = Arc::new(Mutex::new(State {
+        program_id: dp.program_id(),
+        dp,
+        config,
+        text,
+        path: opts.config.clone(),
+        stamp,
+        attachment: attachment.clone(),
+        started: std::time::Instant::now(),
+        last_reload: None,
+        reloads_ok: 0,
+        reloads_failed: 0,
+        tracked: (0, 0),
+        api_requests: Default::default(),
+    }));
+    let app = api::router(api::Api { state: state.clone(), token: token.clone() });
+    let server = tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            error!("the admin API stopped: {e}");
+        }
+    });
+    info!("admin API on http://{api_addr}{}", if token.is_some() { " (bearer token required for /v1)" } else { "" });
+    let counter = map_ids.ok().map(|ids| tokio::spawn(count_sources(state.clone(), ids)));
 
     let _pid_file = match &opts.pid_file {
         Some(p) => match std::fs::write(p, format!("{}\n", std::process::id())) {
             Ok(()) => Some(PidFile(p.clone())),
             Err(e) => {
-                warn!("cannot write the pid file {}: {e}; `rl-control reload` will not find this daemon (SIGHUP still works)", p.display());
+                warn!("cannot write the pid file {}: {e}; `rl-control reload --pid-file` will not find this daemon (SIGHUP and the API still work)", p.display());
                 None
             }
         },
         None => None,
     };
 
-    if let Some(logger) = dp.take_logger() {
-        tokio::spawn(forward_kernel_logs(logger));
-    }
-
     let mut sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
     let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let mut sighup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
     let mut tick = tokio::time::interval(opts.stats_interval);
     tick.tick().await;
-    let mut last = dp.counters()?;
-    let mut current = config;
+    let mut last = lock(&state).dp.counters()?;
     let mut watch = tokio::time::interval(WATCH_INTERVAL);
     loop {
         tokio::select! {
@@ -130,20 +190,24 @@ pub async fn run(opts: RunOptions) -> Result<()> {
             _ = sigterm.recv() => { info!("SIGTERM received: detaching"); break; }
             _ = sighup.recv() => {
                 info!("SIGHUP received: reloading");
-                // Stamp first, as at start: a change during the reload is seen next tick.
-                stamp = watched.and_then(|p| file_stamp(p));
-                reload(&mut dp, &opts, &mut current);
+                let st = state.clone();
+                let _ = tokio::task::spawn_blocking(move || lock(&st).reload_file("SIGHUP")).await;
             }
-            _ = watch.tick(), if watched.is_some() => {
-                let now = watched.and_then(|p| file_stamp(p));
-                if now.is_some() && now != stamp {
-                    stamp = now;
-                    info!("the config file changed on disk: reloading");
-                    reload(&mut dp, &opts, &mut current);
-                }
+            _ = watch.tick() => {
+                let st = state.clone();
+                let watched = watched.clone();
+                let _ = tokio::task::spawn_blocking(move || {
+                    let mut s = lock(&st);
+                    s.expire_bans();
+                    let now = watched.as_deref().and_then(file_stamp);
+                    if now.is_some() && now != s.stamp {
+                        info!("the config file changed on disk: reloading");
+                        let _ = s.reload_file("file change");
+                    }
+                }).await;
             }
             _ = tick.tick() => {
-                let now = dp.counters()?;
+                let now = lock(&state).dp.counters()?;
                 let d = now.since(&last);
                 let secs = opts.stats_interval.as_secs_f64();
                 info!(
@@ -156,40 +220,39 @@ pub async fn run(opts: RunOptions) -> Result<()> {
             }
         }
     }
-    let totals = dp.counters()?;
-    drop(dp);
+    // Stop serving first: the API's handlers hold the state (and with it
+    // the datapath) only while a request runs.
+    server.abort();
+    let _ = server.await;
+    if let Some(c) = counter {
+        c.abort();
+        let _ = c.await;
+    }
+    let totals = lock(&state).dp.counters()?;
+    // The last reference to the state detaches the program and frees the maps.
+    drop(state);
     info!(iface = %attachment.iface, "detached; final counters: {totals}");
     Ok(())
 }
 
-/// Re-reads the config file. A valid file replaces the rule set atomically
-/// (unchanged rules keep their buckets); an invalid one changes nothing and
-/// its error, with line and column, goes to the log.
-fn reload(dp: &mut Datapath, opts: &RunOptions, current: &mut Config) {
-    let Some(path) = &opts.config else {
-        warn!("reload: running on the embedded default, there is no file to reload");
-        return;
-    };
-    let new = match Config::from_file(path) {
-        Ok(c) => c,
-        Err(e) => {
-            error!("reload rejected, keeping the running config: {e}");
-            return;
+/// How often the number of tracked sources is refreshed.
+const COUNT_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Counts the buckets in the source maps every few seconds through handles
+/// of its own, so a walk of a million buckets never holds the state lock.
+async fn count_sources(state: Shared, ids: (u32, u32)) {
+    let mut every = tokio::time::interval(COUNT_INTERVAL);
+    loop {
+        every.tick().await;
+        let counted = tokio::task::spawn_blocking(move || crate::datapath::count_buckets(ids)).await;
+        match counted {
+            Ok(Ok(n)) => lock(&state).tracked = n,
+            Ok(Err(e)) => {
+                warn!("cannot count tracked sources: {e}");
+                return;
+            }
+            Err(_) => return,
         }
-    };
-    if new.datapath.max_sources != current.datapath.max_sources {
-        warn!(
-            "reload: datapath.max_sources changes only on restart; keeping {}",
-            current.datapath.max_sources
-        );
-    }
-    let compiled = compile(&new);
-    match dp.install(&compiled.rules) {
-        Ok(()) => {
-            info!("reloaded {}: {}", path.display(), new.summary());
-            *current = new;
-        }
-        Err(e) => error!("reload failed, keeping the running config: {e}"),
     }
 }
 

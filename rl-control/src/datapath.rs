@@ -679,14 +679,6 @@ impl Datapath {
         Ok(out)
     }
 
-    /// How many buckets each map holds now (IPv4, IPv6). Walks the maps'
-    /// keys: a few hundred ns per bucket, so callers cache it.
-    pub fn tracked_sources(&self) -> Result<(u64, u64), DatapathError> {
-        let v4: HashMap<&MapData, Key4, Bucket> = map_ref(&self.ebpf, MAP_SOURCES_V4)?;
-        let v6: HashMap<&MapData, Key6, Bucket> = map_ref(&self.ebpf, MAP_SOURCES_V6)?;
-        Ok((v4.keys().filter(|k| k.is_ok()).count() as u64, v6.keys().filter(|k| k.is_ok()).count() as u64))
-    }
-
     /// The quota of `addr` under every limit of the active rule set in which
     /// it has a bucket (rule index, limit index, quota), as HTTP rate-limit
     /// headers would state it. For limits on the tick clock the datapath's
@@ -734,6 +726,17 @@ impl Datapath {
         self.slots[self.active? as usize].names.get(index as usize).map(String::as_str)
     }
 
+    /// The kernel ids of the source maps (IPv4, IPv6), for [`count_buckets`].
+    pub fn source_map_ids(&self) -> Result<(u32, u32), DatapathError> {
+        let id = |name: &'static str| -> Result<u32, DatapathError> {
+            match self.ebpf.map(name) {
+                Some(aya::maps::Map::LruHashMap(d)) => Ok(d.info().map_err(|e| map_error(name, e))?.id()),
+                _ => Err(DatapathError::Load(format!("map {name} is missing or not an LRU hash"))),
+            }
+        };
+        Ok((id(MAP_SOURCES_V4)?, id(MAP_SOURCES_V6)?))
+    }
+
     /// The kernel's id of the limiter program (as `bpftool prog` shows it).
     pub fn program_id(&self) -> Option<u32> {
         self.program(PROG_LIMITER).ok()?.info().ok().map(|i| i.id())
@@ -776,4 +779,18 @@ pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Buckets in the source maps with these ids (IPv4, IPv6), through handles
+/// of the caller's own: the walk never touches a [`Datapath`].
+pub fn count_buckets(ids: (u32, u32)) -> Result<(u64, u64), DatapathError> {
+    let count = |id: u32, name: &'static str| -> Result<u64, DatapathError> {
+        let data = MapData::from_id(id).map_err(|e| map_error(name, e))?;
+        let map = aya::maps::Map::from_map_data(data).map_err(|e| map_error(name, e))?;
+        Ok(match name {
+            MAP_SOURCES_V4 => HashMap::<_, Key4, Bucket>::try_from(map).map_err(|e| map_error(name, e))?.keys().filter(|k| k.is_ok()).count(),
+            _ => HashMap::<_, Key6, Bucket>::try_from(map).map_err(|e| map_error(name, e))?.keys().filter(|k| k.is_ok()).count(),
+        } as u64)
+    };
+    Ok((count(ids.0, MAP_SOURCES_V4)?, count(ids.1, MAP_SOURCES_V6)?))
 }

@@ -5,10 +5,13 @@
 //! [`compile`] (rules ➜ map entries) ➜ [`datapath`] (aya: load, attach, maps)
 //! ➜ [`daemon`] (run loop, signals, reload, periodic counters).
 
+pub mod api;
+pub mod client;
 pub mod compile;
 pub mod config;
 pub mod daemon;
 pub mod datapath;
 pub mod document;
 pub mod rules;
+pub mod state;
 pub mod units;

@@ -3,7 +3,7 @@
 use std::{path::PathBuf, process::ExitCode, time::Duration};
 
 use clap::{Parser, Subcommand};
-use rl_control::{config::Config, daemon, datapath::AttachMode};
+use rl_control::{client, config::Config, daemon, datapath::AttachMode};
 
 /// rl: per-source rate limiting in XDP, before the kernel stack spends anything
 /// on a packet.
@@ -15,6 +15,20 @@ use rl_control::{config::Config, daemon, datapath::AttachMode};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+}
+
+/// How the client commands reach the daemon.
+#[derive(clap::Args, Clone)]
+struct Remote {
+    /// The daemon's admin API (`HOST:PORT` or a URL).
+    #[arg(long, value_name = "ADDR", default_value = rl_control::api::DEFAULT_LISTEN, env = "RL_API")]
+    api: String,
+    /// A file holding the API's bearer token (the daemon's `[api] token_file`).
+    #[arg(long, value_name = "FILE", env = "RL_TOKEN_FILE")]
+    token_file: Option<PathBuf>,
+    /// Print the API's JSON instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Subcommand)]
@@ -49,15 +63,69 @@ enum Command {
         /// `rl-control reload` still do).
         #[arg(long)]
         no_watch: bool,
+        /// Serve the admin API here (default `[api] listen`, else
+        /// 127.0.0.1:9100). A non-loopback address needs `[api] token_file`.
+        #[arg(long, value_name = "ADDR")]
+        api: Option<std::net::SocketAddr>,
     },
-    /// Ask the running daemon to reload its config file (sends SIGHUP to the
-    /// process named in the pid file). Check the daemon's log for the result.
+    /// Ask the running daemon to reload its config file, through the admin
+    /// API (the answer says whether the file was valid), or with
+    /// `--pid-file` by sending SIGHUP (the daemon's log says the result).
     ///
     /// Example: rl-control reload
     Reload {
-        /// The daemon's pid file (as given to `run --pid-file`).
-        #[arg(long, value_name = "FILE", default_value = DEFAULT_PID_FILE)]
-        pid_file: PathBuf,
+        /// Signal the process named in this pid file instead of using the API.
+        #[arg(long, value_name = "FILE")]
+        pid_file: Option<PathBuf>,
+        #[command(flatten)]
+        remote: Remote,
+    },
+    /// The running daemon: interface, XDP mode, rules, sources tracked, last reload.
+    Status {
+        #[command(flatten)]
+        remote: Remote,
+    },
+    /// The rules in force.
+    Rules {
+        #[command(flatten)]
+        remote: Remote,
+    },
+    /// Packets and bytes passed, dropped and shadow-dropped, per rule.
+    Stats {
+        #[command(flatten)]
+        remote: Remote,
+    },
+    /// One source's quota under each rule it has state in: limit, remaining,
+    /// retry-after and reset, as HTTP rate-limit headers would say.
+    ///
+    /// Example: rl-control source 198.51.100.7
+    Source {
+        /// An IPv4 or IPv6 address.
+        ip: String,
+        #[command(flatten)]
+        remote: Remote,
+    },
+    /// Drop everything from a prefix for a while (lifts by itself; kept
+    /// across restarts).
+    ///
+    /// Example: rl-control ban 198.51.100.0/24 --ttl 10m --reason "scanner"
+    Ban {
+        /// An IPv4 or IPv6 prefix.
+        cidr: String,
+        /// How long: "90s", "10m", "1h", "1d".
+        #[arg(long, value_name = "DURATION")]
+        ttl: String,
+        /// Why (shown by `GET /v1/bans` and kept in the rule file).
+        #[arg(long, default_value = "")]
+        reason: String,
+        #[command(flatten)]
+        remote: Remote,
+    },
+    /// Lift a ban now.
+    Unban {
+        cidr: String,
+        #[command(flatten)]
+        remote: Remote,
     },
     /// Validate a config file and exit: 0 if valid, 1 with `file:line:column: error` if not.
     ///
@@ -71,6 +139,14 @@ enum Command {
 }
 
 const DEFAULT_PID_FILE: &str = "/run/rl-control.pid";
+
+/// One API call, printed as a table or JSON.
+fn remote_call(remote: &Remote, method: &str, path: &str, body: Option<&serde_json::Value>, human: fn(&serde_json::Value) -> String) -> anyhow::Result<()> {
+    let c = client::Client::new(&remote.api, remote.token_file.as_ref())?;
+    let v = c.call(method, path, body)?;
+    client::print(&v, remote.json, human);
+    Ok(())
+}
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -89,8 +165,24 @@ fn main() -> ExitCode {
                 println!("{}: ok ({}; up to {} sources)", file.display(), c.summary(), c.datapath.max_sources)
             })
             .map_err(anyhow::Error::from),
-        Command::Reload { pid_file } => daemon::signal_reload(&pid_file),
-        Command::Run { iface, config, mode, stats_interval, pid_file, no_watch } => {
+        Command::Reload { pid_file: Some(pid_file), .. } => daemon::signal_reload(&pid_file),
+        Command::Reload { pid_file: None, remote } => remote_call(&remote, "POST", "/v1/reload", None, client::applied),
+        Command::Status { remote } => remote_call(&remote, "GET", "/v1/status", None, client::status),
+        Command::Rules { remote } => remote_call(&remote, "GET", "/v1/rules", None, client::rules),
+        Command::Stats { remote } => remote_call(&remote, "GET", "/v1/stats", None, client::stats),
+        Command::Source { ip, remote } => {
+            remote_call(&remote, "GET", &format!("/v1/sources/{}", client::encode_segment(&ip)), None, client::source)
+        }
+        Command::Ban { cidr, ttl, reason, remote } => rl_control::units::parse_duration(&ttl)
+            .map_err(|e| anyhow::anyhow!("--ttl {ttl}: {e}"))
+            .and_then(|secs| {
+                let body = serde_json::json!({ "cidr": cidr, "ttl_secs": secs, "reason": reason });
+                remote_call(&remote, "POST", "/v1/bans", Some(&body), client::ban)
+            }),
+        Command::Unban { cidr, remote } => {
+            remote_call(&remote, "DELETE", &format!("/v1/bans/{}", client::encode_segment(&cidr)), None, client::applied)
+        }
+        Command::Run { iface, config, mode, stats_interval, pid_file, no_watch, api } => {
             let opts = daemon::RunOptions {
                 iface,
                 config,
@@ -98,8 +190,10 @@ fn main() -> ExitCode {
                 stats_interval: Duration::from_secs(stats_interval),
                 pid_file: Some(pid_file),
                 watch: !no_watch,
+                api,
             };
-            tokio::runtime::Builder::new_current_thread()
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
                 .enable_all()
                 .build()
                 .map_err(anyhow::Error::from)

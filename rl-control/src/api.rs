@@ -1,0 +1,556 @@
+//! The admin HTTP API (axum): status, rules, stats, per-source quotas, bans,
+//! reload, Prometheus metrics and its own OpenAPI document.
+//!
+//! Every error is JSON `{"error": "..."}` with a 4xx/5xx status; bodies are
+//! size-limited; handlers never hold the state lock across an await, and
+//! changes run on the blocking pool (an install waits for the old rule slot
+//! to drain), so a slow change never stalls reads.
+
+use std::{
+    fmt::Write as _,
+    net::{IpAddr, SocketAddr},
+    sync::Arc,
+};
+
+use axum::{
+    body::Bytes,
+    extract::{rejection::BytesRejection, DefaultBodyLimit, MatchedPath, Path, Request, State as AxState},
+    http::{header, HeaderMap, StatusCode},
+    middleware::{self, Next},
+    response::{IntoResponse, Response},
+    routing::{delete, get},
+    Json, Router,
+};
+use serde::{Deserialize, Serialize};
+use utoipa::{OpenApi, ToSchema};
+
+use crate::{
+    config::unix_now,
+    document::{self, EditError},
+    state::{lock, ApplyError, ReloadRecord, Shared, State},
+    units::parse_cidr,
+};
+
+/// Where the API listens when neither `--api` nor `[api] listen` says.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:9100";
+/// Largest request body accepted (a full rule set with 262,144 CIDRs fits).
+pub const MAX_BODY: usize = 16 << 20;
+
+/// What the handlers share.
+#[derive(Clone)]
+pub struct Api {
+    pub state: Shared,
+    /// The bearer token `/v1` requests must carry, if any.
+    pub token: Option<Arc<str>>,
+}
+
+/// An error response: `{"error": "..."}` with its status.
+pub struct ApiError(StatusCode, String);
+
+#[derive(Serialize, ToSchema)]
+pub struct ErrorBody {
+    pub error: String,
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.0, Json(ErrorBody { error: self.1 })).into_response()
+    }
+}
+
+impl From<EditError> for ApiError {
+    fn from(e: EditError) -> Self {
+        match e {
+            EditError::Invalid(m) => ApiError(StatusCode::BAD_REQUEST, m),
+            EditError::Conflict(m) => ApiError(StatusCode::CONFLICT, m),
+            EditError::NotFound(m) => ApiError(StatusCode::NOT_FOUND, m),
+        }
+    }
+}
+
+impl From<ApplyError> for ApiError {
+    fn from(e: ApplyError) -> Self {
+        match e {
+            ApplyError::Invalid(m) => ApiError(StatusCode::UNPROCESSABLE_ENTITY, m),
+            ApplyError::Failed(m) => ApiError(StatusCode::INTERNAL_SERVER_ERROR, m),
+        }
+    }
+}
+
+fn body_error(e: BytesRejection) -> ApiError {
+    ApiError(e.status(), format!("cannot read the request body: {}", e.body_text()))
+}
+
+type ApiResult<T> = Result<T, ApiError>;
+
+/// Runs a change on the blocking pool with the state locked.
+async fn change<T: Send + 'static>(api: &Api, f: impl FnOnce(&mut State) -> ApiResult<T> + Send + 'static) -> ApiResult<T> {
+    let state = api.state.clone();
+    tokio::task::spawn_blocking(move || f(&mut lock(&state)))
+        .await
+        .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, format!("the change did not complete: {e}")))?
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct Health {
+    /// `ok`, or `unavailable`.
+    pub status: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// 200 while the program is attached and its maps answer, 503 otherwise.
+#[utoipa::path(get, path = "/healthz", responses((status = 200, body = Health), (status = 503, body = Health)))]
+async fn healthz(AxState(api): AxState<Api>) -> Response {
+    let s = lock(&api.state);
+    let problem = match (s.dp.attachment(), s.dp.config()) {
+        (None, _) => Some("the XDP program is not attached".to_string()),
+        (_, Err(e)) => Some(format!("the datapath maps do not answer: {e}")),
+        (Some(_), Ok(cfg)) if cfg.enabled == 0 => Some("no rule set is installed".to_string()),
+        _ => None,
+    };
+    match problem {
+        None => (StatusCode::OK, Json(Health { status: "ok".into(), error: None })).into_response(),
+        Some(e) => (StatusCode::SERVICE_UNAVAILABLE, Json(Health { status: "unavailable".into(), error: Some(e) })).into_response(),
+    }
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct Status {
+    pub iface: String,
+    /// `native` or `skb`.
+    pub xdp_mode: String,
+    pub program_id: Option<u32>,
+    pub uptime_secs: u64,
+    /// `[[rule]]`s in force (the default not counted).
+    pub rules: usize,
+    pub allow_cidrs: usize,
+    pub deny_cidrs: usize,
+    pub active_bans: usize,
+    pub tracked_sources: u64,
+    /// Capacity of each family's source map.
+    pub source_capacity: u32,
+    pub config_file: Option<String>,
+    pub last_reload: Option<ReloadRecord>,
+}
+
+/// Interface, XDP mode, program, uptime, rule count, sources, last reload.
+#[utoipa::path(get, path = "/v1/status", responses((status = 200, body = Status)))]
+async fn status(AxState(api): AxState<Api>) -> Json<Status> {
+    let s = lock(&api.state);
+    Json(Status {
+        iface: s.attachment.iface.clone(),
+        xdp_mode: s.attachment.mode.to_string(),
+        program_id: s.program_id,
+        uptime_secs: s.started.elapsed().as_secs(),
+        rules: s.config.rules.len(),
+        allow_cidrs: s.config.allow.len(),
+        deny_cidrs: s.config.deny.len(),
+        active_bans: s.config.active_bans(unix_now()).count(),
+        tracked_sources: s.tracked.0 + s.tracked.1,
+        source_capacity: s.config.datapath.max_sources,
+        config_file: s.path.as_ref().map(|p| p.display().to_string()),
+        last_reload: s.last_reload.clone(),
+    })
+}
+
+/// The active rule set as JSON: the rule file's tables, with `rules` for
+/// `[[rule]]` and `bans` for `[[ban]]`.
+#[utoipa::path(get, path = "/v1/rules", responses((status = 200, body = Object)))]
+async fn get_rules(AxState(api): AxState<Api>) -> Json<serde_json::Value> {
+    Json(document::to_json(&lock(&api.state).text))
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct Applied {
+    /// What is enforced now.
+    pub summary: String,
+}
+
+fn is_toml(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/toml"))
+}
+
+fn json_body(body: &[u8]) -> ApiResult<serde_json::Value> {
+    serde_json::from_slice(body).map_err(|e| ApiError(StatusCode::BAD_REQUEST, format!("the body is not valid JSON: {e}")))
+}
+
+/// Replaces the whole rule set: JSON like `GET /v1/rules` returns, or the
+/// rule file itself with `Content-Type: application/toml`. Validated first,
+/// applied atomically, written back to the config file.
+#[utoipa::path(put, path = "/v1/rules", request_body(content = Object, description = "the rule set (JSON or TOML)"),
+    responses((status = 200, body = Applied), (status = 400, body = ErrorBody), (status = 422, body = ErrorBody)))]
+async fn put_rules(AxState(api): AxState<Api>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> ApiResult<Json<Applied>> {
+    let body = body.map_err(body_error)?;
+    let text = if is_toml(&headers) {
+        String::from_utf8(body.to_vec()).map_err(|_| ApiError(StatusCode::BAD_REQUEST, "the TOML body is not UTF-8".into()))?
+    } else {
+        document::from_json(&json_body(&body)?)?
+    };
+    let summary = change(&api, move |s| Ok(s.apply(text, "<PUT /v1/rules>", "api: PUT /v1/rules", true)?)).await?;
+    Ok(Json(Applied { summary }))
+}
+
+/// Adds one rule (a `[[rule]]` table as JSON) after the existing ones.
+#[utoipa::path(post, path = "/v1/rules", request_body(content = Object, description = "one rule, e.g. {\"name\": \"dns\", \"proto\": \"udp\", \"dst_ports\": [53], \"rate\": 100}"),
+    responses((status = 201, body = Applied), (status = 400, body = ErrorBody), (status = 409, body = ErrorBody), (status = 422, body = ErrorBody)))]
+async fn post_rule(AxState(api): AxState<Api>, body: Result<Bytes, BytesRejection>) -> ApiResult<(StatusCode, Json<Applied>)> {
+    let rule = json_body(&body.map_err(body_error)?)?;
+    let summary = change(&api, move |s| {
+        let text = document::add_rule(&s.text, &rule)?;
+        let origin = "<POST /v1/rules> (the rule file with the new rule last)";
+        Ok(s.apply(text, origin, "api: POST /v1/rules", true)?)
+    })
+    .await?;
+    Ok((StatusCode::CREATED, Json(Applied { summary })))
+}
+
+/// Removes the rule `name`.
+#[utoipa::path(delete, path = "/v1/rules/{name}", params(("name" = String, Path, description = "the rule's name")),
+    responses((status = 200, body = Applied), (status = 404, body = ErrorBody)))]
+async fn delete_rule(AxState(api): AxState<Api>, Path(name): Path<String>) -> ApiResult<Json<Applied>> {
+    let summary = change(&api, move |s| {
+        let text = document::remove_rule(&s.text, &name)?;
+        let origin = s.origin();
+        Ok(s.apply(text, &origin, &format!("api: DELETE /v1/rules/{name}"), true)?)
+    })
+    .await?;
+    Ok(Json(Applied { summary }))
+}
+
+/// Packets and bytes under one rule (or allow, deny, default).
+#[derive(Serialize, Deserialize, ToSchema, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RuleCounters {
+    pub passed_packets: u64,
+    pub passed_bytes: u64,
+    pub dropped_packets: u64,
+    pub dropped_bytes: u64,
+    /// Would have dropped; passed because the rule's action is `shadow`.
+    pub shadow_dropped_packets: u64,
+    pub shadow_dropped_bytes: u64,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct Stats {
+    /// By rule name, plus `default`, `allow` and `deny` (bans count as deny).
+    pub rules: std::collections::BTreeMap<String, RuleCounters>,
+}
+
+fn rule_counters(s: &State) -> ApiResult<std::collections::BTreeMap<String, RuleCounters>> {
+    let stats = s.dp.rule_stats().map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    Ok(stats
+        .into_iter()
+        .map(|(name, r)| {
+            (name, RuleCounters {
+                passed_packets: r.passed_pkts,
+                passed_bytes: r.passed_bytes,
+                dropped_packets: r.dropped_pkts,
+                dropped_bytes: r.dropped_bytes,
+                shadow_dropped_packets: r.shadow_pkts,
+                shadow_dropped_bytes: r.shadow_bytes,
+            })
+        })
+        .collect())
+}
+
+/// Per rule and for allow, deny and default: packets and bytes passed,
+/// dropped and shadow-dropped, since the daemon started.
+#[utoipa::path(get, path = "/v1/stats", responses((status = 200, body = Stats)))]
+async fn stats(AxState(api): AxState<Api>) -> ApiResult<Json<Stats>> {
+    Ok(Json(Stats { rules: rule_counters(&lock(&api.state))? }))
+}
+
+/// One limit's quota for a source, with the meaning of HTTP rate-limit
+/// headers.
+#[derive(Serialize, Deserialize, ToSchema, Debug, Clone)]
+pub struct SourceLimit {
+    pub rule: String,
+    /// Which of the rule's limits (0-based; the elastic pool is 7).
+    pub limit_index: u32,
+    /// `X-RateLimit-Limit`: what a fresh source may send at once (packets,
+    /// or bytes for a byte limit).
+    pub limit: u64,
+    /// `X-RateLimit-Remaining`: what passes now.
+    pub remaining: u64,
+    /// `Retry-After`: wait before one more passes (0: it may send now).
+    pub retry_after_ms: u64,
+    /// Wait until the source is back to its full limit.
+    pub reset_ms: u64,
+}
+
+#[derive(Serialize, Deserialize, ToSchema, Debug)]
+pub struct SourceState {
+    pub source: String,
+    /// Every limit under which the source has state now (none: it has sent
+    /// nothing recently, or its state was evicted: it has its full limit).
+    pub limits: Vec<SourceLimit>,
+}
+
+/// Milliseconds, rounded up: waiting that long is never too early.
+fn ceil_ms(ns: u64) -> u64 {
+    ns.div_ceil(1_000_000)
+}
+
+/// That source's quota under each limit it has state in.
+#[utoipa::path(get, path = "/v1/sources/{ip}", params(("ip" = String, Path, description = "an IPv4 or IPv6 address")),
+    responses((status = 200, body = SourceState), (status = 400, body = ErrorBody)))]
+async fn source(AxState(api): AxState<Api>, Path(ip): Path<String>) -> ApiResult<Json<SourceState>> {
+    let addr: IpAddr = ip
+        .parse()
+        .map_err(|_| ApiError(StatusCode::BAD_REQUEST, format!("\"{ip}\" is not an IP address")))?;
+    let s = lock(&api.state);
+    let quotas = s.dp.source_quotas(addr).map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    let limits = quotas
+        .into_iter()
+        .map(|(rule, which, q)| SourceLimit {
+            rule: s.dp.rule_name(rule).unwrap_or("?").to_string(),
+            limit_index: which,
+            limit: q.limit,
+            remaining: q.remaining,
+            retry_after_ms: ceil_ms(q.retry_after_ns),
+            reset_ms: ceil_ms(q.reset_ns),
+        })
+        .collect();
+    Ok(Json(SourceState { source: addr.to_string(), limits }))
+}
+
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NewBan {
+    /// An IPv4 or IPv6 prefix, e.g. `198.51.100.0/24`.
+    pub cidr: String,
+    /// Seconds until the ban lifts by itself (1 ..= 31,536,000).
+    pub ttl_secs: u64,
+    #[serde(default)]
+    pub reason: String,
+}
+
+#[derive(Serialize, Deserialize, ToSchema, Debug)]
+pub struct BanView {
+    pub cidr: String,
+    /// Unix time (seconds) when the ban lifts.
+    pub until: u64,
+    pub ttl_secs: u64,
+    pub reason: String,
+}
+
+/// The longest ban accepted: one year.
+const MAX_BAN_SECS: u64 = 365 * 86_400;
+
+/// Drops everything from a prefix until its TTL runs out (allowed CIDRs
+/// excepted: `allow` wins over bans as over `deny`).
+#[utoipa::path(post, path = "/v1/bans", request_body = NewBan,
+    responses((status = 201, body = BanView), (status = 400, body = ErrorBody)))]
+async fn post_ban(AxState(api): AxState<Api>, body: Result<Bytes, BytesRejection>) -> ApiResult<(StatusCode, Json<BanView>)> {
+    let body = body.map_err(body_error)?;
+    let ban: NewBan = serde_json::from_slice(&body).map_err(|e| {
+        ApiError(StatusCode::BAD_REQUEST, format!("expected {{\"cidr\": \"...\", \"ttl_secs\": N, \"reason\": \"...\"}}: {e}"))
+    })?;
+    let cidr = parse_cidr(&ban.cidr).map_err(|m| ApiError(StatusCode::BAD_REQUEST, format!("cidr: {m}")))?;
+    if !(1..=MAX_BAN_SECS).contains(&ban.ttl_secs) {
+        return Err(ApiError(StatusCode::BAD_REQUEST, format!("ttl_secs must be 1..={MAX_BAN_SECS}")));
+    }
+    let until = unix_now() + ban.ttl_secs;
+    let view = BanView { cidr: cidr.to_string(), until, ttl_secs: ban.ttl_secs, reason: ban.reason.clone() };
+    let (key, reason) = (cidr.to_string(), ban.reason);
+    change(&api, move |s| {
+        let text = document::set_ban(&s.text, &key, until, &reason)?;
+        let origin = s.origin();
+        s.apply(text, &origin, &format!("api: ban {key} for {}s", ban.ttl_secs), true)?;
+        Ok(())
+    })
+    .await?;
+    Ok((StatusCode::CREATED, Json(view)))
+}
+
+/// Bans in force.
+#[utoipa::path(get, path = "/v1/bans", responses((status = 200, body = [BanView])))]
+async fn get_bans(AxState(api): AxState<Api>) -> Json<Vec<BanView>> {
+    let s = lock(&api.state);
+    let now = unix_now();
+    Json(
+        s.config
+            .active_bans(now)
+            .map(|b| BanView { cidr: b.cidr.to_string(), until: b.until, ttl_secs: b.until - now, reason: b.reason.clone() })
+            .collect(),
+    )
+}
+
+/// Lifts a ban now (URL-encode the `/`: `198.51.100.0%2F24`).
+#[utoipa::path(delete, path = "/v1/bans/{cidr}", params(("cidr" = String, Path, description = "the banned prefix, URL-encoded")),
+    responses((status = 200, body = Applied), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
+async fn delete_ban(AxState(api): AxState<Api>, Path(cidr): Path<String>) -> ApiResult<Json<Applied>> {
+    let c = parse_cidr(&cidr).map_err(|m| ApiError(StatusCode::BAD_REQUEST, format!("cidr: {m}")))?;
+    let summary = change(&api, move |s| {
+        let now = unix_now();
+        if !s.config.active_bans(now).any(|b| b.cidr == c) {
+            return Err(ApiError(StatusCode::NOT_FOUND, format!("{c} is not banned")));
+        }
+        let (text, _) = document::remove_bans(&s.text, |t, _| parse_cidr(t).is_ok_and(|x| x == c))?;
+        let origin = s.origin();
+        Ok(s.apply(text, &origin, &format!("api: lift the ban on {c}"), true)?)
+    })
+    .await?;
+    Ok(Json(Applied { summary }))
+}
+
+/// Re-reads the config file (as SIGHUP does). An invalid file changes
+/// nothing and answers 422 with the error's line and column.
+#[utoipa::path(post, path = "/v1/reload", responses((status = 200, body = Applied), (status = 422, body = ErrorBody)))]
+async fn reload(AxState(api): AxState<Api>) -> ApiResult<Json<Applied>> {
+    let summary = change(&api, |s| Ok(s.reload_file("api: POST /v1/reload")?)).await?;
+    Ok(Json(Applied { summary }))
+}
+
+/// Prometheus text exposition.
+#[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text format", content_type = "text/plain")))]
+async fn metrics(AxState(api): AxState<Api>) -> ApiResult<Response> {
+    let s = lock(&api.state);
+    let rules = rule_counters(&s)?;
+    let global = s.dp.counters().map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    let mut out = String::new();
+    let esc = |v: &str| v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n");
+    let family = |out: &mut String, name: &str, kind: &str, help: &str| {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+    };
+    family(&mut out, "rl_packets_total", "counter", "Packets by rule (allow, deny and default included) and verdict.");
+    for (name, c) in &rules {
+        for (verdict, v) in [("passed", c.passed_packets), ("dropped", c.dropped_packets), ("shadow_dropped", c.shadow_dropped_packets)] {
+            let _ = writeln!(out, "rl_packets_total{{rule=\"{}\",verdict=\"{verdict}\"}} {v}", esc(name));
+        }
+    }
+    family(&mut out, "rl_bytes_total", "counter", "Bytes by rule and verdict.");
+    for (name, c) in &rules {
+        for (verdict, v) in [("passed", c.passed_bytes), ("dropped", c.dropped_bytes), ("shadow_dropped", c.shadow_dropped_bytes)] {
+            let _ = writeln!(out, "rl_bytes_total{{rule=\"{}\",verdict=\"{verdict}\"}} {v}", esc(name));
+        }
+    }
+    family(&mut out, "rl_datapath_events_total", "counter", "Frames and events outside the rules: non-IP frames passed, malformed dropped, buckets created, CAS contention, no state.");
+    for (i, name) in rl_common::STAT_NAMES.iter().enumerate() {
+        if name.contains("passed") || name.contains("dropped") {
+            continue;
+        }
+        let _ = writeln!(out, "rl_datapath_events_total{{event=\"{name}\"}} {}", global.get(i as u32));
+    }
+    family(&mut out, "rl_tracked_sources", "gauge", "Buckets held in the source maps (refreshed every few seconds).");
+    let _ = writeln!(out, "rl_tracked_sources{{family=\"ipv4\"}} {}\nrl_tracked_sources{{family=\"ipv6\"}} {}", s.tracked.0, s.tracked.1);
+    family(&mut out, "rl_source_capacity", "gauge", "Capacity of each family's source map (datapath.max_sources).");
+    let _ = writeln!(out, "rl_source_capacity {}", s.config.datapath.max_sources);
+    family(&mut out, "rl_active_bans", "gauge", "Bans in force.");
+    let _ = writeln!(out, "rl_active_bans {}", s.config.active_bans(unix_now()).count());
+    family(&mut out, "rl_rules", "gauge", "Rules in force ([default] not counted).");
+    let _ = writeln!(out, "rl_rules {}", s.config.rules.len());
+    family(&mut out, "rl_reloads_total", "counter", "Rule set changes (file reloads and API changes) by result.");
+    let _ = writeln!(out, "rl_reloads_total{{result=\"ok\"}} {}\nrl_reloads_total{{result=\"failed\"}} {}", s.reloads_ok, s.reloads_failed);
+    family(&mut out, "rl_api_requests_total", "counter", "Admin API requests by route and status.");
+    for ((route, code), n) in &s.api_requests {
+        let _ = writeln!(out, "rl_api_requests_total{{route=\"{}\",status=\"{code}\"}} {n}", esc(route));
+    }
+    family(&mut out, "rl_uptime_seconds", "gauge", "Seconds since the daemon attached.");
+    let _ = writeln!(out, "rl_uptime_seconds {}", s.started.elapsed().as_secs());
+    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], out).into_response())
+}
+
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "rl admin API", description = "rl-control's admin API: rules, stats, per-source quotas, bans, metrics."),
+    paths(healthz, status, get_rules, put_rules, post_rule, delete_rule, stats, source, post_ban, get_bans, delete_ban, reload, metrics),
+    components(schemas(ErrorBody, Health, Status, Applied, Stats, RuleCounters, SourceState, SourceLimit, NewBan, BanView, ReloadRecord)),
+    modifiers(&BearerAuth)
+)]
+pub struct ApiDoc;
+
+/// Declares the bearer token scheme (used when `[api] token_file` is set).
+struct BearerAuth;
+
+impl utoipa::Modify for BearerAuth {
+    fn modify(&self, doc: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
+        let components = doc.components.get_or_insert_with(Default::default);
+        components.add_security_scheme("bearer", SecurityScheme::Http(Http::new(HttpAuthScheme::Bearer)));
+    }
+}
+
+async fn openapi() -> Json<utoipa::openapi::OpenApi> {
+    Json(ApiDoc::openapi())
+}
+
+/// `/v1` needs `Authorization: Bearer <token>` when a token is configured.
+async fn auth(AxState(api): AxState<Api>, req: Request, next: Next) -> Response {
+    if let Some(token) = &api.token {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        let ok = given.is_some_and(|g| constant_time_eq(g.as_bytes(), token.as_bytes()));
+        if !ok {
+            let mut r = ApiError(StatusCode::UNAUTHORIZED, "missing or wrong bearer token: send `Authorization: Bearer <token>` (see [api] token_file)".into()).into_response();
+            r.headers_mut().insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
+            return r;
+        }
+    }
+    next.run(req).await
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Counts requests by matched route and status, for `/metrics`.
+async fn count(AxState(api): AxState<Api>, req: Request, next: Next) -> Response {
+    let route = req.extensions().get::<MatchedPath>().map_or("unmatched".to_string(), |m| m.as_str().to_string());
+    let r = next.run(req).await;
+    *lock(&api.state).api_requests.entry((route, r.status().as_u16())).or_default() += 1;
+    r
+}
+
+async fn not_found() -> ApiError {
+    ApiError(StatusCode::NOT_FOUND, "no such route: GET /openapi.json lists them".into())
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError(StatusCode::METHOD_NOT_ALLOWED, "method not allowed on this route: GET /openapi.json lists them".into())
+}
+
+/// The router: `/healthz`, `/metrics` and `/openapi.json` are open (for
+/// probes and scrapers), `/v1` needs the token when one is configured.
+pub fn router(api: Api) -> Router {
+    let v1 = Router::new()
+        .route("/v1/status", get(status))
+        .route("/v1/rules", get(get_rules).put(put_rules).post(post_rule))
+        .route("/v1/rules/{name}", delete(delete_rule))
+        .route("/v1/stats", get(stats))
+        .route("/v1/sources/{ip}", get(source))
+        .route("/v1/bans", get(get_bans).post(post_ban))
+        .route("/v1/bans/{cidr}", delete(delete_ban))
+        .route("/v1/reload", axum::routing::post(reload))
+        .route_layer(middleware::from_fn_with_state(api.clone(), auth));
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/metrics", get(metrics))
+        .route("/openapi.json", get(openapi))
+        .merge(v1)
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .route_layer(middleware::from_fn_with_state(api.clone(), count))
+        .layer(DefaultBodyLimit::max(MAX_BODY))
+        .with_state(api)
+}
+
+/// Binds `addr` (failing clearly if it is taken) and serves until the
+/// daemon stops.
+pub async fn serve(api: Api, addr: SocketAddr) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen on {addr} for the admin API: {e} (is another rl-control running? choose another with --api)"))?;
+    let app = router(api);
+    Ok(tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::error!("the admin API stopped: {e}");
+        }
+    }))
+}

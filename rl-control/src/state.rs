@@ -1,0 +1,211 @@
+//! The running daemon's state, shared by the signal loop and the admin API,
+//! and the one way to change the running rule set: [`State::apply`].
+//!
+//! Every change (file reload, `PUT`/`POST`/`DELETE /v1/rules`, bans) goes
+//! through the same steps: validate the new text with the file loader,
+//! compile, install atomically (double-buffered, see [`Datapath::install`]),
+//! and for API changes write the text back to the config file (write, fsync,
+//! rename), so a restart or a later file reload keeps them.
+
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex, MutexGuard},
+    time::SystemTime,
+};
+
+use serde::Serialize;
+use tracing::{error, info, warn};
+
+use crate::{
+    compile::compile,
+    config::{unix_now, Config},
+    datapath::{Attachment, Datapath},
+};
+
+/// What identifies a version of the config file on disk.
+pub type FileStamp = (SystemTime, u64, u64);
+
+/// The stamp of `path` now, if it exists.
+pub fn file_stamp(path: &Path) -> Option<FileStamp> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path).ok()?;
+    Some((m.modified().ok()?, m.len(), m.ino()))
+}
+
+/// The outcome of the last reload or API change.
+#[derive(Clone, Debug, Serialize, utoipa::ToSchema)]
+pub struct ReloadRecord {
+    /// Unix time (seconds).
+    pub at: u64,
+    pub ok: bool,
+    /// What asked for it: `SIGHUP`, `file change`, `api`, …
+    pub trigger: String,
+    /// The summary of the rules now enforced, or why the change was refused.
+    pub message: String,
+}
+
+/// Why a change was not applied. The running rules are unchanged either way.
+#[derive(Debug, Clone)]
+pub enum ApplyError {
+    /// The new rules are invalid (the message has line and column).
+    Invalid(String),
+    /// The datapath or the config file could not be updated.
+    Failed(String),
+}
+
+impl std::fmt::Display for ApplyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ApplyError::Invalid(m) | ApplyError::Failed(m) => f.write_str(m),
+        }
+    }
+}
+
+pub struct State {
+    pub dp: Datapath,
+    pub config: Config,
+    /// The text `config` was read from: what the API edits and writes back.
+    pub text: String,
+    /// The config file (`None`: the embedded default, nothing to persist).
+    pub path: Option<PathBuf>,
+    /// The file's stamp when last read or written by the daemon.
+    pub stamp: Option<FileStamp>,
+    pub attachment: Attachment,
+    pub program_id: Option<u32>,
+    pub started: std::time::Instant,
+    pub last_reload: Option<ReloadRecord>,
+    pub reloads_ok: u64,
+    pub reloads_failed: u64,
+    /// Buckets held (IPv4, IPv6), refreshed in the background.
+    pub tracked: (u64, u64),
+    /// Admin API requests by (route, status).
+    pub api_requests: BTreeMap<(String, u16), u64>,
+}
+
+pub type Shared = Arc<Mutex<State>>;
+
+/// Locks the state. A panic while holding the lock cannot leave the rules
+/// half-changed (they change with one map write), so a poisoned lock is
+/// still usable.
+pub fn lock(shared: &Shared) -> MutexGuard<'_, State> {
+    shared.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Writes `text` to `path` so that readers see the old file or the new one,
+/// never a mix, even across a crash: a temporary file in the same
+/// directory, fsync, rename, fsync of the directory.
+pub fn write_atomic(path: &Path, text: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = dir.join(format!(".{name}.rl-tmp"));
+    let mut f = std::fs::File::create(&tmp)?;
+    if let Ok(m) = std::fs::metadata(path) {
+        let _ = f.set_permissions(m.permissions());
+    }
+    f.write_all(text.as_bytes())?;
+    f.sync_all()?;
+    drop(f);
+    std::fs::rename(&tmp, path).inspect_err(|_| {
+        let _ = std::fs::remove_file(&tmp);
+    })?;
+    std::fs::File::open(dir)?.sync_all()
+}
+
+impl State {
+    /// Validates `text` and makes it the running rule set; with `persist`,
+    /// also writes it to the config file. All or nothing: when any step
+    /// fails, the old rules keep running and the file is unchanged.
+    pub fn apply(&mut self, text: String, origin: &str, trigger: &str, persist: bool) -> Result<String, ApplyError> {
+        let result = self.try_apply(text, origin, persist);
+        let message = match &result {
+            Ok(summary) => summary.clone(),
+            Err(e) => e.to_string(),
+        };
+        match &result {
+            Ok(_) => {
+                self.reloads_ok += 1;
+                info!("{trigger}: now enforcing {message}");
+            }
+            Err(_) => {
+                self.reloads_failed += 1;
+                error!("{trigger}: change rejected, keeping the running config: {message}");
+            }
+        }
+        self.last_reload = Some(ReloadRecord { at: unix_now(), ok: result.is_ok(), trigger: trigger.into(), message });
+        result
+    }
+
+    fn try_apply(&mut self, text: String, origin: &str, persist: bool) -> Result<String, ApplyError> {
+        let new = Config::from_str(&text, origin).map_err(|e| ApplyError::Invalid(e.to_string()))?;
+        if new.datapath.max_sources != self.config.datapath.max_sources {
+            warn!(
+                "datapath.max_sources changes only on restart; keeping {}",
+                self.config.datapath.max_sources
+            );
+        }
+        let failed = |what: &str, e: &dyn std::fmt::Display| ApplyError::Failed(format!("{what}: {e}"));
+        self.dp.install(&compile(&new).rules).map_err(|e| failed("installing the rules", &e))?;
+        if persist {
+            if let Some(path) = self.path.clone() {
+                if let Err(e) = write_atomic(&path, &text) {
+                    // Put the old rules back: the file and the datapath agree.
+                    let _ = self.dp.install(&compile(&self.config).rules);
+                    return Err(failed(
+                        &format!("cannot write {} (nothing changed; check its directory is writable)", path.display()),
+                        &e,
+                    ));
+                }
+                self.stamp = file_stamp(&path);
+            } else {
+                warn!("running on the embedded default: this change lasts until the daemon stops (start with --config to keep changes)");
+            }
+        }
+        let summary = new.summary();
+        self.config = new;
+        self.text = text;
+        Ok(summary)
+    }
+
+    /// Re-reads the config file and applies it.
+    pub fn reload_file(&mut self, trigger: &str) -> Result<String, ApplyError> {
+        let Some(path) = self.path.clone() else {
+            let e = ApplyError::Invalid("running on the embedded default: there is no file to reload".into());
+            warn!("{trigger}: {e}");
+            return Err(e);
+        };
+        self.stamp = file_stamp(&path);
+        match std::fs::read_to_string(&path) {
+            Ok(text) => self.apply(text, &path.display().to_string(), trigger, false),
+            Err(e) => {
+                let e = ApplyError::Failed(format!("cannot read {}: {e}", path.display()));
+                self.reloads_failed += 1;
+                error!("{trigger}: change rejected, keeping the running config: {e}");
+                self.last_reload =
+                    Some(ReloadRecord { at: unix_now(), ok: false, trigger: trigger.into(), message: e.to_string() });
+                Err(e)
+            }
+        }
+    }
+
+    /// Lifts bans whose time is up (written back to the file).
+    pub fn expire_bans(&mut self) {
+        let now = unix_now();
+        if !self.config.bans.iter().any(|b| b.until <= now) {
+            return;
+        }
+        match crate::document::remove_bans(&self.text, |_, until| until <= now) {
+            Ok((text, n)) => {
+                let origin = self.origin();
+                let _ = self.apply(text, &origin, &format!("{n} ban(s) expired"), true);
+            }
+            Err(e) => error!("cannot lift expired bans: {e:?}"),
+        }
+    }
+
+    /// How errors in the running text are located.
+    pub fn origin(&self) -> String {
+        self.path.as_ref().map_or("<embedded default>".into(), |p| p.display().to_string())
+    }
+}
