@@ -121,10 +121,10 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         );
     }
     let (api_addr, token) = api_settings(&opts, &config)?;
+    interface_index(&opts.iface)?;
     let listener = tokio::net::TcpListener::bind(api_addr).await.with_context(|| {
         format!("cannot listen on {api_addr} for the admin API (is another rl-control running? choose another address with --api)")
     })?;
-    interface_index(&opts.iface)?;
     let compiled = compile(&config);
     let mut dp = Datapath::load(&compiled)?;
     let attachment = dp.attach(&opts.iface, opts.mode)?;

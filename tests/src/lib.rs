@@ -4,6 +4,7 @@
 
 pub mod daemon;
 pub mod frames;
+pub mod http;
 pub mod lab;
 pub mod traffic;
 

@@ -1,0 +1,55 @@
+//! Real HTTP to a daemon's admin API inside a lab namespace (the daemon
+//! listens on that namespace's loopback).
+
+use anyhow::{Context, Result};
+
+use crate::lab::Netns;
+
+/// One answer: status and body.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    pub status: u16,
+    pub body: String,
+}
+
+impl Answer {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.body))
+    }
+}
+
+/// `method path` to `127.0.0.1:9100` in `ns`, with an optional body
+/// (content type, bytes) and bearer token.
+pub fn request(ns: &Netns, method: &str, path: &str, body: Option<(&str, Vec<u8>)>, token: Option<&str>) -> Result<Answer> {
+    let (method, url) = (method.to_string(), format!("http://127.0.0.1:9100{path}"));
+    let body = body.map(|(t, b)| (t.to_string(), b));
+    let token = token.map(str::to_string);
+    ns.run(move || {
+        let agent = ureq::AgentBuilder::new().timeout(std::time::Duration::from_secs(30)).build();
+        let mut req = agent.request(&method, &url);
+        if let Some(t) = &token {
+            req = req.set("Authorization", &format!("Bearer {t}"));
+        }
+        let res = match &body {
+            Some((ctype, bytes)) => req.set("Content-Type", ctype).send_bytes(bytes),
+            None => req.call(),
+        };
+        let r = match res {
+            Ok(r) => r,
+            Err(ureq::Error::Status(_, r)) => r,
+            Err(e) => return Err(e).with_context(|| format!("{method} {url}")),
+        };
+        let status = r.status();
+        Ok(Answer { status, body: r.into_string().context("reading the answer")? })
+    })
+}
+
+/// GET without a token.
+pub fn get(ns: &Netns, path: &str) -> Answer {
+    request(ns, "GET", path, None, None).unwrap()
+}
+
+/// A JSON body.
+pub fn json(v: &serde_json::Value) -> Option<(&'static str, Vec<u8>)> {
+    Some(("application/json", serde_json::to_vec(v).unwrap()))
+}

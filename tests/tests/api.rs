@@ -1,0 +1,346 @@
+//! The admin API and the CLI client against a really running daemon
+//! attached in a veth lab, over real HTTP, with real packets.
+
+use std::{path::PathBuf, time::Duration};
+
+use rl_tests::{
+    daemon::{run_once, Daemon},
+    http::{get, json, request},
+    lab::{Lab, VB},
+    traffic::{join, paced, Receiver},
+};
+use serde_json::{json, Value};
+
+const ATTACHED: &str = "admin API on";
+const START: Duration = Duration::from_secs(20);
+
+fn write(dir: &tempfile::TempDir, name: &str, text: &str) -> PathBuf {
+    let p = dir.path().join(name);
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+fn start(lab: &Lab, cfg: &std::path::Path, extra: &[&str]) -> Daemon {
+    let pid = cfg.with_extension("pid");
+    let mut args = vec!["run", "--iface", VB, "--config", cfg.to_str().unwrap(), "--pid-file", pid.to_str().unwrap(), "--no-watch"];
+    args.extend_from_slice(extra);
+    let mut d = Daemon::spawn(&lab.b, &args).unwrap();
+    d.wait_for(ATTACHED, START).unwrap();
+    d
+}
+
+fn stop(d: Daemon) {
+    let (status, log) = d.stop(libc::SIGTERM).unwrap();
+    assert!(status.success(), "{log}");
+}
+
+/// Sends `n` UDP packets from `src` at once (10,000 pps) and returns how
+/// many the receiver got.
+fn burst_of(lab: &Lab, src: std::net::IpAddr, n: u64) -> u64 {
+    let rx = Receiver::start(&lab.b).unwrap();
+    join(paced(&lab.a, src, lab.v4(2), 10_000, n)).unwrap();
+    rx.finish().unwrap().get(&src).copied().unwrap_or(0)
+}
+
+/// Every route the router serves (method, OpenAPI path).
+const ROUTES: [(&str, &str); 13] = [
+    ("get", "/healthz"),
+    ("get", "/metrics"),
+    ("get", "/v1/status"),
+    ("get", "/v1/rules"),
+    ("put", "/v1/rules"),
+    ("post", "/v1/rules"),
+    ("delete", "/v1/rules/{name}"),
+    ("get", "/v1/stats"),
+    ("get", "/v1/sources/{ip}"),
+    ("get", "/v1/bans"),
+    ("post", "/v1/bans"),
+    ("delete", "/v1/bans/{cidr}"),
+    ("post", "/v1/reload"),
+];
+
+/// Parses Prometheus text: `name{labels}` ➜ value, checking every sample
+/// line has a declared TYPE.
+fn parse_prometheus(text: &str) -> std::collections::HashMap<String, f64> {
+    let mut typed = std::collections::HashSet::new();
+    let mut out = std::collections::HashMap::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let mut it = rest.split_whitespace();
+            let (name, kind) = (it.next().unwrap(), it.next().unwrap());
+            assert!(["counter", "gauge"].contains(&kind), "{line}");
+            typed.insert(name.to_string());
+            continue;
+        }
+        if line.starts_with('#') || line.is_empty() {
+            continue;
+        }
+        let (series, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("bad sample line: {line}"));
+        let name = series.split('{').next().unwrap();
+        assert!(typed.contains(name), "sample before its TYPE: {line}");
+        assert!(!series.contains('{') || series.ends_with('}'), "{line}");
+        out.insert(series.to_string(), value.parse::<f64>().unwrap_or_else(|_| panic!("bad value: {line}")));
+    }
+    out
+}
+
+#[test]
+fn every_route_answers_metrics_equal_stats_and_the_openapi_document_is_complete() {
+    let lab = Lab::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write(&dir, "rules.toml", "[default]\nrate = 1000\n[[allow]]\ncidr = \"192.0.2.0/24\"\n[[rule]]\nname = \"udp-7777\"\nproto = \"udp\"\ndst_ports = [7777]\nrate = 20\nburst = 10\n");
+    let d = start(&lab, &cfg, &[]);
+    assert_eq!(get(&lab.b, "/healthz").json(), json!({"status": "ok"}));
+
+    // Traffic: 50 packets at once, 10 pass the rule.
+    assert_eq!(burst_of(&lab, lab.v4(1), 50), 10);
+
+    let st = get(&lab.b, "/v1/status").json();
+    assert_eq!((st["iface"].as_str(), st["xdp_mode"].as_str(), st["rules"].as_u64()), (Some("vb"), Some("native"), Some(1)));
+    assert!(st["program_id"].as_u64().unwrap() > 0);
+    let rules = get(&lab.b, "/v1/rules").json();
+    assert_eq!(rules["rules"][0]["name"], "udp-7777");
+    assert_eq!(rules["allow"][0]["cidr"], "192.0.2.0/24");
+
+    let stats = get(&lab.b, "/v1/stats").json();
+    let r = &stats["rules"]["udp-7777"];
+    assert_eq!((r["passed_packets"].as_u64(), r["dropped_packets"].as_u64()), (Some(10), Some(40)), "{stats}");
+    for name in ["default", "allow", "deny"] {
+        assert!(stats["rules"][name].is_object(), "{stats}");
+    }
+
+    let m = get(&lab.b, "/metrics");
+    assert_eq!(m.status, 200);
+    let samples = parse_prometheus(&m.body);
+    for (name, c) in stats["rules"].as_object().unwrap() {
+        for (verdict, key) in [("passed", "passed"), ("dropped", "dropped"), ("shadow_dropped", "shadow_dropped")] {
+            let series = format!("rl_packets_total{{rule=\"{name}\",verdict=\"{verdict}\"}}");
+            assert_eq!(samples[&series] as u64, c[format!("{key}_packets")].as_u64().unwrap(), "{series}");
+            let series = format!("rl_bytes_total{{rule=\"{name}\",verdict=\"{verdict}\"}}");
+            assert_eq!(samples[&series] as u64, c[format!("{key}_bytes")].as_u64().unwrap(), "{series}");
+        }
+    }
+    assert_eq!(samples["rl_source_capacity"], 1_048_576.0);
+    assert_eq!(samples["rl_active_bans"], 0.0);
+    assert!(samples.keys().any(|k| k.starts_with("rl_api_requests_total{route=\"/v1/stats\",status=\"200\"}")), "{}", m.body);
+
+    // The OpenAPI document: every route, every operation answers something,
+    // and every schema reference resolves.
+    let doc = get(&lab.b, "/openapi.json").json();
+    assert!(doc["openapi"].as_str().unwrap().starts_with("3."), "{doc}");
+    for (method, path) in ROUTES {
+        let op = &doc["paths"][path][method];
+        assert!(op.is_object(), "{method} {path} missing from the OpenAPI document");
+        assert!(op["responses"].as_object().is_some_and(|r| !r.is_empty()), "{method} {path} has no responses");
+    }
+    let text = doc.to_string();
+    for r in text.split("\"$ref\":\"").skip(1) {
+        let target = r.split('"').next().unwrap();
+        let name = target.strip_prefix("#/components/schemas/").unwrap_or_else(|| panic!("odd $ref {target}"));
+        assert!(doc["components"]["schemas"][name].is_object(), "$ref {target} does not resolve");
+    }
+    let paths = doc["paths"].as_object().unwrap().len();
+    assert_eq!(paths, 10, "paths in the document: {:?}", doc["paths"].as_object().unwrap().keys().collect::<Vec<_>>());
+
+    // Errors are JSON with the right status.
+    let a = get(&lab.b, "/v1/nope");
+    assert_eq!(a.status, 404);
+    assert!(a.json()["error"].is_string());
+    let a = request(&lab.b, "PATCH", "/v1/rules", None, None).unwrap();
+    assert_eq!(a.status, 405);
+    assert!(a.json()["error"].is_string());
+    stop(d);
+}
+
+#[test]
+fn rule_changes_are_validated_atomic_enforced_and_survive_a_restart_and_a_file_reload() {
+    let lab = Lab::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let original = "# operator's comment\n[default]\nrate = 1000\n";
+    let cfg = write(&dir, "rules.toml", original);
+    let d = start(&lab, &cfg, &[]);
+
+    // POST a rule: it is enforced at once, and written back with the comment kept.
+    let rule = json!({"name": "slow-udp", "proto": "udp", "dst_ports": ["7000-7999"], "rate": 5, "burst": 3});
+    let a = request(&lab.b, "POST", "/v1/rules", json(&rule), None).unwrap();
+    assert_eq!(a.status, 201, "{}", a.body);
+    assert_eq!(burst_of(&lab, lab.v4(1), 20), 3);
+    let file = std::fs::read_to_string(&cfg).unwrap();
+    assert!(file.contains("# operator's comment") && file.contains("slow-udp"), "{file}");
+
+    // Conflicts, absent names, bad bodies and invalid rules change nothing.
+    assert_eq!(request(&lab.b, "POST", "/v1/rules", json(&rule), None).unwrap().status, 409);
+    assert_eq!(request(&lab.b, "DELETE", "/v1/rules/absent", None, None).unwrap().status, 404);
+    let a = request(&lab.b, "POST", "/v1/rules", Some(("application/json", b"{not json".to_vec())), None).unwrap();
+    assert_eq!(a.status, 400);
+    assert!(a.json()["error"].as_str().unwrap().contains("not valid JSON"));
+    let a = request(&lab.b, "POST", "/v1/rules", json(&json!({"name": "bad", "proto": "sctp", "rate": 1})), None).unwrap();
+    assert_eq!(a.status, 422);
+    assert!(a.json()["error"].as_str().unwrap().contains("proto"), "{}", a.body);
+    let a = request(&lab.b, "PUT", "/v1/rules", Some(("application/toml", b"[default]\nrate = 0\n".to_vec())), None).unwrap();
+    assert_eq!(a.status, 422);
+    assert!(a.json()["error"].as_str().unwrap().contains(":2:8: default.rate = 0 is out of range"), "{}", a.body);
+    let big = vec![b' '; 17 << 20];
+    let a = request(&lab.b, "PUT", "/v1/rules", Some(("application/json", big)), None).unwrap();
+    assert_eq!(a.status, 413);
+    assert!(a.json()["error"].is_string());
+    assert!(std::fs::read_to_string(&cfg).unwrap().contains("slow-udp"), "a refused change left the file alone");
+    assert_eq!(get(&lab.b, "/healthz").status, 200, "bad input did not stop the daemon");
+
+    // PUT the whole set as JSON: old rule gone, new one in.
+    let set = json!({"default": {"rate": 1000}, "rules": [{"name": "udp-2", "proto": "udp", "rate": 2, "burst": 2}]});
+    let a = request(&lab.b, "PUT", "/v1/rules", json(&set), None).unwrap();
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(burst_of(&lab, lab.v4(1), 10), 2);
+    assert_eq!(request(&lab.b, "DELETE", "/v1/rules/udp-2", None, None).unwrap().status, 200);
+    let a = request(&lab.b, "POST", "/v1/rules", json(&json!({"name": "kept", "proto": "udp", "rate": 4, "burst": 4})), None).unwrap();
+    assert_eq!(a.status, 201);
+    stop(d);
+
+    // A restart keeps the API's changes, and a file reload does not undo them.
+    let d = start(&lab, &cfg, &[]);
+    let names: Vec<Value> = get(&lab.b, "/v1/rules").json()["rules"].as_array().unwrap().iter().map(|r| r["name"].clone()).collect();
+    assert_eq!(names, vec![json!("kept")]);
+    assert_eq!(request(&lab.b, "POST", "/v1/reload", None, None).unwrap().status, 200);
+    assert_eq!(burst_of(&lab, lab.v4(1), 10), 4);
+    let st = get(&lab.b, "/v1/status").json();
+    assert_eq!((st["rules"].as_u64(), st["last_reload"]["ok"].as_bool()), (Some(1), Some(true)), "{st}");
+    stop(d);
+}
+
+#[test]
+fn source_quota_agrees_with_what_the_datapath_lets_through_next() {
+    let lab = Lab::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    // 2 packets/s, burst 4: one packet every 500 ms.
+    let cfg = write(&dir, "rules.toml", "[default]\nrate = 2\nburst = 4\n");
+    let d = start(&lab, &cfg, &[]);
+    let src = lab.v4(1);
+    let quota = || {
+        let v = get(&lab.b, &format!("/v1/sources/{src}")).json();
+        let l = v["limits"].as_array().unwrap().clone();
+        assert!(l.len() <= 1, "{v}");
+        l.first().cloned()
+    };
+    assert_eq!(quota(), None, "no state before the first packet");
+    assert_eq!(burst_of(&lab, src, 1), 1);
+    let q = quota().unwrap();
+    assert_eq!((q["rule"].as_str(), q["limit"].as_u64(), q["remaining"].as_u64()), (Some("default"), Some(4), Some(3)), "{q}");
+    assert_eq!(q["retry_after_ms"], 0);
+    // `remaining` pass, one more drops.
+    assert_eq!(burst_of(&lab, src, 4), 3);
+    let q = quota().unwrap();
+    assert_eq!(q["remaining"], 0, "{q}");
+    let wait = q["retry_after_ms"].as_u64().unwrap();
+    assert!((1..=520).contains(&wait), "retry after {wait} ms for a 500 ms refill: {q}");
+    assert!(q["reset_ms"].as_u64().unwrap() >= 1500, "{q}");
+    // After `retry_after_ms` one passes, and the next drops.
+    std::thread::sleep(Duration::from_millis(wait));
+    assert_eq!(burst_of(&lab, src, 2), 1);
+    // After `reset_ms` the full limit is back: exactly `limit` pass.
+    let q = quota().unwrap();
+    std::thread::sleep(Duration::from_millis(q["reset_ms"].as_u64().unwrap()));
+    let q = quota().unwrap();
+    assert_eq!(q["remaining"], 4, "{q}");
+    assert_eq!(burst_of(&lab, src, 6), 4);
+    assert_eq!(get(&lab.b, "/v1/sources/not-an-ip").status, 400);
+    stop(d);
+}
+
+#[test]
+fn a_ban_drops_at_once_lifts_after_its_ttl_and_is_kept_across_a_restart() {
+    let lab = Lab::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write(&dir, "rules.toml", "[default]\nrate = 100000\n");
+    let d = start(&lab, &cfg, &[]);
+    let cidr = format!("{}/32", lab.v4(1));
+    assert_eq!(burst_of(&lab, lab.v4(1), 10), 10);
+
+    // Through the CLI, with --json.
+    let (status, out) = run_once(Some(&lab.b), &["ban", &cidr, "--ttl", "3s", "--reason", "test", "--json"]).unwrap();
+    assert!(status.success(), "{out}");
+    let v: Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!((v["cidr"].as_str(), v["ttl_secs"].as_u64()), (Some(cidr.as_str()), Some(3)));
+    let banned_at = std::time::Instant::now();
+    assert_eq!(burst_of(&lab, lab.v4(1), 10), 0, "a ban drops at once");
+    let bans = get(&lab.b, "/v1/bans").json();
+    assert_eq!(bans[0]["cidr"], cidr.as_str());
+    assert_eq!(bans[0]["reason"], "test");
+    assert!(std::fs::read_to_string(&cfg).unwrap().contains("[[ban]]"));
+    assert_eq!(parse_prometheus(&get(&lab.b, "/metrics").body)["rl_active_bans"], 1.0);
+    let stats = get(&lab.b, "/v1/stats").json();
+    assert_eq!(stats["rules"]["deny"]["dropped_packets"], 10, "bans count as deny: {stats}");
+
+    // It lifts by itself (checked every second) and leaves the file.
+    std::thread::sleep(Duration::from_secs(3).saturating_sub(banned_at.elapsed()) + Duration::from_millis(1500));
+    assert_eq!(burst_of(&lab, lab.v4(1), 10), 10, "the ban lifted after its TTL");
+    assert_eq!(get(&lab.b, "/v1/bans").json(), json!([]));
+    assert!(!std::fs::read_to_string(&cfg).unwrap().contains("[[ban]]"));
+
+    // A ban outlives a restart; unban lifts it; bad input is refused.
+    let a = request(&lab.b, "POST", "/v1/bans", json(&json!({"cidr": cidr, "ttl_secs": 600})), None).unwrap();
+    assert_eq!(a.status, 201, "{}", a.body);
+    for bad in [json!({"cidr": "10.0.0.1/33", "ttl_secs": 5}), json!({"cidr": "10.0.0.0/8", "ttl_secs": 0}), json!({"cidr": "10.0.0.0/8"})] {
+        let a = request(&lab.b, "POST", "/v1/bans", json(&bad), None).unwrap();
+        assert_eq!(a.status, 400, "{bad}: {}", a.body);
+    }
+    stop(d);
+    let d = start(&lab, &cfg, &[]);
+    assert_eq!(burst_of(&lab, lab.v4(1), 10), 0, "the ban survived the restart");
+    let (status, out) = run_once(Some(&lab.b), &["unban", &cidr]).unwrap();
+    assert!(status.success(), "{out}");
+    assert_eq!(burst_of(&lab, lab.v4(1), 10), 10);
+    let a = request(&lab.b, "DELETE", &format!("/v1/bans/{}", cidr.replace('/', "%2F")), None, None).unwrap();
+    assert_eq!(a.status, 404);
+    stop(d);
+}
+
+#[test]
+fn auth_guards_v1_and_a_public_address_needs_a_token() {
+    let lab = Lab::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let token = write(&dir, "token", "s3cret-token\n");
+    let open_cfg = write(&dir, "open.toml", "[default]\nrate = 100\n");
+    // A non-loopback address without a token: refused before anything is attached.
+    let addr = format!("{}:9100", lab.v4(2));
+    let (status, out) = run_once(Some(&lab.b), &["run", "--iface", VB, "--config", open_cfg.to_str().unwrap(), "--api", &addr]).unwrap();
+    assert_eq!(status.code(), Some(1), "{out}");
+    assert!(out.contains("refusing to serve the admin API on") && out.contains("without a token"), "{out}");
+    assert!(!lab.xdp_attached().unwrap());
+
+    let cfg = write(&dir, "rules.toml", &format!("[default]\nrate = 100\n[api]\ntoken_file = \"{}\"\n", token.display()));
+    let d = start(&lab, &cfg, &[]);
+    assert_eq!(get(&lab.b, "/healthz").status, 200, "probes need no token");
+    assert_eq!(get(&lab.b, "/metrics").status, 200, "scrapers need no token");
+    let a = get(&lab.b, "/v1/status");
+    assert_eq!(a.status, 401);
+    assert!(a.json()["error"].as_str().unwrap().contains("bearer token"));
+    assert_eq!(request(&lab.b, "GET", "/v1/status", None, Some("wrong")).unwrap().status, 401);
+    assert_eq!(request(&lab.b, "POST", "/v1/bans", json(&json!({"cidr": "10.0.0.0/8", "ttl_secs": 5})), Some("wrong")).unwrap().status, 401);
+    assert_eq!(request(&lab.b, "GET", "/v1/status", None, Some("s3cret-token")).unwrap().status, 200);
+
+    // The CLI with and without the token.
+    let (status, out) = run_once(Some(&lab.b), &["status"]).unwrap();
+    assert_eq!(status.code(), Some(1), "{out}");
+    assert!(out.contains("401") && out.contains("--token-file"), "{out}");
+    let tf = token.to_str().unwrap();
+    for cmd in [vec!["status"], vec!["rules"], vec!["stats"], vec!["source", "10.1.2.3"], vec!["reload"]] {
+        let mut args = cmd.clone();
+        args.extend(["--token-file", tf]);
+        let (status, out) = run_once(Some(&lab.b), &args).unwrap();
+        assert!(status.success(), "{cmd:?}: {out}");
+        args.push("--json");
+        let (status, out) = run_once(Some(&lab.b), &args).unwrap();
+        assert!(status.success(), "{cmd:?}: {out}");
+        let json_start = out.find(['{', '[']).unwrap_or_else(|| panic!("{cmd:?}: no JSON in {out}"));
+        serde_json::from_str::<Value>(&out[json_start..]).unwrap_or_else(|e| panic!("{cmd:?} --json: {e}: {out}"));
+    }
+    let (_, out) = run_once(Some(&lab.b), &["status", "--token-file", tf]).unwrap();
+    assert!(out.contains("interface:       vb (XDP native"), "{out}");
+    stop(d);
+
+    // No daemon: one clear error, exit 1.
+    let (status, out) = run_once(Some(&lab.b), &["status"]).unwrap();
+    assert_eq!(status.code(), Some(1), "{out}");
+    assert!(out.contains("cannot reach rl-control at http://127.0.0.1:9100") && out.contains("is it running?"), "{out}");
+}
