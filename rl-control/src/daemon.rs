@@ -122,12 +122,14 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     }
     let (api_addr, token) = api_settings(&opts, &config)?;
     interface_index(&opts.iface)?;
-    let listener = tokio::net::TcpListener::bind(api_addr).await.with_context(|| {
-        format!("cannot listen on {api_addr} for the admin API (is another rl-control running? choose another address with --api)")
-    })?;
     let compiled = compile(&config);
     let mut dp = Datapath::load(&compiled)?;
     let attachment = dp.attach(&opts.iface, opts.mode)?;
+    // After attaching, so a busy interface is reported as such; on failure
+    // `dp` is dropped here, which detaches: nothing stays half-set-up.
+    let listener = tokio::net::TcpListener::bind(api_addr).await.with_context(|| {
+        format!("cannot listen on {api_addr} for the admin API (is another rl-control running? choose another address with --api)")
+    })?;
     info!(
         iface = %attachment.iface,
         mode = %attachment.mode,

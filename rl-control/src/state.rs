@@ -126,11 +126,11 @@ impl State {
         match &result {
             Ok(_) => {
                 self.reloads_ok += 1;
-                info!("{trigger}: now enforcing {message}");
+                info!("{trigger}: reloaded, now enforcing {message}");
             }
             Err(_) => {
                 self.reloads_failed += 1;
-                error!("{trigger}: change rejected, keeping the running config: {message}");
+                error!("{trigger}: reload rejected, keeping the running config: {message}");
             }
         }
         self.last_reload = Some(ReloadRecord { at: unix_now(), ok: result.is_ok(), trigger: trigger.into(), message });
@@ -181,7 +181,7 @@ impl State {
             Err(e) => {
                 let e = ApplyError::Failed(format!("cannot read {}: {e}", path.display()));
                 self.reloads_failed += 1;
-                error!("{trigger}: change rejected, keeping the running config: {e}");
+                error!("{trigger}: reload rejected, keeping the running config: {e}");
                 self.last_reload =
                     Some(ReloadRecord { at: unix_now(), ok: false, trigger: trigger.into(), message: e.to_string() });
                 Err(e)

@@ -307,6 +307,14 @@ fn auth_guards_v1_and_a_public_address_needs_a_token() {
     assert_eq!(status.code(), Some(1), "{out}");
     assert!(out.contains("refusing to serve the admin API on") && out.contains("without a token"), "{out}");
     assert!(!lab.xdp_attached().unwrap());
+    // The API's port is taken: one clear error, and the program it had just
+    // attached is detached again.
+    let squatter = lab.b.run(|| Ok(std::net::TcpListener::bind("127.0.0.1:9100")?)).unwrap();
+    let (status, out) = run_once(Some(&lab.b), &["run", "--iface", VB, "--config", open_cfg.to_str().unwrap()]).unwrap();
+    assert_eq!(status.code(), Some(1), "{out}");
+    assert!(out.contains("cannot listen on 127.0.0.1:9100 for the admin API"), "{out}");
+    assert!(!lab.xdp_attached().unwrap());
+    drop(squatter);
 
     let cfg = write(&dir, "rules.toml", &format!("[default]\nrate = 100\n[api]\ntoken_file = \"{}\"\n", token.display()));
     let d = start(&lab, &cfg, &[]);
