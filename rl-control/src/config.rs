@@ -379,6 +379,13 @@ mod tests {
     }
 
     #[test]
+    fn the_shipped_example_is_valid() {
+        let c = Config::from_str(include_str!("../../dist/rules.toml"), "dist/rules.toml").unwrap();
+        assert_eq!(c.rules.len(), 3);
+        assert_eq!(c.api.listen, Some("127.0.0.1:9100".parse().unwrap()));
+    }
+
+    #[test]
     fn missing_default_is_an_error_not_a_silent_no_limit() {
         let e = error_of("[datapath]\nmax_sources = 10\n");
         assert!(e.contains("missing [default] table"), "{e}");
