@@ -138,6 +138,7 @@ impl State {
     }
 
     fn try_apply(&mut self, text: String, origin: &str, persist: bool) -> Result<String, ApplyError> {
+        let t0 = std::time::Instant::now();
         let new = Config::from_str(&text, origin).map_err(|e| ApplyError::Invalid(e.to_string()))?;
         if new.datapath.max_sources != self.config.datapath.max_sources {
             warn!(
@@ -146,7 +147,10 @@ impl State {
             );
         }
         let failed = |what: &str, e: &dyn std::fmt::Display| ApplyError::Failed(format!("{what}: {e}"));
-        self.dp.install(&compile(&new).rules).map_err(|e| failed("installing the rules", &e))?;
+        let compiled = compile(&new);
+        let t1 = std::time::Instant::now();
+        self.dp.install(&compiled.rules).map_err(|e| failed("installing the rules", &e))?;
+        let t2 = std::time::Instant::now();
         if persist {
             if let Some(path) = self.path.clone() {
                 if let Err(e) = write_atomic(&path, &text) {
@@ -162,7 +166,15 @@ impl State {
                 warn!("running on the embedded default: this change lasts until the daemon stops (start with --config to keep changes)");
             }
         }
-        let summary = new.summary();
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        let summary = format!(
+            "{} (enforced after {:.1} ms: validated and compiled in {:.1}, installed in {:.1}; file written in {:.1})",
+            new.summary(),
+            ms(t2 - t0),
+            ms(t1 - t0),
+            ms(t2 - t1),
+            ms(t2.elapsed())
+        );
         self.config = new;
         self.text = text;
         Ok(summary)

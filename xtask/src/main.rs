@@ -141,5 +141,7 @@ fn bench(repeat: u32) -> Result<()> {
     require_root("bench")?;
     run(cargo()
         .args(["run", "--quiet", "--release", "-p", "rl-tests", "--bin", "rl-bench", "--"])
-        .arg(repeat.to_string()))
+        .arg(repeat.to_string()))?;
+    step!("admin API: latency at 1,000 requests/s and rule-swap time, against a daemon in a veth lab");
+    run(cargo().args(["run", "--quiet", "--release", "-p", "rl-tests", "--bin", "rl-api-bench"]))
 }
