@@ -76,14 +76,54 @@ impl Key6 {
 }
 
 /// A bucket: one state word of one limit (a GCRA theoretical arrival time
-/// in ktime nanoseconds, or a window counter, see [`crate::window`]).
-/// Updated only with compare-and-swap (see [`crate::admit_with`]).
+/// in ktime nanoseconds, or a window counter, see [`crate::window`]),
+/// updated only with compare-and-swap (see [`crate::admit_with`]); then
+/// what the daemon reports about the source (`GET /v1/sources?top=N`,
+/// events). Those counters are plain increments in the bucket's cache line
+/// (which the compare-and-swap already owns): two CPUs racing on one
+/// source may lose a count, never a token.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Bucket {
     pub tat_ns: u64,
+    /// Packets this bucket decided (passed or dropped).
+    pub seen: u64,
+    /// Of those, dropped.
+    pub dropped: u64,
+    /// The datapath clock at the last drop: a drop more than
+    /// [`LIMITED_GAP_NS`] after the previous one starts a new "limited"
+    /// episode and may raise an [`Event`].
+    pub last_drop_ns: u64,
 }
-const _: () = assert!(size_of::<Bucket>() == 8);
+const _: () = assert!(size_of::<Bucket>() == 32);
+
+/// A source whose last drop is older than this is "not being limited".
+pub const LIMITED_GAP_NS: u64 = 1_000_000_000;
+
+/// Events for the daemon (`BPF_MAP_TYPE_RINGBUF` of [`Event`]s).
+pub const MAP_EVENTS: &str = "RL_EVENTS";
+/// The kernel-side budget of events (`Array<u64>`, one GCRA word shared by
+/// all CPUs): at most [`EVENTS_PER_SEC`] per second, [`EVENTS_BURST`] at
+/// once, so a spoofed flood of new sources cannot swamp userspace.
+pub const MAP_EVENT_BUDGET: &str = "RL_EVBUDGET";
+pub const EVENTS_PER_SEC: u64 = 100;
+pub const EVENTS_BURST: u64 = 100;
+
+/// "This source started being limited under this rule."
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Event {
+    /// The datapath clock (ktime ns) of the drop.
+    pub at_ns: u64,
+    /// `RuleEntry::id | limit index` of the bucket that dropped.
+    pub rule: u32,
+    /// 4 or 6.
+    pub family: u32,
+    /// The source's key address (masked to the rule's scope): IPv4 in the
+    /// first 4 bytes.
+    pub addr: [u8; 16],
+}
+const _: () = assert!(size_of::<Event>() == 32);
 
 /// What the daemon tells the datapath; entry 0 of [`MAP_CONFIG`].
 /// Until the daemon writes it, `enabled` is 0 and every packet passes.
@@ -354,8 +394,13 @@ pub const STAT_NEW_SOURCES: u32 = 6;
 pub const STAT_NO_STATE: u32 = 7;
 /// Of the dropped: other CPUs won the bucket's compare-and-swap every retry.
 pub const STAT_CONTENDED: u32 = 8;
+/// "Limited" events raised and sent to the daemon.
+pub const STAT_EVENTS: u32 = 9;
+/// "Limited" events not sent: over the kernel-side budget, or the ring
+/// buffer was full.
+pub const STAT_EVENTS_SUPPRESSED: u32 = 10;
 /// Number of counters.
-pub const STAT_COUNT: u32 = 9;
+pub const STAT_COUNT: u32 = 11;
 
 /// Counter names for logs and metrics, indexed like the `STAT_*` constants.
 pub const STAT_NAMES: [&str; STAT_COUNT as usize] = [
@@ -368,6 +413,8 @@ pub const STAT_NAMES: [&str; STAT_COUNT as usize] = [
     "new_sources",
     "no_state_drops",
     "contended_drops",
+    "events",
+    "events_suppressed",
 ];
 
 #[cfg(feature = "user")]
@@ -375,6 +422,7 @@ mod pod {
     unsafe impl aya::Pod for super::Key4 {}
     unsafe impl aya::Pod for super::Key6 {}
     unsafe impl aya::Pod for super::Bucket {}
+    unsafe impl aya::Pod for super::Event {}
     unsafe impl aya::Pod for super::DatapathConfig {}
     unsafe impl aya::Pod for super::Stats {}
     unsafe impl aya::Pod for super::RuleStats {}

@@ -14,7 +14,10 @@ use std::{
 
 use axum::{
     body::Bytes,
-    extract::{rejection::BytesRejection, DefaultBodyLimit, MatchedPath, Path, Request, State as AxState},
+    extract::{
+        rejection::{BytesRejection, QueryRejection},
+        DefaultBodyLimit, MatchedPath, Path, Query, Request, State as AxState,
+    },
     http::{header, HeaderMap, StatusCode},
     middleware::{self, Next},
     response::{IntoResponse, Response},
@@ -317,6 +320,56 @@ async fn source(AxState(api): AxState<Api>, Path(ip): Path<String>) -> ApiResult
     Ok(Json(SourceState { source: addr.to_string(), limits }))
 }
 
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TopQuery {
+    top: Option<usize>,
+}
+
+/// The N sources with the most drops over the last scan interval (5 s;
+/// default N = 10, at most 1,000), with their rule, the rate the rule saw
+/// from them and their drops.
+#[utoipa::path(get, path = "/v1/sources", params(("top" = Option<usize>, Query, description = "how many (default 10, at most 1000)")),
+    responses((status = 200, body = crate::state::Top), (status = 400, body = ErrorBody)))]
+async fn top_sources(AxState(api): AxState<Api>, q: Result<Query<TopQuery>, QueryRejection>) -> ApiResult<Json<crate::state::Top>> {
+    let Query(q) = q.map_err(|e| ApiError(StatusCode::BAD_REQUEST, format!("{}: use ?top=N", e.body_text())))?;
+    let n = q.top.unwrap_or(10);
+    if !(1..=crate::state::TOP_KEPT).contains(&n) {
+        return Err(ApiError(StatusCode::BAD_REQUEST, format!("top must be 1..={}", crate::state::TOP_KEPT)));
+    }
+    let s = lock(&api.state);
+    let mut top = s.top.clone();
+    top.sources.truncate(n);
+    Ok(Json(top))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EventsQuery {
+    limit: Option<usize>,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct Events {
+    /// Most recent first.
+    pub events: Vec<crate::state::EventView>,
+}
+
+/// The most recent "source started being limited under rule R" events
+/// (default 100, at most 1,000 are kept). The datapath raises at most one
+/// per source per limiting episode and at most 100 per second in all.
+#[utoipa::path(get, path = "/v1/events", params(("limit" = Option<usize>, Query, description = "how many (default 100)")),
+    responses((status = 200, body = Events), (status = 400, body = ErrorBody)))]
+async fn events(AxState(api): AxState<Api>, q: Result<Query<EventsQuery>, QueryRejection>) -> ApiResult<Json<Events>> {
+    let Query(q) = q.map_err(|e| ApiError(StatusCode::BAD_REQUEST, format!("{}: use ?limit=N", e.body_text())))?;
+    let n = q.limit.unwrap_or(100);
+    if !(1..=crate::state::EVENTS_KEPT).contains(&n) {
+        return Err(ApiError(StatusCode::BAD_REQUEST, format!("limit must be 1..={}", crate::state::EVENTS_KEPT)));
+    }
+    let s = lock(&api.state);
+    Ok(Json(Events { events: s.events.iter().rev().take(n).cloned().collect() }))
+}
+
 #[derive(Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NewBan {
@@ -457,8 +510,8 @@ async fn metrics(AxState(api): AxState<Api>) -> ApiResult<Response> {
 #[derive(OpenApi)]
 #[openapi(
     info(title = "rl admin API", description = "rl-control's admin API: rules, stats, per-source quotas, bans, metrics."),
-    paths(healthz, status, get_rules, put_rules, post_rule, delete_rule, stats, source, post_ban, get_bans, delete_ban, reload, metrics),
-    components(schemas(ErrorBody, Health, Status, Applied, Stats, RuleCounters, SourceState, SourceLimit, NewBan, BanView, ReloadRecord)),
+    paths(healthz, status, get_rules, put_rules, post_rule, delete_rule, stats, top_sources, source, events, post_ban, get_bans, delete_ban, reload, metrics),
+    components(schemas(ErrorBody, Health, Status, Applied, Stats, RuleCounters, SourceState, SourceLimit, NewBan, BanView, ReloadRecord, crate::state::Top, crate::state::TopSource, Events, crate::state::EventView)),
     modifiers(&BearerAuth)
 )]
 pub struct ApiDoc;
@@ -524,7 +577,9 @@ pub fn router(api: Api) -> Router {
         .route("/v1/rules", get(get_rules).put(put_rules).post(post_rule))
         .route("/v1/rules/{name}", delete(delete_rule))
         .route("/v1/stats", get(stats))
+        .route("/v1/sources", get(top_sources))
         .route("/v1/sources/{ip}", get(source))
+        .route("/v1/events", get(events))
         .route("/v1/bans", get(get_bans).post(post_ban))
         .route("/v1/bans/{cidr}", delete(delete_ban))
         .route("/v1/reload", axum::routing::post(reload))

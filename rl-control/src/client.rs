@@ -179,6 +179,38 @@ pub fn source(v: &Value) -> String {
     format!("{}\n", s(&v["source"])) + &table(&["RULE", "LIMIT#", "LIMIT", "REMAINING", "RETRY AFTER ms", "RESET ms"], &rows)
 }
 
+pub fn top(v: &Value) -> String {
+    let rows: Vec<Vec<String>> = v["sources"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|t| {
+            vec![
+                s(&t["source"]),
+                s(&t["rule"]),
+                s(&t["drops"]),
+                format!("{:.0}", t["drops_per_sec"].as_f64().unwrap_or(0.0)),
+                format!("{:.0}", t["rate_seen_pps"].as_f64().unwrap_or(0.0)),
+            ]
+        })
+        .collect();
+    let secs = v["interval_secs"].as_f64().unwrap_or(0.0);
+    if secs == 0.0 {
+        return "no interval measured yet (sources are scanned every 5 s)\n".into();
+    }
+    format!("drops over the last {secs:.1} s\n") + &table(&["SOURCE", "RULE", "DROPS", "DROPS/s", "SEEN pkt/s"], &rows)
+}
+
+pub fn events(v: &Value) -> String {
+    let rows: Vec<Vec<String>> = v["events"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|e| vec![s(&e["at_unix_ms"]), s(&e["event"]), s(&e["rule"]), s(&e["limit_index"]), s(&e["source"])])
+        .collect();
+    table(&["AT (unix ms)", "EVENT", "RULE", "LIMIT#", "SOURCE"], &rows)
+}
+
 pub fn applied(v: &Value) -> String {
     format!("done; now enforcing {}\n", s(&v["summary"]))
 }

@@ -144,6 +144,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         tokio::spawn(forward_kernel_logs(logger));
     }
     let map_ids = dp.source_map_ids();
+    let events = dp.take_events();
     let state: Shared = Arc::new(Mutex::new(State {
         program_id: dp.program_id(),
         dp,
@@ -158,6 +159,8 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         reloads_failed: 0,
         tracked: (0, 0),
         api_requests: Default::default(),
+        top: Default::default(),
+        events: Default::default(),
     }));
     let app = api::router(api::Api { state: state.clone(), token: token.clone() });
     let server = tokio::spawn(async move {
@@ -166,7 +169,13 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         }
     });
     info!("admin API on http://{api_addr}{}", if token.is_some() { " (bearer token required for /v1)" } else { "" });
-    let counter = map_ids.ok().map(|ids| tokio::spawn(count_sources(state.clone(), ids)));
+    let counter = map_ids.ok().map(|ids| tokio::spawn(scan_sources(state.clone(), ids)));
+    match events {
+        Ok(ring) => {
+            tokio::spawn(forward_events(state.clone(), ring));
+        }
+        Err(e) => warn!("\"limited\" events are unavailable: {e}"),
+    }
 
     let _pid_file = match &opts.pid_file {
         Some(p) => match std::fs::write(p, format!("{}\n", std::process::id())) {
@@ -237,23 +246,127 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     Ok(())
 }
 
-/// How often the number of tracked sources is refreshed.
-const COUNT_INTERVAL: Duration = Duration::from_secs(5);
+/// How often the source maps are scanned (tracked sources, top sources).
+const SCAN_INTERVAL: Duration = Duration::from_secs(5);
 
-/// Counts the buckets in the source maps every few seconds through handles
-/// of its own, so a walk of a million buckets never holds the state lock.
-async fn count_sources(state: Shared, ids: (u32, u32)) {
-    let mut every = tokio::time::interval(COUNT_INTERVAL);
+/// Scans the source maps every few seconds through handles of its own, so
+/// a walk of a million buckets never holds the state lock: counts the
+/// buckets and ranks sources by their drops since the previous scan.
+async fn scan_sources(state: Shared, ids: (u32, u32)) {
+    use std::collections::HashMap;
+    let mut every = tokio::time::interval(SCAN_INTERVAL);
+    // (family, key address, key rule) ➜ (seen, dropped) at the last scan.
+    let mut previous: Option<(std::time::Instant, HashMap<(u8, [u8; 16], u32), (u64, u64)>)> = None;
     loop {
         every.tick().await;
-        let counted = tokio::task::spawn_blocking(move || crate::datapath::count_buckets(ids)).await;
-        match counted {
-            Ok(Ok(n)) => lock(&state).tracked = n,
+        let scanned = tokio::task::spawn_blocking(move || crate::datapath::scan_buckets(ids)).await;
+        let (v4, v6) = match scanned {
+            Ok(Ok(x)) => x,
             Ok(Err(e)) => {
-                warn!("cannot count tracked sources: {e}");
+                warn!("cannot scan the source maps: {e}");
                 return;
             }
             Err(_) => return,
+        };
+        let now = std::time::Instant::now();
+        let mut counts = HashMap::with_capacity(v4.len() + v6.len());
+        for (k, b) in &v4 {
+            let mut a = [0u8; 16];
+            a[..4].copy_from_slice(&k.addr_bytes());
+            counts.insert((4u8, a, k.rule), (b.seen, b.dropped));
+        }
+        for (k, b) in &v6 {
+            counts.insert((6u8, k.addr_bytes(), k.rule), (b.seen, b.dropped));
+        }
+        let mut top = crate::state::Top::default();
+        if let Some((then, before)) = &previous {
+            let secs = (now - *then).as_secs_f64().max(1e-3);
+            let mut ranked: Vec<((u8, [u8; 16], u32), u64, u64)> = counts
+                .iter()
+                .filter_map(|(k, &(seen, dropped))| {
+                    // A bucket evicted and created again starts from 0.
+                    let (s0, d0) = before.get(k).copied().filter(|&(s0, _)| s0 <= seen).unwrap_or((0, 0));
+                    let drops = dropped.saturating_sub(d0);
+                    (drops > 0).then_some((*k, drops, seen - s0))
+                })
+                .collect();
+            ranked.sort_by(|a, b| b.1.cmp(&a.1));
+            ranked.truncate(crate::state::TOP_KEPT);
+            let s = lock(&state);
+            top.interval_secs = secs;
+            top.sources = ranked
+                .into_iter()
+                .map(|((family, addr, rule), drops, seen)| crate::state::TopSource {
+                    source: address(family, &addr),
+                    rule: s.dp.rule_name_of_key(rule).unwrap_or("(replaced rule)").to_string(),
+                    drops,
+                    drops_per_sec: drops as f64 / secs,
+                    rate_seen_pps: seen as f64 / secs,
+                })
+                .collect();
+        }
+        {
+            let mut s = lock(&state);
+            s.tracked = (v4.len() as u64, v6.len() as u64);
+            if previous.is_some() {
+                s.top = top;
+            }
+        }
+        previous = Some((now, counts));
+    }
+}
+
+fn address(family: u8, addr: &[u8; 16]) -> String {
+    if family == 4 {
+        std::net::Ipv4Addr::from([addr[0], addr[1], addr[2], addr[3]]).to_string()
+    } else {
+        std::net::Ipv6Addr::from(*addr).to_string()
+    }
+}
+
+/// Drains the datapath's "limited" events: each is logged as a structured
+/// `tracing` event and kept for `GET /v1/events`.
+async fn forward_events(state: Shared, ring: aya::maps::RingBuf<aya::maps::MapData>) {
+    // SAFETY: the ring buffer owns its map fd for its whole life, and the
+    // AsyncFd owns the ring buffer.
+    let registered = unsafe { AsyncFd::register_with_interest(ring, tokio::io::Interest::READABLE) };
+    let mut fd = match registered {
+        Ok(fd) => fd,
+        Err(e) => {
+            warn!("\"limited\" events are unavailable: {e}");
+            return;
+        }
+    };
+    loop {
+        let Ok(mut guard) = fd.readable_mut().await else {
+            return;
+        };
+        let ring = guard.get_inner_mut();
+        let mut got = Vec::new();
+        while let Some(item) = ring.next() {
+            if item.len() >= std::mem::size_of::<rl_common::Event>() {
+                got.push(unsafe { std::ptr::read_unaligned(item.as_ptr() as *const rl_common::Event) });
+            }
+        }
+        guard.clear_ready();
+        if got.is_empty() {
+            continue;
+        }
+        let mut s = lock(&state);
+        let offset = s.dp.epoch_offset_ns();
+        for e in got {
+            let view = crate::state::EventView {
+                at_unix_ms: e.at_ns.wrapping_add(offset) / 1_000_000,
+                event: "limited".into(),
+                rule: s.dp.rule_name_of_key(e.rule).unwrap_or("(replaced rule)").to_string(),
+                limit_index: e.rule & 7,
+                source: address(e.family as u8, &e.addr),
+            };
+            info!(event = "limited", rule = %view.rule, limit = view.limit_index, source = %view.source, "source started being limited");
+            if s.events.len() == crate::state::EVENTS_KEPT {
+                s.events.pop_front();
+            }
+            s.events.push_back(view);
         }
     }
 }

@@ -14,13 +14,13 @@ use std::{
 };
 
 use aya::{
-    maps::{Array, HashMap, MapData, PerCpuArray},
+    maps::{Array, HashMap, MapData, PerCpuArray, RingBuf},
     programs::{ProgramError, TestRun, TestRunOptions, Xdp, XdpMode},
     Ebpf, EbpfLoader,
 };
 use aya_log::EbpfLogger;
 use rl_common::{
-    Bucket, DatapathConfig, Key4, Key6, RuleEntry, RuleStats, Stats, TickClock, MAP_CONFIG,
+    Bucket, DatapathConfig, Key4, Key6, MAP_EVENTS, RuleEntry, RuleStats, Stats, TickClock, MAP_CONFIG,
     DIR16_LEN, MAP_DECIDE, MAP_DIR16, MAP_L4, MAP_LPM_V4, MAP_LPM_V6, MAP_RULES, MAP_RULE_STATS, MAP_SOURCES_V4,
     MAP_SOURCES_V6, MAP_STATS, RSTAT_ALLOW, RSTAT_DENY, RULE_SLOTS,
     PROG_CLOCK, PROG_FLOOR, PROG_LIMITER, STAT_COUNT, STAT_NAMES,
@@ -288,6 +288,8 @@ pub struct Datapath {
 #[derive(Default)]
 struct SlotContents {
     names: Vec<String>,
+    /// `RuleEntry::id` of each rule, indexed like `names`.
+    ids: Vec<u32>,
     l4: Vec<u32>,
     lpm: Vec<(crate::units::Cidr, u32)>,
     dir16: Vec<u32>,
@@ -374,6 +376,32 @@ impl Datapath {
                 None
             }
         }
+    }
+
+    /// Takes the ring buffer of "limited" events (see [`Event`]); the
+    /// caller drains it when its fd is readable.
+    pub fn take_events(&mut self) -> Result<RingBuf<MapData>, DatapathError> {
+        let map = self
+            .ebpf
+            .take_map(MAP_EVENTS)
+            .ok_or_else(|| DatapathError::Load(format!("map {MAP_EVENTS} is missing")))?;
+        RingBuf::try_from(map).map_err(|e| map_error(MAP_EVENTS, e))
+    }
+
+    /// The rule name of a bucket key's `rule` (`id | limit index`), looked
+    /// up in both slots (an event may come from the rule set just replaced).
+    pub fn rule_name_of_key(&self, key_rule: u32) -> Option<&str> {
+        let id = key_rule & !7;
+        let active = self.active.unwrap_or(0) as usize;
+        [active, active ^ 1].into_iter().find_map(|slot| {
+            let c = &self.slots[slot];
+            c.ids.iter().position(|&i| i == id).and_then(|i| c.names.get(i)).map(String::as_str)
+        })
+    }
+
+    /// Unix-epoch ns minus ktime ns, as measured at load.
+    pub fn epoch_offset_ns(&self) -> u64 {
+        self.epoch_offset_ns
     }
 
     /// The tick clock measured at load (`tick_ns` 0 if it could not be).
@@ -513,6 +541,7 @@ impl Datapath {
         self.flipped_at = Instant::now();
         self.slots[slot as usize] = SlotContents {
             names: rules.names.clone(),
+            ids: rules.entries.iter().map(|e| e.id).collect(),
             l4: rules.l4.clone(),
             lpm: rules.lpm.clone(),
             dir16: rules.dir16.clone(),
@@ -808,18 +837,70 @@ pub fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-/// Buckets in the source maps with these ids (IPv4, IPv6), through handles
-/// of the caller's own: the walk never touches a [`Datapath`].
-pub fn count_buckets(ids: (u32, u32)) -> Result<(u64, u64), DatapathError> {
-    let count = |id: u32, name: &'static str| -> Result<u64, DatapathError> {
+/// Every bucket in the source maps with these ids, through handles of the
+/// caller's own (the walk never touches a [`Datapath`]), with one
+/// `BPF_MAP_LOOKUP_BATCH` per 16,384 buckets.
+pub fn scan_buckets(ids: (u32, u32)) -> Result<(Vec<(Key4, Bucket)>, Vec<(Key6, Bucket)>), DatapathError> {
+    use std::os::fd::{AsFd, AsRawFd};
+    fn scan<K: aya::Pod + Default>(id: u32, name: &'static str) -> Result<Vec<(K, Bucket)>, DatapathError> {
         let data = MapData::from_id(id).map_err(|e| map_error(name, e))?;
-        let map = aya::maps::Map::from_map_data(data).map_err(|e| map_error(name, e))?;
-        Ok(match name {
-            MAP_SOURCES_V4 => HashMap::<_, Key4, Bucket>::try_from(map).map_err(|e| map_error(name, e))?.keys().filter(|k| k.is_ok()).count(),
-            _ => HashMap::<_, Key6, Bucket>::try_from(map).map_err(|e| map_error(name, e))?.keys().filter(|k| k.is_ok()).count(),
-        } as u64)
-    };
-    Ok((count(ids.0, MAP_SOURCES_V4)?, count(ids.1, MAP_SOURCES_V6)?))
+        let fd = data.fd().as_fd().as_raw_fd();
+        lookup_batch::<K, Bucket>(fd).map_err(|e| map_error(name, e))
+    }
+    Ok((scan::<Key4>(ids.0, MAP_SOURCES_V4)?, scan::<Key6>(ids.1, MAP_SOURCES_V6)?))
+}
+
+/// The attribute block of the batch commands (`union bpf_attr`'s `batch`).
+#[repr(C)]
+#[derive(Default)]
+struct BatchAttr {
+    in_batch: u64,
+    out_batch: u64,
+    keys: u64,
+    values: u64,
+    count: u32,
+    map_fd: u32,
+    elem_flags: u64,
+    flags: u64,
+}
+
+fn bpf_batch(cmd: libc::c_long, attr: &mut BatchAttr) -> std::io::Result<()> {
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr as *mut BatchAttr, std::mem::size_of::<BatchAttr>() as u32) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// `BPF_MAP_LOOKUP_BATCH` over a whole hash map.
+fn lookup_batch<K: aya::Pod + Default, V: aya::Pod + Default>(fd: std::os::fd::RawFd) -> std::io::Result<Vec<(K, V)>> {
+    const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+    const CHUNK: usize = 16_384;
+    let mut out = Vec::new();
+    let (mut keys, mut values) = (vec![K::default(); CHUNK], vec![V::default(); CHUNK]);
+    let (mut token_in, mut token_out) = (0u64, 0u64);
+    let mut first = true;
+    loop {
+        let mut attr = BatchAttr {
+            in_batch: if first { 0 } else { &token_in as *const u64 as u64 },
+            out_batch: &mut token_out as *mut u64 as u64,
+            keys: keys.as_mut_ptr() as u64,
+            values: values.as_mut_ptr() as u64,
+            count: CHUNK as u32,
+            map_fd: fd as u32,
+            ..Default::default()
+        };
+        let r = bpf_batch(BPF_MAP_LOOKUP_BATCH, &mut attr);
+        let n = attr.count as usize;
+        out.extend(keys[..n].iter().copied().zip(values[..n].iter().copied()));
+        match r {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(out),
+            Err(e) => return Err(e),
+        }
+        token_in = token_out;
+        first = false;
+    }
 }
 
 /// `BPF_MAP_UPDATE_BATCH` of an array's `u32` keys and their values (aya
@@ -827,18 +908,6 @@ pub fn count_buckets(ids: (u32, u32)) -> Result<(u64, u64), DatapathError> {
 fn update_batch<V: aya::Pod>(fd: std::os::fd::RawFd, keys: &[u32], values: &[V]) -> std::io::Result<()> {
     assert_eq!(keys.len(), values.len());
     const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
-    #[repr(C)]
-    #[derive(Default)]
-    struct BatchAttr {
-        in_batch: u64,
-        out_batch: u64,
-        keys: u64,
-        values: u64,
-        count: u32,
-        map_fd: u32,
-        elem_flags: u64,
-        flags: u64,
-    }
     let mut done = 0;
     while done < keys.len() {
         let mut attr = BatchAttr {
@@ -848,12 +917,7 @@ fn update_batch<V: aya::Pod>(fd: std::os::fd::RawFd, keys: &[u32], values: &[V])
             map_fd: fd as u32,
             ..Default::default()
         };
-        let rc = unsafe {
-            libc::syscall(libc::SYS_bpf, BPF_MAP_UPDATE_BATCH, &mut attr as *mut BatchAttr, std::mem::size_of::<BatchAttr>() as u32)
-        };
-        if rc != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
+        bpf_batch(BPF_MAP_UPDATE_BATCH, &mut attr)?;
         // The kernel reports how many it wrote in `count`.
         if attr.count == 0 {
             return Err(std::io::Error::other("the kernel wrote no entries"));

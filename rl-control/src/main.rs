@@ -95,6 +95,24 @@ enum Command {
         #[command(flatten)]
         remote: Remote,
     },
+    /// The sources with the most drops over the last 5 seconds.
+    ///
+    /// Example: rl-control top -n 20
+    Top {
+        /// How many.
+        #[arg(short = 'n', long, default_value_t = 10)]
+        count: usize,
+        #[command(flatten)]
+        remote: Remote,
+    },
+    /// The most recent "source started being limited under rule R" events.
+    Events {
+        /// How many.
+        #[arg(short = 'n', long, default_value_t = 20)]
+        count: usize,
+        #[command(flatten)]
+        remote: Remote,
+    },
     /// One source's quota under each rule it has state in: limit, remaining,
     /// retry-after and reset, as HTTP rate-limit headers would say.
     ///
@@ -170,6 +188,8 @@ fn main() -> ExitCode {
         Command::Status { remote } => remote_call(&remote, "GET", "/v1/status", None, client::status),
         Command::Rules { remote } => remote_call(&remote, "GET", "/v1/rules", None, client::rules),
         Command::Stats { remote } => remote_call(&remote, "GET", "/v1/stats", None, client::stats),
+        Command::Top { count, remote } => remote_call(&remote, "GET", &format!("/v1/sources?top={count}"), None, client::top),
+        Command::Events { count, remote } => remote_call(&remote, "GET", &format!("/v1/events?limit={count}"), None, client::events),
         Command::Source { ip, remote } => {
             remote_call(&remote, "GET", &format!("/v1/sources/{}", client::encode_segment(&ip)), None, client::source)
         }

@@ -81,6 +81,50 @@ pub struct State {
     pub tracked: (u64, u64),
     /// Admin API requests by (route, status).
     pub api_requests: BTreeMap<(String, u16), u64>,
+    /// The sources with the most drops over the last scan interval.
+    pub top: Top,
+    /// The most recent "limited" events, oldest first.
+    pub events: std::collections::VecDeque<EventView>,
+}
+
+/// Events kept for `GET /v1/events`.
+pub const EVENTS_KEPT: usize = 1_000;
+
+/// A source's drops under one rule over the last interval.
+#[derive(Clone, Debug, Serialize, serde::Deserialize, utoipa::ToSchema)]
+pub struct TopSource {
+    /// The source as the rule keys it (masked to its prefix).
+    pub source: String,
+    pub rule: String,
+    pub drops: u64,
+    pub drops_per_sec: f64,
+    /// Packets per second the rule saw from it (passed and dropped).
+    pub rate_seen_pps: f64,
+}
+
+/// The last scan's top list.
+#[derive(Clone, Debug, Default, Serialize, utoipa::ToSchema)]
+pub struct Top {
+    /// Length of the interval the counts cover (0 before two scans).
+    pub interval_secs: f64,
+    /// Most drops first; at most [`TOP_KEPT`].
+    pub sources: Vec<TopSource>,
+}
+
+/// Entries kept in [`Top`].
+pub const TOP_KEPT: usize = 1_000;
+
+/// "This source started being limited under this rule."
+#[derive(Clone, Debug, Serialize, serde::Deserialize, utoipa::ToSchema)]
+pub struct EventView {
+    /// Unix time in milliseconds.
+    pub at_unix_ms: u64,
+    pub event: String,
+    pub rule: String,
+    /// Which of the rule's limits (0-based).
+    pub limit_index: u32,
+    /// The source as the rule keys it (masked to its prefix).
+    pub source: String,
 }
 
 pub type Shared = Arc<Mutex<State>>;

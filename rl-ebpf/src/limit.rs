@@ -11,13 +11,14 @@ use aya_ebpf::{
     bindings::{BPF_F_NO_PREALLOC, BPF_NOEXIST},
     helpers::{bpf_jiffies64, bpf_ktime_get_ns},
     macros::map,
-    maps::{lpm_trie::Key, Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
+    maps::{lpm_trie::Key, Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, RingBuf},
     programs::XdpContext,
     Global,
 };
 use aya_log_ebpf::debug;
 use rl_common::{
-    admit_with, decide_key,
+    admit_with, decide_key, gcra_cost, Event, EVENTS_BURST, EVENTS_PER_SEC, LIMITED_GAP_NS,
+    STAT_EVENTS, STAT_EVENTS_SUPPRESSED,
     Admit, Bucket, CidrEntry, DIR16_LEN, DIR16_LOOKUP, DatapathConfig, Key4, Key6, L4Entry, LimitEntry, RuleEntry, RuleStats,
     SharedWord, CFG_LPM_V4, CFG_LPM_V6, CFG_RULES, L4_ICMP, L4_ICMPV6, L4_OTHER, L4_SLOT_LEN, L4_TCP,
     L4_TCP_SYN, L4_UDP, LIMIT_BYTES, LIMIT_COARSE, LIMIT_GCRA, LIST_ALLOW, LIST_DENY,
@@ -60,6 +61,14 @@ static RL_LPM6: LpmTrie<[u8; 17], u32> = LpmTrie::with_max_entries(2 * 327_680, 
 
 #[map(name = "RL_DECIDE")]
 static RL_DECIDE: HashMap<u64, u32> = HashMap::with_max_entries(1 << 21, BPF_F_NO_PREALLOC);
+
+/// "Limited" events for the daemon (rl_common::MAP_EVENTS).
+#[map(name = "RL_EVENTS")]
+static RL_EVENTS: RingBuf = RingBuf::with_byte_size(256 * 1024, 0);
+
+/// The events budget's GCRA word (rl_common::MAP_EVENT_BUDGET).
+#[map(name = "RL_EVBUDGET")]
+static RL_EVBUDGET: Array<u64> = Array::with_max_entries(1, 0);
 
 #[map(name = "RL_RSTATS")]
 static RL_RSTATS: PerCpuArray<RuleStats> = PerCpuArray::with_max_entries(RSTAT_LEN, 0);
@@ -269,10 +278,12 @@ fn charge(
             rare_event(ctx, STAT_NO_STATE);
             return Verdict::Drop;
         };
-        return match admit(ctx, cfg, &rule.limits[0], b, len) {
+        let verdict = match admit(ctx, cfg, &rule.limits[0], b, len) {
             Verdict::Pass => Verdict::Pass,
             Verdict::Drop => elastic(ctx, cfg, rule, is_v6, len),
         };
+        decided(ctx, cfg, b, &verdict, rule, 0, is_v6, src);
+        return verdict;
     }
     // Check every limit first (buckets are looked up again to charge them:
     // the verifier cannot track map pointers kept in a stack array).
@@ -286,7 +297,9 @@ fn charge(
         };
         let word = Tat(unsafe { &raw mut (*b).tat_ns }).load();
         if step(cfg, &rule.limits[i], len, word).is_none() {
-            return elastic(ctx, cfg, rule, is_v6, len);
+            let verdict = elastic(ctx, cfg, rule, is_v6, len);
+            decided(ctx, cfg, b, &verdict, rule, i as u32, is_v6, src);
+            return verdict;
         }
     }
     for i in 0..MAX_LIMITS {
@@ -296,11 +309,74 @@ fn charge(
         let Some(b) = bucket_of(rule, i as u32, is_v6, src) else {
             return Verdict::Drop;
         };
-        if let Verdict::Drop = admit(ctx, cfg, &rule.limits[i], b, len) {
+        let verdict = admit(ctx, cfg, &rule.limits[i], b, len);
+        if i + 1 == n || matches!(verdict, Verdict::Drop) {
+            decided(ctx, cfg, b, &verdict, rule, i as u32, is_v6, src);
+        }
+        if let Verdict::Drop = verdict {
             return Verdict::Drop;
         }
     }
     Verdict::Pass
+}
+
+/// Counts the packet in the bucket that decided it; a drop more than
+/// LIMITED_GAP_NS after this bucket's previous one starts a "limited"
+/// episode and may raise an event.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn decided(
+    ctx: &XdpContext,
+    cfg: &DatapathConfig,
+    b: *mut Bucket,
+    verdict: &Verdict,
+    rule: &RuleEntry,
+    which: u32,
+    is_v6: bool,
+    src: &[u32; 4],
+) {
+    unsafe {
+        (*b).seen += 1;
+        if let Verdict::Drop = verdict {
+            (*b).dropped += 1;
+            let t = if cfg.clock.tick_ns != 0 { cfg.clock.at(bpf_jiffies64()) } else { bpf_ktime_get_ns() };
+            let last = (*b).last_drop_ns;
+            (*b).last_drop_ns = t;
+            if t.wrapping_sub(last) > LIMITED_GAP_NS {
+                limited(ctx, t, rule, which, is_v6, src);
+            }
+        }
+    }
+}
+
+/// Sends a "limited" event if the kernel-side budget (a token bucket on one
+/// shared word) allows it. Out of line: at most once per source per episode.
+#[inline(never)]
+fn limited(ctx: &XdpContext, t: u64, rule: &RuleEntry, which: u32, is_v6: bool, src: &[u32; 4]) {
+    let Some(word) = RL_EVBUDGET.get_ptr_mut(0) else {
+        return;
+    };
+    let interval = 1_000_000_000 / EVENTS_PER_SEC;
+    let span = interval * EVENTS_BURST;
+    if !matches!(admit_with(&Tat(word), |w| gcra_cost(w, t, interval, span)), Admit::Pass) {
+        stats::bump(STAT_EVENTS_SUPPRESSED);
+        return;
+    }
+    let mut event = Event { at_ns: t, rule: rule.id | which, family: 4, addr: [0; 16] };
+    if is_v6 {
+        event.family = 6;
+        for i in 0..4 {
+            let w = (src[i] & rule.v6_mask[i]).to_ne_bytes();
+            event.addr[4 * i..4 * i + 4].copy_from_slice(&w);
+        }
+    } else {
+        event.addr[..4].copy_from_slice(&(src[3] & rule.v4_mask).to_ne_bytes());
+    }
+    if RL_EVENTS.output::<Event>(&event, 0).is_ok() {
+        stats::bump(STAT_EVENTS);
+    } else {
+        rare_event(ctx, STAT_EVENTS_SUPPRESSED);
+    }
 }
 
 /// An elastic rule lets a key that is over its own limit through while the
@@ -404,7 +480,7 @@ fn bucket<K>(map: &LruHashMap<K, Bucket>, key: &K) -> Option<*mut Bucket> {
     if let Some(b) = map.get_ptr_mut(key) {
         return Some(b);
     }
-    if map.insert(key, &Bucket { tat_ns: 0 }, BPF_NOEXIST as u64).is_ok() {
+    if map.insert(key, &Bucket::default(), BPF_NOEXIST as u64).is_ok() {
         stats::bump(STAT_NEW_SOURCES);
     }
     map.get_ptr_mut(key)

@@ -43,7 +43,7 @@ fn burst_of(lab: &Lab, src: std::net::IpAddr, n: u64) -> u64 {
 }
 
 /// Every route the router serves (method, OpenAPI path).
-const ROUTES: [(&str, &str); 13] = [
+const ROUTES: [(&str, &str); 15] = [
     ("get", "/healthz"),
     ("get", "/metrics"),
     ("get", "/v1/status"),
@@ -53,6 +53,8 @@ const ROUTES: [(&str, &str); 13] = [
     ("delete", "/v1/rules/{name}"),
     ("get", "/v1/stats"),
     ("get", "/v1/sources/{ip}"),
+    ("get", "/v1/sources"),
+    ("get", "/v1/events"),
     ("get", "/v1/bans"),
     ("post", "/v1/bans"),
     ("delete", "/v1/bans/{cidr}"),
@@ -140,7 +142,7 @@ fn every_route_answers_metrics_equal_stats_and_the_openapi_document_is_complete(
         assert!(doc["components"]["schemas"][name].is_object(), "$ref {target} does not resolve");
     }
     let paths = doc["paths"].as_object().unwrap().len();
-    assert_eq!(paths, 10, "paths in the document: {:?}", doc["paths"].as_object().unwrap().keys().collect::<Vec<_>>());
+    assert_eq!(paths, 12, "paths in the document: {:?}", doc["paths"].as_object().unwrap().keys().collect::<Vec<_>>());
 
     // Errors are JSON with the right status.
     let a = get(&lab.b, "/v1/nope");
@@ -351,4 +353,55 @@ fn auth_guards_v1_and_a_public_address_needs_a_token() {
     let (status, out) = run_once(Some(&lab.b), &["status"]).unwrap();
     assert_eq!(status.code(), Some(1), "{out}");
     assert!(out.contains("cannot reach rl-control at http://127.0.0.1:9100") && out.contains("is it running?"), "{out}");
+}
+
+#[test]
+fn top_sources_and_limited_events_name_the_flooder() {
+    let lab = Lab::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write(&dir, "rules.toml", "[default]\nrate = 100000\n[[rule]]\nname = \"udp-flood\"\nproto = \"udp\"\nrate = 50\nburst = 10\n");
+    let d = start(&lab, &cfg, &[]);
+    let flooder = rl_tests::traffic::flood(&lab.a, lab.v4(1), lab.v4(2), Duration::from_secs(7), None);
+    // Sources are scanned every 5 s; the top list covers the last interval.
+    let deadline = std::time::Instant::now() + Duration::from_secs(14);
+    let top = loop {
+        std::thread::sleep(Duration::from_millis(500));
+        let top = get(&lab.b, "/v1/sources?top=5").json();
+        if top["sources"].as_array().is_some_and(|s| !s.is_empty()) || std::time::Instant::now() > deadline {
+            break top;
+        }
+    };
+    let sent = join(flooder).unwrap();
+    let first = &top["sources"][0];
+    assert_eq!((first["source"].as_str(), first["rule"].as_str()), (Some(lab.v4(1).to_string().as_str()), Some("udp-flood")), "{top}");
+    let (drops, dps, seen) = (first["drops"].as_u64().unwrap(), first["drops_per_sec"].as_f64().unwrap(), first["rate_seen_pps"].as_f64().unwrap());
+    assert!(drops > 0 && dps > 50.0, "{top}");
+    assert!(seen > dps && seen - dps < 60.0, "seen {seen} pkt/s = drops {dps}/s + about 50/s passed: {top}");
+    assert!(sent.packets > drops, "{top}");
+
+    // One "limited" event for the flood's one episode, naming source and rule.
+    let ev = get(&lab.b, "/v1/events").json();
+    let mine: Vec<&Value> = ev["events"].as_array().unwrap().iter().filter(|e| e["source"] == lab.v4(1).to_string().as_str()).collect();
+    assert_eq!(mine.len(), 1, "{ev}");
+    assert_eq!((mine[0]["event"].as_str(), mine[0]["rule"].as_str(), mine[0]["limit_index"].as_u64()), (Some("limited"), Some("udp-flood"), Some(0)));
+    let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    let at = mine[0]["at_unix_ms"].as_u64().unwrap();
+    assert!(at <= now_ms && now_ms - at < 20_000, "event time {at} vs now {now_ms}");
+    let m = parse_prometheus(&get(&lab.b, "/metrics").body);
+    assert!(m["rl_datapath_events_total{event=\"events\"}"] >= 1.0);
+
+    // Bad queries are 400 with JSON; the CLI shows both lists.
+    for q in ["/v1/sources?top=0", "/v1/sources?top=abc", "/v1/events?limit=0", "/v1/events?bogus=1"] {
+        let a = get(&lab.b, q);
+        assert_eq!(a.status, 400, "{q}: {}", a.body);
+        assert!(a.json()["error"].is_string());
+    }
+    for cmd in [["top", "--json"], ["events", "--json"]] {
+        let (status, out) = run_once(Some(&lab.b), &cmd).unwrap();
+        assert!(status.success(), "{out}");
+        serde_json::from_str::<Value>(out.trim()).unwrap_or_else(|e| panic!("{cmd:?}: {e}: {out}"));
+    }
+    let (_, out) = run_once(Some(&lab.b), &["events"]).unwrap();
+    assert!(out.contains("limited") && out.contains("udp-flood"), "{out}");
+    stop(d);
 }

@@ -317,3 +317,37 @@ fn holds_a_thousand_rules_and_a_hundred_thousand_cidrs() {
     assert_eq!(offer(&dp, &tcp4([192, 0, 2, 9], 1000, SYN), 3), (3, 0), "r0 does not apply outside its src");
     assert_eq!(charged(&dp, "last"), 4);
 }
+
+/// "Limited" events: one per source per episode, and a kernel-side budget
+/// (100 at once, 100/s) however many sources start being limited.
+#[test]
+fn limited_events_are_one_per_episode_and_budgeted_in_the_kernel() {
+    let mut dp = load("[[rule]]\nname = \"udp\"\nproto = \"udp\"\nrate = 1\nper = \"1d\"\nburst = 1\n");
+    let mut ring = dp.take_events().unwrap();
+    let started = std::time::Instant::now();
+    // 500 sources, each: one packet passes, three drop (one episode).
+    for i in 0..500u32 {
+        let frame = udp4([10, 1, (i >> 8) as u8, i as u8]);
+        assert_eq!(offer(&dp, &frame, 4), (1, 3));
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let mut events = Vec::new();
+    while let Some(item) = ring.next() {
+        events.push(unsafe { std::ptr::read_unaligned(item.as_ptr() as *const rl_common::Event) });
+    }
+    let c = dp.counters().unwrap();
+    let (sent, suppressed) = (c.get(rl_common::STAT_EVENTS), c.get(rl_common::STAT_EVENTS_SUPPRESSED));
+    assert_eq!(sent + suppressed, 500, "one episode per source: {sent} sent, {suppressed} suppressed");
+    assert_eq!(events.len() as u64, sent);
+    let budget = rl_common::EVENTS_BURST as f64 + rl_common::EVENTS_PER_SEC as f64 * elapsed;
+    assert!(events.len() as f64 <= budget + 1.0, "{} events in {elapsed:.3} s, budget {budget:.1}", events.len());
+    assert!(events.len() as u64 >= rl_common::EVENTS_BURST, "the first {} go through", rl_common::EVENTS_BURST);
+    // Each names its source and the rule's bucket.
+    let e = events[0];
+    assert_eq!((e.family, &e.addr[..4]), (4, &[10u8, 1, 0, 0][..]));
+    assert_eq!(dp.rule_name_of_key(e.rule), Some("udp"));
+    let mut seen: Vec<[u8; 16]> = events.iter().map(|e| e.addr).collect();
+    seen.sort();
+    seen.dedup();
+    assert_eq!(seen.len(), events.len(), "at most one event per source per episode");
+}
