@@ -141,6 +141,17 @@ fn every_route_answers_metrics_equal_stats_and_the_openapi_document_is_complete(
         let name = target.strip_prefix("#/components/schemas/").unwrap_or_else(|| panic!("odd $ref {target}"));
         assert!(doc["components"]["schemas"][name].is_object(), "$ref {target} does not resolve");
     }
+    // And the reference validator agrees (installed by `cargo xtask test`).
+    let file = dir.path().join("openapi.json");
+    std::fs::write(&file, doc.to_string()).unwrap();
+    let out = std::process::Command::new("python3")
+        .args(["-m", "openapi_spec_validator"])
+        .arg(&file)
+        .output()
+        .expect("python3 is needed to validate the OpenAPI document: run `cargo xtask test`, which installs it");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!text.contains("No module named"), "openapi-spec-validator is missing: run `cargo xtask test`, which installs it\n{text}");
+    assert!(out.status.success() && text.contains("OK"), "the OpenAPI document does not validate:\n{text}");
     let paths = doc["paths"].as_object().unwrap().len();
     assert_eq!(paths, 12, "paths in the document: {:?}", doc["paths"].as_object().unwrap().keys().collect::<Vec<_>>());
 

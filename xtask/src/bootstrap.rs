@@ -3,7 +3,9 @@
 //! - `rust-src` for the preinstalled nightly (for `-Z build-std=core`);
 //! - `bpf-linker`, built against that nightly's own libLLVM with the matching
 //!   `llvm-NN` feature, rebuilt if the nightly's LLVM changed;
-//! - the Debian packages the tests call (iproute2, procps, util-linux).
+//! - the Debian packages the tests call (iproute2, procps, util-linux);
+//! - openapi-spec-validator from PyPI, which checks the admin API's OpenAPI
+//!   document in the tests.
 //!
 //! It never installs or updates the nightly itself: bpf-linker is tied to
 //! its exact libLLVM.
@@ -77,6 +79,7 @@ pub fn bootstrap() -> Result<()> {
 
     bpf_linker(&sysroot, &llvm_major)?;
     debian_packages()?;
+    python_tools()?;
     Ok(())
 }
 
@@ -191,4 +194,24 @@ fn debian_packages() -> Result<()> {
         install().context("apt-get install (are you root?)")?;
     }
     Ok(())
+}
+
+/// The OpenAPI validator the API tests run (`python3 -m openapi_spec_validator`).
+const OPENAPI_VALIDATOR: &str = "openapi-spec-validator==0.7.1";
+
+fn python_tools() -> Result<()> {
+    let present = Command::new("python3")
+        .args(["-c", "import openapi_spec_validator"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if present {
+        step!("OpenAPI validator (python3 openapi_spec_validator): present");
+        return Ok(());
+    }
+    if !has("python3") {
+        bail!("python3 is missing: install Debian's python3 and python3-pip (the API tests validate the OpenAPI document with it)");
+    }
+    step!("installing {OPENAPI_VALIDATOR} from PyPI (for the API tests)");
+    run(Command::new("python3").args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", OPENAPI_VALIDATOR]))
+        .context("pip install openapi-spec-validator (is pip installed? Debian: python3-pip)")
 }
