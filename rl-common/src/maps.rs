@@ -86,9 +86,9 @@ impl Key6 {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Bucket {
     pub tat_ns: u64,
-    /// Packets this bucket decided (passed or dropped).
-    pub seen: u64,
-    /// Of those, dropped.
+    /// Packets this bucket passed.
+    pub passed: u64,
+    /// Packets this bucket dropped.
     pub dropped: u64,
     /// The datapath clock at the last drop: a drop more than
     /// [`LIMITED_GAP_NS`] after the previous one starts a new "limited"

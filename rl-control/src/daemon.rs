@@ -273,10 +273,10 @@ async fn scan_sources(state: Shared, ids: (u32, u32)) {
         for (k, b) in &v4 {
             let mut a = [0u8; 16];
             a[..4].copy_from_slice(&k.addr_bytes());
-            counts.insert((4u8, a, k.rule), (b.seen, b.dropped));
+            counts.insert((4u8, a, k.rule), (b.passed + b.dropped, b.dropped));
         }
         for (k, b) in &v6 {
-            counts.insert((6u8, k.addr_bytes(), k.rule), (b.seen, b.dropped));
+            counts.insert((6u8, k.addr_bytes(), k.rule), (b.passed + b.dropped, b.dropped));
         }
         let mut top = crate::state::Top::default();
         if let Some((then, before)) = &previous {

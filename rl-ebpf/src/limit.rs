@@ -336,14 +336,20 @@ fn decided(
     src: &[u32; 4],
 ) {
     unsafe {
-        (*b).seen += 1;
-        if let Verdict::Drop = verdict {
-            (*b).dropped += 1;
-            let t = if cfg.clock.tick_ns != 0 { cfg.clock.at(bpf_jiffies64()) } else { bpf_ktime_get_ns() };
-            let last = (*b).last_drop_ns;
-            (*b).last_drop_ns = t;
-            if t.wrapping_sub(last) > LIMITED_GAP_NS {
-                limited(ctx, t, rule, which, is_v6, src);
+        match verdict {
+            Verdict::Pass => (*b).passed += 1,
+            Verdict::Drop => {
+                (*b).dropped += 1;
+                let t = if cfg.clock.tick_ns != 0 { cfg.clock.at(bpf_jiffies64()) } else { bpf_ktime_get_ns() };
+                let last = (*b).last_drop_ns;
+                // On the tick clock most drops of a flood see the same time:
+                // no store then.
+                if t != last {
+                    (*b).last_drop_ns = t;
+                    if t.wrapping_sub(last) > LIMITED_GAP_NS {
+                        limited(ctx, t, rule, which, is_v6, src);
+                    }
+                }
             }
         }
     }
