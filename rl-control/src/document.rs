@@ -52,15 +52,47 @@ pub fn to_json(text: &str) -> serde_json::Value {
     v
 }
 
-/// TOML text for a JSON document (validated afterwards by the caller).
+/// TOML text for a JSON document (validated afterwards by the caller):
+/// objects become `[tables]`, lists of objects `[[tables]]`, anything
+/// deeper inline values. Written directly: going through a TOML
+/// serializer took 20 ms for 1,000 rules.
 pub fn from_json(json: &serde_json::Value) -> Result<String, EditError> {
-    if !json.is_object() {
+    let Some(obj) = json.as_object() else {
         return Err(EditError::Invalid("the body must be a JSON object like the one GET /v1/rules returns".into()));
+    };
+    let file_key = |k: &str| PLURALS.iter().find(|(_, j)| *j == k).map_or(k.to_string(), |(f, _)| f.to_string());
+    let key = |k: &str| toml_edit::Key::new(k).display_repr().into_owned();
+    let line = |out: &mut String, k: &str, v: &serde_json::Value| -> Result<(), EditError> {
+        let mut value = value_from_json(v).map_err(|e| match e {
+            EditError::Invalid(m) => EditError::Invalid(format!("{k}: {m}")),
+            other => other,
+        })?;
+        value.decor_mut().clear();
+        out.push_str(&format!("{} = {value}\n", key(k)));
+        Ok(())
+    };
+    let is_tables = |v: &serde_json::Value| v.as_array().is_some_and(|a| !a.is_empty() && a.iter().all(|x| x.is_object()));
+    let mut out = String::new();
+    for (k, v) in obj.iter().filter(|(_, v)| !v.is_object() && !is_tables(v)) {
+        line(&mut out, &file_key(k), v)?;
     }
-    let mut v = json.clone();
-    rename(&mut v, false);
-    let value = toml::Value::try_from(&v).map_err(|e| EditError::Invalid(format!("cannot express the body as TOML: {e}")))?;
-    toml::to_string(&value).map_err(|e| EditError::Invalid(format!("cannot express the body as TOML: {e}")))
+    for (k, v) in obj {
+        if let Some(t) = v.as_object() {
+            out.push_str(&format!("\n[{}]\n", key(&file_key(k))));
+            for (k2, v2) in t {
+                line(&mut out, k2, v2)?;
+            }
+        }
+    }
+    for (k, v) in obj.iter().filter(|(_, v)| is_tables(v)) {
+        for t in v.as_array().into_iter().flatten() {
+            out.push_str(&format!("\n[[{}]]\n", key(&file_key(k))));
+            for (k2, v2) in t.as_object().into_iter().flatten() {
+                line(&mut out, k2, v2)?;
+            }
+        }
+    }
+    Ok(out)
 }
 
 fn parse(text: &str) -> Result<DocumentMut, EditError> {
