@@ -90,7 +90,7 @@ fn parse_prometheus(text: &str) -> std::collections::HashMap<String, f64> {
 fn every_route_answers_metrics_equal_stats_and_the_openapi_document_is_complete() {
     let lab = Lab::new().unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let cfg = write(&dir, "rules.toml", "[default]\nrate = 1000\n[[allow]]\ncidr = \"192.0.2.0/24\"\n[[rule]]\nname = \"udp-7777\"\nproto = \"udp\"\ndst_ports = [7777]\nrate = 20\nburst = 10\n");
+    let cfg = write(&dir, "rules.toml", "[default]\nrate = 1000\n[[allow]]\ncidr = \"192.0.2.0/24\"\n[[rule]]\nname = \"udp-7777\"\nproto = \"udp\"\ndst_ports = [7777]\nrate = 20\nper = \"1m\"\nburst = 10\n");
     let d = start(&lab, &cfg, &[]);
     assert_eq!(get(&lab.b, "/healthz").json(), json!({"status": "ok"}));
 
@@ -174,7 +174,7 @@ fn rule_changes_are_validated_atomic_enforced_and_survive_a_restart_and_a_file_r
     let d = start(&lab, &cfg, &[]);
 
     // POST a rule: it is enforced at once, and written back with the comment kept.
-    let rule = json!({"name": "slow-udp", "proto": "udp", "dst_ports": ["7000-7999"], "rate": 5, "burst": 3});
+    let rule = json!({"name": "slow-udp", "proto": "udp", "dst_ports": ["7000-7999"], "rate": 5, "per": "1m", "burst": 3});
     let a = request(&lab.b, "POST", "/v1/rules", json(&rule), None).unwrap();
     assert_eq!(a.status, 201, "{}", a.body);
     assert_eq!(burst_of(&lab, lab.v4(1), 20), 3);
@@ -201,12 +201,12 @@ fn rule_changes_are_validated_atomic_enforced_and_survive_a_restart_and_a_file_r
     assert_eq!(get(&lab.b, "/healthz").status, 200, "bad input did not stop the daemon");
 
     // PUT the whole set as JSON: old rule gone, new one in.
-    let set = json!({"default": {"rate": 1000}, "rules": [{"name": "udp-2", "proto": "udp", "rate": 2, "burst": 2}]});
+    let set = json!({"default": {"rate": 1000}, "rules": [{"name": "udp-2", "proto": "udp", "rate": 2, "per": "1m", "burst": 2}]});
     let a = request(&lab.b, "PUT", "/v1/rules", json(&set), None).unwrap();
     assert_eq!(a.status, 200, "{}", a.body);
     assert_eq!(burst_of(&lab, lab.v4(1), 10), 2);
     assert_eq!(request(&lab.b, "DELETE", "/v1/rules/udp-2", None, None).unwrap().status, 200);
-    let a = request(&lab.b, "POST", "/v1/rules", json(&json!({"name": "kept", "proto": "udp", "rate": 4, "burst": 4})), None).unwrap();
+    let a = request(&lab.b, "POST", "/v1/rules", json(&json!({"name": "kept", "proto": "udp", "rate": 4, "per": "1m", "burst": 4})), None).unwrap();
     assert_eq!(a.status, 201);
     stop(d);
 
@@ -225,8 +225,9 @@ fn rule_changes_are_validated_atomic_enforced_and_survive_a_restart_and_a_file_r
 fn source_quota_agrees_with_what_the_datapath_lets_through_next() {
     let lab = Lab::new().unwrap();
     let dir = tempfile::tempdir().unwrap();
-    // 2 packets/s, burst 4: one packet every 500 ms.
-    let cfg = write(&dir, "rules.toml", "[default]\nrate = 2\nburst = 4\n");
+    // 1 packet/s, burst 3: a token every second, so a slow machine's
+    // scheduling delays (tens of ms) cannot refill one unnoticed.
+    let cfg = write(&dir, "rules.toml", "[default]\nrate = 1\nburst = 3\n");
     let d = start(&lab, &cfg, &[]);
     let src = lab.v4(1);
     let quota = || {
@@ -238,15 +239,15 @@ fn source_quota_agrees_with_what_the_datapath_lets_through_next() {
     assert_eq!(quota(), None, "no state before the first packet");
     assert_eq!(burst_of(&lab, src, 1), 1);
     let q = quota().unwrap();
-    assert_eq!((q["rule"].as_str(), q["limit"].as_u64(), q["remaining"].as_u64()), (Some("default"), Some(4), Some(3)), "{q}");
+    assert_eq!((q["rule"].as_str(), q["limit"].as_u64(), q["remaining"].as_u64()), (Some("default"), Some(3), Some(2)), "{q}");
     assert_eq!(q["retry_after_ms"], 0);
     // `remaining` pass, one more drops.
-    assert_eq!(burst_of(&lab, src, 4), 3);
+    assert_eq!(burst_of(&lab, src, 3), 2);
     let q = quota().unwrap();
     assert_eq!(q["remaining"], 0, "{q}");
     let wait = q["retry_after_ms"].as_u64().unwrap();
-    assert!((1..=520).contains(&wait), "retry after {wait} ms for a 500 ms refill: {q}");
-    assert!(q["reset_ms"].as_u64().unwrap() >= 1500, "{q}");
+    assert!((1..=1020).contains(&wait), "retry after {wait} ms for a 1 s refill: {q}");
+    assert!(q["reset_ms"].as_u64().unwrap() >= 2000, "{q}");
     // After `retry_after_ms` one passes, and the next drops.
     std::thread::sleep(Duration::from_millis(wait));
     assert_eq!(burst_of(&lab, src, 2), 1);
@@ -254,8 +255,8 @@ fn source_quota_agrees_with_what_the_datapath_lets_through_next() {
     let q = quota().unwrap();
     std::thread::sleep(Duration::from_millis(q["reset_ms"].as_u64().unwrap()));
     let q = quota().unwrap();
-    assert_eq!(q["remaining"], 4, "{q}");
-    assert_eq!(burst_of(&lab, src, 6), 4);
+    assert_eq!(q["remaining"], 3, "{q}");
+    assert_eq!(burst_of(&lab, src, 5), 3);
     assert_eq!(get(&lab.b, "/v1/sources/not-an-ip").status, 400);
     stop(d);
 }
