@@ -60,3 +60,48 @@ pub fn offer(dp: &Datapath, frame: &[u8], n: u32) -> (u32, u32) {
     }
     out
 }
+
+/// CPU time the hypervisor gave to other guests (steal) against all CPU
+/// time, from `/proc/stat`: take one reading before a benchmark and pass it
+/// to [`StealMeter::report`] after.
+pub struct StealMeter {
+    steal: u64,
+    total: u64,
+}
+
+impl StealMeter {
+    fn read() -> (u64, u64) {
+        let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+        let cpu: Vec<u64> = stat
+            .lines()
+            .next()
+            .unwrap_or("")
+            .split_whitespace()
+            .skip(1)
+            .filter_map(|v| v.parse().ok())
+            .collect();
+        (cpu.get(7).copied().unwrap_or(0), cpu.iter().sum())
+    }
+
+    pub fn start() -> StealMeter {
+        let (steal, total) = StealMeter::read();
+        StealMeter { steal, total }
+    }
+
+    /// The share of CPU time stolen since `start`, and a line saying
+    /// whether the figures can be trusted (over 1% they cannot).
+    pub fn report(&self) -> (f64, String) {
+        let (steal, total) = StealMeter::read();
+        let share = (steal - self.steal) as f64 / (total - self.total).max(1) as f64;
+        let verdict = if share > 0.01 {
+            format!(
+                "WARNING: the hypervisor took {:.1}% of this VM's CPU time during the run (steal in /proc/stat): \
+                 the figures above are disturbed; rerun when it is quiet",
+                share * 100.0
+            )
+        } else {
+            format!("CPU steal during the run: {:.2}% (quiet enough to trust the figures)", share * 100.0)
+        };
+        (share, verdict)
+    }
+}

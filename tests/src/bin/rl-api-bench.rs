@@ -54,6 +54,7 @@ fn rule_set(tag: &str, burst: u64) -> serde_json::Value {
 }
 
 fn main() -> Result<()> {
+    let steal = rl_tests::StealMeter::start();
     let lab = Lab::new()?;
     let dir = tempfile::tempdir()?;
     let cfg = dir.path().join("rules.toml");
@@ -104,6 +105,7 @@ fn main() -> Result<()> {
     if !status.success() {
         bail!("the daemon exited with {status}");
     }
+    println!("{}", steal.report().1);
     let slowest = swaps.iter().cloned().fold(0.0, f64::max);
     println!("target p99 < 5 ms: {} ({worst:.3} ms worst p99)", if worst < 5.0 { "met" } else { "MISSED" });
     println!("target rule swap < 100 ms: {} ({slowest:.1} ms slowest)", if slowest < 100.0 { "met" } else { "MISSED" });

@@ -85,6 +85,7 @@ fn main() -> Result<()> {
         "rl XDP benchmark: BPF_PROG_TEST_RUN with repeat = {repeat}, {ROUNDS} interleaved rounds, fastest of {SHOTS} runs per case and round, 64-byte UDP/IPv4 frame, pinned to CPU {cpu}"
     );
 
+    let steal = rl_tests::StealMeter::start();
     let mut floor_dp = load(1, 1, 1024, false)?;
     floor_dp.test_run_floor(&frame, 1)?;
     // Pass path: a known source far under its limit.
@@ -168,6 +169,7 @@ fn main() -> Result<()> {
     for (name, ratio) in [("pass", ratios[1]), ("drop", ratios[3])] {
         println!("target {name} ≤ {target}× floor: {} ({ratio:.2}×)", if ratio <= target { "met" } else { "MISSED" });
     }
+    println!("{}", steal.report().1);
     drop(cases);
     Ok(())
 }
