@@ -108,6 +108,12 @@ fn api_settings(opts: &RunOptions, config: &Config) -> Result<(SocketAddr, Optio
 }
 
 pub async fn run(opts: RunOptions) -> Result<()> {
+    // Handlers first: a signal that arrives while starting (a SIGHUP right
+    // after "attached", say) must be handled, not kill the process with
+    // the program attached. They are acted on once the loop runs.
+    let mut sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut sighup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
     // The file's stamp is taken before it is read: a change after this
     // point, even during start-up, triggers a reload.
     let watched = opts.config.clone().filter(|_| opts.watch);
@@ -188,9 +194,6 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         None => None,
     };
 
-    let mut sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
-    let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
-    let mut sighup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
     let mut tick = tokio::time::interval(opts.stats_interval);
     tick.tick().await;
     let mut last = lock(&state).dp.counters()?;
