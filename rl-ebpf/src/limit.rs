@@ -278,11 +278,12 @@ fn charge(
             rare_event(ctx, STAT_NO_STATE);
             return Verdict::Drop;
         };
-        let verdict = match admit(ctx, cfg, &rule.limits[0], b, len) {
+        let (verdict, t) = admit(ctx, cfg, &rule.limits[0], b, len);
+        let verdict = match verdict {
             Verdict::Pass => Verdict::Pass,
             Verdict::Drop => elastic(ctx, cfg, rule, is_v6, len),
         };
-        decided(ctx, cfg, b, &verdict, rule, 0, is_v6, src);
+        decided(ctx, t, b, &verdict, rule, 0, is_v6, src);
         return verdict;
     }
     // Check every limit first (buckets are looked up again to charge them:
@@ -298,7 +299,7 @@ fn charge(
         let word = Tat(unsafe { &raw mut (*b).tat_ns }).load();
         if step(cfg, &rule.limits[i], len, word).is_none() {
             let verdict = elastic(ctx, cfg, rule, is_v6, len);
-            decided(ctx, cfg, b, &verdict, rule, i as u32, is_v6, src);
+            decided(ctx, now(cfg, &rule.limits[i]), b, &verdict, rule, i as u32, is_v6, src);
             return verdict;
         }
     }
@@ -309,9 +310,9 @@ fn charge(
         let Some(b) = bucket_of(rule, i as u32, is_v6, src) else {
             return Verdict::Drop;
         };
-        let verdict = admit(ctx, cfg, &rule.limits[i], b, len);
+        let (verdict, t) = admit(ctx, cfg, &rule.limits[i], b, len);
         if i + 1 == n || matches!(verdict, Verdict::Drop) {
-            decided(ctx, cfg, b, &verdict, rule, i as u32, is_v6, src);
+            decided(ctx, t, b, &verdict, rule, i as u32, is_v6, src);
         }
         if let Verdict::Drop = verdict {
             return Verdict::Drop;
@@ -320,14 +321,15 @@ fn charge(
     Verdict::Pass
 }
 
-/// Counts the packet in the bucket that decided it; a drop more than
+/// Counts the packet in the bucket that decided it (`t`: the time the
+/// limit's clock read for it); a drop more than
 /// LIMITED_GAP_NS after this bucket's previous one starts a "limited"
 /// episode and may raise an event.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn decided(
     ctx: &XdpContext,
-    cfg: &DatapathConfig,
+    t: u64,
     b: *mut Bucket,
     verdict: &Verdict,
     rule: &RuleEntry,
@@ -340,7 +342,6 @@ fn decided(
             Verdict::Pass => (*b).passed += 1,
             Verdict::Drop => {
                 (*b).dropped += 1;
-                let t = if cfg.clock.tick_ns != 0 { cfg.clock.at(bpf_jiffies64()) } else { bpf_ktime_get_ns() };
                 let last = (*b).last_drop_ns;
                 // On the tick clock most drops of a flood see the same time:
                 // no store then.
@@ -395,7 +396,7 @@ fn elastic(ctx: &XdpContext, cfg: &DatapathConfig, rule: &RuleEntry, is_v6: bool
     let Some(b) = bucket_of(rule, POOL_INDEX, is_v6, &[0; 4]) else {
         return Verdict::Drop;
     };
-    admit(ctx, cfg, &rule.pool, b, len)
+    admit(ctx, cfg, &rule.pool, b, len).0
 }
 
 /// The limit's clock: the inlined tick clock when it suits the limit.
@@ -428,21 +429,22 @@ fn step(cfg: &DatapathConfig, limit: &LimitEntry, len: u64, word: u64) -> Option
 /// Charges one limit: the clock is read once, then the algorithm's
 /// compare-and-swap loop runs.
 #[inline(always)]
-fn admit(ctx: &XdpContext, cfg: &DatapathConfig, limit: &LimitEntry, b: *mut Bucket, len: u64) -> Verdict {
+fn admit(ctx: &XdpContext, cfg: &DatapathConfig, limit: &LimitEntry, b: *mut Bucket, len: u64) -> (Verdict, u64) {
     let cell = Tat(unsafe { &raw mut (*b).tat_ns });
     let (t, u) = (now(cfg, limit), units(limit, len));
     let outcome = match limit.kind & 0xff {
         LIMIT_GCRA => admit_with(&cell, |w| limit.gcra_step(w, t, u)),
         _ => admit_window(cfg, limit, &cell, t, u),
     };
-    match outcome {
+    let verdict = match outcome {
         Admit::Pass => Verdict::Pass,
         Admit::Drop => Verdict::Drop,
         Admit::Contended => {
             rare_event(ctx, STAT_CONTENDED);
             Verdict::Drop
         }
-    }
+    };
+    (verdict, t)
 }
 
 /// Window limits, out of line: a BPF-to-BPF call costs a few ns, and keeping
