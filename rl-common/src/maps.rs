@@ -6,7 +6,7 @@ use core::mem::size_of;
 
 use crate::{
     clock::TickClock,
-    limiter::gcra_cost,
+    limiter::{gcra_cost, Limit},
     window::{fixed_window, sliding_window},
 };
 
@@ -108,6 +108,11 @@ pub const MAP_EVENTS: &str = "RL_EVENTS";
 pub const MAP_EVENT_BUDGET: &str = "RL_EVBUDGET";
 pub const EVENTS_PER_SEC: u64 = 100;
 pub const EVENTS_BURST: u64 = 100;
+/// That budget as a token bucket, for [`crate::gcra`].
+pub const EVENT_BUDGET: Limit = match Limit::per_second(EVENTS_PER_SEC, EVENTS_BURST) {
+    Ok(l) => l,
+    Err(_) => panic!("the events budget must be a valid limit"),
+};
 
 /// "This source started being limited under this rule."
 #[repr(C)]
@@ -124,6 +129,17 @@ pub struct Event {
     pub addr: [u8; 16],
 }
 const _: () = assert!(size_of::<Event>() == 32);
+
+impl Event {
+    /// An event as the ring buffer hands it over (`None` if cut short).
+    pub fn read(record: &[u8]) -> Option<Event> {
+        if record.len() < size_of::<Event>() {
+            return None;
+        }
+        // SAFETY: long enough, and every bit pattern is a valid Event.
+        Some(unsafe { core::ptr::read_unaligned(record.as_ptr() as *const Event) })
+    }
+}
 
 /// What the daemon tells the datapath; entry 0 of [`MAP_CONFIG`].
 /// Until the daemon writes it, `enabled` is 0 and every packet passes.
@@ -354,6 +370,23 @@ pub struct RuleEntry {
     pub pool: LimitEntry,
 }
 const _: () = assert!(size_of::<RuleEntry>() == 152);
+
+impl RuleEntry {
+    /// The IPv4 bucket key of limit `which` for a source (network-order
+    /// word as read from the packet): masked to the rule's key scope.
+    #[inline(always)]
+    pub fn key4(&self, which: u32, addr: u32) -> Key4 {
+        Key4 { rule: self.id | which, addr: addr & self.v4_mask }
+    }
+
+    /// The IPv6 bucket key of limit `which` for a source (four
+    /// network-order words as read from the packet).
+    #[inline(always)]
+    pub fn key6(&self, which: u32, addr: &[u32; 4]) -> Key6 {
+        let m = &self.v6_mask;
+        Key6 { rule: self.id | which, addr: [addr[0] & m[0], addr[1] & m[1], addr[2] & m[2], addr[3] & m[3]] }
+    }
+}
 
 /// Bucket-key index of an elastic rule's pool.
 pub const POOL_INDEX: u32 = 7;

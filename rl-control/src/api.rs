@@ -80,6 +80,12 @@ impl From<ApplyError> for ApiError {
     }
 }
 
+impl From<crate::datapath::DatapathError> for ApiError {
+    fn from(e: crate::datapath::DatapathError) -> Self {
+        ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string())
+    }
+}
+
 fn body_error(e: BytesRejection) -> ApiError {
     ApiError(e.status(), format!("cannot read the request body: {}", e.body_text()))
 }
@@ -217,8 +223,7 @@ async fn post_rule(AxState(api): AxState<Api>, body: Result<Bytes, BytesRejectio
 async fn delete_rule(AxState(api): AxState<Api>, Path(name): Path<String>) -> ApiResult<Json<Applied>> {
     let summary = change(&api, move |s| {
         let text = document::remove_rule(&s.text, &name)?;
-        let origin = s.origin();
-        Ok(s.apply(text, &origin, &format!("api: DELETE /v1/rules/{name}"), true)?)
+        Ok(s.apply_edit(text, &format!("api: DELETE /v1/rules/{name}"))?)
     })
     .await?;
     Ok(Json(Applied { summary }))
@@ -243,7 +248,7 @@ pub struct Stats {
 }
 
 fn rule_counters(s: &State) -> ApiResult<std::collections::BTreeMap<String, RuleCounters>> {
-    let stats = s.dp.rule_stats().map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    let stats = s.dp.rule_stats()?;
     Ok(stats
         .into_iter()
         .map(|(name, r)| {
@@ -305,7 +310,7 @@ async fn source(AxState(api): AxState<Api>, Path(ip): Path<String>) -> ApiResult
         .parse()
         .map_err(|_| ApiError(StatusCode::BAD_REQUEST, format!("\"{ip}\" is not an IP address")))?;
     let s = lock(&api.state);
-    let quotas = s.dp.source_quotas(addr).map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    let quotas = s.dp.source_quotas(addr)?;
     let limits = quotas
         .into_iter()
         .map(|(rule, which, q)| SourceLimit {
@@ -411,8 +416,7 @@ async fn post_ban(AxState(api): AxState<Api>, body: Result<Bytes, BytesRejection
     let (key, reason) = (cidr.to_string(), ban.reason);
     change(&api, move |s| {
         let text = document::set_ban(&s.text, &key, until, &reason)?;
-        let origin = s.origin();
-        s.apply(text, &origin, &format!("api: ban {key} for {}s", ban.ttl_secs), true)?;
+        s.apply_edit(text, &format!("api: ban {key} for {}s", ban.ttl_secs))?;
         Ok(())
     })
     .await?;
@@ -443,8 +447,7 @@ async fn delete_ban(AxState(api): AxState<Api>, Path(cidr): Path<String>) -> Api
             return Err(ApiError(StatusCode::NOT_FOUND, format!("{c} is not banned")));
         }
         let (text, _) = document::remove_bans(&s.text, |t, _| parse_cidr(t).is_ok_and(|x| x == c))?;
-        let origin = s.origin();
-        Ok(s.apply(text, &origin, &format!("api: lift the ban on {c}"), true)?)
+        Ok(s.apply_edit(text, &format!("api: lift the ban on {c}"))?)
     })
     .await?;
     Ok(Json(Applied { summary }))
@@ -463,7 +466,7 @@ async fn reload(AxState(api): AxState<Api>) -> ApiResult<Json<Applied>> {
 async fn metrics(AxState(api): AxState<Api>) -> ApiResult<Response> {
     let s = lock(&api.state);
     let rules = rule_counters(&s)?;
-    let global = s.dp.counters().map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    let global = s.dp.counters()?;
     let mut out = String::new();
     let esc = |v: &str| v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n");
     let family = |out: &mut String, name: &str, kind: &str, help: &str| {

@@ -2,7 +2,7 @@
 //! SIGINT/SIGTERM.
 
 use std::{
-    net::SocketAddr,
+    net::{IpAddr, SocketAddr},
     path::PathBuf,
     sync::{Arc, Mutex},
     time::Duration,
@@ -21,6 +21,7 @@ use crate::{
     config::{Config, EMBEDDED_DEFAULT},
     datapath::{interface_index, AttachMode, Datapath},
     state::{file_stamp, lock, Shared, State},
+    units::bytes_to_addr,
 };
 
 /// What `rl-control run` needs.
@@ -258,12 +259,12 @@ const SCAN_INTERVAL: Duration = Duration::from_secs(5);
 async fn scan_sources(state: Shared, ids: (u32, u32)) {
     use std::collections::HashMap;
     let mut every = tokio::time::interval(SCAN_INTERVAL);
-    // (family, key address, key rule) ➜ (seen, dropped) at the last scan.
-    let mut previous: Option<(std::time::Instant, HashMap<(u8, [u8; 16], u32), (u64, u64)>)> = None;
+    // (key address, key rule) ➜ (seen, dropped) at the last scan.
+    let mut previous: Option<(std::time::Instant, HashMap<(IpAddr, u32), (u64, u64)>)> = None;
     loop {
         every.tick().await;
         let scanned = tokio::task::spawn_blocking(move || crate::datapath::scan_buckets(ids)).await;
-        let (v4, v6) = match scanned {
+        let buckets = match scanned {
             Ok(Ok(x)) => x,
             Ok(Err(e)) => {
                 warn!("cannot scan the source maps: {e}");
@@ -272,19 +273,18 @@ async fn scan_sources(state: Shared, ids: (u32, u32)) {
             Err(_) => return,
         };
         let now = std::time::Instant::now();
-        let mut counts = HashMap::with_capacity(v4.len() + v6.len());
-        for (k, b) in &v4 {
-            let mut a = [0u8; 16];
-            a[..4].copy_from_slice(&k.addr_bytes());
-            counts.insert((4u8, a, k.rule), (b.passed + b.dropped, b.dropped));
-        }
-        for (k, b) in &v6 {
-            counts.insert((6u8, k.addr_bytes(), k.rule), (b.passed + b.dropped, b.dropped));
-        }
+        let tracked = (
+            buckets.iter().filter(|b| b.addr.is_ipv4()).count() as u64,
+            buckets.iter().filter(|b| b.addr.is_ipv6()).count() as u64,
+        );
+        let counts: HashMap<(IpAddr, u32), (u64, u64)> = buckets
+            .iter()
+            .map(|b| ((b.addr, b.rule), (b.bucket.passed + b.bucket.dropped, b.bucket.dropped)))
+            .collect();
         let mut top = crate::state::Top::default();
         if let Some((then, before)) = &previous {
             let secs = (now - *then).as_secs_f64().max(1e-3);
-            let mut ranked: Vec<((u8, [u8; 16], u32), u64, u64)> = counts
+            let mut ranked: Vec<((IpAddr, u32), u64, u64)> = counts
                 .iter()
                 .filter_map(|(k, &(seen, dropped))| {
                     // A bucket evicted and created again starts from 0.
@@ -299,8 +299,8 @@ async fn scan_sources(state: Shared, ids: (u32, u32)) {
             top.interval_secs = secs;
             top.sources = ranked
                 .into_iter()
-                .map(|((family, addr, rule), drops, seen)| crate::state::TopSource {
-                    source: address(family, &addr),
+                .map(|((addr, rule), drops, seen)| crate::state::TopSource {
+                    source: addr.to_string(),
                     rule: s.dp.rule_name_of_key(rule).unwrap_or("(replaced rule)").to_string(),
                     drops,
                     drops_per_sec: drops as f64 / secs,
@@ -310,20 +310,12 @@ async fn scan_sources(state: Shared, ids: (u32, u32)) {
         }
         {
             let mut s = lock(&state);
-            s.tracked = (v4.len() as u64, v6.len() as u64);
+            s.tracked = tracked;
             if previous.is_some() {
                 s.top = top;
             }
         }
         previous = Some((now, counts));
-    }
-}
-
-fn address(family: u8, addr: &[u8; 16]) -> String {
-    if family == 4 {
-        std::net::Ipv4Addr::from([addr[0], addr[1], addr[2], addr[3]]).to_string()
-    } else {
-        std::net::Ipv6Addr::from(*addr).to_string()
     }
 }
 
@@ -347,9 +339,7 @@ async fn forward_events(state: Shared, ring: aya::maps::RingBuf<aya::maps::MapDa
         let ring = guard.get_inner_mut();
         let mut got = Vec::new();
         while let Some(item) = ring.next() {
-            if item.len() >= std::mem::size_of::<rl_common::Event>() {
-                got.push(unsafe { std::ptr::read_unaligned(item.as_ptr() as *const rl_common::Event) });
-            }
+            got.extend(rl_common::Event::read(&item));
         }
         guard.clear_ready();
         if got.is_empty() {
@@ -363,7 +353,7 @@ async fn forward_events(state: Shared, ring: aya::maps::RingBuf<aya::maps::MapDa
                 event: "limited".into(),
                 rule: s.dp.rule_name_of_key(e.rule).unwrap_or("(replaced rule)").to_string(),
                 limit_index: e.rule & 7,
-                source: address(e.family as u8, &e.addr),
+                source: bytes_to_addr(if e.family == 4 { &e.addr[..4] } else { &e.addr[..] }).to_string(),
             };
             info!(event = "limited", rule = %view.rule, limit = view.limit_index, source = %view.source, "source started being limited");
             if s.events.len() == crate::state::EVENTS_KEPT {

@@ -721,18 +721,7 @@ impl Datapath {
 
     /// Every bucket the datapath holds, IPv4 then IPv6.
     pub fn sources(&self) -> Result<Vec<Source>, DatapathError> {
-        let mut out = Vec::new();
-        let v4: HashMap<&MapData, Key4, Bucket> = map_ref(&self.ebpf, MAP_SOURCES_V4)?;
-        for entry in v4.iter() {
-            let (k, bucket) = entry.map_err(|e| map_error(MAP_SOURCES_V4, e))?;
-            out.push(Source { addr: IpAddr::from(k.addr_bytes()), rule: k.rule, bucket });
-        }
-        let v6: HashMap<&MapData, Key6, Bucket> = map_ref(&self.ebpf, MAP_SOURCES_V6)?;
-        for entry in v6.iter() {
-            let (k, bucket) = entry.map_err(|e| map_error(MAP_SOURCES_V6, e))?;
-            out.push(Source { addr: IpAddr::from(k.addr_bytes()), rule: k.rule, bucket });
-        }
-        Ok(out)
+        scan_buckets(self.source_map_ids()?)
     }
 
     /// The quota of `addr` under every limit of the active rule set in which
@@ -751,16 +740,12 @@ impl Datapath {
         for i in 0..names.len() as u32 {
             let rule = rules.get(&(slot * RULE_SLOTS + i), 0).map_err(|e| map_error(MAP_RULES, e))?;
             for which in 0..rule.n_limits.min(rl_common::MAX_LIMITS as u32) {
-                let id = rule.id | which;
                 let bucket = match addr {
-                    IpAddr::V4(a) => {
-                        let key = Key4 { rule: id, addr: u32::from_ne_bytes(a.octets()) & rule.v4_mask };
-                        v4.get(&key, 0).ok()
-                    }
+                    IpAddr::V4(a) => v4.get(&rule.key4(which, u32::from_ne_bytes(a.octets())), 0).ok(),
                     IpAddr::V6(a) => {
                         let o = a.octets();
-                        let w = |j: usize| u32::from_ne_bytes([o[j], o[j + 1], o[j + 2], o[j + 3]]) & rule.v6_mask[j / 4];
-                        v6.get(&Key6 { rule: id, addr: [w(0), w(4), w(8), w(12)] }, 0).ok()
+                        let words = [0, 4, 8, 12].map(|j| u32::from_ne_bytes([o[j], o[j + 1], o[j + 2], o[j + 3]]));
+                        v6.get(&rule.key6(which, &words), 0).ok()
                     }
                 };
                 let Some(bucket) = bucket else { continue };
@@ -782,7 +767,7 @@ impl Datapath {
         self.slots[self.active? as usize].names.get(index as usize).map(String::as_str)
     }
 
-    /// The kernel ids of the source maps (IPv4, IPv6), for [`count_buckets`].
+    /// The kernel ids of the source maps (IPv4, IPv6), for [`scan_buckets`].
     pub fn source_map_ids(&self) -> Result<(u32, u32), DatapathError> {
         let id = |name: &'static str| -> Result<u32, DatapathError> {
             match self.ebpf.map(name) {
@@ -837,17 +822,37 @@ pub fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
-/// Every bucket in the source maps with these ids, through handles of the
-/// caller's own (the walk never touches a [`Datapath`]), with one
-/// `BPF_MAP_LOOKUP_BATCH` per 16,384 buckets.
-pub fn scan_buckets(ids: (u32, u32)) -> Result<(Vec<(Key4, Bucket)>, Vec<(Key6, Bucket)>), DatapathError> {
+/// Every bucket in the source maps with these ids, IPv4 then IPv6, through
+/// handles of the caller's own (a walk of a million buckets never needs a
+/// [`Datapath`] or its lock), with one `BPF_MAP_LOOKUP_BATCH` per 16,384
+/// buckets.
+pub fn scan_buckets(ids: (u32, u32)) -> Result<Vec<Source>, DatapathError> {
     use std::os::fd::{AsFd, AsRawFd};
     fn scan<K: aya::Pod + Default>(id: u32, name: &'static str) -> Result<Vec<(K, Bucket)>, DatapathError> {
         let data = MapData::from_id(id).map_err(|e| map_error(name, e))?;
+        // The kernel writes key_size and value_size bytes per entry into
+        // our buffers: they must be exactly K and Bucket.
+        let info = data.info().map_err(|e| map_error(name, e))?;
+        let sizes = (info.key_size() as usize, info.value_size() as usize);
+        if sizes != (std::mem::size_of::<K>(), std::mem::size_of::<Bucket>()) {
+            return Err(DatapathError::Load(format!(
+                "map {name} has {}-byte keys and {}-byte values, rl-common expects {} and {}: rebuild both with `cargo xtask build`",
+                sizes.0,
+                sizes.1,
+                std::mem::size_of::<K>(),
+                std::mem::size_of::<Bucket>()
+            )));
+        }
         let fd = data.fd().as_fd().as_raw_fd();
         lookup_batch::<K, Bucket>(fd).map_err(|e| map_error(name, e))
     }
-    Ok((scan::<Key4>(ids.0, MAP_SOURCES_V4)?, scan::<Key6>(ids.1, MAP_SOURCES_V6)?))
+    let v4 = scan::<Key4>(ids.0, MAP_SOURCES_V4)?;
+    let v6 = scan::<Key6>(ids.1, MAP_SOURCES_V6)?;
+    Ok(v4
+        .into_iter()
+        .map(|(k, bucket)| Source { addr: IpAddr::from(k.addr_bytes()), rule: k.rule, bucket })
+        .chain(v6.into_iter().map(|(k, bucket)| Source { addr: IpAddr::from(k.addr_bytes()), rule: k.rule, bucket }))
+        .collect())
 }
 
 /// The attribute block of the batch commands (`union bpf_attr`'s `batch`).

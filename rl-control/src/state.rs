@@ -224,6 +224,13 @@ impl State {
         Ok(summary)
     }
 
+    /// Applies an edit of the running text (one rule or ban added or
+    /// removed) and writes it back: errors are located in the config file.
+    pub fn apply_edit(&mut self, text: String, trigger: &str) -> Result<String, ApplyError> {
+        let origin = self.origin();
+        self.apply(text, &origin, trigger, true)
+    }
+
     /// Re-reads the config file and applies it.
     pub fn reload_file(&mut self, trigger: &str) -> Result<String, ApplyError> {
         let Some(path) = self.path.clone() else {
@@ -253,8 +260,7 @@ impl State {
         }
         match crate::document::remove_bans(&self.text, |_, until| until <= now) {
             Ok((text, n)) => {
-                let origin = self.origin();
-                let _ = self.apply(text, &origin, &format!("{n} ban(s) expired"), true);
+                let _ = self.apply_edit(text, &format!("{n} ban(s) expired"));
             }
             Err(e) => error!("cannot lift expired bans: {e:?}"),
         }

@@ -17,7 +17,7 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::debug;
 use rl_common::{
-    admit_with, decide_key, gcra_cost, Event, EVENTS_BURST, EVENTS_PER_SEC, LIMITED_GAP_NS,
+    admit_with, decide_key, gcra, Event, EVENT_BUDGET, LIMITED_GAP_NS,
     STAT_EVENTS, STAT_EVENTS_SUPPRESSED,
     Admit, Bucket, CidrEntry, DIR16_LEN, DIR16_LOOKUP, DatapathConfig, Key4, Key6, L4Entry, LimitEntry, RuleEntry, RuleStats,
     SharedWord, CFG_LPM_V4, CFG_LPM_V6, CFG_RULES, L4_ICMP, L4_ICMPV6, L4_OTHER, L4_SLOT_LEN, L4_TCP,
@@ -243,18 +243,9 @@ fn count(index: u32, len: u64, what: Counted) {
 #[inline(always)]
 fn bucket_of(rule: &RuleEntry, which: u32, is_v6: bool, src: &[u32; 4]) -> Option<*mut Bucket> {
     if is_v6 {
-        let m = &rule.v6_mask;
-        let key = Key6 {
-            rule: rule.id | which,
-            addr: [src[0] & m[0], src[1] & m[1], src[2] & m[2], src[3] & m[3]],
-        };
-        bucket(&RL_SRC6, &key)
+        bucket(&RL_SRC6, &rule.key6(which, src))
     } else {
-        let key = Key4 {
-            rule: rule.id | which,
-            addr: src[3] & rule.v4_mask,
-        };
-        bucket(&RL_SRC4, &key)
+        bucket(&RL_SRC4, &rule.key4(which, src[3]))
     }
 }
 
@@ -363,21 +354,19 @@ fn limited(ctx: &XdpContext, t: u64, rule: &RuleEntry, which: u32, is_v6: bool, 
     let Some(word) = RL_EVBUDGET.get_ptr_mut(0) else {
         return;
     };
-    let interval = 1_000_000_000 / EVENTS_PER_SEC;
-    let span = interval * EVENTS_BURST;
-    if !matches!(admit_with(&Tat(word), |w| gcra_cost(w, t, interval, span)), Admit::Pass) {
+    if !matches!(admit_with(&Tat(word), |w| gcra(w, t, &EVENT_BUDGET)), Admit::Pass) {
         stats::bump(STAT_EVENTS_SUPPRESSED);
         return;
     }
-    let mut event = Event { at_ns: t, rule: rule.id | which, family: 4, addr: [0; 16] };
+    // The source as the bucket keys it.
+    let mut event = Event { at_ns: t, rule: 0, family: 4, addr: [0; 16] };
     if is_v6 {
-        event.family = 6;
-        for i in 0..4 {
-            let w = (src[i] & rule.v6_mask[i]).to_ne_bytes();
-            event.addr[4 * i..4 * i + 4].copy_from_slice(&w);
-        }
+        let key = rule.key6(which, src);
+        (event.rule, event.family, event.addr) = (key.rule, 6, key.addr_bytes());
     } else {
-        event.addr[..4].copy_from_slice(&(src[3] & rule.v4_mask).to_ne_bytes());
+        let key = rule.key4(which, src[3]);
+        event.rule = key.rule;
+        event.addr[..4].copy_from_slice(&key.addr_bytes());
     }
     if RL_EVENTS.output::<Event>(&event, 0).is_ok() {
         stats::bump(STAT_EVENTS);

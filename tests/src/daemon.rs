@@ -31,6 +31,13 @@ pub fn binary() -> PathBuf {
     );
 }
 
+/// Writes `text` to `name` in `dir` (a config or token file for the daemon).
+pub fn write(dir: &tempfile::TempDir, name: &str, text: &str) -> PathBuf {
+    let p = dir.path().join(name);
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
 /// Runs `rl-control args…` inside `ns` (or the current namespace) to completion.
 pub fn run_once(ns: Option<&Netns>, args: &[&str]) -> Result<(ExitStatus, String)> {
     let out = command(ns, args).output().context("running rl-control")?;

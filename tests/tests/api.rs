@@ -1,10 +1,10 @@
 //! The admin API and the CLI client against a really running daemon
 //! attached in a veth lab, over real HTTP, with real packets.
 
-use std::{path::PathBuf, time::Duration};
+use std::time::Duration;
 
 use rl_tests::{
-    daemon::{run_once, Daemon},
+    daemon::{write, run_once, Daemon},
     http::{get, json, request},
     lab::{Lab, VB},
     traffic::{join, paced, Receiver},
@@ -13,12 +13,6 @@ use serde_json::{json, Value};
 
 const ATTACHED: &str = "admin API on";
 const START: Duration = Duration::from_secs(20);
-
-fn write(dir: &tempfile::TempDir, name: &str, text: &str) -> PathBuf {
-    let p = dir.path().join(name);
-    std::fs::write(&p, text).unwrap();
-    p
-}
 
 fn start(lab: &Lab, cfg: &std::path::Path, extra: &[&str]) -> Daemon {
     let pid = cfg.with_extension("pid");

@@ -2,10 +2,10 @@
 //! input the operator can give it. Bad input must produce one clear line, a
 //! non-zero exit, and leave nothing attached.
 
-use std::{path::PathBuf, time::Duration};
+use std::time::Duration;
 
 use rl_tests::{
-    daemon::{final_counter, run_once, Daemon},
+    daemon::{write, final_counter, run_once, Daemon},
     expected_passed,
     lab::{Lab, VB},
     tolerance,
@@ -14,12 +14,6 @@ use rl_tests::{
 
 const ATTACHED: &str = "attached:";
 const START: Duration = Duration::from_secs(20);
-
-fn write(dir: &tempfile::TempDir, name: &str, text: &str) -> PathBuf {
-    let p = dir.path().join(name);
-    std::fs::write(&p, text).unwrap();
-    p
-}
 
 /// The error line of a failed run: exactly one line starting with `error: `.
 fn error_line(out: &str) -> String {

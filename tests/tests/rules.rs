@@ -333,7 +333,7 @@ fn limited_events_are_one_per_episode_and_budgeted_in_the_kernel() {
     let elapsed = started.elapsed().as_secs_f64();
     let mut events = Vec::new();
     while let Some(item) = ring.next() {
-        events.push(unsafe { std::ptr::read_unaligned(item.as_ptr() as *const rl_common::Event) });
+        events.extend(rl_common::Event::read(&item));
     }
     let c = dp.counters().unwrap();
     let (sent, suppressed) = (c.get(rl_common::STAT_EVENTS), c.get(rl_common::STAT_EVENTS_SUPPRESSED));
