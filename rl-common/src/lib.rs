@@ -13,10 +13,12 @@
 pub mod clock;
 pub mod limiter;
 pub mod maps;
+pub mod pressure;
 pub mod quota;
 pub mod window;
 
 pub use clock::TickClock;
 pub use limiter::{admit_with, gcra, gcra_cost, Admit, Limit, SharedWord};
 pub use maps::*;
+pub use pressure::*;
 pub use quota::{quota, Quota};

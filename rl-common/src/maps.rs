@@ -161,9 +161,16 @@ pub struct DatapathConfig {
     pub slot: u32,
     /// `CFG_*` bits: which lookups the active rule set needs.
     pub flags: u32,
+    /// Unseen keys one CPU may see per flood window (~1.07 s) before it
+    /// enters flood mode (see [`crate::pressure`]); `u32::MAX`: never.
+    pub flood_cap: u32,
+    /// Prefix-cell masks (network order): a key's cell is its bucket key
+    /// masked further to `flood_prefix_v4` / `flood_prefix_v6`.
+    pub cell_mask4: u32,
     pub _pad: u32,
+    pub cell_mask6: [u32; 4],
 }
-const _: () = assert!(size_of::<DatapathConfig>() == 40);
+const _: () = assert!(size_of::<DatapathConfig>() == 64);
 
 /// The active rule set has IPv4 allow/deny/src CIDRs: look sources up in
 /// [`MAP_LPM_V4`].
@@ -335,6 +342,27 @@ impl LimitEntry {
         }
     }
 
+    /// Whether `word` behaves like a new bucket (`0`) at `now` and at every
+    /// later time: forgetting it then changes no verdict, so the daemon may
+    /// delete it (see [`crate::pressure`]).
+    pub fn is_fresh(&self, word: u64, now: u64, epoch_offset_ns: u64) -> bool {
+        if self.kind & 0xff == LIMIT_GCRA {
+            // max(tat, t) = t for every t ≥ now.
+            return word <= now;
+        }
+        let window = self.a.max(1);
+        let current = now.wrapping_add(epoch_offset_ns) / window;
+        if self.kind & 0xff == LIMIT_FIXED {
+            // The count of an earlier window is never read again (the index
+            // is kept mod 2²⁴: it would take 2²⁴ windows to come back).
+            return word & crate::window::FIXED_MAX == 0 || word >> 40 != current & ((1 << 24) - 1);
+        }
+        // Sliding: the counts of windows before the previous one are never read.
+        let idx = word >> 56;
+        let cur = current & 0xff;
+        word & ((1 << 56) - 1) == 0 || (idx != cur && idx != (cur.wrapping_sub(1) & 0xff))
+    }
+
     /// This limit reading the tick clock exactly when `clock` suits it.
     pub fn with_clock(mut self, clock: &TickClock) -> Self {
         let span = if self.kind & 0xff == LIMIT_GCRA { self.b } else { self.a };
@@ -432,8 +460,15 @@ pub const STAT_EVENTS: u32 = 9;
 /// "Limited" events not sent: over the kernel-side budget, or the ring
 /// buffer was full.
 pub const STAT_EVENTS_SUPPRESSED: u32 = 10;
+/// Packets of keys that had no bucket of their own, charged to their
+/// prefix cell or their rule's last resort (flood mode or a full table).
+pub const STAT_FALLBACK: u32 = 11;
+/// Bucket inserts refused because the table was full.
+pub const STAT_TABLE_FULL: u32 = 12;
+/// Prefix cells created.
+pub const STAT_NEW_CELLS: u32 = 13;
 /// Number of counters.
-pub const STAT_COUNT: u32 = 11;
+pub const STAT_COUNT: u32 = 14;
 
 /// Counter names for logs and metrics, indexed like the `STAT_*` constants.
 pub const STAT_NAMES: [&str; STAT_COUNT as usize] = [
@@ -448,6 +483,9 @@ pub const STAT_NAMES: [&str; STAT_COUNT as usize] = [
     "contended_drops",
     "events",
     "events_suppressed",
+    "fallback_packets",
+    "table_full_refusals",
+    "new_cells",
 ];
 
 #[cfg(feature = "user")]
@@ -461,6 +499,7 @@ mod pod {
     unsafe impl aya::Pod for super::RuleStats {}
     unsafe impl aya::Pod for super::LimitEntry {}
     unsafe impl aya::Pod for super::RuleEntry {}
+    unsafe impl aya::Pod for crate::pressure::FloodState {}
 }
 
 #[cfg(test)]
@@ -489,5 +528,52 @@ mod tests {
         let k = Key6 { rule: 0, addr: [u32::from_ne_bytes([0xfd, 0, 0, 1]), 0, 0, u32::from_ne_bytes([0, 0, 0, 9])] };
         assert_eq!(k.addr_bytes()[0], 0xfd);
         assert_eq!(k.addr_bytes()[15], 9);
+    }
+}
+
+#[cfg(test)]
+mod fresh_tests {
+    extern crate std;
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// A bucket the daemon may delete is one whose every future verdict
+        /// equals a new bucket's: deleting it hands out nothing.
+        #[test]
+        fn fresh_words_behave_like_new_buckets(
+            kind in prop_oneof![Just(LIMIT_GCRA), Just(LIMIT_FIXED), Just(LIMIT_SLIDING)],
+            a in 1u64..5_000_000_000, b in 1u64..50,
+            start in 0u64..1_000_000_000_000, off in 0u64..1_000_000_000_000,
+            sent in 0u64..60, gaps in proptest::collection::vec(0u64..10_000_000_000, 1..8),
+        ) {
+            let l = match kind {
+                LIMIT_GCRA => LimitEntry { kind, shift: 0, a, b: a * b },
+                _ => LimitEntry { kind, shift: 0, a, b },
+            };
+            // Some state: `sent` packets offered at `start`.
+            let mut word = 0;
+            for _ in 0..sent {
+                if let Some(w) = l.step(word, start, off, 1) { word = w; }
+            }
+            let mut now = start;
+            for g in gaps {
+                now += g;
+                if l.is_fresh(word, now, off) {
+                    // Same verdicts as a new bucket over a run of packets.
+                    let (mut w0, mut w1) = (0u64, word);
+                    for i in 0..(b + 2) {
+                        let t = now + i * (a / 7 + 1);
+                        let (s0, s1) = (l.step(w0, t, off, 1), l.step(w1, t, off, 1));
+                        prop_assert_eq!(s0.is_some(), s1.is_some(), "diverged at packet {}", i);
+                        if let (Some(x), Some(y)) = (s0, s1) { w0 = x; w1 = y; }
+                    }
+                }
+            }
+            // And a bucket that just passed a packet is never fresh.
+            if let Some(w) = l.step(0, now, off, 1) {
+                prop_assert!(!l.is_fresh(w, now, off));
+            }
+        }
     }
 }

@@ -139,6 +139,8 @@ pub struct Status {
     pub tracked_sources: u64,
     /// Capacity of each family's source map.
     pub source_capacity: u32,
+    /// Table occupancy, unseen keys, refusals, fallbacks and flood mode.
+    pub pressure: crate::state::Pressure,
     pub config_file: Option<String>,
     pub last_reload: Option<ReloadRecord>,
 }
@@ -156,8 +158,13 @@ async fn status(AxState(api): AxState<Api>) -> Json<Status> {
         allow_cidrs: s.config.allow.len(),
         deny_cidrs: s.config.deny.len(),
         active_bans: s.config.active_bans(unix_now()).count(),
-        tracked_sources: s.tracked.0 + s.tracked.1,
+        tracked_sources: s.pressure.buckets_ipv4 + s.pressure.buckets_ipv6,
         source_capacity: s.config.datapath.max_sources,
+        pressure: crate::state::Pressure {
+            bucket_capacity: s.config.datapath.max_sources,
+            cell_capacity: s.config.datapath.flood_prefixes,
+            ..s.pressure.clone()
+        },
         config_file: s.path.as_ref().map(|p| p.display().to_string()),
         last_reload: s.last_reload.clone(),
     })
@@ -491,10 +498,30 @@ async fn metrics(AxState(api): AxState<Api>) -> ApiResult<Response> {
         }
         let _ = writeln!(out, "rl_datapath_events_total{{event=\"{name}\"}} {}", global.get(i as u32));
     }
-    family(&mut out, "rl_tracked_sources", "gauge", "Buckets held in the source maps (refreshed every few seconds).");
-    let _ = writeln!(out, "rl_tracked_sources{{family=\"ipv4\"}} {}\nrl_tracked_sources{{family=\"ipv6\"}} {}", s.tracked.0, s.tracked.1);
+    let p = &s.pressure;
+    family(&mut out, "rl_tracked_sources", "gauge", "Per-source buckets held (refreshed every second).");
+    let _ = writeln!(out, "rl_tracked_sources{{family=\"ipv4\"}} {}\nrl_tracked_sources{{family=\"ipv6\"}} {}", p.buckets_ipv4, p.buckets_ipv6);
     family(&mut out, "rl_source_capacity", "gauge", "Capacity of each family's source map (datapath.max_sources).");
     let _ = writeln!(out, "rl_source_capacity {}", s.config.datapath.max_sources);
+    family(&mut out, "rl_table_occupancy_ratio", "gauge", "Entries held over capacity, per table and family.");
+    for (table, family_, held, cap) in [
+        ("sources", "ipv4", p.buckets_ipv4, s.config.datapath.max_sources),
+        ("sources", "ipv6", p.buckets_ipv6, s.config.datapath.max_sources),
+        ("cells", "ipv4", p.cells_ipv4, s.config.datapath.flood_prefixes),
+        ("cells", "ipv6", p.cells_ipv6, s.config.datapath.flood_prefixes),
+    ] {
+        let _ = writeln!(out, "rl_table_occupancy_ratio{{table=\"{table}\",family=\"{family_}\"}} {}", held as f64 / cap.max(1) as f64);
+    }
+    family(&mut out, "rl_prefix_cells", "gauge", "Prefix cells held (datapath.flood_prefixes each).");
+    let _ = writeln!(out, "rl_prefix_cells{{family=\"ipv4\"}} {}\nrl_prefix_cells{{family=\"ipv6\"}} {}", p.cells_ipv4, p.cells_ipv6);
+    family(&mut out, "rl_unseen_keys_per_second", "gauge", "Keys the datapath found no bucket for, per second.");
+    let _ = writeln!(out, "rl_unseen_keys_per_second {}", p.unseen_keys_per_sec);
+    family(&mut out, "rl_new_buckets_per_second", "gauge", "Per-source buckets created per second.");
+    let _ = writeln!(out, "rl_new_buckets_per_second {}", p.new_buckets_per_sec);
+    family(&mut out, "rl_flood_mode", "gauge", "1 while unseen sources are charged to their prefix cells (flood mode).");
+    let _ = writeln!(out, "rl_flood_mode {}", u8::from(p.flood_mode));
+    family(&mut out, "rl_collected_buckets_total", "counter", "Buckets deleted by the collector because their state was fresh again.");
+    let _ = writeln!(out, "rl_collected_buckets_total {}", p.collected_buckets);
     family(&mut out, "rl_active_bans", "gauge", "Bans in force.");
     let _ = writeln!(out, "rl_active_bans {}", s.config.active_bans(unix_now()).count());
     family(&mut out, "rl_rules", "gauge", "Rules in force ([default] not counted).");
@@ -514,7 +541,7 @@ async fn metrics(AxState(api): AxState<Api>) -> ApiResult<Response> {
 #[openapi(
     info(title = "rl admin API", description = "rl-control's admin API: rules, stats, per-source quotas, bans, metrics."),
     paths(healthz, status, get_rules, put_rules, post_rule, delete_rule, stats, top_sources, source, events, post_ban, get_bans, delete_ban, reload, metrics),
-    components(schemas(ErrorBody, Health, Status, Applied, Stats, RuleCounters, SourceState, SourceLimit, NewBan, BanView, ReloadRecord, crate::state::Top, crate::state::TopSource, Events, crate::state::EventView)),
+    components(schemas(ErrorBody, Health, Status, crate::state::Pressure, Applied, Stats, RuleCounters, SourceState, SourceLimit, NewBan, BanView, ReloadRecord, crate::state::Top, crate::state::TopSource, Events, crate::state::EventView)),
     modifiers(&BearerAuth)
 )]
 pub struct ApiDoc;

@@ -107,11 +107,25 @@ pub fn status(v: &Value) -> String {
     } else {
         format!("{} ({}): {}", if last["ok"] == true { "ok" } else { "FAILED" }, s(&last["trigger"]), s(&last["message"]))
     };
+    let p = &v["pressure"];
+    let flood = if p["flood_mode"] == true {
+        format!("ON since {} (unseen sources charged to their prefix cells)", s(&p["flood_since_unix_ms"]))
+    } else {
+        "off".to_string()
+    };
     format!(
-        "interface:       {} (XDP {}, program {})\nuptime:          {}s\nrules:           {} (+ default), {} allow and {} deny CIDRs, {} bans\nsources tracked: {} of {} per family\nconfig file:     {}\nlast change:     {reload}\n",
+        "interface:       {} (XDP {}, program {})\nuptime:          {}s\nrules:           {} (+ default), {} allow and {} deny CIDRs, {} bans\n\
+         sources tracked: IPv4 {}, IPv6 {} of {} per family\nprefix cells:    IPv4 {}, IPv6 {} of {} per family\n\
+         unseen keys:     {:.0}/s; buckets created {:.0}/s, collected {} since start\n\
+         flood mode:      {flood}\nfallbacks:       {} packets charged to a cell or last resort; {} inserts refused (table full)\n\
+         config file:     {}\nlast change:     {reload}\n",
         s(&v["iface"]), s(&v["xdp_mode"]), s(&v["program_id"]), s(&v["uptime_secs"]), s(&v["rules"]),
-        s(&v["allow_cidrs"]), s(&v["deny_cidrs"]), s(&v["active_bans"]), s(&v["tracked_sources"]),
-        s(&v["source_capacity"]), s(&v["config_file"]),
+        s(&v["allow_cidrs"]), s(&v["deny_cidrs"]), s(&v["active_bans"]),
+        s(&p["buckets_ipv4"]), s(&p["buckets_ipv6"]), s(&p["bucket_capacity"]),
+        s(&p["cells_ipv4"]), s(&p["cells_ipv6"]), s(&p["cell_capacity"]),
+        p["unseen_keys_per_sec"].as_f64().unwrap_or(0.0), p["new_buckets_per_sec"].as_f64().unwrap_or(0.0), s(&p["collected_buckets"]),
+        s(&p["fallback_packets"]), s(&p["table_full_refusals"]),
+        s(&v["config_file"]),
     )
 }
 

@@ -36,9 +36,21 @@ const NS: u128 = 1_000_000_000;
 /// What the datapath needs from a [`Config`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Compiled {
-    /// Capacity of each per-source LRU map (fixed at load time).
+    /// Capacity of each family's bucket table (fixed at load time).
     pub max_sources: u32,
+    /// Capacity of each family's prefix-cell table (fixed at load time).
+    pub flood_prefixes: u32,
     pub rules: RuleSet,
+}
+
+/// The runtime knobs of flood mode, written with each rule set.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tuning {
+    /// Host-wide unseen keys per second before flood mode (the daemon
+    /// divides it among CPUs).
+    pub flood_new_keys_per_sec: u32,
+    pub cell_mask4: u32,
+    pub cell_mask6: [u32; 4],
 }
 
 /// One slot's worth of classification tables and rule entries.
@@ -46,6 +58,7 @@ pub struct Compiled {
 pub struct RuleSet {
     /// `CFG_*` bits.
     pub flags: u32,
+    pub tuning: Tuning,
     /// Index 0 is `[default]`, then the rules in file order.
     pub entries: Vec<RuleEntry>,
     /// Names, indexed like `entries` (`"default"` first).
@@ -109,6 +122,7 @@ pub enum Verdict {
 pub fn compile(config: &Config) -> Compiled {
     Compiled {
         max_sources: config.datapath.max_sources,
+        flood_prefixes: config.datapath.flood_prefixes,
         rules: compile_rules(config),
     }
 }
@@ -152,7 +166,13 @@ fn compile_rules(config: &Config) -> RuleSet {
     if !config.rules.is_empty() {
         flags |= CFG_RULES;
     }
-    RuleSet { flags, entries, names, l4, lpm, dir16, decide }
+    let d = &config.datapath;
+    let tuning = Tuning {
+        flood_new_keys_per_sec: d.flood_new_keys_per_sec,
+        cell_mask4: prefix_mask_words::<1>(d.flood_prefix_v4)[0],
+        cell_mask6: prefix_mask_words::<4>(d.flood_prefix_v6),
+    };
+    RuleSet { flags, tuning, entries, names, l4, lpm, dir16, decide }
 }
 
 /// A 32-bit id of a definition, stable while the daemon runs, low 3 bits 0.
@@ -160,7 +180,7 @@ fn stable_id(what: &impl Hash) -> u32 {
     let mut h = DefaultHasher::new();
     what.hash(&mut h);
     let v = h.finish();
-    ((v ^ (v >> 32)) as u32) & !7
+    ((v ^ (v >> 32)) as u32) & rl_common::RULE_ID_MASK
 }
 
 fn rule_entry(r: &Rule, v4_default: u8, v6_default: u8) -> RuleEntry {

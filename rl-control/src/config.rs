@@ -87,13 +87,27 @@ pub fn unix_now() -> u64 {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Datapath {
-    /// LRU capacity of the per-source map.
+    /// Capacity of each family's bucket table.
     pub max_sources: u32,
     /// IPv4 sources are aggregated to this prefix length.
     pub ipv4_prefix: u8,
     /// IPv6 sources are aggregated to this prefix length.
     pub ipv6_prefix: u8,
+    /// Host-wide rate of unseen keys (per second) above which the datapath
+    /// stops creating per-source buckets and charges unseen keys to their
+    /// prefix cells (flood mode). 0: always.
+    pub flood_new_keys_per_sec: u32,
+    /// The prefix cells' lengths.
+    pub flood_prefix_v4: u8,
+    pub flood_prefix_v6: u8,
+    /// Capacity of each family's prefix-cell table.
+    pub flood_prefixes: u32,
 }
+
+/// Defaults sized for a table of 1M sources per family.
+pub const DEFAULT_FLOOD_NEW_KEYS_PER_SEC: u32 = 100_000;
+pub const DEFAULT_FLOOD_PREFIXES: u32 = 65_536;
+
 
 /// The per-source limit applied to all traffic.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -187,6 +201,10 @@ struct RawDatapath {
     max_sources: Option<Spanned<i64>>,
     ipv4_prefix: Option<Spanned<i64>>,
     ipv6_prefix: Option<Spanned<i64>>,
+    flood_new_keys_per_sec: Option<Spanned<i64>>,
+    flood_prefix_v4: Option<Spanned<i64>>,
+    flood_prefix_v6: Option<Spanned<i64>>,
+    flood_prefixes: Option<Spanned<i64>>,
 }
 
 #[derive(Deserialize)]
@@ -256,6 +274,22 @@ impl Config {
             max_sources: ranged(&d.max_sources, "datapath.max_sources", 1, MAX_SOURCES_LIMIT as i64, 1 << 20)? as u32,
             ipv4_prefix: ranged(&d.ipv4_prefix, "datapath.ipv4_prefix", 1, 32, 32)? as u8,
             ipv6_prefix: ranged(&d.ipv6_prefix, "datapath.ipv6_prefix", 1, 128, 64)? as u8,
+            flood_new_keys_per_sec: ranged(
+                &d.flood_new_keys_per_sec,
+                "datapath.flood_new_keys_per_sec",
+                0,
+                1_000_000_000,
+                DEFAULT_FLOOD_NEW_KEYS_PER_SEC as i64,
+            )? as u32,
+            flood_prefix_v4: ranged(&d.flood_prefix_v4, "datapath.flood_prefix_v4", 0, 32, 24)? as u8,
+            flood_prefix_v6: ranged(&d.flood_prefix_v6, "datapath.flood_prefix_v6", 0, 128, 48)? as u8,
+            flood_prefixes: ranged(
+                &d.flood_prefixes,
+                "datapath.flood_prefixes",
+                1,
+                MAX_SOURCES_LIMIT as i64,
+                DEFAULT_FLOOD_PREFIXES as i64,
+            )? as u32,
         };
 
         let Some(def) = raw.default else {
@@ -340,7 +374,18 @@ mod tests {
     fn embedded_default_is_1000_pps_burst_2000() {
         let c = Config::embedded_default();
         assert_eq!(c.default, DefaultLimit { rate: 1000, burst: 2000 });
-        assert_eq!(c.datapath, Datapath { max_sources: 1 << 20, ipv4_prefix: 32, ipv6_prefix: 64 });
+        assert_eq!(
+            c.datapath,
+            Datapath {
+                max_sources: 1 << 20,
+                ipv4_prefix: 32,
+                ipv6_prefix: 64,
+                flood_new_keys_per_sec: 100_000,
+                flood_prefix_v4: 24,
+                flood_prefix_v6: 48,
+                flood_prefixes: 65_536,
+            }
+        );
     }
 
     #[test]
@@ -364,6 +409,29 @@ mod tests {
             error_of("[default]\nrate = 5\nburst = 0\n"),
             "rules.toml:3:9: default.burst = 0 is out of range: allowed 1..=1000000000"
         );
+    }
+
+    #[test]
+    fn flood_settings_are_validated_with_their_place() {
+        let cfg = |line: &str| format!("[datapath]\n{line}\n[default]\nrate = 5\n");
+        assert_eq!(
+            error_of(&cfg("flood_new_keys_per_sec = -1")),
+            "rules.toml:2:26: datapath.flood_new_keys_per_sec = -1 is out of range: allowed 0..=1000000000"
+        );
+        assert_eq!(
+            error_of(&cfg("flood_prefix_v4 = 33")),
+            "rules.toml:2:19: datapath.flood_prefix_v4 = 33 is out of range: allowed 0..=32"
+        );
+        assert_eq!(
+            error_of(&cfg("flood_prefix_v6 = 129")),
+            "rules.toml:2:19: datapath.flood_prefix_v6 = 129 is out of range: allowed 0..=128"
+        );
+        assert_eq!(
+            error_of(&cfg("flood_prefixes = 0")),
+            "rules.toml:2:18: datapath.flood_prefixes = 0 is out of range: allowed 1..=16777216"
+        );
+        let c = Config::from_str(&cfg("flood_new_keys_per_sec = 0"), "x").unwrap();
+        assert_eq!(c.datapath.flood_new_keys_per_sec, 0);
     }
 
     #[test]

@@ -18,8 +18,8 @@ use tracing::{error, info, warn};
 use crate::{
     api,
     compile::compile,
-    config::{Config, EMBEDDED_DEFAULT},
-    datapath::{interface_index, AttachMode, Datapath},
+    config::{unix_now, Config, EMBEDDED_DEFAULT},
+    datapath::{interface_index, AttachMode, Datapath, TableIds},
     state::{file_stamp, lock, Shared, State},
     units::bytes_to_addr,
 };
@@ -150,7 +150,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     if let Some(logger) = dp.take_logger() {
         tokio::spawn(forward_kernel_logs(logger));
     }
-    let map_ids = dp.source_map_ids();
+    let map_ids = dp.table_ids();
     let events = dp.take_events();
     let state: Shared = Arc::new(Mutex::new(State {
         program_id: dp.program_id(),
@@ -164,7 +164,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         last_reload: None,
         reloads_ok: 0,
         reloads_failed: 0,
-        tracked: (0, 0),
+        pressure: Default::default(),
         api_requests: Default::default(),
         top: Default::default(),
         events: Default::default(),
@@ -176,7 +176,13 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         }
     });
     info!("admin API on http://{api_addr}{}", if token.is_some() { " (bearer token required for /v1)" } else { "" });
-    let counter = map_ids.ok().map(|ids| tokio::spawn(scan_sources(state.clone(), ids)));
+    let counter = match map_ids {
+        Ok(ids) => Some(tokio::spawn(watch_pressure(state.clone(), ids))),
+        Err(e) => {
+            warn!("the bucket collector cannot start ({e}): buckets are never collected, so the tables fill and new sources share their prefix cells");
+            None
+        }
+    };
     match events {
         Ok(ring) => {
             tokio::spawn(forward_events(state.clone(), ring));
@@ -250,54 +256,111 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     Ok(())
 }
 
-/// How often the source maps are scanned (tracked sources, top sources).
-const SCAN_INTERVAL: Duration = Duration::from_secs(5);
+/// How often the collector walks the bucket tables.
+const COLLECT_INTERVAL: Duration = Duration::from_secs(1);
+/// How often the top-sources list is ranked (every this many passes).
+const TOP_EVERY: u32 = 5;
 
-/// Scans the source maps every few seconds through handles of its own, so
-/// a walk of a million buckets never holds the state lock: counts the
-/// buckets and ranks sources by their drops since the previous scan.
-async fn scan_sources(state: Shared, ids: (u32, u32)) {
-    use std::collections::HashMap;
-    let mut every = tokio::time::interval(SCAN_INTERVAL);
-    // (key address, key rule) ➜ (seen, dropped) at the last scan.
-    let mut previous: Option<(std::time::Instant, HashMap<(IpAddr, u32), (u64, u64)>)> = None;
+/// Walks the bucket tables every second through handles of its own, so a
+/// walk of a million buckets never holds the state lock: deletes buckets
+/// that are fresh again, records the pressure on the tables, raises flood
+/// events, and every few passes ranks sources by their drops.
+async fn watch_pressure(state: Shared, ids: TableIds) {
+    let mut every = tokio::time::interval(COLLECT_INTERVAL);
+    let mut top = TopRanker::default();
+    let mut last: Option<(std::time::Instant, u64)> = None;
+    let mut pass_no = 0u32;
     loop {
         every.tick().await;
-        let scanned = tokio::task::spawn_blocking(move || crate::datapath::scan_buckets(ids)).await;
-        let buckets = match scanned {
+        let st = state.clone();
+        let offset = lock(&state).dp.epoch_offset_ns();
+        let walked = tokio::task::spawn_blocking(move || {
+            let pass = crate::datapath::collect(ids, offset, || lock(&st).dp.limits_by_key())?;
+            Ok::<_, crate::datapath::DatapathError>((pass, crate::datapath::flood_mode(ids)?))
+        })
+        .await;
+        let (pass, flood) = match walked {
             Ok(Ok(x)) => x,
             Ok(Err(e)) => {
-                warn!("cannot scan the source maps: {e}");
+                warn!("the bucket collector stopped: {e}; buckets are no longer collected, so the tables fill and new sources share their prefix cells");
                 return;
             }
             Err(_) => return,
         };
         let now = std::time::Instant::now();
-        let tracked = (
-            buckets.iter().filter(|b| b.addr.is_ipv4()).count() as u64,
-            buckets.iter().filter(|b| b.addr.is_ipv6()).count() as u64,
-        );
-        let counts: HashMap<(IpAddr, u32), (u64, u64)> = buckets
+        let mut s = lock(&state);
+        let counters = s.dp.counters().unwrap_or_default();
+        let created = counters.get(rl_common::STAT_NEW_SOURCES);
+        let p = &mut s.pressure;
+        p.buckets_ipv4 = pass.own.0;
+        p.buckets_ipv6 = pass.own.1;
+        p.cells_ipv4 = pass.cells.0;
+        p.cells_ipv6 = pass.cells.1;
+        p.collected_buckets += pass.collected;
+        p.table_full_refusals = counters.get(rl_common::STAT_TABLE_FULL);
+        p.fallback_packets = counters.get(rl_common::STAT_FALLBACK);
+        p.unseen_keys_per_sec = flood.unseen_last_window as f64 * 1e9 / (1u64 << rl_common::FLOOD_WINDOW_SHIFT) as f64;
+        if let Some((then, before)) = last {
+            p.new_buckets_per_sec = created.saturating_sub(before) as f64 / (now - then).as_secs_f64().max(1e-3);
+        }
+        last = Some((now, created));
+        if flood.on != p.flood_mode {
+            p.flood_mode = flood.on;
+            p.flood_since_unix_ms = flood.on.then(|| unix_now() * 1000);
+            let (event, unseen) = (if flood.on { "flood_started" } else { "flood_ended" }, p.unseen_keys_per_sec);
+            if flood.on {
+                warn!(event, unseen_keys_per_sec = unseen, "flood mode: unseen sources are charged to their prefix cells");
+            } else {
+                info!(event, "flood mode ended: new sources get buckets of their own again");
+            }
+            s.push_event(crate::state::EventView {
+                at_unix_ms: unix_now() * 1000,
+                event: event.into(),
+                rule: String::new(),
+                limit_index: 0,
+                source: String::new(),
+            });
+        }
+        pass_no += 1;
+        if pass_no % TOP_EVERY == 1 {
+            if let Some(t) = top.rank(&pass.sources, now, &s) {
+                s.top = t;
+            }
+        }
+    }
+}
+
+/// Ranks sources by their drops between two walks.
+#[derive(Default)]
+struct TopRanker {
+    /// (key address, key rule) ➜ (seen, dropped) at the previous ranking.
+    previous: Option<(std::time::Instant, std::collections::HashMap<(IpAddr, u32), (u64, u64)>)>,
+}
+
+impl TopRanker {
+    fn rank(&mut self, buckets: &[crate::datapath::Source], now: std::time::Instant, s: &State) -> Option<crate::state::Top> {
+        let counts: std::collections::HashMap<(IpAddr, u32), (u64, u64)> = buckets
             .iter()
             .map(|b| ((b.addr, b.rule), (b.bucket.passed + b.bucket.dropped, b.bucket.dropped)))
             .collect();
-        let mut top = crate::state::Top::default();
-        if let Some((then, before)) = &previous {
-            let secs = (now - *then).as_secs_f64().max(1e-3);
-            let mut ranked: Vec<((IpAddr, u32), u64, u64)> = counts
-                .iter()
-                .filter_map(|(k, &(seen, dropped))| {
-                    // A bucket evicted and created again starts from 0.
-                    let (s0, d0) = before.get(k).copied().filter(|&(s0, _)| s0 <= seen).unwrap_or((0, 0));
-                    let drops = dropped.saturating_sub(d0);
-                    (drops > 0).then_some((*k, drops, seen - s0))
-                })
-                .collect();
-            ranked.sort_by(|a, b| b.1.cmp(&a.1));
-            ranked.truncate(crate::state::TOP_KEPT);
-            let s = lock(&state);
-            top.interval_secs = secs;
-            top.sources = ranked
+        let previous = self.previous.replace((now, counts));
+        let (then, before) = previous?;
+        let counts = &self.previous.as_ref()?.1;
+        let secs = (now - then).as_secs_f64().max(1e-3);
+        let mut ranked: Vec<((IpAddr, u32), u64, u64)> = counts
+            .iter()
+            .filter_map(|(k, &(seen, dropped))| {
+                // A bucket collected and created again starts from 0.
+                let (s0, d0) = before.get(k).copied().filter(|&(s0, _)| s0 <= seen).unwrap_or((0, 0));
+                let drops = dropped.saturating_sub(d0);
+                (drops > 0).then_some((*k, drops, seen - s0))
+            })
+            .collect();
+        ranked.sort_by(|a, b| b.1.cmp(&a.1));
+        ranked.truncate(crate::state::TOP_KEPT);
+        Some(crate::state::Top {
+            interval_secs: secs,
+            sources: ranked
                 .into_iter()
                 .map(|((addr, rule), drops, seen)| crate::state::TopSource {
                     source: addr.to_string(),
@@ -306,16 +369,8 @@ async fn scan_sources(state: Shared, ids: (u32, u32)) {
                     drops_per_sec: drops as f64 / secs,
                     rate_seen_pps: seen as f64 / secs,
                 })
-                .collect();
-        }
-        {
-            let mut s = lock(&state);
-            s.tracked = tracked;
-            if previous.is_some() {
-                s.top = top;
-            }
-        }
-        previous = Some((now, counts));
+                .collect(),
+        })
     }
 }
 
@@ -356,10 +411,7 @@ async fn forward_events(state: Shared, ring: aya::maps::RingBuf<aya::maps::MapDa
                 source: bytes_to_addr(if e.family == 4 { &e.addr[..4] } else { &e.addr[..] }).to_string(),
             };
             info!(event = "limited", rule = %view.rule, limit = view.limit_index, source = %view.source, "source started being limited");
-            if s.events.len() == crate::state::EVENTS_KEPT {
-                s.events.pop_front();
-            }
-            s.events.push_back(view);
+            s.push_event(view);
         }
     }
 }

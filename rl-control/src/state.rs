@@ -77,14 +77,45 @@ pub struct State {
     pub last_reload: Option<ReloadRecord>,
     pub reloads_ok: u64,
     pub reloads_failed: u64,
-    /// Buckets held (IPv4, IPv6), refreshed in the background.
-    pub tracked: (u64, u64),
+    /// Pressure on the bucket tables, refreshed in the background.
+    pub pressure: Pressure,
     /// Admin API requests by (route, status).
     pub api_requests: BTreeMap<(String, u16), u64>,
     /// The sources with the most drops over the last scan interval.
     pub top: Top,
     /// The most recent "limited" events, oldest first.
     pub events: std::collections::VecDeque<EventView>,
+}
+
+/// Pressure on the bucket tables (see README, "Floods"), as of the last
+/// collector pass (every second).
+#[derive(Clone, Debug, Default, Serialize, utoipa::ToSchema)]
+pub struct Pressure {
+    /// Per-source buckets held, per family.
+    pub buckets_ipv4: u64,
+    pub buckets_ipv6: u64,
+    /// Capacity of each family's bucket table (`datapath.max_sources`).
+    pub bucket_capacity: u32,
+    /// Prefix cells held, per family.
+    pub cells_ipv4: u64,
+    pub cells_ipv6: u64,
+    /// Capacity of each family's cell table (`datapath.flood_prefixes`).
+    pub cell_capacity: u32,
+    /// Keys the datapath found no bucket for, per second (the last flood
+    /// window): new sources, and in flood mode every packet of an unseen one.
+    pub unseen_keys_per_sec: f64,
+    /// Buckets created per second over the last pass.
+    pub new_buckets_per_sec: f64,
+    /// Since load: inserts refused because a table was full.
+    pub table_full_refusals: u64,
+    /// Since load: packets charged to a prefix cell or a last resort.
+    pub fallback_packets: u64,
+    /// Since load: buckets the collector deleted because they were fresh.
+    pub collected_buckets: u64,
+    /// Flood mode: unseen keys are charged to their prefix cells.
+    pub flood_mode: bool,
+    /// When the current flood mode started (Unix ms), if it is on.
+    pub flood_since_unix_ms: Option<u64>,
 }
 
 /// Events kept for `GET /v1/events`.
@@ -125,6 +156,17 @@ pub struct EventView {
     pub limit_index: u32,
     /// The source as the rule keys it (masked to its prefix).
     pub source: String,
+}
+
+impl State {
+    /// Keeps `event` for `GET /v1/events` (dropping the oldest beyond
+    /// [`EVENTS_KEPT`]).
+    pub fn push_event(&mut self, event: EventView) {
+        if self.events.len() == EVENTS_KEPT {
+            self.events.pop_front();
+        }
+        self.events.push_back(event);
+    }
 }
 
 pub type Shared = Arc<Mutex<State>>;

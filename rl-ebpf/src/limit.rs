@@ -8,10 +8,10 @@
 use core::intrinsics::{atomic_cxchg, AtomicOrdering};
 
 use aya_ebpf::{
-    bindings::{BPF_F_NO_PREALLOC, BPF_NOEXIST},
+    bindings::BPF_F_NO_PREALLOC,
     helpers::{bpf_jiffies64, bpf_ktime_get_ns},
     macros::map,
-    maps::{lpm_trie::Key, Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, RingBuf},
+    maps::{lpm_trie::Key, Array, HashMap, LpmTrie, PerCpuArray, RingBuf},
     programs::XdpContext,
     Global,
 };
@@ -19,26 +19,18 @@ use aya_log_ebpf::debug;
 use rl_common::{
     admit_with, decide_key, gcra, Event, EVENT_BUDGET, LIMITED_GAP_NS,
     STAT_EVENTS, STAT_EVENTS_SUPPRESSED,
-    Admit, Bucket, CidrEntry, DIR16_LEN, DIR16_LOOKUP, DatapathConfig, Key4, Key6, L4Entry, LimitEntry, RuleEntry, RuleStats,
+    Admit, Bucket, CidrEntry, DIR16_LEN, DIR16_LOOKUP, DatapathConfig, L4Entry, LimitEntry, RuleEntry, RuleStats,
     SharedWord, CFG_LPM_V4, CFG_LPM_V6, CFG_RULES, L4_ICMP, L4_ICMPV6, L4_OTHER, L4_SLOT_LEN, L4_TCP,
     L4_TCP_SYN, L4_UDP, LIMIT_BYTES, LIMIT_COARSE, LIMIT_GCRA, LIST_ALLOW, LIST_DENY,
     MAX_LIMITS, POOL_INDEX, RSTAT_ALLOW, RSTAT_DENY, RSTAT_LEN, RULE_ELASTIC, RULE_SHADOW, RULE_SLOTS,
-    STAT_CONTENDED, STAT_NEW_SOURCES, STAT_NO_STATE,
+    STAT_CONTENDED, STAT_NO_STATE,
 };
 
 use crate::{
+    buckets,
     parse::{Packet, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP},
     stats,
 };
-
-/// Buckets by (limit, masked source), one map per family (see
-/// rl_common::MAP_SOURCES_V6). The daemon sets the real capacity at load
-/// (`datapath.max_sources`); LRU eviction bounds memory under floods of
-/// random sources.
-#[map(name = "RL_SRC4")]
-static RL_SRC4: LruHashMap<Key4, Bucket> = LruHashMap::with_max_entries(65_536, 0);
-#[map(name = "RL_SRC6")]
-static RL_SRC6: LruHashMap<Key6, Bucket> = LruHashMap::with_max_entries(65_536, 0);
 
 /// Runtime configuration, written by the daemon; the last write of a reload.
 #[map(name = "RL_CONFIG")]
@@ -93,20 +85,23 @@ pub enum Verdict {
     Drop,
 }
 
+/// The active configuration, if the daemon has written one.
+#[inline(always)]
+pub fn config() -> Option<&'static DatapathConfig> {
+    RL_CONFIG.get(0).filter(|c| c.enabled != 0)
+}
+
 /// Limits an IP packet and counts its verdict exactly once: in the per-rule
 /// counters (rules, `[default]`, allow, deny), or in the global ones when no
 /// rule set is installed yet. The daemon sums both for totals.
+///
 #[inline(always)]
 pub fn limit(ctx: &XdpContext, pkt: &Packet, len: u64) -> Verdict {
-    let Some(cfg) = RL_CONFIG.get(0) else {
-        stats::passed(len, None);
-        return Verdict::Pass;
-    };
-    if cfg.enabled == 0 {
+    let Some(cfg) = config() else {
         // Not configured yet (the daemon attaches only after writing config).
         stats::passed(len, None);
         return Verdict::Pass;
-    }
+    };
     let slot = cfg.slot & 1;
     let mut src = pkt.src;
     if RL_BENCH_NEW_SOURCES.load() != 0 {
@@ -118,23 +113,39 @@ pub fn limit(ctx: &XdpContext, pkt: &Packet, len: u64) -> Verdict {
         }
     }
 
+    let entry = classify(cfg, slot, pkt, &src);
+    match entry {
+        RSTAT_ALLOW => {
+            count(RSTAT_ALLOW, len, Counted::Passed);
+            Verdict::Pass
+        }
+        RSTAT_DENY => {
+            count(RSTAT_DENY, len, Counted::Dropped);
+            Verdict::Drop
+        }
+        _ => {
+            let Some(rule) = RL_RULES.get(entry) else {
+                stats::passed(len, None);
+                return Verdict::Pass;
+            };
+            settle(ctx, cfg, rule, entry, pkt.is_v6, &src, len)
+        }
+    }
+}
+
+/// The entry a packet counts under: [`RSTAT_ALLOW`], [`RSTAT_DENY`] or a
+/// rule-table entry (the first matching rule in file order, precomputed).
+#[inline(always)]
+fn classify(cfg: &DatapathConfig, slot: u32, pkt: &Packet, src: &[u32; 4]) -> u32 {
     // allow / deny / source class: one longest-prefix lookup.
     let mut src_class = 0;
-    if let Some(v) = lpm(cfg, slot, pkt.is_v6, &src) {
+    if let Some(v) = lpm(cfg, slot, pkt.is_v6, src) {
         match CidrEntry::list(v) {
-            LIST_ALLOW => {
-                count(RSTAT_ALLOW, len, Counted::Passed);
-                return Verdict::Pass;
-            }
-            LIST_DENY => {
-                count(RSTAT_DENY, len, Counted::Dropped);
-                return Verdict::Drop;
-            }
+            LIST_ALLOW => return RSTAT_ALLOW,
+            LIST_DENY => return RSTAT_DENY,
             _ => src_class = CidrEntry::src_class(v),
         }
     }
-
-    // The rule: the first match in file order, precomputed.
     let mut index = 0;
     if cfg.flags & CFG_RULES != 0 {
         if let Some(e) = RL_L4.get(slot * L4_SLOT_LEN + l4_index(pkt)) {
@@ -147,13 +158,23 @@ pub fn limit(ctx: &XdpContext, pkt: &Packet, len: u64) -> Verdict {
             }
         }
     }
-    let entry = slot * RULE_SLOTS + index;
-    let Some(rule) = RL_RULES.get(entry) else {
-        stats::passed(len, None);
-        return Verdict::Pass;
-    };
+    slot * RULE_SLOTS + index
+}
 
-    let verdict = charge(ctx, cfg, rule, pkt.is_v6, &src, len);
+/// Charges `rule` and counts the verdict under its entry (a shadow rule's
+/// drop is counted as such and passed).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn settle(
+    ctx: &XdpContext,
+    cfg: &DatapathConfig,
+    rule: &RuleEntry,
+    entry: u32,
+    is_v6: bool,
+    src: &[u32; 4],
+    len: u64,
+) -> Verdict {
+    let verdict = charge(ctx, cfg, rule, is_v6, src, len);
     match verdict {
         Verdict::Pass => count(entry, len, Counted::Passed),
         Verdict::Drop if rule.flags & RULE_SHADOW != 0 => {
@@ -239,21 +260,12 @@ fn count(index: u32, len: u64, what: Counted) {
     }
 }
 
-/// The bucket of limit `which` of `rule` for this source.
+/// Charges the packet to every limit of `rule`; all must pass. They are checked first and charged only if
+/// all would pass, so a packet dropped by one limit does not spend the
+/// others (a race between the check and the charge can still spend an
+/// earlier one: never more than the limits allow).
 #[inline(always)]
-fn bucket_of(rule: &RuleEntry, which: u32, is_v6: bool, src: &[u32; 4]) -> Option<*mut Bucket> {
-    if is_v6 {
-        bucket(&RL_SRC6, &rule.key6(which, src))
-    } else {
-        bucket(&RL_SRC4, &rule.key4(which, src[3]))
-    }
-}
-
-/// Charges the packet to every limit of `rule`; all must pass. They are
-/// checked first and charged only if all would pass, so a packet dropped by
-/// one limit does not spend the others (a race between the check and the
-/// charge can still spend an earlier one: never more than the limits allow).
-#[inline(always)]
+#[allow(clippy::too_many_arguments)]
 fn charge(
     ctx: &XdpContext,
     cfg: &DatapathConfig,
@@ -265,15 +277,14 @@ fn charge(
     let n = rule.n_limits as usize;
     if n == 1 {
         // The common case: one limit, no separate check.
-        let Some(b) = bucket_of(rule, 0, is_v6, src) else {
+        let Some(b) = buckets::bucket(cfg, rule, 0, is_v6, src) else {
             rare_event(ctx, STAT_NO_STATE);
             return Verdict::Drop;
         };
         let (verdict, t) = admit(ctx, cfg, &rule.limits[0], b, len);
-        let verdict = match verdict {
-            Verdict::Pass => Verdict::Pass,
-            Verdict::Drop => elastic(ctx, cfg, rule, is_v6, len),
-        };
+        if let Verdict::Drop = verdict {
+            return over(ctx, cfg, rule, 0, is_v6, src, len, t, b);
+        }
         decided(ctx, t, b, &verdict, rule, 0, is_v6, src);
         return verdict;
     }
@@ -283,22 +294,22 @@ fn charge(
         if i >= n {
             break;
         }
-        let Some(b) = bucket_of(rule, i as u32, is_v6, src) else {
-            rare_event(ctx, STAT_NO_STATE);
-            return Verdict::Drop;
+        // A key without a bucket of its own yet is not checked ahead: its
+        // bucket is made (or its fallback found) when charged below.
+        let Some(b) = buckets::existing(rule, i as u32, is_v6, src) else {
+            continue;
         };
         let word = Tat(unsafe { &raw mut (*b).tat_ns }).load();
         if step(cfg, &rule.limits[i], len, word).is_none() {
-            let verdict = elastic(ctx, cfg, rule, is_v6, len);
-            decided(ctx, now(cfg, &rule.limits[i]), b, &verdict, rule, i as u32, is_v6, src);
-            return verdict;
+            let t = now(cfg, &rule.limits[i]);
+            return over(ctx, cfg, rule, i as u32, is_v6, src, len, t, b);
         }
     }
     for i in 0..MAX_LIMITS {
         if i >= n {
             break;
         }
-        let Some(b) = bucket_of(rule, i as u32, is_v6, src) else {
+        let Some(b) = buckets::bucket(cfg, rule, i as u32, is_v6, src) else {
             return Verdict::Drop;
         };
         let (verdict, t) = admit(ctx, cfg, &rule.limits[i], b, len);
@@ -310,6 +321,35 @@ fn charge(
         }
     }
     Verdict::Pass
+}
+
+/// A packet over limit `which` (bucket `b`, clock `t`): dropped, unless an
+/// elastic rule's pool has room; counted in `b` either way.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn over(
+    ctx: &XdpContext,
+    cfg: &DatapathConfig,
+    rule: &RuleEntry,
+    which: u32,
+    is_v6: bool,
+    src: &[u32; 4],
+    len: u64,
+    t: u64,
+    b: *mut Bucket,
+) -> Verdict {
+    if rule.flags & RULE_ELASTIC == 0 {
+        decided(ctx, t, b, &Verdict::Drop, rule, which, is_v6, src);
+        return Verdict::Drop;
+    }
+    // `b` is not used past this point: the verifier then need not pair each
+    // kind of bucket (own, prefix cell, last resort) with each kind of pool
+    // bucket. It is looked up again to be counted.
+    let verdict = elastic(ctx, cfg, rule, is_v6, len);
+    if let Some(b) = buckets::existing(rule, which, is_v6, src) {
+        decided(ctx, t, b, &verdict, rule, which, is_v6, src);
+    }
+    verdict
 }
 
 /// Counts the packet in the bucket that decided it (`t`: the time the
@@ -382,7 +422,7 @@ fn elastic(ctx: &XdpContext, cfg: &DatapathConfig, rule: &RuleEntry, is_v6: bool
     if rule.flags & RULE_ELASTIC == 0 {
         return Verdict::Drop;
     }
-    let Some(b) = bucket_of(rule, POOL_INDEX, is_v6, &[0; 4]) else {
+    let Some(b) = buckets::bucket(cfg, rule, POOL_INDEX, is_v6, &[0; 4]) else {
         return Verdict::Drop;
     };
     admit(ctx, cfg, &rule.pool, b, len).0
@@ -467,20 +507,6 @@ impl SharedWord for Tat {
             Err(seen)
         }
     }
-}
-
-/// The source's bucket, created full if it is new. When two CPUs see a new
-/// source at once, `BPF_NOEXIST` lets exactly one insert win and both then
-/// charge the same bucket.
-#[inline(always)]
-fn bucket<K>(map: &LruHashMap<K, Bucket>, key: &K) -> Option<*mut Bucket> {
-    if let Some(b) = map.get_ptr_mut(key) {
-        return Some(b);
-    }
-    if map.insert(key, &Bucket::default(), BPF_NOEXIST as u64).is_ok() {
-        stats::bump(STAT_NEW_SOURCES);
-    }
-    map.get_ptr_mut(key)
 }
 
 /// Counts a rare event and logs it at the 1st, 2nd, 4th, 8th… occurrence on

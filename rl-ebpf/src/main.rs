@@ -10,6 +10,7 @@
 #![allow(internal_features)]
 #![feature(core_intrinsics)]
 
+mod buckets;
 mod limit;
 mod parse;
 mod stats;
@@ -21,6 +22,9 @@ use crate::{limit::Verdict, parse::Parsed};
 /// The limiter. Every path ends in exactly one counted verdict: non-IP and
 /// malformed frames in the global counters, IP packets in their rule's.
 #[xdp]
+// Inlined into the entry point: as a BPF-to-BPF call its packet pointers
+// would arrive as plain integers, which the verifier refuses to dereference.
+#[inline(always)]
 pub fn rl(ctx: XdpContext) -> u32 {
     let len = (ctx.data_end() - ctx.data()) as u64;
     let verdict = match parse::parse(&ctx) {

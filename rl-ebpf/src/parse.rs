@@ -8,8 +8,11 @@
 //!   ICMP or ICMPv6 header is cut short: [`Parsed::Malformed`] ➜ dropped. No
 //!   host would accept them, and passing them would let a flood dodge the
 //!   limit by cutting its headers.
-//! - Non-first fragments carry no L4 header: they are limited by source with
-//!   `dst_port = 0`. Other L4 protocols are limited by source as well.
+//! - Fragments ([`Frag`]): a first fragment is classified like a whole
+//!   packet, and is malformed if its IP length cannot hold the TCP, UDP or
+//!   ICMP header it claims. Non-first fragments carry no L4 header: they
+//!   are limited by source with `dst_port = 0`. Other L4 protocols are
+//!   limited by source as well.
 
 use core::mem::size_of;
 
@@ -47,6 +50,17 @@ const IPPROTO_FRAGMENT: u8 = 44;
 const IPPROTO_AH: u8 = 51;
 const IPPROTO_DSTOPTS: u8 = 60;
 
+/// Where a packet stands in fragmentation.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Frag {
+    /// A whole datagram (including IPv6 "atomic" fragments).
+    No,
+    /// Offset 0, more fragments follow: carries the L4 header.
+    First,
+    /// Offset > 0: no L4 header.
+    Later,
+}
+
 /// What the limiter needs from a packet.
 pub struct Packet {
     /// Source address as four network-order words; IPv4 uses only `src[3]`.
@@ -58,6 +72,7 @@ pub struct Packet {
     pub dst_port: u16,
     /// TCP flags byte (CWR..FIN), otherwise 0.
     pub tcp_flags: u8,
+    pub frag: Frag,
 }
 
 pub enum Parsed {
@@ -127,7 +142,7 @@ fn parse_ipv4(ctx: &XdpContext, off: usize) -> Parsed {
     if ptr_at::<u8>(ctx, off + ihl - 1).is_none() {
         return Parsed::Malformed;
     }
-    let frag_offset = u16::from_be_bytes([hdr[6], hdr[7]]) & 0x1fff;
+    let frag_field = u16::from_be_bytes([hdr[6], hdr[7]]);
     // One 4-byte load: the header is only 2-byte aligned after Ethernet,
     // which x86 (and the verifier there) accept; a byte-wise read costs
     // seven more instructions on every packet.
@@ -135,17 +150,42 @@ fn parse_ipv4(ctx: &XdpContext, off: usize) -> Parsed {
         return Parsed::Malformed;
     };
     let src = unsafe { core::ptr::read_volatile(src_ptr) };
-    let pkt = Packet {
+    let mut pkt = Packet {
         src: [0, 0, 0, src],
         is_v6: false,
         proto: hdr[9],
         dst_port: 0,
         tcp_flags: 0,
+        frag: Frag::No,
     };
-    if frag_offset != 0 {
+    if frag_field & (IPV4_MF | IPV4_OFFSET) == 0 {
+        return parse_l4(ctx, off + ihl, pkt);
+    }
+    if frag_field & IPV4_OFFSET != 0 {
+        pkt.frag = Frag::Later;
         return Parsed::Ip(pkt);
     }
+    pkt.frag = Frag::First;
+    let total = u16::from_be_bytes([hdr[2], hdr[3]]) as usize;
+    if ihl + l4_min_len(pkt.proto) > total {
+        return Parsed::Malformed;
+    }
     parse_l4(ctx, off + ihl, pkt)
+}
+
+/// IPv4 flags and fragment offset (bytes 6-7): "more fragments" and the offset.
+const IPV4_MF: u16 = 0x2000;
+const IPV4_OFFSET: u16 = 0x1fff;
+
+/// The L4 header a first fragment must hold whole.
+#[inline(always)]
+fn l4_min_len(proto: u8) -> usize {
+    match proto {
+        IPPROTO_TCP => TCP_MIN_HLEN,
+        IPPROTO_UDP => UDP_HLEN,
+        IPPROTO_ICMP | IPPROTO_ICMPV6 => ICMP_MIN_HLEN,
+        _ => 0,
+    }
 }
 
 #[inline(always)]
@@ -163,7 +203,11 @@ fn parse_ipv6(ctx: &XdpContext, off: usize) -> Parsed {
         proto: hdr[6],
         dst_port: 0,
         tcp_flags: 0,
+        frag: Frag::No,
     };
+    // Where the IPv6 payload ends by its header: a first fragment must hold
+    // its L4 header before it.
+    let ip_end = off + IPV6_HLEN + u16::from_be_bytes([hdr[4], hdr[5]]) as usize;
     let mut off = off + IPV6_HLEN;
     for _ in 0..MAX_IPV6_EXT {
         match pkt.proto {
@@ -183,25 +227,45 @@ fn parse_ipv6(ctx: &XdpContext, off: usize) -> Parsed {
                 off += (ext[1] as usize + 2) * 4;
             }
             IPPROTO_FRAGMENT => {
-                let Some(frag) = read::<[u8; 4]>(ctx, off) else {
+                let Some(frag) = read::<[u8; IPV6_EXT_UNIT]>(ctx, off) else {
                     return Parsed::Malformed;
                 };
                 pkt.proto = frag[0];
+                let field = u16::from_be_bytes([frag[2], frag[3]]);
                 off += IPV6_EXT_UNIT;
-                if u16::from_be_bytes([frag[2], frag[3]]) & 0xfff8 != 0 {
-                    // A non-first fragment: no L4 header follows.
-                    return Parsed::Ip(pkt);
+                if field & (IPV6_OFFSET | IPV6_M) != 0 {
+                    if field & IPV6_OFFSET != 0 {
+                        // A non-first fragment: no L4 header follows.
+                        pkt.frag = Frag::Later;
+                        return Parsed::Ip(pkt);
+                    }
+                    pkt.frag = Frag::First;
                 }
+                // Offset 0 and no M bit: an "atomic" fragment, a whole datagram.
             }
-            _ => return parse_l4(ctx, off, pkt),
+            _ => return parse_l4_checked(ctx, off, ip_end, pkt),
         }
     }
     match pkt.proto {
         IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS | IPPROTO_AH | IPPROTO_FRAGMENT => {
             Parsed::Malformed
         }
-        _ => parse_l4(ctx, off, pkt),
+        _ => parse_l4_checked(ctx, off, ip_end, pkt),
     }
+}
+
+/// IPv6 fragment header field (bytes 2-3): offset in 8-byte units, M bit.
+const IPV6_OFFSET: u16 = 0xfff8;
+const IPV6_M: u16 = 0x0001;
+
+/// [`parse_l4`] after checking that a first fragment's L4 header ends
+/// within the IP payload (`ip_end`).
+#[inline(always)]
+fn parse_l4_checked(ctx: &XdpContext, off: usize, ip_end: usize, pkt: Packet) -> Parsed {
+    if pkt.frag == Frag::First && off + l4_min_len(pkt.proto) > ip_end {
+        return Parsed::Malformed;
+    }
+    parse_l4(ctx, off, pkt)
 }
 
 #[inline(always)]

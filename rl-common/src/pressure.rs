@@ -1,0 +1,182 @@
+//! Holding limits when there are more sources than buckets.
+//!
+//! Buckets live in non-evicting hash maps: a bucket is never forgotten while
+//! its state differs from a fresh one. A key that finds no bucket of its own
+//! is charged to the bucket it *maps to*: its prefix cell (the key masked to
+//! `flood_prefix`, marked [`KEY_CELL`]), or, when there is none, its rule's
+//! last resort (one per rule and limit, [`KEY_LAST`]). Whenever a
+//! finer bucket is created (a source's own, or a prefix cell), it starts as a
+//! copy of the bucket the key mapped to until then, never fuller; and the
+//! daemon deletes only buckets that are [`fresh`](crate::LimitEntry::is_fresh)
+//! (their state is that of a new bucket, so forgetting them changes nothing).
+//!
+//! Together these keep one invariant for every key `k` and every limit: the
+//! bucket `k` maps to never holds more than the bucket `k` would have if it
+//! had been kept alone for ever. So `k` passes only packets its own bucket
+//! would have passed (the README's guarantees (a) and (b)), however many
+//! other keys arrive, and a flood can only ever make newcomers share, never
+//! hand anybody a fresh allowance.
+//!
+//! Flood mode (Katran's `is_under_flood`): a CPU that sees more than its
+//! share of `flood_new_keys_per_sec` unseen keys in a window stops creating
+//! per-source buckets for the rest of that window and the next, and charges
+//! unseen keys straight to their prefix cells: a lookup instead of an insert.
+
+/// Per-CPU flood detector (`PerCpuArray<FloodState>`, one entry).
+pub const MAP_FLOOD: &str = "RL_FLOOD";
+
+/// Rule ids leave these bits free: bucket keys use them to mark the
+/// fallbacks, which live in the same table as the sources' own buckets
+/// (one table per family keeps every bucket pointer of one kind for the
+/// verifier). The low 3 bits are the limit index.
+pub const RULE_ID_MASK: u32 = 0x3fff_fff8;
+/// `Key4::rule` / `Key6::rule` bit of a prefix cell: the key's address is
+/// masked to `flood_prefix_v4` / `flood_prefix_v6`.
+pub const KEY_CELL: u32 = 1 << 31;
+/// `Key4::rule` / `Key6::rule` bit of a rule's last resort (address 0).
+pub const KEY_LAST: u32 = 1 << 30;
+
+/// What kind of bucket a key names.
+pub fn key_kind(rule: u32) -> KeyKind {
+    if rule & KEY_LAST != 0 {
+        KeyKind::LastResort
+    } else if rule & KEY_CELL != 0 {
+        KeyKind::Cell
+    } else {
+        KeyKind::Own
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeyKind {
+    Own,
+    Cell,
+    LastResort,
+}
+
+/// Log₂ of the flood window in ns: about 1.07 s.
+pub const FLOOD_WINDOW_SHIFT: u32 = 30;
+
+/// One CPU's count of keys it found no bucket for.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FloodState {
+    /// The current window (`ns >> FLOOD_WINDOW_SHIFT`).
+    pub window: u64,
+    /// Unseen keys in the current window.
+    pub unseen: u64,
+    /// Unseen keys in the window before it (0 if it was not the previous one).
+    pub prev_unseen: u64,
+    /// The window in which a bucket insert last failed because the table
+    /// was full (no more inserts are tried until the next window).
+    pub full_window: u64,
+    /// The clock (ns) of the last key charged to a fallback in flood mode:
+    /// the daemon reports flood mode while this is recent on some CPU.
+    pub last_flood_ns: u64,
+    /// Like `full_window`, for the prefix-cell table.
+    pub cells_full_window: u64,
+}
+const _: () = assert!(core::mem::size_of::<FloodState>() == 48);
+
+/// What to do with a key that has no bucket of its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unseen {
+    /// Create its bucket.
+    Insert,
+    /// Charge it to the bucket it maps to (flood mode, or the table is full).
+    Fallback,
+}
+
+impl FloodState {
+    /// Counts one unseen key at `now_ns` against `cap` unseen keys per CPU
+    /// and window (`u32::MAX` never floods; 0 always does).
+    #[inline(always)]
+    pub fn see(&mut self, now_ns: u64, cap: u32) -> Unseen {
+        let w = now_ns >> FLOOD_WINDOW_SHIFT;
+        if self.window != w {
+            self.prev_unseen = if self.window.wrapping_add(1) == w { self.unseen } else { 0 };
+            self.unseen = 0;
+            self.window = w;
+        }
+        self.unseen += 1;
+        let cap = cap as u64;
+        if self.unseen > cap || self.prev_unseen > cap {
+            self.last_flood_ns = now_ns;
+            return Unseen::Fallback;
+        }
+        if self.full_window == w.wrapping_add(1) {
+            // +1 so that the zeroed state means "never full".
+            return Unseen::Fallback;
+        }
+        Unseen::Insert
+    }
+
+    /// An insert at `now_ns` failed: the table is full for this window.
+    #[inline(always)]
+    pub fn table_full(&mut self, now_ns: u64) {
+        self.full_window = (now_ns >> FLOOD_WINDOW_SHIFT).wrapping_add(1);
+    }
+
+    /// Whether a prefix cell may be created now (the cell table was not
+    /// found full in this window).
+    #[inline(always)]
+    pub fn may_add_cell(&self, now_ns: u64) -> bool {
+        self.cells_full_window != (now_ns >> FLOOD_WINDOW_SHIFT).wrapping_add(1)
+    }
+
+    /// A prefix-cell insert at `now_ns` failed: that table is full.
+    #[inline(always)]
+    pub fn cells_full(&mut self, now_ns: u64) {
+        self.cells_full_window = (now_ns >> FLOOD_WINDOW_SHIFT).wrapping_add(1);
+    }
+
+    /// Whether this CPU charged a key to a fallback in flood mode within
+    /// the last `within_ns` before `now_ns`.
+    pub fn flooding(&self, now_ns: u64, within_ns: u64) -> bool {
+        self.last_flood_ns != 0 && now_ns.saturating_sub(self.last_flood_ns) <= within_ns
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const W: u64 = 1 << FLOOD_WINDOW_SHIFT;
+
+    #[test]
+    fn flood_mode_starts_above_the_cap_and_lasts_one_more_window() {
+        let mut s = FloodState::default();
+        let t = 100 * W;
+        for _ in 0..10 {
+            assert_eq!(s.see(t, 10), Unseen::Insert);
+        }
+        assert_eq!(s.see(t + 1, 10), Unseen::Fallback, "the 11th unseen key in a window");
+        assert!(s.flooding(t + 2, W));
+        // The next window still remembers the flood.
+        assert_eq!(s.see(t + W, 10), Unseen::Fallback);
+        // Two windows later with a quiet window in between: calm again.
+        let mut quiet = s;
+        assert_eq!(quiet.see(t + 3 * W, 10), Unseen::Insert);
+        assert!(!quiet.flooding(t + 3 * W + W + 1, W));
+    }
+
+    #[test]
+    fn a_full_table_stops_inserts_until_the_next_window() {
+        let mut s = FloodState::default();
+        let t = 7 * W + 5;
+        assert_eq!(s.see(t, u32::MAX), Unseen::Insert);
+        s.table_full(t);
+        assert_eq!(s.see(t + 1, u32::MAX), Unseen::Fallback);
+        assert_eq!(s.see(8 * W, u32::MAX), Unseen::Insert);
+    }
+
+    #[test]
+    fn cap_zero_always_falls_back_and_max_never_does() {
+        let mut s = FloodState::default();
+        assert_eq!(s.see(W, 0), Unseen::Fallback);
+        let mut s = FloodState::default();
+        for i in 0..10_000 {
+            assert_eq!(s.see(W + i, u32::MAX), Unseen::Insert);
+        }
+    }
+}

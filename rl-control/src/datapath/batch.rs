@@ -1,0 +1,93 @@
+//! The batch map commands (aya 0.14 has no batch API).
+
+/// The attribute block of the batch commands (`union bpf_attr`'s `batch`).
+#[repr(C)]
+#[derive(Default)]
+struct BatchAttr {
+    in_batch: u64,
+    out_batch: u64,
+    keys: u64,
+    values: u64,
+    count: u32,
+    map_fd: u32,
+    elem_flags: u64,
+    flags: u64,
+}
+
+fn bpf_batch(cmd: libc::c_long, attr: &mut BatchAttr) -> std::io::Result<()> {
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr as *mut BatchAttr, std::mem::size_of::<BatchAttr>() as u32) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// `BPF_MAP_LOOKUP_BATCH` over a whole hash map.
+pub(super) fn lookup_batch<K: aya::Pod + Default, V: aya::Pod + Default>(fd: std::os::fd::RawFd) -> std::io::Result<Vec<(K, V)>> {
+    const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+    const CHUNK: usize = 16_384;
+    let mut out = Vec::new();
+    let (mut keys, mut values) = (vec![K::default(); CHUNK], vec![V::default(); CHUNK]);
+    let (mut token_in, mut token_out) = (0u64, 0u64);
+    let mut first = true;
+    loop {
+        let mut attr = BatchAttr {
+            in_batch: if first { 0 } else { &token_in as *const u64 as u64 },
+            out_batch: &mut token_out as *mut u64 as u64,
+            keys: keys.as_mut_ptr() as u64,
+            values: values.as_mut_ptr() as u64,
+            count: CHUNK as u32,
+            map_fd: fd as u32,
+            ..Default::default()
+        };
+        let r = bpf_batch(BPF_MAP_LOOKUP_BATCH, &mut attr);
+        let n = attr.count as usize;
+        out.extend(keys[..n].iter().copied().zip(values[..n].iter().copied()));
+        match r {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(out),
+            Err(e) => return Err(e),
+        }
+        token_in = token_out;
+        first = false;
+    }
+}
+
+/// `BPF_MAP_UPDATE_BATCH` of an array's `u32` keys and their values (aya
+/// 0.14 has no batch API). Arrays accept batches since Linux 5.6.
+pub(super) fn update_batch<V: aya::Pod>(fd: std::os::fd::RawFd, keys: &[u32], values: &[V]) -> std::io::Result<()> {
+    assert_eq!(keys.len(), values.len());
+    const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
+    let mut done = 0;
+    while done < keys.len() {
+        let mut attr = BatchAttr {
+            keys: keys[done..].as_ptr() as u64,
+            values: values[done..].as_ptr() as u64,
+            count: (keys.len() - done) as u32,
+            map_fd: fd as u32,
+            ..Default::default()
+        };
+        bpf_batch(BPF_MAP_UPDATE_BATCH, &mut attr)?;
+        // The kernel reports how many it wrote in `count`.
+        if attr.count == 0 {
+            return Err(std::io::Error::other("the kernel wrote no entries"));
+        }
+        done += attr.count as usize;
+    }
+    Ok(())
+}
+
+/// `BPF_MAP_DELETE_BATCH` of hash-map keys.
+pub(super) fn delete_batch<K: aya::Pod>(fd: std::os::fd::RawFd, keys: &[K]) -> std::io::Result<()> {
+    const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
+    for chunk in keys.chunks(16_384) {
+        let mut attr = BatchAttr {
+            keys: chunk.as_ptr() as u64,
+            count: chunk.len() as u32,
+            map_fd: fd as u32,
+            ..Default::default()
+        };
+        bpf_batch(BPF_MAP_DELETE_BATCH, &mut attr)?;
+    }
+    Ok(())
+}

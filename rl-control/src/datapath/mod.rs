@@ -1,0 +1,530 @@
+//! The XDP datapath through aya: load the embedded object, write its maps,
+//! attach and detach, read counters, and run packets through `TestRun`.
+//!
+//! Every map is reached only through the methods here, so a layout mismatch
+//! between the object and rl-common fails at start-up, not at lookup.
+
+use std::{
+    collections::HashMap as StdHashMap,
+    error::Error as StdError,
+    ffi::CString,
+    fmt, io,
+    time::{Duration, Instant},
+};
+
+use aya::{
+    maps::{MapData, RingBuf},
+    programs::{ProgramError, TestRun, TestRunOptions, Xdp, XdpMode},
+    Ebpf, EbpfLoader,
+};
+use aya_log::EbpfLogger;
+use rl_common::{
+    RuleStats, RULE_SLOTS, TickClock, MAP_EVENTS, MAP_SOURCES_V4, MAP_SOURCES_V6, PROG_CLOCK, PROG_FLOOR, PROG_LIMITER, STAT_COUNT,
+    STAT_NAMES,
+};
+use thiserror::Error;
+use tracing::warn;
+
+use crate::compile::{Compiled, RuleSet};
+
+mod batch;
+mod install;
+mod read;
+
+mod pressure;
+
+pub use pressure::{collect, flood_mode, FloodReading, LimitsByKey, Pass, TableIds, COLLECT_IDLE_NS};
+pub use read::{scan_buckets, Source};
+
+/// The XDP object, built by `cargo xtask build` and embedded at compile time.
+static OBJECT: &[u8] = aya::include_bytes_aligned!(env!("RL_EBPF_OBJ"));
+
+/// How to attach to the interface.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum AttachMode {
+    /// Native (driver) mode if the driver supports it, else skb mode with a warning.
+    Auto,
+    /// Native (driver) mode only: fastest, fails if the driver lacks XDP support.
+    Native,
+    /// Generic (skb) mode: works on any interface, runs after skb allocation.
+    Skb,
+}
+
+impl fmt::Display for AttachMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            AttachMode::Auto => "auto",
+            AttachMode::Native => "native",
+            AttachMode::Skb => "skb",
+        })
+    }
+}
+
+const PRIVILEGE_HINT: &str =
+    "run rl-control as root (or with CAP_BPF, CAP_NET_ADMIN and CAP_PERFMON)";
+
+#[derive(Debug, Error)]
+pub enum DatapathError {
+    #[error("permission denied while {doing}: {PRIVILEGE_HINT}")]
+    NoPrivilege { doing: &'static str },
+    #[error("interface `{0}` does not exist: check the name with `ip link`")]
+    UnknownInterface(String),
+    #[error(
+        "interface `{0}` already has an XDP program attached: remove it first \
+         (`ip link set dev {0} xdp off`) or choose another interface"
+    )]
+    InterfaceBusy(String),
+    #[error("loading the XDP object failed: {0}")]
+    Load(String),
+    #[error("attaching to `{iface}` in {mode} mode failed: {cause}")]
+    Attach {
+        iface: String,
+        mode: AttachMode,
+        cause: String,
+    },
+    #[error("map {map}: {cause}")]
+    Map { map: &'static str, cause: String },
+    #[error("test run of program {program} failed: {cause}")]
+    TestRun { program: &'static str, cause: String },
+}
+
+/// The OS error number anywhere in an error's chain, if there is one.
+fn errno(e: &(dyn StdError + 'static)) -> Option<i32> {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if let Some(io) = err.downcast_ref::<io::Error>() {
+            if let Some(n) = io.raw_os_error() {
+                return Some(n);
+            }
+        }
+        cur = err.source();
+    }
+    None
+}
+
+/// The whole chain of an error on one line.
+fn chain(e: &(dyn StdError + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(err) = cur {
+        out.push_str(": ");
+        out.push_str(&err.to_string());
+        cur = err.source();
+    }
+    out
+}
+
+fn classify(doing: &'static str, e: &(dyn StdError + 'static)) -> Option<DatapathError> {
+    matches!(errno(e), Some(libc::EPERM) | Some(libc::EACCES))
+        .then_some(DatapathError::NoPrivilege { doing })
+}
+
+fn map_error(map: &'static str, e: impl StdError + 'static) -> DatapathError {
+    classify("using a BPF map", &e).unwrap_or_else(|| DatapathError::Map {
+        map,
+        cause: chain(&e),
+    })
+}
+
+/// Checks that `iface` exists in the current network namespace.
+pub fn interface_index(iface: &str) -> Result<u32, DatapathError> {
+    let name = CString::new(iface).map_err(|_| DatapathError::UnknownInterface(iface.into()))?;
+    match unsafe { libc::if_nametoindex(name.as_ptr()) } {
+        0 => Err(DatapathError::UnknownInterface(iface.into())),
+        i => Ok(i),
+    }
+}
+
+/// Counter values summed over all CPUs, indexed by `rl_common::STAT_*`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counters(pub [u64; STAT_COUNT as usize]);
+
+impl Counters {
+    pub fn get(&self, stat: u32) -> u64 {
+        self.0[stat as usize]
+    }
+
+    /// `self - earlier`, counter by counter.
+    pub fn since(&self, earlier: &Counters) -> Counters {
+        let mut out = *self;
+        for (o, e) in out.0.iter_mut().zip(earlier.0) {
+            *o = o.wrapping_sub(e);
+        }
+        out
+    }
+}
+
+impl fmt::Display for Counters {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, (name, v)) in STAT_NAMES.iter().zip(self.0).enumerate() {
+            if i > 0 {
+                f.write_str(" ")?;
+            }
+            write!(f, "{name}={v}")?;
+        }
+        Ok(())
+    }
+}
+
+fn map_ref<'a, M>(ebpf: &'a Ebpf, name: &'static str) -> Result<M, DatapathError>
+where
+    M: TryFrom<&'a aya::maps::Map, Error = aya::maps::MapError>,
+{
+    let map = ebpf
+        .map(name)
+        .ok_or_else(|| DatapathError::Load(format!("map {name} is missing")))?;
+    M::try_from(map).map_err(|e| map_error(name, e))
+}
+
+fn map_mut<'a, M>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<M, DatapathError>
+where
+    M: TryFrom<&'a mut aya::maps::Map, Error = aya::maps::MapError>,
+{
+    let map = ebpf
+        .map_mut(name)
+        .ok_or_else(|| DatapathError::Load(format!("map {name} is missing")))?;
+    M::try_from(map).map_err(|e| map_error(name, e))
+}
+
+/// Unix-epoch time minus `CLOCK_MONOTONIC` (the clock `bpf_ktime_get_ns`
+/// reads), in ns, modulo 2⁶⁴.
+fn epoch_offset_ns() -> u64 {
+    let mono = monotonic_ns();
+    let real = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    real.wrapping_sub(mono)
+}
+
+/// Load-time knobs of the XDP object.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LoadOptions {
+    /// Benchmarks only: treat every packet as coming from a new source, to
+    /// time the LRU insert path with one repeated frame.
+    pub bench_new_sources: bool,
+}
+
+const GLOBAL_BENCH_NEW_SOURCES: &str = "RL_BENCH_NEW_SOURCES";
+
+/// Where the limiter is attached.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Attachment {
+    pub iface: String,
+    /// The mode actually in use (never `Auto`).
+    pub mode: AttachMode,
+}
+
+/// The loaded XDP object. Dropping it detaches the program and frees its maps.
+pub struct Datapath {
+    ebpf: Ebpf,
+    attachment: Option<Attachment>,
+    clock: TickClock,
+    /// Unix-epoch ns minus ktime ns, for epoch-aligned windows.
+    epoch_offset_ns: u64,
+    /// The slot packets read now (`None` before the first install).
+    active: Option<u32>,
+    /// When the last flip happened: a slot is rewritten only after packets
+    /// that read the old value have surely finished.
+    flipped_at: Instant,
+    /// What each slot holds, to write only differences and to attribute
+    /// counters to rule names.
+    slots: [SlotContents; 2],
+    /// Counters of rule names from slots since rewritten.
+    retired: StdHashMap<String, RuleStats>,
+    /// Possible CPUs (the per-CPU maps' width).
+    cpus: usize,
+}
+
+/// A slot's tables as last written.
+#[derive(Default)]
+struct SlotContents {
+    names: Vec<String>,
+    /// `RuleEntry::id` of each rule, indexed like `names`.
+    ids: Vec<u32>,
+    l4: Vec<u32>,
+    lpm: Vec<(crate::units::Cidr, u32)>,
+    dir16: Vec<u32>,
+    decide: Vec<u64>,
+}
+
+/// Room in each family's bucket table for last resorts: both slots' rules,
+/// four limits and a pool each.
+pub const LAST_RESORT_ROOM: u32 = 2 * RULE_SLOTS * 5;
+
+/// Entries of each family's bucket table: the sources' own buckets, the
+/// prefix cells and the last resorts share it (see `rl_common::pressure`).
+pub fn table_capacity(c: &Compiled) -> u32 {
+    c.max_sources.saturating_add(c.flood_prefixes).saturating_add(LAST_RESORT_ROOM)
+}
+
+/// XDP programs finish within microseconds; waiting this long after a flip
+/// before rewriting the old slot leaves a wide margin.
+const SLOT_GRACE: Duration = Duration::from_millis(20);
+
+impl Datapath {
+    /// Loads the object, sizes the source map and writes the configuration.
+    /// Nothing is attached yet.
+    pub fn load(compiled: &Compiled) -> Result<Datapath, DatapathError> {
+        Datapath::load_with(compiled, LoadOptions::default())
+    }
+
+    /// [`Datapath::load`] with load-time knobs.
+    pub fn load_with(compiled: &Compiled, opts: LoadOptions) -> Result<Datapath, DatapathError> {
+        let ebpf = EbpfLoader::new()
+            .map_max_entries(MAP_SOURCES_V4, table_capacity(compiled))
+            .map_max_entries(MAP_SOURCES_V6, table_capacity(compiled))
+            .override_global(GLOBAL_BENCH_NEW_SOURCES, &u32::from(opts.bench_new_sources), true)
+            .load(OBJECT)
+            .map_err(|e| {
+                classify("loading the XDP object", &e)
+                    .unwrap_or_else(|| DatapathError::Load(chain(&e)))
+            })?;
+        let mut dp = Datapath {
+            ebpf,
+            attachment: None,
+            clock: TickClock::default(),
+            epoch_offset_ns: 0,
+            active: None,
+            flipped_at: Instant::now(),
+            slots: Default::default(),
+            retired: StdHashMap::new(),
+            cpus: aya::util::nr_cpus().map_err(|(_, e)| DatapathError::Load(format!("cannot count the CPUs: {e}")))?,
+        };
+        dp.load_program(PROG_LIMITER)?;
+        dp.clock = dp.calibrate_clock()?;
+        dp.epoch_offset_ns = epoch_offset_ns();
+        dp.install(&compiled.rules)?;
+        // Fail now, not later, if the object's maps do not match rl-common.
+        dp.counters()?;
+        dp.sources()?;
+        Ok(dp)
+    }
+
+    fn load_program(&mut self, name: &'static str) -> Result<(), DatapathError> {
+        let prog: &mut Xdp = self
+            .ebpf
+            .program_mut(name)
+            .ok_or_else(|| DatapathError::Load(format!("program {name} is missing")))?
+            .try_into()
+            .map_err(|e: ProgramError| DatapathError::Load(chain(&e)))?;
+        prog.load().map_err(|e| {
+            // The verifier rejects unsafe programs with EACCES: that is a
+            // bug in the program, not missing privileges, and its log says why.
+            let text = chain(&e);
+            if text.contains("erifier") && unsafe { libc::geteuid() } == 0 {
+                return DatapathError::Load(format!("program {name}: {text}"));
+            }
+            classify("loading the XDP program", &e)
+                .unwrap_or_else(|| DatapathError::Load(format!("program {name}: {text}")))
+        })
+    }
+
+    fn program(&self, name: &'static str) -> Result<&Xdp, DatapathError> {
+        let prog = self
+            .ebpf
+            .program(name)
+            .ok_or_else(|| DatapathError::Load(format!("program {name} is missing")))?;
+        prog.try_into()
+            .map_err(|e: ProgramError| DatapathError::Load(chain(&e)))
+    }
+
+    /// Starts forwarding the program's aya-log records to the `log` crate.
+    /// The caller must call [`EbpfLogger::flush`] when its fd is readable.
+    pub fn take_logger(&mut self) -> Option<EbpfLogger<&'static dyn log::Log>> {
+        match EbpfLogger::init(&mut self.ebpf) {
+            Ok(l) => Some(l),
+            Err(e) => {
+                warn!("kernel-side logging is unavailable: {}", chain(&e));
+                None
+            }
+        }
+    }
+
+    /// Takes the ring buffer of "limited" events (see [`Event`]); the
+    /// caller drains it when its fd is readable.
+    pub fn take_events(&mut self) -> Result<RingBuf<MapData>, DatapathError> {
+        let map = self
+            .ebpf
+            .take_map(MAP_EVENTS)
+            .ok_or_else(|| DatapathError::Load(format!("map {MAP_EVENTS} is missing")))?;
+        RingBuf::try_from(map).map_err(|e| map_error(MAP_EVENTS, e))
+    }
+
+    /// The rule name of a bucket key's `rule` (`id | limit index`), looked
+    /// up in both slots (an event may come from the rule set just replaced).
+    pub fn rule_name_of_key(&self, key_rule: u32) -> Option<&str> {
+        let id = key_rule & !7;
+        let active = self.active.unwrap_or(0) as usize;
+        [active, active ^ 1].into_iter().find_map(|slot| {
+            let c = &self.slots[slot];
+            c.ids.iter().position(|&i| i == id).and_then(|i| c.names.get(i)).map(String::as_str)
+        })
+    }
+
+    /// Unix-epoch ns minus ktime ns, as measured at load.
+    pub fn epoch_offset_ns(&self) -> u64 {
+        self.epoch_offset_ns
+    }
+
+    /// The tick clock measured at load (`tick_ns` 0 if it could not be).
+    pub fn clock(&self) -> TickClock {
+        self.clock
+    }
+
+    /// Measures the kernel tick against ktime with the `rl_clock` program:
+    /// the (jiffies, ktime) pairs read just after two ticks ~40 ms apart give
+    /// `1e9 / HZ` and the offset between the clocks. Takes about 50 ms. If the
+    /// tick cannot be measured, every limit uses ktime (slower, still exact).
+    fn calibrate_clock(&mut self) -> Result<TickClock, DatapathError> {
+        self.load_program(PROG_CLOCK)?;
+        let prog = self.program(PROG_CLOCK)?;
+        let sample = || -> Result<(u64, u64), DatapathError> {
+            let frame = [0u8; 64];
+            let mut out = [0u8; 64];
+            prog.test_run(TestRunOptions {
+                data_in: Some(&frame),
+                data_out: Some(&mut out),
+                ..TestRunOptions::new()
+            })
+            .map_err(|e| {
+                classify("measuring the kernel tick", &e).unwrap_or_else(|| DatapathError::TestRun {
+                    program: PROG_CLOCK,
+                    cause: chain(&e),
+                })
+            })?;
+            let word = |i: usize| u64::from_ne_bytes(out[i..i + 8].try_into().expect("8 bytes"));
+            Ok((word(0), word(8)))
+        };
+        // The first reading after jiffies change: within a few µs of the tick.
+        let edge = || -> Result<Option<(u64, u64)>, DatapathError> {
+            let start = Instant::now();
+            let (j0, _) = sample()?;
+            while start.elapsed() < Duration::from_millis(200) {
+                let s = sample()?;
+                if s.0 != j0 {
+                    return Ok(Some(s));
+                }
+            }
+            Ok(None)
+        };
+        let first = edge()?;
+        std::thread::sleep(Duration::from_millis(40));
+        let second = edge()?;
+        match first.zip(second).and_then(|(a, b)| TickClock::from_edges(a, b)) {
+            Some(clock) => {
+                tracing::debug!(tick_ns = clock.tick_ns, "kernel tick measured");
+                Ok(clock)
+            }
+            None => {
+                warn!("could not measure the kernel tick; every limit reads bpf_ktime_get_ns (exact, a little slower)");
+                Ok(TickClock::default())
+            }
+        }
+    }
+
+    /// Attaches the limiter to `iface`. In `Auto` mode, native is tried first;
+    /// if the driver refuses it, skb mode is used and a warning says so.
+    pub fn attach(&mut self, iface: &str, mode: AttachMode) -> Result<Attachment, DatapathError> {
+        interface_index(iface)?;
+        let used = match mode {
+            AttachMode::Auto => match self.attach_as(iface, AttachMode::Native) {
+                Ok(()) => AttachMode::Native,
+                Err(e @ (DatapathError::InterfaceBusy(_) | DatapathError::NoPrivilege { .. })) => {
+                    return Err(e)
+                }
+                Err(e) => {
+                    warn!("native XDP is unavailable on {iface} ({e}); using skb (generic) mode, which is slower");
+                    self.attach_as(iface, AttachMode::Skb)?;
+                    AttachMode::Skb
+                }
+            },
+            m => {
+                self.attach_as(iface, m)?;
+                m
+            }
+        };
+        let a = Attachment {
+            iface: iface.to_string(),
+            mode: used,
+        };
+        self.attachment = Some(a.clone());
+        Ok(a)
+    }
+
+    fn attach_as(&mut self, iface: &str, mode: AttachMode) -> Result<(), DatapathError> {
+        let flags = match mode {
+            AttachMode::Native => XdpMode::Driver,
+            AttachMode::Skb => XdpMode::Skb,
+            AttachMode::Auto => unreachable!("auto is resolved by attach"),
+        };
+        let prog: &mut Xdp = self
+            .ebpf
+            .program_mut(PROG_LIMITER)
+            .expect("loaded in Datapath::load")
+            .try_into()
+            .expect("an XDP program");
+        prog.attach(iface, flags).map(|_| ()).map_err(|e| match errno(&e) {
+            Some(libc::EBUSY) | Some(libc::EEXIST) => DatapathError::InterfaceBusy(iface.into()),
+            Some(libc::EPERM) | Some(libc::EACCES) => DatapathError::NoPrivilege {
+                doing: "attaching the XDP program",
+            },
+            _ => match e {
+                ProgramError::UnknownInterface { .. } => DatapathError::UnknownInterface(iface.into()),
+                e => DatapathError::Attach {
+                    iface: iface.into(),
+                    mode,
+                    cause: chain(&e),
+                },
+            },
+        })
+    }
+
+    /// Where the limiter is attached, if it is.
+    pub fn attachment(&self) -> Option<&Attachment> {
+        self.attachment.as_ref()
+    }
+
+    /// The kernel's id of the limiter program (as `bpftool prog` shows it).
+    pub fn program_id(&self) -> Option<u32> {
+        self.program(PROG_LIMITER).ok()?.info().ok().map(|i| i.id())
+    }
+
+    /// Runs `frame` through the limiter `repeat` times with
+    /// `BPF_PROG_TEST_RUN`: returns the last verdict and the mean time per run.
+    pub fn test_run(&self, frame: &[u8], repeat: u32) -> Result<(u32, Duration), DatapathError> {
+        run(self.program(PROG_LIMITER)?, PROG_LIMITER, frame, repeat)
+    }
+
+    /// Like [`Datapath::test_run`] for the bare `XDP_DROP` program, the floor
+    /// every benchmark is compared with.
+    pub fn test_run_floor(&mut self, frame: &[u8], repeat: u32) -> Result<(u32, Duration), DatapathError> {
+        if self.program(PROG_FLOOR)?.fd().is_err() {
+            self.load_program(PROG_FLOOR)?;
+        }
+        run(self.program(PROG_FLOOR)?, PROG_FLOOR, frame, repeat)
+    }
+}
+
+fn run(prog: &Xdp, name: &'static str, frame: &[u8], repeat: u32) -> Result<(u32, Duration), DatapathError> {
+    let r = prog
+        .test_run(TestRunOptions {
+            data_in: Some(frame),
+            repeat,
+            ..TestRunOptions::new()
+        })
+        .map_err(|e| {
+            classify("running a test packet", &e).unwrap_or_else(|| DatapathError::TestRun {
+                program: name,
+                cause: chain(&e),
+            })
+        })?;
+    Ok((r.return_value, r.duration))
+}
+
+/// `CLOCK_MONOTONIC` in ns: the clock `bpf_ktime_get_ns` reads.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+

@@ -1,0 +1,174 @@
+//! Pressure on the bucket tables: the collector that deletes buckets whose
+//! state is fresh again (so the tables never fill with state that says
+//! nothing), table occupancy, and flood mode as the datapath reports it.
+//! Runs on handles of its own: a walk of a million buckets never holds the
+//! daemon's lock.
+
+use std::collections::HashMap as StdHashMap;
+
+use aya::maps::{Map, MapData, PerCpuArray};
+use rl_common::*;
+
+use super::{
+    batch::delete_batch,
+    read::{scan_table, BucketKey},
+    *,
+};
+
+/// Kernel ids of the tables the collector walks and of the flood detector.
+#[derive(Clone, Copy, Debug)]
+pub struct TableIds {
+    pub tables: (u32, u32),
+    pub flood: u32,
+}
+
+/// A bucket must have been fresh for this long before it is collected, so
+/// a source that is still sending now and then keeps its bucket.
+pub const COLLECT_IDLE_NS: u64 = 1_000_000_000;
+
+/// What one pass found.
+#[derive(Clone, Debug, Default)]
+pub struct Pass {
+    /// Every source bucket left after the pass (IPv4 then IPv6).
+    pub sources: Vec<Source>,
+    /// Buckets left per family (IPv4, IPv6): sources' own, prefix cells
+    /// and last resorts.
+    pub own: (u64, u64),
+    pub cells: (u64, u64),
+    pub last_resorts: (u64, u64),
+    /// Buckets deleted by this pass because they were fresh (or their
+    /// rule is gone from both slots).
+    pub collected: u64,
+}
+
+/// The limits a bucket's key may name (`RuleEntry::id | index`), from both
+/// slots: a snapshot taken after the walk, so every bucket it saw belongs
+/// to a rule in it unless that rule is gone from both rule sets.
+pub type LimitsByKey = StdHashMap<u32, LimitEntry>;
+
+impl Datapath {
+    /// The ids the collector needs.
+    pub fn table_ids(&self) -> Result<TableIds, DatapathError> {
+        Ok(TableIds { tables: self.source_map_ids()?, flood: self.map_id(MAP_FLOOD)? })
+    }
+
+    /// Every limit of both slots by bucket key.
+    pub fn limits_by_key(&self) -> Result<LimitsByKey, DatapathError> {
+        let arr: aya::maps::Array<&MapData, RuleEntry> = map_ref(&self.ebpf, MAP_RULES)?;
+        let mut out = LimitsByKey::new();
+        for slot in 0..2u32 {
+            for i in 0..self.slots[slot as usize].ids.len() as u32 {
+                let r = arr.get(&(slot * RULE_SLOTS + i), 0).map_err(|e| map_error(MAP_RULES, e))?;
+                for which in 0..r.n_limits.min(MAX_LIMITS as u32) {
+                    out.insert(r.id | which, r.limits[which as usize]);
+                }
+                if r.flags & RULE_ELASTIC != 0 {
+                    out.insert(r.id | POOL_INDEX, r.pool);
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Walks both bucket tables, then deletes the buckets that have been fresh
+/// for [`COLLECT_IDLE_NS`] (see `rl_common::pressure`: forgetting them
+/// changes no verdict), and every bucket of a rule gone from both slots.
+/// A live rule's last resorts are kept (they are few, and a full table
+/// could not take them back). `limits` is called after the walk.
+pub fn collect(
+    ids: TableIds,
+    epoch_offset_ns: u64,
+    limits: impl FnOnce() -> Result<LimitsByKey, DatapathError>,
+) -> Result<Pass, DatapathError> {
+    let v4 = scan_table::<Key4>(ids.tables.0, MAP_SOURCES_V4)?;
+    let v6 = scan_table::<Key6>(ids.tables.1, MAP_SOURCES_V6)?;
+    let limits = limits()?;
+    let now = monotonic_ns().saturating_sub(COLLECT_IDLE_NS);
+    let mut pass = Pass::default();
+    let v4 = sweep(ids.tables.0, MAP_SOURCES_V4, v4, &limits, now, epoch_offset_ns, &mut pass.collected)?;
+    let v6 = sweep(ids.tables.1, MAP_SOURCES_V6, v6, &limits, now, epoch_offset_ns, &mut pass.collected)?;
+    let count = |v: &[(Key4, Bucket)], kind| v.iter().filter(|(k, _)| key_kind(k.rule) == kind).count() as u64;
+    let count6 = |v: &[(Key6, Bucket)], kind| v.iter().filter(|(k, _)| key_kind(k.rule) == kind).count() as u64;
+    pass.own = (count(&v4, KeyKind::Own), count6(&v6, KeyKind::Own));
+    pass.cells = (count(&v4, KeyKind::Cell), count6(&v6, KeyKind::Cell));
+    pass.last_resorts = (count(&v4, KeyKind::LastResort), count6(&v6, KeyKind::LastResort));
+    pass.sources = v4
+        .iter()
+        .filter(|(k, _)| key_kind(k.rule) == KeyKind::Own)
+        .map(|(k, b)| Source::of(k, *b))
+        .chain(v6.iter().filter(|(k, _)| key_kind(k.rule) == KeyKind::Own).map(|(k, b)| Source::of(k, *b)))
+        .collect();
+    Ok(pass)
+}
+
+/// Deletes the fresh (or orphaned) buckets of one table; returns the rest.
+fn sweep<K: BucketKey>(
+    id: u32,
+    name: &'static str,
+    entries: Vec<(K, Bucket)>,
+    limits: &LimitsByKey,
+    now: u64,
+    epoch_offset_ns: u64,
+    collected: &mut u64,
+) -> Result<Vec<(K, Bucket)>, DatapathError> {
+    use std::os::fd::{AsFd, AsRawFd};
+    let (dead, kept): (Vec<_>, Vec<_>) = entries.into_iter().partition(|(k, b)| {
+        match limits.get(&(k.rule() & !(KEY_CELL | KEY_LAST))) {
+            None => true,
+            Some(_) if key_kind(k.rule()) == KeyKind::LastResort => false,
+            Some(l) => l.is_fresh(b.tat_ns, now, epoch_offset_ns),
+        }
+    });
+    if !dead.is_empty() {
+        let data = MapData::from_id(id).map_err(|e| map_error(name, e))?;
+        let keys: Vec<K> = dead.iter().map(|(k, _)| *k).collect();
+        delete_batch(data.fd().as_fd().as_raw_fd(), &keys).map_err(|e| map_error(name, e))?;
+        *collected += keys.len() as u64;
+    }
+    Ok(kept)
+}
+
+/// Flood mode as the datapath's per-CPU detectors report it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FloodReading {
+    /// Some CPU charged an unseen key to a fallback in flood mode within
+    /// the last flood window (and a little).
+    pub on: bool,
+    /// Keys the CPUs found no bucket for in the last whole flood window
+    /// (about a second), summed.
+    pub unseen_last_window: u64,
+}
+
+/// Reads the flood detectors.
+pub fn flood_mode(ids: TableIds) -> Result<FloodReading, DatapathError> {
+    let data = MapData::from_id(ids.flood).map_err(|e| map_error(MAP_FLOOD, e))?;
+    let arr: PerCpuArray<MapData, FloodState> =
+        PerCpuArray::try_from(Map::PerCpuArray(data)).map_err(|e| map_error(MAP_FLOOD, e))?;
+    let per_cpu = arr.get(&0, 0).map_err(|e| map_error(MAP_FLOOD, e))?;
+    let now = coarse_monotonic_ns();
+    let window = 1u64 << FLOOD_WINDOW_SHIFT;
+    let current = now >> FLOOD_WINDOW_SHIFT;
+    let mut r = FloodReading::default();
+    for s in per_cpu.iter() {
+        r.on |= s.flooding(now, window + window / 4);
+        // The last whole window: `unseen` if the CPU has not moved on since,
+        // else `prev_unseen` if it moved on just now.
+        r.unseen_last_window += if s.window + 1 == current {
+            s.unseen
+        } else if s.window == current {
+            s.prev_unseen
+        } else {
+            0
+        };
+    }
+    Ok(r)
+}
+
+/// `CLOCK_MONOTONIC_COARSE` in ns: the clock `bpf_ktime_get_coarse_ns` reads.
+fn coarse_monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+

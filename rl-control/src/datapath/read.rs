@@ -1,0 +1,240 @@
+//! Reading the datapath: counters, per-rule stats, buckets and quotas.
+
+use std::net::IpAddr;
+
+use aya::maps::{Array, HashMap, MapData, PerCpuArray};
+use rl_common::*;
+
+use super::{batch::lookup_batch, *};
+
+impl Datapath {
+    /// Packets and bytes per rule name (plus `allow` and `deny`), summed
+    /// over CPUs and over every rule set the name has been in since load.
+    pub fn rule_stats(&self) -> Result<std::collections::BTreeMap<String, RuleStats>, DatapathError> {
+        let stats: PerCpuArray<&MapData, RuleStats> = map_ref(&self.ebpf, MAP_RULE_STATS)?;
+        let mut out: std::collections::BTreeMap<String, RuleStats> =
+            self.retired.iter().map(|(k, v)| (k.clone(), *v)).collect();
+        // Both slots: the inactive one keeps its counts until it is rewritten.
+        for slot in 0..2u32 {
+            for (i, name) in self.slots[slot as usize].names.iter().enumerate() {
+                let per_cpu = stats.get(&(slot * RULE_SLOTS + i as u32), 0).map_err(|e| map_error(MAP_RULE_STATS, e))?;
+                add_stats(out.entry(name.clone()).or_default(), per_cpu.iter());
+            }
+        }
+        for (name, idx) in [("allow", RSTAT_ALLOW), ("deny", RSTAT_DENY)] {
+            let per_cpu = stats.get(&idx, 0).map_err(|e| map_error(MAP_RULE_STATS, e))?;
+            add_stats(out.entry(name.to_string()).or_default(), per_cpu.iter());
+        }
+        Ok(out)
+    }
+
+    /// Rule `index` (0 = `[default]`) of the active rule set, as the
+    /// datapath reads it.
+    pub fn active_rule(&self, index: u32) -> Result<RuleEntry, DatapathError> {
+        let arr: Array<&MapData, RuleEntry> = map_ref(&self.ebpf, MAP_RULES)?;
+        arr.get(&(self.active.unwrap_or(0) * RULE_SLOTS + index), 0)
+            .map_err(|e| map_error(MAP_RULES, e))
+    }
+
+    /// The configuration the datapath is reading now.
+    pub fn config(&self) -> Result<DatapathConfig, DatapathError> {
+        let arr: Array<&MapData, DatapathConfig> = map_ref(&self.ebpf, MAP_CONFIG)?;
+        arr.get(&0, 0).map_err(|e| map_error(MAP_CONFIG, e))
+    }
+
+    /// Counters summed over all CPUs.
+    pub fn counters(&self) -> Result<Counters, DatapathError> {
+        let mut out = Counters::default();
+        for cpu in self.counters_per_cpu()? {
+            for (o, v) in out.0.iter_mut().zip(cpu.0) {
+                *o += v;
+            }
+        }
+        // Counts of rule sets since replaced (their map entries were reset).
+        for r in self.retired.values() {
+            add_rule_totals(&mut out, r);
+        }
+        Ok(out)
+    }
+
+    /// Counters of each possible CPU, indexed by CPU number.
+    pub fn counters_per_cpu(&self) -> Result<Vec<Counters>, DatapathError> {
+        let arr: PerCpuArray<&MapData, Stats> = map_ref(&self.ebpf, MAP_STATS)?;
+        let values = arr.get(&0, 0).map_err(|e| map_error(MAP_STATS, e))?;
+        let mut out: Vec<Counters> = values.iter().map(|s| Counters(s.0)).collect();
+        // IP packets are counted once, in their rule's entry: add them all.
+        let rules: PerCpuArray<&MapData, RuleStats> = map_ref(&self.ebpf, MAP_RULE_STATS)?;
+        // Entries in use (the others are zero: `install` retires and
+        // clears a slot's counters before rewriting it).
+        let used = (0..2u32)
+            .flat_map(|slot| (0..self.slots[slot as usize].names.len() as u32).map(move |i| slot * RULE_SLOTS + i))
+            .chain([RSTAT_ALLOW, RSTAT_DENY]);
+        for idx in used {
+            let per_cpu = rules.get(&idx, 0).map_err(|e| map_error(MAP_RULE_STATS, e))?;
+            for (o, r) in out.iter_mut().zip(per_cpu.iter()) {
+                add_rule_totals(o, r);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Every bucket the datapath holds, IPv4 then IPv6.
+    pub fn sources(&self) -> Result<Vec<Source>, DatapathError> {
+        scan_buckets(self.source_map_ids()?)
+    }
+
+    /// The quota of `addr` under every limit of the active rule set in which
+    /// it has a bucket (rule index, limit index, quota), as HTTP rate-limit
+    /// headers would state it. For limits on the tick clock the datapath's
+    /// time trails ktime by up to one tick, so waits are lengthened by a
+    /// tick: a client that waits `retry_after` is never early.
+    pub fn source_quotas(&self, addr: IpAddr) -> Result<Vec<(u32, u32, rl_common::Quota)>, DatapathError> {
+        let Some(slot) = self.active else { return Ok(Vec::new()) };
+        let names = &self.slots[slot as usize].names;
+        let rules: Array<&MapData, RuleEntry> = map_ref(&self.ebpf, MAP_RULES)?;
+        let v4: HashMap<&MapData, Key4, Bucket> = map_ref(&self.ebpf, MAP_SOURCES_V4)?;
+        let v6: HashMap<&MapData, Key6, Bucket> = map_ref(&self.ebpf, MAP_SOURCES_V6)?;
+        let now = monotonic_ns();
+        let mut out = Vec::new();
+        for i in 0..names.len() as u32 {
+            let rule = rules.get(&(slot * RULE_SLOTS + i), 0).map_err(|e| map_error(MAP_RULES, e))?;
+            for which in 0..rule.n_limits.min(rl_common::MAX_LIMITS as u32) {
+                let bucket = match addr {
+                    IpAddr::V4(a) => v4.get(&rule.key4(which, u32::from_ne_bytes(a.octets())), 0).ok(),
+                    IpAddr::V6(a) => {
+                        let o = a.octets();
+                        let words = [0, 4, 8, 12].map(|j| u32::from_ne_bytes([o[j], o[j + 1], o[j + 2], o[j + 3]]));
+                        v6.get(&rule.key6(which, &words), 0).ok()
+                    }
+                };
+                let Some(bucket) = bucket else { continue };
+                let limit = &rule.limits[which as usize];
+                let mut q = rl_common::quota(limit, bucket.tat_ns, now, self.epoch_offset_ns);
+                if limit.kind & rl_common::LIMIT_COARSE != 0 {
+                    let tick = self.clock.tick_ns;
+                    q.retry_after_ns += if q.retry_after_ns > 0 { tick } else { 0 };
+                    q.reset_ns += if q.reset_ns > 0 { tick } else { 0 };
+                }
+                out.push((i, which, q));
+            }
+        }
+        Ok(out)
+    }
+
+    /// The name of rule `index` in the active rule set.
+    pub fn rule_name(&self, index: u32) -> Option<&str> {
+        self.slots[self.active? as usize].names.get(index as usize).map(String::as_str)
+    }
+
+    /// The kernel ids of the source maps (IPv4, IPv6), for [`scan_buckets`].
+    pub fn source_map_ids(&self) -> Result<(u32, u32), DatapathError> {
+        Ok((self.map_id(MAP_SOURCES_V4)?, self.map_id(MAP_SOURCES_V6)?))
+    }
+
+    /// The kernel id of map `name`, to open a handle of one's own.
+    pub(super) fn map_id(&self, name: &'static str) -> Result<u32, DatapathError> {
+        let map = self.ebpf.map(name).ok_or_else(|| DatapathError::Load(format!("map {name} is missing")))?;
+        let data = match map {
+            aya::maps::Map::HashMap(d) | aya::maps::Map::PerCpuArray(d) | aya::maps::Map::Array(d) => d,
+            _ => return Err(DatapathError::Load(format!("map {name} is not of the type rl-common describes"))),
+        };
+        Ok(data.info().map_err(|e| map_error(name, e))?.id())
+    }
+}
+
+/// One bucket: a source (masked to its aggregation prefix) under one limit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Source {
+    pub addr: IpAddr,
+    pub rule: u32,
+    pub bucket: Bucket,
+}
+
+/// Adds one rule's counts to the totals (shadow drops were passed).
+fn add_rule_totals(c: &mut Counters, r: &RuleStats) {
+    use rl_common::{STAT_DROPPED_BYTES, STAT_DROPPED_PKTS, STAT_PASSED_BYTES, STAT_PASSED_PKTS};
+    c.0[STAT_PASSED_PKTS as usize] += r.passed_pkts + r.shadow_pkts;
+    c.0[STAT_PASSED_BYTES as usize] += r.passed_bytes + r.shadow_bytes;
+    c.0[STAT_DROPPED_PKTS as usize] += r.dropped_pkts;
+    c.0[STAT_DROPPED_BYTES as usize] += r.dropped_bytes;
+}
+
+pub(super) fn add_stats<'a>(into: &mut RuleStats, from: impl Iterator<Item = &'a RuleStats>) {
+    for s in from {
+        into.passed_pkts += s.passed_pkts;
+        into.passed_bytes += s.passed_bytes;
+        into.dropped_pkts += s.dropped_pkts;
+        into.dropped_bytes += s.dropped_bytes;
+        into.shadow_pkts += s.shadow_pkts;
+        into.shadow_bytes += s.shadow_bytes;
+    }
+}
+
+/// Every bucket in the source maps with these ids, IPv4 then IPv6, through
+/// handles of the caller's own (a walk of a million buckets never needs a
+/// [`Datapath`] or its lock), with one `BPF_MAP_LOOKUP_BATCH` per 16,384
+/// buckets.
+pub fn scan_buckets(ids: (u32, u32)) -> Result<Vec<Source>, DatapathError> {
+    let v4 = scan_table::<Key4>(ids.0, MAP_SOURCES_V4)?;
+    let v6 = scan_table::<Key6>(ids.1, MAP_SOURCES_V6)?;
+    // Sources' own buckets only: prefix cells and last resorts are not sources.
+    let own = |rule: u32| key_kind(rule) == KeyKind::Own;
+    Ok(v4
+        .into_iter()
+        .filter(|(k, _)| own(k.rule))
+        .map(|(k, b)| Source::of(&k, b))
+        .chain(v6.into_iter().filter(|(k, _)| own(k.rule)).map(|(k, b)| Source::of(&k, b)))
+        .collect())
+}
+
+/// Every entry of the bucket table (sources or prefix cells) with kernel id
+/// `id`, through a handle of our own.
+pub(super) fn scan_table<K: BucketKey>(id: u32, name: &'static str) -> Result<Vec<(K, Bucket)>, DatapathError> {
+    use std::os::fd::{AsFd, AsRawFd};
+    let data = MapData::from_id(id).map_err(|e| map_error(name, e))?;
+    // The kernel writes key_size and value_size bytes per entry into
+    // our buffers: they must be exactly K and Bucket.
+    let info = data.info().map_err(|e| map_error(name, e))?;
+    let sizes = (info.key_size() as usize, info.value_size() as usize);
+    if sizes != (std::mem::size_of::<K>(), std::mem::size_of::<Bucket>()) {
+        return Err(DatapathError::Load(format!(
+            "map {name} has {}-byte keys and {}-byte values, rl-common expects {} and {}: rebuild both with `cargo xtask build`",
+            sizes.0,
+            sizes.1,
+            std::mem::size_of::<K>(),
+            std::mem::size_of::<Bucket>()
+        )));
+    }
+    let fd = data.fd().as_fd().as_raw_fd();
+    lookup_batch::<K, Bucket>(fd).map_err(|e| map_error(name, e))
+}
+
+/// A bucket table's key: which limit, and an address.
+pub(super) trait BucketKey: aya::Pod + Default {
+    fn rule(&self) -> u32;
+    fn addr(&self) -> IpAddr;
+}
+
+impl BucketKey for Key4 {
+    fn rule(&self) -> u32 {
+        self.rule
+    }
+    fn addr(&self) -> IpAddr {
+        IpAddr::from(self.addr_bytes())
+    }
+}
+
+impl BucketKey for Key6 {
+    fn rule(&self) -> u32 {
+        self.rule
+    }
+    fn addr(&self) -> IpAddr {
+        IpAddr::from(self.addr_bytes())
+    }
+}
+
+impl Source {
+    pub(super) fn of<K: BucketKey>(k: &K, bucket: Bucket) -> Source {
+        Source { addr: k.addr(), rule: k.rule(), bucket }
+    }
+}
