@@ -67,16 +67,15 @@ pub struct FloodState {
     pub unseen: u64,
     /// Unseen keys in the window before it (0 if it was not the previous one).
     pub prev_unseen: u64,
-    /// The window in which a bucket insert last failed because the table
-    /// was full (no more inserts are tried until the next window).
+    /// The window in which a bucket insert (a source's own or a prefix
+    /// cell: they share the table) last failed because the table was full;
+    /// no more inserts are tried until the next window.
     pub full_window: u64,
     /// The clock (ns) of the last key charged to a fallback in flood mode:
     /// the daemon reports flood mode while this is recent on some CPU.
     pub last_flood_ns: u64,
-    /// Like `full_window`, for the prefix-cell table.
-    pub cells_full_window: u64,
 }
-const _: () = assert!(core::mem::size_of::<FloodState>() == 48);
+const _: () = assert!(core::mem::size_of::<FloodState>() == 40);
 
 /// What to do with a key that has no bucket of its own.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -104,30 +103,24 @@ impl FloodState {
             self.last_flood_ns = now_ns;
             return Unseen::Fallback;
         }
-        if self.full_window == w.wrapping_add(1) {
-            // +1 so that the zeroed state means "never full".
+        if !self.may_insert(now_ns) {
             return Unseen::Fallback;
         }
         Unseen::Insert
+    }
+
+    /// Whether an insert may be tried now: the table was not found full in
+    /// this window.
+    #[inline(always)]
+    pub fn may_insert(&self, now_ns: u64) -> bool {
+        // +1 so that the zeroed state means "never full".
+        self.full_window != (now_ns >> FLOOD_WINDOW_SHIFT).wrapping_add(1)
     }
 
     /// An insert at `now_ns` failed: the table is full for this window.
     #[inline(always)]
     pub fn table_full(&mut self, now_ns: u64) {
         self.full_window = (now_ns >> FLOOD_WINDOW_SHIFT).wrapping_add(1);
-    }
-
-    /// Whether a prefix cell may be created now (the cell table was not
-    /// found full in this window).
-    #[inline(always)]
-    pub fn may_add_cell(&self, now_ns: u64) -> bool {
-        self.cells_full_window != (now_ns >> FLOOD_WINDOW_SHIFT).wrapping_add(1)
-    }
-
-    /// A prefix-cell insert at `now_ns` failed: that table is full.
-    #[inline(always)]
-    pub fn cells_full(&mut self, now_ns: u64) {
-        self.cells_full_window = (now_ns >> FLOOD_WINDOW_SHIFT).wrapping_add(1);
     }
 
     /// Whether this CPU charged a key to a fallback in flood mode within

@@ -152,12 +152,12 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
     if let Some(c) = table.get_ptr_mut(&probe) {
         return Some(c);
     }
-    if flood.may_add_cell(now) {
+    if flood.may_insert(now) {
         init.tat_ns = unsafe { core::ptr::read_volatile(&raw const (*parent).tat_ns) };
         match table.insert(&probe, &init, BPF_NOEXIST as u64) {
             Ok(()) => stats::bump(STAT_NEW_CELLS),
             Err(e) if e == -(EEXIST as i32) => {}
-            Err(_) => flood.cells_full(now),
+            Err(_) => flood.table_full(now),
         }
         if let Some(c) = table.get_ptr_mut(&probe) {
             return Some(c);

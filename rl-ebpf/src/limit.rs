@@ -94,7 +94,6 @@ pub fn config() -> Option<&'static DatapathConfig> {
 /// Limits an IP packet and counts its verdict exactly once: in the per-rule
 /// counters (rules, `[default]`, allow, deny), or in the global ones when no
 /// rule set is installed yet. The daemon sums both for totals.
-///
 #[inline(always)]
 pub fn limit(ctx: &XdpContext, pkt: &Packet, len: u64) -> Verdict {
     let Some(cfg) = config() else {

@@ -11,7 +11,7 @@ use rl_common::*;
 
 use super::{
     batch::delete_batch,
-    read::{scan_table, BucketKey},
+    read::{scan_table, sources_of, BucketKey},
     *,
 };
 
@@ -31,11 +31,9 @@ pub const COLLECT_IDLE_NS: u64 = 1_000_000_000;
 pub struct Pass {
     /// Every source bucket left after the pass (IPv4 then IPv6).
     pub sources: Vec<Source>,
-    /// Buckets left per family (IPv4, IPv6): sources' own, prefix cells
-    /// and last resorts.
+    /// Buckets left per family (IPv4, IPv6): sources' own, prefix cells.
     pub own: (u64, u64),
     pub cells: (u64, u64),
-    pub last_resorts: (u64, u64),
     /// Buckets deleted by this pass because they were fresh (or their
     /// rule is gone from both slots).
     pub collected: u64,
@@ -88,18 +86,14 @@ pub fn collect(
     let mut pass = Pass::default();
     let v4 = sweep(ids.tables.0, MAP_SOURCES_V4, v4, &limits, now, epoch_offset_ns, &mut pass.collected)?;
     let v6 = sweep(ids.tables.1, MAP_SOURCES_V6, v6, &limits, now, epoch_offset_ns, &mut pass.collected)?;
-    let count = |v: &[(Key4, Bucket)], kind| v.iter().filter(|(k, _)| key_kind(k.rule) == kind).count() as u64;
-    let count6 = |v: &[(Key6, Bucket)], kind| v.iter().filter(|(k, _)| key_kind(k.rule) == kind).count() as u64;
-    pass.own = (count(&v4, KeyKind::Own), count6(&v6, KeyKind::Own));
-    pass.cells = (count(&v4, KeyKind::Cell), count6(&v6, KeyKind::Cell));
-    pass.last_resorts = (count(&v4, KeyKind::LastResort), count6(&v6, KeyKind::LastResort));
-    pass.sources = v4
-        .iter()
-        .filter(|(k, _)| key_kind(k.rule) == KeyKind::Own)
-        .map(|(k, b)| Source::of(k, *b))
-        .chain(v6.iter().filter(|(k, _)| key_kind(k.rule) == KeyKind::Own).map(|(k, b)| Source::of(k, *b)))
-        .collect();
+    pass.own = (count(&v4, KeyKind::Own), count(&v6, KeyKind::Own));
+    pass.cells = (count(&v4, KeyKind::Cell), count(&v6, KeyKind::Cell));
+    pass.sources = sources_of(&v4).chain(sources_of(&v6)).collect();
     Ok(pass)
+}
+
+fn count<K: BucketKey>(entries: &[(K, Bucket)], kind: KeyKind) -> u64 {
+    entries.iter().filter(|(k, _)| key_kind(k.rule()) == kind).count() as u64
 }
 
 /// Deletes the fresh (or orphaned) buckets of one table; returns the rest.

@@ -177,14 +177,13 @@ pub(super) fn add_stats<'a>(into: &mut RuleStats, from: impl Iterator<Item = &'a
 pub fn scan_buckets(ids: (u32, u32)) -> Result<Vec<Source>, DatapathError> {
     let v4 = scan_table::<Key4>(ids.0, MAP_SOURCES_V4)?;
     let v6 = scan_table::<Key6>(ids.1, MAP_SOURCES_V6)?;
-    // Sources' own buckets only: prefix cells and last resorts are not sources.
-    let own = |rule: u32| key_kind(rule) == KeyKind::Own;
-    Ok(v4
-        .into_iter()
-        .filter(|(k, _)| own(k.rule))
-        .map(|(k, b)| Source::of(&k, b))
-        .chain(v6.into_iter().filter(|(k, _)| own(k.rule)).map(|(k, b)| Source::of(&k, b)))
-        .collect())
+    Ok(sources_of(&v4).chain(sources_of(&v6)).collect())
+}
+
+/// The sources' own buckets among a table's entries: prefix cells and last
+/// resorts are not sources.
+pub(super) fn sources_of<K: BucketKey>(entries: &[(K, Bucket)]) -> impl Iterator<Item = Source> + '_ {
+    entries.iter().filter(|(k, _)| key_kind(k.rule()) == KeyKind::Own).map(|(k, b)| Source::of(k, *b))
 }
 
 /// Every entry of the bucket table (sources or prefix cells) with kernel id
