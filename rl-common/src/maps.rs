@@ -167,7 +167,11 @@ pub struct DatapathConfig {
     /// Prefix-cell masks (network order): a key's cell is its bucket key
     /// masked further to `flood_prefix_v4` / `flood_prefix_v6`.
     pub cell_mask4: u32,
-    pub _pad: u32,
+    /// How long a first fragment's verdict waits for its later fragments.
+    pub frag_ttl_ms: u16,
+    /// What a later fragment whose first fragment was not seen gets:
+    /// [`FRAG_ORPHANS_DROP`] or [`FRAG_ORPHANS_SOURCE`].
+    pub frag_orphans: u16,
     pub cell_mask6: [u32; 4],
 }
 const _: () = assert!(size_of::<DatapathConfig>() == 64);
@@ -433,6 +437,56 @@ pub fn prefix_mask_words<const N: usize>(prefix: u8) -> [u32; N] {
     out
 }
 
+/// First fragments' verdicts ([`FragKey`] ➜ [`FragVerdict`], an LRU hash
+/// of [`FRAG_TABLE_LEN`] entries): later fragments of a datagram take the
+/// rule and verdict of its first fragment.
+pub const MAP_FRAGS: &str = "RL_FRAGS";
+pub const FRAG_TABLE_LEN: u32 = 65_536;
+
+/// A datagram: source, destination, protocol and fragment id. The IPv6
+/// destination is folded to 32 bits (xor of its words): a clash needs the
+/// same source, protocol and 32-bit id, and could only lend one of that
+/// source's own datagrams the verdict of another.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FragKey {
+    /// As in the packet (network order); IPv4 uses only `src[3]`.
+    pub src: [u32; 4],
+    pub dst: u32,
+    /// IPv4: the 16-bit identification; IPv6: the 32-bit one.
+    pub id: u32,
+    pub proto: u8,
+    /// 4 or 6.
+    pub family: u8,
+    pub _pad: u16,
+}
+const _: () = assert!(size_of::<FragKey>() == 28);
+
+/// What a first fragment got: its rule-stats entry and how it was counted.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FragVerdict {
+    /// Coarse ktime after which the verdict no longer applies.
+    pub expires_ns: u64,
+    /// The entry it was counted under (`slot × RULE_SLOTS + i`).
+    pub entry: u32,
+    /// [`FRAG_PASSED`], [`FRAG_DROPPED`] or [`FRAG_SHADOW`].
+    pub counted: u32,
+}
+const _: () = assert!(size_of::<FragVerdict>() == 16);
+
+pub const FRAG_PASSED: u32 = 0;
+pub const FRAG_DROPPED: u32 = 1;
+/// Dropped by a shadow rule: passed, and counted as a shadow drop.
+pub const FRAG_SHADOW: u32 = 2;
+
+/// `datapath.fragment_orphans = "drop"`: a later fragment without a known
+/// first fragment is dropped (counted in [`STAT_FRAG_ORPHANS`]).
+pub const FRAG_ORPHANS_DROP: u16 = 0;
+/// `"source"`: it is limited by source under the rules for its protocol
+/// with port 0, like a packet of its own.
+pub const FRAG_ORPHANS_SOURCE: u16 = 1;
+
 /// Every counter of one CPU, indexed by the `STAT_*` constants.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -467,8 +521,11 @@ pub const STAT_FALLBACK: u32 = 11;
 pub const STAT_TABLE_FULL: u32 = 12;
 /// Prefix cells created.
 pub const STAT_NEW_CELLS: u32 = 13;
+/// Later fragments whose first fragment was not seen (or whose verdict had
+/// expired): dropped, or limited by source, per `datapath.fragment_orphans`.
+pub const STAT_FRAG_ORPHANS: u32 = 14;
 /// Number of counters.
-pub const STAT_COUNT: u32 = 14;
+pub const STAT_COUNT: u32 = 15;
 
 /// Counter names for logs and metrics, indexed like the `STAT_*` constants.
 pub const STAT_NAMES: [&str; STAT_COUNT as usize] = [
@@ -486,11 +543,14 @@ pub const STAT_NAMES: [&str; STAT_COUNT as usize] = [
     "fallback_packets",
     "table_full_refusals",
     "new_cells",
+    "fragment_orphans",
 ];
 
 #[cfg(feature = "user")]
 mod pod {
     unsafe impl aya::Pod for super::Key4 {}
+    unsafe impl aya::Pod for super::FragKey {}
+    unsafe impl aya::Pod for super::FragVerdict {}
     unsafe impl aya::Pod for super::Key6 {}
     unsafe impl aya::Pod for super::Bucket {}
     unsafe impl aya::Pod for super::Event {}

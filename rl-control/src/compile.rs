@@ -26,7 +26,7 @@ use rl_common::{
 };
 
 use crate::{
-    config::Config,
+    config::{Config, FragmentOrphans},
     rules::{Action, Algorithm, KeyScope, Mode, Proto, Rate, Rule, Unit},
     units::Cidr,
 };
@@ -51,6 +51,9 @@ pub struct Tuning {
     pub flood_new_keys_per_sec: u32,
     pub cell_mask4: u32,
     pub cell_mask6: [u32; 4],
+    pub fragment_ttl_ms: u16,
+    /// `rl_common::FRAG_ORPHANS_*`.
+    pub fragment_orphans: u16,
 }
 
 /// One slot's worth of classification tables and rule entries.
@@ -171,6 +174,11 @@ fn compile_rules(config: &Config) -> RuleSet {
         flood_new_keys_per_sec: d.flood_new_keys_per_sec,
         cell_mask4: prefix_mask_words::<1>(d.flood_prefix_v4)[0],
         cell_mask6: prefix_mask_words::<4>(d.flood_prefix_v6),
+        fragment_ttl_ms: d.fragment_ttl_ms,
+        fragment_orphans: match d.fragment_orphans {
+            FragmentOrphans::Drop => rl_common::FRAG_ORPHANS_DROP,
+            FragmentOrphans::Source => rl_common::FRAG_ORPHANS_SOURCE,
+        },
     };
     RuleSet { flags, tuning, entries, names, l4, lpm, dir16, decide }
 }

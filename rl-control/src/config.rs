@@ -102,6 +102,20 @@ pub struct Datapath {
     pub flood_prefix_v6: u8,
     /// Capacity of each family's prefix-cell table.
     pub flood_prefixes: u32,
+    /// How long a first fragment's verdict waits for its later fragments.
+    pub fragment_ttl_ms: u16,
+    /// What later fragments without a (remembered) first fragment get.
+    pub fragment_orphans: FragmentOrphans,
+}
+
+/// `datapath.fragment_orphans`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FragmentOrphans {
+    /// Dropped: a flood of bare later fragments gets nothing through.
+    Drop,
+    /// Limited by source under the rules for their protocol with port 0.
+    Source,
 }
 
 /// Defaults sized for a table of 1M sources per family.
@@ -205,6 +219,8 @@ struct RawDatapath {
     flood_prefix_v4: Option<Spanned<i64>>,
     flood_prefix_v6: Option<Spanned<i64>>,
     flood_prefixes: Option<Spanned<i64>>,
+    fragment_ttl_ms: Option<Spanned<i64>>,
+    fragment_orphans: Option<FragmentOrphans>,
 }
 
 #[derive(Deserialize)]
@@ -290,6 +306,8 @@ impl Config {
                 MAX_SOURCES_LIMIT as i64,
                 DEFAULT_FLOOD_PREFIXES as i64,
             )? as u32,
+            fragment_ttl_ms: ranged(&d.fragment_ttl_ms, "datapath.fragment_ttl_ms", 1, 60_000, 1_000)? as u16,
+            fragment_orphans: d.fragment_orphans.unwrap_or(FragmentOrphans::Drop),
         };
 
         let Some(def) = raw.default else {
@@ -384,6 +402,8 @@ mod tests {
                 flood_prefix_v4: 24,
                 flood_prefix_v6: 48,
                 flood_prefixes: 65_536,
+                fragment_ttl_ms: 1_000,
+                fragment_orphans: FragmentOrphans::Drop,
             }
         );
     }
@@ -430,6 +450,12 @@ mod tests {
             error_of(&cfg("flood_prefixes = 0")),
             "rules.toml:2:18: datapath.flood_prefixes = 0 is out of range: allowed 1..=16777216"
         );
+        assert_eq!(
+            error_of(&cfg("fragment_ttl_ms = 0")),
+            "rules.toml:2:19: datapath.fragment_ttl_ms = 0 is out of range: allowed 1..=60000"
+        );
+        let orphans = error_of(&cfg("fragment_orphans = \"pass\""));
+        assert!(orphans.starts_with("rules.toml:2:20: unknown variant `pass`, expected `drop` or `source`"), "{orphans}");
         let c = Config::from_str(&cfg("flood_new_keys_per_sec = 0"), "x").unwrap();
         assert_eq!(c.datapath.flood_new_keys_per_sec, 0);
     }

@@ -27,8 +27,8 @@ use rl_common::{
 };
 
 use crate::{
-    buckets,
-    parse::{Packet, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP},
+    buckets, frag,
+    parse::{Frag, Packet, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP},
     stats,
 };
 
@@ -37,7 +37,7 @@ use crate::{
 static RL_CONFIG: Array<DatapathConfig> = Array::with_max_entries(1, 0);
 
 #[map(name = "RL_RULES")]
-static RL_RULES: Array<RuleEntry> = Array::with_max_entries(2 * RULE_SLOTS, 0);
+pub static RL_RULES: Array<RuleEntry> = Array::with_max_entries(2 * RULE_SLOTS, 0);
 
 #[map(name = "RL_L4")]
 static RL_L4: Array<u32> = Array::with_max_entries(2 * L4_SLOT_LEN, 0);
@@ -123,11 +123,27 @@ pub fn limit(ctx: &XdpContext, pkt: &Packet, len: u64) -> Verdict {
             Verdict::Drop
         }
         _ => {
+            if pkt.frag != Frag::No {
+                frag::stash(pkt);
+            }
+            let (mut entry, mut cost) = (entry, Cost { bytes: len, packets: 1 });
+            if pkt.frag == Frag::Later {
+                match frag::later(cfg, pkt, entry, len) {
+                    frag::Later::Pass => return Verdict::Pass,
+                    frag::Later::Drop => return Verdict::Drop,
+                    frag::Later::Charge { entry: e, packets } => (entry, cost.packets) = (e, packets),
+                }
+            }
             let Some(rule) = RL_RULES.get(entry) else {
                 stats::passed(len, None);
                 return Verdict::Pass;
             };
-            settle(ctx, cfg, rule, entry, pkt.is_v6, &src, len)
+            let counted = settle(ctx, cfg, rule, entry, pkt.is_v6, &src, cost);
+            frag::settled(cfg, entry, counted);
+            match counted {
+                Counted::Dropped => Verdict::Drop,
+                _ => Verdict::Pass,
+            }
         }
     }
 }
@@ -161,7 +177,7 @@ fn classify(cfg: &DatapathConfig, slot: u32, pkt: &Packet, src: &[u32; 4]) -> u3
 }
 
 /// Charges `rule` and counts the verdict under its entry (a shadow rule's
-/// drop is counted as such and passed).
+/// drop is counted as such, and passed).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn settle(
@@ -171,18 +187,15 @@ fn settle(
     entry: u32,
     is_v6: bool,
     src: &[u32; 4],
-    len: u64,
-) -> Verdict {
-    let verdict = charge(ctx, cfg, rule, is_v6, src, len);
-    match verdict {
-        Verdict::Pass => count(entry, len, Counted::Passed),
-        Verdict::Drop if rule.flags & RULE_SHADOW != 0 => {
-            count(entry, len, Counted::Shadow);
-            return Verdict::Pass;
-        }
-        Verdict::Drop => count(entry, len, Counted::Dropped),
-    }
-    verdict
+    cost: Cost,
+) -> Counted {
+    let counted = match charge(ctx, cfg, rule, is_v6, src, cost) {
+        Verdict::Pass => Counted::Passed,
+        Verdict::Drop if rule.flags & RULE_SHADOW != 0 => Counted::Shadow,
+        Verdict::Drop => Counted::Dropped,
+    };
+    count(entry, cost.bytes, counted);
+    counted
 }
 
 #[inline(always)]
@@ -231,14 +244,26 @@ fn l4_index(pkt: &Packet) -> u32 {
     }
 }
 
-enum Counted {
-    Passed,
-    Dropped,
-    Shadow,
+/// How a packet is counted; the values are `rl_common::FRAG_*`.
+#[derive(Clone, Copy)]
+#[repr(u32)]
+pub enum Counted {
+    Passed = rl_common::FRAG_PASSED,
+    Dropped = rl_common::FRAG_DROPPED,
+    Shadow = rl_common::FRAG_SHADOW,
+}
+
+/// What a packet costs: its bytes against byte limits, `packets` (1, or 0
+/// for a later fragment, whose datagram its first fragment already
+/// counted) against packet limits.
+#[derive(Clone, Copy)]
+pub struct Cost {
+    pub bytes: u64,
+    pub packets: u64,
 }
 
 #[inline(always)]
-fn count(index: u32, len: u64, what: Counted) {
+pub fn count(index: u32, len: u64, what: Counted) {
     if let Some(s) = RL_RSTATS.get_ptr_mut(index) {
         // Per-CPU entry: only this CPU writes it.
         let s = unsafe { &mut *s };
@@ -271,7 +296,7 @@ fn charge(
     rule: &RuleEntry,
     is_v6: bool,
     src: &[u32; 4],
-    len: u64,
+    cost: Cost,
 ) -> Verdict {
     let n = rule.n_limits as usize;
     if n == 1 {
@@ -280,9 +305,9 @@ fn charge(
             rare_event(ctx, STAT_NO_STATE);
             return Verdict::Drop;
         };
-        let (verdict, t) = admit(ctx, cfg, &rule.limits[0], b, len);
+        let (verdict, t) = admit(ctx, cfg, &rule.limits[0], b, cost);
         if let Verdict::Drop = verdict {
-            return over(ctx, cfg, rule, 0, is_v6, src, len, t, b);
+            return over(ctx, cfg, rule, 0, is_v6, src, cost, t, b);
         }
         decided(ctx, t, b, &verdict, rule, 0, is_v6, src);
         return verdict;
@@ -299,9 +324,9 @@ fn charge(
             continue;
         };
         let word = Tat(unsafe { &raw mut (*b).tat_ns }).load();
-        if step(cfg, &rule.limits[i], len, word).is_none() {
+        if step(cfg, &rule.limits[i], cost, word).is_none() {
             let t = now(cfg, &rule.limits[i]);
-            return over(ctx, cfg, rule, i as u32, is_v6, src, len, t, b);
+            return over(ctx, cfg, rule, i as u32, is_v6, src, cost, t, b);
         }
     }
     for i in 0..MAX_LIMITS {
@@ -311,7 +336,7 @@ fn charge(
         let Some(b) = buckets::bucket(cfg, rule, i as u32, is_v6, src) else {
             return Verdict::Drop;
         };
-        let (verdict, t) = admit(ctx, cfg, &rule.limits[i], b, len);
+        let (verdict, t) = admit(ctx, cfg, &rule.limits[i], b, cost);
         if i + 1 == n || matches!(verdict, Verdict::Drop) {
             decided(ctx, t, b, &verdict, rule, i as u32, is_v6, src);
         }
@@ -333,7 +358,7 @@ fn over(
     which: u32,
     is_v6: bool,
     src: &[u32; 4],
-    len: u64,
+    cost: Cost,
     t: u64,
     b: *mut Bucket,
 ) -> Verdict {
@@ -344,7 +369,7 @@ fn over(
     // `b` is not used past this point: the verifier then need not pair each
     // kind of bucket (own, prefix cell, last resort) with each kind of pool
     // bucket. It is looked up again to be counted.
-    let verdict = elastic(ctx, cfg, rule, is_v6, len);
+    let verdict = elastic(ctx, cfg, rule, is_v6, cost);
     if let Some(b) = buckets::existing(rule, which, is_v6, src) {
         decided(ctx, t, b, &verdict, rule, which, is_v6, src);
     }
@@ -417,14 +442,14 @@ fn limited(ctx: &XdpContext, t: u64, rule: &RuleEntry, which: u32, is_v6: bool, 
 /// An elastic rule lets a key that is over its own limit through while the
 /// rule's shared pool has room; otherwise the drop stands.
 #[inline(always)]
-fn elastic(ctx: &XdpContext, cfg: &DatapathConfig, rule: &RuleEntry, is_v6: bool, len: u64) -> Verdict {
+fn elastic(ctx: &XdpContext, cfg: &DatapathConfig, rule: &RuleEntry, is_v6: bool, cost: Cost) -> Verdict {
     if rule.flags & RULE_ELASTIC == 0 {
         return Verdict::Drop;
     }
     let Some(b) = buckets::bucket(cfg, rule, POOL_INDEX, is_v6, &[0; 4]) else {
         return Verdict::Drop;
     };
-    admit(ctx, cfg, &rule.pool, b, len).0
+    admit(ctx, cfg, &rule.pool, b, cost).0
 }
 
 /// The limit's clock: the inlined tick clock when it suits the limit.
@@ -439,27 +464,27 @@ fn now(cfg: &DatapathConfig, limit: &LimitEntry) -> u64 {
 
 /// What a packet counts against a limit: one packet, or its bytes.
 #[inline(always)]
-fn units(limit: &LimitEntry, len: u64) -> u64 {
+fn units(limit: &LimitEntry, cost: Cost) -> u64 {
     if limit.kind & LIMIT_BYTES != 0 {
-        len
+        cost.bytes
     } else {
-        1
+        cost.packets
     }
 }
 
 /// One limit's step on its state word, for the read-only check of
 /// multi-limit rules.
 #[inline(always)]
-fn step(cfg: &DatapathConfig, limit: &LimitEntry, len: u64, word: u64) -> Option<u64> {
-    limit.step(word, now(cfg, limit), cfg.epoch_offset_ns, units(limit, len))
+fn step(cfg: &DatapathConfig, limit: &LimitEntry, cost: Cost, word: u64) -> Option<u64> {
+    limit.step(word, now(cfg, limit), cfg.epoch_offset_ns, units(limit, cost))
 }
 
 /// Charges one limit: the clock is read once, then the algorithm's
 /// compare-and-swap loop runs.
 #[inline(always)]
-fn admit(ctx: &XdpContext, cfg: &DatapathConfig, limit: &LimitEntry, b: *mut Bucket, len: u64) -> (Verdict, u64) {
+pub fn admit(ctx: &XdpContext, cfg: &DatapathConfig, limit: &LimitEntry, b: *mut Bucket, cost: Cost) -> (Verdict, u64) {
     let cell = Tat(unsafe { &raw mut (*b).tat_ns });
-    let (t, u) = (now(cfg, limit), units(limit, len));
+    let (t, u) = (now(cfg, limit), units(limit, cost));
     let outcome = match limit.kind & 0xff {
         LIMIT_GCRA => admit_with(&cell, |w| limit.gcra_step(w, t, u)),
         _ => admit_window(cfg, limit, &cell, t, u),

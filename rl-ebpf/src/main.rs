@@ -11,6 +11,7 @@
 #![feature(core_intrinsics)]
 
 mod buckets;
+mod frag;
 mod limit;
 mod parse;
 mod stats;

@@ -11,8 +11,8 @@
 //! - Fragments ([`Frag`]): a first fragment is classified like a whole
 //!   packet, and is malformed if its IP length cannot hold the TCP, UDP or
 //!   ICMP header it claims. Non-first fragments carry no L4 header: they
-//!   are limited by source with `dst_port = 0`. Other L4 protocols are
-//!   limited by source as well.
+//!   follow their first fragment (see `frag`). Other L4 protocols are
+//!   limited by source.
 
 use core::mem::size_of;
 
@@ -73,6 +73,10 @@ pub struct Packet {
     /// TCP flags byte (CWR..FIN), otherwise 0.
     pub tcp_flags: u8,
     pub frag: Frag,
+    /// Fragments only (0 otherwise): the destination (IPv6: folded, see
+    /// `rl_common::FragKey`) and the fragment id, which name the datagram.
+    pub dst: u32,
+    pub frag_id: u32,
 }
 
 pub enum Parsed {
@@ -157,10 +161,14 @@ fn parse_ipv4(ctx: &XdpContext, off: usize) -> Parsed {
         dst_port: 0,
         tcp_flags: 0,
         frag: Frag::No,
+        dst: 0,
+        frag_id: 0,
     };
     if frag_field & (IPV4_MF | IPV4_OFFSET) == 0 {
         return parse_l4(ctx, off + ihl, pkt);
     }
+    pkt.dst = u32::from_ne_bytes([hdr[16], hdr[17], hdr[18], hdr[19]]);
+    pkt.frag_id = u16::from_be_bytes([hdr[4], hdr[5]]) as u32;
     if frag_field & IPV4_OFFSET != 0 {
         pkt.frag = Frag::Later;
         return Parsed::Ip(pkt);
@@ -204,6 +212,8 @@ fn parse_ipv6(ctx: &XdpContext, off: usize) -> Parsed {
         dst_port: 0,
         tcp_flags: 0,
         frag: Frag::No,
+        dst: 0,
+        frag_id: 0,
     };
     // Where the IPv6 payload ends by its header: a first fragment must hold
     // its L4 header before it.
@@ -234,6 +244,8 @@ fn parse_ipv6(ctx: &XdpContext, off: usize) -> Parsed {
                 let field = u16::from_be_bytes([frag[2], frag[3]]);
                 off += IPV6_EXT_UNIT;
                 if field & (IPV6_OFFSET | IPV6_M) != 0 {
+                    pkt.dst = w(24) ^ w(28) ^ w(32) ^ w(36);
+                    pkt.frag_id = u32::from_be_bytes([frag[4], frag[5], frag[6], frag[7]]);
                     if field & IPV6_OFFSET != 0 {
                         // A non-first fragment: no L4 header follows.
                         pkt.frag = Frag::Later;

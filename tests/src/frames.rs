@@ -59,12 +59,27 @@ pub fn ipv6_ext(next: u8, rest: &[u8]) -> Vec<u8> {
     h
 }
 
-/// An IPv6 fragment header announcing `next`, at fragment `offset` (8-byte units).
+/// An IPv6 fragment header announcing `next`, at fragment `offset` (8-byte
+/// units), without the M bit (the last fragment), id 1.
 pub fn ipv6_frag(next: u8, offset: u16, rest: &[u8]) -> Vec<u8> {
+    ipv6_fragment(next, offset, false, 1, rest)
+}
+
+/// An IPv6 fragment header: `more` sets the M bit.
+pub fn ipv6_fragment(next: u8, offset: u16, more: bool, id: u32, rest: &[u8]) -> Vec<u8> {
     let mut h = vec![next, 0];
-    h.extend_from_slice(&(offset << 3).to_be_bytes());
-    h.extend_from_slice(&[0, 0, 0, 1]);
+    h.extend_from_slice(&(offset << 3 | more as u16).to_be_bytes());
+    h.extend_from_slice(&id.to_be_bytes());
     h.extend_from_slice(rest);
+    h
+}
+
+/// An IPv4 fragment from `src` to 10.0.0.2: identification `id`, `offset`
+/// in 8-byte units, `more` sets MF; `payload` is its share of the datagram.
+pub fn ipv4_fragment(src: [u8; 4], proto: u8, id: u16, offset: u16, more: bool, payload: &[u8]) -> Vec<u8> {
+    let mut h = ipv4(src, proto, &[], payload);
+    h[4..6].copy_from_slice(&id.to_be_bytes());
+    h[6..8].copy_from_slice(&((more as u16) << 13 | offset).to_be_bytes());
     h
 }
 

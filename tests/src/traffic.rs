@@ -79,7 +79,14 @@ pub fn flood(
 
 /// Sends `count` packets from `src` to `dst`, evenly paced at `pps`.
 pub fn paced(ns: &Netns, src: IpAddr, dst: IpAddr, pps: u64, count: u64) -> JoinHandle<Result<Sent>> {
+    paced_datagrams(ns, src, dst, pps, count, PAYLOAD.len())
+}
+
+/// [`paced`] with `size`-byte datagrams: above the MTU, the sending kernel
+/// fragments each one.
+pub fn paced_datagrams(ns: &Netns, src: IpAddr, dst: IpAddr, pps: u64, count: u64, size: usize) -> JoinHandle<Result<Sent>> {
     ns.spawn(move || {
+        let payload = vec![0x5a; size];
         let sock = socket(src)?;
         let to = SocketAddr::new(dst, PORT);
         let started = Instant::now();
@@ -90,7 +97,7 @@ pub fn paced(ns: &Netns, src: IpAddr, dst: IpAddr, pps: u64, count: u64) -> Join
             if let Some(wait) = due.checked_duration_since(Instant::now()) {
                 std::thread::sleep(wait);
             }
-            sock.send_to(&PAYLOAD, to).context("paced send")?;
+            sock.send_to(&payload, to).context("paced send")?;
             packets += 1;
         }
         Ok(Sent { packets, started, ended: Instant::now() })

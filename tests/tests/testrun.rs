@@ -80,12 +80,13 @@ fn malformed_and_truncated_frames_get_defined_verdicts() {
         ("IPv6 UDP cut after extension header", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 0, &ipv6_ext(UDP, &[0, 53]))), XDP_DROP, false, true),
         // Well-formed but unusual: limited by source (the bucket has room), so passed.
         ("IPv4 with options + UDP", eth(&[], ETH_P_IP, &ipv4(src, UDP, &[1, 1, 1, 1], &udp(53))), XDP_PASS, false, false),
-        ("IPv4 non-first fragment", eth(&[], ETH_P_IP, &non_first_v4), XDP_PASS, false, false),
+        // Its first fragment was never seen: an orphan, dropped by default.
+        ("IPv4 non-first fragment", eth(&[], ETH_P_IP, &non_first_v4), XDP_DROP, false, false),
         ("IPv4 GRE (unknown L4)", v4(47, &[0, 0, 8, 0]), XDP_PASS, false, false),
         ("IPv4 ICMP echo", v4(ICMP, &icmp_echo()), XDP_PASS, false, false),
         ("IPv6 six extension headers + UDP", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 60, &six_ext)), XDP_PASS, false, false),
         ("IPv6 two extension headers + UDP", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 0, &two_ext)), XDP_PASS, false, false),
-        ("IPv6 non-first fragment", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 44, &ipv6_frag(UDP, 100, &[1, 2]))), XDP_PASS, false, false),
+        ("IPv6 non-first fragment", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 44, &ipv6_frag(UDP, 100, &[1, 2]))), XDP_DROP, false, false),
         ("IPv6 first fragment + UDP", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 44, &ipv6_frag(UDP, 0, &udp(53)))), XDP_PASS, false, false),
         ("ICMPv6 echo", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), ICMPV6, &[128, 0, 0, 0, 0, 1, 0, 1])), XDP_PASS, false, false),
         ("TCP SYN", v4(TCP, &tcp(22, 0x02)), XDP_PASS, false, false),

@@ -84,7 +84,8 @@ impl Datapath {
             flags: rules.flags,
             flood_cap: flood_cap_per_cpu(t.flood_new_keys_per_sec, self.cpus),
             cell_mask4: t.cell_mask4,
-            _pad: 0,
+            frag_ttl_ms: t.fragment_ttl_ms,
+            frag_orphans: t.fragment_orphans,
             cell_mask6: t.cell_mask6,
         };
         let mut config: Array<&mut MapData, DatapathConfig> = map_mut(&mut self.ebpf, MAP_CONFIG)?;

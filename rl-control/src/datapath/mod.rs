@@ -319,6 +319,12 @@ impl Datapath {
         })
     }
 
+    /// How many instructions the verifier walked to accept the limiter
+    /// (of its 1,000,000 limit): the headroom left for new datapath code.
+    pub fn verified_instructions(&self) -> Option<u32> {
+        self.program(PROG_LIMITER).ok()?.info().ok()?.verified_instruction_count()
+    }
+
     fn program(&self, name: &'static str) -> Result<&Xdp, DatapathError> {
         let prog = self
             .ebpf

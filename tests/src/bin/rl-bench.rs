@@ -154,6 +154,10 @@ fn main() -> Result<()> {
         c.get(rl_common::STAT_NEW_SOURCES) as f64 / (repeat as f64 * SHOTS as f64 * ROUNDS as f64)
     );
     println!("clock: tick {} ns (0 = ktime only)", pass_dp.clock().tick_ns);
+    println!(
+        "verifier: {} of 1,000,000 instructions walked to accept the limiter",
+        pass_dp.verified_instructions().map_or("?".into(), |n| n.to_string())
+    );
     // Rule-count scaling, on the best runs like the floor ratios.
     let vs = |i: usize, j: usize| best(&cases[i].ns) / best(&cases[j].ns);
     let (big_vs_one, cidrs_vs_one, trie_vs_one, big_vs_cidrs) = (vs(8, 5), vs(7, 5), vs(9, 5), vs(8, 7));

@@ -1,0 +1,174 @@
+//! Fragments follow their datagram: crafted fragments through
+//! BPF_PROG_TEST_RUN (every case, IPv4 and IPv6), then real datagrams that
+//! the sending kernel fragments, through veth into the attached limiter.
+
+use std::{net::IpAddr, time::Duration};
+
+use rl_common::{RuleStats, STAT_DROPPED_PKTS, STAT_FRAG_ORPHANS, STAT_PASSED_PKTS};
+use rl_control::datapath::{AttachMode, Datapath};
+use rl_tests::{
+    attach, datapath, expected_passed,
+    frames::*,
+    lab::{require_root, Lab},
+    offer,
+    traffic::{join, paced_datagrams, Receiver, PORT},
+};
+
+fn stats(dp: &Datapath, name: &str) -> RuleStats {
+    dp.rule_stats().unwrap().get(name).copied().unwrap_or_default()
+}
+
+const SRC: [u8; 4] = [192, 0, 2, 1];
+
+/// A UDP datagram to `port` in IPv4 fragments: the first (UDP header +
+/// 592 bytes) and `later` more of 600 bytes each.
+fn datagram4(src: [u8; 4], id: u16, port: u16, later: u16) -> Vec<Vec<u8>> {
+    let mut first = udp(port);
+    first.resize(600, 0);
+    let mut out = vec![eth(&[], ETH_P_IP, &ipv4_fragment(src, UDP, id, 0, later > 0, &first))];
+    for i in 1..=later {
+        out.push(eth(&[], ETH_P_IP, &ipv4_fragment(src, UDP, id, i * 75, i < later, &[7u8; 600])));
+    }
+    out
+}
+
+fn datagram6(last: u8, id: u32, port: u16, later: u16) -> Vec<Vec<u8>> {
+    let mut src = [0u8; 16];
+    (src[0], src[15]) = (0xfd, last);
+    let mut first = udp(port);
+    first.resize(600, 0);
+    let mut out = vec![eth(&[], ETH_P_IPV6, &ipv6(src, 44, &ipv6_fragment(UDP, 0, later > 0, id, &first)))];
+    for i in 1..=later {
+        out.push(eth(&[], ETH_P_IPV6, &ipv6(src, 44, &ipv6_fragment(UDP, i * 75, i < later, id, &[7u8; 600]))));
+    }
+    out
+}
+
+/// Offers each frame once; the verdicts, as (passed, dropped).
+fn offer_all(dp: &Datapath, frames: &[Vec<u8>]) -> (u32, u32) {
+    frames.iter().map(|f| offer(dp, f, 1)).fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
+}
+
+const RULES: &str = "[default]\nrate = 1000\n\
+    [[rule]]\nname = \"pkts\"\nproto = \"udp\"\ndst_ports = [53]\nrate = 2\nper = \"1h\"\n\
+    [[rule]]\nname = \"bytes\"\nproto = \"udp\"\ndst_ports = [54]\nbytes = 1500\nper = \"1h\"\n";
+
+#[test]
+fn later_fragments_take_their_first_fragments_rule_and_verdict() {
+    require_root();
+    for v6 in [false, true] {
+        let family = if v6 { "IPv6" } else { "IPv4" };
+        let dp = datapath(&format!("[datapath]\nmax_sources = 1024\n{RULES}")).unwrap();
+        let dgram = |id: u16, port: u16, later: u16| {
+            if v6 { datagram6(1, id as u32, port, later) } else { datagram4(SRC, id, port, later) }
+        };
+        // The packet limit counts datagrams: two of them pass whole, with
+        // all their later fragments (no ports: they would fall to
+        // [default] on their own); the third is dropped whole.
+        assert_eq!(offer_all(&dp, &dgram(1, 53, 4)), (5, 0), "{family}: datagram 1");
+        assert_eq!(offer_all(&dp, &dgram(2, 53, 1)), (2, 0), "{family}: datagram 2");
+        assert_eq!(offer_all(&dp, &dgram(3, 53, 2)), (0, 3), "{family}: datagram 3, over the limit");
+        // A late duplicate of a passed datagram's fragment still follows it.
+        assert_eq!(offer_all(&dp, &dgram(1, 53, 1)[1..]), (1, 0), "{family}: duplicate");
+        let s = stats(&dp, "pkts");
+        assert_eq!((s.passed_pkts, s.dropped_pkts), (8, 3), "{family}: every fragment counted under the rule");
+        assert_eq!(stats(&dp, "default").passed_pkts, 0, "{family}: nothing fell to [default]");
+
+        // The byte limit counts every fragment's bytes: 1500 bytes hold
+        // the first two fragments of a datagram, not the third.
+        let big = dgram(4, 54, 3);
+        let sizes: Vec<u64> = big.iter().map(|f| f.len() as u64).collect();
+        assert!(sizes[0] + sizes[1] <= 1500 && sizes[0] + sizes[1] + sizes[2] > 1500, "{sizes:?}");
+        assert_eq!(offer_all(&dp, &big[..2]), (2, 0), "{family}: within the byte limit");
+        assert_eq!(offer_all(&dp, &big[2..]), (0, 2), "{family}: over the byte limit, then the broken datagram");
+        let s = stats(&dp, "bytes");
+        assert_eq!(s.passed_bytes, sizes[0] + sizes[1], "{family}");
+
+        // Orphans: no first fragment seen (another id, or another source
+        // with the same id) ➜ dropped and counted by default.
+        let mut other = if v6 { datagram6(2, 1, 53, 1) } else { datagram4([192, 0, 2, 2], 1, 53, 1) };
+        assert_eq!(offer_all(&dp, &dgram(99, 53, 1)[1..]), (0, 1), "{family}: orphan");
+        assert_eq!(offer_all(&dp, &other.split_off(1)), (0, 1), "{family}: same id, other source");
+        let c = dp.counters().unwrap();
+        assert_eq!(c.get(STAT_FRAG_ORPHANS), 2, "{family}: {c}");
+        assert_eq!(c.get(STAT_PASSED_PKTS) + c.get(STAT_DROPPED_PKTS), 17, "{family}: each frame counted once: {c}");
+    }
+}
+
+#[test]
+fn a_first_fragments_verdict_expires_and_orphans_can_be_limited_by_source() {
+    require_root();
+    let dp = datapath(&format!(
+        "[datapath]\nmax_sources = 1024\nfragment_ttl_ms = 30\nfragment_orphans = \"source\"\n{RULES}"
+    ))
+    .unwrap();
+    let d = datagram4(SRC, 7, 53, 2);
+    assert_eq!(offer_all(&dp, &d[..2]), (2, 0));
+    std::thread::sleep(Duration::from_millis(100));
+    // Expired: an orphan, limited by source under [default] (rate 1000).
+    assert_eq!(offer_all(&dp, &d[2..]), (1, 0));
+    assert_eq!(stats(&dp, "default").passed_pkts, 1);
+    assert_eq!(stats(&dp, "pkts").passed_pkts, 2);
+    assert_eq!(dp.counters().unwrap().get(STAT_FRAG_ORPHANS), 1);
+    // IPv6 orphans likewise.
+    assert_eq!(offer_all(&dp, &datagram6(1, 5, 53, 1)[1..]), (1, 0));
+    assert_eq!(stats(&dp, "default").passed_pkts, 2);
+}
+
+/// Datagrams of 3,000 bytes, which the sending kernel cuts into three
+/// fragments at MTU 1500, to a packet limit and a byte limit, from an IPv4
+/// and an IPv6 source each: what reaches the receiver is held to the limits.
+#[test]
+fn real_fragmented_datagrams_through_veth_are_held_to_the_limit() {
+    let lab = Lab::new().unwrap();
+    let (p4, b4, p6, b6) = (lab.v4(1), lab.v4(3), lab.v6(1), lab.v6(3));
+    lab.add_source(&format!("{b4}/24")).unwrap();
+    lab.add_source(&format!("{b6}/64")).unwrap();
+    let toml = format!(
+        "[datapath]\nmax_sources = 1024\n[default]\nrate = 100000\n\
+         [[rule]]\nname = \"pkts\"\nproto = \"udp\"\ndst_ports = [{PORT}]\nsrc = [\"{p4}/32\", \"{p6}/128\"]\nrate = 20\n\
+         [[rule]]\nname = \"bytes\"\nproto = \"udp\"\ndst_ports = [{PORT}]\nsrc = [\"{b4}/32\", \"{b6}/128\"]\nbytes = 62000\n"
+    );
+    let dp = attach(&lab, &toml, AttachMode::Native).unwrap();
+    let rx = Receiver::start(&lab.b).unwrap();
+    let (pps, count, size) = (150, 300, 3000);
+    let senders: Vec<_> = [p4, b4, p6, b6]
+        .into_iter()
+        .map(|src| {
+            let dst = if src.is_ipv4() { lab.v4(2) } else { lab.v6(2) };
+            paced_datagrams(&lab.a, src, dst, pps, count, size)
+        })
+        .collect();
+    let sent: Vec<_> = senders.into_iter().map(|h| join(h).unwrap()).collect();
+    let got = rx.finish().unwrap();
+    let secs = sent.iter().map(|s| s.seconds()).fold(0.0, f64::max);
+    let datagrams = |ip: IpAddr| got.get(&ip).copied().unwrap_or(0) as f64;
+
+    // Packet limit: 20 datagrams/s (burst 20), each passed whole.
+    let want = expected_passed(20, 20, secs);
+    for ip in [p4, p6] {
+        let n = datagrams(ip);
+        eprintln!("packet limit, {ip}: {n} of {count} datagrams in {secs:.2} s, expected {want:.0}");
+        assert!((n - want).abs() <= want * 0.15 + 3.0, "{ip}: {n} datagrams passed, expected {want:.0}");
+    }
+    let s = stats(&dp, "pkts");
+    assert_eq!(s.passed_pkts % 3, 0, "whole datagrams pass: {s:?}");
+    assert_eq!(s.passed_pkts + s.dropped_pkts, 2 * count * 3, "every fragment counted under the rule: {s:?}");
+    // Byte limit: 62,000 bytes/s (burst as much) of fragments on the wire;
+    // a datagram is 3 fragments, 3,112 bytes with their headers (IPv4).
+    let s = stats(&dp, "bytes");
+    let budget = 2.0 * expected_passed(62_000, 62_000, secs);
+    eprintln!("byte limit: {} bytes passed, budget {budget:.0}, datagrams {} + {}", s.passed_bytes, datagrams(b4), datagrams(b6));
+    assert!(s.passed_bytes as f64 <= budget * 1.05 + 3000.0, "{s:?}");
+    assert!(s.passed_bytes as f64 >= budget * 0.8, "the byte limit passed too little: {s:?}");
+    for ip in [b4, b6] {
+        let n = datagrams(ip);
+        // Bytes are counted per fragment: once the burst is spent, refills
+        // mostly go to first fragments whose rest no longer fits (the rest
+        // of such a datagram is then dropped without spending more), so
+        // whole datagrams are about the burst's worth.
+        assert!(n * 3000.0 <= budget / 2.0 * 1.05 + 3000.0, "{ip}: {n} datagrams");
+        assert!(n >= 62_000.0 / 3200.0 * 0.8, "{ip}: only {n} whole datagrams");
+    }
+    assert_eq!(dp.counters().unwrap().get(STAT_FRAG_ORPHANS), 0);
+}
