@@ -188,6 +188,50 @@ fn one_source_on_two_cpus_at_once_spends_each_token_once() {
     two_cpus_on_one_bucket("token bucket", &config(300_000, ""), true);
 }
 
+/// Both CPUs charge one `key = "global"` bucket as fast as the program runs,
+/// every packet within the limit: any drop is a compare-and-swap lost 16
+/// times in a row. At most 0.1% of the passed packets may be lost so.
+#[test]
+fn a_global_key_on_two_cpus_loses_at_most_a_thousandth_to_contention() {
+    require_root();
+    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    assert!(cpus >= 2, "this test needs at least 2 CPUs to run the program concurrently; found {cpus}");
+    let toml = "[datapath]\nmax_sources = 4096\n[default]\nrate = 1\n\
+        [[rule]]\nname = \"all\"\nkey = \"global\"\nrate = 100000000\nburst = 1000000000\n";
+    let dp = datapath(toml).unwrap();
+    const REPEAT: u32 = 1_000_000;
+    const ROUNDS: u32 = 3;
+    let barrier = std::sync::Barrier::new(2);
+    std::thread::scope(|s| {
+        for cpu in 0..2 {
+            let (dp, barrier) = (&dp, &barrier);
+            s.spawn(move || {
+                pin_to_cpu(cpu).unwrap();
+                // Each CPU its own source: the key is global all the same.
+                let frame = udp4([198, 18, 0, 1 + cpu as u8]);
+                barrier.wait();
+                for _ in 0..ROUNDS {
+                    dp.test_run(&frame, REPEAT).unwrap();
+                }
+            });
+        }
+    });
+    let per_cpu = dp.counters_per_cpu().unwrap();
+    let c = dp.counters().unwrap();
+    let (passed, contended) = (c.get(STAT_PASSED_PKTS), c.get(STAT_CONTENDED));
+    let offered = 2 * u64::from(REPEAT) * u64::from(ROUNDS);
+    eprintln!(
+        "global key, 2 CPUs: {offered} packets, passed {passed} (cpu0 {}, cpu1 {}), contended drops {contended} ({:.4}% of passed)",
+        per_cpu[0].get(STAT_PASSED_PKTS),
+        per_cpu[1].get(STAT_PASSED_PKTS),
+        100.0 * contended as f64 / passed as f64
+    );
+    assert_eq!(passed + c.get(STAT_DROPPED_PKTS), offered, "{c}");
+    assert_eq!(c.get(STAT_DROPPED_PKTS), contended, "only contention drops within the limit: {c}");
+    assert!(per_cpu[0].get(STAT_PASSED_PKTS) > 0 && per_cpu[1].get(STAT_PASSED_PKTS) > 0, "both CPUs ran: {c}");
+    assert!(contended * 1000 <= passed, "contended drops {contended} exceed 0.1% of {passed} passed");
+}
+
 /// The same race for the window algorithms: a day-long window holds exactly
 /// its cap (a run at midnight UTC could straddle a boundary).
 #[test]
