@@ -455,6 +455,7 @@ pub struct FragKey {
     pub dst: u32,
     /// IPv4: the 16-bit identification; IPv6: the 32-bit one.
     pub id: u32,
+    /// IPv4 only (0 for IPv6, whose ids are unique per source and destination).
     pub proto: u8,
     /// 4 or 6.
     pub family: u8,

@@ -62,7 +62,10 @@ fn key(pkt: &Packet) -> FragKey {
         src: pkt.src,
         dst: pkt.dst,
         id: pkt.frag_id,
-        proto: pkt.proto,
+        // IPv6 ids are unique per source and destination alone, and a
+        // first fragment's protocol is the one after any later extension
+        // headers, which its later fragments do not show.
+        proto: if pkt.is_v6 { 0 } else { pkt.proto },
         family: if pkt.is_v6 { 6 } else { 4 },
         _pad: 0,
     }

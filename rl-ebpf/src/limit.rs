@@ -123,9 +123,6 @@ pub fn limit(ctx: &XdpContext, pkt: &Packet, len: u64) -> Verdict {
             Verdict::Drop
         }
         _ => {
-            if pkt.frag != Frag::No {
-                frag::stash(pkt);
-            }
             let (mut entry, mut cost) = (entry, Cost { bytes: len, packets: 1 });
             if pkt.frag == Frag::Later {
                 match frag::later(cfg, pkt, entry, len) {
@@ -138,6 +135,11 @@ pub fn limit(ctx: &XdpContext, pkt: &Packet, len: u64) -> Verdict {
                 stats::passed(len, None);
                 return Verdict::Pass;
             };
+            // Set aside only now: every fragment that gets this far is
+            // charged, and `settled` then takes the key.
+            if pkt.frag != Frag::No {
+                frag::stash(pkt);
+            }
             let counted = settle(ctx, cfg, rule, entry, pkt.is_v6, &src, cost);
             frag::settled(cfg, entry, counted);
             match counted {

@@ -6,6 +6,7 @@ pub mod daemon;
 pub mod frames;
 pub mod http;
 pub mod lab;
+pub mod reference;
 pub mod traffic;
 
 use anyhow::{Context, Result};

@@ -35,6 +35,20 @@ enum Cmd {
     Test,
     /// Build, then run the veth lab demo: floods from several sources against the embedded default.
     Demo,
+    /// Fuzz for longer than `test` does: the packet fuzz test (frames through the
+    /// real XDP program against the userspace reference) and the config fuzz
+    /// properties with many more cases. Needs root.
+    Fuzz {
+        /// Frames for the packet fuzz test (`cargo xtask test` runs 1,000,000).
+        #[arg(long, default_value_t = 20_000_000)]
+        frames: u64,
+        /// Seed for the packet fuzz test (default: from the clock, printed).
+        #[arg(long)]
+        seed: Option<u64>,
+        /// Cases per config fuzz property (`cargo xtask test` runs 256).
+        #[arg(long, default_value_t = 100_000)]
+        config_cases: u32,
+    },
     /// Build (release), then measure ns/packet with BPF_PROG_TEST_RUN against an XDP_DROP floor.
     Bench {
         /// Repetitions per measurement (BPF_PROG_TEST_RUN `repeat`).
@@ -51,6 +65,7 @@ fn main() {
         Cmd::Test => test(),
         Cmd::Demo => demo(),
         Cmd::Bench { repeat } => bench(repeat),
+        Cmd::Fuzz { frames, seed, config_cases } => fuzz(frames, seed, config_cases),
     };
     if let Err(e) = result {
         eprintln!("xtask: error: {e:#}");
@@ -128,6 +143,21 @@ fn test() -> Result<()> {
     run(cargo().args(["test", "-p", "rl-tests", "--", "--test-threads=1"]))?;
     step!("all tests passed");
     Ok(())
+}
+
+fn fuzz(frames: u64, seed: Option<u64>, config_cases: u32) -> Result<()> {
+    build(false)?;
+    step!("config fuzz: {config_cases} cases per property");
+    run(cargo().args(["test", "-p", "rl-control", "--test", "config_fuzz"]).env("PROPTEST_CASES", config_cases.to_string()))?;
+    require_root("fuzz")?;
+    let seed = seed.unwrap_or_else(|| {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
+    });
+    step!("packet fuzz: {frames} frames, seed {seed} (repeat a failure with --seed {seed})");
+    run(cargo()
+        .args(["test", "--release", "-p", "rl-tests", "--test", "packet_fuzz", "--", "--nocapture"])
+        .env("RL_FUZZ_FRAMES", frames.to_string())
+        .env("RL_FUZZ_SEED", seed.to_string()))
 }
 
 fn demo() -> Result<()> {
