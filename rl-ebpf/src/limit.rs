@@ -37,7 +37,7 @@ use crate::{
 static RL_CONFIG: Array<DatapathConfig> = Array::with_max_entries(1, 0);
 
 #[map(name = "RL_RULES")]
-pub static RL_RULES: Array<RuleEntry> = Array::with_max_entries(2 * RULE_SLOTS, 0);
+static RL_RULES: Array<RuleEntry> = Array::with_max_entries(2 * RULE_SLOTS, 0);
 
 #[map(name = "RL_L4")]
 static RL_L4: Array<u32> = Array::with_max_entries(2 * L4_SLOT_LEN, 0);
@@ -484,7 +484,7 @@ fn step(cfg: &DatapathConfig, limit: &LimitEntry, cost: Cost, word: u64) -> Opti
 /// Charges one limit: the clock is read once, then the algorithm's
 /// compare-and-swap loop runs.
 #[inline(always)]
-pub fn admit(ctx: &XdpContext, cfg: &DatapathConfig, limit: &LimitEntry, b: *mut Bucket, cost: Cost) -> (Verdict, u64) {
+fn admit(ctx: &XdpContext, cfg: &DatapathConfig, limit: &LimitEntry, b: *mut Bucket, cost: Cost) -> (Verdict, u64) {
     let cell = Tat(unsafe { &raw mut (*b).tat_ns });
     let (t, u) = (now(cfg, limit), units(limit, cost));
     let outcome = match limit.kind & 0xff {
