@@ -12,6 +12,11 @@ pub mod traffic;
 use anyhow::{Context, Result};
 use rl_control::{compile::compile, config::Config, datapath::Datapath};
 
+/// One rule's counters, by name (zero if it has none yet).
+pub fn rule_stats(dp: &Datapath, name: &str) -> rl_common::RuleStats {
+    dp.rule_stats().unwrap().get(name).copied().unwrap_or_default()
+}
+
 /// Loads the limiter with the config in `toml` (not attached).
 pub fn datapath(toml: &str) -> Result<Datapath> {
     let config = Config::from_str(toml, "<test>")?;

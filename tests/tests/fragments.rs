@@ -4,7 +4,7 @@
 
 use std::{net::IpAddr, time::Duration};
 
-use rl_common::{RuleStats, STAT_DROPPED_PKTS, STAT_FRAG_ORPHANS, STAT_PASSED_PKTS};
+use rl_common::{STAT_DROPPED_PKTS, STAT_FRAG_ORPHANS, STAT_PASSED_PKTS};
 use rl_control::datapath::{AttachMode, Datapath};
 use rl_tests::{
     attach, datapath, expected_passed,
@@ -14,9 +14,7 @@ use rl_tests::{
     traffic::{join, paced_datagrams, Receiver, PORT},
 };
 
-fn stats(dp: &Datapath, name: &str) -> RuleStats {
-    dp.rule_stats().unwrap().get(name).copied().unwrap_or_default()
-}
+use rl_tests::rule_stats as stats;
 
 const SRC: [u8; 4] = [192, 0, 2, 1];
 

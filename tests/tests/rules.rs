@@ -2,7 +2,6 @@
 //! BPF_PROG_TEST_RUN. Limits are "per day" so nothing refills during a test,
 //! and the per-rule counters say which rule charged each packet.
 
-use rl_common::RuleStats;
 use rl_control::{compile::compile, config::Config, datapath::Datapath};
 use rl_tests::{datapath, frames::*, lab::require_root, offer};
 
@@ -17,9 +16,7 @@ fn load(rules: &str) -> Datapath {
     datapath(&with_default(rules)).unwrap()
 }
 
-fn stats(dp: &Datapath, name: &str) -> RuleStats {
-    dp.rule_stats().unwrap().get(name).copied().unwrap_or_default()
-}
+use rl_tests::rule_stats as stats;
 
 /// Packets charged to `name` so far (passed, dropped and shadow-dropped).
 fn charged(dp: &Datapath, name: &str) -> u64 {
