@@ -87,6 +87,19 @@ impl Daemon {
         Ok(Daemon { child, log })
     }
 
+    /// Runs the daemon on the lab's protected interface with the config
+    /// file `cfg` (not watched) and `extra` arguments; returns once its admin
+    /// API is up.
+    pub fn serving(lab: &crate::lab::Lab, cfg: &std::path::Path, extra: &[&str]) -> Result<Daemon> {
+        let pid = cfg.with_extension("pid");
+        let (cfg, pid) = (cfg.to_str().context("config path")?, pid.to_str().context("pid path")?);
+        let mut args = vec!["run", "--iface", crate::lab::VB, "--config", cfg, "--pid-file", pid, "--no-watch"];
+        args.extend_from_slice(extra);
+        let mut d = Daemon::spawn(&lab.b, &args)?;
+        d.wait_for("admin API on", Duration::from_secs(20))?;
+        Ok(d)
+    }
+
     pub fn log(&self) -> String {
         self.log.lock().unwrap().clone()
     }

@@ -53,3 +53,28 @@ pub fn get(ns: &Netns, path: &str) -> Answer {
 pub fn json(v: &serde_json::Value) -> Option<(&'static str, Vec<u8>)> {
     Some(("application/json", serde_json::to_vec(v).unwrap()))
 }
+
+/// Parses Prometheus text: `name{labels}` ➜ value, checking every sample
+/// line has a declared TYPE.
+pub fn parse_prometheus(text: &str) -> std::collections::HashMap<String, f64> {
+    let mut typed = std::collections::HashSet::new();
+    let mut out = std::collections::HashMap::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let mut it = rest.split_whitespace();
+            let (name, kind) = (it.next().unwrap(), it.next().unwrap());
+            assert!(["counter", "gauge"].contains(&kind), "{line}");
+            typed.insert(name.to_string());
+            continue;
+        }
+        if line.starts_with('#') || line.is_empty() {
+            continue;
+        }
+        let (series, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("bad sample line: {line}"));
+        let name = series.split('{').next().unwrap();
+        assert!(typed.contains(name), "sample before its TYPE: {line}");
+        assert!(!series.contains('{') || series.ends_with('}'), "{line}");
+        out.insert(series.to_string(), value.parse::<f64>().unwrap_or_else(|_| panic!("bad value: {line}")));
+    }
+    out
+}

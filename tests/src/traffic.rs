@@ -153,6 +153,55 @@ pub fn raw_flood(ns: &Netns, dev: &'static str, frame: Vec<u8>, duration: Durati
     })
 }
 
+/// Sends `count` copies of the Ethernet+IPv4 `frame` on `dev` in `ns`, the
+/// i-th from the forged source `source(i)` (addresses no socket could send
+/// from), paced at `pps` or, with `pps = 0`, as fast as one thread can;
+/// optionally pinned to `cpu`. Every frame is sent: a full queue is waited on.
+pub fn forged(
+    ns: &Netns,
+    dev: &'static str,
+    mut frame: Vec<u8>,
+    count: u64,
+    pps: u64,
+    cpu: Option<usize>,
+    mut source: impl FnMut(u64) -> [u8; 4] + Send + 'static,
+) -> JoinHandle<Result<Sent>> {
+    const SRC: std::ops::Range<usize> = 26..30;
+    ns.spawn(move || {
+        if let Some(cpu) = cpu {
+            pin_to_cpu(cpu)?;
+        }
+        anyhow::ensure!(frame.len() >= SRC.end && frame[12..14] == [0x08, 0x00], "forged() needs an untagged IPv4 frame");
+        let fd = packet_socket(dev)?;
+        let started = Instant::now();
+        for i in 0..count {
+            if pps > 0 {
+                let due = started + Duration::from_nanos(i * 1_000_000_000 / pps);
+                if let Some(wait) = due.checked_duration_since(Instant::now()) {
+                    std::thread::sleep(wait);
+                }
+            }
+            frame[SRC].copy_from_slice(&source(i));
+            let mut tries = 0;
+            while unsafe { libc::send(fd.as_raw_fd(), frame.as_ptr().cast(), frame.len(), 0) } != frame.len() as isize {
+                tries += 1;
+                anyhow::ensure!(tries < 1000, "AF_PACKET send on {dev}: {}", std::io::Error::last_os_error());
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        }
+        Ok(Sent { packets: count, started, ended: Instant::now() })
+    })
+}
+
+/// A pseudo-random 10/8 address (xorshift over `state`), odd last byte.
+pub fn spoofed_source(state: &mut u32) -> [u8; 4] {
+    *state ^= *state << 13;
+    *state ^= *state >> 17;
+    *state ^= *state << 5;
+    let b = state.to_be_bytes();
+    [10, b[1], b[2], b[3] | 1]
+}
+
 /// One received packet: its source if it counts, `None` if it does not.
 type Received = Option<IpAddr>;
 

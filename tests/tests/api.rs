@@ -5,22 +5,14 @@ use std::time::Duration;
 
 use rl_tests::{
     daemon::{write, run_once, Daemon},
-    http::{get, json, request},
+    http::{get, json, parse_prometheus, request},
     lab::{Lab, VB},
     traffic::{join, paced, Receiver},
 };
 use serde_json::{json, Value};
 
-const ATTACHED: &str = "admin API on";
-const START: Duration = Duration::from_secs(20);
-
 fn start(lab: &Lab, cfg: &std::path::Path, extra: &[&str]) -> Daemon {
-    let pid = cfg.with_extension("pid");
-    let mut args = vec!["run", "--iface", VB, "--config", cfg.to_str().unwrap(), "--pid-file", pid.to_str().unwrap(), "--no-watch"];
-    args.extend_from_slice(extra);
-    let mut d = Daemon::spawn(&lab.b, &args).unwrap();
-    d.wait_for(ATTACHED, START).unwrap();
-    d
+    Daemon::serving(lab, cfg, extra).unwrap()
 }
 
 fn stop(d: Daemon) {
@@ -54,31 +46,6 @@ const ROUTES: [(&str, &str); 15] = [
     ("delete", "/v1/bans/{cidr}"),
     ("post", "/v1/reload"),
 ];
-
-/// Parses Prometheus text: `name{labels}` ➜ value, checking every sample
-/// line has a declared TYPE.
-fn parse_prometheus(text: &str) -> std::collections::HashMap<String, f64> {
-    let mut typed = std::collections::HashSet::new();
-    let mut out = std::collections::HashMap::new();
-    for line in text.lines() {
-        if let Some(rest) = line.strip_prefix("# TYPE ") {
-            let mut it = rest.split_whitespace();
-            let (name, kind) = (it.next().unwrap(), it.next().unwrap());
-            assert!(["counter", "gauge"].contains(&kind), "{line}");
-            typed.insert(name.to_string());
-            continue;
-        }
-        if line.starts_with('#') || line.is_empty() {
-            continue;
-        }
-        let (series, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("bad sample line: {line}"));
-        let name = series.split('{').next().unwrap();
-        assert!(typed.contains(name), "sample before its TYPE: {line}");
-        assert!(!series.contains('{') || series.ends_with('}'), "{line}");
-        out.insert(series.to_string(), value.parse::<f64>().unwrap_or_else(|_| panic!("bad value: {line}")));
-    }
-    out
-}
 
 #[test]
 fn every_route_answers_metrics_equal_stats_and_the_openapi_document_is_complete() {

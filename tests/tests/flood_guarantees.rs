@@ -2,7 +2,7 @@
 //! frames carry forged sources): the README's guarantees (a)–(d) in one run.
 
 use rl_common::{STAT_FALLBACK, STAT_NEW_SOURCES};
-use rl_tests::{datapath, frames::*, lab::require_root, offer};
+use rl_tests::{datapath, frames::*, lab::require_root, offer, traffic::spoofed_source as spoofed};
 
 const MAX_SOURCES: u32 = 1024;
 
@@ -18,15 +18,6 @@ fn config() -> String {
 
 fn to(src: [u8; 4], port: u16) -> Vec<u8> {
     eth(&[], ETH_P_IP, &ipv4(src, UDP, &[], &udp(port)))
-}
-
-/// A pseudo-random 10/8 source (xorshift), never one of the named ones.
-fn spoofed(state: &mut u32) -> [u8; 4] {
-    *state ^= *state << 13;
-    *state ^= *state >> 17;
-    *state ^= *state << 5;
-    let b = state.to_be_bytes();
-    [10, b[1], b[2], b[3] | 1]
 }
 
 #[test]
