@@ -28,6 +28,9 @@ pub const MAP_STATS: &str = "RL_STATS";
 pub const PROG_LIMITER: &str = "rl";
 /// A program that only returns `XDP_DROP`: the floor for benchmarks.
 pub const PROG_FLOOR: &str = "rl_floor";
+/// A program that only returns `XDP_PASS`: the baseline the veth benchmark
+/// attaches in rl's place.
+pub const PROG_PASS: &str = "rl_pass";
 /// A program that writes `[jiffies64, ktime_ns]` (native-endian `u64`s) into
 /// the first 16 bytes of the packet: the daemon's [`TickClock`] calibration.
 pub const PROG_CLOCK: &str = "rl_clock";

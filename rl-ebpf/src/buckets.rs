@@ -118,17 +118,18 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
     // What the key maps to now: its cell, else its rule's last resort
     // (created fresh the first time a rule needs it).
     let mut probe = key.cell(cfg);
-    let parent = match table.get_ptr_mut(&probe) {
-        Some(c) => c,
+    let (parent, is_cell) = match table.get_ptr_mut(&probe) {
+        Some(c) => (c, true),
         None => {
             probe = key.last();
-            match table.get_ptr_mut(&probe) {
+            let l = match table.get_ptr_mut(&probe) {
                 Some(l) => l,
                 None => {
                     let _ = table.insert(&probe, &Bucket::default(), BPF_NOEXIST as u64);
                     table.get_ptr_mut(&probe)?
                 }
-            }
+            };
+            (l, false)
         }
     };
     let mut init = Bucket { tat_ns: unsafe { core::ptr::read_volatile(&raw const (*parent).tat_ns) }, ..Bucket::default() };
@@ -147,23 +148,19 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
         }
     }
     stats::bump(STAT_FALLBACK);
-    // Charge the cell, creating it (a copy of the last resort) if it is new.
+    // Charge the cell: the one found above, else a new one (a copy of the
+    // last resort) while the table has room, else the last resort.
+    if is_cell || !flood.may_insert(now) {
+        return Some(parent);
+    }
     probe = key.cell(cfg);
-    if let Some(c) = table.get_ptr_mut(&probe) {
-        return Some(c);
+    init.tat_ns = unsafe { core::ptr::read_volatile(&raw const (*parent).tat_ns) };
+    match table.insert(&probe, &init, BPF_NOEXIST as u64) {
+        Ok(()) => stats::bump(STAT_NEW_CELLS),
+        Err(e) if e == -(EEXIST as i32) => {}
+        Err(_) => flood.table_full(now),
     }
-    if flood.may_insert(now) {
-        init.tat_ns = unsafe { core::ptr::read_volatile(&raw const (*parent).tat_ns) };
-        match table.insert(&probe, &init, BPF_NOEXIST as u64) {
-            Ok(()) => stats::bump(STAT_NEW_CELLS),
-            Err(e) if e == -(EEXIST as i32) => {}
-            Err(_) => flood.table_full(now),
-        }
-        if let Some(c) = table.get_ptr_mut(&probe) {
-            return Some(c);
-        }
-    }
-    Some(parent)
+    Some(table.get_ptr_mut(&probe).unwrap_or(parent))
 }
 
 const EEXIST: u32 = 17;

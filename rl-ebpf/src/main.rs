@@ -51,6 +51,12 @@ pub fn rl_floor(_ctx: XdpContext) -> u32 {
     xdp_action::XDP_DROP
 }
 
+/// The veth benchmark's baseline: attached in rl's place, it passes all.
+#[xdp]
+pub fn rl_pass(_ctx: XdpContext) -> u32 {
+    xdp_action::XDP_PASS
+}
+
 /// Clock calibration for the daemon: writes `[jiffies64, ktime_ns]` into the
 /// first 16 bytes of a test packet (see `rl_common::PROG_CLOCK`).
 #[xdp]

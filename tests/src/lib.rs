@@ -75,17 +75,25 @@ pub struct StealMeter {
     total: u64,
 }
 
+/// The first (all-CPU) line of `/proc/stat` in clock ticks: user, nice,
+/// system, idle, iowait, irq, softirq, steal, …
+pub fn cpu_ticks() -> Vec<u64> {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    stat.lines().next().unwrap_or("").split_whitespace().skip(1).filter_map(|v| v.parse().ok()).collect()
+}
+
+/// CPU time spent busy (user, nice, system, irq, softirq) since `before`
+/// (a [`cpu_ticks`] reading), in ns, over all CPUs.
+pub fn busy_ns_since(before: &[u64]) -> f64 {
+    let now = cpu_ticks();
+    let busy = |t: &[u64]| [0, 1, 2, 5, 6].iter().map(|&i| t.get(i).copied().unwrap_or(0)).sum::<u64>();
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    (busy(&now) - busy(before)) as f64 * 1e9 / hz
+}
+
 impl StealMeter {
     fn read() -> (u64, u64) {
-        let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
-        let cpu: Vec<u64> = stat
-            .lines()
-            .next()
-            .unwrap_or("")
-            .split_whitespace()
-            .skip(1)
-            .filter_map(|v| v.parse().ok())
-            .collect();
+        let cpu = cpu_ticks();
         (cpu.get(7).copied().unwrap_or(0), cpu.iter().sum())
     }
 

@@ -164,7 +164,9 @@ fn linker_is_current(linker: &Path, soname: &str, libllvm: &Path) -> bool {
 }
 
 /// Commands the tests run, and the Debian package that provides each.
-const TOOLS: [(&str, &str); 3] = [("ip", "iproute2"), ("sysctl", "procps"), ("setpriv", "util-linux")];
+/// Commands the tests and benchmarks run, and the Debian packages with them
+/// (nft: the veth benchmark's nftables peer).
+const TOOLS: [(&str, &str); 4] = [("ip", "iproute2"), ("sysctl", "procps"), ("setpriv", "util-linux"), ("nft", "nftables")];
 
 fn has(cmd: &str) -> bool {
     Command::new("sh")
@@ -176,7 +178,7 @@ fn has(cmd: &str) -> bool {
 fn debian_packages() -> Result<()> {
     let missing: Vec<&str> = TOOLS.iter().filter(|(cmd, _)| !has(cmd)).map(|(_, pkg)| *pkg).collect();
     if missing.is_empty() {
-        step!("test tools (ip, sysctl, setpriv): present");
+        step!("test tools ({}): present", TOOLS.map(|(c, _)| c).join(", "));
         return Ok(());
     }
     if !has("apt-get") {

@@ -49,11 +49,16 @@ enum Cmd {
         #[arg(long, default_value_t = 100_000)]
         config_cases: u32,
     },
-    /// Build (release), then measure ns/packet with BPF_PROG_TEST_RUN against an XDP_DROP floor.
+    /// Build (release), then measure: ns/packet of each XDP path with BPF_PROG_TEST_RUN against an
+    /// XDP_DROP floor; CPU ns/packet of a random-source veth flood with rl, a bare XDP_PASS and
+    /// nftables' dynset limit side by side; the admin API's latency and rule-swap time.
     Bench {
         /// Repetitions per measurement (BPF_PROG_TEST_RUN `repeat`).
         #[arg(long, default_value_t = 1_000_000)]
         repeat: u32,
+        /// Frames per veth flood run (5 rounds × 3 filters).
+        #[arg(long, default_value_t = 1_000_000)]
+        frames: u64,
     },
 }
 
@@ -64,7 +69,7 @@ fn main() {
         Cmd::Build { release } => build(release),
         Cmd::Test => test(),
         Cmd::Demo => demo(),
-        Cmd::Bench { repeat } => bench(repeat),
+        Cmd::Bench { repeat, frames } => bench(repeat, frames),
         Cmd::Fuzz { frames, seed, config_cases } => fuzz(frames, seed, config_cases),
     };
     if let Err(e) = result {
@@ -166,12 +171,14 @@ fn demo() -> Result<()> {
     run(cargo().args(["run", "--quiet", "-p", "rl-tests", "--bin", "rl-demo"]))
 }
 
-fn bench(repeat: u32) -> Result<()> {
+fn bench(repeat: u32, frames: u64) -> Result<()> {
     build(true)?;
     require_root("bench")?;
     run(cargo()
         .args(["run", "--quiet", "--release", "-p", "rl-tests", "--bin", "rl-bench", "--"])
         .arg(repeat.to_string()))?;
+    step!("veth: CPU ns per packet of a random-source flood, rl against bare XDP_PASS and nftables");
+    run(cargo().args(["run", "--quiet", "--release", "-p", "rl-tests", "--bin", "rl-veth-bench", "--"]).arg(frames.to_string()))?;
     step!("admin API: latency at 1,000 requests/s and rule-swap time, against a daemon in a veth lab");
     run(cargo().args(["run", "--quiet", "--release", "-p", "rl-tests", "--bin", "rl-api-bench"]))
 }

@@ -19,7 +19,7 @@ use aya::{
 };
 use aya_log::EbpfLogger;
 use rl_common::{
-    RuleStats, RULE_SLOTS, TickClock, MAP_EVENTS, MAP_SOURCES_V4, MAP_SOURCES_V6, PROG_CLOCK, PROG_FLOOR, PROG_LIMITER, STAT_COUNT,
+    RuleStats, RULE_SLOTS, TickClock, MAP_EVENTS, MAP_SOURCES_V4, MAP_SOURCES_V6, PROG_CLOCK, PROG_FLOOR, PROG_LIMITER, PROG_PASS, STAT_COUNT,
     STAT_NAMES,
 };
 use thiserror::Error;
@@ -433,19 +433,19 @@ impl Datapath {
     pub fn attach(&mut self, iface: &str, mode: AttachMode) -> Result<Attachment, DatapathError> {
         interface_index(iface)?;
         let used = match mode {
-            AttachMode::Auto => match self.attach_as(iface, AttachMode::Native) {
+            AttachMode::Auto => match self.attach_as(iface, AttachMode::Native, PROG_LIMITER) {
                 Ok(()) => AttachMode::Native,
                 Err(e @ (DatapathError::InterfaceBusy(_) | DatapathError::NoPrivilege { .. })) => {
                     return Err(e)
                 }
                 Err(e) => {
                     warn!("native XDP is unavailable on {iface} ({e}); using skb (generic) mode, which is slower");
-                    self.attach_as(iface, AttachMode::Skb)?;
+                    self.attach_as(iface, AttachMode::Skb, PROG_LIMITER)?;
                     AttachMode::Skb
                 }
             },
             m => {
-                self.attach_as(iface, m)?;
+                self.attach_as(iface, m, PROG_LIMITER)?;
                 m
             }
         };
@@ -457,7 +457,15 @@ impl Datapath {
         Ok(a)
     }
 
-    fn attach_as(&mut self, iface: &str, mode: AttachMode) -> Result<(), DatapathError> {
+    /// Attaches the bare `XDP_PASS` program to `iface` natively instead of
+    /// the limiter: the baseline a benchmark compares rl's cost with.
+    pub fn attach_baseline(&mut self, iface: &str) -> Result<(), DatapathError> {
+        interface_index(iface)?;
+        self.load_program(PROG_PASS)?;
+        self.attach_as(iface, AttachMode::Native, PROG_PASS)
+    }
+
+    fn attach_as(&mut self, iface: &str, mode: AttachMode, name: &'static str) -> Result<(), DatapathError> {
         let flags = match mode {
             AttachMode::Native => XdpMode::Driver,
             AttachMode::Skb => XdpMode::Skb,
@@ -465,8 +473,8 @@ impl Datapath {
         };
         let prog: &mut Xdp = self
             .ebpf
-            .program_mut(PROG_LIMITER)
-            .expect("loaded in Datapath::load")
+            .program_mut(name)
+            .expect("loaded before attaching")
             .try_into()
             .expect("an XDP program");
         prog.attach(iface, flags).map(|_| ()).map_err(|e| match errno(&e) {
