@@ -264,6 +264,10 @@ impl CidrEntry {
 /// (slot, L4 class, source class) ➜ rule index (`HashMap<u64, u32>`); a
 /// missing entry means `first` of the L4 entry.
 pub const MAP_DECIDE: &str = "RL_DECIDE";
+/// [`MAP_DECIDE`] entries each slot may hold (the map holds both slots).
+pub const DECIDE_SLOT_LEN: u32 = 1 << 20;
+/// Trie entries each slot may hold, per family (the tries hold both slots).
+pub const LPM_SLOT_LEN: u32 = 327_680;
 pub const fn decide_key(slot: u32, l4_class: u16, src_class: u16) -> u64 {
     (slot as u64) << 48 | (l4_class as u64) << 16 | src_class as u64
 }

@@ -13,7 +13,7 @@
 //! - only then, one hash lookup of (L4 class, source class) picks the rule.
 
 use std::{
-    collections::{hash_map::DefaultHasher, BTreeSet, HashMap},
+    collections::{BTreeSet, HashMap},
     hash::{Hash, Hasher},
     net::IpAddr,
 };
@@ -183,12 +183,29 @@ fn compile_rules(config: &Config) -> RuleSet {
     RuleSet { flags, tuning, entries, names, l4, lpm, dir16, decide }
 }
 
-/// A 32-bit id of a definition, stable while the daemon runs, low 3 bits 0.
+/// A 32-bit id of a definition, low 3 bits 0. Stable across processes and
+/// builds (FNV-1a over the derived `Hash` stream, not `DefaultHasher`,
+/// whose algorithm may change): a restarted or upgraded daemon that adopts
+/// pinned maps finds each unchanged rule's buckets under the same id.
 fn stable_id(what: &impl Hash) -> u32 {
-    let mut h = DefaultHasher::new();
+    let mut h = Fnv1a(0xcbf2_9ce4_8422_2325);
     what.hash(&mut h);
     let v = h.finish();
     ((v ^ (v >> 32)) as u32) & rl_common::RULE_ID_MASK
+}
+
+/// 64-bit FNV-1a.
+struct Fnv1a(u64);
+
+impl Hasher for Fnv1a {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0 ^ *b as u64).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
 }
 
 fn rule_entry(r: &Rule, v4_default: u8, v6_default: u8) -> RuleEntry {
@@ -473,6 +490,15 @@ mod tests {
         assert_eq!(a.rules.entries[2].id, b.rules.entries[1].id, "rule b unchanged (moved)");
         assert_ne!(a.rules.entries[1].id, b.rules.entries[2].id, "rule a changed its rate");
         assert!(a.rules.entries.iter().all(|e| e.id & 7 == 0));
+    }
+
+    #[test]
+    fn rule_ids_do_not_depend_on_the_process_or_the_build() {
+        // A restarted or upgraded daemon adopts the pinned buckets by these
+        // ids: if this value changes, every upgrade resets every bucket.
+        let c = compile(&config("[default]\nrate = 5\n[[rule]]\nname = \"a\"\nproto = \"udp\"\ndst_ports = [53]\nrate = 1\n"));
+        let ids: Vec<u32> = c.rules.entries.iter().map(|e| e.id).collect();
+        assert_eq!(ids, [0x1931_c660, 0x2047_19f0]);
     }
 
     #[test]

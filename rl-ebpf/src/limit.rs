@@ -47,12 +47,12 @@ static RL_L4: Array<u32> = Array::with_max_entries(2 * L4_SLOT_LEN, 0);
 static RL_DIR16: Array<u32> = Array::with_max_entries(2 * DIR16_LEN, 0);
 
 #[map(name = "RL_LPM4")]
-static RL_LPM4: LpmTrie<[u8; 5], u32> = LpmTrie::with_max_entries(2 * 327_680, BPF_F_NO_PREALLOC);
+static RL_LPM4: LpmTrie<[u8; 5], u32> = LpmTrie::with_max_entries(2 * rl_common::LPM_SLOT_LEN, BPF_F_NO_PREALLOC);
 #[map(name = "RL_LPM6")]
-static RL_LPM6: LpmTrie<[u8; 17], u32> = LpmTrie::with_max_entries(2 * 327_680, BPF_F_NO_PREALLOC);
+static RL_LPM6: LpmTrie<[u8; 17], u32> = LpmTrie::with_max_entries(2 * rl_common::LPM_SLOT_LEN, BPF_F_NO_PREALLOC);
 
 #[map(name = "RL_DECIDE")]
-static RL_DECIDE: HashMap<u64, u32> = HashMap::with_max_entries(1 << 21, BPF_F_NO_PREALLOC);
+static RL_DECIDE: HashMap<u64, u32> = HashMap::with_max_entries(2 * rl_common::DECIDE_SLOT_LEN, BPF_F_NO_PREALLOC);
 
 /// "Limited" events for the daemon (rl_common::MAP_EVENTS).
 #[map(name = "RL_EVENTS")]

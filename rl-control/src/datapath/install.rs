@@ -13,7 +13,13 @@ impl Datapath {
     /// each packet sees the old rule set or the new one, never a mix, and
     /// there is no instant without limits. Buckets are keyed by rule ids that
     /// only change when a rule does, so unchanged rules keep their state.
+    ///
+    /// All or nothing: if a step fails, the active rule set stays in force
+    /// and the slot being written is marked unknown, so the next install
+    /// clears it whole instead of writing differences against a record that
+    /// no longer says what the maps hold.
     pub fn install(&mut self, rules: &RuleSet) -> Result<(), DatapathError> {
+        fits(rules)?;
         let slot = self.active.map_or(0, |s| s ^ 1);
         let since = self.flipped_at.elapsed();
         if since < SLOT_GRACE {
@@ -21,8 +27,14 @@ impl Datapath {
         }
         let base = slot * RULE_SLOTS;
 
+        let old = std::mem::replace(&mut self.slots[slot as usize], SlotContents { unknown: true, ..Default::default() });
+        let old = if old.unknown {
+            self.clear_slot(slot)?;
+            SlotContents::default()
+        } else {
+            old
+        };
         // Counters of the rules this slot held go to their names' totals.
-        let old = std::mem::take(&mut self.slots[slot as usize]);
         {
             let mut stats: PerCpuArray<&mut MapData, RuleStats> = map_mut(&mut self.ebpf, MAP_RULE_STATS)?;
             let cpus = aya::util::nr_cpus().map_err(|(_, e)| map_error(MAP_RULE_STATS, e))?;
@@ -51,9 +63,11 @@ impl Datapath {
             .collect();
         let keys: Vec<u32> = (0..entries.len() as u32).map(|i| base + i).collect();
         update_batch(self.array_fd(MAP_RULES)?, &keys, &entries).map_err(|e| map_error(MAP_RULES, e))?;
+        self.failpoint("rules")?;
 
         let l4_base = slot * rl_common::L4_SLOT_LEN;
         self.write_u32_diff(MAP_L4, l4_base, &old.l4, &rules.l4)?;
+        self.failpoint("l4")?;
 
         // Trie first, then the first level that points into it.
         for (c, _) in &old.lpm {
@@ -62,6 +76,7 @@ impl Datapath {
         for (c, v) in &rules.lpm {
             self.lpm_write(slot, c, Some(*v))?;
         }
+        self.failpoint("lpm")?;
         self.write_u32_diff(MAP_DIR16, slot * DIR16_LEN, &old.dir16, &rules.dir16)?;
 
         let mut decide: HashMap<&mut MapData, u64, u32> = map_mut(&mut self.ebpf, MAP_DECIDE)?;
@@ -74,6 +89,7 @@ impl Datapath {
             decide.insert(k, rule, 0).map_err(|e| map_error(MAP_DECIDE, e))?;
             keys.push(k);
         }
+        self.failpoint("decide")?;
 
         let t = &rules.tuning;
         let cfg = DatapathConfig {
@@ -93,6 +109,7 @@ impl Datapath {
         self.active = Some(slot);
         self.flipped_at = Instant::now();
         self.slots[slot as usize] = SlotContents {
+            unknown: false,
             names: rules.names.clone(),
             ids: rules.entries.iter().map(|e| e.id).collect(),
             l4: rules.l4.clone(),
@@ -100,6 +117,46 @@ impl Datapath {
             dir16: rules.dir16.clone(),
             decide: keys,
         };
+        Ok(())
+    }
+
+    /// Tests only: makes the next install fail after `step` ("rules", "l4",
+    /// "lpm", "decide"), as a failed map write there would.
+    #[doc(hidden)]
+    pub fn fail_next_install_at(&mut self, step: &'static str) {
+        self.failpoint = Some(step);
+    }
+
+    fn failpoint(&mut self, step: &'static str) -> Result<(), DatapathError> {
+        if self.failpoint == Some(step) {
+            self.failpoint = None;
+            return Err(DatapathError::Map { map: "failpoint", cause: format!("injected failure after writing {step}") });
+        }
+        Ok(())
+    }
+
+    /// Empties every table of `slot` whose contents are unknown: the L4 and
+    /// first-level arrays, its trie and decision entries, its rule counters.
+    /// (Rule entries are left: nothing points at them any more.)
+    pub(super) fn clear_slot(&mut self, slot: u32) -> Result<(), DatapathError> {
+        let zeros = |n: u32| vec![0u32; n as usize];
+        let l4_keys: Vec<u32> = (slot * L4_SLOT_LEN..(slot + 1) * L4_SLOT_LEN).collect();
+        update_batch(self.array_fd(MAP_L4)?, &l4_keys, &zeros(L4_SLOT_LEN)).map_err(|e| map_error(MAP_L4, e))?;
+        let dir_keys: Vec<u32> = (slot * DIR16_LEN..(slot + 1) * DIR16_LEN).collect();
+        update_batch(self.array_fd(MAP_DIR16)?, &dir_keys, &zeros(DIR16_LEN)).map_err(|e| map_error(MAP_DIR16, e))?;
+        clear_trie::<5>(&mut self.ebpf, MAP_LPM_V4, slot)?;
+        clear_trie::<17>(&mut self.ebpf, MAP_LPM_V6, slot)?;
+        let mut decide: HashMap<&mut MapData, u64, u32> = map_mut(&mut self.ebpf, MAP_DECIDE)?;
+        let stale: Vec<u64> = decide.keys().filter_map(Result::ok).filter(|k| k >> 48 == slot as u64).collect();
+        for k in stale {
+            decide.remove(&k).map_err(|e| map_error(MAP_DECIDE, e))?;
+        }
+        let mut stats: PerCpuArray<&mut MapData, RuleStats> = map_mut(&mut self.ebpf, MAP_RULE_STATS)?;
+        for idx in slot * RULE_SLOTS..(slot + 1) * RULE_SLOTS {
+            let zero = aya::maps::PerCpuValues::try_from(vec![RuleStats::default(); self.cpus])
+                .map_err(|e| map_error(MAP_RULE_STATS, e))?;
+            stats.set(idx, zero, 0).map_err(|e| map_error(MAP_RULE_STATS, e))?;
+        }
         Ok(())
     }
 
@@ -139,6 +196,37 @@ impl Datapath {
             IpAddr::V6(a) => lpm_set(&mut self.ebpf, MAP_LPM_V6, prefix, slot_key::<17>(slot, &a.octets()), value),
         }
     }
+}
+
+/// Refuses a rule set the slot's tables cannot hold, before anything is written.
+fn fits(rules: &RuleSet) -> Result<(), DatapathError> {
+    let v4 = rules.lpm.iter().filter(|(c, _)| c.addr.is_ipv4()).count();
+    let v6 = rules.lpm.len() - v4;
+    let hint = "list fewer CIDRs (merge them into shorter prefixes)";
+    for (what, needed, capacity, hint) in [
+        ("IPv4 CIDR", v4, LPM_SLOT_LEN, hint),
+        ("IPv6 CIDR", v6, LPM_SLOT_LEN, hint),
+        ("rule decision", rules.decide.len(), DECIDE_SLOT_LEN, "give fewer rules `src` lists, or fewer distinct ones"),
+    ] {
+        if needed > capacity as usize {
+            return Err(DatapathError::TooLarge { what, needed, capacity, hint });
+        }
+    }
+    Ok(())
+}
+
+/// Removes every entry of `slot` from the trie `name`.
+fn clear_trie<const N: usize>(ebpf: &mut Ebpf, name: &'static str, slot: u32) -> Result<(), DatapathError>
+where
+    [u8; N]: aya::Pod,
+{
+    use aya::maps::lpm_trie::LpmTrie;
+    let mut trie: LpmTrie<&mut MapData, [u8; N], u32> = map_mut(ebpf, name)?;
+    let stale: Vec<_> = trie.keys().filter_map(Result::ok).filter(|k| k.data()[0] == slot as u8).collect();
+    for k in stale {
+        trie.remove(&k).map_err(|e| map_error(name, e))?;
+    }
+    Ok(())
 }
 
 /// An LPM key's data: the slot byte, then the address.

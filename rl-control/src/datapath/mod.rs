@@ -84,6 +84,8 @@ pub enum DatapathError {
     },
     #[error("map {map}: {cause}")]
     Map { map: &'static str, cause: String },
+    #[error("the rule set needs {needed} {what} entries, more than the {capacity} a slot holds: {hint}")]
+    TooLarge { what: &'static str, needed: usize, capacity: u32, hint: &'static str },
     #[error("test run of program {program} failed: {cause}")]
     TestRun { program: &'static str, cause: String },
 }
@@ -233,11 +235,17 @@ pub struct Datapath {
     retired: StdHashMap<String, RuleStats>,
     /// Possible CPUs (the per-CPU maps' width).
     cpus: usize,
+    /// Tests only: the install step that fails next (see
+    /// [`Datapath::fail_next_install_at`]).
+    failpoint: Option<&'static str>,
 }
 
-/// A slot's tables as last written.
+/// A slot's tables as last written. `unknown`: what the slot holds is not
+/// known (an install into it failed half-way, or the maps were adopted from
+/// another process), so the next install clears it whole first.
 #[derive(Default)]
 struct SlotContents {
+    unknown: bool,
     names: Vec<String>,
     /// `RuleEntry::id` of each rule, indexed like `names`.
     ids: Vec<u32>,
@@ -289,6 +297,7 @@ impl Datapath {
             slots: Default::default(),
             retired: StdHashMap::new(),
             cpus: aya::util::nr_cpus().map_err(|(_, e)| DatapathError::Load(format!("cannot count the CPUs: {e}")))?,
+            failpoint: None,
         };
         dp.load_program(PROG_LIMITER)?;
         dp.clock = dp.calibrate_clock()?;
