@@ -24,6 +24,17 @@ pub const MAP_CONFIG: &str = "RL_CONFIG";
 /// Per-CPU [`Stats`], one entry: one lookup per packet covers every counter.
 pub const MAP_STATS: &str = "RL_STATS";
 
+/// A two-entry `u32` array the program never reads, pinned with the rest:
+/// [`LAYOUT_VERSION`] at index 0 and the XDP mode the link was first
+/// attached in at index 1 ([`PINNED_NATIVE`] or [`PINNED_SKB`]). A daemon
+/// adopts pinned maps only when the version, and every map's type, key and
+/// value size and capacity, match its own.
+pub const MAP_LAYOUT: &str = "RL_LAYOUT";
+/// Bump whenever a map's meaning changes while its sizes stay the same.
+pub const LAYOUT_VERSION: u32 = 1;
+pub const PINNED_NATIVE: u32 = 1;
+pub const PINNED_SKB: u32 = 2;
+
 /// The limiter program's name in the object file.
 pub const PROG_LIMITER: &str = "rl";
 /// A program that only returns `XDP_DROP`: the floor for benchmarks.

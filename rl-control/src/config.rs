@@ -106,7 +106,13 @@ pub struct Datapath {
     pub fragment_ttl_ms: u16,
     /// What later fragments without a (remembered) first fragment get.
     pub fragment_orphans: FragmentOrphans,
+    /// Where the maps and the XDP link are pinned (`<pin_dir>/<iface>/`),
+    /// on a bpffs (mounted there if absent).
+    pub pin_dir: std::path::PathBuf,
 }
+
+/// `datapath.pin_dir` by default.
+pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/rl";
 
 /// `datapath.fragment_orphans`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
@@ -221,6 +227,7 @@ struct RawDatapath {
     flood_prefixes: Option<Spanned<i64>>,
     fragment_ttl_ms: Option<Spanned<i64>>,
     fragment_orphans: Option<FragmentOrphans>,
+    pin_dir: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -308,6 +315,16 @@ impl Config {
             )? as u32,
             fragment_ttl_ms: ranged(&d.fragment_ttl_ms, "datapath.fragment_ttl_ms", 1, 60_000, 1_000)? as u16,
             fragment_orphans: d.fragment_orphans.unwrap_or(FragmentOrphans::Drop),
+            pin_dir: match &d.pin_dir {
+                None => DEFAULT_PIN_DIR.into(),
+                Some(p) if p.get_ref().starts_with('/') && !p.get_ref().contains("..") => p.get_ref().into(),
+                Some(p) => {
+                    return Err(err(
+                        Some(p.span()),
+                        format!("datapath.pin_dir = {:?} must be an absolute path without `..` (on a bpffs, e.g. {DEFAULT_PIN_DIR})", p.get_ref()),
+                    ))
+                }
+            },
         };
 
         let Some(def) = raw.default else {
@@ -404,6 +421,7 @@ mod tests {
                 flood_prefixes: 65_536,
                 fragment_ttl_ms: 1_000,
                 fragment_orphans: FragmentOrphans::Drop,
+                pin_dir: DEFAULT_PIN_DIR.into(),
             }
         );
     }
@@ -458,6 +476,10 @@ mod tests {
         assert!(orphans.starts_with("rules.toml:2:20: unknown variant `pass`, expected `drop` or `source`"), "{orphans}");
         let c = Config::from_str(&cfg("flood_new_keys_per_sec = 0"), "x").unwrap();
         assert_eq!(c.datapath.flood_new_keys_per_sec, 0);
+        let e = error_of(&cfg("pin_dir = \"rl\""));
+        assert!(e.starts_with("rules.toml:2:11: datapath.pin_dir = \"rl\" must be an absolute path"), "{e}");
+        let c = Config::from_str(&cfg("pin_dir = \"/run/rl/bpf\""), "x").unwrap();
+        assert_eq!(c.datapath.pin_dir, std::path::Path::new("/run/rl/bpf"));
     }
 
     #[test]

@@ -19,7 +19,7 @@ use crate::{
     api,
     compile::compile,
     config::{unix_now, Config, EMBEDDED_DEFAULT},
-    datapath::{interface_index, AttachMode, Datapath, TableIds},
+    datapath::{interface_index, AttachMode, Datapath, LoadOptions, TableIds},
     state::{file_stamp, lock, Shared, State},
     units::bytes_to_addr,
 };
@@ -37,6 +37,21 @@ pub struct RunOptions {
     pub watch: bool,
     /// Admin API address (overrides `[api] listen`).
     pub api: Option<SocketAddr>,
+    /// Pin directory (overrides `[datapath] pin_dir`).
+    pub pin_dir: Option<PathBuf>,
+    /// Detach and unpin on SIGINT/SIGTERM instead of leaving rl enforcing.
+    pub detach_on_exit: bool,
+}
+
+/// `rl-control detach`: removes rl's program, link and pins from `iface`.
+pub fn detach(iface: &str, pin_dir: &std::path::Path) -> Result<()> {
+    let dir = pin_dir.join(iface);
+    if crate::datapath::detach_pinned(&dir)? {
+        println!("detached rl from {iface} and removed its pins in {}", dir.display());
+    } else {
+        println!("nothing of rl is pinned for {iface} in {}: nothing to detach", dir.display());
+    }
+    Ok(())
 }
 
 /// How often the config file is checked for changes.
@@ -129,14 +144,20 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     }
     let (api_addr, token) = api_settings(&opts, &config)?;
     interface_index(&opts.iface)?;
-    let compiled = compile(&config);
-    let mut dp = Datapath::load(&compiled)?;
-    let attachment = dp.attach(&opts.iface, opts.mode)?;
-    // After attaching, so a busy interface is reported as such; on failure
-    // `dp` is dropped here, which detaches: nothing stays half-set-up.
+    // Before the interface is touched: a taken port changes nothing.
     let listener = tokio::net::TcpListener::bind(api_addr).await.with_context(|| {
         format!("cannot listen on {api_addr} for the admin API (is another rl-control running? choose another address with --api)")
     })?;
+    let compiled = compile(&config);
+    let pin_dir = opts.pin_dir.clone().unwrap_or_else(|| config.datapath.pin_dir.clone());
+    let pins = pin_dir.join(&opts.iface);
+    crate::datapath::prepare_pins(&pin_dir, &pins)?;
+    let mut dp = Datapath::load_with(&compiled, LoadOptions { pin: Some(pins.clone()), ..Default::default() })?;
+    let adopted = dp.adopted();
+    let attachment = dp.attach(&opts.iface, opts.mode)?;
+    if adopted {
+        info!(pins = %pins.display(), "adopted the pinned datapath: buckets kept, program replaced atomically");
+    }
     info!(
         iface = %attachment.iface,
         mode = %attachment.mode,
@@ -207,8 +228,8 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     let mut watch = tokio::time::interval(WATCH_INTERVAL);
     loop {
         tokio::select! {
-            _ = sigint.recv() => { info!("SIGINT received: detaching"); break; }
-            _ = sigterm.recv() => { info!("SIGTERM received: detaching"); break; }
+            _ = sigint.recv() => { info!("SIGINT received: stopping"); break; }
+            _ = sigterm.recv() => { info!("SIGTERM received: stopping"); break; }
             _ = sighup.recv() => {
                 info!("SIGHUP received: reloading");
                 let st = state.clone();
@@ -250,9 +271,23 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         let _ = c.await;
     }
     let totals = lock(&state).dp.counters()?;
-    // The last reference to the state detaches the program and frees the maps.
+    if opts.detach_on_exit {
+        // Detaches at once, whoever still holds the link.
+        crate::datapath::detach_pinned(&pins)?;
+    }
+    // The maps and program are freed with the last reference; pinned, the
+    // link keeps the program attached.
     drop(state);
-    info!(iface = %attachment.iface, "detached; final counters: {totals}");
+    if opts.detach_on_exit {
+        info!(iface = %attachment.iface, "detached and unpinned; final counters: {totals}");
+    } else {
+        info!(
+            iface = %attachment.iface,
+            pins = %pins.display(),
+            "left attached and enforcing the last rule set (`rl-control detach --iface {}` removes it); final counters: {totals}",
+            attachment.iface
+        );
+    }
     Ok(())
 }
 

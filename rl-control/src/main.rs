@@ -33,7 +33,15 @@ struct Remote {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Attach the limiter to an interface and enforce the config until SIGINT or SIGTERM.
+    /// Attach the limiter to an interface and enforce the config.
+    ///
+    /// The datapath (program, link and every map) is pinned under
+    /// `<pin dir>/<IFACE>/` and outlives the daemon: after SIGTERM, a crash
+    /// or `kill -9` the program stays attached, enforcing the last rule set
+    /// with every bucket. `run` on an interface that carries rl's pins adopts
+    /// them: buckets kept, the program replaced atomically (an upgrade has no
+    /// gap). `rl-control detach --iface IFACE` removes it all;
+    /// `--detach-on-exit` removes it when the daemon stops.
     ///
     /// The config is validated before the interface is touched. The config
     /// file is reloaded on SIGHUP, on `rl-control reload`, and when the file
@@ -67,6 +75,27 @@ enum Command {
         /// 127.0.0.1:9100). A non-loopback address needs `[api] token_file`.
         #[arg(long, value_name = "ADDR")]
         api: Option<std::net::SocketAddr>,
+        /// Pin the datapath here, in `<DIR>/<IFACE>/` (default
+        /// `[datapath] pin_dir`, else /sys/fs/bpf/rl; bpffs is mounted if absent).
+        #[arg(long, value_name = "DIR")]
+        pin_dir: Option<PathBuf>,
+        /// On SIGINT/SIGTERM, detach and remove the pins instead of leaving
+        /// the datapath enforcing (for trying rl interactively).
+        #[arg(long)]
+        detach_on_exit: bool,
+    },
+    /// Remove rl from an interface for good: detach the program (even while
+    /// a daemon still runs) and remove its link and map pins. Exits 0 when
+    /// done, and when nothing was pinned there.
+    ///
+    /// Example: rl-control detach --iface eth0
+    Detach {
+        /// The interface rl protects.
+        #[arg(long, short = 'i', value_name = "IFACE")]
+        iface: String,
+        /// The pin directory the daemon used (`--pin-dir` / `[datapath] pin_dir`).
+        #[arg(long, value_name = "DIR", default_value = rl_control::config::DEFAULT_PIN_DIR)]
+        pin_dir: PathBuf,
     },
     /// Ask the running daemon to reload its config file, through the admin
     /// API (the answer says whether the file was valid), or with
@@ -202,7 +231,8 @@ fn main() -> ExitCode {
         Command::Unban { cidr, remote } => {
             remote_call(&remote, "DELETE", &format!("/v1/bans/{}", client::encode_segment(&cidr)), None, client::applied)
         }
-        Command::Run { iface, config, mode, stats_interval, pid_file, no_watch, api } => {
+        Command::Detach { iface, pin_dir } => daemon::detach(&iface, &pin_dir),
+        Command::Run { iface, config, mode, stats_interval, pid_file, no_watch, api, pin_dir, detach_on_exit } => {
             let opts = daemon::RunOptions {
                 iface,
                 config,
@@ -211,6 +241,8 @@ fn main() -> ExitCode {
                 pid_file: Some(pid_file),
                 watch: !no_watch,
                 api,
+                pin_dir,
+                detach_on_exit,
             };
             tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)

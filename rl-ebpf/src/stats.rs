@@ -3,8 +3,12 @@
 //! sources, contention); IP packets are counted in their rule's counters, so
 //! the hot path does not look this map up at all.
 
-use aya_ebpf::{macros::map, maps::PerCpuArray};
+use aya_ebpf::{macros::map, maps::{Array, PerCpuArray}};
 use rl_common::{Stats, STAT_DROPPED_BYTES, STAT_DROPPED_PKTS, STAT_PASSED_BYTES, STAT_PASSED_PKTS};
+
+/// rl_common::MAP_LAYOUT: written and read by the daemon only.
+#[map(name = "RL_LAYOUT")]
+static RL_LAYOUT: Array<u32> = Array::with_max_entries(2, 0);
 
 #[map(name = "RL_STATS")]
 static RL_STATS: PerCpuArray<Stats> = PerCpuArray::with_max_entries(1, 0);

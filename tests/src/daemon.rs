@@ -88,9 +88,23 @@ impl Daemon {
     }
 
     /// Runs the daemon on the lab's protected interface with the config
-    /// file `cfg` (not watched) and `extra` arguments; returns once its admin
-    /// API is up.
+    /// file `cfg` (not watched, detached on exit) and `extra` arguments;
+    /// returns once its admin API is up.
     pub fn serving(lab: &crate::lab::Lab, cfg: &std::path::Path, extra: &[&str]) -> Result<Daemon> {
+        let mut args = vec!["--detach-on-exit"];
+        args.extend_from_slice(extra);
+        Daemon::on_lab(lab, cfg, &args)
+    }
+
+    /// Like [`Daemon::serving`], pinned in `pins` (a [`crate::lab::BpfFs`])
+    /// and left attached on exit, as in production.
+    pub fn pinned(lab: &crate::lab::Lab, cfg: &std::path::Path, pins: &crate::lab::BpfFs, extra: &[&str]) -> Result<Daemon> {
+        let mut args = vec!["--pin-dir", pins.arg()];
+        args.extend_from_slice(extra);
+        Daemon::on_lab(lab, cfg, &args)
+    }
+
+    fn on_lab(lab: &crate::lab::Lab, cfg: &std::path::Path, extra: &[&str]) -> Result<Daemon> {
         let pid = cfg.with_extension("pid");
         let (cfg, pid) = (cfg.to_str().context("config path")?, pid.to_str().context("pid path")?);
         let mut args = vec!["run", "--iface", crate::lab::VB, "--config", cfg, "--pid-file", pid, "--no-watch"];

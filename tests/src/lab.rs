@@ -219,5 +219,61 @@ impl Lab {
         let out = self.b.ip(&["-d", "link", "show", VB])?;
         Ok(out.contains("prog/xdp"))
     }
+
+    /// The ids of the XDP programs on `vb` (`ip -d link` shows one per mode).
+    pub fn xdp_prog_ids(&self) -> Result<Vec<u32>> {
+        let out = self.b.ip(&["-d", "link", "show", VB])?;
+        let words: Vec<&str> = out.split_whitespace().collect();
+        Ok(words
+            .windows(3)
+            .filter(|w| w[0].starts_with("prog/xdp") && w[1] == "id")
+            .filter_map(|w| w[2].parse().ok())
+            .collect())
+    }
 }
 
+
+/// A bpffs mounted on a fresh directory outside `/sys` (which `ip netns
+/// exec` remounts, taking any bpffs under it along), so pins made by a
+/// daemon in a lab outlive that daemon. On drop, whatever rl pinned there is
+/// detached and the bpffs unmounted, pins and all.
+pub struct BpfFs {
+    dir: tempfile::TempDir,
+}
+
+impl BpfFs {
+    pub fn new() -> Result<BpfFs> {
+        require_root();
+        let dir = tempfile::Builder::new().prefix("rl-bpffs-").tempdir().context("a directory for bpffs")?;
+        let out = Command::new("mount").args(["-t", "bpf", "bpf"]).arg(dir.path()).output().context("running mount")?;
+        if !out.status.success() {
+            bail!("mount -t bpf on {}: {}", dir.path().display(), String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(BpfFs { dir })
+    }
+
+    pub fn path(&self) -> &std::path::Path {
+        self.dir.path()
+    }
+
+    /// The path as an argument.
+    pub fn arg(&self) -> &str {
+        self.dir.path().to_str().expect("a UTF-8 temporary path")
+    }
+}
+
+impl Drop for BpfFs {
+    fn drop(&mut self) {
+        if let Ok(entries) = std::fs::read_dir(self.dir.path()) {
+            for e in entries.flatten().filter(|e| e.path().is_dir()) {
+                if let Err(err) = rl_control::datapath::detach_pinned(&e.path()) {
+                    eprintln!("warning: could not detach the pins in {}: {err}", e.path().display());
+                }
+            }
+        }
+        let c = std::ffi::CString::new(self.dir.path().as_os_str().as_encoded_bytes()).unwrap();
+        if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } != 0 {
+            eprintln!("warning: could not unmount bpffs at {}: {}", self.dir.path().display(), std::io::Error::last_os_error());
+        }
+    }
+}

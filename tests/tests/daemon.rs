@@ -27,7 +27,7 @@ fn daemon_limits_a_flood_and_detaches_on_sigterm() {
     let lab = Lab::new().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let cfg = write(&dir, "rules.toml", "[datapath]\nmax_sources = 1024\n[default]\nrate = 100\nburst = 50\n");
-    let mut d = Daemon::spawn(&lab.b, &["run", "--iface", VB, "--config", cfg.to_str().unwrap(), "--stats-interval", "1"]).unwrap();
+    let mut d = Daemon::spawn(&lab.b, &["run", "--iface", VB, "--config", cfg.to_str().unwrap(), "--stats-interval", "1", "--detach-on-exit"]).unwrap();
     d.wait_for(ATTACHED, START).unwrap();
     assert!(lab.xdp_attached().unwrap());
     let rx = Receiver::start(&lab.b).unwrap();
@@ -37,7 +37,7 @@ fn daemon_limits_a_flood_and_detaches_on_sigterm() {
     d.wait_for("pkt/s", Duration::from_secs(5)).unwrap();
     let (status, log) = d.stop(libc::SIGTERM).unwrap();
     assert!(status.success(), "exit {status}:\n{log}");
-    assert!(log.contains("SIGTERM received: detaching"), "{log}");
+    assert!(log.contains("SIGTERM received: stopping") && log.contains("detached and unpinned"), "{log}");
     assert!(!lab.xdp_attached().unwrap(), "XDP still attached after SIGTERM");
 
     let passed = got.get(&lab.v4(1)).copied().unwrap_or(0);
@@ -50,7 +50,7 @@ fn daemon_limits_a_flood_and_detaches_on_sigterm() {
 #[test]
 fn daemon_without_config_runs_the_embedded_default_and_detaches_on_sigint() {
     let lab = Lab::new().unwrap();
-    let mut d = Daemon::spawn(&lab.b, &["run", "--iface", VB, "--mode", "skb"]).unwrap();
+    let mut d = Daemon::spawn(&lab.b, &["run", "--iface", VB, "--mode", "skb", "--detach-on-exit"]).unwrap();
     d.wait_for(ATTACHED, START).unwrap();
     let log = d.log();
     assert!(log.contains("no --config given: using the embedded default (1000 packets/s, burst 2000 per source)"), "{log}");
@@ -58,7 +58,7 @@ fn daemon_without_config_runs_the_embedded_default_and_detaches_on_sigint() {
     assert!(lab.xdp_attached().unwrap());
     let (status, log) = d.stop(libc::SIGINT).unwrap();
     assert!(status.success(), "exit {status}:\n{log}");
-    assert!(log.contains("SIGINT received: detaching"), "{log}");
+    assert!(log.contains("SIGINT received: stopping") && log.contains("detached and unpinned"), "{log}");
     assert!(!lab.xdp_attached().unwrap(), "XDP still attached after SIGINT");
 }
 
@@ -146,16 +146,17 @@ fn bad_input_to_run_fails_cleanly_and_leaves_nothing_attached() {
     let text = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{text}");
     assert!(
-        error_line(&text).contains("permission denied while loading the XDP object: run rl-control as root"),
+        error_line(&text).contains("permission denied while mounting bpffs for the pins: run rl-control as root"),
         "{text}"
     );
     assert!(!lab.xdp_attached().unwrap());
 
     // An interface that already carries another XDP program, in every mode.
-    let mut first = Daemon::spawn(&lab.b, &["run", "--iface", VB, "--config", good]).unwrap();
+    let mut first = Daemon::spawn(&lab.b, &["run", "--iface", VB, "--config", good, "--detach-on-exit"]).unwrap();
     first.wait_for(ATTACHED, START).unwrap();
     for mode in ["auto", "native", "skb"] {
-        let (status, out) = run_once(Some(&lab.b), &["run", "--iface", VB, "--config", good, "--mode", mode]).unwrap();
+        let args = ["run", "--iface", VB, "--config", good, "--mode", mode, "--api", "127.0.0.1:9101"];
+        let (status, out) = run_once(Some(&lab.b), &args).unwrap();
         assert_eq!(status.code(), Some(1), "{mode}: {out}");
         assert!(
             error_line(&out).contains(&format!("interface `{VB}` already has an XDP program attached")),

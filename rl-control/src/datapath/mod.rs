@@ -14,11 +14,13 @@ use std::{
 
 use aya::{
     maps::{MapData, RingBuf},
-    programs::{ProgramError, TestRun, TestRunOptions, Xdp, XdpMode},
+    programs::{links::FdLink, xdp::{XdpLink, XdpLinkId}, ProgramError, TestRun, TestRunOptions, Xdp, XdpMode},
     Ebpf, EbpfLoader,
 };
 use aya_log::EbpfLogger;
+use aya::maps::Array;
 use rl_common::{
+    DatapathConfig, LAYOUT_VERSION, MAP_CONFIG, MAP_LAYOUT, PINNED_NATIVE, PINNED_SKB,
     RuleStats, RULE_SLOTS, TickClock, MAP_EVENTS, MAP_SOURCES_V4, MAP_SOURCES_V6, PROG_CLOCK, PROG_FLOOR, PROG_LIMITER, PROG_PASS, STAT_COUNT,
     STAT_NAMES,
 };
@@ -29,11 +31,13 @@ use crate::compile::{Compiled, RuleSet};
 
 mod batch;
 mod install;
+mod pin;
 mod read;
 
 mod pressure;
 
 pub use pressure::{collect, flood_mode, FloodReading, LimitsByKey, Pass, TableIds, COLLECT_IDLE_NS};
+pub use pin::{detach as detach_pinned, prepare as prepare_pins};
 pub use read::{scan_buckets, Source};
 
 /// The XDP object, built by `cargo xtask build` and embedded at compile time.
@@ -84,6 +88,15 @@ pub enum DatapathError {
     },
     #[error("map {map}: {cause}")]
     Map { map: &'static str, cause: String },
+    #[error(
+        "the datapath pinned in {} does not fit this rl-control: {what}; keep its buckets by running the \
+         rl-control and settings that pinned it, or drop it with `rl-control detach --iface {} --pin-dir {}`",
+        dir.display(), dir.file_name().map_or(String::new(), |n| n.to_string_lossy().into_owned()),
+        dir.parent().map_or(String::new(), |p| p.display().to_string())
+    )]
+    Layout { dir: std::path::PathBuf, what: String },
+    #[error("pinning at {}: {cause} (pins need bpffs; set [datapath] pin_dir or --pin-dir to a directory on one)", at.display())]
+    Pin { at: std::path::PathBuf, cause: String },
     #[error("the rule set needs {needed} {what} entries, more than the {capacity} a slot holds: {hint}")]
     TooLarge { what: &'static str, needed: usize, capacity: u32, hint: &'static str },
     #[error("test run of program {program} failed: {cause}")]
@@ -199,11 +212,15 @@ fn epoch_offset_ns() -> u64 {
 }
 
 /// Load-time knobs of the XDP object.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct LoadOptions {
     /// Benchmarks only: treat every packet as coming from a new source, to
     /// time the LRU insert path with one repeated frame.
     pub bench_new_sources: bool,
+    /// Pin the maps (and, once attached, the link) in this directory on a
+    /// bpffs (`<pin_dir>/<iface>`, see [`prepare_pins`]); adopt what is
+    /// pinned there already. `None`: nothing outlives the `Datapath`.
+    pub pin: Option<std::path::PathBuf>,
 }
 
 const GLOBAL_BENCH_NEW_SOURCES: &str = "RL_BENCH_NEW_SOURCES";
@@ -235,6 +252,12 @@ pub struct Datapath {
     retired: StdHashMap<String, RuleStats>,
     /// Possible CPUs (the per-CPU maps' width).
     cpus: usize,
+    /// The pin directory, if pinned.
+    pins: Option<std::path::PathBuf>,
+    /// Whether the maps were adopted from an earlier process.
+    adopted: bool,
+    /// The pinned XDP link, held once attached (pinned setups only).
+    link: Option<aya::programs::links::FdLink>,
     /// Tests only: the install step that fails next (see
     /// [`Datapath::fail_next_install_at`]).
     failpoint: Option<&'static str>,
@@ -278,10 +301,24 @@ impl Datapath {
 
     /// [`Datapath::load`] with load-time knobs.
     pub fn load_with(compiled: &Compiled, opts: LoadOptions) -> Result<Datapath, DatapathError> {
-        let ebpf = EbpfLoader::new()
-            .map_max_entries(MAP_SOURCES_V4, table_capacity(compiled))
-            .map_max_entries(MAP_SOURCES_V6, table_capacity(compiled))
-            .override_global(GLOBAL_BENCH_NEW_SOURCES, &u32::from(opts.bench_new_sources), true)
+        let capacity = table_capacity(compiled);
+        let specs = pin::specs(OBJECT, &[(MAP_SOURCES_V4, capacity), (MAP_SOURCES_V6, capacity)])?;
+        let adopted = match &opts.pin {
+            Some(dir) => pin::check(dir, &specs)?,
+            None => false,
+        };
+        let bench = u32::from(opts.bench_new_sources);
+        let mut loader = EbpfLoader::new();
+        loader
+            .map_max_entries(MAP_SOURCES_V4, capacity)
+            .map_max_entries(MAP_SOURCES_V6, capacity)
+            .override_global(GLOBAL_BENCH_NEW_SOURCES, &bench, true);
+        if let Some(dir) = &opts.pin {
+            for s in &specs {
+                loader.map_pin_path(s.name.as_str(), dir.join(&s.name));
+            }
+        }
+        let ebpf = loader
             .load(OBJECT)
             .map_err(|e| {
                 classify("loading the XDP object", &e)
@@ -297,12 +334,27 @@ impl Datapath {
             slots: Default::default(),
             retired: StdHashMap::new(),
             cpus: aya::util::nr_cpus().map_err(|(_, e)| DatapathError::Load(format!("cannot count the CPUs: {e}")))?,
+            pins: opts.pin.clone(),
+            adopted,
+            link: None,
             failpoint: None,
         };
         dp.load_program(PROG_LIMITER)?;
         dp.clock = dp.calibrate_clock()?;
         dp.epoch_offset_ns = epoch_offset_ns();
+        if adopted {
+            // The running program reads the active slot; what either slot
+            // holds is not known here, so the install clears before writing.
+            let config: Array<&MapData, DatapathConfig> = map_ref(&dp.ebpf, MAP_CONFIG)?;
+            let cfg = config.get(&0, 0).map_err(|e| map_error(MAP_CONFIG, e))?;
+            dp.active = (cfg.enabled != 0).then_some(cfg.slot & 1);
+            dp.slots.iter_mut().for_each(|s| s.unknown = true);
+        }
         dp.install(&compiled.rules)?;
+        if opts.pin.is_some() {
+            let mut layout: Array<&mut MapData, u32> = map_mut(&mut dp.ebpf, MAP_LAYOUT)?;
+            layout.set(0, LAYOUT_VERSION, 0).map_err(|e| map_error(MAP_LAYOUT, e))?;
+        }
         // Fail now, not later, if the object's maps do not match rl-common.
         dp.counters()?;
         dp.sources()?;
@@ -439,42 +491,103 @@ impl Datapath {
 
     /// Attaches the limiter to `iface`. In `Auto` mode, native is tried first;
     /// if the driver refuses it, skb mode is used and a warning says so.
+    ///
+    /// Pinned: a link pinned for `iface` by an earlier daemon is adopted, its
+    /// program replaced by this one atomically (`bpf_link_update`: no packet
+    /// goes unfiltered), in the mode it was first attached in; else the new
+    /// link is pinned, so the program stays attached when this process
+    /// exits or dies.
     pub fn attach(&mut self, iface: &str, mode: AttachMode) -> Result<Attachment, DatapathError> {
         interface_index(iface)?;
-        let used = match mode {
+        if let Some(dir) = self.pins.clone() {
+            if let Some(a) = self.adopt_link(&dir, iface)? {
+                self.attachment = Some(a.clone());
+                return Ok(a);
+            }
+        }
+        let (used, id) = match mode {
             AttachMode::Auto => match self.attach_as(iface, AttachMode::Native, PROG_LIMITER) {
-                Ok(()) => AttachMode::Native,
+                Ok(id) => (AttachMode::Native, id),
                 Err(e @ (DatapathError::InterfaceBusy(_) | DatapathError::NoPrivilege { .. })) => {
                     return Err(e)
                 }
                 Err(e) => {
                     warn!("native XDP is unavailable on {iface} ({e}); using skb (generic) mode, which is slower");
-                    self.attach_as(iface, AttachMode::Skb, PROG_LIMITER)?;
-                    AttachMode::Skb
+                    (AttachMode::Skb, self.attach_as(iface, AttachMode::Skb, PROG_LIMITER)?)
                 }
             },
-            m => {
-                self.attach_as(iface, m, PROG_LIMITER)?;
-                m
-            }
+            m => (m, self.attach_as(iface, m, PROG_LIMITER)?),
         };
-        let a = Attachment {
-            iface: iface.to_string(),
-            mode: used,
-        };
+        if let Some(dir) = self.pins.clone() {
+            // Held by us and pinned: on any failure here the link is
+            // dropped, which detaches: nothing stays half-set-up.
+            let link = self.limiter()?.take_link(id).map_err(|e| DatapathError::Load(chain(&e)))?;
+            let fd = FdLink::try_from(link).map_err(|e| DatapathError::Attach {
+                iface: iface.into(),
+                mode: used,
+                cause: format!("the link cannot be pinned ({}): pinning needs bpf_link XDP attachment (Linux 5.9+)", chain(&e)),
+            })?;
+            self.link = Some(pin::pin_link(&dir, fd)?);
+            let mut layout: Array<&mut MapData, u32> = map_mut(&mut self.ebpf, MAP_LAYOUT)?;
+            let m = if used == AttachMode::Skb { PINNED_SKB } else { PINNED_NATIVE };
+            layout.set(1, m, 0).map_err(|e| map_error(MAP_LAYOUT, e))?;
+        }
+        let a = Attachment { iface: iface.to_string(), mode: used };
         self.attachment = Some(a.clone());
         Ok(a)
     }
+
+    fn limiter(&mut self) -> Result<&mut Xdp, DatapathError> {
+        self.ebpf
+            .program_mut(PROG_LIMITER)
+            .ok_or_else(|| DatapathError::Load(format!("program {PROG_LIMITER} is missing")))?
+            .try_into()
+            .map_err(|e: ProgramError| DatapathError::Load(chain(&e)))
+    }
+
+    /// Replaces the program of the link pinned in `dir` with this one;
+    /// `None` if there is no live pinned link (a defunct one's pin, left by
+    /// an interface that was deleted, is removed).
+    fn adopt_link(&mut self, dir: &std::path::Path, iface: &str) -> Result<Option<Attachment>, DatapathError> {
+        let Some(pinned) = pin::pinned_link(dir) else { return Ok(None) };
+        let fd: FdLink = pinned.into();
+        let swapped = XdpLink::try_from(fd)
+            .map_err(|e| chain(&e))
+            .and_then(|link| self.limiter().map_err(|e| e.to_string())?.attach_to_link(link).map_err(|e| chain(&e)));
+        let id = match swapped {
+            Ok(id) => id,
+            Err(e) => {
+                warn!(iface, "the pinned XDP link is defunct ({e}); attaching afresh");
+                let _ = std::fs::remove_file(dir.join(pin::LINK_PIN));
+                return Ok(None);
+            }
+        };
+        let link = self.limiter()?.take_link(id).map_err(|e| DatapathError::Load(chain(&e)))?;
+        self.link = Some(FdLink::try_from(link).map_err(|e| DatapathError::Load(chain(&e)))?);
+        let mode = if pin::read_layout(dir)?.1 == PINNED_SKB { AttachMode::Skb } else { AttachMode::Native };
+        Ok(Some(Attachment { iface: iface.to_string(), mode }))
+    }
+
+    /// Whether the maps were adopted from an earlier daemon's pins.
+    pub fn adopted(&self) -> bool {
+        self.adopted
+    }
+
+    /// The directory the datapath is pinned in, if it is.
+    pub fn pin_dir(&self) -> Option<&std::path::Path> {
+        self.pins.as_deref()
+    }
+
 
     /// Attaches the bare `XDP_PASS` program to `iface` natively instead of
     /// the limiter: the baseline a benchmark compares rl's cost with.
     pub fn attach_baseline(&mut self, iface: &str) -> Result<(), DatapathError> {
         interface_index(iface)?;
         self.load_program(PROG_PASS)?;
-        self.attach_as(iface, AttachMode::Native, PROG_PASS)
+        self.attach_as(iface, AttachMode::Native, PROG_PASS).map(|_| ())
     }
 
-    fn attach_as(&mut self, iface: &str, mode: AttachMode, name: &'static str) -> Result<(), DatapathError> {
+    fn attach_as(&mut self, iface: &str, mode: AttachMode, name: &'static str) -> Result<XdpLinkId, DatapathError> {
         let flags = match mode {
             AttachMode::Native => XdpMode::Driver,
             AttachMode::Skb => XdpMode::Skb,
@@ -486,7 +599,7 @@ impl Datapath {
             .expect("loaded before attaching")
             .try_into()
             .expect("an XDP program");
-        prog.attach(iface, flags).map(|_| ()).map_err(|e| match errno(&e) {
+        prog.attach(iface, flags).map_err(|e| match errno(&e) {
             Some(libc::EBUSY) | Some(libc::EEXIST) => DatapathError::InterfaceBusy(iface.into()),
             Some(libc::EPERM) | Some(libc::EACCES) => DatapathError::NoPrivilege {
                 doing: "attaching the XDP program",

@@ -34,7 +34,7 @@ fn load(rate: u64, burst: u64, max_sources: u32, bench_new_sources: bool) -> Res
 
 fn load_toml(toml: &str, bench_new_sources: bool) -> Result<Datapath> {
     let config = Config::from_str(toml, "<bench>")?;
-    Datapath::load_with(&compile(&config), LoadOptions { bench_new_sources }).context("loading the datapath")
+    Datapath::load_with(&compile(&config), LoadOptions { bench_new_sources, ..Default::default() }).context("loading the datapath")
 }
 
 /// `n` rules, the last one matching the bench frame (UDP to port 53) with a

@@ -1,0 +1,217 @@
+//! Pinning: the datapath's maps and XDP link live in bpffs under
+//! `<pin_dir>/<iface>/`, so enforcement and every bucket outlive the daemon.
+//! A daemon that finds them checks their layout against its own object, then
+//! adopts them; `detach` removes them.
+
+use std::{
+    ffi::CString,
+    os::fd::{AsFd, AsRawFd},
+    path::Path,
+};
+
+use aya::{
+    maps::{Array, Map, MapData, MapInfo},
+    programs::links::{FdLink, PinnedLink},
+};
+use rl_common::{LAYOUT_VERSION, MAP_LAYOUT};
+use tracing::info;
+
+use super::{chain, DatapathError};
+
+/// `statfs` magic of bpffs.
+const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+/// The conventional bpffs mount point.
+const SYS_FS_BPF: &str = "/sys/fs/bpf";
+/// The link's pin inside an interface's directory.
+pub const LINK_PIN: &str = "link";
+
+/// What the object expects of one map.
+#[derive(Clone, Debug)]
+pub(super) struct MapSpec {
+    pub name: String,
+    pub map_type: u32,
+    pub key_size: u32,
+    pub value_size: u32,
+    pub max_entries: u32,
+}
+
+/// The maps of `object` that are pinned (rl's own: `RL_*`), with the
+/// capacities this load will give them (`sized`: name ➜ entries).
+pub(super) fn specs(object: &[u8], sized: &[(&str, u32)]) -> Result<Vec<MapSpec>, DatapathError> {
+    let obj = aya_obj::Object::parse(object).map_err(|e| DatapathError::Load(format!("parsing the XDP object: {e}")))?;
+    let mut out: Vec<MapSpec> = obj
+        .maps
+        .iter()
+        .filter(|(name, _)| name.starts_with("RL_"))
+        .map(|(name, m)| MapSpec {
+            name: name.clone(),
+            map_type: m.map_type(),
+            key_size: m.key_size(),
+            value_size: m.value_size(),
+            max_entries: sized.iter().find(|(n, _)| n == name).map_or(m.max_entries(), |(_, e)| *e),
+        })
+        .collect();
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    if !out.iter().any(|m| m.name == MAP_LAYOUT) {
+        return Err(DatapathError::Load(format!("the XDP object has no {MAP_LAYOUT} map")));
+    }
+    Ok(out)
+}
+
+fn is_bpffs(path: &Path) -> bool {
+    let Ok(c) = CString::new(path.as_os_str().as_encoded_bytes()) else { return false };
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    unsafe { libc::statfs(c.as_ptr(), &mut st) == 0 && st.f_type as i64 == BPF_FS_MAGIC }
+}
+
+fn mount_bpffs(at: &Path) -> Result<(), DatapathError> {
+    let target = CString::new(at.as_os_str().as_encoded_bytes()).map_err(|e| pin_error(at, e))?;
+    let fs = c"bpf";
+    let rc = unsafe { libc::mount(fs.as_ptr(), target.as_ptr(), fs.as_ptr(), 0, std::ptr::null()) };
+    if rc != 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::EPERM) {
+            return Err(DatapathError::NoPrivilege { doing: "mounting bpffs for the pins" });
+        }
+        return Err(pin_error(at, format!("mounting bpffs there: {e}")));
+    }
+    info!(at = %at.display(), "mounted bpffs for rl's pins");
+    Ok(())
+}
+
+fn pin_error(at: &Path, cause: impl std::fmt::Display) -> DatapathError {
+    DatapathError::Pin { at: at.to_path_buf(), cause: cause.to_string() }
+}
+
+/// Makes `dir` (an interface's pin directory under `pin_dir`) exist on a
+/// bpffs, mounting one if there is none: at /sys/fs/bpf when `pin_dir` is
+/// under it, else at `pin_dir` itself.
+pub fn prepare(pin_dir: &Path, dir: &Path) -> Result<(), DatapathError> {
+    if !is_bpffs(pin_dir) {
+        let sys = Path::new(SYS_FS_BPF);
+        if pin_dir.starts_with(sys) && !is_bpffs(sys) {
+            mount_bpffs(sys)?;
+        }
+        if !is_bpffs(pin_dir) {
+            std::fs::create_dir_all(pin_dir).map_err(|e| pin_error(pin_dir, e))?;
+            if !is_bpffs(pin_dir) {
+                mount_bpffs(pin_dir)?;
+            }
+        }
+    }
+    std::fs::create_dir_all(dir).map_err(|e| pin_error(dir, e))
+}
+
+/// Whether `dir` holds a pinned datapath; if it does, checks that every map
+/// matches `specs` and the layout version is this build's. Refuses with
+/// what differs, never adopts a map it would misread.
+pub(super) fn check(dir: &Path, specs: &[MapSpec]) -> Result<bool, DatapathError> {
+    let present: Vec<&MapSpec> = specs.iter().filter(|s| dir.join(&s.name).exists()).collect();
+    if present.is_empty() {
+        return Ok(false);
+    }
+    let mismatch = |what: String| DatapathError::Layout { dir: dir.to_path_buf(), what };
+    for s in specs {
+        let path = dir.join(&s.name);
+        if !path.exists() {
+            return Err(mismatch(format!("{} is not pinned (an incomplete or older setup)", s.name)));
+        }
+        let info = MapInfo::from_pin(&path).map_err(|e| mismatch(format!("{} cannot be read: {}", s.name, chain(&e))))?;
+        let (t, k, v, n) = (info_type(&info), info.key_size(), info.value_size(), info.max_entries());
+        if t != s.map_type || k != s.key_size || v != s.value_size {
+            return Err(mismatch(format!(
+                "{} is a type-{t} map of {k}-byte keys and {v}-byte values, this build's is type {} with {} and {}",
+                s.name, s.map_type, s.key_size, s.value_size
+            )));
+        }
+        if n != s.max_entries {
+            return Err(mismatch(format!(
+                "{} holds {n} entries, this configuration needs {} (datapath.max_sources or flood_prefixes changed?)",
+                s.name, s.max_entries
+            )));
+        }
+    }
+    let version = read_layout(dir)?.0;
+    if version != LAYOUT_VERSION {
+        return Err(mismatch(format!("its layout version is {version}, this build's is {LAYOUT_VERSION}")));
+    }
+    Ok(true)
+}
+
+fn info_type(info: &MapInfo) -> u32 {
+    // The object gives the raw number; MapInfo an enum with those values.
+    info.map_type().map_or(u32::MAX, |t| t as u32)
+}
+
+/// The pinned `(layout version, XDP mode)`.
+pub(super) fn read_layout(dir: &Path) -> Result<(u32, u32), DatapathError> {
+    let path = dir.join(MAP_LAYOUT);
+    let bad = |cause: String| DatapathError::Layout { dir: dir.to_path_buf(), what: format!("{MAP_LAYOUT}: {cause}") };
+    let data = MapData::from_pin(&path).map_err(|e| bad(chain(&e)))?;
+    let arr: Array<MapData, u32> = Array::try_from(Map::Array(data)).map_err(|e| bad(chain(&e)))?;
+    Ok((arr.get(&0, 0).map_err(|e| bad(chain(&e)))?, arr.get(&1, 0).map_err(|e| bad(chain(&e)))?))
+}
+
+/// The pinned link in `dir`, if there is one.
+pub(super) fn pinned_link(dir: &Path) -> Option<PinnedLink> {
+    let path = dir.join(LINK_PIN);
+    path.exists().then(|| PinnedLink::from_pin(&path).ok()).flatten()
+}
+
+/// Pins `link` in `dir`; returns the link (still held, still pinned).
+pub(super) fn pin_link(dir: &Path, link: FdLink) -> Result<FdLink, DatapathError> {
+    let path = dir.join(LINK_PIN);
+    let pinned = link.pin(&path).map_err(|e| pin_error(&path, chain(&e)))?;
+    Ok(pinned.into())
+}
+
+/// Removes rl from the interface whose pins are in `dir`: detaches its link
+/// (at once, even while a daemon still holds it), then removes every pin
+/// and the directory. `false` if nothing was pinned there.
+pub fn detach(dir: &Path) -> Result<bool, DatapathError> {
+    if !dir.exists() {
+        return Ok(false);
+    }
+    let link = dir.join(LINK_PIN);
+    if link.exists() {
+        let fd = obj_get(&link).map_err(|e| pin_error(&link, e))?;
+        // ENOLINK: the interface is gone and the link with it.
+        if let Err(e) = link_detach(fd.as_fd().as_raw_fd()) {
+            if e.raw_os_error() != Some(libc::ENOLINK) {
+                return Err(pin_error(&link, format!("detaching: {e}")));
+            }
+        }
+    }
+    for entry in std::fs::read_dir(dir).map_err(|e| pin_error(dir, e))? {
+        let path = entry.map_err(|e| pin_error(dir, e))?.path();
+        std::fs::remove_file(&path).map_err(|e| pin_error(&path, e))?;
+    }
+    std::fs::remove_dir(dir).map_err(|e| pin_error(dir, e))?;
+    Ok(true)
+}
+
+/// `BPF_OBJ_GET`: an fd for the object pinned at `path`.
+fn obj_get(path: &Path) -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    const BPF_OBJ_GET: libc::c_long = 7;
+    let c = CString::new(path.as_os_str().as_encoded_bytes())?;
+    let mut attr = [0u64; 16];
+    attr[0] = c.as_ptr() as u64;
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_GET, attr.as_mut_ptr(), std::mem::size_of_val(&attr)) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) })
+}
+
+/// `BPF_LINK_DETACH` on the link `fd`.
+fn link_detach(fd: i32) -> std::io::Result<()> {
+    const BPF_LINK_DETACH: libc::c_long = 34;
+    let mut attr = [0u64; 16];
+    attr[0] = fd as u32 as u64;
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, BPF_LINK_DETACH, attr.as_mut_ptr(), std::mem::size_of_val(&attr)) };
+    if rc < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}

@@ -1,0 +1,145 @@
+//! Enforcement outlives the daemon: the datapath is pinned on a bpffs (one
+//! the test mounts outside `/sys`, see `BpfFs`), survives `kill -9`, is
+//! adopted with its buckets by the next daemon, swapped without losing a
+//! packet, refused when its layout does not fit, and removed by `detach`.
+
+use std::time::{Duration, Instant};
+
+use rl_tests::{
+    daemon::{run_once, write, Daemon},
+    http::get,
+    lab::{BpfFs, Lab, VB},
+    traffic::{flood, join, paced, Receiver},
+};
+
+const RATE: u64 = 100;
+const BURST: u64 = 1000;
+
+fn config(max_sources: u32) -> String {
+    format!("[datapath]\nmax_sources = {max_sources}\n[default]\nrate = {RATE}\nburst = {BURST}\n")
+}
+
+/// Floods from source 1 for `secs`; returns (packets that got through, when
+/// the flood ended).
+fn flood_for(lab: &Lab, secs: f64) -> (u64, Instant) {
+    let rx = Receiver::start(&lab.b).unwrap();
+    join(flood(&lab.a, lab.v4(1), lab.v4(2), Duration::from_secs_f64(secs), None)).unwrap();
+    let ended = Instant::now();
+    (rx.finish().unwrap().get(&lab.v4(1)).copied().unwrap_or(0), ended)
+}
+
+/// The most a bucket emptied at `since` can pass until now: `RATE` per
+/// second, plus 1% and a few packets for timing.
+fn refill_bound(since: Instant) -> u64 {
+    (RATE as f64 * since.elapsed().as_secs_f64() * 1.01) as u64 + 5
+}
+
+fn program_id(lab: &Lab) -> u32 {
+    get(&lab.b, "/v1/status").json()["program_id"].as_u64().expect("program_id in /v1/status") as u32
+}
+
+#[test]
+fn kill_9_leaves_the_limit_enforcing_and_a_restart_adopts_it_without_a_fresh_burst() {
+    let lab = Lab::new().unwrap();
+    let pins = BpfFs::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write(&dir, "rl.toml", &config(1024));
+    let d = Daemon::pinned(&lab, &cfg, &pins, &[]).unwrap();
+    let first_prog = program_id(&lab);
+
+    // The burst goes, then the flood is held to the rate.
+    let (passed, emptied) = flood_for(&lab, 1.5);
+    assert!(passed >= BURST && passed <= BURST + 200, "first flood: {passed} passed");
+
+    // kill -9: the program stays attached with its buckets.
+    let (status, log) = d.stop(libc::SIGKILL).unwrap();
+    assert!(!status.success(), "{log}");
+    assert_eq!(lab.xdp_prog_ids().unwrap(), vec![first_prog], "the program stays attached after kill -9");
+    let (passed, _) = flood_for(&lab, 2.0);
+    let bound = refill_bound(emptied);
+    assert!(passed <= bound, "with the daemon dead: {passed} passed, at most {bound} (rate only, no fresh burst)");
+    assert!(passed > 0, "the limit still passes its rate");
+
+    // A new daemon adopts the pins: same buckets, its own program, one on
+    // the interface.
+    let d = Daemon::pinned(&lab, &cfg, &pins, &[]).unwrap();
+    assert!(d.log().contains("adopted the pinned datapath"), "{}", d.log());
+    let second_prog = program_id(&lab);
+    assert_ne!(second_prog, first_prog, "the new daemon's program replaced the old one");
+    assert_eq!(lab.xdp_prog_ids().unwrap(), vec![second_prog], "exactly one program on the interface");
+    let (passed, _) = flood_for(&lab, 2.0);
+    let bound = refill_bound(emptied);
+    assert!(passed <= bound, "after the restart: {passed} passed, at most {bound} (no fresh burst)");
+
+    // A clean stop leaves it enforcing too; `detach` removes it all.
+    let (status, log) = d.stop(libc::SIGTERM).unwrap();
+    assert!(status.success() && log.contains("left attached and enforcing"), "{log}");
+    assert_eq!(lab.xdp_prog_ids().unwrap(), vec![second_prog]);
+    let (status, out) = run_once(Some(&lab.b), &["detach", "--iface", VB, "--pin-dir", pins.arg()]).unwrap();
+    assert!(status.success(), "{out}");
+    assert!(out.contains("detached rl from vb"), "{out}");
+    assert!(!lab.xdp_attached().unwrap(), "detach left XDP attached");
+    assert!(!pins.path().join(VB).exists(), "detach left pins behind");
+    let (status, out) = run_once(Some(&lab.b), &["detach", "--iface", VB, "--pin-dir", pins.arg()]).unwrap();
+    assert!(status.success() && out.contains("nothing to detach"), "{out}");
+}
+
+#[test]
+fn a_restart_under_paced_traffic_swaps_the_program_without_losing_a_packet() {
+    let lab = Lab::new().unwrap();
+    let pins = BpfFs::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write(&dir, "rl.toml", &config(1024));
+    let d = Daemon::pinned(&lab, &cfg, &pins, &[]).unwrap();
+    let before = program_id(&lab);
+    // 50 packets/s for 6 s: well under the limit.
+    let rx = Receiver::start(&lab.b).unwrap();
+    let sender = paced(&lab.a, lab.v4(1), lab.v4(2), 50, 300);
+    std::thread::sleep(Duration::from_millis(1500));
+    let (status, log) = d.stop(libc::SIGTERM).unwrap();
+    assert!(status.success(), "{log}");
+    let d = Daemon::pinned(&lab, &cfg, &pins, &["--detach-on-exit"]).unwrap();
+    let after = program_id(&lab);
+    let sent = join(sender).unwrap();
+    let got = rx.finish().unwrap().get(&lab.v4(1)).copied().unwrap_or(0);
+    assert_ne!(before, after, "the program was replaced");
+    assert_eq!(got, sent.packets, "packets lost across the restart and program swap");
+    let (status, log) = d.stop(libc::SIGTERM).unwrap();
+    assert!(status.success() && log.contains("detached and unpinned"), "{log}");
+    assert!(!lab.xdp_attached().unwrap());
+}
+
+#[test]
+fn an_incompatible_pinned_layout_is_refused_with_what_differs() {
+    let lab = Lab::new().unwrap();
+    let pins = BpfFs::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let small = write(&dir, "small.toml", &config(1024));
+    let big = write(&dir, "big.toml", &config(2048));
+    let d = Daemon::pinned(&lab, &small, &pins, &[]).unwrap();
+    let prog = program_id(&lab);
+    let (status, log) = d.stop(libc::SIGTERM).unwrap();
+    assert!(status.success(), "{log}");
+
+    // Another capacity: refused, the pinned datapath untouched.
+    let (status, out) = run_once(Some(&lab.b), &["run", "--iface", VB, "--config", big.to_str().unwrap(), "--pin-dir", pins.arg()]).unwrap();
+    assert_eq!(status.code(), Some(1), "{out}");
+    let line = out.lines().find(|l| l.starts_with("error:")).unwrap_or_default().to_string();
+    assert!(line.contains("does not fit this rl-control: RL_SRC4 holds"), "{line}");
+    assert!(line.contains(&format!("rl-control detach --iface {VB} --pin-dir {}", pins.arg())), "{line}");
+    assert_eq!(lab.xdp_prog_ids().unwrap(), vec![prog], "the refused daemon changed the interface");
+
+    // Another layout version (as a future build would pin): refused too.
+    set_layout_version(&pins.path().join(VB), 999);
+    let (status, out) = run_once(Some(&lab.b), &["run", "--iface", VB, "--config", small.to_str().unwrap(), "--pin-dir", pins.arg()]).unwrap();
+    assert_eq!(status.code(), Some(1), "{out}");
+    assert!(out.contains("its layout version is 999, this build's is 1"), "{out}");
+    assert_eq!(lab.xdp_prog_ids().unwrap(), vec![prog]);
+}
+
+fn set_layout_version(dir: &std::path::Path, v: u32) {
+    use aya::maps::{Array, Map, MapData};
+    let data = MapData::from_pin(dir.join(rl_common::MAP_LAYOUT)).unwrap();
+    let mut arr: Array<MapData, u32> = Array::try_from(Map::Array(data)).unwrap();
+    arr.set(0, v, 0).unwrap();
+}
