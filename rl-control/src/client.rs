@@ -10,17 +10,27 @@ use std::{path::PathBuf, time::Duration};
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
-/// Where and how to reach the daemon.
+/// The admin API's Unix socket inside a runtime directory.
+pub const API_SOCKET: &str = "api.sock";
+/// The runtime directory by default (`--runtime-dir`).
+pub const DEFAULT_RUNTIME_DIR: &str = "/run/rl";
+
+/// Where and how to reach the daemon: its Unix socket (root only, no
+/// token), or a TCP address with a bearer token.
 pub struct Client {
-    base: String,
+    to: To,
     token: Option<String>,
-    agent: ureq::Agent,
+}
+
+enum To {
+    Socket(PathBuf),
+    Tcp { base: String, agent: ureq::Agent },
 }
 
 impl Client {
-    /// `api` is `HOST:PORT` or a URL; `token_file` holds the bearer token.
-    pub fn new(api: &str, token_file: Option<&PathBuf>) -> Result<Client> {
-        let base = if api.contains("://") { api.trim_end_matches('/').to_string() } else { format!("http://{api}") };
+    /// The socket in `runtime_dir`, or with `api` (`HOST:PORT` or a URL)
+    /// that TCP address; `token_file` holds the bearer token.
+    pub fn new(runtime_dir: &std::path::Path, api: Option<&str>, token_file: Option<&PathBuf>) -> Result<Client> {
         let token = match token_file {
             Some(f) => Some(
                 std::fs::read_to_string(f)
@@ -30,36 +40,118 @@ impl Client {
             ),
             None => None,
         };
-        let agent = ureq::AgentBuilder::new().timeout(Duration::from_secs(30)).build();
-        Ok(Client { base, token, agent })
+        let to = match api {
+            Some(api) => To::Tcp {
+                base: if api.contains("://") { api.trim_end_matches('/').to_string() } else { format!("http://{api}") },
+                agent: ureq::AgentBuilder::new().timeout(Duration::from_secs(30)).build(),
+            },
+            None => To::Socket(runtime_dir.join(API_SOCKET)),
+        };
+        Ok(Client { to, token })
     }
 
     /// One request; the JSON answer, or an error saying what went wrong.
     pub fn call(&self, method: &str, path: &str, body: Option<&Value>) -> Result<Value> {
-        let mut req = self.agent.request(method, &format!("{}{path}", self.base));
-        if let Some(t) = &self.token {
-            req = req.set("Authorization", &format!("Bearer {t}"));
-        }
-        let res = match body {
-            Some(b) => req.send_json(b.clone()),
-            None => req.call(),
-        };
-        match res {
-            Ok(r) => r.into_json().with_context(|| format!("{method} {path}: the answer is not JSON")),
-            Err(ureq::Error::Status(code, r)) => {
-                let msg = r
-                    .into_json::<Value>()
-                    .ok()
-                    .and_then(|v| v.get("error").and_then(|e| e.as_str()).map(str::to_string))
-                    .unwrap_or_else(|| "no error message".into());
-                let hint = if code == 401 { " (pass --token-file)" } else { "" };
-                bail!("{method} {path}: {code}: {msg}{hint}")
+        let bytes = body.map(|b| serde_json::to_vec(b).unwrap_or_default());
+        let (code, text) = match &self.to {
+            To::Socket(sock) => {
+                let content = bytes.as_deref().map(|b| ("application/json", b));
+                unix_request(sock, method, path, content, self.token.as_deref()).map_err(|e| {
+                    let hint = match e.kind() {
+                        std::io::ErrorKind::PermissionDenied => "only root may use the admin socket",
+                        std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused => {
+                            "is rl-control running? (start it with `rl-control run`; point --runtime-dir at its runtime directory)"
+                        }
+                        _ => "is rl-control running?",
+                    };
+                    anyhow::anyhow!("cannot reach rl-control at {}: {e}; {hint}", sock.display())
+                })?
             }
-            Err(ureq::Error::Transport(t)) => bail!(
-                "cannot reach rl-control at {}: {t}; is it running? (start it with `rl-control run`, or point --api at it)",
-                self.base
-            ),
+            To::Tcp { base, agent } => {
+                let mut req = agent.request(method, &format!("{base}{path}"));
+                if let Some(t) = &self.token {
+                    req = req.set("Authorization", &format!("Bearer {t}"));
+                }
+                let res = match &bytes {
+                    Some(b) => req.set("Content-Type", "application/json").send_bytes(b),
+                    None => req.call(),
+                };
+                match res {
+                    Ok(r) => (r.status(), r.into_string().unwrap_or_default()),
+                    Err(ureq::Error::Status(code, r)) => (code, r.into_string().unwrap_or_default()),
+                    Err(ureq::Error::Transport(t)) => bail!(
+                        "cannot reach rl-control at {base}: {t}; is it running, with `--api` or `[api] listen` at that address?"
+                    ),
+                }
+            }
+        };
+        let v: Value = serde_json::from_str(&text).with_context(|| format!("{method} {path}: {code}: the answer is not JSON"))?;
+        if !(200..300).contains(&code) {
+            let msg = v.get("error").and_then(|e| e.as_str()).unwrap_or("no error message");
+            let hint = if code == 401 { " (pass --token-file)" } else { "" };
+            bail!("{method} {path}: {code}: {msg}{hint}");
         }
+        Ok(v)
+    }
+}
+
+/// One HTTP/1.1 request over the Unix socket `sock`: the status and body.
+/// (`content`: content type and body.) Enough HTTP for the admin API:
+/// `Connection: close`, a `Content-Length` or chunked answer.
+pub fn unix_request(
+    sock: &std::path::Path,
+    method: &str,
+    path: &str,
+    content: Option<(&str, &[u8])>,
+    token: Option<&str>,
+) -> std::io::Result<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut s = std::os::unix::net::UnixStream::connect(sock)?;
+    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: rl-control\r\nConnection: close\r\n");
+    if let Some(t) = token {
+        head += &format!("Authorization: Bearer {t}\r\n");
+    }
+    let body = match content {
+        Some((ctype, b)) => {
+            head += &format!("Content-Type: {ctype}\r\n");
+            b
+        }
+        None => &[][..],
+    };
+    head += &format!("Content-Length: {}\r\n\r\n", body.len());
+    // A server that refuses early (413 for a body too large) closes while
+    // the body is still being written: its answer is read all the same.
+    let sent = s.write_all(head.as_bytes()).and_then(|_| s.write_all(body));
+    if let Err(e) = sent {
+        if e.kind() != std::io::ErrorKind::BrokenPipe {
+            return Err(e);
+        }
+    }
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw)?;
+    let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("bad HTTP answer: {what}"));
+    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").ok_or_else(|| bad("no end of headers"))?;
+    let head = String::from_utf8_lossy(&raw[..split]).into_owned();
+    let code: u16 = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).ok_or_else(|| bad("no status"))?;
+    let mut body = raw[split + 4..].to_vec();
+    if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+        body = dechunk(&body).ok_or_else(|| bad("broken chunked body"))?;
+    }
+    Ok((code, String::from_utf8_lossy(&body).into_owned()))
+}
+
+fn dechunk(mut b: &[u8]) -> Option<Vec<u8>> {
+    let mut out = Vec::new();
+    loop {
+        let eol = b.windows(2).position(|w| w == b"\r\n")?;
+        let size = usize::from_str_radix(std::str::from_utf8(&b[..eol]).ok()?.split(';').next()?.trim(), 16).ok()?;
+        b = &b[eol + 2..];
+        if size == 0 {
+            return Some(out);
+        }
+        out.extend_from_slice(b.get(..size)?);
+        b = b.get(size + 2..)?;
     }
 }
 

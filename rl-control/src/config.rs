@@ -57,8 +57,12 @@ pub struct Config {
 /// The admin API's settings.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ApiConfig {
-    /// `listen = "127.0.0.1:9100"`; `--api` overrides it.
+    /// `listen = "127.0.0.1:9100"`: also serve the admin API over TCP
+    /// (needs `token_file`); `--api` overrides it.
     pub listen: Option<std::net::SocketAddr>,
+    /// `metrics_listen = "127.0.0.1:9101"`: serve only `/metrics` and
+    /// `/healthz` here, read-only, without a token.
+    pub metrics_listen: Option<std::net::SocketAddr>,
     /// `token_file = "..."`: a file holding the bearer token every `/v1`
     /// request must carry.
     pub token_file: Option<std::path::PathBuf>,
@@ -203,6 +207,7 @@ struct RawConfig {
 #[serde(deny_unknown_fields)]
 struct RawApi {
     listen: Option<Spanned<String>>,
+    metrics_listen: Option<Spanned<String>>,
     token_file: Option<Spanned<String>>,
 }
 
@@ -362,13 +367,17 @@ impl Config {
             ));
         }
         let rules = validate_rules(&loc, &raw.rule)?;
+        let address = |v: &Option<Spanned<String>>, name: &str, example: &str| -> Result<Option<std::net::SocketAddr>, ConfigError> {
+            match v {
+                None => Ok(None),
+                Some(l) => l.get_ref().parse().map(Some).map_err(|_| {
+                    err(Some(l.span()), format!("{name} = \"{}\" is not an address: write IP:PORT, such as \"{example}\"", l.get_ref()))
+                }),
+            }
+        };
         let api = ApiConfig {
-            listen: match &raw.api.listen {
-                None => None,
-                Some(l) => Some(l.get_ref().parse().map_err(|_| {
-                    err(Some(l.span()), format!("api.listen = \"{}\" is not an address: write IP:PORT, such as \"127.0.0.1:9100\"", l.get_ref()))
-                })?),
-            },
+            listen: address(&raw.api.listen, "api.listen", "127.0.0.1:9100")?,
+            metrics_listen: address(&raw.api.metrics_listen, "api.metrics_listen", "127.0.0.1:9101")?,
             token_file: raw.api.token_file.as_ref().map(|t| t.get_ref().into()),
         };
         let mut bans = Vec::with_capacity(raw.ban.len());

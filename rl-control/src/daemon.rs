@@ -13,7 +13,7 @@ use tokio::{
     io::unix::AsyncFd,
     signal::unix::{signal, SignalKind},
 };
-use tracing::{error, info, warn};
+use tracing::{info, warn};
 
 use crate::{
     api,
@@ -35,8 +35,10 @@ pub struct RunOptions {
     pub pid_file: Option<PathBuf>,
     /// Reload when the config file changes on disk.
     pub watch: bool,
-    /// Admin API address (overrides `[api] listen`).
+    /// Admin API TCP address (overrides `[api] listen`; needs a token).
     pub api: Option<SocketAddr>,
+    /// Holds the admin socket `api.sock` (and, by default, the pid file).
+    pub runtime_dir: PathBuf,
     /// Pin directory (overrides `[datapath] pin_dir`).
     pub pin_dir: Option<PathBuf>,
     /// Detach and unpin on SIGINT/SIGTERM instead of leaving rl enforcing.
@@ -95,34 +97,6 @@ pub fn load_config(path: Option<&PathBuf>) -> Result<(Config, String)> {
     }
 }
 
-/// The API's address and token, checked before anything is attached: a
-/// non-loopback address without a token is refused.
-fn api_settings(opts: &RunOptions, config: &Config) -> Result<(SocketAddr, Option<Arc<str>>)> {
-    let addr = match (opts.api, config.api.listen) {
-        (Some(a), _) | (None, Some(a)) => a,
-        (None, None) => api::DEFAULT_LISTEN.parse().expect("a valid default address"),
-    };
-    let token = match &config.api.token_file {
-        None => None,
-        Some(f) => {
-            let t = std::fs::read_to_string(f)
-                .with_context(|| format!("cannot read the API token file {} ([api] token_file)", f.display()))?;
-            let t = t.trim();
-            if t.is_empty() {
-                anyhow::bail!("the API token file {} is empty: put a long random token in it", f.display());
-            }
-            Some(Arc::from(t))
-        }
-    };
-    if !addr.ip().is_loopback() && token.is_none() {
-        anyhow::bail!(
-            "refusing to serve the admin API on {addr} without a token: anyone who can reach it could change the rules; \
-             set [api] token_file in the config, or listen on 127.0.0.1"
-        );
-    }
-    Ok((addr, token))
-}
-
 pub async fn run(opts: RunOptions) -> Result<()> {
     // Handlers first: a signal that arrives while starting (a SIGHUP right
     // after "attached", say) must be handled, not kill the process with
@@ -142,12 +116,8 @@ pub async fn run(opts: RunOptions) -> Result<()> {
             config.default.rate, config.default.burst
         );
     }
-    let (api_addr, token) = api_settings(&opts, &config)?;
+    let listeners = api::listen::bind(&opts.runtime_dir, opts.api, &config).await?;
     interface_index(&opts.iface)?;
-    // Before the interface is touched: a taken port changes nothing.
-    let listener = tokio::net::TcpListener::bind(api_addr).await.with_context(|| {
-        format!("cannot listen on {api_addr} for the admin API (is another rl-control running? choose another address with --api)")
-    })?;
     let compiled = compile(&config);
     let pin_dir = opts.pin_dir.clone().unwrap_or_else(|| config.datapath.pin_dir.clone());
     let pins = pin_dir.join(&opts.iface);
@@ -190,13 +160,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         top: Default::default(),
         events: Default::default(),
     }));
-    let app = api::router(api::Api { state: state.clone(), token: token.clone() });
-    let server = tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
-            error!("the admin API stopped: {e}");
-        }
-    });
-    info!("admin API on http://{api_addr}{}", if token.is_some() { " (bearer token required for /v1)" } else { "" });
+    let (servers, _socket_file) = api::listen::serve(listeners, state.clone());
     let counter = match map_ids {
         Ok(ids) => Some(tokio::spawn(watch_pressure(state.clone(), ids))),
         Err(e) => {
@@ -264,8 +228,10 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     }
     // Stop serving first: the API's handlers hold the state (and with it
     // the datapath) only while a request runs.
-    server.abort();
-    let _ = server.await;
+    for server in servers {
+        server.abort();
+        let _ = server.await;
+    }
     if let Some(c) = counter {
         c.abort();
         let _ = c.await;

@@ -17,12 +17,17 @@ struct Cli {
     command: Command,
 }
 
-/// How the client commands reach the daemon.
+/// How the client commands reach the daemon: its Unix socket by default
+/// (root only), or TCP with a token.
 #[derive(clap::Args, Clone)]
 struct Remote {
-    /// The daemon's admin API (`HOST:PORT` or a URL).
-    #[arg(long, value_name = "ADDR", default_value = rl_control::api::DEFAULT_LISTEN, env = "RL_API")]
-    api: String,
+    /// The daemon's runtime directory; its admin socket is `api.sock` there.
+    #[arg(long, value_name = "DIR", default_value = rl_control::client::DEFAULT_RUNTIME_DIR, env = "RL_RUNTIME_DIR")]
+    runtime_dir: PathBuf,
+    /// Use the daemon's TCP admin API instead (`HOST:PORT` or a URL: its
+    /// `--api` / `[api] listen`), with --token-file.
+    #[arg(long, value_name = "ADDR", env = "RL_API")]
+    api: Option<String>,
     /// A file holding the API's bearer token (the daemon's `[api] token_file`).
     #[arg(long, value_name = "FILE", env = "RL_TOKEN_FILE")]
     token_file: Option<PathBuf>,
@@ -64,15 +69,20 @@ enum Command {
         /// Seconds between counter reports in the log.
         #[arg(long, value_name = "SECS", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=86400))]
         stats_interval: u64,
-        /// Where to write the daemon's process id, for `rl-control reload`.
-        #[arg(long, value_name = "FILE", default_value = DEFAULT_PID_FILE)]
-        pid_file: PathBuf,
+        /// Runtime directory: the admin API's Unix socket (`api.sock`, mode
+        /// 0600: root only) and the pid file go here.
+        #[arg(long, value_name = "DIR", default_value = rl_control::client::DEFAULT_RUNTIME_DIR, env = "RL_RUNTIME_DIR")]
+        runtime_dir: PathBuf,
+        /// Where to write the daemon's process id, for `rl-control reload
+        /// --pid-file` (default: `rl-control.pid` in the runtime directory).
+        #[arg(long, value_name = "FILE")]
+        pid_file: Option<PathBuf>,
         /// Do not reload when the config file changes on disk (SIGHUP and
         /// `rl-control reload` still do).
         #[arg(long)]
         no_watch: bool,
-        /// Serve the admin API here (default `[api] listen`, else
-        /// 127.0.0.1:9100). A non-loopback address needs `[api] token_file`.
+        /// Also serve the admin API over TCP here (default `[api] listen`;
+        /// none unless set). Needs `[api] token_file`, on loopback too.
         #[arg(long, value_name = "ADDR")]
         api: Option<std::net::SocketAddr>,
         /// Pin the datapath here, in `<DIR>/<IFACE>/` (default
@@ -185,11 +195,10 @@ enum Command {
     },
 }
 
-const DEFAULT_PID_FILE: &str = "/run/rl-control.pid";
 
 /// One API call, printed as a table or JSON.
 fn remote_call(remote: &Remote, method: &str, path: &str, body: Option<&serde_json::Value>, human: fn(&serde_json::Value) -> String) -> anyhow::Result<()> {
-    let c = client::Client::new(&remote.api, remote.token_file.as_ref())?;
+    let c = client::Client::new(&remote.runtime_dir, remote.api.as_deref(), remote.token_file.as_ref())?;
     let v = c.call(method, path, body)?;
     client::print(&v, remote.json, human);
     Ok(())
@@ -232,13 +241,14 @@ fn main() -> ExitCode {
             remote_call(&remote, "DELETE", &format!("/v1/bans/{}", client::encode_segment(&cidr)), None, client::applied)
         }
         Command::Detach { iface, pin_dir } => daemon::detach(&iface, &pin_dir),
-        Command::Run { iface, config, mode, stats_interval, pid_file, no_watch, api, pin_dir, detach_on_exit } => {
+        Command::Run { iface, config, mode, stats_interval, runtime_dir, pid_file, no_watch, api, pin_dir, detach_on_exit } => {
             let opts = daemon::RunOptions {
                 iface,
                 config,
                 mode,
                 stats_interval: Duration::from_secs(stats_interval),
-                pid_file: Some(pid_file),
+                pid_file: Some(pid_file.unwrap_or_else(|| runtime_dir.join("rl-control.pid"))),
+                runtime_dir,
                 watch: !no_watch,
                 api,
                 pin_dir,

@@ -56,6 +56,9 @@ fn command(ns: Option<&Netns>, args: &[&str]) -> Command {
         None => Command::new(binary()),
     };
     c.args(args).env("RUST_LOG", "info");
+    if let Some(ns) = ns {
+        c.env("RL_RUNTIME_DIR", ns.runtime_dir());
+    }
     c
 }
 

@@ -1,5 +1,5 @@
-//! Real HTTP to a daemon's admin API inside a lab namespace (the daemon
-//! listens on that namespace's loopback).
+//! Real HTTP to a daemon's admin API: over its Unix socket (the lab
+//! namespace's runtime directory), or over TCP inside the namespace.
 
 use anyhow::{Context, Result};
 
@@ -18,10 +18,20 @@ impl Answer {
     }
 }
 
-/// `method path` to `127.0.0.1:9100` in `ns`, with an optional body
-/// (content type, bytes) and bearer token.
+/// `method path` to the admin socket of the daemon running in `ns` (see
+/// `Netns::runtime_dir`), with an optional body (content type, bytes) and
+/// bearer token.
 pub fn request(ns: &Netns, method: &str, path: &str, body: Option<(&str, Vec<u8>)>, token: Option<&str>) -> Result<Answer> {
-    let (method, url) = (method.to_string(), format!("http://127.0.0.1:9100{path}"));
+    let sock = ns.runtime_dir().join(rl_control::client::API_SOCKET);
+    let content = body.as_ref().map(|(t, b)| (*t, b.as_slice()));
+    let (status, body) = rl_control::client::unix_request(&sock, method, path, content, token)
+        .with_context(|| format!("{method} {path} on {}", sock.display()))?;
+    Ok(Answer { status, body })
+}
+
+/// `method path` over TCP to `addr` from inside `ns`.
+pub fn request_tcp(ns: &Netns, addr: &str, method: &str, path: &str, body: Option<(&str, Vec<u8>)>, token: Option<&str>) -> Result<Answer> {
+    let (method, url) = (method.to_string(), format!("http://{addr}{path}"));
     let body = body.map(|(t, b)| (t.to_string(), b));
     let token = token.map(str::to_string);
     ns.run(move || {

@@ -63,6 +63,13 @@ impl Netns {
         ip(&all)
     }
 
+    /// The runtime directory (admin socket, pid file) of daemons and CLI
+    /// commands run in this namespace (they get it as `RL_RUNTIME_DIR`);
+    /// removed with the namespace.
+    pub fn runtime_dir(&self) -> std::path::PathBuf {
+        std::env::temp_dir().join(format!("rl-run-{}", self.name))
+    }
+
     /// Runs `program args…` inside the namespace.
     pub fn exec(&self, program: &str, args: &[&str]) -> Result<()> {
         let out = Command::new("ip").args(["netns", "exec", &self.name, program]).args(args).output()?;
@@ -121,6 +128,7 @@ pub fn pin_to_cpu(cpu: usize) -> Result<()> {
 
 impl Drop for Netns {
     fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(self.runtime_dir());
         if let Err(e) = ip(&["netns", "del", &self.name]) {
             eprintln!("warning: could not remove namespace {}: {e:#}", self.name);
         }

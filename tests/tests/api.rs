@@ -6,7 +6,7 @@ use std::time::Duration;
 use rl_tests::{
     daemon::{write, run_once, Daemon},
     http::{get, json, parse_prometheus, request},
-    lab::{Lab, VB},
+    lab::Lab,
     traffic::{join, paced, Receiver},
 };
 use serde_json::{json, Value};
@@ -268,64 +268,6 @@ fn a_ban_drops_at_once_lifts_after_its_ttl_and_is_kept_across_a_restart() {
     let a = request(&lab.b, "DELETE", &format!("/v1/bans/{}", cidr.replace('/', "%2F")), None, None).unwrap();
     assert_eq!(a.status, 404);
     stop(d);
-}
-
-#[test]
-fn auth_guards_v1_and_a_public_address_needs_a_token() {
-    let lab = Lab::new().unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let token = write(&dir, "token", "s3cret-token\n");
-    let open_cfg = write(&dir, "open.toml", "[default]\nrate = 100\n");
-    // A non-loopback address without a token: refused before anything is attached.
-    let addr = format!("{}:9100", lab.v4(2));
-    let (status, out) = run_once(Some(&lab.b), &["run", "--iface", VB, "--config", open_cfg.to_str().unwrap(), "--api", &addr]).unwrap();
-    assert_eq!(status.code(), Some(1), "{out}");
-    assert!(out.contains("refusing to serve the admin API on") && out.contains("without a token"), "{out}");
-    assert!(!lab.xdp_attached().unwrap());
-    // The API's port is taken: one clear error, and the program it had just
-    // attached is detached again.
-    let squatter = lab.b.run(|| Ok(std::net::TcpListener::bind("127.0.0.1:9100")?)).unwrap();
-    let (status, out) = run_once(Some(&lab.b), &["run", "--iface", VB, "--config", open_cfg.to_str().unwrap()]).unwrap();
-    assert_eq!(status.code(), Some(1), "{out}");
-    assert!(out.contains("cannot listen on 127.0.0.1:9100 for the admin API"), "{out}");
-    assert!(!lab.xdp_attached().unwrap());
-    drop(squatter);
-
-    let cfg = write(&dir, "rules.toml", &format!("[default]\nrate = 100\n[api]\ntoken_file = \"{}\"\n", token.display()));
-    let d = start(&lab, &cfg, &[]);
-    assert_eq!(get(&lab.b, "/healthz").status, 200, "probes need no token");
-    assert_eq!(get(&lab.b, "/metrics").status, 200, "scrapers need no token");
-    let a = get(&lab.b, "/v1/status");
-    assert_eq!(a.status, 401);
-    assert!(a.json()["error"].as_str().unwrap().contains("bearer token"));
-    assert_eq!(request(&lab.b, "GET", "/v1/status", None, Some("wrong")).unwrap().status, 401);
-    assert_eq!(request(&lab.b, "POST", "/v1/bans", json(&json!({"cidr": "10.0.0.0/8", "ttl_secs": 5})), Some("wrong")).unwrap().status, 401);
-    assert_eq!(request(&lab.b, "GET", "/v1/status", None, Some("s3cret-token")).unwrap().status, 200);
-
-    // The CLI with and without the token.
-    let (status, out) = run_once(Some(&lab.b), &["status"]).unwrap();
-    assert_eq!(status.code(), Some(1), "{out}");
-    assert!(out.contains("401") && out.contains("--token-file"), "{out}");
-    let tf = token.to_str().unwrap();
-    for cmd in [vec!["status"], vec!["rules"], vec!["stats"], vec!["source", "10.1.2.3"], vec!["reload"]] {
-        let mut args = cmd.clone();
-        args.extend(["--token-file", tf]);
-        let (status, out) = run_once(Some(&lab.b), &args).unwrap();
-        assert!(status.success(), "{cmd:?}: {out}");
-        args.push("--json");
-        let (status, out) = run_once(Some(&lab.b), &args).unwrap();
-        assert!(status.success(), "{cmd:?}: {out}");
-        let json_start = out.find(['{', '[']).unwrap_or_else(|| panic!("{cmd:?}: no JSON in {out}"));
-        serde_json::from_str::<Value>(&out[json_start..]).unwrap_or_else(|e| panic!("{cmd:?} --json: {e}: {out}"));
-    }
-    let (_, out) = run_once(Some(&lab.b), &["status", "--token-file", tf]).unwrap();
-    assert!(out.contains("interface:       vb (XDP native"), "{out}");
-    stop(d);
-
-    // No daemon: one clear error, exit 1.
-    let (status, out) = run_once(Some(&lab.b), &["status"]).unwrap();
-    assert_eq!(status.code(), Some(1), "{out}");
-    assert!(out.contains("cannot reach rl-control at http://127.0.0.1:9100") && out.contains("is it running?"), "{out}");
 }
 
 #[test]

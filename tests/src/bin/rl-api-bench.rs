@@ -16,6 +16,7 @@ use rl_tests::{
 };
 
 const RATE: u64 = 1_000;
+const TOKEN: &str = "bench-token-0123456789";
 const SECONDS: u64 = 5;
 
 /// p50 and p99 (ms) of `path` requested at `RATE`/s for `SECONDS`, from a
@@ -33,7 +34,7 @@ fn latency(lab: &Lab, path: &str) -> Result<(f64, f64, usize)> {
             if let Some(w) = due.checked_duration_since(Instant::now()) {
                 std::thread::sleep(w);
             }
-            let r = agent.get(&url).call().with_context(|| format!("GET {url}"))?;
+            let r = agent.get(&url).set("Authorization", &format!("Bearer {TOKEN}")).call().with_context(|| format!("GET {url}"))?;
             r.into_string()?;
             out.push((Instant::now() - due).as_secs_f64() * 1e3);
         }
@@ -58,9 +59,13 @@ fn main() -> Result<()> {
     let lab = Lab::new()?;
     let dir = tempfile::tempdir()?;
     let cfg = dir.path().join("rules.toml");
-    std::fs::write(&cfg, "[default]\nrate = 100000\n")?;
+    // Over TCP, as a remote operator or scraper would: TCP needs a token.
+    let token = dir.path().join("token");
+    std::fs::write(&token, TOKEN)?;
+    std::fs::set_permissions(&token, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+    std::fs::write(&cfg, format!("[default]\nrate = 100000\n[api]\nlisten = \"127.0.0.1:9100\"\ntoken_file = \"{}\"\n", token.display()))?;
     let pid = dir.path().join("pid");
-    let mut d = Daemon::spawn(&lab.b, &["run", "--iface", VB, "--config", cfg.to_str().unwrap(), "--pid-file", pid.to_str().unwrap(), "--no-watch"])?;
+    let mut d = Daemon::spawn(&lab.b, &["run", "--iface", VB, "--config", cfg.to_str().unwrap(), "--pid-file", pid.to_str().unwrap(), "--no-watch", "--detach-on-exit"])?;
     d.wait_for("admin API on", Duration::from_secs(20))?;
     // Some state to report on.
     join(paced(&lab.a, lab.v4(1), lab.v4(2), 10_000, 100))?;
@@ -82,7 +87,11 @@ fn main() -> Result<()> {
         let took = lab.b.run(move || {
             let agent = ureq::AgentBuilder::new().timeout(Duration::from_secs(30)).build();
             let t = Instant::now();
-            let r = agent.put("http://127.0.0.1:9100/v1/rules").set("Content-Type", "application/json").send_bytes(&body);
+            let r = agent
+                .put("http://127.0.0.1:9100/v1/rules")
+                .set("Content-Type", "application/json")
+                .set("Authorization", &format!("Bearer {TOKEN}"))
+                .send_bytes(&body);
             let took = t.elapsed();
             match r {
                 Ok(_) => Ok(took),

@@ -8,7 +8,7 @@
 
 use std::{
     fmt::Write as _,
-    net::{IpAddr, SocketAddr},
+    net::IpAddr,
     sync::Arc,
 };
 
@@ -34,8 +34,8 @@ use crate::{
     units::parse_cidr,
 };
 
-/// Where the API listens when neither `--api` nor `[api] listen` says.
-pub const DEFAULT_LISTEN: &str = "127.0.0.1:9100";
+pub mod listen;
+
 /// Largest request body accepted (a full rule set with 262,144 CIDRs fits).
 pub const MAX_BODY: usize = 16 << 20;
 
@@ -599,6 +599,17 @@ async fn method_not_allowed() -> ApiError {
     ApiError(StatusCode::METHOD_NOT_ALLOWED, "method not allowed on this route: GET /openapi.json lists them".into())
 }
 
+/// The scrapers' router (`[api] metrics_listen`): `/metrics` and
+/// `/healthz`, nothing else.
+pub fn metrics_router(api: Api) -> Router {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(api)
+}
+
 /// The router: `/healthz`, `/metrics` and `/openapi.json` are open (for
 /// probes and scrapers), `/v1` needs the token when one is configured.
 pub fn router(api: Api) -> Router {
@@ -624,18 +635,4 @@ pub fn router(api: Api) -> Router {
         .route_layer(middleware::from_fn_with_state(api.clone(), count))
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .with_state(api)
-}
-
-/// Binds `addr` (failing clearly if it is taken) and serves until the
-/// daemon stops.
-pub async fn serve(api: Api, addr: SocketAddr) -> anyhow::Result<tokio::task::JoinHandle<()>> {
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot listen on {addr} for the admin API: {e} (is another rl-control running? choose another with --api)"))?;
-    let app = router(api);
-    Ok(tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
-            tracing::error!("the admin API stopped: {e}");
-        }
-    }))
 }

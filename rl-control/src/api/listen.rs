@@ -1,0 +1,142 @@
+//! Where the admin API listens, and who may drive it:
+//! - the Unix socket `api.sock` in the runtime directory, mode 0600: root
+//!   only, no token (the default, always on);
+//! - TCP (`--api` / `[api] listen`) only with `[api] token_file`, loopback
+//!   included (every local user can reach loopback);
+//! - `[api] metrics_listen`: `/metrics` and `/healthz` only, read-only, no
+//!   token, for scrapers.
+//!
+//! Everything is bound before the interface is touched.
+
+use std::{
+    net::SocketAddr,
+    os::unix::fs::PermissionsExt,
+    path::{Path, PathBuf},
+    sync::Arc,
+};
+
+use anyhow::{bail, Context, Result};
+use tokio::net::{TcpListener, UnixListener};
+use tracing::{error, info};
+
+use super::{metrics_router, router, Api};
+use crate::{client::API_SOCKET, config::Config, state::Shared};
+
+/// The bound listeners and the token TCP requires.
+pub struct Listeners {
+    socket: UnixListener,
+    socket_path: PathBuf,
+    tcp: Option<(TcpListener, SocketAddr)>,
+    metrics: Option<(TcpListener, SocketAddr)>,
+    token: Option<Arc<str>>,
+}
+
+/// Reads `[api] token_file`, refusing one that group or others can read.
+fn read_token(config: &Config) -> Result<Option<Arc<str>>> {
+    let Some(f) = &config.api.token_file else { return Ok(None) };
+    let mode = std::fs::metadata(f)
+        .with_context(|| format!("cannot read the API token file {} ([api] token_file)", f.display()))?
+        .permissions()
+        .mode();
+    if mode & 0o044 != 0 {
+        bail!(
+            "the API token file {} can be read by group or others (mode {:03o}): make it the owner's alone with `chmod 600 {}`",
+            f.display(),
+            mode & 0o777,
+            f.display()
+        );
+    }
+    let t = std::fs::read_to_string(f).with_context(|| format!("cannot read the API token file {} ([api] token_file)", f.display()))?;
+    let t = t.trim();
+    if t.is_empty() {
+        bail!("the API token file {} is empty: put a long random token in it", f.display());
+    }
+    Ok(Some(Arc::from(t)))
+}
+
+/// Binds the socket `api.sock` in `runtime_dir` (mode 0600; refusing if a
+/// live daemon serves it), and the TCP listeners the options and config ask
+/// for (TCP only with a token).
+pub async fn bind(runtime_dir: &Path, api: Option<SocketAddr>, config: &Config) -> Result<Listeners> {
+    let token = read_token(config)?;
+    let tcp_addr = api.or(config.api.listen);
+    if let (Some(addr), None) = (tcp_addr, &token) {
+        bail!(
+            "refusing to serve the admin API on {addr} without a token: anyone who can reach it (on loopback, every local user) \
+             could change the rules; set [api] token_file, or use the Unix socket in the runtime directory (root only, the default)"
+        );
+    }
+    std::fs::create_dir_all(runtime_dir)
+        .with_context(|| format!("cannot create the runtime directory {} (--runtime-dir)", runtime_dir.display()))?;
+    let socket_path = runtime_dir.join(API_SOCKET);
+    if socket_path.exists() {
+        if std::os::unix::net::UnixStream::connect(&socket_path).is_ok() {
+            bail!(
+                "another rl-control is serving {}: stop it first, or give this one another --runtime-dir",
+                socket_path.display()
+            );
+        }
+        std::fs::remove_file(&socket_path).with_context(|| format!("cannot remove the stale socket {}", socket_path.display()))?;
+    }
+    // Created 0600 from the start: no moment in which others may connect.
+    let old = unsafe { libc::umask(0o177) };
+    let socket = UnixListener::bind(&socket_path);
+    unsafe { libc::umask(old) };
+    let socket = socket.with_context(|| format!("cannot listen on {} for the admin API", socket_path.display()))?;
+    let tcp_bind = |addr: SocketAddr, flag: &'static str| async move {
+        TcpListener::bind(addr)
+            .await
+            .map(|l| (l, addr))
+            .with_context(|| format!("cannot listen on {addr} for the admin API (is another rl-control running? choose another address with {flag})"))
+    };
+    let tcp = match tcp_addr {
+        Some(a) => Some(tcp_bind(a, "--api").await?),
+        None => None,
+    };
+    let metrics = match config.api.metrics_listen {
+        Some(a) => Some(tcp_bind(a, "[api] metrics_listen").await?),
+        None => None,
+    };
+    Ok(Listeners { socket, socket_path, tcp, metrics, token })
+}
+
+/// Serves the API on every listener until the returned tasks are aborted.
+/// The socket file is removed when the returned guard drops.
+pub fn serve(l: Listeners, state: Shared) -> (Vec<tokio::task::JoinHandle<()>>, SocketFile) {
+    let mut tasks = Vec::new();
+    let app = router(Api { state: state.clone(), token: None });
+    tasks.push(tokio::spawn(async move {
+        if let Err(e) = axum::serve(l.socket, app).await {
+            error!("the admin API (socket) stopped: {e}");
+        }
+    }));
+    info!("admin API on {} (root only)", l.socket_path.display());
+    if let Some((listener, addr)) = l.tcp {
+        let app = router(Api { state: state.clone(), token: l.token.clone() });
+        tasks.push(tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, app).await {
+                error!("the admin API (TCP) stopped: {e}");
+            }
+        }));
+        info!("admin API on http://{addr} (bearer token required for /v1)");
+    }
+    if let Some((listener, addr)) = l.metrics {
+        let app = metrics_router(Api { state, token: None });
+        tasks.push(tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, app).await {
+                error!("the metrics listener stopped: {e}");
+            }
+        }));
+        info!("metrics on http://{addr}/metrics (read-only, no token)");
+    }
+    (tasks, SocketFile(l.socket_path))
+}
+
+/// Removes the socket file when the daemon exits.
+pub struct SocketFile(PathBuf);
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
