@@ -25,15 +25,13 @@ pub const MAP_CONFIG: &str = "RL_CONFIG";
 pub const MAP_STATS: &str = "RL_STATS";
 
 /// A two-entry `u32` array the program never reads, pinned with the rest:
-/// [`LAYOUT_VERSION`] at index 0 and the XDP mode the link was first
-/// attached in at index 1 ([`PINNED_NATIVE`] or [`PINNED_SKB`]). A daemon
-/// adopts pinned maps only when the version, and every map's type, key and
-/// value size and capacity, match its own.
+/// [`LAYOUT_VERSION`] at index 0 (index 1 is reserved). A daemon adopts
+/// pinned maps only when the version, and every map's type, key and value
+/// size and capacity, match its own.
 pub const MAP_LAYOUT: &str = "RL_LAYOUT";
 /// Bump whenever a map's meaning changes while its sizes stay the same.
-pub const LAYOUT_VERSION: u32 = 1;
-pub const PINNED_NATIVE: u32 = 1;
-pub const PINNED_SKB: u32 = 2;
+/// 2: `DatapathConfig` reads its slot and flags as one word.
+pub const LAYOUT_VERSION: u32 = 2;
 
 /// The limiter program's name in the object file.
 pub const PROG_LIMITER: &str = "rl";
@@ -171,13 +169,13 @@ pub struct DatapathConfig {
     pub epoch_offset_ns: u64,
     /// 1 once the daemon has written a configuration.
     pub enabled: u32,
-    /// The active slot, 0 or 1.
-    pub slot: u32,
-    /// `CFG_*` bits: which lookups the active rule set needs.
-    pub flags: u32,
     /// Unseen keys one CPU may see per flood window (~1.07 s) before it
     /// enters flood mode (see [`crate::pressure`]); `u32::MAX`: never.
     pub flood_cap: u32,
+    /// The active slot (bit 0) and the `CFG_*` bits of its rule set (high
+    /// half), in one word the program reads with one load: no packet sees
+    /// one slot with the other's flags. See [`DatapathConfig::slot_flags`].
+    pub slot_flags: u64,
     /// Prefix-cell masks (network order): a key's cell is its bucket key
     /// masked further to `flood_prefix_v4` / `flood_prefix_v6`.
     pub cell_mask4: u32,
@@ -189,6 +187,21 @@ pub struct DatapathConfig {
     pub cell_mask6: [u32; 4],
 }
 const _: () = assert!(size_of::<DatapathConfig>() == 64);
+const _: () = assert!(core::mem::offset_of!(DatapathConfig, slot_flags) % 8 == 0);
+
+impl DatapathConfig {
+    /// The word for `slot` and its rule set's `CFG_*` `flags`.
+    pub const fn pack_slot_flags(slot: u32, flags: u32) -> u64 {
+        (slot & 1) as u64 | (flags as u64) << 32
+    }
+
+    /// `(slot, flags)` from one read of the word (volatile: one load).
+    #[inline(always)]
+    pub fn slot_flags(&self) -> (u32, u32) {
+        let w = unsafe { core::ptr::read_volatile(&raw const self.slot_flags) };
+        ((w & 1) as u32, (w >> 32) as u32)
+    }
+}
 
 /// The active rule set has IPv4 allow/deny/src CIDRs: look sources up in
 /// [`MAP_LPM_V4`].

@@ -120,16 +120,26 @@ pub fn unix_request(
         None => &[][..],
     };
     head += &format!("Content-Length: {}\r\n\r\n", body.len());
-    // A server that refuses early (413 for a body too large) closes while
-    // the body is still being written: its answer is read all the same.
-    let sent = s.write_all(head.as_bytes()).and_then(|_| s.write_all(body));
-    if let Err(e) = sent {
-        if e.kind() != std::io::ErrorKind::BrokenPipe {
+    // The body is written beside the read: a server that refuses early
+    // (413 for a body too large) answers and closes while it is still being
+    // written, and its answer must be read all the same.
+    s.write_all(head.as_bytes())?;
+    let mut w = s.try_clone()?;
+    let body = body.to_vec();
+    let writer = std::thread::spawn(move || w.write_all(&body));
+    let mut raw = Vec::new();
+    let read = s.read_to_end(&mut raw);
+    let written = writer.join().unwrap_or(Ok(()));
+    let cut = |e: &std::io::Error| matches!(e.kind(), std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset);
+    match read {
+        Err(e) if !(cut(&e) && !raw.is_empty()) => return Err(e),
+        _ => {}
+    }
+    if let Err(e) = written {
+        if !cut(&e) {
             return Err(e);
         }
     }
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw)?;
     let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("bad HTTP answer: {what}"));
     let split = raw.windows(4).position(|w| w == b"\r\n\r\n").ok_or_else(|| bad("no end of headers"))?;
     let head = String::from_utf8_lossy(&raw[..split]).into_owned();
@@ -205,13 +215,21 @@ pub fn status(v: &Value) -> String {
     } else {
         "off".to_string()
     };
+    let on: Vec<String> = v["interfaces"]
+        .as_array()
+        .map(|a| a.iter().map(|i| format!("{} (XDP {})", s(&i["iface"]), s(&i["xdp_mode"]))).collect())
+        .unwrap_or_default();
+    let iface_line = match on.len() {
+        0 | 1 => format!("interface:       {} (XDP {}, program {})", s(&v["iface"]), s(&v["xdp_mode"]), s(&v["program_id"])),
+        _ => format!("interfaces:      {}; one program ({}) and one set of buckets", on.join(", "), s(&v["program_id"])),
+    };
     format!(
-        "interface:       {} (XDP {}, program {})\nuptime:          {}s\nrules:           {} (+ default), {} allow and {} deny CIDRs, {} bans\n\
+        "{iface_line}\nuptime:          {}s\nrules:           {} (+ default), {} allow and {} deny CIDRs, {} bans\n\
          sources tracked: IPv4 {}, IPv6 {} of {} per family\nprefix cells:    IPv4 {}, IPv6 {} of {} per family\n\
          unseen keys:     {:.0}/s; buckets created {:.0}/s, collected {} since start\n\
          flood mode:      {flood}\nfallbacks:       {} packets charged to a cell or last resort; {} inserts refused (table full)\n\
          config file:     {}\nlast change:     {reload}\n",
-        s(&v["iface"]), s(&v["xdp_mode"]), s(&v["program_id"]), s(&v["uptime_secs"]), s(&v["rules"]),
+        s(&v["uptime_secs"]), s(&v["rules"]),
         s(&v["allow_cidrs"]), s(&v["deny_cidrs"]), s(&v["active_bans"]),
         s(&p["buckets_ipv4"]), s(&p["buckets_ipv6"]), s(&p["bucket_capacity"]),
         s(&p["cells_ipv4"]), s(&p["cells_ipv6"]), s(&p["cell_capacity"]),

@@ -113,6 +113,8 @@ pub struct Datapath {
     /// Where the maps and the XDP link are pinned (`<pin_dir>/<iface>/`),
     /// on a bpffs (mounted there if absent).
     pub pin_dir: std::path::PathBuf,
+    /// Interfaces to protect when `--iface` is not given.
+    pub interfaces: Vec<String>,
 }
 
 /// `datapath.pin_dir` by default.
@@ -233,6 +235,8 @@ struct RawDatapath {
     fragment_ttl_ms: Option<Spanned<i64>>,
     fragment_orphans: Option<FragmentOrphans>,
     pin_dir: Option<Spanned<String>>,
+    #[serde(default)]
+    interfaces: Vec<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -329,6 +333,18 @@ impl Config {
                         format!("datapath.pin_dir = {:?} must be an absolute path without `..` (on a bpffs, e.g. {DEFAULT_PIN_DIR})", p.get_ref()),
                     ))
                 }
+            },
+            interfaces: {
+                let mut v = Vec::new();
+                for i in &d.interfaces {
+                    let name = i.get_ref();
+                    // IFNAMSIZ - 1; no `/`, `+` (the pin directory joins names with it) or blanks.
+                    if name.is_empty() || name.len() > 15 || name.contains(['/', '+', ' ', '\t']) {
+                        return Err(err(Some(i.span()), format!("datapath.interfaces: {name:?} is not an interface name (1 to 15 characters, no `/`, `+` or blanks)")));
+                    }
+                    v.push(name.clone());
+                }
+                v
             },
         };
 
@@ -431,6 +447,7 @@ mod tests {
                 fragment_ttl_ms: 1_000,
                 fragment_orphans: FragmentOrphans::Drop,
                 pin_dir: DEFAULT_PIN_DIR.into(),
+                interfaces: vec![],
             }
         );
     }

@@ -27,7 +27,8 @@ use crate::{
 /// What `rl-control run` needs.
 #[derive(Clone, Debug)]
 pub struct RunOptions {
-    pub iface: String,
+    /// Interfaces to protect (overrides `[datapath] interfaces`).
+    pub ifaces: Vec<String>,
     pub config: Option<PathBuf>,
     pub mode: AttachMode,
     pub stats_interval: Duration,
@@ -45,13 +46,17 @@ pub struct RunOptions {
     pub detach_on_exit: bool,
 }
 
-/// `rl-control detach`: removes rl's program, link and pins from `iface`.
+/// `rl-control detach`: removes rl's program, links and pins from `iface`
+/// and from the interfaces that share its datapath.
 pub fn detach(iface: &str, pin_dir: &std::path::Path) -> Result<()> {
-    let dir = pin_dir.join(iface);
-    if crate::datapath::detach_pinned(&dir)? {
-        println!("detached rl from {iface} and removed its pins in {}", dir.display());
-    } else {
-        println!("nothing of rl is pinned for {iface} in {}: nothing to detach", dir.display());
+    let dirs = crate::datapath::pin_dirs_with(pin_dir, iface);
+    if dirs.is_empty() {
+        println!("nothing of rl is pinned for {iface} in {}: nothing to detach", pin_dir.display());
+    }
+    for dir in dirs {
+        crate::datapath::detach_pinned(&dir)?;
+        let name = dir.file_name().map(|n| n.to_string_lossy().replace('+', ", ")).unwrap_or_default();
+        println!("detached rl from {name} and removed its pins in {}", dir.display());
     }
     Ok(())
 }
@@ -117,20 +122,39 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         );
     }
     let listeners = api::listen::bind(&opts.runtime_dir, opts.api, &config).await?;
-    interface_index(&opts.iface)?;
+    let ifaces = if opts.ifaces.is_empty() { config.datapath.interfaces.clone() } else { opts.ifaces.clone() };
+    if ifaces.is_empty() {
+        anyhow::bail!("no interface to protect: pass --iface IFACE (repeat it for several) or set [datapath] interfaces");
+    }
+    for iface in &ifaces {
+        interface_index(iface)?;
+    }
     let compiled = compile(&config);
     let pin_dir = opts.pin_dir.clone().unwrap_or_else(|| config.datapath.pin_dir.clone());
-    let pins = pin_dir.join(&opts.iface);
+    let pins = pin_dir.join(crate::datapath::pin_group(&ifaces));
     crate::datapath::prepare_pins(&pin_dir, &pins)?;
     let mut dp = Datapath::load_with(&compiled, LoadOptions { pin: Some(pins.clone()), ..Default::default() })?;
     let adopted = dp.adopted();
-    let attachment = dp.attach(&opts.iface, opts.mode)?;
+    let attachments = match dp.attach_all(&ifaces, opts.mode) {
+        Ok(a) => a,
+        Err(e) => {
+            // Nothing attached stays; a datapath pinned just now goes too
+            // (an adopted one keeps enforcing as it was).
+            if !adopted {
+                drop(dp);
+                let _ = crate::datapath::detach_pinned(&pins);
+            }
+            return Err(e.into());
+        }
+    };
     if adopted {
         info!(pins = %pins.display(), "adopted the pinned datapath: buckets kept, program replaced atomically");
     }
+    let on: Vec<String> = attachments.iter().map(|a| format!("{} ({})", a.iface, a.mode)).collect();
+    let on = on.join(", ");
     info!(
-        iface = %attachment.iface,
-        mode = %attachment.mode,
+        ifaces = %on,
+        mode = %attachments[0].mode,
         "attached: every source held to {} packets/s, burst {} (IPv4 /{}, IPv6 /{}), tracking up to {} sources",
         config.default.rate,
         config.default.burst,
@@ -150,7 +174,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         text,
         path: opts.config.clone(),
         stamp,
-        attachment: attachment.clone(),
+        attachments: attachments.clone(),
         started: std::time::Instant::now(),
         last_reload: None,
         reloads_ok: 0,
@@ -245,13 +269,13 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     // link keeps the program attached.
     drop(state);
     if opts.detach_on_exit {
-        info!(iface = %attachment.iface, "detached and unpinned; final counters: {totals}");
+        info!(ifaces = %on, "detached and unpinned; final counters: {totals}");
     } else {
         info!(
-            iface = %attachment.iface,
+            ifaces = %on,
             pins = %pins.display(),
             "left attached and enforcing the last rule set (`rl-control detach --iface {}` removes it); final counters: {totals}",
-            attachment.iface
+            attachments[0].iface
         );
     }
     Ok(())

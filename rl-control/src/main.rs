@@ -55,10 +55,13 @@ enum Command {
     /// column and changes nothing.
     ///
     /// Example: rl-control run --iface eth0 --config /etc/rl/rules.toml
+    /// Example: rl-control run --iface eth0 --iface eth1 --config /etc/rl/rules.toml
     Run {
-        /// Interface to protect (see `ip link`).
-        #[arg(long, short = 'i', value_name = "IFACE")]
-        iface: String,
+        /// Interface to protect (see `ip link`); repeat it for several (one
+        /// program, one rule set and one set of buckets for all of them).
+        /// Default: `[datapath] interfaces`.
+        #[arg(long = "iface", short = 'i', value_name = "IFACE")]
+        ifaces: Vec<String>,
         /// Rule file (TOML). Without it, an embedded default holds every
         /// source to 1000 packets/s with a burst of 2000.
         #[arg(long, short = 'c', value_name = "FILE")]
@@ -241,9 +244,9 @@ fn main() -> ExitCode {
             remote_call(&remote, "DELETE", &format!("/v1/bans/{}", client::encode_segment(&cidr)), None, client::applied)
         }
         Command::Detach { iface, pin_dir } => daemon::detach(&iface, &pin_dir),
-        Command::Run { iface, config, mode, stats_interval, runtime_dir, pid_file, no_watch, api, pin_dir, detach_on_exit } => {
+        Command::Run { ifaces, config, mode, stats_interval, runtime_dir, pid_file, no_watch, api, pin_dir, detach_on_exit } => {
             let opts = daemon::RunOptions {
-                iface,
+                ifaces,
                 config,
                 mode,
                 stats_interval: Duration::from_secs(stats_interval),

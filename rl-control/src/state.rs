@@ -71,7 +71,8 @@ pub struct State {
     pub path: Option<PathBuf>,
     /// The file's stamp when last read or written by the daemon.
     pub stamp: Option<FileStamp>,
-    pub attachment: Attachment,
+    /// Every interface the limiter is attached to, and its mode.
+    pub attachments: Vec<Attachment>,
     pub program_id: Option<u32>,
     pub started: std::time::Instant,
     pub last_reload: Option<ReloadRecord>,

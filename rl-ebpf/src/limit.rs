@@ -101,7 +101,7 @@ pub fn limit(ctx: &XdpContext, pkt: &Packet, len: u64) -> Verdict {
         stats::passed(len, None);
         return Verdict::Pass;
     };
-    let slot = cfg.slot & 1;
+    let (slot, flags) = cfg.slot_flags();
     let mut src = pkt.src;
     if RL_BENCH_NEW_SOURCES.load() != 0 {
         if let Some(salt) = RL_BENCH.get_ptr_mut(0) {
@@ -112,7 +112,7 @@ pub fn limit(ctx: &XdpContext, pkt: &Packet, len: u64) -> Verdict {
         }
     }
 
-    let entry = classify(cfg, slot, pkt, &src);
+    let entry = classify(slot, flags, pkt, &src);
     match entry {
         RSTAT_ALLOW => {
             count(RSTAT_ALLOW, len, Counted::Passed);
@@ -153,10 +153,10 @@ pub fn limit(ctx: &XdpContext, pkt: &Packet, len: u64) -> Verdict {
 /// The entry a packet counts under: [`RSTAT_ALLOW`], [`RSTAT_DENY`] or a
 /// rule-table entry (the first matching rule in file order, precomputed).
 #[inline(always)]
-fn classify(cfg: &DatapathConfig, slot: u32, pkt: &Packet, src: &[u32; 4]) -> u32 {
+fn classify(slot: u32, flags: u32, pkt: &Packet, src: &[u32; 4]) -> u32 {
     // allow / deny / source class: one longest-prefix lookup.
     let mut src_class = 0;
-    if let Some(v) = lpm(cfg, slot, pkt.is_v6, src) {
+    if let Some(v) = lpm(slot, flags, pkt.is_v6, src) {
         match CidrEntry::list(v) {
             LIST_ALLOW => return RSTAT_ALLOW,
             LIST_DENY => return RSTAT_DENY,
@@ -164,7 +164,7 @@ fn classify(cfg: &DatapathConfig, slot: u32, pkt: &Packet, src: &[u32; 4]) -> u3
         }
     }
     let mut index = 0;
-    if cfg.flags & CFG_RULES != 0 {
+    if flags & CFG_RULES != 0 {
         if let Some(e) = RL_L4.get(slot * L4_SLOT_LEN + l4_index(pkt)) {
             index = L4Entry::first(*e) as u32;
             let class = L4Entry::class(*e);
@@ -201,9 +201,9 @@ fn settle(
 }
 
 #[inline(always)]
-fn lpm(cfg: &DatapathConfig, slot: u32, is_v6: bool, src: &[u32; 4]) -> Option<u32> {
+fn lpm(slot: u32, flags: u32, is_v6: bool, src: &[u32; 4]) -> Option<u32> {
     if is_v6 {
-        if cfg.flags & CFG_LPM_V6 == 0 {
+        if flags & CFG_LPM_V6 == 0 {
             return None;
         }
         let mut data = [0u8; 17];
@@ -217,7 +217,7 @@ fn lpm(cfg: &DatapathConfig, slot: u32, is_v6: bool, src: &[u32; 4]) -> Option<u
         }
         RL_LPM6.get(Key::new(8 + 128, data)).copied()
     } else {
-        if cfg.flags & CFG_LPM_V4 == 0 {
+        if flags & CFG_LPM_V4 == 0 {
             return None;
         }
         // The source's /16 usually answers alone.

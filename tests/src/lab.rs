@@ -148,6 +148,9 @@ pub struct Lab {
 /// Interface names inside the lab.
 pub const VA: &str = "va";
 pub const VB: &str = "vb";
+/// The second pair's ends ([`Lab::second_pair`]).
+pub const VA2: &str = "va2";
+pub const VB2: &str = "vb2";
 
 impl Lab {
     /// A new lab with `10.77.N.1/24` + `fd77:N::1/64` on `va` and `.2`/`::2`
@@ -186,6 +189,17 @@ impl Lab {
         lab.a.ip(&["neigh", "replace", &lab.v6(2).to_string(), "lladdr", &mac_b, "dev", VA])?;
         lab.b.ip(&["neigh", "replace", &lab.v4(1).to_string(), "lladdr", &mac_a, "dev", VB])?;
         Ok(lab)
+    }
+
+    /// A second veth pair, `va2` (in `a`) to `vb2` (in `b`), up, without
+    /// addresses: for forged frames, and for rl on two interfaces.
+    pub fn second_pair(&self) -> Result<()> {
+        self.a.ip(&["link", "add", VA2, "type", "veth", "peer", "name", VB2])?;
+        self.a.ip(&["link", "set", VB2, "netns", &self.b.name])?;
+        self.a.exec("tc", &["qdisc", "replace", "dev", VA2, "root", "pfifo", "limit", "10000"])?;
+        self.a.ip(&["link", "set", VA2, "up"])?;
+        self.b.ip(&["link", "set", VB2, "up"])?;
+        Ok(())
     }
 
     /// `10.77.<id>.<host>`

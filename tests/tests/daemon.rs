@@ -155,7 +155,9 @@ fn bad_input_to_run_fails_cleanly_and_leaves_nothing_attached() {
     let mut first = Daemon::spawn(&lab.b, &["run", "--iface", VB, "--config", good, "--detach-on-exit"]).unwrap();
     first.wait_for(ATTACHED, START).unwrap();
     for mode in ["auto", "native", "skb"] {
-        let args = ["run", "--iface", VB, "--config", good, "--mode", mode, "--api", "127.0.0.1:9101"];
+        // Its own runtime directory: the first daemon holds the lab's socket.
+        let second = dir.path().join("second");
+        let args = ["run", "--iface", VB, "--config", good, "--mode", mode, "--runtime-dir", second.to_str().unwrap()];
         let (status, out) = run_once(Some(&lab.b), &args).unwrap();
         assert_eq!(status.code(), Some(1), "{mode}: {out}");
         assert!(

@@ -112,7 +112,7 @@ pub struct Health {
 #[utoipa::path(get, path = "/healthz", responses((status = 200, body = Health), (status = 503, body = Health)))]
 async fn healthz(AxState(api): AxState<Api>) -> Response {
     let s = lock(&api.state);
-    let problem = match (s.dp.attachment(), s.dp.config()) {
+    let problem = match (s.dp.attachments().first(), s.dp.config()) {
         (None, _) => Some("the XDP program is not attached".to_string()),
         (_, Err(e)) => Some(format!("the datapath maps do not answer: {e}")),
         (Some(_), Ok(cfg)) if cfg.enabled == 0 => Some("no rule set is installed".to_string()),
@@ -124,11 +124,23 @@ async fn healthz(AxState(api): AxState<Api>) -> Response {
     }
 }
 
+/// One interface the limiter is attached to.
 #[derive(Serialize, ToSchema)]
-pub struct Status {
+pub struct InterfaceView {
     pub iface: String,
     /// `native` or `skb`.
     pub xdp_mode: String,
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct Status {
+    /// The first interface (all of them in `interfaces`).
+    pub iface: String,
+    /// The first interface's mode: `native` or `skb`.
+    pub xdp_mode: String,
+    /// Every interface, with its mode: one rule set and one set of buckets
+    /// for all of them.
+    pub interfaces: Vec<InterfaceView>,
     pub program_id: Option<u32>,
     pub uptime_secs: u64,
     /// `[[rule]]`s in force (the default not counted).
@@ -150,8 +162,9 @@ pub struct Status {
 async fn status(AxState(api): AxState<Api>) -> Json<Status> {
     let s = lock(&api.state);
     Json(Status {
-        iface: s.attachment.iface.clone(),
-        xdp_mode: s.attachment.mode.to_string(),
+        iface: s.attachments.first().map(|a| a.iface.clone()).unwrap_or_default(),
+        xdp_mode: s.attachments.first().map(|a| a.mode.to_string()).unwrap_or_default(),
+        interfaces: s.attachments.iter().map(|a| InterfaceView { iface: a.iface.clone(), xdp_mode: a.mode.to_string() }).collect(),
         program_id: s.program_id,
         uptime_secs: s.started.elapsed().as_secs(),
         rules: s.config.rules.len(),

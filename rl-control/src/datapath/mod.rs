@@ -20,7 +20,7 @@ use aya::{
 use aya_log::EbpfLogger;
 use aya::maps::Array;
 use rl_common::{
-    DatapathConfig, LAYOUT_VERSION, MAP_CONFIG, MAP_LAYOUT, PINNED_NATIVE, PINNED_SKB,
+    DatapathConfig, LAYOUT_VERSION, MAP_CONFIG, MAP_LAYOUT,
     RuleStats, RULE_SLOTS, TickClock, MAP_EVENTS, MAP_SOURCES_V4, MAP_SOURCES_V6, PROG_CLOCK, PROG_FLOOR, PROG_LIMITER, PROG_PASS, STAT_COUNT,
     STAT_NAMES,
 };
@@ -37,7 +37,7 @@ mod read;
 mod pressure;
 
 pub use pressure::{collect, flood_mode, FloodReading, LimitsByKey, Pass, TableIds, COLLECT_IDLE_NS};
-pub use pin::{detach as detach_pinned, prepare as prepare_pins};
+pub use pin::{detach as detach_pinned, dirs_with as pin_dirs_with, group_name as pin_group, prepare as prepare_pins};
 pub use read::{scan_buckets, Source};
 
 /// The XDP object, built by `cargo xtask build` and embedded at compile time.
@@ -225,6 +225,14 @@ pub struct LoadOptions {
 
 const GLOBAL_BENCH_NEW_SOURCES: &str = "RL_BENCH_NEW_SOURCES";
 
+/// How to undo an attachment made by this process.
+enum Fresh {
+    /// Owned by the program (not pinned): detach by id.
+    Owned(XdpLinkId),
+    /// Pinned at this path.
+    Pinned(std::path::PathBuf),
+}
+
 /// Where the limiter is attached.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Attachment {
@@ -236,7 +244,8 @@ pub struct Attachment {
 /// The loaded XDP object. Dropping it detaches the program and frees its maps.
 pub struct Datapath {
     ebpf: Ebpf,
-    attachment: Option<Attachment>,
+    /// Where the limiter is attached, in attach order.
+    attachments: Vec<Attachment>,
     clock: TickClock,
     /// Unix-epoch ns minus ktime ns, for epoch-aligned windows.
     epoch_offset_ns: u64,
@@ -256,8 +265,8 @@ pub struct Datapath {
     pins: Option<std::path::PathBuf>,
     /// Whether the maps were adopted from an earlier process.
     adopted: bool,
-    /// The pinned XDP link, held once attached (pinned setups only).
-    link: Option<aya::programs::links::FdLink>,
+    /// The pinned XDP links, held once attached (pinned setups only).
+    links: Vec<FdLink>,
     /// Tests only: the install step that fails next (see
     /// [`Datapath::fail_next_install_at`]).
     failpoint: Option<&'static str>,
@@ -326,7 +335,7 @@ impl Datapath {
             })?;
         let mut dp = Datapath {
             ebpf,
-            attachment: None,
+            attachments: Vec::new(),
             clock: TickClock::default(),
             epoch_offset_ns: 0,
             active: None,
@@ -336,7 +345,7 @@ impl Datapath {
             cpus: aya::util::nr_cpus().map_err(|(_, e)| DatapathError::Load(format!("cannot count the CPUs: {e}")))?,
             pins: opts.pin.clone(),
             adopted,
-            link: None,
+            links: Vec::new(),
             failpoint: None,
         };
         dp.load_program(PROG_LIMITER)?;
@@ -347,7 +356,7 @@ impl Datapath {
             // holds is not known here, so the install clears before writing.
             let config: Array<&MapData, DatapathConfig> = map_ref(&dp.ebpf, MAP_CONFIG)?;
             let cfg = config.get(&0, 0).map_err(|e| map_error(MAP_CONFIG, e))?;
-            dp.active = (cfg.enabled != 0).then_some(cfg.slot & 1);
+            dp.active = (cfg.enabled != 0).then_some(cfg.slot_flags().0);
             dp.slots.iter_mut().for_each(|s| s.unknown = true);
         }
         dp.install(&compiled.rules)?;
@@ -489,20 +498,49 @@ impl Datapath {
         }
     }
 
-    /// Attaches the limiter to `iface`. In `Auto` mode, native is tried first;
-    /// if the driver refuses it, skb mode is used and a warning says so.
+    /// Attaches the limiter to every interface of `ifaces`: one program, one
+    /// rule set and one set of buckets for all, so a source's limit is per
+    /// host. All or nothing: if one interface fails, the ones attached by
+    /// this call are detached again and the error names the interface.
+    pub fn attach_all(&mut self, ifaces: &[String], mode: AttachMode) -> Result<Vec<Attachment>, DatapathError> {
+        for iface in ifaces {
+            interface_index(iface)?;
+        }
+        let mut made = Vec::new();
+        for iface in ifaces {
+            match self.attach_one(iface, mode) {
+                Ok((a, fresh)) => made.push((a, fresh)),
+                Err(e) => {
+                    for (a, fresh) in made.into_iter().rev() {
+                        if let Some(fresh) = fresh {
+                            self.undo(&a, fresh);
+                        }
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(made.into_iter().map(|(a, _)| a).collect())
+    }
+
+    /// [`Datapath::attach_all`] for one interface.
+    pub fn attach(&mut self, iface: &str, mode: AttachMode) -> Result<Attachment, DatapathError> {
+        self.attach_all(&[iface.to_string()], mode).map(|mut v| v.remove(0))
+    }
+
+    /// Attaches to `iface`. In `Auto` mode, native is tried first; if the
+    /// driver refuses it, skb mode is used and a warning says so.
     ///
     /// Pinned: a link pinned for `iface` by an earlier daemon is adopted, its
     /// program replaced by this one atomically (`bpf_link_update`: no packet
-    /// goes unfiltered), in the mode it was first attached in; else the new
-    /// link is pinned, so the program stays attached when this process
-    /// exits or dies.
-    pub fn attach(&mut self, iface: &str, mode: AttachMode) -> Result<Attachment, DatapathError> {
-        interface_index(iface)?;
+    /// goes unfiltered), in the mode it was created in; else the new link is
+    /// pinned, so the program stays attached when this process exits or
+    /// dies. Returns how to undo a fresh attachment (`None` if adopted).
+    fn attach_one(&mut self, iface: &str, mode: AttachMode) -> Result<(Attachment, Option<Fresh>), DatapathError> {
         if let Some(dir) = self.pins.clone() {
             if let Some(a) = self.adopt_link(&dir, iface)? {
-                self.attachment = Some(a.clone());
-                return Ok(a);
+                self.attachments.push(a.clone());
+                return Ok((a, None));
             }
         }
         let (used, id) = match mode {
@@ -518,23 +556,42 @@ impl Datapath {
             },
             m => (m, self.attach_as(iface, m, PROG_LIMITER)?),
         };
-        if let Some(dir) = self.pins.clone() {
-            // Held by us and pinned: on any failure here the link is
-            // dropped, which detaches: nothing stays half-set-up.
-            let link = self.limiter()?.take_link(id).map_err(|e| DatapathError::Load(chain(&e)))?;
-            let fd = FdLink::try_from(link).map_err(|e| DatapathError::Attach {
-                iface: iface.into(),
-                mode: used,
-                cause: format!("the link cannot be pinned ({}): pinning needs bpf_link XDP attachment (Linux 5.9+)", chain(&e)),
-            })?;
-            self.link = Some(pin::pin_link(&dir, fd)?);
-            let mut layout: Array<&mut MapData, u32> = map_mut(&mut self.ebpf, MAP_LAYOUT)?;
-            let m = if used == AttachMode::Skb { PINNED_SKB } else { PINNED_NATIVE };
-            layout.set(1, m, 0).map_err(|e| map_error(MAP_LAYOUT, e))?;
-        }
+        let fresh = match self.pins.clone() {
+            None => Fresh::Owned(id),
+            Some(dir) => {
+                // Held by us and pinned: on any failure here the link is
+                // dropped, which detaches: nothing stays half-set-up.
+                let link = self.limiter()?.take_link(id).map_err(|e| DatapathError::Load(chain(&e)))?;
+                let fd = FdLink::try_from(link).map_err(|e| DatapathError::Attach {
+                    iface: iface.into(),
+                    mode: used,
+                    cause: format!("the link cannot be pinned ({}): pinning needs bpf_link XDP attachment (Linux 5.9+)", chain(&e)),
+                })?;
+                let (fd, path) = pin::pin_link(&dir, iface, &used.to_string(), fd)?;
+                self.links.push(fd);
+                Fresh::Pinned(path)
+            }
+        };
         let a = Attachment { iface: iface.to_string(), mode: used };
-        self.attachment = Some(a.clone());
-        Ok(a)
+        self.attachments.push(a.clone());
+        Ok((a, Some(fresh)))
+    }
+
+    /// Detaches a fresh attachment again (a later interface failed).
+    fn undo(&mut self, a: &Attachment, fresh: Fresh) {
+        self.attachments.retain(|x| x != a);
+        match fresh {
+            Fresh::Owned(id) => {
+                if let Ok(p) = self.limiter() {
+                    let _ = p.detach(id);
+                }
+            }
+            Fresh::Pinned(path) => {
+                if let Err(e) = pin::detach_link(&path) {
+                    warn!(iface = %a.iface, "could not detach again after a failure: {e}");
+                }
+            }
+        }
     }
 
     fn limiter(&mut self) -> Result<&mut Xdp, DatapathError> {
@@ -545,11 +602,11 @@ impl Datapath {
             .map_err(|e: ProgramError| DatapathError::Load(chain(&e)))
     }
 
-    /// Replaces the program of the link pinned in `dir` with this one;
-    /// `None` if there is no live pinned link (a defunct one's pin, left by
-    /// an interface that was deleted, is removed).
+    /// Replaces the program of the link pinned in `dir` for `iface` with
+    /// this one; `None` if there is no live pinned link (a defunct one's
+    /// pin, left by an interface that was deleted, is removed).
     fn adopt_link(&mut self, dir: &std::path::Path, iface: &str) -> Result<Option<Attachment>, DatapathError> {
-        let Some(pinned) = pin::pinned_link(dir) else { return Ok(None) };
+        let Some((pinned, mode, path)) = pin::pinned_link(dir, iface) else { return Ok(None) };
         let fd: FdLink = pinned.into();
         let swapped = XdpLink::try_from(fd)
             .map_err(|e| chain(&e))
@@ -558,13 +615,13 @@ impl Datapath {
             Ok(id) => id,
             Err(e) => {
                 warn!(iface, "the pinned XDP link is defunct ({e}); attaching afresh");
-                let _ = std::fs::remove_file(dir.join(pin::LINK_PIN));
+                let _ = std::fs::remove_file(path);
                 return Ok(None);
             }
         };
         let link = self.limiter()?.take_link(id).map_err(|e| DatapathError::Load(chain(&e)))?;
-        self.link = Some(FdLink::try_from(link).map_err(|e| DatapathError::Load(chain(&e)))?);
-        let mode = if pin::read_layout(dir)?.1 == PINNED_SKB { AttachMode::Skb } else { AttachMode::Native };
+        self.links.push(FdLink::try_from(link).map_err(|e| DatapathError::Load(chain(&e)))?);
+        let mode = if mode == "skb" { AttachMode::Skb } else { AttachMode::Native };
         Ok(Some(Attachment { iface: iface.to_string(), mode }))
     }
 
@@ -616,8 +673,8 @@ impl Datapath {
     }
 
     /// Where the limiter is attached, if it is.
-    pub fn attachment(&self) -> Option<&Attachment> {
-        self.attachment.as_ref()
+    pub fn attachments(&self) -> &[Attachment] {
+        &self.attachments
     }
 
     /// The kernel's id of the limiter program (as `bpftool prog` shows it).

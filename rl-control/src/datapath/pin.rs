@@ -6,7 +6,7 @@
 use std::{
     ffi::CString,
     os::fd::{AsFd, AsRawFd},
-    path::Path,
+    path::{Path, PathBuf},
 };
 
 use aya::{
@@ -22,8 +22,20 @@ use super::{chain, DatapathError};
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 /// The conventional bpffs mount point.
 const SYS_FS_BPF: &str = "/sys/fs/bpf";
-/// The link's pin inside an interface's directory.
-pub const LINK_PIN: &str = "link";
+/// A link's pin inside the pin directory: `link-<mode>-<iface>`, the mode
+/// (`native`, `skb`) being the one it was created in, which it keeps.
+fn link_pin(iface: &str, mode: &str) -> String {
+    format!("link-{mode}-{iface}")
+}
+
+/// The directory name for a set of interfaces: their names, sorted, joined
+/// by `+` (`eth0`, `eth0+eth1`).
+pub fn group_name(ifaces: &[String]) -> String {
+    let mut v: Vec<&str> = ifaces.iter().map(String::as_str).collect();
+    v.sort_unstable();
+    v.dedup();
+    v.join("+")
+}
 
 /// What the object expects of one map.
 #[derive(Clone, Debug)]
@@ -152,17 +164,32 @@ pub(super) fn read_layout(dir: &Path) -> Result<(u32, u32), DatapathError> {
     Ok((arr.get(&0, 0).map_err(|e| bad(chain(&e)))?, arr.get(&1, 0).map_err(|e| bad(chain(&e)))?))
 }
 
-/// The pinned link in `dir`, if there is one.
-pub(super) fn pinned_link(dir: &Path) -> Option<PinnedLink> {
-    let path = dir.join(LINK_PIN);
-    path.exists().then(|| PinnedLink::from_pin(&path).ok()).flatten()
+/// The link pinned in `dir` for `iface`, with the mode it was made in.
+pub(super) fn pinned_link(dir: &Path, iface: &str) -> Option<(PinnedLink, &'static str, PathBuf)> {
+    ["native", "skb"].into_iter().find_map(|mode| {
+        let path = dir.join(link_pin(iface, mode));
+        let link = path.exists().then(|| PinnedLink::from_pin(&path).ok()).flatten()?;
+        Some((link, mode, path))
+    })
 }
 
-/// Pins `link` in `dir`; returns the link (still held, still pinned).
-pub(super) fn pin_link(dir: &Path, link: FdLink) -> Result<FdLink, DatapathError> {
-    let path = dir.join(LINK_PIN);
+/// Pins `link` (attached to `iface` in `mode`) in `dir`; returns the link
+/// (still held, still pinned) and its pin.
+pub(super) fn pin_link(dir: &Path, iface: &str, mode: &str, link: FdLink) -> Result<(FdLink, PathBuf), DatapathError> {
+    let path = dir.join(link_pin(iface, mode));
     let pinned = link.pin(&path).map_err(|e| pin_error(&path, chain(&e)))?;
-    Ok(pinned.into())
+    Ok((pinned.into(), path))
+}
+
+/// The pin directories under `pin_dir` that hold `iface` (a directory per
+/// set of interfaces sharing one datapath).
+pub fn dirs_with(pin_dir: &Path, iface: &str) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(pin_dir) else { return Vec::new() };
+    entries
+        .flatten()
+        .filter(|e| e.path().is_dir() && e.file_name().to_string_lossy().split('+').any(|i| i == iface))
+        .map(|e| e.path())
+        .collect()
 }
 
 /// Removes rl from the interface whose pins are in `dir`: detaches its link
@@ -172,22 +199,33 @@ pub fn detach(dir: &Path) -> Result<bool, DatapathError> {
     if !dir.exists() {
         return Ok(false);
     }
-    let link = dir.join(LINK_PIN);
-    if link.exists() {
-        let fd = obj_get(&link).map_err(|e| pin_error(&link, e))?;
+    let entries: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| pin_error(dir, e))?
+        .map(|e| e.map(|e| e.path()).map_err(|e| pin_error(dir, e)))
+        .collect::<Result<_, _>>()?;
+    // Links first: the program leaves every interface before its maps go.
+    let is_link = |p: &PathBuf| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("link-"));
+    for link in entries.iter().filter(|p| is_link(p)) {
+        let fd = obj_get(link).map_err(|e| pin_error(link, e))?;
         // ENOLINK: the interface is gone and the link with it.
         if let Err(e) = link_detach(fd.as_fd().as_raw_fd()) {
             if e.raw_os_error() != Some(libc::ENOLINK) {
-                return Err(pin_error(&link, format!("detaching: {e}")));
+                return Err(pin_error(link, format!("detaching: {e}")));
             }
         }
     }
-    for entry in std::fs::read_dir(dir).map_err(|e| pin_error(dir, e))? {
-        let path = entry.map_err(|e| pin_error(dir, e))?.path();
-        std::fs::remove_file(&path).map_err(|e| pin_error(&path, e))?;
+    for path in &entries {
+        std::fs::remove_file(path).map_err(|e| pin_error(path, e))?;
     }
     std::fs::remove_dir(dir).map_err(|e| pin_error(dir, e))?;
     Ok(true)
+}
+
+/// Detaches the link pinned at `path` and removes the pin.
+pub(super) fn detach_link(path: &Path) -> Result<(), DatapathError> {
+    let fd = obj_get(path).map_err(|e| pin_error(path, e))?;
+    link_detach(fd.as_fd().as_raw_fd()).map_err(|e| pin_error(path, format!("detaching: {e}")))?;
+    std::fs::remove_file(path).map_err(|e| pin_error(path, e))
 }
 
 /// `BPF_OBJ_GET`: an fd for the object pinned at `path`.
