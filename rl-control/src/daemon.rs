@@ -112,7 +112,9 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     // The file's stamp is taken before it is read: a change after this
     // point, even during start-up, triggers a reload.
     let watched = opts.config.clone().filter(|_| opts.watch);
-    let stamp = watched.as_deref().and_then(file_stamp);
+    // Taken whether or not the file is watched: an API change checks it
+    // before writing back, so an unapplied edit on disk is never lost.
+    let stamp = opts.config.as_deref().and_then(file_stamp);
     // Everything that can be checked is checked before the interface is touched.
     let (config, text) = load_config(opts.config.as_ref())?;
     if opts.config.is_none() {
@@ -134,6 +136,9 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     let pins = pin_dir.join(crate::datapath::pin_group(&ifaces));
     crate::datapath::prepare_pins(&pin_dir, &pins)?;
     let mut dp = Datapath::load_with(&compiled, LoadOptions { pin: Some(pins.clone()), ..Default::default() })?;
+    // The same rules into the other slot too: from now on every change
+    // writes only its differences (a ban, its entries), never the whole set.
+    dp.install(&compiled.rules)?;
     let adopted = dp.adopted();
     let attachments = match dp.attach_all(&ifaces, opts.mode) {
         Ok(a) => a,
@@ -170,8 +175,8 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     let state: Shared = Arc::new(Mutex::new(State {
         program_id: dp.program_id(),
         dp,
-        config,
-        text,
+        config: Arc::new(config),
+        text: Arc::from(text),
         path: opts.config.clone(),
         stamp,
         attachments: attachments.clone(),
@@ -221,18 +226,17 @@ pub async fn run(opts: RunOptions) -> Result<()> {
             _ = sighup.recv() => {
                 info!("SIGHUP received: reloading");
                 let st = state.clone();
-                let _ = tokio::task::spawn_blocking(move || lock(&st).reload_file("SIGHUP")).await;
+                let _ = tokio::task::spawn_blocking(move || crate::apply::reload_file(&st, "SIGHUP")).await;
             }
             _ = watch.tick() => {
                 let st = state.clone();
                 let watched = watched.clone();
                 let _ = tokio::task::spawn_blocking(move || {
-                    let mut s = lock(&st);
-                    s.expire_bans();
+                    crate::apply::expire_bans(&st);
                     let now = watched.as_deref().and_then(file_stamp);
-                    if now.is_some() && now != s.stamp {
+                    if now.is_some() && now != lock(&st).stamp {
                         info!("the config file changed on disk: reloading");
-                        let _ = s.reload_file("file change");
+                        let _ = crate::apply::reload_file(&st, "file change");
                     }
                 }).await;
             }

@@ -6,6 +6,7 @@
 //! ➜ [`daemon`] (run loop, signals, reload, periodic counters).
 
 pub mod api;
+pub mod apply;
 pub mod client;
 pub mod compile;
 pub mod config;

@@ -1,11 +1,5 @@
-//! The running daemon's state, shared by the signal loop and the admin API,
-//! and the one way to change the running rule set: [`State::apply`].
-//!
-//! Every change (file reload, `PUT`/`POST`/`DELETE /v1/rules`, bans) goes
-//! through the same steps: validate the new text with the file loader,
-//! compile, install atomically (double-buffered, see [`Datapath::install`]),
-//! and for API changes write the text back to the config file (write, fsync,
-//! rename), so a restart or a later file reload keeps them.
+//! The running daemon's state, shared by the signal loop and the admin API.
+//! It changes only through [`crate::apply`], which holds its lock briefly.
 
 use std::{
     collections::BTreeMap,
@@ -15,11 +9,9 @@ use std::{
 };
 
 use serde::Serialize;
-use tracing::{error, info, warn};
 
 use crate::{
-    compile::compile,
-    config::{unix_now, Config},
+    config::Config,
     datapath::{Attachment, Datapath},
 };
 
@@ -52,21 +44,25 @@ pub enum ApplyError {
     Invalid(String),
     /// The datapath or the config file could not be updated.
     Failed(String),
+    /// The config file changed on disk since the daemon last read or wrote
+    /// it: writing this change back would lose the operator's edit.
+    Conflict(String),
 }
 
 impl std::fmt::Display for ApplyError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            ApplyError::Invalid(m) | ApplyError::Failed(m) => f.write_str(m),
+            ApplyError::Invalid(m) | ApplyError::Failed(m) | ApplyError::Conflict(m) => f.write_str(m),
         }
     }
 }
 
 pub struct State {
     pub dp: Datapath,
-    pub config: Config,
+    /// Shared, so a change can read them without holding the lock.
+    pub config: Arc<Config>,
     /// The text `config` was read from: what the API edits and writes back.
-    pub text: String,
+    pub text: Arc<str>,
     /// The config file (`None`: the embedded default, nothing to persist).
     pub path: Option<PathBuf>,
     /// The file's stamp when last read or written by the daemon.
@@ -179,136 +175,15 @@ pub fn lock(shared: &Shared) -> MutexGuard<'_, State> {
     shared.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Writes `text` to `path` so that readers see the old file or the new one,
-/// never a mix, even across a crash: a temporary file in the same
-/// directory, fsync, rename, fsync of the directory.
-pub fn write_atomic(path: &Path, text: &str) -> std::io::Result<()> {
-    use std::io::Write;
-    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.rl-tmp"));
-    let mut f = std::fs::File::create(&tmp)?;
-    if let Ok(m) = std::fs::metadata(path) {
-        let _ = f.set_permissions(m.permissions());
-    }
-    f.write_all(text.as_bytes())?;
-    f.sync_all()?;
-    drop(f);
-    std::fs::rename(&tmp, path).inspect_err(|_| {
-        let _ = std::fs::remove_file(&tmp);
-    })?;
-    std::fs::File::open(dir)?.sync_all()
+/// What a change is computed from: the running config and its text (read
+/// without holding the state lock).
+pub struct Running {
+    pub config: Arc<Config>,
+    pub text: Arc<str>,
+    pub path: Option<PathBuf>,
 }
 
-impl State {
-    /// Validates `text` and makes it the running rule set; with `persist`,
-    /// also writes it to the config file. All or nothing: when any step
-    /// fails, the old rules keep running and the file is unchanged.
-    pub fn apply(&mut self, text: String, origin: &str, trigger: &str, persist: bool) -> Result<String, ApplyError> {
-        let result = self.try_apply(text, origin, persist);
-        let message = match &result {
-            Ok(summary) => summary.clone(),
-            Err(e) => e.to_string(),
-        };
-        match &result {
-            Ok(_) => {
-                self.reloads_ok += 1;
-                info!("{trigger}: reloaded, now enforcing {message}");
-            }
-            Err(_) => {
-                self.reloads_failed += 1;
-                error!("{trigger}: reload rejected, keeping the running config: {message}");
-            }
-        }
-        self.last_reload = Some(ReloadRecord { at: unix_now(), ok: result.is_ok(), trigger: trigger.into(), message });
-        result
-    }
-
-    fn try_apply(&mut self, text: String, origin: &str, persist: bool) -> Result<String, ApplyError> {
-        let t0 = std::time::Instant::now();
-        let new = Config::from_str(&text, origin).map_err(|e| ApplyError::Invalid(e.to_string()))?;
-        if new.datapath.max_sources != self.config.datapath.max_sources {
-            warn!(
-                "datapath.max_sources changes only on restart; keeping {}",
-                self.config.datapath.max_sources
-            );
-        }
-        let failed = |what: &str, e: &dyn std::fmt::Display| ApplyError::Failed(format!("{what}: {e}"));
-        let compiled = compile(&new);
-        let t1 = std::time::Instant::now();
-        self.dp.install(&compiled.rules).map_err(|e| failed("installing the rules", &e))?;
-        let t2 = std::time::Instant::now();
-        if persist {
-            if let Some(path) = self.path.clone() {
-                if let Err(e) = write_atomic(&path, &text) {
-                    // Put the old rules back: the file and the datapath agree.
-                    let _ = self.dp.install(&compile(&self.config).rules);
-                    return Err(failed(
-                        &format!("cannot write {} (nothing changed; check its directory is writable)", path.display()),
-                        &e,
-                    ));
-                }
-                self.stamp = file_stamp(&path);
-            } else {
-                warn!("running on the embedded default: this change lasts until the daemon stops (start with --config to keep changes)");
-            }
-        }
-        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
-        let summary = format!(
-            "{} (enforced after {:.1} ms: validated and compiled in {:.1}, installed in {:.1}; file written in {:.1})",
-            new.summary(),
-            ms(t2 - t0),
-            ms(t1 - t0),
-            ms(t2 - t1),
-            ms(t2.elapsed())
-        );
-        self.config = new;
-        self.text = text;
-        Ok(summary)
-    }
-
-    /// Applies an edit of the running text (one rule or ban added or
-    /// removed) and writes it back: errors are located in the config file.
-    pub fn apply_edit(&mut self, text: String, trigger: &str) -> Result<String, ApplyError> {
-        let origin = self.origin();
-        self.apply(text, &origin, trigger, true)
-    }
-
-    /// Re-reads the config file and applies it.
-    pub fn reload_file(&mut self, trigger: &str) -> Result<String, ApplyError> {
-        let Some(path) = self.path.clone() else {
-            let e = ApplyError::Invalid("running on the embedded default: there is no file to reload".into());
-            warn!("{trigger}: {e}");
-            return Err(e);
-        };
-        self.stamp = file_stamp(&path);
-        match std::fs::read_to_string(&path) {
-            Ok(text) => self.apply(text, &path.display().to_string(), trigger, false),
-            Err(e) => {
-                let e = ApplyError::Failed(format!("cannot read {}: {e}", path.display()));
-                self.reloads_failed += 1;
-                error!("{trigger}: reload rejected, keeping the running config: {e}");
-                self.last_reload =
-                    Some(ReloadRecord { at: unix_now(), ok: false, trigger: trigger.into(), message: e.to_string() });
-                Err(e)
-            }
-        }
-    }
-
-    /// Lifts bans whose time is up (written back to the file).
-    pub fn expire_bans(&mut self) {
-        let now = unix_now();
-        if !self.config.bans.iter().any(|b| b.until <= now) {
-            return;
-        }
-        match crate::document::remove_bans(&self.text, |_, until| until <= now) {
-            Ok((text, n)) => {
-                let _ = self.apply_edit(text, &format!("{n} ban(s) expired"));
-            }
-            Err(e) => error!("cannot lift expired bans: {e:?}"),
-        }
-    }
-
+impl Running {
     /// How errors in the running text are located.
     pub fn origin(&self) -> String {
         self.path.as_ref().map_or("<embedded default>".into(), |p| p.display().to_string())

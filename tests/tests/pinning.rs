@@ -110,6 +110,25 @@ fn a_restart_under_paced_traffic_swaps_the_program_without_losing_a_packet() {
 }
 
 #[test]
+fn a_second_daemon_on_the_same_pins_is_refused() {
+    let lab = Lab::new().unwrap();
+    let pins = BpfFs::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write(&dir, "rl.toml", &config(1024));
+    let d = Daemon::pinned(&lab, &cfg, &pins, &["--detach-on-exit"]).unwrap();
+    let prog = program_id(&lab);
+    // Another runtime directory, so only the pins are shared.
+    let other = dir.path().join("other");
+    let args = ["run", "--iface", VB, "--config", cfg.to_str().unwrap(), "--pin-dir", pins.arg(), "--runtime-dir", other.to_str().unwrap()];
+    let (status, out) = run_once(Some(&lab.b), &args).unwrap();
+    assert_eq!(status.code(), Some(1), "{out}");
+    assert!(out.contains("another rl-control is running on the datapath pinned in"), "{out}");
+    assert_eq!(lab.xdp_prog_ids().unwrap(), vec![prog], "the second daemon took the program over");
+    let (status, log) = d.stop(libc::SIGTERM).unwrap();
+    assert!(status.success(), "{log}");
+}
+
+#[test]
 fn an_incompatible_pinned_layout_is_refused_with_what_differs() {
     let lab = Lab::new().unwrap();
     let pins = BpfFs::new().unwrap();

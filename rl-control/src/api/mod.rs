@@ -28,6 +28,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::{OpenApi, ToSchema};
 
 use crate::{
+    apply::{self, Change},
     config::unix_now,
     document::{self, EditError},
     state::{lock, ApplyError, ReloadRecord, Shared, State},
@@ -76,6 +77,7 @@ impl From<ApplyError> for ApiError {
         match e {
             ApplyError::Invalid(m) => ApiError(StatusCode::UNPROCESSABLE_ENTITY, m),
             ApplyError::Failed(m) => ApiError(StatusCode::INTERNAL_SERVER_ERROR, m),
+            ApplyError::Conflict(m) => ApiError(StatusCode::CONFLICT, m),
         }
     }
 }
@@ -92,10 +94,11 @@ fn body_error(e: BytesRejection) -> ApiError {
 
 type ApiResult<T> = Result<T, ApiError>;
 
-/// Runs a change on the blocking pool with the state locked.
-async fn change<T: Send + 'static>(api: &Api, f: impl FnOnce(&mut State) -> ApiResult<T> + Send + 'static) -> ApiResult<T> {
+/// Runs a change on the blocking pool (see [`crate::apply`]: it holds the
+/// state lock only briefly).
+async fn change<T: Send + 'static>(api: &Api, f: impl FnOnce(&Shared) -> ApiResult<T> + Send + 'static) -> ApiResult<T> {
     let state = api.state.clone();
-    tokio::task::spawn_blocking(move || f(&mut lock(&state)))
+    tokio::task::spawn_blocking(move || f(&state))
         .await
         .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, format!("the change did not complete: {e}")))?
 }
@@ -219,7 +222,10 @@ async fn put_rules(AxState(api): AxState<Api>, headers: HeaderMap, body: Result<
     } else {
         document::from_json(&json_body(&body)?)?
     };
-    let summary = change(&api, move |s| Ok(s.apply(text, "<PUT /v1/rules>", "api: PUT /v1/rules", true)?)).await?;
+    let summary = change(&api, move |sh| {
+        apply::apply(sh, "api: PUT /v1/rules", |_| Ok::<_, ApiError>(Change { text, origin: "<PUT /v1/rules>".into(), persist: true }))
+    })
+    .await?;
     Ok(Json(Applied { summary }))
 }
 
@@ -228,10 +234,11 @@ async fn put_rules(AxState(api): AxState<Api>, headers: HeaderMap, body: Result<
     responses((status = 201, body = Applied), (status = 400, body = ErrorBody), (status = 409, body = ErrorBody), (status = 422, body = ErrorBody)))]
 async fn post_rule(AxState(api): AxState<Api>, body: Result<Bytes, BytesRejection>) -> ApiResult<(StatusCode, Json<Applied>)> {
     let rule = json_body(&body.map_err(body_error)?)?;
-    let summary = change(&api, move |s| {
-        let text = document::add_rule(&s.text, &rule)?;
-        let origin = "<POST /v1/rules> (the rule file with the new rule last)";
-        Ok(s.apply(text, origin, "api: POST /v1/rules", true)?)
+    let summary = change(&api, move |sh| {
+        apply::apply(sh, "api: POST /v1/rules", |s| {
+            let text = document::add_rule(&s.text, &rule)?;
+            Ok::<_, ApiError>(Change { text, origin: "<POST /v1/rules> (the rule file with the new rule last)".into(), persist: true })
+        })
     })
     .await?;
     Ok((StatusCode::CREATED, Json(Applied { summary })))
@@ -241,9 +248,8 @@ async fn post_rule(AxState(api): AxState<Api>, body: Result<Bytes, BytesRejectio
 #[utoipa::path(delete, path = "/v1/rules/{name}", params(("name" = String, Path, description = "the rule's name")),
     responses((status = 200, body = Applied), (status = 404, body = ErrorBody)))]
 async fn delete_rule(AxState(api): AxState<Api>, Path(name): Path<String>) -> ApiResult<Json<Applied>> {
-    let summary = change(&api, move |s| {
-        let text = document::remove_rule(&s.text, &name)?;
-        Ok(s.apply_edit(text, &format!("api: DELETE /v1/rules/{name}"))?)
+    let summary = change(&api, move |sh| {
+        apply::apply_edit(sh, &format!("api: DELETE /v1/rules/{name}"), |s| Ok::<_, ApiError>(document::remove_rule(&s.text, &name)?))
     })
     .await?;
     Ok(Json(Applied { summary }))
@@ -434,10 +440,10 @@ async fn post_ban(AxState(api): AxState<Api>, body: Result<Bytes, BytesRejection
     let until = unix_now() + ban.ttl_secs;
     let view = BanView { cidr: cidr.to_string(), until, ttl_secs: ban.ttl_secs, reason: ban.reason.clone() };
     let (key, reason) = (cidr.to_string(), ban.reason);
-    change(&api, move |s| {
-        let text = document::set_ban(&s.text, &key, until, &reason)?;
-        s.apply_edit(text, &format!("api: ban {key} for {}s", ban.ttl_secs))?;
-        Ok(())
+    change(&api, move |sh| {
+        apply::apply_edit(sh, &format!("api: ban {key} for {}s", ban.ttl_secs), |s| {
+            Ok::<_, ApiError>(document::set_ban(&s.text, &key, until, &reason)?)
+        })
     })
     .await?;
     Ok((StatusCode::CREATED, Json(view)))
@@ -461,13 +467,13 @@ async fn get_bans(AxState(api): AxState<Api>) -> Json<Vec<BanView>> {
     responses((status = 200, body = Applied), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
 async fn delete_ban(AxState(api): AxState<Api>, Path(cidr): Path<String>) -> ApiResult<Json<Applied>> {
     let c = parse_cidr(&cidr).map_err(|m| ApiError(StatusCode::BAD_REQUEST, format!("cidr: {m}")))?;
-    let summary = change(&api, move |s| {
-        let now = unix_now();
-        if !s.config.active_bans(now).any(|b| b.cidr == c) {
-            return Err(ApiError(StatusCode::NOT_FOUND, format!("{c} is not banned")));
-        }
-        let (text, _) = document::remove_bans(&s.text, |t, _| parse_cidr(t).is_ok_and(|x| x == c))?;
-        Ok(s.apply_edit(text, &format!("api: lift the ban on {c}"))?)
+    let summary = change(&api, move |sh| {
+        apply::apply_edit(sh, &format!("api: lift the ban on {c}"), |s| {
+            if !s.config.active_bans(unix_now()).any(|b| b.cidr == c) {
+                return Err(ApiError(StatusCode::NOT_FOUND, format!("{c} is not banned")));
+            }
+            Ok(document::remove_bans(&s.text, |t, _| parse_cidr(t).is_ok_and(|x| x == c))?.0)
+        })
     })
     .await?;
     Ok(Json(Applied { summary }))
@@ -477,7 +483,7 @@ async fn delete_ban(AxState(api): AxState<Api>, Path(cidr): Path<String>) -> Api
 /// nothing and answers 422 with the error's line and column.
 #[utoipa::path(post, path = "/v1/reload", responses((status = 200, body = Applied), (status = 422, body = ErrorBody)))]
 async fn reload(AxState(api): AxState<Api>) -> ApiResult<Json<Applied>> {
-    let summary = change(&api, |s| Ok(s.reload_file("api: POST /v1/reload")?)).await?;
+    let summary = change(&api, |sh| Ok(apply::reload_file(sh, "api: POST /v1/reload")?)).await?;
     Ok(Json(Applied { summary }))
 }
 

@@ -7,116 +7,137 @@ use rl_common::*;
 
 use super::{batch::update_batch, read::add_stats, *};
 
+/// An install worked out against one state of the datapath: the
+/// differences to write into the inactive slot. Making it needs only a
+/// snapshot ([`Datapath::plan`]), so a caller can do it without holding
+/// the datapath, then [`Datapath::execute`] it.
+pub struct Plan {
+    slot: u32,
+    generation: u64,
+    /// The slot's contents are unknown: clear it whole first.
+    clear: bool,
+    old_names: Vec<String>,
+    entries: Vec<RuleEntry>,
+    l4: (Vec<u32>, Vec<u32>),
+    dir16: (Vec<u32>, Vec<u32>),
+    lpm_remove: Vec<crate::units::Cidr>,
+    lpm_insert: Vec<(crate::units::Cidr, u32)>,
+    decide_remove: Vec<u64>,
+    decide_insert: Vec<(u64, u32)>,
+    config: DatapathConfig,
+    next: SlotContents,
+}
+
+/// What a plan is made from: the slot to write and what it holds.
+pub struct Basis {
+    slot: u32,
+    generation: u64,
+    old: Arc<SlotContents>,
+    clock: TickClock,
+    epoch_offset_ns: u64,
+    cpus: usize,
+}
+
 impl Datapath {
     /// Makes `rules` the active rule set: writes every table of the inactive
     /// slot, then flips `slot` in the config entry with one map write, so
     /// each packet sees the old rule set or the new one, never a mix, and
     /// there is no instant without limits. Buckets are keyed by rule ids that
     /// only change when a rule does, so unchanged rules keep their state.
+    /// Only differences are written: a ban touches that ban's entries.
     ///
     /// All or nothing: if a step fails, the active rule set stays in force
     /// and the slot being written is marked unknown, so the next install
     /// clears it whole instead of writing differences against a record that
     /// no longer says what the maps hold.
     pub fn install(&mut self, rules: &RuleSet) -> Result<(), DatapathError> {
-        fits(rules)?;
+        let plan = Plan::new(self.basis(), rules)?;
+        self.execute(plan)
+    }
+
+    /// A snapshot to make a [`Plan`] from (cheap: no map is read).
+    pub fn basis(&self) -> Basis {
         let slot = self.active.map_or(0, |s| s ^ 1);
+        Basis {
+            slot,
+            generation: self.generation,
+            old: self.slots[slot as usize].clone(),
+            clock: self.clock,
+            epoch_offset_ns: self.epoch_offset_ns,
+            cpus: self.cpus,
+        }
+    }
+
+    /// Writes `plan` and flips to it. A plan made before another install
+    /// is recomputed here.
+    pub fn execute(&mut self, plan: Plan) -> Result<(), DatapathError> {
+        if plan.generation != self.generation {
+            return Err(DatapathError::Load("a stale install plan (another install ran since it was made)".into()));
+        }
         let since = self.flipped_at.elapsed();
         if since < SLOT_GRACE {
             std::thread::sleep(SLOT_GRACE - since);
         }
+        let slot = plan.slot;
         let base = slot * RULE_SLOTS;
-
-        let old = std::mem::replace(&mut self.slots[slot as usize], SlotContents { unknown: true, ..Default::default() });
-        let old = if old.unknown {
+        self.generation += 1;
+        self.slots[slot as usize] = Arc::new(SlotContents { unknown: true, ..Default::default() });
+        if plan.clear {
             self.clear_slot(slot)?;
-            SlotContents::default()
-        } else {
-            old
-        };
-        // Counters of the rules this slot held go to their names' totals.
-        {
-            let mut stats: PerCpuArray<&mut MapData, RuleStats> = map_mut(&mut self.ebpf, MAP_RULE_STATS)?;
-            let cpus = aya::util::nr_cpus().map_err(|(_, e)| map_error(MAP_RULE_STATS, e))?;
-            let zero = || {
-                aya::maps::PerCpuValues::try_from(vec![RuleStats::default(); cpus]).map_err(|e| map_error(MAP_RULE_STATS, e))
-            };
-            for (i, name) in old.names.iter().enumerate() {
-                let idx = base + i as u32;
-                let per_cpu = stats.get(&idx, 0).map_err(|e| map_error(MAP_RULE_STATS, e))?;
-                add_stats(self.retired.entry(name.clone()).or_default(), per_cpu.iter());
-                stats.set(idx, zero()?, 0).map_err(|e| map_error(MAP_RULE_STATS, e))?;
-            }
         }
+        self.retire_stats(base, &plan.old_names)?;
 
-        let entries: Vec<RuleEntry> = rules
-            .entries
-            .iter()
-            .map(|e| {
-                let mut e = *e;
-                for l in e.limits.iter_mut() {
-                    *l = l.with_clock(&self.clock);
-                }
-                e.pool = e.pool.with_clock(&self.clock);
-                e
-            })
-            .collect();
-        let keys: Vec<u32> = (0..entries.len() as u32).map(|i| base + i).collect();
-        update_batch(self.array_fd(MAP_RULES)?, &keys, &entries).map_err(|e| map_error(MAP_RULES, e))?;
+        let keys: Vec<u32> = (0..plan.entries.len() as u32).map(|i| base + i).collect();
+        update_batch(self.array_fd(MAP_RULES)?, &keys, &plan.entries).map_err(|e| map_error(MAP_RULES, e))?;
         self.failpoint("rules")?;
-
-        let l4_base = slot * rl_common::L4_SLOT_LEN;
-        self.write_u32_diff(MAP_L4, l4_base, &old.l4, &rules.l4)?;
+        self.write_u32s(MAP_L4, &plan.l4)?;
         self.failpoint("l4")?;
-
         // Trie first, then the first level that points into it.
-        for (c, _) in &old.lpm {
+        for c in &plan.lpm_remove {
             self.lpm_write(slot, c, None)?;
         }
-        for (c, v) in &rules.lpm {
+        for (c, v) in &plan.lpm_insert {
             self.lpm_write(slot, c, Some(*v))?;
         }
         self.failpoint("lpm")?;
-        self.write_u32_diff(MAP_DIR16, slot * DIR16_LEN, &old.dir16, &rules.dir16)?;
-
+        self.write_u32s(MAP_DIR16, &plan.dir16)?;
         let mut decide: HashMap<&mut MapData, u64, u32> = map_mut(&mut self.ebpf, MAP_DECIDE)?;
-        for k in &old.decide {
+        for k in &plan.decide_remove {
             let _ = decide.remove(k);
         }
-        let mut keys = Vec::with_capacity(rules.decide.len());
-        for ((l4c, srcc), rule) in &rules.decide {
-            let k = rl_common::decide_key(slot, *l4c, *srcc);
+        for (k, rule) in &plan.decide_insert {
             decide.insert(k, rule, 0).map_err(|e| map_error(MAP_DECIDE, e))?;
-            keys.push(k);
         }
         self.failpoint("decide")?;
 
-        let t = &rules.tuning;
-        let cfg = DatapathConfig {
-            clock: self.clock,
-            epoch_offset_ns: self.epoch_offset_ns,
-            enabled: 1,
-            slot_flags: DatapathConfig::pack_slot_flags(slot, rules.flags),
-            flood_cap: flood_cap_per_cpu(t.flood_new_keys_per_sec, self.cpus),
-            cell_mask4: t.cell_mask4,
-            frag_ttl_ms: t.fragment_ttl_ms,
-            frag_orphans: t.fragment_orphans,
-            cell_mask6: t.cell_mask6,
-        };
         let mut config: Array<&mut MapData, DatapathConfig> = map_mut(&mut self.ebpf, MAP_CONFIG)?;
-        config.set(0, cfg, 0).map_err(|e| map_error(MAP_CONFIG, e))?;
+        config.set(0, plan.config, 0).map_err(|e| map_error(MAP_CONFIG, e))?;
         self.active = Some(slot);
         self.flipped_at = Instant::now();
-        self.slots[slot as usize] = SlotContents {
-            unknown: false,
-            names: rules.names.clone(),
-            ids: rules.entries.iter().map(|e| e.id).collect(),
-            l4: rules.l4.clone(),
-            lpm: rules.lpm.clone(),
-            dir16: rules.dir16.clone(),
-            decide: keys,
-        };
+        self.slots[slot as usize] = Arc::new(plan.next);
         Ok(())
+    }
+
+    /// Counters of the rules a slot held go to their names' totals.
+    fn retire_stats(&mut self, base: u32, names: &[String]) -> Result<(), DatapathError> {
+        let cpus = self.cpus;
+        let mut stats: PerCpuArray<&mut MapData, RuleStats> = map_mut(&mut self.ebpf, MAP_RULE_STATS)?;
+        for (i, name) in names.iter().enumerate() {
+            let idx = base + i as u32;
+            let per_cpu = stats.get(&idx, 0).map_err(|e| map_error(MAP_RULE_STATS, e))?;
+            add_stats(self.retired.entry(name.clone()).or_default(), per_cpu.iter());
+            let zero = aya::maps::PerCpuValues::try_from(vec![RuleStats::default(); cpus]).map_err(|e| map_error(MAP_RULE_STATS, e))?;
+            stats.set(idx, zero, 0).map_err(|e| map_error(MAP_RULE_STATS, e))?;
+        }
+        Ok(())
+    }
+
+    /// Writes `(keys, values)` of a `u32` array in one batched syscall.
+    fn write_u32s(&mut self, name: &'static str, (keys, values): &(Vec<u32>, Vec<u32>)) -> Result<(), DatapathError> {
+        if keys.is_empty() {
+            return Ok(());
+        }
+        update_batch(self.array_fd(name)?, keys, values).map_err(|e| map_error(name, e))
     }
 
     /// Tests only: makes the next install fail after `step` ("rules", "l4",
@@ -159,26 +180,6 @@ impl Datapath {
         Ok(())
     }
 
-    /// Writes the entries of a `u32` array at `base..` where `new` differs
-    /// from `old` (missing entries are 0), in one batched syscall: a rule
-    /// for "any UDP port" changes 65,536 entries, and one syscall each took
-    /// about 100 ms.
-    fn write_u32_diff(&mut self, name: &'static str, base: u32, old: &[u32], new: &[u32]) -> Result<(), DatapathError> {
-        let len = old.len().max(new.len());
-        let (mut keys, mut values) = (Vec::new(), Vec::new());
-        for i in 0..len {
-            let v = new.get(i).copied().unwrap_or(0);
-            if old.get(i).copied().unwrap_or(0) != v {
-                keys.push(base + i as u32);
-                values.push(v);
-            }
-        }
-        if keys.is_empty() {
-            return Ok(());
-        }
-        update_batch(self.array_fd(name)?, &keys, &values).map_err(|e| map_error(name, e))
-    }
-
     /// The fd of the array map `name`, for batched writes.
     fn array_fd(&self, name: &'static str) -> Result<std::os::fd::RawFd, DatapathError> {
         use std::os::fd::{AsFd, AsRawFd};
@@ -195,6 +196,117 @@ impl Datapath {
             IpAddr::V6(a) => lpm_set(&mut self.ebpf, MAP_LPM_V6, prefix, slot_key::<17>(slot, &a.octets()), value),
         }
     }
+}
+
+impl Plan {
+    /// The differences between what `basis`'s slot holds and `rules`.
+    pub fn new(basis: Basis, rules: &RuleSet) -> Result<Plan, DatapathError> {
+        fits(rules)?;
+        let slot = basis.slot;
+        let empty = SlotContents::default();
+        let old: &SlotContents = if basis.old.unknown { &empty } else { &basis.old };
+        let entries: Vec<RuleEntry> = rules
+            .entries
+            .iter()
+            .map(|e| {
+                let mut e = *e;
+                for l in e.limits.iter_mut() {
+                    *l = l.with_clock(&basis.clock);
+                }
+                e.pool = e.pool.with_clock(&basis.clock);
+                e
+            })
+            .collect();
+        let mut lpm = rules.lpm.clone();
+        lpm.sort_unstable_by_key(|(c, _)| *c);
+        let (lpm_remove, lpm_insert) = sorted_diff(&old.lpm, &lpm);
+        let mut decide: Vec<(u64, u32)> =
+            rules.decide.iter().map(|((l4c, srcc), rule)| (rl_common::decide_key(slot, *l4c, *srcc), *rule)).collect();
+        decide.sort_unstable();
+        let (decide_remove, decide_insert) = sorted_diff(&old.decide, &decide);
+        let t = &rules.tuning;
+        let config = DatapathConfig {
+            clock: basis.clock,
+            epoch_offset_ns: basis.epoch_offset_ns,
+            enabled: 1,
+            slot_flags: DatapathConfig::pack_slot_flags(slot, rules.flags),
+            flood_cap: flood_cap_per_cpu(t.flood_new_keys_per_sec, basis.cpus),
+            cell_mask4: t.cell_mask4,
+            frag_ttl_ms: t.fragment_ttl_ms,
+            frag_orphans: t.fragment_orphans,
+            cell_mask6: t.cell_mask6,
+        };
+        Ok(Plan {
+            slot,
+            generation: basis.generation,
+            clear: basis.old.unknown,
+            old_names: old.names.clone(),
+            entries,
+            l4: u32_diff(slot * L4_SLOT_LEN, &old.l4, &rules.l4),
+            dir16: u32_diff(slot * DIR16_LEN, &old.dir16, &rules.dir16),
+            lpm_remove,
+            lpm_insert,
+            decide_remove,
+            decide_insert,
+            config,
+            next: SlotContents {
+                unknown: false,
+                names: rules.names.clone(),
+                ids: rules.entries.iter().map(|e| e.id).collect(),
+                l4: rules.l4.clone(),
+                lpm,
+                dir16: rules.dir16.clone(),
+                decide,
+            },
+        })
+    }
+}
+
+/// The keys and values of a `u32` array at `base..` where `new` differs
+/// from `old` (missing entries are 0): a rule for "any UDP port" changes
+/// 65,536 entries, written in one batched syscall.
+fn u32_diff(base: u32, old: &[u32], new: &[u32]) -> (Vec<u32>, Vec<u32>) {
+    let (mut keys, mut values) = (Vec::new(), Vec::new());
+    for i in 0..old.len().max(new.len()) {
+        let v = new.get(i).copied().unwrap_or(0);
+        if old.get(i).copied().unwrap_or(0) != v {
+            keys.push(base + i as u32);
+            values.push(v);
+        }
+    }
+    (keys, values)
+}
+
+/// Between two key-sorted lists: the keys to remove (in `old` only) and the
+/// entries to write (new, or with another value).
+fn sorted_diff<K: Ord + Copy, V: PartialEq + Copy>(old: &[(K, V)], new: &[(K, V)]) -> (Vec<K>, Vec<(K, V)>) {
+    let (mut remove, mut write) = (Vec::new(), Vec::new());
+    let (mut i, mut j) = (0, 0);
+    while i < old.len() || j < new.len() {
+        match (old.get(i), new.get(j)) {
+            (Some(o), Some(n)) if o.0 == n.0 => {
+                if o.1 != n.1 {
+                    write.push(*n);
+                }
+                i += 1;
+                j += 1;
+            }
+            (Some(o), Some(n)) if o.0 < n.0 => {
+                remove.push(o.0);
+                i += 1;
+            }
+            (Some(o), None) => {
+                remove.push(o.0);
+                i += 1;
+            }
+            (_, Some(n)) => {
+                write.push(*n);
+                j += 1;
+            }
+            (None, None) => unreachable!(),
+        }
+    }
+    (remove, write)
 }
 
 /// Refuses a rule set the slot's tables cannot hold, before anything is written.
@@ -269,7 +381,16 @@ pub(super) fn flood_cap_per_cpu(per_sec: u32, cpus: usize) -> u32 {
 
 #[cfg(test)]
 mod tests {
-    use super::flood_cap_per_cpu;
+    use super::{flood_cap_per_cpu, sorted_diff};
+
+    #[test]
+    fn a_sorted_diff_removes_what_went_and_writes_what_came_or_changed() {
+        let old = [(1, 'a'), (3, 'c'), (5, 'e'), (7, 'g')];
+        let new = [(2, 'b'), (3, 'c'), (5, 'E'), (8, 'h')];
+        assert_eq!(sorted_diff(&old, &new), (vec![1, 7], vec![(2, 'b'), (5, 'E'), (8, 'h')]));
+        assert_eq!(sorted_diff::<u8, u8>(&[], &[]), (vec![], vec![]));
+        assert_eq!(sorted_diff(&[(1, 1)], &[]), (vec![1], vec![]));
+    }
 
     #[test]
     fn the_flood_rate_is_shared_among_cpus_per_window() {

@@ -6,6 +6,7 @@
 
 use std::{
     collections::HashMap as StdHashMap,
+    sync::Arc,
     error::Error as StdError,
     ffi::CString,
     fmt, io,
@@ -36,6 +37,7 @@ mod read;
 
 mod pressure;
 
+pub use install::Plan;
 pub use pressure::{collect, flood_mode, FloodReading, LimitsByKey, Pass, TableIds, COLLECT_IDLE_NS};
 pub use pin::{detach as detach_pinned, dirs_with as pin_dirs_with, group_name as pin_group, prepare as prepare_pins};
 pub use read::{scan_buckets, Source};
@@ -95,6 +97,8 @@ pub enum DatapathError {
         dir.parent().map_or(String::new(), |p| p.display().to_string())
     )]
     Layout { dir: std::path::PathBuf, what: String },
+    #[error("another rl-control is running on the datapath pinned in {}: stop it first (its pid is in its runtime directory)", .0.display())]
+    Held(std::path::PathBuf),
     #[error("pinning at {}: {cause} (pins need bpffs; set [datapath] pin_dir or --pin-dir to a directory on one)", at.display())]
     Pin { at: std::path::PathBuf, cause: String },
     #[error("the rule set needs {needed} {what} entries, more than the {capacity} a slot holds: {hint}")]
@@ -256,7 +260,9 @@ pub struct Datapath {
     flipped_at: Instant,
     /// What each slot holds, to write only differences and to attribute
     /// counters to rule names.
-    slots: [SlotContents; 2],
+    slots: [Arc<SlotContents>; 2],
+    /// Bumped by every install: a [`Plan`] made against another one is stale.
+    generation: u64,
     /// Counters of rule names from slots since rewritten.
     retired: StdHashMap<String, RuleStats>,
     /// Possible CPUs (the per-CPU maps' width).
@@ -267,6 +273,8 @@ pub struct Datapath {
     adopted: bool,
     /// The pinned XDP links, held once attached (pinned setups only).
     links: Vec<FdLink>,
+    /// The lock on the pin directory (one daemon per pinned datapath).
+    _held: Option<std::os::fd::OwnedFd>,
     /// Tests only: the install step that fails next (see
     /// [`Datapath::fail_next_install_at`]).
     failpoint: Option<&'static str>,
@@ -276,15 +284,17 @@ pub struct Datapath {
 /// known (an install into it failed half-way, or the maps were adopted from
 /// another process), so the next install clears it whole first.
 #[derive(Default)]
-struct SlotContents {
+pub(super) struct SlotContents {
     unknown: bool,
     names: Vec<String>,
     /// `RuleEntry::id` of each rule, indexed like `names`.
     ids: Vec<u32>,
     l4: Vec<u32>,
+    /// Sorted by CIDR.
     lpm: Vec<(crate::units::Cidr, u32)>,
     dir16: Vec<u32>,
-    decide: Vec<u64>,
+    /// Sorted by key.
+    decide: Vec<(u64, u32)>,
 }
 
 /// Room in each family's bucket table for last resorts: both slots' rules,
@@ -312,6 +322,7 @@ impl Datapath {
     pub fn load_with(compiled: &Compiled, opts: LoadOptions) -> Result<Datapath, DatapathError> {
         let capacity = table_capacity(compiled);
         let specs = pin::specs(OBJECT, &[(MAP_SOURCES_V4, capacity), (MAP_SOURCES_V6, capacity)])?;
+        let held = opts.pin.as_deref().map(pin::hold).transpose()?;
         let adopted = match &opts.pin {
             Some(dir) => pin::check(dir, &specs)?,
             None => false,
@@ -341,11 +352,13 @@ impl Datapath {
             active: None,
             flipped_at: Instant::now(),
             slots: Default::default(),
+            generation: 0,
             retired: StdHashMap::new(),
             cpus: aya::util::nr_cpus().map_err(|(_, e)| DatapathError::Load(format!("cannot count the CPUs: {e}")))?,
             pins: opts.pin.clone(),
             adopted,
             links: Vec::new(),
+            _held: held,
             failpoint: None,
         };
         dp.load_program(PROG_LIMITER)?;
@@ -357,7 +370,7 @@ impl Datapath {
             let config: Array<&MapData, DatapathConfig> = map_ref(&dp.ebpf, MAP_CONFIG)?;
             let cfg = config.get(&0, 0).map_err(|e| map_error(MAP_CONFIG, e))?;
             dp.active = (cfg.enabled != 0).then_some(cfg.slot_flags().0);
-            dp.slots.iter_mut().for_each(|s| s.unknown = true);
+            dp.slots = [Arc::new(SlotContents { unknown: true, ..Default::default() }), Arc::new(SlotContents { unknown: true, ..Default::default() })];
         }
         dp.install(&compiled.rules)?;
         if opts.pin.is_some() {
@@ -623,6 +636,13 @@ impl Datapath {
         self.links.push(FdLink::try_from(link).map_err(|e| DatapathError::Load(chain(&e)))?);
         let mode = if mode == "skb" { AttachMode::Skb } else { AttachMode::Native };
         Ok(Some(Attachment { iface: iface.to_string(), mode }))
+    }
+
+    /// When the next install may rewrite the inactive slot without waiting
+    /// (packets that read it before the last flip are surely done): a
+    /// caller that sleeps until then holds no lock while it waits.
+    pub fn ready_at(&self) -> Instant {
+        self.flipped_at + SLOT_GRACE
     }
 
     /// Whether the maps were adopted from an earlier daemon's pins.

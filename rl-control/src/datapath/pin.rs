@@ -114,6 +114,26 @@ pub fn prepare(pin_dir: &Path, dir: &Path) -> Result<(), DatapathError> {
     std::fs::create_dir_all(dir).map_err(|e| pin_error(dir, e))
 }
 
+/// Takes `dir` for this process (an advisory lock on the directory, held
+/// while the returned fd lives): one daemon per pinned datapath.
+pub(super) fn hold(dir: &Path) -> Result<std::os::fd::OwnedFd, DatapathError> {
+    use std::os::fd::FromRawFd;
+    let c = CString::new(dir.as_os_str().as_encoded_bytes()).map_err(|e| pin_error(dir, e))?;
+    let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC) };
+    if fd < 0 {
+        return Err(pin_error(dir, std::io::Error::last_os_error()));
+    }
+    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    if unsafe { libc::flock(fd.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+            return Err(DatapathError::Held(dir.to_path_buf()));
+        }
+        return Err(pin_error(dir, format!("locking: {e}")));
+    }
+    Ok(fd)
+}
+
 /// Whether `dir` holds a pinned datapath; if it does, checks that every map
 /// matches `specs` and the layout version is this build's. Refuses with
 /// what differs, never adopts a map it would misread.

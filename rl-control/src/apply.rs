@@ -1,0 +1,225 @@
+//! The one way to change the running rule set. Every change (file reload,
+//! `PUT`/`POST`/`DELETE /v1/rules`, bans, expiring bans) goes through
+//! [`apply`]: validate the new text with the file loader, compile, install
+//! atomically (double-buffered, see [`crate::datapath::Datapath::install`]),
+//! and for API changes write the text back to the config file, so a restart
+//! or a later reload keeps them.
+//!
+//! Readers never wait for a change: changes are serialised by their own
+//! lock, and the state lock is held only to read the running text, to write
+//! the differences into the maps and to publish the result; validation,
+//! compilation and file writes happen outside it.
+
+use std::{
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex},
+    time::Instant,
+};
+
+use tracing::{error, info, warn};
+
+use crate::{
+    compile::compile,
+    config::{unix_now, Config},
+    datapath::Plan,
+    state::{file_stamp, lock, ApplyError, ReloadRecord, Running, Shared},
+};
+
+/// One change at a time, each computed from the state it read.
+static WRITER: Mutex<()> = Mutex::new(());
+
+/// A change, computed from the running state.
+pub struct Change {
+    /// The new rule file text.
+    pub text: String,
+    /// How to locate errors in it.
+    pub origin: String,
+    /// Write it back to the config file.
+    pub persist: bool,
+}
+
+/// Applies the change `make` computes from the running state. All or
+/// nothing: when a step fails, the old rules keep running and the file is
+/// unchanged.
+pub fn apply<E: From<ApplyError>>(
+    shared: &Shared,
+    trigger: &str,
+    make: impl FnOnce(&Running) -> Result<Change, E>,
+) -> Result<String, E> {
+    let _writer = WRITER.lock().unwrap_or_else(|e| e.into_inner());
+    let (running, stamp) = {
+        let s = lock(shared);
+        (Running { config: s.config.clone(), text: s.text.clone(), path: s.path.clone() }, s.stamp)
+    };
+    // The change itself (a document edit of a large file, say) runs
+    // outside the lock.
+    let change = make(&running)?;
+    let (path, max_sources) = (running.path.clone(), running.config.datapath.max_sources);
+    let persist = change.persist;
+    let result = install(shared, change, path.as_deref(), stamp, max_sources);
+    let mut s = lock(shared);
+    let message = match &result {
+        Ok((summary, _, _)) => summary.clone(),
+        Err(e) => e.to_string(),
+    };
+    match &result {
+        Ok(_) => {
+            s.reloads_ok += 1;
+            info!("{trigger}: reloaded, now enforcing {message}");
+        }
+        Err(_) => {
+            s.reloads_failed += 1;
+            error!("{trigger}: reload rejected, keeping the running config: {message}");
+        }
+    }
+    s.last_reload = Some(ReloadRecord { at: unix_now(), ok: result.is_ok(), trigger: trigger.into(), message });
+    let (summary, config, text) = result?;
+    if persist {
+        if let Some(p) = &path {
+            s.stamp = file_stamp(p);
+        }
+    }
+    s.config = Arc::new(config);
+    s.text = Arc::from(text);
+    Ok(summary)
+}
+
+/// Validates, compiles (no lock), installs (the state lock held for the
+/// map writes only) and persists (no lock) one change.
+fn install(
+    shared: &Shared,
+    change: Change,
+    path: Option<&Path>,
+    stamp: Option<crate::state::FileStamp>,
+    max_sources: u32,
+) -> Result<(String, Config, String), ApplyError> {
+    let t0 = Instant::now();
+    let new = Config::from_str(&change.text, &change.origin).map_err(|e| ApplyError::Invalid(e.to_string()))?;
+    if new.datapath.max_sources != max_sources {
+        warn!("datapath.max_sources changes only on restart; keeping {max_sources}");
+    }
+    let failed = |what: &str, e: &dyn std::fmt::Display| ApplyError::Failed(format!("{what}: {e}"));
+    if change.persist {
+        if let Some(p) = path {
+            if file_stamp(p) != stamp {
+                return Err(ApplyError::Conflict(format!(
+                    "{} changed on disk since the daemon last read it, and that edit is not applied: \
+                     apply it first (`rl-control reload`), then repeat this change",
+                    p.display()
+                )));
+            }
+        }
+    }
+    let compiled = compile(&new);
+    // The differences are worked out against a snapshot, outside the lock;
+    // the lock is held to write them and flip.
+    let (basis, ready) = {
+        let s = lock(shared);
+        (s.dp.basis(), s.dp.ready_at())
+    };
+    let plan = Plan::new(basis, &compiled.rules).map_err(|e| failed("installing the rules", &e))?;
+    let t1 = Instant::now();
+    if let Some(wait) = ready.checked_duration_since(Instant::now()) {
+        std::thread::sleep(wait);
+    }
+    lock(shared).dp.execute(plan).map_err(|e| failed("installing the rules", &e))?;
+    let t2 = Instant::now();
+    if change.persist {
+        match path {
+            Some(p) => {
+                if let Err(e) = write_atomic(p, &change.text) {
+                    // Put the old rules back: the file and the datapath agree.
+                    let mut s = lock(shared);
+                    let old = compile(&s.config);
+                    let _ = s.dp.install(&old.rules);
+                    return Err(failed(
+                        &format!("cannot write {} (nothing changed; check its directory is writable)", p.display()),
+                        &e,
+                    ));
+                }
+            }
+            None => warn!(
+                "running on the embedded default: this change lasts until the daemon stops (start with --config to keep changes)"
+            ),
+        }
+    }
+    let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+    let summary = format!(
+        "{} (enforced after {:.1} ms: validated and compiled in {:.1}, installed in {:.1}; file written in {:.1})",
+        new.summary(),
+        ms(t2 - t0),
+        ms(t1 - t0),
+        ms(t2 - t1),
+        ms(t2.elapsed())
+    );
+    Ok((summary, new, change.text))
+}
+
+/// Applies an edit of the running text (one rule or ban added or removed)
+/// and writes it back: errors are located in the config file.
+pub fn apply_edit<E: From<ApplyError>>(
+    shared: &Shared,
+    trigger: &str,
+    edit: impl FnOnce(&Running) -> Result<String, E>,
+) -> Result<String, E> {
+    apply(shared, trigger, |s| Ok(Change { text: edit(s)?, origin: s.origin(), persist: true }))
+}
+
+/// Re-reads the config file and applies it. The file's stamp is taken
+/// before it is read, valid or not: a later edit triggers the next reload.
+pub fn reload_file(shared: &Shared, trigger: &str) -> Result<String, ApplyError> {
+    let Some(path) = lock(shared).path.clone() else {
+        let e = ApplyError::Invalid("running on the embedded default: there is no file to reload".into());
+        warn!("{trigger}: {e}");
+        return Err(e);
+    };
+    // Read outside every lock; the stamp first, valid file or not.
+    let stamp = file_stamp(&path);
+    let read = std::fs::read_to_string(&path).map_err(|e| ApplyError::Failed(format!("cannot read {}: {e}", path.display())));
+    let r = apply(shared, trigger, |_| Ok(Change { text: read?, origin: path.display().to_string(), persist: false }));
+    lock(shared).stamp = stamp;
+    r
+}
+
+/// Lifts bans whose time is up (written back to the file).
+pub fn expire_bans(shared: &Shared) {
+    let now = unix_now();
+    if !lock(shared).config.bans.iter().any(|b| b.until <= now) {
+        return;
+    }
+    let r = apply_edit(shared, "ban(s) expired", |s| {
+        crate::document::remove_bans(&s.text, |_, until| until <= now)
+            .map(|(text, _)| text)
+            .map_err(|e| ApplyError::Failed(format!("cannot lift expired bans: {e:?}")))
+    });
+    if let Err(e) = r {
+        error!("{e}");
+    }
+}
+
+/// Writes `text` to `path` so that readers see the old file or the new one,
+/// never a mix, even across a crash: a uniquely named temporary file next to
+/// the real file (a symlink is followed), with its mode and owner, fsync,
+/// rename, fsync of the directory.
+pub fn write_atomic(path: &Path, text: &str) -> std::io::Result<()> {
+    use std::{io::Write, os::unix::fs::MetadataExt, sync::atomic::{AtomicU64, Ordering}};
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    let real: PathBuf = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    let dir = real.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let name = real.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = dir.join(format!(".{name}.rl-tmp.{}.{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed)));
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+    let cleanup = |e: std::io::Error| {
+        let _ = std::fs::remove_file(&tmp);
+        e
+    };
+    if let Ok(m) = std::fs::metadata(&real) {
+        f.set_permissions(m.permissions()).map_err(cleanup)?;
+        let _ = std::os::unix::fs::fchown(&f, Some(m.uid()), Some(m.gid()));
+    }
+    f.write_all(text.as_bytes()).map_err(cleanup)?;
+    f.sync_all().map_err(cleanup)?;
+    drop(f);
+    std::fs::rename(&tmp, &real).map_err(cleanup)?;
+    std::fs::File::open(dir)?.sync_all()
+}

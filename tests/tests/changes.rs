@@ -1,0 +1,127 @@
+//! Changes and reads against the running daemon: reads never wait for a
+//! change (bans churning over 100,000 installed CIDRs), a ban touches only
+//! its own entries, and an API edit never overwrites an operator's
+//! unapplied edit of the file; write-back follows symlinks and keeps modes.
+
+use std::{
+    os::unix::fs::PermissionsExt,
+    sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering},
+        Arc,
+    },
+    time::{Duration, Instant},
+};
+
+use rl_tests::{
+    daemon::{run_once, write, Daemon},
+    http::{get, json, request},
+    lab::Lab,
+};
+use serde_json::json;
+
+fn deny_list(n: u32) -> String {
+    let mut t = String::from("[default]\nrate = 1000\n");
+    for i in 0..n {
+        t += &format!("[[deny]]\ncidr = \"100.{}.{}.{}/32\"\n", 64 + (i >> 16) % 64, (i >> 8) & 255, i & 255);
+    }
+    t
+}
+
+#[test]
+fn reads_never_wait_for_ban_churn_over_100k_cidrs() {
+    let lab = Lab::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write(&dir, "rl.toml", &deny_list(100_000));
+    let d = Daemon::serving(&lab, &cfg, &[]).unwrap();
+
+    // Bans added and lifted back to back for as long as the reads run.
+    let stop = Arc::new(AtomicBool::new(false));
+    let churned = Arc::new(AtomicU64::new(0));
+    let churn = {
+        let (ns_dir, stop, churned) = (lab.b.runtime_dir(), stop.clone(), churned.clone());
+        std::thread::spawn(move || {
+            let sock = ns_dir.join("api.sock");
+            let mut i = 0u32;
+            while !stop.load(Ordering::Relaxed) {
+                let cidr = format!("198.18.{}.0/24", i % 256);
+                let body = serde_json::to_vec(&json!({"cidr": cidr, "ttl_secs": 600})).unwrap();
+                let (code, text) = rl_control::client::unix_request(&sock, "POST", "/v1/bans", Some(("application/json", &body)), None).unwrap();
+                assert_eq!(code, 201, "{text}");
+                let path = format!("/v1/bans/{}", cidr.replace('/', "%2F"));
+                let (code, text) = rl_control::client::unix_request(&sock, "DELETE", &path, None, None).unwrap();
+                assert_eq!(code, 200, "{text}");
+                churned.fetch_add(2, Ordering::Relaxed);
+                i += 1;
+            }
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    // Reads until several changes went by (a debug build takes about a
+    // second per change of a 100,000-CIDR file), at most 60 s.
+    let mut ms = Vec::new();
+    let started = Instant::now();
+    while churned.load(Ordering::Relaxed) < 8 && started.elapsed() < Duration::from_secs(60) {
+        for path in ["/metrics", "/v1/stats", "/healthz", "/v1/sources?top=5"] {
+            let t = Instant::now();
+            assert_eq!(get(&lab.b, path).status, 200, "{path}");
+            ms.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    stop.store(true, Ordering::Relaxed);
+    churn.join().expect("the churn thread");
+    ms.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let p99 = ms[ms.len() * 99 / 100];
+    let changes = churned.load(Ordering::Relaxed);
+    eprintln!("{} reads during {changes} ban changes: p50 {:.2} ms, p99 {p99:.2} ms, max {:.2} ms", ms.len(), ms[ms.len() / 2], ms[ms.len() - 1]);
+    assert!(changes >= 8, "only {changes} ban changes in 60 s: the churn did not run");
+    assert!(p99 < 5.0, "reads waited for changes: p99 {p99:.2} ms over {} reads", ms.len());
+    let (status, log) = d.stop(libc::SIGTERM).unwrap();
+    assert!(status.success(), "{log}");
+}
+
+#[test]
+fn an_api_edit_never_overwrites_an_unapplied_edit_of_the_file() {
+    let lab = Lab::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write(&dir, "rl.toml", "[default]\nrate = 100\n");
+    let d = Daemon::serving(&lab, &cfg, &[]).unwrap(); // --no-watch
+    // The operator edits the file; the daemon has not applied it.
+    std::thread::sleep(Duration::from_millis(20));
+    let edited = "[default]\nrate = 100\n# operator's note\n[[rule]]\nname = \"ops\"\nproto = \"udp\"\nrate = 7\n";
+    std::fs::write(&cfg, edited).unwrap();
+    let ban = json!({"cidr": "198.51.100.0/24", "ttl_secs": 60});
+    let a = request(&lab.b, "POST", "/v1/bans", json(&ban), None).unwrap();
+    assert_eq!(a.status, 409, "{}", a.body);
+    assert!(a.json()["error"].as_str().unwrap().contains("changed on disk since the daemon last read it"), "{}", a.body);
+    assert_eq!(std::fs::read_to_string(&cfg).unwrap(), edited, "the operator's edit was overwritten");
+    assert_eq!(get(&lab.b, "/v1/bans").json().as_array().unwrap().len(), 0, "the refused ban is in force");
+    // Applied, the next change goes through and keeps both.
+    let (status, out) = run_once(Some(&lab.b), &["reload"]).unwrap();
+    assert!(status.success(), "{out}");
+    assert_eq!(request(&lab.b, "POST", "/v1/bans", json(&ban), None).unwrap().status, 201);
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    assert!(text.contains("# operator's note") && text.contains("name = \"ops\"") && text.contains("198.51.100.0/24"), "{text}");
+    let (status, log) = d.stop(libc::SIGTERM).unwrap();
+    assert!(status.success(), "{log}");
+}
+
+#[test]
+fn write_back_follows_a_symlink_and_keeps_the_file_mode() {
+    let lab = Lab::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let real = write(&dir, "real.toml", "[default]\nrate = 100\n");
+    std::fs::set_permissions(&real, std::fs::Permissions::from_mode(0o640)).unwrap();
+    let link = dir.path().join("rl.toml");
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    let d = Daemon::serving(&lab, &link, &[]).unwrap();
+    let a = request(&lab.b, "POST", "/v1/bans", json(&json!({"cidr": "203.0.113.0/24", "ttl_secs": 60})), None).unwrap();
+    assert_eq!(a.status, 201, "{}", a.body);
+    assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink(), "the symlink was replaced by a file");
+    assert!(std::fs::read_to_string(&real).unwrap().contains("203.0.113.0/24"), "the real file did not get the ban");
+    assert_eq!(std::fs::metadata(&real).unwrap().permissions().mode() & 0o777, 0o640, "the mode changed");
+    let leftovers: Vec<_> = std::fs::read_dir(dir.path()).unwrap().flatten().filter(|e| e.file_name().to_string_lossy().contains("rl-tmp")).collect();
+    assert!(leftovers.is_empty(), "temporary files left: {leftovers:?}");
+    let (status, log) = d.stop(libc::SIGTERM).unwrap();
+    assert!(status.success(), "{log}");
+}
