@@ -28,6 +28,12 @@ use crate::{
 /// One change at a time, each computed from the state it read.
 static WRITER: Mutex<()> = Mutex::new(());
 
+/// Holds rule changes off while the guard lives (the bucket collector's
+/// walk, which must see one rule set).
+pub fn hold_changes() -> std::sync::MutexGuard<'static, ()> {
+    WRITER.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// A change, computed from the running state.
 pub struct Change {
     /// The new rule file text.

@@ -304,7 +304,10 @@ async fn watch_pressure(state: Shared, ids: TableIds) {
         let st = state.clone();
         let offset = lock(&state).dp.epoch_offset_ns();
         let walked = tokio::task::spawn_blocking(move || {
-            let pass = crate::datapath::collect(ids, offset, || lock(&st).dp.limits_by_key())?;
+            // No rule change during the walk: its limits stay exact.
+            let _changes = crate::apply::hold_changes();
+            let limits = lock(&st).dp.limits_by_key()?;
+            let pass = crate::datapath::collect(ids, offset, &limits)?;
             Ok::<_, crate::datapath::DatapathError>((pass, crate::datapath::flood_mode(ids)?))
         })
         .await;

@@ -117,6 +117,11 @@ impl Daemon {
         Ok(d)
     }
 
+    /// The daemon's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     pub fn log(&self) -> String {
         self.log.lock().unwrap().clone()
     }

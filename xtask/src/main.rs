@@ -51,7 +51,8 @@ enum Cmd {
     },
     /// Build (release), then measure: ns/packet of each XDP path with BPF_PROG_TEST_RUN against an
     /// XDP_DROP floor; CPU ns/packet of a random-source veth flood with rl, a bare XDP_PASS and
-    /// nftables' dynset limit side by side; the admin API's latency and rule-swap time.
+    /// nftables' dynset limit side by side; the admin API's latency and rule-swap time; packets lost
+    /// across a daemon restart, /metrics under ban churn and the daemon's RSS with 1M sources.
     Bench {
         /// Repetitions per measurement (BPF_PROG_TEST_RUN `repeat`).
         #[arg(long, default_value_t = 1_000_000)]
@@ -180,5 +181,7 @@ fn bench(repeat: u32, frames: u64) -> Result<()> {
     step!("veth: CPU ns per packet of a random-source flood, rl against bare XDP_PASS and nftables");
     run(cargo().args(["run", "--quiet", "--release", "-p", "rl-tests", "--bin", "rl-veth-bench", "--"]).arg(frames.to_string()))?;
     step!("admin API: latency at 1,000 requests/s and rule-swap time, against a daemon in a veth lab");
-    run(cargo().args(["run", "--quiet", "--release", "-p", "rl-tests", "--bin", "rl-api-bench"]))
+    run(cargo().args(["run", "--quiet", "--release", "-p", "rl-tests", "--bin", "rl-api-bench"]))?;
+    step!("daemon: packets lost across a restart, /metrics under ban churn, peak RSS with 1M sources");
+    run(cargo().args(["run", "--quiet", "--release", "-p", "rl-tests", "--bin", "rl-daemon-bench"]))
 }

@@ -22,11 +22,14 @@ fn bpf_batch(cmd: libc::c_long, attr: &mut BatchAttr) -> std::io::Result<()> {
     Ok(())
 }
 
-/// `BPF_MAP_LOOKUP_BATCH` over a whole hash map.
-pub(super) fn lookup_batch<K: aya::Pod + Default, V: aya::Pod + Default>(fd: std::os::fd::RawFd) -> std::io::Result<Vec<(K, V)>> {
+/// `BPF_MAP_LOOKUP_BATCH` over a whole hash map, handing each chunk of up
+/// to 16,384 entries to `f` as it comes: memory stays bounded by a chunk.
+pub(super) fn lookup_batch_each<K: aya::Pod + Default, V: aya::Pod + Default, E: From<std::io::Error>>(
+    fd: std::os::fd::RawFd,
+    mut f: impl FnMut(&[K], &[V]) -> Result<(), E>,
+) -> Result<(), E> {
     const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
     const CHUNK: usize = 16_384;
-    let mut out = Vec::new();
     let (mut keys, mut values) = (vec![K::default(); CHUNK], vec![V::default(); CHUNK]);
     let (mut token_in, mut token_out) = (0u64, 0u64);
     let mut first = true;
@@ -42,11 +45,11 @@ pub(super) fn lookup_batch<K: aya::Pod + Default, V: aya::Pod + Default>(fd: std
         };
         let r = bpf_batch(BPF_MAP_LOOKUP_BATCH, &mut attr);
         let n = attr.count as usize;
-        out.extend(keys[..n].iter().copied().zip(values[..n].iter().copied()));
+        f(&keys[..n], &values[..n])?;
         match r {
             Ok(()) => {}
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(out),
-            Err(e) => return Err(e),
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(()),
+            Err(e) => return Err(e.into()),
         }
         token_in = token_out;
         first = false;

@@ -11,7 +11,7 @@ use rl_common::*;
 
 use super::{
     batch::delete_batch,
-    read::{scan_table, sources_of, BucketKey},
+    read::{scan_table_each, BucketKey},
     *,
 };
 
@@ -29,7 +29,9 @@ pub const COLLECT_IDLE_NS: u64 = 1_000_000_000;
 /// What one pass found.
 #[derive(Clone, Debug, Default)]
 pub struct Pass {
-    /// Every source bucket left after the pass (IPv4 then IPv6).
+    /// The source buckets left after the pass that have dropped packets
+    /// (IPv4 then IPv6): all that ranking the top sources needs, so a pass
+    /// over a million well-behaved sources holds none of them.
     pub sources: Vec<Source>,
     /// Buckets left per family (IPv4, IPv6): sources' own, prefix cells.
     pub own: (u64, u64),
@@ -69,58 +71,76 @@ impl Datapath {
     }
 }
 
-/// Walks both bucket tables, then deletes the buckets that have been fresh
-/// for [`COLLECT_IDLE_NS`] (see `rl_common::pressure`: forgetting them
-/// changes no verdict), and every bucket of a rule gone from both slots.
-/// A live rule's last resorts are kept (they are few, and a full table
-/// could not take them back). `limits` is called after the walk.
-pub fn collect(
-    ids: TableIds,
-    epoch_offset_ns: u64,
-    limits: impl FnOnce() -> Result<LimitsByKey, DatapathError>,
-) -> Result<Pass, DatapathError> {
-    let v4 = scan_table::<Key4>(ids.tables.0, MAP_SOURCES_V4)?;
-    let v6 = scan_table::<Key6>(ids.tables.1, MAP_SOURCES_V6)?;
-    let limits = limits()?;
+/// Walks both bucket tables a chunk at a time (memory stays bounded by a
+/// chunk and the sources with drops), deleting the buckets that have been
+/// fresh for [`COLLECT_IDLE_NS`] (see `rl_common::pressure`: forgetting them
+/// changes no verdict), and every bucket of a rule gone from both slots. A
+/// live rule's last resorts are kept (they are few, and a full table could
+/// not take them back). `limits` must stay exact for the whole walk: the
+/// caller holds rule changes off (a limit id names one definition forever,
+/// but a rule installed during the walk would look gone).
+pub fn collect(ids: TableIds, epoch_offset_ns: u64, limits: &LimitsByKey) -> Result<Pass, DatapathError> {
     let now = monotonic_ns().saturating_sub(COLLECT_IDLE_NS);
     let mut pass = Pass::default();
-    let v4 = sweep(ids.tables.0, MAP_SOURCES_V4, v4, &limits, now, epoch_offset_ns, &mut pass.collected)?;
-    let v6 = sweep(ids.tables.1, MAP_SOURCES_V6, v6, &limits, now, epoch_offset_ns, &mut pass.collected)?;
-    pass.own = (count(&v4, KeyKind::Own), count(&v6, KeyKind::Own));
-    pass.cells = (count(&v4, KeyKind::Cell), count(&v6, KeyKind::Cell));
-    pass.sources = sources_of(&v4).chain(sources_of(&v6)).collect();
+    let mut own = 0;
+    let mut cells = 0;
+    scan_table_each::<Key4>(ids.tables.0, MAP_SOURCES_V4, |k, b| {
+        sweep(ids.tables.0, MAP_SOURCES_V4, k, b, limits, now, epoch_offset_ns, &mut pass, (&mut own, &mut cells))
+    })?;
+    pass.own.0 = own;
+    pass.cells.0 = cells;
+    (own, cells) = (0, 0);
+    scan_table_each::<Key6>(ids.tables.1, MAP_SOURCES_V6, |k, b| {
+        sweep(ids.tables.1, MAP_SOURCES_V6, k, b, limits, now, epoch_offset_ns, &mut pass, (&mut own, &mut cells))
+    })?;
+    pass.own.1 = own;
+    pass.cells.1 = cells;
     Ok(pass)
 }
 
-fn count<K: BucketKey>(entries: &[(K, Bucket)], kind: KeyKind) -> u64 {
-    entries.iter().filter(|(k, _)| key_kind(k.rule()) == kind).count() as u64
-}
-
-/// Deletes the fresh (or orphaned) buckets of one table; returns the rest.
+/// Deletes the fresh (or orphaned) buckets of one chunk of a table; counts
+/// the rest and keeps the sources among them that have dropped packets.
+#[allow(clippy::too_many_arguments)]
 fn sweep<K: BucketKey>(
     id: u32,
     name: &'static str,
-    entries: Vec<(K, Bucket)>,
+    keys: &[K],
+    buckets: &[Bucket],
     limits: &LimitsByKey,
     now: u64,
     epoch_offset_ns: u64,
-    collected: &mut u64,
-) -> Result<Vec<(K, Bucket)>, DatapathError> {
+    pass: &mut Pass,
+    (own, cells): (&mut u64, &mut u64),
+) -> Result<(), DatapathError> {
     use std::os::fd::{AsFd, AsRawFd};
-    let (dead, kept): (Vec<_>, Vec<_>) = entries.into_iter().partition(|(k, b)| {
-        match limits.get(&(k.rule() & !(KEY_CELL | KEY_LAST))) {
+    let mut dead = Vec::new();
+    for (k, b) in keys.iter().zip(buckets) {
+        let gone = match limits.get(&(k.rule() & !(KEY_CELL | KEY_LAST))) {
             None => true,
             Some(_) if key_kind(k.rule()) == KeyKind::LastResort => false,
             Some(l) => l.is_fresh(b.tat_ns, now, epoch_offset_ns),
+        };
+        if gone {
+            dead.push(*k);
+            continue;
         }
-    });
+        match key_kind(k.rule()) {
+            KeyKind::Own => {
+                *own += 1;
+                if b.dropped > 0 {
+                    pass.sources.push(Source::of(k, *b));
+                }
+            }
+            KeyKind::Cell => *cells += 1,
+            KeyKind::LastResort => {}
+        }
+    }
     if !dead.is_empty() {
         let data = MapData::from_id(id).map_err(|e| map_error(name, e))?;
-        let keys: Vec<K> = dead.iter().map(|(k, _)| *k).collect();
-        delete_batch(data.fd().as_fd().as_raw_fd(), &keys).map_err(|e| map_error(name, e))?;
-        *collected += keys.len() as u64;
+        delete_batch(data.fd().as_fd().as_raw_fd(), &dead).map_err(|e| map_error(name, e))?;
+        pass.collected += dead.len() as u64;
     }
-    Ok(kept)
+    Ok(())
 }
 
 /// Flood mode as the datapath's per-CPU detectors report it.

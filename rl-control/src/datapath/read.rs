@@ -5,7 +5,7 @@ use std::net::IpAddr;
 use aya::maps::{Array, HashMap, MapData, PerCpuArray};
 use rl_common::*;
 
-use super::{batch::lookup_batch, *};
+use super::*;
 
 impl Datapath {
     /// Packets and bytes per rule name (plus `allow` and `deny`), summed
@@ -189,6 +189,21 @@ pub(super) fn sources_of<K: BucketKey>(entries: &[(K, Bucket)]) -> impl Iterator
 /// Every entry of the bucket table (sources or prefix cells) with kernel id
 /// `id`, through a handle of our own.
 pub(super) fn scan_table<K: BucketKey>(id: u32, name: &'static str) -> Result<Vec<(K, Bucket)>, DatapathError> {
+    let mut out = Vec::new();
+    scan_table_each::<K>(id, name, |k, b| {
+        out.extend(k.iter().copied().zip(b.iter().copied()));
+        Ok(())
+    })?;
+    Ok(out)
+}
+
+/// [`scan_table`] a chunk at a time (up to 16,384 entries): memory stays
+/// bounded whatever the table holds.
+pub(super) fn scan_table_each<K: BucketKey>(
+    id: u32,
+    name: &'static str,
+    mut f: impl FnMut(&[K], &[Bucket]) -> Result<(), DatapathError>,
+) -> Result<(), DatapathError> {
     use std::os::fd::{AsFd, AsRawFd};
     let data = MapData::from_id(id).map_err(|e| map_error(name, e))?;
     // The kernel writes key_size and value_size bytes per entry into
@@ -205,7 +220,18 @@ pub(super) fn scan_table<K: BucketKey>(id: u32, name: &'static str) -> Result<Ve
         )));
     }
     let fd = data.fd().as_fd().as_raw_fd();
-    lookup_batch::<K, Bucket>(fd).map_err(|e| map_error(name, e))
+    let mut failed = None;
+    let r = super::batch::lookup_batch_each::<K, Bucket, std::io::Error>(fd, |k, b| {
+        f(k, b).map_err(|e| {
+            failed = Some(e);
+            std::io::Error::other("stopped")
+        })
+    });
+    match (r, failed) {
+        (_, Some(e)) => Err(e),
+        (Err(e), None) => Err(map_error(name, e)),
+        (Ok(()), None) => Ok(()),
+    }
 }
 
 /// A bucket table's key: which limit, and an address.
