@@ -18,10 +18,18 @@ use crate::{
 
 /// Most `[[rule]]`s the datapath holds.
 pub const MAX_RULES: usize = 1024;
+/// `dst_ports` entries (ports or ranges) one rule may list.
+pub const MAX_PORTS_PER_RULE: usize = 256;
+/// `dst_ports` entries of all rules together: bounds the L4 classes (16-bit
+/// in the datapath) and keeps compilation well under a second.
+pub const MAX_PORTS_TOTAL: usize = 2048;
+
 /// Most `allow` plus `deny` CIDRs the datapath holds.
 pub const MAX_LIST_CIDRS: usize = 262_144;
-/// Most `src` CIDRs over all rules.
-pub const MAX_SRC_CIDRS: usize = 65_536;
+/// Most `src` CIDRs over all rules: each one adds at most one source class
+/// (the set of `src` CIDRs covering an address is a chain, named by its
+/// longest), and with the empty class they must fit the datapath's 16 bits.
+pub const MAX_SRC_CIDRS: usize = 65_535;
 /// Most limits on one rule, counting packet and byte limits separately.
 pub const MAX_LIMITS: usize = 4;
 /// Largest `rate` in packets per `per`.
@@ -302,6 +310,7 @@ pub(crate) fn validate_rules(loc: &Located, raw: &[Spanned<RawRule>]) -> Result<
     }
     let mut seen: HashMap<String, usize> = HashMap::new();
     let mut rules = Vec::with_capacity(raw.len());
+    let mut ports_total = 0usize;
     for (i, spanned) in raw.iter().enumerate() {
         let r = spanned.get_ref();
         let table = spanned.span();
@@ -334,6 +343,14 @@ pub(crate) fn validate_rules(loc: &Located, raw: &[Spanned<RawRule>]) -> Result<
             }
             if ports.get_ref().is_empty() {
                 return Err(loc.at(ports.span(), format!("{who}: dst_ports is empty: list ports or ranges, or leave it out to match every port")));
+            }
+            let n = ports.get_ref().len();
+            if n > MAX_PORTS_PER_RULE {
+                return Err(loc.at(ports.span(), format!("{who}: dst_ports lists {n} entries, at most {MAX_PORTS_PER_RULE}: merge them into ranges (\"8000-8080\")")));
+            }
+            ports_total += n;
+            if ports_total > MAX_PORTS_TOTAL {
+                return Err(loc.at(ports.span(), format!("{who}: the rules list {ports_total} dst_ports entries so far, at most {MAX_PORTS_TOTAL} together: merge them into ranges")));
             }
             for p in ports.get_ref() {
                 dst_ports.push(parse_port_range(p.get_ref()).map_err(|m| loc.at(p.span(), format!("{who}: dst_ports: {m}")))?);
@@ -577,6 +594,13 @@ action = "shadow"
         assert_error(&rule("[\"9000-8000\"]"), 6, 14, "reversed range");
         assert_error(&rule("[\"http\"]"), 6, 14, "not a port or range");
         assert_error(&rule("[]"), 6, 13, "dst_ports is empty");
+        let ports = |n: usize| (0..n).map(|p| (p * 2 + 1).to_string()).collect::<Vec<_>>().join(", ");
+        assert_error(&rule(&format!("[{}]", ports(MAX_PORTS_PER_RULE + 1))), 6, 13, "dst_ports lists 257 entries, at most 256");
+        // Eight full lists fit; a ninth crosses the total.
+        let rules: String = (0..9)
+            .map(|i| format!("[[rule]]\nname = \"r{i}\"\nproto = \"udp\"\ndst_ports = [{}]\nsrc = [\"10.{i}.0.0/16\"]\nrate = 1\n", ports(256)))
+            .collect();
+        assert_error(&rules, 2 + 8 * 6 + 4, 13, "the rules list 2304 dst_ports entries so far, at most 2048 together");
         assert_error("[[rule]]\nname = \"a\"\nproto = \"icmp\"\ndst_ports = [1]\nrate = 1\n", 6, 13, "dst_ports needs proto");
     }
 
