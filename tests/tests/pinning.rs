@@ -109,6 +109,55 @@ fn a_restart_under_paced_traffic_swaps_the_program_without_losing_a_packet() {
     assert!(!lab.xdp_attached().unwrap());
 }
 
+/// The name of the XDP program on `vb`, as `ip -d link` shows it.
+fn program_name(lab: &Lab) -> String {
+    let out = lab.b.ip(&["-d", "link", "show", VB]).unwrap();
+    let words: Vec<&str> = out.split_whitespace().collect();
+    let at = words.iter().position(|w| w.starts_with("prog/xdp")).expect("an XDP program on vb");
+    words[at..].windows(2).find(|w| w[0] == "name").map(|w| w[1].to_string()).unwrap_or_default()
+}
+
+#[test]
+fn an_upgrade_between_different_programs_under_paced_traffic_loses_nothing() {
+    let lab = Lab::new().unwrap();
+    let pins = BpfFs::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let text = config(1024);
+    let cfg = write(&dir, "rl.toml", &text);
+    let d = Daemon::pinned(&lab, &cfg, &pins, &[]).unwrap();
+    assert_eq!(program_name(&lab), "rl");
+    let rx = Receiver::start(&lab.b).unwrap();
+    let sender = paced(&lab.a, lab.v4(1), lab.v4(2), 50, 300);
+    std::thread::sleep(Duration::from_millis(1500));
+    let (status, log) = d.stop(libc::SIGTERM).unwrap();
+    assert!(status.success(), "{log}");
+
+    // Another version: a different program (the bare XDP_PASS one) takes
+    // the pinned link over, atomically, with the pinned maps.
+    use rl_control::{compile::compile, config::Config, datapath::{Datapath, LoadOptions}};
+    let compiled = compile(&Config::from_str(&text, "<test>").unwrap());
+    let mut other = Datapath::load_with(&compiled, LoadOptions { pin: Some(pins.path().join(VB)), ..Default::default() }).unwrap();
+    assert!(other.adopted());
+    let other = lab.b.run(move || {
+        other.attach_baseline(VB)?;
+        Ok(other)
+    }).unwrap();
+    assert_eq!(program_name(&lab), "rl_pass", "the other program did not take the link over");
+    std::thread::sleep(Duration::from_millis(1500));
+    drop(other);
+    assert_eq!(program_name(&lab), "rl_pass", "the link stays pinned with the other program");
+
+    // And the limiter again, replacing a program that is not its own.
+    let d = Daemon::pinned(&lab, &cfg, &pins, &["--detach-on-exit"]).unwrap();
+    assert_eq!(program_name(&lab), "rl");
+    assert_eq!(lab.xdp_prog_ids().unwrap().len(), 1, "exactly one program on the interface");
+    let sent = join(sender).unwrap();
+    let got = rx.finish().unwrap().get(&lab.v4(1)).copied().unwrap_or(0);
+    assert_eq!(got, sent.packets, "packets lost across two program swaps");
+    let (status, log) = d.stop(libc::SIGTERM).unwrap();
+    assert!(status.success(), "{log}");
+}
+
 #[test]
 fn a_second_daemon_on_the_same_pins_is_refused() {
     let lab = Lab::new().unwrap();

@@ -551,7 +551,7 @@ impl Datapath {
     /// dies. Returns how to undo a fresh attachment (`None` if adopted).
     fn attach_one(&mut self, iface: &str, mode: AttachMode) -> Result<(Attachment, Option<Fresh>), DatapathError> {
         if let Some(dir) = self.pins.clone() {
-            if let Some(a) = self.adopt_link(&dir, iface)? {
+            if let Some(a) = self.adopt_link(&dir, iface, PROG_LIMITER)? {
                 self.attachments.push(a.clone());
                 return Ok((a, None));
             }
@@ -574,7 +574,7 @@ impl Datapath {
             Some(dir) => {
                 // Held by us and pinned: on any failure here the link is
                 // dropped, which detaches: nothing stays half-set-up.
-                let link = self.limiter()?.take_link(id).map_err(|e| DatapathError::Load(chain(&e)))?;
+                let link = self.xdp(PROG_LIMITER)?.take_link(id).map_err(|e| DatapathError::Load(chain(&e)))?;
                 let fd = FdLink::try_from(link).map_err(|e| DatapathError::Attach {
                     iface: iface.into(),
                     mode: used,
@@ -595,7 +595,7 @@ impl Datapath {
         self.attachments.retain(|x| x != a);
         match fresh {
             Fresh::Owned(id) => {
-                if let Ok(p) = self.limiter() {
+                if let Ok(p) = self.xdp(PROG_LIMITER) {
                     let _ = p.detach(id);
                 }
             }
@@ -607,10 +607,10 @@ impl Datapath {
         }
     }
 
-    fn limiter(&mut self) -> Result<&mut Xdp, DatapathError> {
+    fn xdp(&mut self, name: &'static str) -> Result<&mut Xdp, DatapathError> {
         self.ebpf
-            .program_mut(PROG_LIMITER)
-            .ok_or_else(|| DatapathError::Load(format!("program {PROG_LIMITER} is missing")))?
+            .program_mut(name)
+            .ok_or_else(|| DatapathError::Load(format!("program {name} is missing")))?
             .try_into()
             .map_err(|e: ProgramError| DatapathError::Load(chain(&e)))
     }
@@ -618,12 +618,12 @@ impl Datapath {
     /// Replaces the program of the link pinned in `dir` for `iface` with
     /// this one; `None` if there is no live pinned link (a defunct one's
     /// pin, left by an interface that was deleted, is removed).
-    fn adopt_link(&mut self, dir: &std::path::Path, iface: &str) -> Result<Option<Attachment>, DatapathError> {
+    fn adopt_link(&mut self, dir: &std::path::Path, iface: &str, prog: &'static str) -> Result<Option<Attachment>, DatapathError> {
         let Some((pinned, mode, path)) = pin::pinned_link(dir, iface) else { return Ok(None) };
         let fd: FdLink = pinned.into();
         let swapped = XdpLink::try_from(fd)
             .map_err(|e| chain(&e))
-            .and_then(|link| self.limiter().map_err(|e| e.to_string())?.attach_to_link(link).map_err(|e| chain(&e)));
+            .and_then(|link| self.xdp(prog).map_err(|e| e.to_string())?.attach_to_link(link).map_err(|e| chain(&e)));
         let id = match swapped {
             Ok(id) => id,
             Err(e) => {
@@ -632,7 +632,7 @@ impl Datapath {
                 return Ok(None);
             }
         };
-        let link = self.limiter()?.take_link(id).map_err(|e| DatapathError::Load(chain(&e)))?;
+        let link = self.xdp(prog)?.take_link(id).map_err(|e| DatapathError::Load(chain(&e)))?;
         self.links.push(FdLink::try_from(link).map_err(|e| DatapathError::Load(chain(&e)))?);
         let mode = if mode == "skb" { AttachMode::Skb } else { AttachMode::Native };
         Ok(Some(Attachment { iface: iface.to_string(), mode }))
@@ -658,9 +658,18 @@ impl Datapath {
 
     /// Attaches the bare `XDP_PASS` program to `iface` natively instead of
     /// the limiter: the baseline a benchmark compares rl's cost with.
+    ///
+    /// Pinned, on an interface whose link is pinned, it replaces the
+    /// program there (as an upgrade to another program would): the test of
+    /// an upgrade between two different programs.
     pub fn attach_baseline(&mut self, iface: &str) -> Result<(), DatapathError> {
         interface_index(iface)?;
         self.load_program(PROG_PASS)?;
+        if let Some(dir) = self.pins.clone() {
+            if self.adopt_link(&dir, iface, PROG_PASS)?.is_some() {
+                return Ok(());
+            }
+        }
         self.attach_as(iface, AttachMode::Native, PROG_PASS).map(|_| ())
     }
 

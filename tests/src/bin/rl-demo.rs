@@ -27,7 +27,7 @@ fn main() -> Result<()> {
         lab.add_source(&format!("{ip}/24"))?;
     }
     println!("starting `rl-control run --iface {VB}` (no --config: the embedded default) in {}", lab.b.name);
-    let mut daemon = Daemon::spawn(&lab.b, &["run", "--iface", VB, "--stats-interval", "2"])?;
+    let mut daemon = Daemon::spawn(&lab.b, &["run", "--iface", VB, "--stats-interval", "2", "--detach-on-exit"])?;
     daemon.wait_for("attached:", Duration::from_secs(20))?;
     for line in daemon.log().lines() {
         println!("  daemon | {line}");
