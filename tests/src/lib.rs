@@ -39,6 +39,20 @@ pub fn attach(
     })
 }
 
+/// The spoofed-flood lab's rules (issue 8's example): `max_sources`
+/// sources, flood mode above 2,000 unseen keys/s with 256 prefix cells,
+/// 1,000/s by default, `203.0.113.0/24` allowed, rule "calm" (UDP 7777, 5
+/// per hour) and rule "once" (UDP 9999, 1 per hour).
+pub fn flood_rules(max_sources: u64) -> String {
+    format!(
+        "[datapath]\nmax_sources = {max_sources}\nflood_new_keys_per_sec = 2000\nflood_prefixes = 256\n\
+         [default]\nrate = 1000\nburst = 1000\n\
+         [[allow]]\ncidr = \"203.0.113.0/24\"\n\
+         [[rule]]\nname = \"calm\"\nproto = \"udp\"\ndst_ports = [7777]\nrate = 5\nper = \"1h\"\nburst = 5\n\
+         [[rule]]\nname = \"once\"\nproto = \"udp\"\ndst_ports = [9999]\nrate = 1\nper = \"1h\"\nburst = 1\n"
+    )
+}
+
 /// `burst + rate × seconds`, the packets a limiter passes from a flood.
 pub fn expected_passed(rate: u64, burst: u64, seconds: f64) -> f64 {
     burst as f64 + rate as f64 * seconds

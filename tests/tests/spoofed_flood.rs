@@ -18,13 +18,7 @@ const MAX_SOURCES: u64 = 1024;
 const FLOOD_PPS: u64 = 8000;
 
 fn config() -> String {
-    format!(
-        "[datapath]\nmax_sources = {MAX_SOURCES}\nflood_new_keys_per_sec = 2000\nflood_prefixes = 256\n\
-         [default]\nrate = 1000\nburst = 1000\n\
-         [[allow]]\ncidr = \"203.0.113.0/24\"\n\
-         [[rule]]\nname = \"calm\"\nproto = \"udp\"\ndst_ports = [7777]\nrate = 5\nper = \"1h\"\nburst = 5\n\
-         [[rule]]\nname = \"once\"\nproto = \"udp\"\ndst_ports = [9999]\nrate = 1\nper = \"1h\"\nburst = 1\n"
-    )
+    rl_tests::flood_rules(MAX_SOURCES)
 }
 
 /// Sends `n` frames from `src` to `port` at 1000 pps and waits for them.
