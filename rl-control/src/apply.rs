@@ -85,6 +85,10 @@ pub fn apply<E: From<ApplyError>>(
             s.stamp = file_stamp(p);
         }
     }
+    // The request limiter too, keeping the buckets of unchanged l7 rules.
+    let old = s.l7.read().unwrap_or_else(|e| e.into_inner()).clone();
+    let engine = crate::l7::engine::Engine::new(&config.l7, s.dp.epoch_offset_ns(), Some(&old));
+    *s.l7.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(engine);
     s.config = Arc::new(config);
     s.text = Arc::from(text);
     Ok(summary)

@@ -219,17 +219,7 @@ fn rule_entry(r: &Rule, v4_default: u8, v6_default: u8) -> RuleEntry {
     let id = stable_id(&(r, v4, v6));
     let mut limits = [LimitEntry::default(); MAX_LIMITS];
     for (slot, l) in limits.iter_mut().zip(&r.limits) {
-        let mut rate = l.rate;
-        if let Mode::Soft { percent } = r.mode {
-            let scale = |n: u64| (n as u128 * (100 + percent as u128) / 100).min(u64::MAX as u128) as u64;
-            rate.amount = scale(rate.amount);
-            rate.burst = scale(rate.burst);
-        }
-        *slot = match r.algorithm {
-            Algorithm::TokenBucket => gcra(l.unit, &rate),
-            Algorithm::FixedWindow => window(LIMIT_FIXED, rl_common::window::FIXED_MAX, l.unit, &rate),
-            Algorithm::SlidingWindow => window(LIMIT_SLIDING, rl_common::window::SLIDING_MAX, l.unit, &rate),
-        };
+        *slot = limit_entry(r.algorithm, l.unit, &l.enforced(r.mode));
     }
     let mut flags = 0;
     if r.action == Action::Shadow {
@@ -248,6 +238,15 @@ fn rule_entry(r: &Rule, v4_default: u8, v6_default: u8) -> RuleEntry {
         v6_mask: if v6 == 0 { [0; 4] } else { prefix_mask_words::<4>(v6) },
         limits,
         pool,
+    }
+}
+
+/// The datapath's (and the request buckets') form of one limit.
+pub fn limit_entry(algorithm: Algorithm, unit: Unit, rate: &Rate) -> LimitEntry {
+    match algorithm {
+        Algorithm::TokenBucket => gcra(unit, rate),
+        Algorithm::FixedWindow => window(LIMIT_FIXED, rl_common::window::FIXED_MAX, unit, rate),
+        Algorithm::SlidingWindow => window(LIMIT_SLIDING, rl_common::window::SLIDING_MAX, unit, rate),
     }
 }
 

@@ -40,6 +40,8 @@ pub const MAX_BURST: u64 = 1_000_000_000;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Config {
     pub datapath: Datapath,
+    /// `[l7]`: request rules and their listeners.
+    pub l7: crate::l7::rules::L7Config,
     pub default: DefaultLimit,
     /// Sources never limited and never dropped by rules.
     pub allow: Vec<Cidr>,
@@ -203,6 +205,8 @@ struct RawConfig {
     api: RawApi,
     #[serde(default)]
     ban: Vec<RawBan>,
+    #[serde(default)]
+    l7: crate::l7::rules::RawL7,
 }
 
 #[derive(Deserialize, Default)]
@@ -410,7 +414,8 @@ impl Config {
                 format!("{} allow, {} deny and {} ban CIDRs: the datapath holds at most {MAX_LIST_CIDRS} together", allow.len(), deny.len(), bans.len()),
             ));
         }
-        Ok(Config { datapath, default, allow, deny, rules, api, bans })
+        let l7 = crate::l7::rules::validate(&loc, &raw.l7)?;
+        Ok(Config { datapath, default, allow, deny, rules, api, bans, l7 })
     }
 }
 

@@ -124,6 +124,12 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         );
     }
     let listeners = api::listen::bind(&opts.runtime_dir, opts.api, &config).await?;
+    let l7_listener = match config.l7.http_listen {
+        Some(a) => Some(tokio::net::TcpListener::bind(a).await.with_context(|| {
+            format!("cannot listen on {a} for the request check ([l7] http_listen): is another rl-control running?")
+        })?),
+        None => None,
+    };
     let ifaces = if opts.ifaces.is_empty() { config.datapath.interfaces.clone() } else { opts.ifaces.clone() };
     if ifaces.is_empty() {
         anyhow::bail!("no interface to protect: pass --iface IFACE (repeat it for several) or set [datapath] interfaces");
@@ -172,7 +178,20 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     }
     let map_ids = dp.table_ids();
     let events = dp.take_events();
+    let l7: crate::l7::http::Shared =
+        Arc::new(std::sync::RwLock::new(Arc::new(crate::l7::engine::Engine::new(&config.l7, dp.epoch_offset_ns(), None))));
+    if let Some(listener) = l7_listener {
+        let app = crate::l7::http::router(l7.clone());
+        let addr = listener.local_addr().ok();
+        tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, app).await {
+                tracing::error!("the request check (l7) stopped: {e}");
+            }
+        });
+        info!("request check on http://{} (POST /v1/check; {} l7 rules)", addr.map(|a| a.to_string()).unwrap_or_default(), config.l7.rules.len());
+    }
     let state: Shared = Arc::new(Mutex::new(State {
+        l7,
         program_id: dp.program_id(),
         dp,
         config: Arc::new(config),
@@ -308,6 +327,8 @@ async fn watch_pressure(state: Shared, ids: TableIds) {
             let _changes = crate::apply::hold_changes();
             let limits = lock(&st).dp.limits_by_key()?;
             let pass = crate::datapath::collect(ids, offset, &limits)?;
+            let engine = lock(&st).l7.read().unwrap_or_else(|e| e.into_inner()).clone();
+            engine.collect();
             Ok::<_, crate::datapath::DatapathError>((pass, crate::datapath::flood_mode(ids)?))
         })
         .await;

@@ -13,6 +13,7 @@ pub mod config;
 pub mod daemon;
 pub mod datapath;
 pub mod document;
+pub mod l7;
 pub mod rules;
 pub mod state;
 pub mod units;

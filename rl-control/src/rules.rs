@@ -101,6 +101,19 @@ pub struct RuleLimit {
     pub rate: Rate,
 }
 
+impl RuleLimit {
+    /// The rate `mode` enforces: soft mode passes `percent` % more.
+    pub fn enforced(&self, mode: Mode) -> Rate {
+        match mode {
+            Mode::Soft { percent } => {
+                let scale = |n: u64| (n as u128 * (100 + percent as u128) / 100).min(u64::MAX as u128) as u64;
+                Rate { amount: scale(self.rate.amount), per_secs: self.rate.per_secs, burst: scale(self.rate.burst) }
+            }
+            _ => self.rate,
+        }
+    }
+}
+
 /// A validated `[[rule]]`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Rule {
@@ -157,11 +170,11 @@ pub(crate) struct RawRule {
 #[derive(Deserialize, Default, Clone)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct RawLimit {
-    rate: Option<Spanned<i64>>,
-    per: Option<Spanned<String>>,
-    burst: Option<Spanned<i64>>,
-    bytes: Option<Spanned<toml::Value>>,
-    byte_burst: Option<Spanned<toml::Value>>,
+    pub(crate) rate: Option<Spanned<i64>>,
+    pub(crate) per: Option<Spanned<String>>,
+    pub(crate) burst: Option<Spanned<i64>>,
+    pub(crate) bytes: Option<Spanned<toml::Value>>,
+    pub(crate) byte_burst: Option<Spanned<toml::Value>>,
 }
 
 impl RawRule {
@@ -178,7 +191,7 @@ impl RawRule {
 }
 
 impl RawLimit {
-    fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.rate.is_none()
             && self.per.is_none()
             && self.burst.is_none()
@@ -200,7 +213,7 @@ pub(crate) fn validate_list(loc: &Located, which: &str, raw: &[RawList]) -> Resu
 }
 
 /// One of `allowed` (the first is the default when `value` is absent).
-fn choice<T: Copy>(
+pub(crate) fn choice<T: Copy>(
     loc: &Located,
     what: &str,
     value: &Option<Spanned<String>>,
@@ -222,7 +235,7 @@ fn choice<T: Copy>(
         })
 }
 
-fn int_in(loc: &Located, what: &str, v: &Spanned<i64>, lo: i64, hi: i64) -> Result<u64, ConfigError> {
+pub(crate) fn int_in(loc: &Located, what: &str, v: &Spanned<i64>, lo: i64, hi: i64) -> Result<u64, ConfigError> {
     if (lo..=hi).contains(v.get_ref()) {
         Ok(*v.get_ref() as u64)
     } else {
@@ -244,7 +257,7 @@ fn size_in(loc: &Located, what: &str, v: &Spanned<toml::Value>) -> Result<u64, C
     Ok(bytes)
 }
 
-fn duration(loc: &Located, what: &str, v: &Option<Spanned<String>>) -> Result<u64, ConfigError> {
+pub(crate) fn duration(loc: &Located, what: &str, v: &Option<Spanned<String>>) -> Result<u64, ConfigError> {
     match v {
         None => Ok(1),
         Some(s) => parse_duration(s.get_ref()).map_err(|m| loc.at(s.span(), format!("{what}: {m}"))),
@@ -252,7 +265,7 @@ fn duration(loc: &Located, what: &str, v: &Option<Spanned<String>>) -> Result<u6
 }
 
 /// The packet and byte limits of one `rate`/`bytes` group.
-fn limits_of(
+pub(crate) fn limits_of(
     loc: &Located,
     who: &str,
     raw: &RawLimit,

@@ -545,6 +545,20 @@ async fn metrics(AxState(api): AxState<Api>) -> ApiResult<Response> {
     let _ = writeln!(out, "rl_active_bans {}", s.config.active_bans(unix_now()).count());
     family(&mut out, "rl_rules", "gauge", "Rules in force ([default] not counted).");
     let _ = writeln!(out, "rl_rules {}", s.config.rules.len());
+    let engine = s.l7.read().unwrap_or_else(|e| e.into_inner()).clone();
+    family(&mut out, "rl_l7_decisions_total", "counter", "Request decisions per [[l7.rule]]: ok, over (answered 429) and shadow_over (counted, answered ok).");
+    for (name, c) in engine.counters() {
+        use std::sync::atomic::Ordering::Relaxed;
+        for (result, v) in [("ok", c.ok.load(Relaxed)), ("over", c.over.load(Relaxed)), ("shadow_over", c.shadow_over.load(Relaxed))] {
+            let _ = writeln!(out, "rl_l7_decisions_total{{rule=\"{name}\",result=\"{result}\"}} {v}");
+        }
+    }
+    family(&mut out, "rl_l7_unmatched_total", "counter", "Request descriptors no [[l7.rule]] matched (not limited).");
+    let _ = writeln!(out, "rl_l7_unmatched_total {}", engine.unmatched.load(std::sync::atomic::Ordering::Relaxed));
+    family(&mut out, "rl_l7_keys", "gauge", "Request buckets held, against [l7] max_keys.");
+    let _ = writeln!(out, "rl_l7_keys {}", engine.keys());
+    family(&mut out, "rl_l7_max_keys", "gauge", "[l7] max_keys.");
+    let _ = writeln!(out, "rl_l7_max_keys {}", s.config.l7.max_keys);
     family(&mut out, "rl_reloads_total", "counter", "Rule set changes (file reloads and API changes) by result.");
     let _ = writeln!(out, "rl_reloads_total{{result=\"ok\"}} {}\nrl_reloads_total{{result=\"failed\"}} {}", s.reloads_ok, s.reloads_failed);
     family(&mut out, "rl_api_requests_total", "counter", "Admin API requests by route and status.");

@@ -1,0 +1,511 @@
+//! Request decisions: match a descriptor to its rule, charge its bucket.
+//!
+//! Token bucket and windows use rl-common's step functions on one state
+//! word per limit (the datapath's arithmetic, and `quota` for what the
+//! headers say); the sliding log keeps one timestamp per allowed request in
+//! the window; the semaphore one lease expiry per permit out. Buckets live
+//! in 64 mutex-guarded shards, so concurrent decisions on one key are
+//! serialised and exact.
+//!
+//! Memory is bounded by `max_keys`: a collector drops buckets whose state
+//! is fresh again (forgetting them changes no decision); when the store is
+//! full a new key is charged to its rule's overflow bucket, shared by every
+//! key that found no room. A limited key is never evicted by new ones: it
+//! fails closed, as packet sources do.
+
+use std::{
+    collections::{HashMap, VecDeque},
+    hash::{Hash, Hasher},
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc, Mutex,
+    },
+};
+
+use rl_common::{quota, LimitEntry};
+
+use super::rules::{Entry, L7Algorithm, L7Config, L7Rule};
+use crate::rules::{Action, Algorithm};
+
+const SHARDS: usize = 64;
+const NS: u64 = 1_000_000_000;
+
+/// One entry of a request descriptor.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Deserialize, serde::Serialize, utoipa::ToSchema)]
+pub struct DescriptorEntry {
+    pub key: String,
+    pub value: String,
+}
+
+/// What one descriptor got.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
+pub struct Status {
+    /// `ok`, `over_limit`, or `unmatched` (no rule: not limited).
+    pub code: &'static str,
+    /// The rule that decided (empty when unmatched).
+    pub rule: String,
+    /// Requests allowed per `per_secs` (for `concurrency`: in flight).
+    pub limit: u64,
+    pub per_secs: u64,
+    pub remaining: u64,
+    /// Until the bucket is full (or a permit expires) again, in ms.
+    pub reset_ms: u64,
+    /// Until one more request would pass, in ms (0 when it would now).
+    pub retry_after_ms: u64,
+    /// Over the limit but counted only (`action = "shadow"`).
+    pub shadow: bool,
+}
+
+impl Status {
+    fn unmatched() -> Status {
+        Status { code: "unmatched", rule: String::new(), limit: 0, per_secs: 0, remaining: 0, reset_ms: 0, retry_after_ms: 0, shadow: false }
+    }
+}
+
+/// Per-rule decision counters.
+#[derive(Default)]
+pub struct Counters {
+    pub ok: AtomicU64,
+    pub over: AtomicU64,
+    pub shadow_over: AtomicU64,
+}
+
+struct Compiled {
+    rule: L7Rule,
+    /// The rule's identity (a hash of its definition): buckets survive a
+    /// reload that leaves the rule unchanged.
+    id: u64,
+    limits: Vec<LimitEntry>,
+    counters: Counters,
+}
+
+enum Bucket {
+    Words(Vec<u64>),
+    Log(Vec<VecDeque<u64>>),
+    Leases(VecDeque<u64>),
+}
+
+/// The request limiter: compiled rules and their buckets.
+pub struct Engine {
+    rules: Vec<Compiled>,
+    by_domain: HashMap<String, Vec<usize>>,
+    /// Shared with the engine this one replaced (a reload keeps buckets).
+    shards: Arc<Vec<Mutex<HashMap<(u64, Vec<String>), Bucket>>>>,
+    keys: Arc<AtomicU64>,
+    max_keys: u64,
+    epoch_offset_ns: u64,
+    pub unmatched: AtomicU64,
+}
+
+fn rule_id(rule: &L7Rule) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    rule.hash(&mut h);
+    h.finish()
+}
+
+/// The monotonic clock rl-common's arithmetic runs on.
+fn now_ns() -> u64 {
+    crate::datapath::monotonic_ns()
+}
+
+impl Engine {
+    /// An engine for `config`, keeping the buckets of `previous`'s rules
+    /// that are unchanged.
+    pub fn new(config: &L7Config, epoch_offset_ns: u64, previous: Option<&Engine>) -> Engine {
+        let rules: Vec<Compiled> = config
+            .rules
+            .iter()
+            .map(|r| Compiled {
+                id: rule_id(r),
+                limits: match r.algorithm {
+                    L7Algorithm::Packet(a) => r.limits.iter().map(|l| crate::compile::limit_entry(a, l.unit, &l.enforced(r.mode))).collect(),
+                    _ => Vec::new(),
+                },
+                rule: r.clone(),
+                counters: Counters::default(),
+            })
+            .collect();
+        let mut by_domain: HashMap<String, Vec<usize>> = HashMap::new();
+        for (i, c) in rules.iter().enumerate() {
+            by_domain.entry(c.rule.domain.clone()).or_default().push(i);
+        }
+        let (shards, keys) = match previous {
+            Some(p) => {
+                // The buckets of rules that are gone go now.
+                let live: std::collections::HashSet<u64> = rules.iter().map(|c| c.id).collect();
+                for s in p.shards.iter() {
+                    let mut m = s.lock().unwrap_or_else(|e| e.into_inner());
+                    let mut gone = 0u64;
+                    m.retain(|(id, values), _| {
+                        let keep = live.contains(id);
+                        gone += u64::from(!keep && !is_overflow(values));
+                        keep
+                    });
+                    p.keys.fetch_sub(gone.min(p.keys.load(Ordering::Relaxed)), Ordering::Relaxed);
+                }
+                (p.shards.clone(), p.keys.clone())
+            }
+            None => (Arc::new((0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect()), Arc::new(AtomicU64::new(0))),
+        };
+        Engine { rules, by_domain, shards, keys, max_keys: config.max_keys, epoch_offset_ns, unmatched: AtomicU64::new(0) }
+    }
+
+    /// Request buckets held now.
+    pub fn keys(&self) -> u64 {
+        self.keys.load(Ordering::Relaxed)
+    }
+
+    /// Per-rule counters, in file order.
+    pub fn counters(&self) -> impl Iterator<Item = (&str, &Counters)> {
+        self.rules.iter().map(|c| (c.rule.name.as_str(), &c.counters))
+    }
+
+    /// The first rule of `domain` whose descriptor matches `entries`.
+    fn matching(&self, domain: &str, entries: &[DescriptorEntry]) -> Option<&Compiled> {
+        let matches = |d: &[Entry]| {
+            d.len() == entries.len()
+                && d.iter().zip(entries).all(|(r, e)| r.key == e.key && r.value.as_ref().is_none_or(|v| *v == e.value))
+        };
+        self.by_domain.get(domain)?.iter().map(|&i| &self.rules[i]).find(|c| matches(&c.rule.descriptor))
+    }
+
+    /// Charges `hits` (negative: a refund, for `concurrency`) to the bucket
+    /// of one descriptor.
+    pub fn decide(&self, domain: &str, entries: &[DescriptorEntry], hits: i64) -> Status {
+        self.decide_at(domain, entries, hits, now_ns())
+    }
+
+    /// [`Engine::decide`] at monotonic time `now` (tests drive the clock).
+    pub fn decide_at(&self, domain: &str, entries: &[DescriptorEntry], hits: i64, now: u64) -> Status {
+        let Some(c) = self.matching(domain, entries) else {
+            self.unmatched.fetch_add(1, Ordering::Relaxed);
+            return Status::unmatched();
+        };
+        let values: Vec<String> = entries.iter().map(|e| e.value.clone()).collect();
+        let mut key = (c.id, values);
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        key.hash(&mut h);
+        let mut shard = self.shards[h.finish() as usize % SHARDS].lock().unwrap_or_else(|e| e.into_inner());
+        if !shard.contains_key(&key) {
+            if self.keys.load(Ordering::Relaxed) >= self.max_keys {
+                // Full: the rule's overflow bucket (fails closed, coarser).
+                key.1 = vec!["\u{0}overflow".into()];
+                drop(shard);
+                let mut h = std::collections::hash_map::DefaultHasher::new();
+                key.hash(&mut h);
+                shard = self.shards[h.finish() as usize % SHARDS].lock().unwrap_or_else(|e| e.into_inner());
+            } else {
+                self.keys.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        let bucket = shard.entry(key).or_insert_with(|| match c.rule.algorithm {
+            L7Algorithm::Packet(_) => Bucket::Words(vec![0; c.limits.len()]),
+            L7Algorithm::SlidingLog => Bucket::Log(vec![VecDeque::new(); c.rule.limits.len()]),
+            L7Algorithm::Concurrency { .. } => Bucket::Leases(VecDeque::new()),
+        });
+        let mut st = charge(c, bucket, now, hits, self.epoch_offset_ns);
+        drop(shard);
+        let counters = &c.counters;
+        if st.code == "over_limit" {
+            if c.rule.action == Action::Shadow {
+                counters.shadow_over.fetch_add(1, Ordering::Relaxed);
+                st.code = "ok";
+                st.shadow = true;
+            } else {
+                counters.over.fetch_add(1, Ordering::Relaxed);
+            }
+        } else {
+            counters.ok.fetch_add(1, Ordering::Relaxed);
+        }
+        st
+    }
+
+    /// Drops buckets whose state is fresh again (a full token bucket, a
+    /// window past, an empty log or no permit out): forgetting them changes
+    /// no decision. Returns how many went.
+    pub fn collect(&self) -> u64 {
+        self.collect_at(now_ns())
+    }
+
+    /// [`Engine::collect`] at monotonic time `now`.
+    pub fn collect_at(&self, now: u64) -> u64 {
+        let by_id: HashMap<u64, &Compiled> = self.rules.iter().map(|c| (c.id, c)).collect();
+        let mut gone = 0;
+        for s in self.shards.iter() {
+            let mut m = s.lock().unwrap_or_else(|e| e.into_inner());
+            m.retain(|(id, values), b| {
+                let keep = by_id.get(id).is_some_and(|c| match b {
+                    Bucket::Words(w) => !c.limits.iter().zip(w.iter()).all(|(l, w)| l.is_fresh(*w, now, self.epoch_offset_ns)),
+                    Bucket::Log(logs) => {
+                        !logs.iter().zip(&c.rule.limits).all(|(log, l)| log.back().is_none_or(|t| t + l.rate.per_secs * NS <= now))
+                    }
+                    Bucket::Leases(leases) => !leases.iter().all(|&expiry| expiry <= now),
+                });
+                if !keep && !is_overflow(values) {
+                    gone += 1;
+                }
+                keep
+            });
+        }
+        self.keys.fetch_sub(gone.min(self.keys()), Ordering::Relaxed);
+        gone
+    }
+}
+
+/// The key of a rule's overflow bucket.
+fn is_overflow(values: &[String]) -> bool {
+    values.len() == 1 && values[0].starts_with('\u{0}')
+}
+
+/// One charge under the shard lock.
+fn charge(c: &Compiled, bucket: &mut Bucket, now: u64, hits: i64, epoch: u64) -> Status {
+    let rule = &c.rule;
+    let base = Status { code: "ok", rule: rule.name.clone(), limit: 0, per_secs: 0, remaining: 0, reset_ms: 0, retry_after_ms: 0, shadow: false };
+    let ms = |ns: u64| ns.div_ceil(1_000_000);
+    match (bucket, rule.algorithm) {
+        (Bucket::Words(words), L7Algorithm::Packet(a)) => {
+            let units = hits.max(0) as u64;
+            let step = |l: &LimitEntry, w: u64| match a {
+                Algorithm::TokenBucket => l.gcra_step(w, now, units),
+                _ => l.window_step(w, now, epoch, units),
+            };
+            let next: Option<Vec<u64>> = c.limits.iter().zip(words.iter()).map(|(l, w)| if units == 0 { Some(*w) } else { step(l, *w) }).collect();
+            let over = next.is_none();
+            if let Some(n) = next {
+                *words = n;
+            }
+            // The headers speak for the tightest limit.
+            let (i, q) = c
+                .limits
+                .iter()
+                .zip(words.iter())
+                .map(|(l, w)| quota(l, *w, now, epoch))
+                .enumerate()
+                .min_by_key(|(_, q)| q.remaining)
+                .expect("a rule has a limit");
+            Status {
+                code: if over { "over_limit" } else { "ok" },
+                limit: rule.limits[i].rate.amount,
+                per_secs: rule.limits[i].rate.per_secs,
+                remaining: q.remaining,
+                reset_ms: ms(q.reset_ns),
+                retry_after_ms: ms(q.retry_after_ns),
+                ..base
+            }
+        }
+        (Bucket::Log(logs), _) => {
+            let units = hits.max(0) as u64;
+            for (log, l) in logs.iter_mut().zip(&rule.limits) {
+                let window = l.rate.per_secs * NS;
+                while log.front().is_some_and(|&t| t + window <= now) {
+                    log.pop_front();
+                }
+            }
+            let fits = logs.iter().zip(&rule.limits).all(|(log, l)| log.len() as u64 + units <= l.rate.amount);
+            if fits {
+                for log in logs.iter_mut() {
+                    log.extend(std::iter::repeat_n(now, units as usize));
+                }
+            }
+            let (log, l) = logs
+                .iter()
+                .zip(&rule.limits)
+                .min_by_key(|(log, l)| l.rate.amount.saturating_sub(log.len() as u64))
+                .expect("a rule has a limit");
+            let window = l.rate.per_secs * NS;
+            let remaining = l.rate.amount.saturating_sub(log.len() as u64);
+            let oldest = log.front().map_or(0, |&t| (t + window).saturating_sub(now));
+            let newest = log.back().map_or(0, |&t| (t + window).saturating_sub(now));
+            Status {
+                code: if fits { "ok" } else { "over_limit" },
+                limit: l.rate.amount,
+                per_secs: l.rate.per_secs,
+                remaining,
+                reset_ms: ms(newest),
+                retry_after_ms: if remaining > 0 { 0 } else { ms(oldest) },
+                ..base
+            }
+        }
+        (Bucket::Leases(leases), L7Algorithm::Concurrency { max, lease_secs }) => {
+            while leases.front().is_some_and(|&e| e <= now) {
+                leases.pop_front();
+            }
+            let ok = if hits < 0 {
+                // A refund releases the oldest permits.
+                for _ in 0..hits.unsigned_abs().min(leases.len() as u64) {
+                    leases.pop_front();
+                }
+                true
+            } else if leases.len() as u64 + hits as u64 <= max {
+                leases.extend(std::iter::repeat_n(now + lease_secs * NS, hits as usize));
+                true
+            } else {
+                false
+            };
+            let remaining = max.saturating_sub(leases.len() as u64);
+            let next_free = leases.front().map_or(0, |&e| e.saturating_sub(now));
+            Status {
+                code: if ok { "ok" } else { "over_limit" },
+                limit: max,
+                per_secs: lease_secs,
+                remaining,
+                reset_ms: ms(leases.back().map_or(0, |&e| e.saturating_sub(now))),
+                retry_after_ms: if remaining > 0 { 0 } else { ms(next_free) },
+                ..base
+            }
+        }
+        _ => unreachable!("a bucket is made for its rule's algorithm"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    const S: u64 = NS;
+
+    fn engine(rules: &str) -> Engine {
+        let c = Config::from_str(&format!("[default]\nrate = 1\n[l7]\nmax_keys = 8\n{rules}"), "t").unwrap();
+        Engine::new(&c.l7, 0, None)
+    }
+
+    fn d(pairs: &[(&str, &str)]) -> Vec<DescriptorEntry> {
+        pairs.iter().map(|(k, v)| DescriptorEntry { key: k.to_string(), value: v.to_string() }).collect()
+    }
+
+    const LOGIN: &str = "[[l7.rule]]\nname = \"login\"\ndomain = \"auth\"\n\
+        descriptor = [{ key = \"auth_type\", value = \"login\" }, { key = \"remote_address\" }]\n\
+        rate = 5\nper = \"1m\"\nalgorithm = \"sliding_log\"\n";
+
+    #[test]
+    fn descriptors_match_by_keys_in_order_and_given_values_and_each_value_has_its_bucket() {
+        let e = engine(LOGIN);
+        let ip = |a: &str| d(&[("auth_type", "login"), ("remote_address", a)]);
+        for _ in 0..5 {
+            assert_eq!(e.decide_at("auth", &ip("192.0.2.7"), 1, 10 * S).code, "ok");
+        }
+        assert_eq!(e.decide_at("auth", &ip("192.0.2.7"), 1, 10 * S).code, "over_limit");
+        assert_eq!(e.decide_at("auth", &ip("192.0.2.8"), 1, 10 * S).code, "ok", "another value, another bucket");
+        for other in [d(&[("auth_type", "signup"), ("remote_address", "x")]), d(&[("remote_address", "x"), ("auth_type", "login")]), d(&[("auth_type", "login")])] {
+            assert_eq!(e.decide_at("auth", &other, 1, 10 * S).code, "unmatched", "{other:?}");
+        }
+        assert_eq!(e.decide_at("other", &ip("192.0.2.7"), 1, 10 * S).code, "unmatched", "another domain");
+        assert_eq!(e.unmatched.load(Ordering::Relaxed), 4);
+    }
+
+    #[test]
+    fn the_sliding_log_never_allows_more_than_rate_in_any_window() {
+        let e = engine(LOGIN);
+        let key = d(&[("auth_type", "login"), ("remote_address", "a")]);
+        // Requests at pseudo-random moments over 10 minutes.
+        let mut t = 1_000 * S;
+        let mut seed = 12345u64;
+        let mut allowed = Vec::new();
+        for _ in 0..5_000 {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            t += (seed >> 33) % (300 * 1_000_000); // up to 0.3 s apart
+            if e.decide_at("auth", &key, 1, t).code == "ok" {
+                allowed.push(t);
+            }
+        }
+        for (i, &start) in allowed.iter().enumerate() {
+            let in_window = allowed[i..].iter().take_while(|&&x| x < start + 60 * S).count();
+            assert!(in_window <= 5, "{in_window} allowed in the minute from {start}");
+        }
+        assert!(allowed.len() >= 5 * 9, "the log let too few through: {}", allowed.len());
+    }
+
+    #[test]
+    fn concurrency_never_has_more_than_max_out_with_8_threads_racing() {
+        let e = Arc::new(engine("[[l7.rule]]\nname = \"uploads\"\ndomain = \"api\"\ndescriptor = [{ key = \"user\" }]\nalgorithm = \"concurrency\"\nmax = 3\n"));
+        let out = Arc::new(AtomicU64::new(0));
+        let peak = Arc::new(AtomicU64::new(0));
+        let threads: Vec<_> = (0..8)
+            .map(|_| {
+                let (e, out, peak) = (e.clone(), out.clone(), peak.clone());
+                std::thread::spawn(move || {
+                    let key = d(&[("user", "alice")]);
+                    for _ in 0..2_000 {
+                        if e.decide("api", &key, 1).code == "ok" {
+                            let n = out.fetch_add(1, Ordering::SeqCst) + 1;
+                            peak.fetch_max(n, Ordering::SeqCst);
+                            std::hint::spin_loop();
+                            out.fetch_sub(1, Ordering::SeqCst);
+                            assert_eq!(e.decide("api", &key, -1).code, "ok");
+                        }
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        let p = peak.load(Ordering::SeqCst);
+        assert!((1..=3).contains(&p), "peak {p} permits out, max 3");
+    }
+
+    #[test]
+    fn leases_expire_and_refunds_release() {
+        let e = engine("[[l7.rule]]\nname = \"c\"\ndomain = \"api\"\ndescriptor = [{ key = \"u\" }]\nalgorithm = \"concurrency\"\nmax = 2\nlease = \"10s\"\n");
+        let k = d(&[("u", "x")]);
+        assert_eq!(e.decide_at("api", &k, 1, S).code, "ok");
+        assert_eq!(e.decide_at("api", &k, 1, S).code, "ok");
+        let over = e.decide_at("api", &k, 1, 2 * S);
+        assert_eq!((over.code, over.remaining, over.retry_after_ms), ("over_limit", 0, 9_000));
+        assert_eq!(e.decide_at("api", &k, -1, 3 * S).code, "ok");
+        assert_eq!(e.decide_at("api", &k, 1, 3 * S).code, "ok", "a refund released a permit");
+        assert_eq!(e.decide_at("api", &k, 1, 12 * S).code, "ok", "leaked permits expired after 10 s");
+    }
+
+    #[test]
+    fn token_buckets_pass_their_burst_and_shadow_rules_only_count() {
+        let e = engine("[[l7.rule]]\nname = \"tb\"\ndomain = \"api\"\ndescriptor = [{ key = \"u\" }]\nrate = 10\nburst = 3\n\
+            [[l7.rule]]\nname = \"sh\"\ndomain = \"api\"\ndescriptor = [{ key = \"s\" }]\nrate = 1\naction = \"shadow\"\n");
+        let k = d(&[("u", "x")]);
+        let codes: Vec<&str> = (0..5).map(|_| e.decide_at("api", &k, 1, 5 * S).code).collect();
+        assert_eq!(codes, ["ok", "ok", "ok", "over_limit", "over_limit"]);
+        let s = e.decide_at("api", &k, 1, 5 * S + S / 10);
+        assert_eq!(s.code, "ok", "a token every 100 ms");
+        let sh = d(&[("s", "y")]);
+        for _ in 0..5 {
+            assert_eq!(e.decide_at("api", &sh, 1, 5 * S).code, "ok");
+        }
+        let (_, c) = e.counters().find(|(n, _)| *n == "sh").unwrap();
+        assert_eq!((c.ok.load(Ordering::Relaxed), c.shadow_over.load(Ordering::Relaxed)), (1, 4));
+    }
+
+    #[test]
+    fn a_full_store_charges_newcomers_to_the_overflow_bucket_and_never_evicts_a_limited_key() {
+        let e = engine("[[l7.rule]]\nname = \"one\"\ndomain = \"api\"\ndescriptor = [{ key = \"u\" }]\nrate = 1\nper = \"1h\"\n");
+        let k = |i: u32| d(&[("u", &i.to_string())]);
+        assert_eq!(e.decide_at("api", &k(0), 1, S).code, "ok");
+        assert_eq!(e.decide_at("api", &k(0), 1, S).code, "over_limit");
+        // max_keys = 8: 7 more keys fit, then newcomers share one bucket.
+        let passed = (1..100).filter(|&i| e.decide_at("api", &k(i), 1, S).code == "ok").count();
+        assert_eq!(passed, 7 + 1, "7 own buckets, then one pass from the shared overflow bucket");
+        assert_eq!(e.keys(), 8);
+        assert_eq!(e.decide_at("api", &k(0), 1, 2 * S).code, "over_limit", "the limited key kept its state");
+        assert_eq!(e.collect_at(2 * S), 0, "nothing fresh within the hour");
+        assert_eq!(e.keys(), 8);
+        assert_eq!(e.collect_at(2 * 3600 * S), 8, "all fresh after two hours");
+        assert_eq!(e.keys(), 0);
+        assert_eq!(e.decide_at("api", &k(50), 1, 2 * 3600 * S).code, "ok", "room again: a bucket of its own");
+    }
+
+    #[test]
+    fn a_reload_keeps_the_buckets_of_unchanged_rules() {
+        let e = engine(LOGIN);
+        let k = d(&[("auth_type", "login"), ("remote_address", "a")]);
+        for _ in 0..5 {
+            e.decide_at("auth", &k, 1, S);
+        }
+        let same = Config::from_str(&format!("[default]\nrate = 1\n[l7]\nmax_keys = 8\n{LOGIN}"), "t").unwrap();
+        let e2 = Engine::new(&same.l7, 0, Some(&e));
+        assert_eq!(e2.decide_at("auth", &k, 1, 2 * S).code, "over_limit", "unchanged rule, same bucket");
+        let changed = Config::from_str(&format!("[default]\nrate = 1\n[l7]\nmax_keys = 8\n{}", LOGIN.replace("rate = 5", "rate = 6")), "t").unwrap();
+        let e3 = Engine::new(&changed.l7, 0, Some(&e2));
+        assert_eq!(e3.decide_at("auth", &k, 1, 3 * S).code, "ok", "a changed rule starts fresh");
+        assert_eq!(e3.keys(), 1);
+    }
+}

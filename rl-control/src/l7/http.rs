@@ -1,0 +1,132 @@
+//! `POST /v1/check` on `[l7] http_listen`: one decision per request for any
+//! gateway or application, with the conventional and IETF rate-limit
+//! headers. It only charges buckets: it cannot change rules, and needs no
+//! token (like Envoy's gRPC port it belongs on loopback or a private
+//! network).
+
+use std::sync::{Arc, RwLock};
+
+use axum::{
+    body::Bytes,
+    extract::State,
+    http::{HeaderMap, HeaderValue, StatusCode},
+    response::{IntoResponse, Response},
+    routing::{get, post},
+    Json, Router,
+};
+use serde::Deserialize;
+
+use super::{
+    engine::{DescriptorEntry, Engine, Status},
+    rules::{MAX_ENTRIES, MAX_VALUE_LEN},
+};
+
+/// The engine in force; a reload swaps in a new one (keeping buckets).
+pub type Shared = Arc<RwLock<Arc<Engine>>>;
+
+/// Most descriptors in one check.
+pub const MAX_DESCRIPTORS: usize = 16;
+/// Largest `|hits|`.
+pub const MAX_HITS: i64 = 1_000_000;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Check {
+    domain: String,
+    descriptors: Vec<Vec<DescriptorEntry>>,
+    #[serde(default)]
+    hits: Option<i64>,
+}
+
+fn bad(msg: String) -> Response {
+    (StatusCode::BAD_REQUEST, Json(serde_json::json!({ "error": msg }))).into_response()
+}
+
+/// What is wrong with `c`, if anything.
+fn invalid(c: &Check) -> Option<String> {
+    if c.domain.is_empty() || c.domain.len() > MAX_VALUE_LEN {
+        return Some(format!("domain must be 1..={MAX_VALUE_LEN} bytes"));
+    }
+    if c.descriptors.is_empty() || c.descriptors.len() > MAX_DESCRIPTORS {
+        return Some(format!("descriptors must hold 1..={MAX_DESCRIPTORS} descriptors"));
+    }
+    for d in &c.descriptors {
+        if d.is_empty() || d.len() > MAX_ENTRIES {
+            return Some(format!("a descriptor must hold 1..={MAX_ENTRIES} entries"));
+        }
+        if d.iter().any(|e| e.key.is_empty() || e.key.len() > MAX_VALUE_LEN || e.value.len() > MAX_VALUE_LEN) {
+            return Some(format!("descriptor keys must be 1..={MAX_VALUE_LEN} bytes and values at most {MAX_VALUE_LEN}"));
+        }
+    }
+    match c.hits {
+        Some(h) if h.abs() > MAX_HITS => Some(format!("hits must be -{MAX_HITS}..={MAX_HITS}")),
+        _ => None,
+    }
+}
+
+/// The status the headers speak for: the first over the limit, else the
+/// one with the least left (unmatched descriptors are not limited).
+pub fn deciding(statuses: &[Status]) -> Option<&Status> {
+    let matched = statuses.iter().filter(|s| s.code != "unmatched");
+    statuses.iter().find(|s| s.code == "over_limit").or_else(|| matched.min_by_key(|s| s.remaining))
+}
+
+/// `X-RateLimit-*`, IETF `RateLimit-Policy` / `RateLimit`, and `Retry-After`
+/// when over.
+pub fn headers(s: &Status, over: bool) -> HeaderMap {
+    let mut h = HeaderMap::new();
+    let secs = |ms: u64| ms.div_ceil(1000);
+    let mut put = |name: &'static str, v: String| {
+        if let Ok(v) = HeaderValue::from_str(&v) {
+            h.insert(name, v);
+        }
+    };
+    put("x-ratelimit-limit", s.limit.to_string());
+    put("x-ratelimit-remaining", s.remaining.to_string());
+    put("x-ratelimit-reset", secs(s.reset_ms).to_string());
+    put("ratelimit-policy", format!("\"{}\";q={};w={}", s.rule, s.limit, s.per_secs));
+    put("ratelimit", format!("\"{}\";r={};t={}", s.rule, s.remaining, secs(s.reset_ms)));
+    if over {
+        put("retry-after", secs(s.retry_after_ms).max(1).to_string());
+    }
+    h
+}
+
+async fn check(State(l7): State<Shared>, body: Bytes) -> Response {
+    let c: Check = match serde_json::from_slice(&body) {
+        Ok(c) => c,
+        Err(e) => {
+            return bad(format!(
+                "expected {{\"domain\": \"...\", \"descriptors\": [[{{\"key\": \"...\", \"value\": \"...\"}}]], \"hits\": 1}}: {e}"
+            ))
+        }
+    };
+    if let Some(m) = invalid(&c) {
+        return bad(m);
+    }
+    // Envoy's convention: 0 hits means 1.
+    let hits = match c.hits.unwrap_or(1) {
+        0 => 1,
+        h => h,
+    };
+    let engine = l7.read().unwrap_or_else(|e| e.into_inner()).clone();
+    let statuses: Vec<Status> = c.descriptors.iter().map(|d| engine.decide(&c.domain, d, hits)).collect();
+    let over = statuses.iter().any(|s| s.code == "over_limit");
+    let code = if over { StatusCode::TOO_MANY_REQUESTS } else { StatusCode::OK };
+    let hdrs = deciding(&statuses).map(|s| headers(s, over)).unwrap_or_default();
+    let body = serde_json::json!({ "overall": if over { "over_limit" } else { "ok" }, "statuses": statuses });
+    (code, hdrs, Json(body)).into_response()
+}
+
+async fn healthz() -> Json<serde_json::Value> {
+    Json(serde_json::json!({ "status": "ok" }))
+}
+
+/// `POST /v1/check` and `GET /healthz`.
+pub fn router(l7: Shared) -> Router {
+    Router::new()
+        .route("/v1/check", post(check))
+        .route("/healthz", get(healthz))
+        .layer(axum::extract::DefaultBodyLimit::max(64 << 10))
+        .with_state(l7)
+}

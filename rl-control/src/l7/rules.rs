@@ -1,0 +1,331 @@
+//! `[l7]` and `[[l7.rule]]`: request rules, validated with line:col like
+//! packet rules, sharing their limit syntax (`rate`/`per`/`burst` or
+//! `limits = [...]`, `action`, `mode = "hard" | "soft"`).
+
+use std::net::SocketAddr;
+
+use serde::Deserialize;
+use toml::Spanned;
+
+use crate::{
+    config::{ConfigError, Located},
+    rules::{choice, duration, int_in, limits_of, Action, Algorithm, Mode, RawLimit, RuleLimit, MAX_LIMITS},
+};
+
+/// Most `[[l7.rule]]`s.
+pub const MAX_L7_RULES: usize = 1024;
+/// Most entries in a rule's (and a request's) descriptor.
+pub const MAX_ENTRIES: usize = 16;
+/// Longest descriptor key or value, in bytes.
+pub const MAX_VALUE_LEN: usize = 256;
+/// Largest `rate` of a `sliding_log` rule: its memory is one timestamp
+/// per allowed request in the window.
+pub const MAX_LOG_RATE: u64 = 10_000;
+/// Largest `max` of a `concurrency` rule.
+pub const MAX_CONCURRENCY: u64 = 1_000_000;
+/// Largest `[l7] max_keys`.
+pub const MAX_KEYS_LIMIT: u64 = 16_777_216;
+
+/// How a request rule counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum L7Algorithm {
+    /// The packet algorithms (token bucket, fixed and sliding window).
+    Packet(Algorithm),
+    /// At most `rate` in any span of `per`, exactly (a log of timestamps).
+    SlidingLog,
+    /// At most `max` in flight; a refund releases one.
+    Concurrency { max: u64, lease_secs: u64 },
+}
+
+/// One descriptor entry of a rule: a key, and the value it must have
+/// (`None`: every value gets its own bucket).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Entry {
+    pub key: String,
+    pub value: Option<String>,
+}
+
+/// A validated `[[l7.rule]]`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct L7Rule {
+    pub name: String,
+    pub domain: String,
+    pub descriptor: Vec<Entry>,
+    pub algorithm: L7Algorithm,
+    /// All must pass (empty for `concurrency`).
+    pub limits: Vec<RuleLimit>,
+    pub action: Action,
+    pub mode: Mode,
+}
+
+/// `[l7]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct L7Config {
+    /// Envoy's `RateLimitService` (gRPC).
+    pub grpc_listen: Option<SocketAddr>,
+    /// `POST /v1/check`.
+    pub http_listen: Option<SocketAddr>,
+    /// Request buckets held at most.
+    pub max_keys: u64,
+    /// Add the IETF `RateLimit-Policy` / `RateLimit` headers to gRPC answers.
+    pub draft_headers: bool,
+    pub rules: Vec<L7Rule>,
+}
+
+impl Default for L7Config {
+    fn default() -> Self {
+        L7Config { grpc_listen: None, http_listen: None, max_keys: 1_000_000, draft_headers: false, rules: Vec::new() }
+    }
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawL7 {
+    grpc_listen: Option<Spanned<String>>,
+    http_listen: Option<Spanned<String>>,
+    max_keys: Option<Spanned<i64>>,
+    draft_headers: Option<bool>,
+    #[serde(default)]
+    rule: Vec<Spanned<RawL7Rule>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawL7Rule {
+    name: Option<Spanned<String>>,
+    domain: Option<Spanned<String>>,
+    descriptor: Option<Spanned<Vec<Spanned<RawEntry>>>>,
+    rate: Option<Spanned<i64>>,
+    per: Option<Spanned<String>>,
+    burst: Option<Spanned<i64>>,
+    limits: Option<Spanned<Vec<Spanned<RawLimit>>>>,
+    algorithm: Option<Spanned<String>>,
+    action: Option<Spanned<String>>,
+    mode: Option<Spanned<String>>,
+    soft_percent: Option<Spanned<i64>>,
+    max: Option<Spanned<i64>>,
+    lease: Option<Spanned<String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawEntry {
+    key: Spanned<String>,
+    value: Option<Spanned<String>>,
+}
+
+fn address(loc: &Located, v: &Option<Spanned<String>>, name: &str, example: &str) -> Result<Option<SocketAddr>, ConfigError> {
+    match v {
+        None => Ok(None),
+        Some(l) => l.get_ref().parse().map(Some).map_err(|_| {
+            loc.at(l.span(), format!("{name} = \"{}\" is not an address: write IP:PORT, such as \"{example}\"", l.get_ref()))
+        }),
+    }
+}
+
+fn text(loc: &Located, what: &str, v: &Spanned<String>) -> Result<String, ConfigError> {
+    let t = v.get_ref();
+    if t.is_empty() || t.len() > MAX_VALUE_LEN {
+        return Err(loc.at(v.span(), format!("{what} must be 1..={MAX_VALUE_LEN} bytes long")));
+    }
+    Ok(t.clone())
+}
+
+pub(crate) fn validate(loc: &Located, raw: &RawL7) -> Result<L7Config, ConfigError> {
+    if let Some(g) = &raw.grpc_listen {
+        return Err(loc.at(
+            g.span(),
+            "l7.grpc_listen: Envoy's rate-limit service (gRPC) is not in this build yet; use l7.http_listen (POST /v1/check)".into(),
+        ));
+    }
+    let mut out = L7Config {
+        grpc_listen: None,
+        http_listen: address(loc, &raw.http_listen, "l7.http_listen", "127.0.0.1:8082")?,
+        max_keys: match &raw.max_keys {
+            Some(v) => int_in(loc, "l7.max_keys", v, 1, MAX_KEYS_LIMIT as i64)?,
+            None => 1_000_000,
+        },
+        draft_headers: raw.draft_headers.unwrap_or(false),
+        rules: Vec::new(),
+    };
+    if raw.rule.len() > MAX_L7_RULES {
+        return Err(loc.at(raw.rule[MAX_L7_RULES].span(), format!("{} l7 rules: at most {MAX_L7_RULES}", raw.rule.len())));
+    }
+    for (i, spanned) in raw.rule.iter().enumerate() {
+        let rule = validate_rule(loc, i, spanned)?;
+        if let Some(first) = out.rules.iter().find(|r| r.name == rule.name) {
+            let span = spanned.get_ref().name.as_ref().map(|n| n.span()).unwrap_or(spanned.span());
+            return Err(loc.at(span, format!("l7 rule name \"{}\" is already used: names must be unique", first.name)));
+        }
+        out.rules.push(rule);
+    }
+    Ok(out)
+}
+
+fn validate_rule(loc: &Located, i: usize, spanned: &Spanned<RawL7Rule>) -> Result<L7Rule, ConfigError> {
+    let (r, table) = (spanned.get_ref(), spanned.span());
+    let name = r.name.as_ref().ok_or_else(|| loc.at(table.clone(), format!("l7 rule #{}: missing name", i + 1)))?;
+    let n = name.get_ref();
+    if n.is_empty() || n.len() > 48 || !n.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-') {
+        return Err(loc.at(name.span(), format!("l7 rule name \"{n}\" is not allowed: use 1..=48 characters from a-z, 0-9, _ and -")));
+    }
+    let who = format!("l7 rule \"{n}\"");
+    let domain = match &r.domain {
+        Some(d) => text(loc, &format!("{who}: domain"), d)?,
+        None => return Err(loc.at(table, format!("{who}: missing domain (Envoy's rate-limit domain, e.g. \"auth\")"))),
+    };
+    let Some(desc) = &r.descriptor else {
+        return Err(loc.at(table, format!("{who}: missing descriptor, e.g. [{{ key = \"remote_address\" }}]")));
+    };
+    if desc.get_ref().is_empty() || desc.get_ref().len() > MAX_ENTRIES {
+        return Err(loc.at(desc.span(), format!("{who}: descriptor needs 1..={MAX_ENTRIES} entries")));
+    }
+    let mut descriptor = Vec::new();
+    for e in desc.get_ref() {
+        let e = e.get_ref();
+        let key = text(loc, &format!("{who}: descriptor key"), &e.key)?;
+        let value = e.value.as_ref().map(|v| text(loc, &format!("{who}: descriptor value"), v)).transpose()?;
+        descriptor.push(Entry { key, value });
+    }
+    let kind = choice(
+        loc,
+        &format!("{who}: algorithm"),
+        &r.algorithm,
+        &[("token_bucket", 0), ("fixed_window", 1), ("sliding_window", 2), ("sliding_log", 3), ("concurrency", 4)],
+    )?;
+    let action = choice(loc, &format!("{who}: action"), &r.action, &[("drop", Action::Drop), ("shadow", Action::Shadow)])?;
+    let mode = match choice(loc, &format!("{who}: mode"), &r.mode, &[("hard", 0), ("soft", 1)])? {
+        0 => {
+            if let Some(p) = &r.soft_percent {
+                return Err(loc.at(p.span(), format!("{who}: soft_percent needs mode = \"soft\"")));
+            }
+            Mode::Hard
+        }
+        _ => Mode::Soft {
+            percent: match &r.soft_percent {
+                Some(p) => int_in(loc, &format!("{who}: soft_percent"), p, 1, 1000)? as u32,
+                None => 10,
+            },
+        },
+    };
+    if kind == 4 {
+        for (field, span) in [("rate", r.rate.as_ref().map(|v| v.span())), ("per", r.per.as_ref().map(|v| v.span())), ("burst", r.burst.as_ref().map(|v| v.span())), ("limits", r.limits.as_ref().map(|v| v.span()))] {
+            if let Some(span) = span {
+                return Err(loc.at(span, format!("{who}: {field} does not apply to algorithm = \"concurrency\": give `max` (and `lease`)")));
+            }
+        }
+        let Some(max) = &r.max else {
+            return Err(loc.at(table, format!("{who}: algorithm = \"concurrency\" needs `max`, the requests allowed in flight")));
+        };
+        let max = int_in(loc, &format!("{who}: max"), max, 1, MAX_CONCURRENCY as i64)?;
+        let lease_secs = match &r.lease {
+            None => 60,
+            Some(_) => duration(loc, &format!("{who}: lease"), &r.lease)?,
+        };
+        return Ok(L7Rule {
+            name: n.clone(),
+            domain,
+            descriptor,
+            algorithm: L7Algorithm::Concurrency { max, lease_secs },
+            limits: Vec::new(),
+            action,
+            mode,
+        });
+    }
+    for (field, v) in [("max", r.max.as_ref().map(|v| v.span())), ("lease", r.lease.as_ref().map(|v| v.span()))] {
+        if let Some(span) = v {
+            return Err(loc.at(span, format!("{who}: {field} applies to algorithm = \"concurrency\" only")));
+        }
+    }
+    let algorithm = match kind {
+        0 => L7Algorithm::Packet(Algorithm::TokenBucket),
+        1 => L7Algorithm::Packet(Algorithm::FixedWindow),
+        2 => L7Algorithm::Packet(Algorithm::SlidingWindow),
+        _ => L7Algorithm::SlidingLog,
+    };
+    let windowed = kind != 0;
+    let own = RawLimit { rate: r.rate.clone(), per: r.per.clone(), burst: r.burst.clone(), bytes: None, byte_burst: None };
+    let limits: Vec<RuleLimit> = match &r.limits {
+        Some(list) => {
+            if !own.is_empty() {
+                return Err(loc.at(list.span(), format!("{who}: give either `limits = [...]` or rate/per/burst, not both")));
+            }
+            if list.get_ref().is_empty() || list.get_ref().len() > MAX_LIMITS {
+                return Err(loc.at(list.span(), format!("{who}: limits needs 1..={MAX_LIMITS} entries")));
+            }
+            let mut all = Vec::new();
+            for (j, l) in list.get_ref().iter().enumerate() {
+                if let Some(b) = &l.get_ref().bytes {
+                    return Err(loc.at(b.span(), format!("{who}: limits[{j}]: request rules count requests: give rate, not bytes")));
+                }
+                all.extend(limits_of(loc, &format!("{who}: limits[{j}]"), l.get_ref(), windowed, l.span())?);
+            }
+            all
+        }
+        None => limits_of(loc, &who, &own, windowed, table.clone())?,
+    };
+    if algorithm == L7Algorithm::SlidingLog {
+        for l in &limits {
+            if l.rate.amount > MAX_LOG_RATE {
+                let span = r.rate.as_ref().map(|v| v.span()).unwrap_or(table.clone());
+                return Err(loc.at(span, format!("{who}: rate {} is too large for algorithm = \"sliding_log\" (one timestamp per request in the window): at most {MAX_LOG_RATE}", l.rate.amount)));
+            }
+        }
+    }
+    Ok(L7Rule { name: n.clone(), domain, descriptor, algorithm, limits, action, mode })
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::Config;
+
+    fn error_of(l7: &str) -> String {
+        Config::from_str(&format!("[default]\nrate = 1\n{l7}"), "rules.toml").unwrap_err().to_string()
+    }
+
+    fn rule(extra: &str) -> String {
+        format!("[[l7.rule]]\nname = \"r\"\ndomain = \"d\"\ndescriptor = [{{ key = \"k\" }}]\n{extra}")
+    }
+
+    #[test]
+    fn the_issue_example_parses() {
+        let c = Config::from_str(
+            "[default]\nrate = 1\n[l7]\nhttp_listen = \"127.0.0.1:8082\"\nmax_keys = 1000000\n\
+             [[l7.rule]]\nname = \"login-per-ip\"\ndomain = \"auth\"\n\
+             descriptor = [{ key = \"auth_type\", value = \"login\" }, { key = \"remote_address\" }]\n\
+             rate = 5\nper = \"1m\"\nalgorithm = \"sliding_log\"\naction = \"drop\"\nmode = \"hard\"\n",
+            "x",
+        )
+        .unwrap();
+        let r = &c.l7.rules[0];
+        assert_eq!((r.name.as_str(), r.domain.as_str(), r.descriptor.len()), ("login-per-ip", "auth", 2));
+        assert_eq!(r.descriptor[0].value.as_deref(), Some("login"));
+        assert_eq!(r.descriptor[1].value, None);
+        assert_eq!(r.algorithm, super::L7Algorithm::SlidingLog);
+        assert_eq!((r.limits[0].rate.amount, r.limits[0].rate.per_secs), (5, 60));
+    }
+
+    #[test]
+    fn bad_l7_rules_are_located() {
+        let cases = [
+            (rule("rate = 5\nalgorithm = \"leaky\"\n"), "rules.toml:8:13:", "algorithm = \"leaky\" is not allowed"),
+            (rule("rate = 20000\nalgorithm = \"sliding_log\"\n"), "rules.toml:7:8:", "at most 10000"),
+            (rule("algorithm = \"concurrency\"\n"), "rules.toml:3:1:", "needs `max`"),
+            (rule("algorithm = \"concurrency\"\nmax = 3\nrate = 1\n"), "rules.toml:9:8:", "rate does not apply"),
+            (rule("rate = 1\nmax = 3\n"), "rules.toml:8:7:", "max applies to algorithm = \"concurrency\" only"),
+            (rule("rate = 1\nburst = 2\nalgorithm = \"fixed_window\"\n"), "rules.toml:8:9:", "burst applies to algorithm = \"token_bucket\" only"),
+            (rule("limits = [{ bytes = \"1MB\" }]\n"), "rules.toml:7:21:", "give rate, not bytes"),
+            ("[[l7.rule]]\nname = \"r\"\ndescriptor = [{ key = \"k\" }]\nrate = 1\n".into(), "rules.toml:3:1:", "missing domain"),
+            ("[[l7.rule]]\nname = \"R!\"\n".into(), "rules.toml:4:8:", "is not allowed"),
+            (format!("{}{}", rule("rate = 1\n"), rule("rate = 2\n")), "rules.toml:9:8:", "already used"),
+            ("[l7]\nmax_keys = 0\n".into(), "rules.toml:4:12:", "l7.max_keys = 0 is out of range"),
+            ("[l7]\nhttp_listen = \"localhost\"\n".into(), "rules.toml:4:15:", "is not an address"),
+            ("[l7]\ngrpc_listen = \"127.0.0.1:8081\"\n".into(), "rules.toml:4:15:", "not in this build yet"),
+            ("[l7]\nbogus = 1\n".into(), "rules.toml:4:1:", "unknown field `bogus`"),
+        ];
+        for (text, at, needle) in cases {
+            let e = error_of(&text);
+            assert!(e.starts_with(at) && e.contains(needle), "{text}\nexpected {at} … {needle}, got: {e}");
+        }
+    }
+}
