@@ -1,0 +1,137 @@
+//! The request check (`POST /v1/check` on `[l7] http_listen`) against the
+//! running daemon over real HTTP: 200 up to the limit, then 429 with the
+//! rate-limit headers; shadow rules never 429; bad input 400; a reload keeps
+//! the buckets of unchanged rules; decisions in `/metrics`.
+
+use rl_tests::{
+    daemon::{write, Daemon},
+    http::{get, parse_prometheus, request, request_tcp, Answer},
+    lab::Lab,
+};
+use serde_json::{json, Value};
+
+const CHECK: &str = "127.0.0.1:8082";
+
+fn config(login_rate: u32) -> String {
+    format!(
+        "[default]\nrate = 1000\n[l7]\nhttp_listen = \"{CHECK}\"\n\
+         [[l7.rule]]\nname = \"login-per-ip\"\ndomain = \"auth\"\n\
+         descriptor = [{{ key = \"auth_type\", value = \"login\" }}, {{ key = \"remote_address\" }}]\n\
+         rate = {login_rate}\nper = \"1m\"\nalgorithm = \"sliding_log\"\n\
+         [[l7.rule]]\nname = \"reads\"\ndomain = \"api\"\ndescriptor = [{{ key = \"user\" }}]\nrate = 2\nper = \"1h\"\naction = \"shadow\"\n"
+    )
+}
+
+fn check(lab: &Lab, body: &Value) -> Answer {
+    request_tcp(&lab.b, CHECK, "POST", "/v1/check", Some(("application/json", serde_json::to_vec(body).unwrap())), None).unwrap()
+}
+
+fn login(ip: &str) -> Value {
+    json!({"domain": "auth", "descriptors": [[{"key": "auth_type", "value": "login"}, {"key": "remote_address", "value": ip}]]})
+}
+
+#[test]
+fn the_check_answers_429_with_rate_limit_headers_past_the_limit() {
+    let lab = Lab::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write(&dir, "rl.toml", &config(5));
+    let d = Daemon::serving(&lab, &cfg, &[]).unwrap();
+    assert!(d.log().contains("request check on http://127.0.0.1:8082"), "{}", d.log());
+
+    for i in 0..5 {
+        let a = check(&lab, &login("192.0.2.7"));
+        assert_eq!(a.status, 200, "request {i}: {}", a.body);
+        let s = &a.json()["statuses"][0];
+        assert_eq!((s["code"].as_str(), s["rule"].as_str(), s["remaining"].as_u64()), (Some("ok"), Some("login-per-ip"), Some(4 - i)));
+    }
+    let a = check(&lab, &login("192.0.2.7"));
+    assert_eq!(a.status, 429, "{}", a.body);
+    let v = a.json();
+    assert_eq!(v["overall"], "over_limit");
+    assert_eq!(v["statuses"][0]["code"], "over_limit");
+    let retry = v["statuses"][0]["retry_after_ms"].as_u64().unwrap();
+    assert!((59_000..=60_000).contains(&retry), "the oldest of the 5 leaves the window in about 60 s: {retry}");
+    assert_eq!(check(&lab, &login("192.0.2.8")).status, 200, "another address has its own bucket");
+    // Unmatched descriptors are not limited.
+    let a = check(&lab, &json!({"domain": "auth", "descriptors": [[{"key": "auth_type", "value": "signup"}]]}));
+    assert_eq!((a.status, a.json()["statuses"][0]["code"].as_str()), (200, Some("unmatched")));
+
+    // Headers: the same request again, answered with headers this time.
+    let h = headers_of(&lab, &login("192.0.2.7"));
+    assert_eq!(h.status, 429);
+    assert_eq!(h.get("x-ratelimit-limit"), "5");
+    assert_eq!(h.get("x-ratelimit-remaining"), "0");
+    let reset: u64 = h.get("x-ratelimit-reset").parse().unwrap();
+    assert!((59..=60).contains(&reset), "x-ratelimit-reset {reset}");
+    let retry: u64 = h.get("retry-after").parse().unwrap();
+    assert!((59..=60).contains(&retry), "retry-after {retry}");
+    assert_eq!(h.get("ratelimit-policy"), "\"login-per-ip\";q=5;w=60");
+    assert!(h.get("ratelimit").starts_with("\"login-per-ip\";r=0;t="), "{}", h.get("ratelimit"));
+
+    // A shadow rule never answers 429, and counts what it would have limited.
+    for _ in 0..5 {
+        let a = check(&lab, &json!({"domain": "api", "descriptors": [[{"key": "user", "value": "alice"}]]}));
+        assert_eq!(a.status, 200, "{}", a.body);
+    }
+    let m = parse_prometheus(&get(&lab.b, "/metrics").body);
+    assert_eq!(m["rl_l7_decisions_total{rule=\"reads\",result=\"shadow_over\"}"], 3.0);
+    assert_eq!(m["rl_l7_decisions_total{rule=\"reads\",result=\"ok\"}"], 2.0);
+    assert_eq!(m["rl_l7_decisions_total{rule=\"login-per-ip\",result=\"over\"}"], 2.0);
+    assert_eq!(m["rl_l7_unmatched_total"], 1.0);
+    assert!(m["rl_l7_keys"] >= 3.0);
+
+    // A reload that changes another rule keeps this rule's buckets.
+    let text = config(5).replace("rate = 2\nper = \"1h\"", "rate = 3\nper = \"1h\"");
+    std::fs::write(&cfg, text).unwrap();
+    assert_eq!(request(&lab.b, "POST", "/v1/reload", None, None).unwrap().status, 200);
+    assert_eq!(check(&lab, &login("192.0.2.7")).status, 429, "the unchanged rule kept its log");
+
+    // Bad input: 400 with a message, never a decision.
+    for bad in [
+        json!({"domain": "auth"}),
+        json!({"domain": "", "descriptors": [[{"key": "k", "value": "v"}]]}),
+        json!({"domain": "auth", "descriptors": []}),
+        json!({"domain": "auth", "descriptors": [[]]}),
+        json!({"domain": "auth", "descriptors": [[{"key": "k", "value": "v".repeat(300)}]]}),
+        json!({"domain": "auth", "descriptors": vec![vec![json!({"key": "k", "value": "v"})]; 17]}),
+        json!({"domain": "auth", "descriptors": [[{"key": "k", "value": "v"}]], "hits": 2_000_000}),
+        json!({"domain": "auth", "descriptors": [[{"key": "k", "value": "v"}]], "extra": 1}),
+    ] {
+        let a = check(&lab, &bad);
+        assert_eq!(a.status, 400, "{bad}: {}", a.body);
+        assert!(a.json()["error"].is_string());
+    }
+    let a = request_tcp(&lab.b, CHECK, "POST", "/v1/check", Some(("application/json", b"{not json".to_vec())), None).unwrap();
+    assert_eq!(a.status, 400);
+    // The check cannot change anything: no admin routes there.
+    assert_eq!(request_tcp(&lab.b, CHECK, "POST", "/v1/bans", None, None).unwrap().status, 404);
+    let (status, log) = d.stop(libc::SIGTERM).unwrap();
+    assert!(status.success(), "{log}");
+}
+
+struct Headers {
+    status: u16,
+    map: std::collections::HashMap<String, String>,
+}
+
+impl Headers {
+    fn get(&self, name: &str) -> &str {
+        self.map.get(name).map(String::as_str).unwrap_or_else(|| panic!("no {name} header in {:?}", self.map))
+    }
+}
+
+fn headers_of(lab: &Lab, body: &Value) -> Headers {
+    let body = serde_json::to_vec(body).unwrap();
+    lab.b
+        .run(move || {
+            let agent = ureq::AgentBuilder::new().build();
+            let r = match agent.post(&format!("http://{CHECK}/v1/check")).set("Content-Type", "application/json").send_bytes(&body) {
+                Ok(r) => r,
+                Err(ureq::Error::Status(_, r)) => r,
+                Err(e) => return Err(e.into()),
+            };
+            let map = r.headers_names().into_iter().filter_map(|n| r.header(&n).map(|v| (n.to_ascii_lowercase(), v.to_string()))).collect();
+            Ok(Headers { status: r.status(), map })
+        })
+        .unwrap()
+}
