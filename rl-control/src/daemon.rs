@@ -130,6 +130,12 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         })?),
         None => None,
     };
+    let grpc_listener = match config.l7.grpc_listen {
+        Some(a) => Some(tokio::net::TcpListener::bind(a).await.with_context(|| {
+            format!("cannot listen on {a} for Envoy's rate-limit service ([l7] grpc_listen): is another rl-control running?")
+        })?),
+        None => None,
+    };
     let ifaces = if opts.ifaces.is_empty() { config.datapath.interfaces.clone() } else { opts.ifaces.clone() };
     if ifaces.is_empty() {
         anyhow::bail!("no interface to protect: pass --iface IFACE (repeat it for several) or set [datapath] interfaces");
@@ -189,6 +195,17 @@ pub async fn run(opts: RunOptions) -> Result<()> {
             }
         });
         info!("request check on http://{} (POST /v1/check; {} l7 rules)", addr.map(|a| a.to_string()).unwrap_or_default(), config.l7.rules.len());
+    }
+    if let Some(listener) = grpc_listener {
+        let addr = listener.local_addr().ok();
+        let svc = crate::l7::grpc::server(crate::l7::grpc::Service { l7: l7.clone(), draft_headers: config.l7.draft_headers });
+        tokio::spawn(async move {
+            let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+            if let Err(e) = tonic::transport::Server::builder().add_service(svc).serve_with_incoming(incoming).await {
+                tracing::error!("Envoy's rate-limit service (l7 gRPC) stopped: {e}");
+            }
+        });
+        info!("Envoy rate-limit service on {} (envoy.service.ratelimit.v3)", addr.map(|a| a.to_string()).unwrap_or_default());
     }
     let state: Shared = Arc::new(Mutex::new(State {
         l7,

@@ -132,14 +132,8 @@ fn text(loc: &Located, what: &str, v: &Spanned<String>) -> Result<String, Config
 }
 
 pub(crate) fn validate(loc: &Located, raw: &RawL7) -> Result<L7Config, ConfigError> {
-    if let Some(g) = &raw.grpc_listen {
-        return Err(loc.at(
-            g.span(),
-            "l7.grpc_listen: Envoy's rate-limit service (gRPC) is not in this build yet; use l7.http_listen (POST /v1/check)".into(),
-        ));
-    }
     let mut out = L7Config {
-        grpc_listen: None,
+        grpc_listen: address(loc, &raw.grpc_listen, "l7.grpc_listen", "127.0.0.1:8081")?,
         http_listen: address(loc, &raw.http_listen, "l7.http_listen", "127.0.0.1:8082")?,
         max_keys: match &raw.max_keys {
             Some(v) => int_in(loc, "l7.max_keys", v, 1, MAX_KEYS_LIMIT as i64)?,
@@ -320,7 +314,7 @@ mod tests {
             (format!("{}{}", rule("rate = 1\n"), rule("rate = 2\n")), "rules.toml:9:8:", "already used"),
             ("[l7]\nmax_keys = 0\n".into(), "rules.toml:4:12:", "l7.max_keys = 0 is out of range"),
             ("[l7]\nhttp_listen = \"localhost\"\n".into(), "rules.toml:4:15:", "is not an address"),
-            ("[l7]\ngrpc_listen = \"127.0.0.1:8081\"\n".into(), "rules.toml:4:15:", "not in this build yet"),
+            ("[l7]\ngrpc_listen = \"8081\"\n".into(), "rules.toml:4:15:", "is not an address"),
             ("[l7]\nbogus = 1\n".into(), "rules.toml:4:1:", "unknown field `bogus`"),
         ];
         for (text, at, needle) in cases {

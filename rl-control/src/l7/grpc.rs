@@ -1,0 +1,137 @@
+//! Envoy's rate-limit service (`envoy.service.ratelimit.v3.RateLimitService
+//! /ShouldRateLimit`) on `[l7] grpc_listen`, over the same engine as the
+//! HTTP check: any Envoy, Istio or Envoy Gateway can use it unchanged.
+//!
+//! - Each descriptor is charged on its own; the request is over the limit
+//!   if any non-shadow descriptor is. Envoy's request-level `hits_addend` 0
+//!   means 1; a descriptor's own `hits_addend` overrides it, and with
+//!   `is_negative_hits` it is a refund (a `concurrency` permit released).
+//! - A period Envoy's units cannot express is reported in the longest unit
+//!   not longer than it, with `requests_per_unit` scaled down (rounded
+//!   down, at least 1): "5 per 90 s" reads "3 per minute". The decision
+//!   itself always uses the exact period.
+//! - Malformed requests (no domain, no or too many descriptors or entries,
+//!   over-long keys or values, huge hits) get `INVALID_ARGUMENT`.
+
+use envoy_types::pb::{
+    envoy::{
+        config::core::v3::HeaderValue,
+        service::ratelimit::v3::{
+            rate_limit_response::{rate_limit::Unit, Code, DescriptorStatus, RateLimit},
+            rate_limit_service_server::{RateLimitService, RateLimitServiceServer},
+            RateLimitRequest, RateLimitResponse,
+        },
+    },
+    google::protobuf::Duration,
+};
+use tonic::{Request, Response, Status as GrpcStatus};
+
+use super::{
+    engine::{DescriptorEntry, Status},
+    http::{deciding, Shared, MAX_DESCRIPTORS, MAX_HITS},
+    rules::{MAX_ENTRIES, MAX_VALUE_LEN},
+};
+
+/// The service.
+pub struct Service {
+    pub l7: Shared,
+    /// Add the IETF `RateLimit-Policy` / `RateLimit` headers.
+    pub draft_headers: bool,
+}
+
+/// The tonic server for [`Service`].
+pub fn server(s: Service) -> RateLimitServiceServer<Service> {
+    RateLimitServiceServer::new(s).max_decoding_message_size(1 << 20)
+}
+
+/// Envoy's unit and `requests_per_unit` for `limit` per `per_secs`.
+pub fn envoy_unit(limit: u64, per_secs: u64) -> (Unit, u32) {
+    const UNITS: [(u64, Unit); 5] = [(604_800, Unit::Week), (86_400, Unit::Day), (3_600, Unit::Hour), (60, Unit::Minute), (1, Unit::Second)];
+    let (secs, unit) = UNITS.iter().copied().find(|(s, _)| *s <= per_secs.max(1)).unwrap_or((1, Unit::Second));
+    let per_unit = (limit as u128 * secs as u128 / per_secs.max(1) as u128).clamp(1, u32::MAX as u128);
+    (unit, per_unit as u32)
+}
+
+fn invalid(m: String) -> GrpcStatus {
+    GrpcStatus::invalid_argument(m)
+}
+
+fn descriptor_status(s: &Status) -> DescriptorStatus {
+    if s.code == "unmatched" {
+        return DescriptorStatus { code: Code::Ok as i32, ..Default::default() };
+    }
+    let (unit, per_unit) = envoy_unit(s.limit, s.per_secs);
+    DescriptorStatus {
+        code: if s.code == "over_limit" { Code::OverLimit } else { Code::Ok } as i32,
+        current_limit: Some(RateLimit { name: s.rule.clone(), requests_per_unit: per_unit, unit: unit as i32 }),
+        limit_remaining: s.remaining.min(u32::MAX as u64) as u32,
+        duration_until_reset: Some(Duration { seconds: (s.reset_ms / 1000) as i64, nanos: ((s.reset_ms % 1000) * 1_000_000) as i32 }),
+        ..Default::default()
+    }
+}
+
+fn header(key: &str, value: String) -> HeaderValue {
+    HeaderValue { key: key.into(), value, ..Default::default() }
+}
+
+#[tonic::async_trait]
+impl RateLimitService for Service {
+    async fn should_rate_limit(&self, req: Request<RateLimitRequest>) -> Result<Response<RateLimitResponse>, GrpcStatus> {
+        let r = req.into_inner();
+        if r.domain.is_empty() || r.domain.len() > MAX_VALUE_LEN {
+            return Err(invalid(format!("domain must be 1..={MAX_VALUE_LEN} bytes")));
+        }
+        if r.descriptors.is_empty() || r.descriptors.len() > MAX_DESCRIPTORS {
+            return Err(invalid(format!("a request needs 1..={MAX_DESCRIPTORS} descriptors")));
+        }
+        let request_hits = if r.hits_addend == 0 { 1 } else { r.hits_addend as i64 };
+        let mut charges = Vec::with_capacity(r.descriptors.len());
+        for d in &r.descriptors {
+            if d.entries.is_empty() || d.entries.len() > MAX_ENTRIES {
+                return Err(invalid(format!("a descriptor needs 1..={MAX_ENTRIES} entries")));
+            }
+            if d.entries.iter().any(|e| e.key.is_empty() || e.key.len() > MAX_VALUE_LEN || e.value.len() > MAX_VALUE_LEN) {
+                return Err(invalid(format!("descriptor keys must be 1..={MAX_VALUE_LEN} bytes and values at most {MAX_VALUE_LEN}")));
+            }
+            let hits = d.hits_addend.map_or(request_hits, |v| v.value.min(i64::MAX as u64) as i64);
+            if hits > MAX_HITS {
+                return Err(invalid(format!("hits_addend must be at most {MAX_HITS}")));
+            }
+            let entries: Vec<DescriptorEntry> =
+                d.entries.iter().map(|e| DescriptorEntry { key: e.key.clone(), value: e.value.clone() }).collect();
+            charges.push((entries, if d.is_negative_hits { -hits } else { hits }));
+        }
+        let engine = self.l7.read().unwrap_or_else(|e| e.into_inner()).clone();
+        let statuses: Vec<Status> = charges.iter().map(|(e, h)| engine.decide(&r.domain, e, *h)).collect();
+        let over = statuses.iter().any(|s| s.code == "over_limit");
+        let mut out = RateLimitResponse {
+            overall_code: if over { Code::OverLimit } else { Code::Ok } as i32,
+            statuses: statuses.iter().map(descriptor_status).collect(),
+            ..Default::default()
+        };
+        if self.draft_headers {
+            if let Some(s) = deciding(&statuses) {
+                let reset = s.reset_ms.div_ceil(1000);
+                out.response_headers_to_add.push(header("ratelimit-policy", format!("\"{}\";q={};w={}", s.rule, s.limit, s.per_secs)));
+                out.response_headers_to_add.push(header("ratelimit", format!("\"{}\";r={};t={reset}", s.rule, s.remaining)));
+            }
+        }
+        Ok(Response::new(out))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn periods_envoy_cannot_express_are_reported_in_the_longest_unit_not_longer() {
+        assert_eq!(envoy_unit(5, 60), (Unit::Minute, 5));
+        assert_eq!(envoy_unit(5, 90), (Unit::Minute, 3));
+        assert_eq!(envoy_unit(300, 60), (Unit::Minute, 300));
+        assert_eq!(envoy_unit(10, 86_400), (Unit::Day, 10));
+        assert_eq!(envoy_unit(1, 7_200), (Unit::Hour, 1), "rounded down, at least 1");
+        assert_eq!(envoy_unit(7, 1), (Unit::Second, 7));
+        assert_eq!(envoy_unit(2, 1_209_600), (Unit::Week, 1));
+    }
+}
