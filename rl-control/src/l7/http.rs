@@ -65,10 +65,11 @@ fn invalid(c: &Check) -> Option<String> {
 }
 
 /// The status the headers speak for: the first over the limit, else the
-/// one with the least left (unmatched descriptors are not limited).
+/// enforced one with the least left (unmatched descriptors and shadow rules
+/// do not limit, so they do not speak).
 pub fn deciding(statuses: &[Status]) -> Option<&Status> {
-    let matched = statuses.iter().filter(|s| s.code != "unmatched");
-    statuses.iter().find(|s| s.code == "over_limit").or_else(|| matched.min_by_key(|s| s.remaining))
+    let enforced = statuses.iter().filter(|s| s.enforced);
+    statuses.iter().find(|s| s.code == "over_limit").or_else(|| enforced.min_by_key(|s| s.remaining))
 }
 
 /// `X-RateLimit-*`, IETF `RateLimit-Policy` / `RateLimit`, and `Retry-After`
