@@ -183,5 +183,7 @@ fn bench(repeat: u32, frames: u64) -> Result<()> {
     step!("admin API: latency at 1,000 requests/s and rule-swap time, against a daemon in a veth lab");
     run(cargo().args(["run", "--quiet", "--release", "-p", "rl-tests", "--bin", "rl-api-bench"]))?;
     step!("daemon: packets lost across a restart, /metrics under ban churn, peak RSS with 1M sources");
-    run(cargo().args(["run", "--quiet", "--release", "-p", "rl-tests", "--bin", "rl-daemon-bench"]))
+    run(cargo().args(["run", "--quiet", "--release", "-p", "rl-tests", "--bin", "rl-daemon-bench"]))?;
+    step!("request decisions: gRPC and HTTP latency at 20,000/s with 1 and 1M keys, gRPC saturation, memory per key");
+    run(cargo().args(["run", "--quiet", "--release", "-p", "rl-tests", "--bin", "rl-l7-bench"]))
 }

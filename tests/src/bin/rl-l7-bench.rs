@@ -1,0 +1,226 @@
+//! `cargo xtask bench`, request decisions (issue 10): Envoy's rate-limit
+//! service over gRPC (a Rust tonic client, the same protocol Envoy speaks)
+//! and the HTTP check, against the release daemon in a lab namespace.
+//! - latency at a fixed offered rate (open loop: each request is due at its
+//!   tick, so queueing behind a slow answer counts), with one key and with
+//!   1,000,000 distinct keys;
+//! - decisions per second at saturation (64 requests in flight);
+//! - the daemon's memory per token-bucket key with 1,000,000 keys (1 per
+//!   hour each: every key spends its one, so none is fresh again and
+//!   collected during the run; most answers are 429s, decided in full).
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use envoy_types::pb::envoy::{
+    extensions::common::ratelimit::v3::{rate_limit_descriptor::Entry, RateLimitDescriptor},
+    service::ratelimit::v3::{rate_limit_service_client::RateLimitServiceClient, RateLimitRequest},
+};
+use rl_tests::{
+    daemon::{write, Daemon},
+    lab::Lab,
+};
+
+const GRPC: &str = "127.0.0.1:8081";
+const RATE: u64 = 20_000;
+const SECONDS: u64 = 5;
+const KEYS: u64 = 1_000_000;
+
+fn rules() -> String {
+    format!(
+        "[default]\nrate = 1000\n[l7]\ngrpc_listen = \"{GRPC}\"\nhttp_listen = \"127.0.0.1:8082\"\nmax_keys = 2000000\n\
+         [[l7.rule]]\nname = \"per-user\"\ndomain = \"bench\"\ndescriptor = [{{ key = \"user\" }}]\nrate = 1\nper = \"1h\"\n"
+    )
+}
+
+fn request(user: u64) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: "bench".into(),
+        descriptors: vec![RateLimitDescriptor { entries: vec![Entry { key: "user".into(), value: user.to_string() }], ..Default::default() }],
+        hits_addend: 1,
+    }
+}
+
+fn percentile(v: &mut [f64], q: f64) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[((v.len() as f64 * q) as usize).min(v.len() - 1)]
+}
+
+/// Open loop at `RATE`/s for `SECONDS` over gRPC; `keys` distinct users.
+async fn grpc_latency(keys: u64) -> Result<(f64, f64, u64)> {
+    let client = RateLimitServiceClient::connect(format!("http://{GRPC}")).await?;
+    let n = RATE * SECONDS;
+    let start = tokio::time::Instant::now();
+    let mut tasks = Vec::with_capacity(n as usize);
+    for i in 0..n {
+        let due = start + Duration::from_nanos(i * 1_000_000_000 / RATE);
+        tokio::time::sleep_until(due).await;
+        let mut c = client.clone();
+        let user = if keys == 1 { 0 } else { (i * 2_654_435_761) % keys };
+        tasks.push(tokio::spawn(async move {
+            let r = c.should_rate_limit(request(user)).await;
+            (r.is_ok(), (tokio::time::Instant::now() - due).as_secs_f64() * 1e3)
+        }));
+    }
+    let mut ms = Vec::with_capacity(tasks.len());
+    let mut failed = 0;
+    for t in tasks {
+        let (ok, m) = t.await?;
+        failed += u64::from(!ok);
+        ms.push(m);
+    }
+    Ok((percentile(&mut ms, 0.5), percentile(&mut ms, 0.99), failed))
+}
+
+/// Closed loop with 64 in flight for `SECONDS`: decisions per second.
+async fn grpc_saturation() -> Result<f64> {
+    let client = RateLimitServiceClient::connect(format!("http://{GRPC}")).await?;
+    let stop = Instant::now() + Duration::from_secs(SECONDS);
+    let mut tasks = Vec::new();
+    for w in 0..64u64 {
+        let mut c = client.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut done = 0u64;
+            while Instant::now() < stop {
+                if c.should_rate_limit(request(w * 1000 + done % 1000)).await.is_ok() {
+                    done += 1;
+                }
+            }
+            done
+        }));
+    }
+    let mut total = 0;
+    for t in tasks {
+        total += t.await?;
+    }
+    Ok(total as f64 / SECONDS as f64)
+}
+
+/// Creates `keys` distinct buckets (closed loop, 64 in flight).
+async fn grpc_fill(keys: u64) -> Result<()> {
+    let client = RateLimitServiceClient::connect(format!("http://{GRPC}")).await?;
+    let mut tasks = Vec::new();
+    for w in 0..64u64 {
+        let mut c = client.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut user = w;
+            while user < keys {
+                c.should_rate_limit(request(user)).await?;
+                user += 64;
+            }
+            Ok::<_, tonic::Status>(())
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    Ok(())
+}
+
+/// Open loop over the HTTP check from 8 threads at `RATE`/s in all.
+fn http_latency(lab: &Lab, keys: u64) -> Result<(f64, f64)> {
+    let threads = 8u64;
+    let handles: Vec<_> = (0..threads)
+        .map(|t| {
+            lab.b.spawn(move || {
+                let agent = ureq::AgentBuilder::new().timeout(Duration::from_secs(5)).build();
+                let per = RATE / threads;
+                let n = per * SECONDS;
+                let start = Instant::now();
+                let mut ms = Vec::with_capacity(n as usize);
+                for i in 0..n {
+                    let due = start + Duration::from_nanos(i * 1_000_000_000 / per);
+                    if let Some(w) = due.checked_duration_since(Instant::now()) {
+                        std::thread::sleep(w);
+                    }
+                    let user = if keys == 1 { 0 } else { ((i * threads + t) * 2_654_435_761) % keys };
+                    let body = format!("{{\"domain\":\"bench\",\"descriptors\":[[{{\"key\":\"user\",\"value\":\"{user}\"}}]]}}");
+                    let r = agent.post("http://127.0.0.1:8082/v1/check").set("Content-Type", "application/json").send_string(&body);
+                    match r {
+                        Ok(r) => {
+                            r.into_string()?;
+                        }
+                        Err(ureq::Error::Status(_, r)) => {
+                            r.into_string()?;
+                        }
+                        Err(e) => bail!("the check failed: {e}"),
+                    }
+                    ms.push((Instant::now() - due).as_secs_f64() * 1e3);
+                }
+                Ok(ms)
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    for h in handles {
+        all.extend(h.join().map_err(|_| anyhow::anyhow!("a load thread panicked"))??);
+    }
+    Ok((percentile(&mut all, 0.5), percentile(&mut all, 0.99)))
+}
+
+fn rss_kib(pid: u32) -> Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .context("no VmRSS")
+}
+
+fn main() -> Result<()> {
+    let steal = rl_tests::StealMeter::start();
+    let lab = Lab::new()?;
+    let dir = tempfile::tempdir()?;
+    let cfg = write(&dir, "rl.toml", &rules());
+    let d = Daemon::serving(&lab, &cfg, &[])?;
+    println!("rl request-decision benchmark (release daemon, 2 CPUs shared with the load generator), {RATE} requests/s offered for {SECONDS} s");
+    let grpc = |f: fn(u64) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(f64, f64, u64)>> + Send>>, keys: u64| {
+        lab.b.run(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+            rt.block_on(f(keys))
+        })
+    };
+    let latency = |keys: u64| -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(f64, f64, u64)>> + Send>> { Box::pin(grpc_latency(keys)) };
+    let report = |keys: u64, (p50, p99, failed): (f64, f64, u64)| {
+        println!(
+            "gRPC ShouldRateLimit, {keys} key(s) in the store: p50 {p50:.3} ms, p99 {p99:.3} ms ({failed} failed); target p99 < 1 ms at {RATE}/s: {}",
+            if p99 < 1.0 && failed == 0 { "met" } else { "MISSED" }
+        );
+    };
+    report(1, grpc(latency, 1)?);
+    let before = rss_kib(d.pid())?;
+    let t = Instant::now();
+    lab.b.run(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+        rt.block_on(grpc_fill(KEYS))
+    })?;
+    let fill = t.elapsed().as_secs_f64();
+    let after = rss_kib(d.pid())?;
+    let held = rl_tests::http::parse_prometheus(&rl_tests::http::get(&lab.b, "/metrics").body)["rl_l7_keys"];
+    if held < KEYS as f64 {
+        bail!("the store holds {held} keys after {KEYS} were made");
+    }
+    let per_key = (after.saturating_sub(before)) as f64 * 1024.0 / KEYS as f64;
+    println!(
+        "memory: RSS {:.1} MiB before, {:.1} MiB with {KEYS} more token-bucket keys (made in {fill:.1} s): {per_key:.0} bytes per key; target ≤ 100: {}",
+        before as f64 / 1024.0,
+        after as f64 / 1024.0,
+        if per_key <= 100.0 { "met" } else { "MISSED" }
+    );
+    report(KEYS, grpc(latency, KEYS)?);
+    let rate = lab.b.run(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+        rt.block_on(grpc_saturation())
+    })?;
+    println!(
+        "gRPC at saturation (64 in flight): {rate:.0} decisions/s; target ≥ 100,000: {}",
+        if rate >= 100_000.0 { "met" } else { "MISSED" }
+    );
+    for keys in [1, KEYS] {
+        let (p50, p99) = http_latency(&lab, keys)?;
+        println!("HTTP check, {keys} key(s): p50 {p50:.3} ms, p99 {p99:.3} ms");
+    }
+    d.stop(libc::SIGTERM)?;
+    println!("{}", steal.report().1);
+    Ok(())
+}
