@@ -200,7 +200,13 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         let addr = listener.local_addr().ok();
         let svc = crate::l7::grpc::server(crate::l7::grpc::Service { l7: l7.clone(), draft_headers: config.l7.draft_headers });
         tokio::spawn(async move {
-            let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+            // No Nagle delay on answers (tonic skips its TCP settings for
+            // an incoming stream of our own).
+            let incoming = tokio_stream::StreamExt::map(tokio_stream::wrappers::TcpListenerStream::new(listener), |s| {
+                s.inspect(|s| {
+                    let _ = s.set_nodelay(true);
+                })
+            });
             if let Err(e) = tonic::transport::Server::builder().add_service(svc).serve_with_incoming(incoming).await {
                 tracing::error!("Envoy's rate-limit service (l7 gRPC) stopped: {e}");
             }

@@ -82,10 +82,42 @@ struct Compiled {
     counters: Counters,
 }
 
+/// A request bucket, kept small (16 bytes, its key 24): a million keys must
+/// fit in about 100 MB with the map's own overhead. A one-limit token
+/// bucket or window, the common case, needs no allocation.
 enum Bucket {
-    Words(Vec<u64>),
-    Log(Vec<VecDeque<u64>>),
-    Leases(VecDeque<u64>),
+    /// The state word of a packet-algorithm rule with one limit (no heap).
+    One(u64),
+    /// The state words of a packet-algorithm rule's limits, one per limit.
+    Words(Box<Vec<u64>>),
+    /// One timestamp log per limit.
+    Log(Box<Vec<VecDeque<u64>>>),
+    /// Lease expiries of the permits out.
+    Leases(Box<VecDeque<u64>>),
+}
+
+const _: () = assert!(std::mem::size_of::<Bucket>() == 16);
+const _: () = assert!(std::mem::size_of::<Key>() == 24);
+
+/// A bucket's key: its rule's id and a 128-bit hash of the descriptor's
+/// values (two independent 64-bit hashes; a collision is as likely as
+/// guessing a random 128-bit number), 24 bytes whatever the values' length.
+type Key = (u64, [u64; 2]);
+
+/// The values part of the overflow bucket's key.
+const OVERFLOW: [u64; 2] = [u64::MAX; 2];
+
+fn values_hash(entries: &[DescriptorEntry]) -> [u64; 2] {
+    let half = |salt: u64| {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        salt.hash(&mut h);
+        for e in entries {
+            e.value.hash(&mut h);
+        }
+        h.finish()
+    };
+    let v = [half(0x9e37_79b9_7f4a_7c15), half(0xc2b2_ae3d_27d4_eb4f)];
+    if v == OVERFLOW { [u64::MAX, 0] } else { v }
 }
 
 /// The request limiter: compiled rules and their buckets.
@@ -93,7 +125,7 @@ pub struct Engine {
     rules: Vec<Compiled>,
     by_domain: HashMap<String, Vec<usize>>,
     /// Shared with the engine this one replaced (a reload keeps buckets).
-    shards: Arc<Vec<Mutex<HashMap<(u64, Vec<String>), Bucket>>>>,
+    shards: Arc<Vec<Mutex<HashMap<Key, Bucket>>>>,
     keys: Arc<AtomicU64>,
     max_keys: u64,
     epoch_offset_ns: u64,
@@ -141,7 +173,7 @@ impl Engine {
                     let mut gone = 0u64;
                     m.retain(|(id, values), _| {
                         let keep = live.contains(id);
-                        gone += u64::from(!keep && !is_overflow(values));
+                        gone += u64::from(!keep && *values != OVERFLOW);
                         keep
                     });
                     p.keys.fetch_sub(gone.min(p.keys.load(Ordering::Relaxed)), Ordering::Relaxed);
@@ -184,15 +216,14 @@ impl Engine {
             self.unmatched.fetch_add(1, Ordering::Relaxed);
             return Status::unmatched();
         };
-        let values: Vec<String> = entries.iter().map(|e| e.value.clone()).collect();
-        let mut key = (c.id, values);
+        let mut key: Key = (c.id, values_hash(entries));
         let mut h = std::collections::hash_map::DefaultHasher::new();
         key.hash(&mut h);
         let mut shard = self.shards[h.finish() as usize % SHARDS].lock().unwrap_or_else(|e| e.into_inner());
         if !shard.contains_key(&key) {
             if self.keys.load(Ordering::Relaxed) >= self.max_keys {
                 // Full: the rule's overflow bucket (fails closed, coarser).
-                key.1 = vec!["\u{0}overflow".into()];
+                key.1 = OVERFLOW;
                 drop(shard);
                 let mut h = std::collections::hash_map::DefaultHasher::new();
                 key.hash(&mut h);
@@ -202,9 +233,10 @@ impl Engine {
             }
         }
         let bucket = shard.entry(key).or_insert_with(|| match c.rule.algorithm {
-            L7Algorithm::Packet(_) => Bucket::Words(vec![0; c.limits.len()]),
-            L7Algorithm::SlidingLog => Bucket::Log(vec![VecDeque::new(); c.rule.limits.len()]),
-            L7Algorithm::Concurrency { .. } => Bucket::Leases(VecDeque::new()),
+            L7Algorithm::Packet(_) if c.limits.len() == 1 => Bucket::One(0),
+            L7Algorithm::Packet(_) => Bucket::Words(Box::new(vec![0; c.limits.len()])),
+            L7Algorithm::SlidingLog => Bucket::Log(Box::new(vec![VecDeque::new(); c.rule.limits.len()])),
+            L7Algorithm::Concurrency { .. } => Bucket::Leases(Box::default()),
         });
         let mut st = charge(c, bucket, now, hits, self.epoch_offset_ns);
         drop(shard);
@@ -238,13 +270,14 @@ impl Engine {
             let mut m = s.lock().unwrap_or_else(|e| e.into_inner());
             m.retain(|(id, values), b| {
                 let keep = by_id.get(id).is_some_and(|c| match b {
+                    Bucket::One(w) => !c.limits[0].is_fresh(*w, now, self.epoch_offset_ns),
                     Bucket::Words(w) => !c.limits.iter().zip(w.iter()).all(|(l, w)| l.is_fresh(*w, now, self.epoch_offset_ns)),
                     Bucket::Log(logs) => {
                         !logs.iter().zip(&c.rule.limits).all(|(log, l)| log.back().is_none_or(|t| t + l.rate.per_secs * NS <= now))
                     }
                     Bucket::Leases(leases) => !leases.iter().all(|&expiry| expiry <= now),
                 });
-                if !keep && !is_overflow(values) {
+                if !keep && *values != OVERFLOW {
                     gone += 1;
                 }
                 keep
@@ -253,11 +286,6 @@ impl Engine {
         self.keys.fetch_sub(gone.min(self.keys()), Ordering::Relaxed);
         gone
     }
-}
-
-/// The key of a rule's overflow bucket.
-fn is_overflow(values: &[String]) -> bool {
-    values.len() == 1 && values[0].starts_with('\u{0}')
 }
 
 /// One charge under the shard lock.
@@ -276,36 +304,8 @@ fn charge(c: &Compiled, bucket: &mut Bucket, now: u64, hits: i64, epoch: u64) ->
     };
     let ms = |ns: u64| ns.div_ceil(1_000_000);
     match (bucket, rule.algorithm) {
-        (Bucket::Words(words), L7Algorithm::Packet(a)) => {
-            let units = hits.max(0) as u64;
-            let step = |l: &LimitEntry, w: u64| match a {
-                Algorithm::TokenBucket => l.gcra_step(w, now, units),
-                _ => l.window_step(w, now, epoch, units),
-            };
-            let next: Option<Vec<u64>> = c.limits.iter().zip(words.iter()).map(|(l, w)| if units == 0 { Some(*w) } else { step(l, *w) }).collect();
-            let over = next.is_none();
-            if let Some(n) = next {
-                *words = n;
-            }
-            // The headers speak for the tightest limit.
-            let (i, q) = c
-                .limits
-                .iter()
-                .zip(words.iter())
-                .map(|(l, w)| quota(l, *w, now, epoch))
-                .enumerate()
-                .min_by_key(|(_, q)| q.remaining)
-                .expect("a rule has a limit");
-            Status {
-                code: if over { "over_limit" } else { "ok" },
-                limit: rule.limits[i].rate.amount,
-                per_secs: rule.limits[i].rate.per_secs,
-                remaining: q.remaining,
-                reset_ms: ms(q.reset_ns),
-                retry_after_ms: ms(q.retry_after_ns),
-                ..base
-            }
-        }
+        (Bucket::One(word), L7Algorithm::Packet(a)) => packet_charge(c, a, std::slice::from_mut(word), now, hits, epoch, base),
+        (Bucket::Words(words), L7Algorithm::Packet(a)) => packet_charge(c, a, words, now, hits, epoch, base),
         (Bucket::Log(logs), _) => {
             let units = hits.max(0) as u64;
             for (log, l) in logs.iter_mut().zip(&rule.limits) {
@@ -369,6 +369,41 @@ fn charge(c: &Compiled, bucket: &mut Bucket, now: u64, hits: i64, epoch: u64) ->
         }
         _ => unreachable!("a bucket is made for its rule's algorithm"),
     }
+}
+
+/// A packet-algorithm charge: every limit's step must pass, or nothing
+/// changes; the status speaks for the tightest limit.
+fn packet_charge(c: &Compiled, a: Algorithm, words: &mut [u64], now: u64, hits: i64, epoch: u64, base: Status) -> Status {
+    let rule = &c.rule;
+    let ms = |ns: u64| ns.div_ceil(1_000_000);
+        let units = hits.max(0) as u64;
+        let step = |l: &LimitEntry, w: u64| match a {
+            Algorithm::TokenBucket => l.gcra_step(w, now, units),
+            _ => l.window_step(w, now, epoch, units),
+        };
+        let next: Option<Vec<u64>> = c.limits.iter().zip(words.iter()).map(|(l, w)| if units == 0 { Some(*w) } else { step(l, *w) }).collect();
+        let over = next.is_none();
+        if let Some(n) = next {
+            words.copy_from_slice(&n);
+        }
+        // The headers speak for the tightest limit.
+        let (i, q) = c
+            .limits
+            .iter()
+            .zip(words.iter())
+            .map(|(l, w)| quota(l, *w, now, epoch))
+            .enumerate()
+            .min_by_key(|(_, q)| q.remaining)
+            .expect("a rule has a limit");
+        Status {
+            code: if over { "over_limit" } else { "ok" },
+            limit: rule.limits[i].rate.amount,
+            per_secs: rule.limits[i].rate.per_secs,
+            remaining: q.remaining,
+            reset_ms: ms(q.reset_ns),
+            retry_after_ms: ms(q.retry_after_ns),
+            ..base
+        }
 }
 
 #[cfg(test)]
