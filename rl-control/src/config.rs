@@ -173,6 +173,21 @@ pub(crate) struct Located<'a> {
     pub origin: &'a str,
 }
 
+/// An optional `IP:PORT` setting.
+pub(crate) fn socket_address(
+    loc: &Located,
+    v: &Option<Spanned<String>>,
+    name: &str,
+    example: &str,
+) -> Result<Option<std::net::SocketAddr>, ConfigError> {
+    match v {
+        None => Ok(None),
+        Some(l) => l.get_ref().parse().map(Some).map_err(|_| {
+            loc.at(l.span(), format!("{name} = \"{}\" is not an address: write IP:PORT, such as \"{example}\"", l.get_ref()))
+        }),
+    }
+}
+
 impl Located<'_> {
     /// An error at `span` (an empty span at 0 names no place).
     pub fn at(&self, span: Range<usize>, message: String) -> ConfigError {
@@ -387,14 +402,7 @@ impl Config {
             ));
         }
         let rules = validate_rules(&loc, &raw.rule)?;
-        let address = |v: &Option<Spanned<String>>, name: &str, example: &str| -> Result<Option<std::net::SocketAddr>, ConfigError> {
-            match v {
-                None => Ok(None),
-                Some(l) => l.get_ref().parse().map(Some).map_err(|_| {
-                    err(Some(l.span()), format!("{name} = \"{}\" is not an address: write IP:PORT, such as \"{example}\"", l.get_ref()))
-                }),
-            }
-        };
+        let address = |v: &Option<Spanned<String>>, name: &str, example: &str| socket_address(&loc, v, name, example);
         let api = ApiConfig {
             listen: address(&raw.api.listen, "api.listen", "127.0.0.1:9100")?,
             metrics_listen: address(&raw.api.metrics_listen, "api.metrics_listen", "127.0.0.1:9101")?,

@@ -90,6 +90,16 @@ pub struct StealMeter {
     total: u64,
 }
 
+/// A `kB` field of `/proc/PID/status` (`VmRSS`, `VmHWM`), in KiB.
+pub fn proc_status_kib(pid: u32, field: &str) -> Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .with_context(|| format!("no {field} in /proc/{pid}/status"))
+}
+
 /// The first (all-CPU) line of `/proc/stat` in clock ticks: user, nice,
 /// system, idle, iowait, irq, softirq, steal, …
 pub fn cpu_ticks() -> Vec<u64> {

@@ -8,7 +8,7 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use crate::{
-    config::{ConfigError, Located},
+    config::{socket_address, ConfigError, Located},
     rules::{choice, duration, int_in, limits_of, Action, Algorithm, Mode, RawLimit, RuleLimit, MAX_LIMITS},
 };
 
@@ -114,15 +114,6 @@ struct RawEntry {
     value: Option<Spanned<String>>,
 }
 
-fn address(loc: &Located, v: &Option<Spanned<String>>, name: &str, example: &str) -> Result<Option<SocketAddr>, ConfigError> {
-    match v {
-        None => Ok(None),
-        Some(l) => l.get_ref().parse().map(Some).map_err(|_| {
-            loc.at(l.span(), format!("{name} = \"{}\" is not an address: write IP:PORT, such as \"{example}\"", l.get_ref()))
-        }),
-    }
-}
-
 fn text(loc: &Located, what: &str, v: &Spanned<String>) -> Result<String, ConfigError> {
     let t = v.get_ref();
     if t.is_empty() || t.len() > MAX_VALUE_LEN {
@@ -133,8 +124,8 @@ fn text(loc: &Located, what: &str, v: &Spanned<String>) -> Result<String, Config
 
 pub(crate) fn validate(loc: &Located, raw: &RawL7) -> Result<L7Config, ConfigError> {
     let mut out = L7Config {
-        grpc_listen: address(loc, &raw.grpc_listen, "l7.grpc_listen", "127.0.0.1:8081")?,
-        http_listen: address(loc, &raw.http_listen, "l7.http_listen", "127.0.0.1:8082")?,
+        grpc_listen: socket_address(loc, &raw.grpc_listen, "l7.grpc_listen", "127.0.0.1:8081")?,
+        http_listen: socket_address(loc, &raw.http_listen, "l7.http_listen", "127.0.0.1:8082")?,
         max_keys: match &raw.max_keys {
             Some(v) => int_in(loc, "l7.max_keys", v, 1, MAX_KEYS_LIMIT as i64)?,
             None => 1_000_000,

@@ -15,7 +15,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use rl_common::{Bucket, Key4};
 use rl_control::{compile::compile, config::Config};
 use rl_tests::{
@@ -26,12 +26,7 @@ use rl_tests::{
 };
 
 fn vm_hwm_kib(pid: u32) -> Result<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .context("no VmHWM in /proc/PID/status")
+    rl_tests::proc_status_kib(pid, "VmHWM")
 }
 
 /// Packets lost by a 1,000 pps source across a daemon restart.

@@ -11,7 +11,7 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use envoy_types::pb::envoy::{
     extensions::common::ratelimit::v3::{rate_limit_descriptor::Entry, RateLimitDescriptor},
     service::ratelimit::v3::{rate_limit_service_client::RateLimitServiceClient, RateLimitRequest},
@@ -159,12 +159,7 @@ fn http_latency(lab: &Lab, keys: u64) -> Result<(f64, f64)> {
 }
 
 fn rss_kib(pid: u32) -> Result<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .context("no VmRSS")
+    rl_tests::proc_status_kib(pid, "VmRSS")
 }
 
 fn main() -> Result<()> {
