@@ -1,0 +1,191 @@
+//! Attaching: to one interface or several (all or nothing), adopting a
+//! link pinned by an earlier daemon (its program replaced atomically), and
+//! the bare `XDP_PASS` baseline the benchmarks attach in rl's place.
+
+use aya::programs::{links::FdLink, xdp::{XdpLink, XdpLinkId}, ProgramError, Xdp, XdpMode};
+use rl_common::{PROG_LIMITER, PROG_PASS};
+use tracing::warn;
+
+use super::{chain, errno, interface_index, pin, AttachMode, Attachment, Datapath, DatapathError};
+
+/// How to undo an attachment made by this process.
+enum Fresh {
+    /// Owned by the program (not pinned): detach by id.
+    Owned(XdpLinkId),
+    /// Pinned at this path.
+    Pinned(std::path::PathBuf),
+}
+
+impl Datapath {
+    /// Attaches the limiter to every interface of `ifaces`: one program, one
+    /// rule set and one set of buckets for all, so a source's limit is per
+    /// host. All or nothing: if one interface fails, the ones attached by
+    /// this call are detached again and the error names the interface.
+    pub fn attach_all(&mut self, ifaces: &[String], mode: AttachMode) -> Result<Vec<Attachment>, DatapathError> {
+        for iface in ifaces {
+            interface_index(iface)?;
+        }
+        let mut made = Vec::new();
+        for iface in ifaces {
+            match self.attach_one(iface, mode) {
+                Ok((a, fresh)) => made.push((a, fresh)),
+                Err(e) => {
+                    for (a, fresh) in made.into_iter().rev() {
+                        if let Some(fresh) = fresh {
+                            self.undo(&a, fresh);
+                        }
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(made.into_iter().map(|(a, _)| a).collect())
+    }
+
+    /// [`Datapath::attach_all`] for one interface.
+    pub fn attach(&mut self, iface: &str, mode: AttachMode) -> Result<Attachment, DatapathError> {
+        self.attach_all(&[iface.to_string()], mode).map(|mut v| v.remove(0))
+    }
+
+    /// Attaches to `iface`. In `Auto` mode, native is tried first; if the
+    /// driver refuses it, skb mode is used and a warning says so.
+    ///
+    /// Pinned: a link pinned for `iface` by an earlier daemon is adopted, its
+    /// program replaced by this one atomically (`bpf_link_update`: no packet
+    /// goes unfiltered), in the mode it was created in; else the new link is
+    /// pinned, so the program stays attached when this process exits or
+    /// dies. Returns how to undo a fresh attachment (`None` if adopted).
+    fn attach_one(&mut self, iface: &str, mode: AttachMode) -> Result<(Attachment, Option<Fresh>), DatapathError> {
+        if let Some(dir) = self.pins.clone() {
+            if let Some(a) = self.adopt_link(&dir, iface, PROG_LIMITER)? {
+                self.attachments.push(a.clone());
+                return Ok((a, None));
+            }
+        }
+        let (used, id) = match mode {
+            AttachMode::Auto => match self.attach_as(iface, AttachMode::Native, PROG_LIMITER) {
+                Ok(id) => (AttachMode::Native, id),
+                Err(e @ (DatapathError::InterfaceBusy(_) | DatapathError::NoPrivilege { .. })) => {
+                    return Err(e)
+                }
+                Err(e) => {
+                    warn!("native XDP is unavailable on {iface} ({e}); using skb (generic) mode, which is slower");
+                    (AttachMode::Skb, self.attach_as(iface, AttachMode::Skb, PROG_LIMITER)?)
+                }
+            },
+            m => (m, self.attach_as(iface, m, PROG_LIMITER)?),
+        };
+        let fresh = match self.pins.clone() {
+            None => Fresh::Owned(id),
+            Some(dir) => {
+                // Held by us and pinned: on any failure here the link is
+                // dropped, which detaches: nothing stays half-set-up.
+                let link = self.xdp(PROG_LIMITER)?.take_link(id).map_err(|e| DatapathError::Load(chain(&e)))?;
+                let fd = FdLink::try_from(link).map_err(|e| DatapathError::Attach {
+                    iface: iface.into(),
+                    mode: used,
+                    cause: format!("the link cannot be pinned ({}): pinning needs bpf_link XDP attachment (Linux 5.9+)", chain(&e)),
+                })?;
+                let (fd, path) = pin::pin_link(&dir, iface, &used.to_string(), fd)?;
+                self.links.push(fd);
+                Fresh::Pinned(path)
+            }
+        };
+        let a = Attachment { iface: iface.to_string(), mode: used };
+        self.attachments.push(a.clone());
+        Ok((a, Some(fresh)))
+    }
+
+    /// Detaches a fresh attachment again (a later interface failed).
+    fn undo(&mut self, a: &Attachment, fresh: Fresh) {
+        self.attachments.retain(|x| x != a);
+        match fresh {
+            Fresh::Owned(id) => {
+                if let Ok(p) = self.xdp(PROG_LIMITER) {
+                    let _ = p.detach(id);
+                }
+            }
+            Fresh::Pinned(path) => {
+                if let Err(e) = pin::detach_link(&path) {
+                    warn!(iface = %a.iface, "could not detach again after a failure: {e}");
+                }
+            }
+        }
+    }
+
+    fn xdp(&mut self, name: &'static str) -> Result<&mut Xdp, DatapathError> {
+        self.ebpf
+            .program_mut(name)
+            .ok_or_else(|| DatapathError::Load(format!("program {name} is missing")))?
+            .try_into()
+            .map_err(|e: ProgramError| DatapathError::Load(chain(&e)))
+    }
+
+    /// Replaces the program of the link pinned in `dir` for `iface` with
+    /// this one; `None` if there is no live pinned link (a defunct one's
+    /// pin, left by an interface that was deleted, is removed).
+    fn adopt_link(&mut self, dir: &std::path::Path, iface: &str, prog: &'static str) -> Result<Option<Attachment>, DatapathError> {
+        let Some((pinned, mode, path)) = pin::pinned_link(dir, iface) else { return Ok(None) };
+        let fd: FdLink = pinned.into();
+        let swapped = XdpLink::try_from(fd)
+            .map_err(|e| chain(&e))
+            .and_then(|link| self.xdp(prog).map_err(|e| e.to_string())?.attach_to_link(link).map_err(|e| chain(&e)));
+        let id = match swapped {
+            Ok(id) => id,
+            Err(e) => {
+                warn!(iface, "the pinned XDP link is defunct ({e}); attaching afresh");
+                let _ = std::fs::remove_file(path);
+                return Ok(None);
+            }
+        };
+        let link = self.xdp(prog)?.take_link(id).map_err(|e| DatapathError::Load(chain(&e)))?;
+        self.links.push(FdLink::try_from(link).map_err(|e| DatapathError::Load(chain(&e)))?);
+        let mode = if mode == "skb" { AttachMode::Skb } else { AttachMode::Native };
+        Ok(Some(Attachment { iface: iface.to_string(), mode }))
+    }
+
+    /// Attaches the bare `XDP_PASS` program to `iface` natively instead of
+    /// the limiter: the baseline a benchmark compares rl's cost with.
+    ///
+    /// Pinned, on an interface whose link is pinned, it replaces the
+    /// program there (as an upgrade to another program would): the test of
+    /// an upgrade between two different programs.
+    pub fn attach_baseline(&mut self, iface: &str) -> Result<(), DatapathError> {
+        interface_index(iface)?;
+        self.load_program(PROG_PASS)?;
+        if let Some(dir) = self.pins.clone() {
+            if self.adopt_link(&dir, iface, PROG_PASS)?.is_some() {
+                return Ok(());
+            }
+        }
+        self.attach_as(iface, AttachMode::Native, PROG_PASS).map(|_| ())
+    }
+
+    fn attach_as(&mut self, iface: &str, mode: AttachMode, name: &'static str) -> Result<XdpLinkId, DatapathError> {
+        let flags = match mode {
+            AttachMode::Native => XdpMode::Driver,
+            AttachMode::Skb => XdpMode::Skb,
+            AttachMode::Auto => unreachable!("auto is resolved by attach"),
+        };
+        let prog: &mut Xdp = self
+            .ebpf
+            .program_mut(name)
+            .expect("loaded before attaching")
+            .try_into()
+            .expect("an XDP program");
+        prog.attach(iface, flags).map_err(|e| match errno(&e) {
+            Some(libc::EBUSY) | Some(libc::EEXIST) => DatapathError::InterfaceBusy(iface.into()),
+            Some(libc::EPERM) | Some(libc::EACCES) => DatapathError::NoPrivilege {
+                doing: "attaching the XDP program",
+            },
+            _ => match e {
+                ProgramError::UnknownInterface { .. } => DatapathError::UnknownInterface(iface.into()),
+                e => DatapathError::Attach {
+                    iface: iface.into(),
+                    mode,
+                    cause: chain(&e),
+                },
+            },
+        })
+    }
+}
