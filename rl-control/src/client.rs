@@ -202,6 +202,23 @@ fn table(header: &[&str], rows: &[Vec<String>]) -> String {
     out
 }
 
+pub fn l7_state(v: &Value) -> String {
+    if v["code"] == "unmatched" {
+        return "no [[l7.rule]] matches this descriptor: it is not limited\n".into();
+    }
+    format!(
+        "rule:        {}{}\nnext:        {}\nlimit:       {} per {}s\nremaining:   {}\nretry after: {} ms\nfull again:  {} ms\n",
+        s(&v["rule"]),
+        if v["enforced"] == false { " (shadow: counted, never limits)" } else { "" },
+        if v["code"] == "ok" { "passes" } else { "over the limit" },
+        s(&v["limit"]),
+        s(&v["per_secs"]),
+        s(&v["remaining"]),
+        s(&v["retry_after_ms"]),
+        s(&v["reset_ms"]),
+    )
+}
+
 pub fn status(v: &Value) -> String {
     let last = &v["last_reload"];
     let reload = if last.is_null() {

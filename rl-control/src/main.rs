@@ -165,6 +165,20 @@ enum Command {
         #[command(flatten)]
         remote: Remote,
     },
+    /// A request key's state under its [[l7.rule]]: what the next request
+    /// with that descriptor would meet (nothing is charged).
+    ///
+    /// Example: rl-control l7-state --domain auth auth_type=login remote_address=192.0.2.7
+    L7State {
+        /// The rate-limit domain.
+        #[arg(long)]
+        domain: String,
+        /// The descriptor's entries, in order: key=value.
+        #[arg(required = true, value_name = "KEY=VALUE")]
+        entries: Vec<String>,
+        #[command(flatten)]
+        remote: Remote,
+    },
     /// Drop everything from a prefix for a while (lifts by itself; kept
     /// across restarts).
     ///
@@ -242,6 +256,20 @@ fn main() -> ExitCode {
             }),
         Command::Unban { cidr, remote } => {
             remote_call(&remote, "DELETE", &format!("/v1/bans/{}", client::encode_segment(&cidr)), None, client::applied)
+        }
+        Command::L7State { domain, entries, remote } => {
+            let mut q = format!("/v1/l7/state?domain={}", client::encode_segment(&domain));
+            let mut bad = None;
+            for e in &entries {
+                match e.split_once('=') {
+                    Some((k, v)) => q += &format!("&{}={}", client::encode_segment(k), client::encode_segment(v)),
+                    None => bad = Some(e.clone()),
+                }
+            }
+            match bad {
+                Some(e) => Err(anyhow::anyhow!("{e:?} is not key=value: give the descriptor's entries as key=value, in order")),
+                None => remote_call(&remote, "GET", &q, None, client::l7_state),
+            }
         }
         Command::Detach { iface, pin_dir } => daemon::detach(&iface, &pin_dir),
         Command::Run { ifaces, config, mode, stats_interval, runtime_dir, pid_file, no_watch, api, pin_dir, detach_on_exit } => {

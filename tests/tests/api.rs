@@ -29,7 +29,7 @@ fn burst_of(lab: &Lab, src: std::net::IpAddr, n: u64) -> u64 {
 }
 
 /// Every route the router serves (method, OpenAPI path).
-const ROUTES: [(&str, &str); 15] = [
+const ROUTES: [(&str, &str); 16] = [
     ("get", "/healthz"),
     ("get", "/metrics"),
     ("get", "/v1/status"),
@@ -45,6 +45,7 @@ const ROUTES: [(&str, &str); 15] = [
     ("post", "/v1/bans"),
     ("delete", "/v1/bans/{cidr}"),
     ("post", "/v1/reload"),
+    ("get", "/v1/l7/state"),
 ];
 
 #[test]
@@ -114,7 +115,7 @@ fn every_route_answers_metrics_equal_stats_and_the_openapi_document_is_complete(
     assert!(!text.contains("No module named"), "openapi-spec-validator is missing: run `cargo xtask test`, which installs it\n{text}");
     assert!(out.status.success() && text.contains("OK"), "the OpenAPI document does not validate:\n{text}");
     let paths = doc["paths"].as_object().unwrap().len();
-    assert_eq!(paths, 12, "paths in the document: {:?}", doc["paths"].as_object().unwrap().keys().collect::<Vec<_>>());
+    assert_eq!(paths, 13, "paths in the document: {:?}", doc["paths"].as_object().unwrap().keys().collect::<Vec<_>>());
 
     // Errors are JSON with the right status.
     let a = get(&lab.b, "/v1/nope");

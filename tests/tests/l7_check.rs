@@ -52,6 +52,17 @@ fn the_check_answers_429_with_rate_limit_headers_past_the_limit() {
     let retry = v["statuses"][0]["retry_after_ms"].as_u64().unwrap();
     assert!((59_000..=60_000).contains(&retry), "the oldest of the 5 leaves the window in about 60 s: {retry}");
     assert_eq!(check(&lab, &login("192.0.2.8")).status, 200, "another address has its own bucket");
+
+    // The key's state through the admin API and the CLI, charging nothing.
+    let state = |ip: &str| get(&lab.b, &format!("/v1/l7/state?domain=auth&auth_type=login&remote_address={ip}")).json();
+    let s = state("192.0.2.7");
+    assert_eq!((s["code"].as_str(), s["remaining"].as_u64(), s["rule"].as_str()), (Some("over_limit"), Some(0), Some("login-per-ip")), "{s}");
+    let s = state("192.0.2.99");
+    assert_eq!((s["code"].as_str(), s["remaining"].as_u64()), (Some("ok"), Some(5)), "{s}");
+    assert_eq!(state("192.0.2.99")["remaining"], 5, "looking charged nothing");
+    let (status, out) = rl_tests::daemon::run_once(Some(&lab.b), &["l7-state", "--domain", "auth", "auth_type=login", "remote_address=192.0.2.7"]).unwrap();
+    assert!(status.success() && out.contains("over the limit") && out.contains("login-per-ip"), "{out}");
+    assert_eq!(get(&lab.b, "/v1/l7/state?auth_type=login").status, 400);
     // Unmatched descriptors are not limited.
     let a = check(&lab, &json!({"domain": "auth", "descriptors": [[{"key": "auth_type", "value": "signup"}]]}));
     assert_eq!((a.status, a.json()["statuses"][0]["code"].as_str()), (200, Some("unmatched")));

@@ -35,6 +35,7 @@ use crate::{
     units::parse_cidr,
 };
 
+mod l7;
 pub mod listen;
 
 /// Largest request body accepted (a full rule set with 262,144 CIDRs fits).
@@ -573,8 +574,8 @@ async fn metrics(AxState(api): AxState<Api>) -> ApiResult<Response> {
 #[derive(OpenApi)]
 #[openapi(
     info(title = "rl admin API", description = "rl-control's admin API: rules, stats, per-source quotas, bans, metrics."),
-    paths(healthz, status, get_rules, put_rules, post_rule, delete_rule, stats, top_sources, source, events, post_ban, get_bans, delete_ban, reload, metrics),
-    components(schemas(ErrorBody, Health, Status, crate::state::Pressure, Applied, Stats, RuleCounters, SourceState, SourceLimit, NewBan, BanView, ReloadRecord, crate::state::Top, crate::state::TopSource, Events, crate::state::EventView)),
+    paths(healthz, status, get_rules, put_rules, post_rule, delete_rule, stats, top_sources, source, events, post_ban, get_bans, delete_ban, reload, metrics, l7::l7_state),
+    components(schemas(ErrorBody, Health, Status, crate::state::Pressure, Applied, Stats, RuleCounters, SourceState, SourceLimit, NewBan, BanView, ReloadRecord, crate::state::Top, crate::state::TopSource, Events, crate::state::EventView, crate::l7::engine::Status)),
     modifiers(&BearerAuth)
 )]
 pub struct ApiDoc;
@@ -657,6 +658,7 @@ pub fn router(api: Api) -> Router {
         .route("/v1/bans", get(get_bans).post(post_ban))
         .route("/v1/bans/{cidr}", delete(delete_ban))
         .route("/v1/reload", axum::routing::post(reload))
+        .route("/v1/l7/state", get(l7::l7_state))
         .route_layer(middleware::from_fn_with_state(api.clone(), auth));
     Router::new()
         .route("/healthz", get(healthz))

@@ -232,12 +232,7 @@ impl Engine {
                 self.keys.fetch_add(1, Ordering::Relaxed);
             }
         }
-        let bucket = shard.entry(key).or_insert_with(|| match c.rule.algorithm {
-            L7Algorithm::Packet(_) if c.limits.len() == 1 => Bucket::One(0),
-            L7Algorithm::Packet(_) => Bucket::Words(Box::new(vec![0; c.limits.len()])),
-            L7Algorithm::SlidingLog => Bucket::Log(Box::new(vec![VecDeque::new(); c.rule.limits.len()])),
-            L7Algorithm::Concurrency { .. } => Bucket::Leases(Box::default()),
-        });
+        let bucket = shard.entry(key).or_insert_with(|| new_bucket(c));
         let mut st = charge(c, bucket, now, hits, self.epoch_offset_ns);
         drop(shard);
         let counters = &c.counters;
@@ -252,6 +247,25 @@ impl Engine {
         } else {
             counters.ok.fetch_add(1, Ordering::Relaxed);
         }
+        st
+    }
+
+    /// What the next request with this descriptor would meet, without
+    /// charging or creating anything: `ok` if it would pass now.
+    pub fn peek(&self, domain: &str, entries: &[DescriptorEntry]) -> Status {
+        let Some(c) = self.matching(domain, entries) else {
+            return Status::unmatched();
+        };
+        let key: Key = (c.id, values_hash(entries));
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        key.hash(&mut h);
+        let now = now_ns();
+        let mut shard = self.shards[h.finish() as usize % SHARDS].lock().unwrap_or_else(|e| e.into_inner());
+        let mut st = match shard.get_mut(&key) {
+            Some(b) => charge(c, b, now, 0, self.epoch_offset_ns),
+            None => charge(c, &mut new_bucket(c), now, 0, self.epoch_offset_ns),
+        };
+        st.code = if st.remaining > 0 { "ok" } else { "over_limit" };
         st
     }
 
@@ -285,6 +299,16 @@ impl Engine {
         }
         self.keys.fetch_sub(gone.min(self.keys()), Ordering::Relaxed);
         gone
+    }
+}
+
+/// A fresh bucket for `c`'s algorithm.
+fn new_bucket(c: &Compiled) -> Bucket {
+    match c.rule.algorithm {
+        L7Algorithm::Packet(_) if c.limits.len() == 1 => Bucket::One(0),
+        L7Algorithm::Packet(_) => Bucket::Words(Box::new(vec![0; c.limits.len()])),
+        L7Algorithm::SlidingLog => Bucket::Log(Box::new(vec![VecDeque::new(); c.rule.limits.len()])),
+        L7Algorithm::Concurrency { .. } => Bucket::Leases(Box::default()),
     }
 }
 
