@@ -73,7 +73,7 @@ pub fn parse_prometheus(text: &str) -> std::collections::HashMap<String, f64> {
         if let Some(rest) = line.strip_prefix("# TYPE ") {
             let mut it = rest.split_whitespace();
             let (name, kind) = (it.next().unwrap(), it.next().unwrap());
-            assert!(["counter", "gauge"].contains(&kind), "{line}");
+            assert!(["counter", "gauge", "histogram"].contains(&kind), "{line}");
             typed.insert(name.to_string());
             continue;
         }
@@ -82,7 +82,8 @@ pub fn parse_prometheus(text: &str) -> std::collections::HashMap<String, f64> {
         }
         let (series, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("bad sample line: {line}"));
         let name = series.split('{').next().unwrap();
-        assert!(typed.contains(name), "sample before its TYPE: {line}");
+        let family = ["_bucket", "_sum", "_count"].iter().find_map(|x| name.strip_suffix(x)).filter(|f| typed.contains(*f));
+        assert!(typed.contains(name) || family.is_some(), "sample before its TYPE: {line}");
         assert!(!series.contains('{') || series.ends_with('}'), "{line}");
         out.insert(series.to_string(), value.parse::<f64>().unwrap_or_else(|_| panic!("bad value: {line}")));
     }

@@ -90,6 +90,10 @@ fn the_check_answers_429_with_rate_limit_headers_past_the_limit() {
     assert_eq!(m["rl_l7_decisions_total{rule=\"login-per-ip\",result=\"over\"}"], 2.0);
     assert_eq!(m["rl_l7_unmatched_total"], 1.0);
     assert!(m["rl_l7_keys"] >= 3.0);
+    let answered = m["rl_l7_request_seconds_count{api=\"http\"}"];
+    assert!(answered >= 14.0, "{answered} checks timed");
+    assert_eq!(m["rl_l7_request_seconds_bucket{api=\"http\",le=\"+Inf\"}"], answered);
+    assert!(m["rl_l7_request_seconds_bucket{api=\"http\",le=\"0.05\"}"] <= answered);
 
     // A reload that changes another rule keeps this rule's buckets.
     let text = config(5).replace("rate = 2\nper = \"1h\"", "rate = 3\nper = \"1h\"");

@@ -556,6 +556,15 @@ async fn metrics(AxState(api): AxState<Api>) -> ApiResult<Response> {
     }
     family(&mut out, "rl_l7_unmatched_total", "counter", "Request descriptors no [[l7.rule]] matched (not limited).");
     let _ = writeln!(out, "rl_l7_unmatched_total {}", engine.unmatched.load(std::sync::atomic::Ordering::Relaxed));
+    family(&mut out, "rl_l7_request_seconds", "histogram", "Time to answer a request decision (decode, decide, encode), by front end.");
+    for (api, l) in [("grpc", &crate::l7::GRPC_LATENCY), ("http", &crate::l7::HTTP_LATENCY)] {
+        let (counts, sum) = l.snapshot();
+        for (i, c) in counts.iter().enumerate() {
+            let le = crate::l7::LATENCY_BOUNDS.get(i).map_or("+Inf".to_string(), |b| b.to_string());
+            let _ = writeln!(out, "rl_l7_request_seconds_bucket{{api=\"{api}\",le=\"{le}\"}} {c}");
+        }
+        let _ = writeln!(out, "rl_l7_request_seconds_sum{{api=\"{api}\"}} {sum}\nrl_l7_request_seconds_count{{api=\"{api}\"}} {}", counts.last().copied().unwrap_or(0));
+    }
     family(&mut out, "rl_l7_keys", "gauge", "Request buckets held, against [l7] max_keys.");
     let _ = writeln!(out, "rl_l7_keys {}", engine.keys());
     family(&mut out, "rl_l7_max_keys", "gauge", "[l7] max_keys.");

@@ -81,7 +81,15 @@ fn header(key: &str, value: String) -> HeaderValue {
 #[tonic::async_trait]
 impl RateLimitService for Service {
     async fn should_rate_limit(&self, req: Request<RateLimitRequest>) -> Result<Response<RateLimitResponse>, GrpcStatus> {
-        let r = req.into_inner();
+        let t = std::time::Instant::now();
+        let r = self.answer(req.into_inner());
+        super::GRPC_LATENCY.record(t.elapsed());
+        r
+    }
+}
+
+impl Service {
+    fn answer(&self, r: RateLimitRequest) -> Result<Response<RateLimitResponse>, GrpcStatus> {
         if r.domain.is_empty() || r.domain.len() > MAX_VALUE_LEN {
             return Err(invalid(format!("domain must be 1..={MAX_VALUE_LEN} bytes")));
         }

@@ -94,6 +94,13 @@ pub fn headers(s: &Status, over: bool) -> HeaderMap {
 }
 
 async fn check(State(l7): State<Shared>, body: Bytes) -> Response {
+    let t = std::time::Instant::now();
+    let r = answer(l7, body);
+    super::HTTP_LATENCY.record(t.elapsed());
+    r
+}
+
+fn answer(l7: Shared, body: Bytes) -> Response {
     let c: Check = match serde_json::from_slice(&body) {
         Ok(c) => c,
         Err(e) => {

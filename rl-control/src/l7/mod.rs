@@ -8,3 +8,45 @@ pub mod engine;
 pub mod grpc;
 pub mod http;
 pub mod rules;
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+/// Upper bounds (seconds) of the request-latency histogram's buckets.
+pub const LATENCY_BOUNDS: [f64; 8] = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05];
+
+/// How long the service took to answer (decode, decide, encode), per front
+/// end: a Prometheus histogram, process-wide (it outlives reloads).
+pub struct Latency {
+    buckets: [AtomicU64; LATENCY_BOUNDS.len() + 1],
+    sum_ns: AtomicU64,
+}
+
+impl Latency {
+    const fn new() -> Latency {
+        Latency { buckets: [const { AtomicU64::new(0) }; LATENCY_BOUNDS.len() + 1], sum_ns: AtomicU64::new(0) }
+    }
+
+    /// Records one answer that took `d`.
+    pub fn record(&self, d: std::time::Duration) {
+        let s = d.as_secs_f64();
+        let i = LATENCY_BOUNDS.iter().position(|b| s <= *b).unwrap_or(LATENCY_BOUNDS.len());
+        self.buckets[i].fetch_add(1, Relaxed);
+        self.sum_ns.fetch_add(d.as_nanos() as u64, Relaxed);
+    }
+
+    /// Cumulative counts per bound (the last is +Inf, the count), and the sum
+    /// in seconds.
+    pub fn snapshot(&self) -> (Vec<u64>, f64) {
+        let mut acc = 0;
+        let counts = self.buckets.iter().map(|b| {
+            acc += b.load(Relaxed);
+            acc
+        });
+        (counts.collect(), self.sum_ns.load(Relaxed) as f64 / 1e9)
+    }
+}
+
+/// Answers of the HTTP check.
+pub static HTTP_LATENCY: Latency = Latency::new();
+/// Answers of Envoy's rate-limit service.
+pub static GRPC_LATENCY: Latency = Latency::new();
