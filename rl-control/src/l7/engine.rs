@@ -75,6 +75,8 @@ pub struct Counters {
 
 struct Compiled {
     rule: L7Rule,
+    /// `mode = "elastic"`: the rule's shared pool, a token bucket.
+    pool: Option<LimitEntry>,
     /// The rule's identity (a hash of its definition): buckets survive a
     /// reload that leaves the rule unchanged.
     id: u64,
@@ -106,6 +108,8 @@ type Key = (u64, [u64; 2]);
 
 /// The values part of the overflow bucket's key.
 const OVERFLOW: [u64; 2] = [u64::MAX; 2];
+/// The values part of an elastic rule's pool bucket's key.
+const POOL: [u64; 2] = [u64::MAX, u64::MAX - 1];
 
 fn values_hash(entries: &[DescriptorEntry]) -> [u64; 2] {
     let half = |salt: u64| {
@@ -117,7 +121,7 @@ fn values_hash(entries: &[DescriptorEntry]) -> [u64; 2] {
         h.finish()
     };
     let v = [half(0x9e37_79b9_7f4a_7c15), half(0xc2b2_ae3d_27d4_eb4f)];
-    if v == OVERFLOW { [u64::MAX, 0] } else { v }
+    if v == OVERFLOW || v == POOL { [u64::MAX, 0] } else { v }
 }
 
 /// The request limiter: compiled rules and their buckets.
@@ -156,6 +160,12 @@ impl Engine {
                     L7Algorithm::Packet(a) => r.limits.iter().map(|l| crate::compile::limit_entry(a, l.unit, &l.enforced(r.mode))).collect(),
                     _ => Vec::new(),
                 },
+                pool: match r.mode {
+                    crate::rules::Mode::Elastic { pool } => {
+                        Some(crate::compile::limit_entry(Algorithm::TokenBucket, crate::rules::Unit::Packets, &pool))
+                    }
+                    _ => None,
+                },
                 rule: r.clone(),
                 counters: Counters::default(),
             })
@@ -173,7 +183,7 @@ impl Engine {
                     let mut gone = 0u64;
                     m.retain(|(id, values), _| {
                         let keep = live.contains(id);
-                        gone += u64::from(!keep && *values != OVERFLOW);
+                        gone += u64::from(!keep && *values != OVERFLOW && *values != POOL);
                         keep
                     });
                     p.keys.fetch_sub(gone.min(p.keys.load(Ordering::Relaxed)), Ordering::Relaxed);
@@ -235,6 +245,22 @@ impl Engine {
         let bucket = shard.entry(key).or_insert_with(|| new_bucket(c));
         let mut st = charge(c, bucket, now, hits, self.epoch_offset_ns);
         drop(shard);
+        if st.code == "over_limit" && hits > 0 {
+            if let Some(pool) = &c.pool {
+                // Elastic: over its own limit, the key may use the rule's
+                // shared pool while it has room.
+                let key: Key = (c.id, POOL);
+                let mut h = std::collections::hash_map::DefaultHasher::new();
+                key.hash(&mut h);
+                let mut shard = self.shards[h.finish() as usize % SHARDS].lock().unwrap_or_else(|e| e.into_inner());
+                if let Bucket::One(word) = shard.entry(key).or_insert(Bucket::One(0)) {
+                    if let Some(next) = pool.gcra_step(*word, now, hits as u64) {
+                        *word = next;
+                        st.code = "ok";
+                    }
+                }
+            }
+        }
         let counters = &c.counters;
         if st.code == "over_limit" {
             if c.rule.action == Action::Shadow {
@@ -284,6 +310,7 @@ impl Engine {
             let mut m = s.lock().unwrap_or_else(|e| e.into_inner());
             m.retain(|(id, values), b| {
                 let keep = by_id.get(id).is_some_and(|c| match b {
+                    Bucket::One(w) if *values == POOL => c.pool.is_some_and(|p| !p.is_fresh(*w, now, self.epoch_offset_ns)),
                     Bucket::One(w) => !c.limits[0].is_fresh(*w, now, self.epoch_offset_ns),
                     Bucket::Words(w) => !c.limits.iter().zip(w.iter()).all(|(l, w)| l.is_fresh(*w, now, self.epoch_offset_ns)),
                     Bucket::Log(logs) => {
@@ -291,7 +318,7 @@ impl Engine {
                     }
                     Bucket::Leases(leases) => !leases.iter().all(|&expiry| expiry <= now),
                 });
-                if !keep && *values != OVERFLOW {
+                if !keep && *values != OVERFLOW && *values != POOL {
                     gone += 1;
                 }
                 keep
@@ -555,6 +582,15 @@ mod tests {
                 assert_eq!(got, allowed, "{algorithm}: {got} of 4,000 racing requests passed");
             }
         }
+    }
+
+    #[test]
+    fn an_elastic_rule_lends_its_pool_to_keys_over_their_own_limit() {
+        let e = engine("[[l7.rule]]\nname = \"el\"\ndomain = \"api\"\ndescriptor = [{ key = \"u\" }]\nrate = 1\nper = \"1h\"\nmode = \"elastic\"\npool_rate = 3\npool_per = \"1h\"\n");
+        let codes = |who: &str, n: usize| (0..n).map(|_| e.decide_at("api", &d(&[("u", who)]), 1, S).code).collect::<Vec<_>>();
+        assert_eq!(codes("a", 5), ["ok", "ok", "ok", "ok", "over_limit"], "1 own, 3 from the pool");
+        assert_eq!(codes("b", 2), ["ok", "over_limit"], "its own, and the pool is spent");
+        assert_eq!(e.keys(), 2, "the pool is not a key");
     }
 
     #[test]

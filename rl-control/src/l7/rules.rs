@@ -103,6 +103,8 @@ pub(crate) struct RawL7Rule {
     action: Option<Spanned<String>>,
     mode: Option<Spanned<String>>,
     soft_percent: Option<Spanned<i64>>,
+    pool_rate: Option<Spanned<i64>>,
+    pool_per: Option<Spanned<String>>,
     max: Option<Spanned<i64>>,
     lease: Option<Spanned<String>>,
 }
@@ -179,19 +181,38 @@ fn validate_rule(loc: &Located, i: usize, spanned: &Spanned<RawL7Rule>) -> Resul
         &[("token_bucket", 0), ("fixed_window", 1), ("sliding_window", 2), ("sliding_log", 3), ("concurrency", 4)],
     )?;
     let action = choice(loc, &format!("{who}: action"), &r.action, &[("drop", Action::Drop), ("shadow", Action::Shadow)])?;
-    let mode = match choice(loc, &format!("{who}: mode"), &r.mode, &[("hard", 0), ("soft", 1)])? {
-        0 => {
-            if let Some(p) = &r.soft_percent {
-                return Err(loc.at(p.span(), format!("{who}: soft_percent needs mode = \"soft\"")));
-            }
-            Mode::Hard
+    let mode_kind = choice(loc, &format!("{who}: mode"), &r.mode, &[("hard", 0), ("soft", 1), ("elastic", 2)])?;
+    if mode_kind != 1 {
+        if let Some(p) = &r.soft_percent {
+            return Err(loc.at(p.span(), format!("{who}: soft_percent needs mode = \"soft\"")));
         }
-        _ => Mode::Soft {
+    }
+    if mode_kind != 2 {
+        if let Some(span) = r.pool_rate.as_ref().map(|p| p.span()).or(r.pool_per.as_ref().map(|p| p.span())) {
+            return Err(loc.at(span, format!("{who}: pool_rate and pool_per need mode = \"elastic\"")));
+        }
+    }
+    let mode = match mode_kind {
+        0 => Mode::Hard,
+        1 => Mode::Soft {
             percent: match &r.soft_percent {
                 Some(p) => int_in(loc, &format!("{who}: soft_percent"), p, 1, 1000)? as u32,
                 None => 10,
             },
         },
+        _ => {
+            if kind >= 3 {
+                let span = r.mode.as_ref().map(|m| m.span()).unwrap_or(table.clone());
+                return Err(loc.at(span, format!("{who}: mode = \"elastic\" applies to token_bucket, fixed_window and sliding_window")));
+            }
+            let Some(pool_rate) = &r.pool_rate else {
+                let span = r.mode.as_ref().map(|m| m.span()).unwrap_or(table.clone());
+                return Err(loc.at(span, format!("{who}: mode = \"elastic\" needs pool_rate (requests per pool_per shared by all keys of the rule)")));
+            };
+            let amount = int_in(loc, &format!("{who}: pool_rate"), pool_rate, 1, crate::rules::MAX_RULE_RATE as i64)?;
+            let per_secs = duration(loc, &format!("{who}: pool_per"), &r.pool_per)?;
+            Mode::Elastic { pool: crate::rules::Rate { amount, per_secs, burst: amount } }
+        }
     };
     if kind == 4 {
         for (field, span) in [("rate", r.rate.as_ref().map(|v| v.span())), ("per", r.per.as_ref().map(|v| v.span())), ("burst", r.burst.as_ref().map(|v| v.span())), ("limits", r.limits.as_ref().map(|v| v.span()))] {
@@ -307,6 +328,9 @@ mod tests {
             ("[l7]\nhttp_listen = \"localhost\"\n".into(), "rules.toml:4:15:", "is not an address"),
             ("[l7]\ngrpc_listen = \"8081\"\n".into(), "rules.toml:4:15:", "is not an address"),
             ("[l7]\nbogus = 1\n".into(), "rules.toml:4:1:", "unknown field `bogus`"),
+            (rule("rate = 1\nmode = \"elastic\"\n"), "rules.toml:8:8:", "needs pool_rate"),
+            (rule("rate = 1\nalgorithm = \"sliding_log\"\nmode = \"elastic\"\npool_rate = 5\n"), "rules.toml:9:8:", "applies to token_bucket, fixed_window and sliding_window"),
+            (rule("rate = 1\npool_rate = 5\n"), "rules.toml:8:13:", "pool_rate and pool_per need mode = \"elastic\""),
         ];
         for (text, at, needle) in cases {
             let e = error_of(&text);
