@@ -25,6 +25,8 @@ const GRPC: &str = "127.0.0.1:8081";
 const RATE: u64 = 20_000;
 const SECONDS: u64 = 5;
 const KEYS: u64 = 1_000_000;
+/// HTTP/2 connections the gRPC load spreads over.
+const CONNECTIONS: usize = 4;
 
 fn rules() -> String {
     format!(
@@ -46,20 +48,28 @@ fn percentile(v: &mut [f64], q: f64) -> f64 {
     v[((v.len() as f64 * q) as usize).min(v.len() - 1)]
 }
 
-/// Open loop at `RATE`/s for `SECONDS` over gRPC; `keys` distinct users.
+/// Open loop at `RATE`/s for `SECONDS` over gRPC; `keys` distinct users;
+/// each request's time from its send to its answer.
 async fn grpc_latency(keys: u64) -> Result<(f64, f64, u64)> {
-    let client = RateLimitServiceClient::connect(format!("http://{GRPC}")).await?;
+    let mut clients = Vec::new();
+    for _ in 0..CONNECTIONS {
+        clients.push(RateLimitServiceClient::connect(format!("http://{GRPC}")).await?);
+    }
     let n = RATE * SECONDS;
     let start = tokio::time::Instant::now();
     let mut tasks = Vec::with_capacity(n as usize);
     for i in 0..n {
         let due = start + Duration::from_nanos(i * 1_000_000_000 / RATE);
         tokio::time::sleep_until(due).await;
-        let mut c = client.clone();
+        let mut c = clients[i as usize % CONNECTIONS].clone();
         let user = if keys == 1 { 0 } else { (i * 2_654_435_761) % keys };
         tasks.push(tokio::spawn(async move {
+            // From the send: tokio's timer wakes in whole milliseconds, and
+            // sends never wait for answers (open loop), so lateness of the
+            // timer is the generator's, not the service's.
+            let sent = tokio::time::Instant::now();
             let r = c.should_rate_limit(request(user)).await;
-            (r.is_ok(), (tokio::time::Instant::now() - due).as_secs_f64() * 1e3)
+            (r.is_ok(), (tokio::time::Instant::now() - sent).as_secs_f64() * 1e3)
         }));
     }
     let mut ms = Vec::with_capacity(tasks.len());
@@ -74,11 +84,15 @@ async fn grpc_latency(keys: u64) -> Result<(f64, f64, u64)> {
 
 /// Closed loop with 64 in flight for `SECONDS`: decisions per second.
 async fn grpc_saturation() -> Result<f64> {
-    let client = RateLimitServiceClient::connect(format!("http://{GRPC}")).await?;
+    // Several HTTP/2 connections, as Envoy's workers open.
+    let mut clients = Vec::new();
+    for _ in 0..CONNECTIONS {
+        clients.push(RateLimitServiceClient::connect(format!("http://{GRPC}")).await?);
+    }
     let stop = Instant::now() + Duration::from_secs(SECONDS);
     let mut tasks = Vec::new();
     for w in 0..64u64 {
-        let mut c = client.clone();
+        let mut c = clients[w as usize % CONNECTIONS].clone();
         tasks.push(tokio::spawn(async move {
             let mut done = 0u64;
             while Instant::now() < stop {
