@@ -40,7 +40,8 @@ impl Envoy {
         let child = Command::new("ip")
             .args(["netns", "exec", &ns.name, &binary()?, "-c"])
             .arg(&cfg)
-            .args(["--base-id", &(std::process::id() % 10_000).to_string(), "--log-level", "warn", "--log-path"])
+            // No hot-restart shared memory: nothing outlives the process.
+            .args(["--disable-hot-restart", "--log-level", "warn", "--log-path"])
             .arg(&log)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
