@@ -202,6 +202,61 @@ impl RawLimit {
 
 // ---- Validation ---------------------------------------------------------
 
+/// A rule's `mode`, `soft_percent`, `pool_rate` and `pool_per` (packet and
+/// request rules share them).
+#[derive(Clone, Copy)]
+pub(crate) struct ModeFields<'a> {
+    pub mode: &'a Option<Spanned<String>>,
+    pub soft_percent: &'a Option<Spanned<i64>>,
+    pub pool_rate: &'a Option<Spanned<i64>>,
+    pub pool_per: &'a Option<Spanned<String>>,
+}
+
+/// The mode a rule's fields give: hard, soft (10% by default) or elastic
+/// (a pool of `pool_rate` `counts` per `pool_per`). `no_elastic`: why this
+/// rule cannot be elastic, if it cannot.
+pub(crate) fn mode_of(
+    loc: &Located,
+    who: &str,
+    f: ModeFields,
+    table: Range<usize>,
+    counts: &str,
+    no_elastic: Option<&str>,
+) -> Result<Mode, ConfigError> {
+    let kind = choice(loc, &format!("{who}: mode"), f.mode, &[("hard", 0), ("soft", 1), ("elastic", 2)])?;
+    if kind != 1 {
+        if let Some(p) = f.soft_percent {
+            return Err(loc.at(p.span(), format!("{who}: soft_percent needs mode = \"soft\"")));
+        }
+    }
+    if kind != 2 {
+        if let Some(span) = f.pool_rate.as_ref().map(|p| p.span()).or(f.pool_per.as_ref().map(|p| p.span())) {
+            return Err(loc.at(span, format!("{who}: pool_rate and pool_per need mode = \"elastic\"")));
+        }
+    }
+    let mode_span = || f.mode.as_ref().map(|m| m.span()).unwrap_or(table.clone());
+    Ok(match kind {
+        0 => Mode::Hard,
+        1 => Mode::Soft {
+            percent: match f.soft_percent {
+                Some(p) => int_in(loc, &format!("{who}: soft_percent"), p, 1, 1000)? as u32,
+                None => 10,
+            },
+        },
+        _ => {
+            if let Some(why) = no_elastic {
+                return Err(loc.at(mode_span(), format!("{who}: mode = \"elastic\" {why}")));
+            }
+            let Some(pool_rate) = f.pool_rate else {
+                return Err(loc.at(mode_span(), format!("{who}: mode = \"elastic\" needs pool_rate ({counts} per pool_per shared by all keys of the rule)")));
+            };
+            let amount = int_in(loc, &format!("{who}: pool_rate"), pool_rate, 1, MAX_RULE_RATE as i64)?;
+            let per_secs = duration(loc, &format!("{who}: pool_per"), f.pool_per)?;
+            Mode::Elastic { pool: Rate { amount, per_secs, burst: amount } }
+        }
+    })
+}
+
 pub(crate) fn validate_list(loc: &Located, which: &str, raw: &[RawList]) -> Result<Vec<Cidr>, ConfigError> {
     raw.iter()
         .enumerate()
@@ -443,35 +498,8 @@ pub(crate) fn validate_rules(loc: &Located, raw: &[Spanned<RawRule>]) -> Result<
             return Err(loc.at(span, format!("{who}: {} limits: at most {MAX_LIMITS} per rule (a packet and a byte limit count as two)", limits.len())));
         }
         let action = choice(loc, &format!("{who}: action"), &r.action, &[("drop", Action::Drop), ("shadow", Action::Shadow)])?;
-        let mode_kind = choice(loc, &format!("{who}: mode"), &r.mode, &[("hard", 0), ("soft", 1), ("elastic", 2)])?;
-        if mode_kind != 1 {
-            if let Some(p) = &r.soft_percent {
-                return Err(loc.at(p.span(), format!("{who}: soft_percent needs mode = \"soft\"")));
-            }
-        }
-        if mode_kind != 2 {
-            if let Some(span) = r.pool_rate.as_ref().map(|p| p.span()).or(r.pool_per.as_ref().map(|p| p.span())) {
-                return Err(loc.at(span, format!("{who}: pool_rate and pool_per need mode = \"elastic\"")));
-            }
-        }
-        let mode = match mode_kind {
-            0 => Mode::Hard,
-            1 => Mode::Soft {
-                percent: match &r.soft_percent {
-                    Some(p) => int_in(loc, &format!("{who}: soft_percent"), p, 1, 1000)? as u32,
-                    None => 10,
-                },
-            },
-            _ => {
-                let Some(pool_rate) = &r.pool_rate else {
-                    let span = r.mode.as_ref().map(|m| m.span()).unwrap_or(table.clone());
-                    return Err(loc.at(span, format!("{who}: mode = \"elastic\" needs pool_rate (packets per pool_per shared by all keys of the rule)")));
-                };
-                let amount = int_in(loc, &format!("{who}: pool_rate"), pool_rate, 1, MAX_RULE_RATE as i64)?;
-                let per_secs = duration(loc, &format!("{who}: pool_per"), &r.pool_per)?;
-                Mode::Elastic { pool: Rate { amount, per_secs, burst: amount } }
-            }
-        };
+        let fields = ModeFields { mode: &r.mode, soft_percent: &r.soft_percent, pool_rate: &r.pool_rate, pool_per: &r.pool_per };
+        let mode = mode_of(loc, &who, fields, table.clone(), "packets", None)?;
         rules.push(Rule { name: n.clone(), proto, dst_ports, syn_only, src, key, limits, algorithm, action, mode });
     }
     let src_total: usize = rules.iter().map(|r| r.src.len()).sum();

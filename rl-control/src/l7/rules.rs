@@ -9,7 +9,7 @@ use toml::Spanned;
 
 use crate::{
     config::{socket_address, ConfigError, Located},
-    rules::{choice, duration, int_in, limits_of, Action, Algorithm, Mode, RawLimit, RuleLimit, MAX_LIMITS},
+    rules::{choice, duration, int_in, limits_of, mode_of, Action, Algorithm, Mode, ModeFields, RawLimit, RuleLimit, MAX_LIMITS},
 };
 
 /// Most `[[l7.rule]]`s.
@@ -181,39 +181,9 @@ fn validate_rule(loc: &Located, i: usize, spanned: &Spanned<RawL7Rule>) -> Resul
         &[("token_bucket", 0), ("fixed_window", 1), ("sliding_window", 2), ("sliding_log", 3), ("concurrency", 4)],
     )?;
     let action = choice(loc, &format!("{who}: action"), &r.action, &[("drop", Action::Drop), ("shadow", Action::Shadow)])?;
-    let mode_kind = choice(loc, &format!("{who}: mode"), &r.mode, &[("hard", 0), ("soft", 1), ("elastic", 2)])?;
-    if mode_kind != 1 {
-        if let Some(p) = &r.soft_percent {
-            return Err(loc.at(p.span(), format!("{who}: soft_percent needs mode = \"soft\"")));
-        }
-    }
-    if mode_kind != 2 {
-        if let Some(span) = r.pool_rate.as_ref().map(|p| p.span()).or(r.pool_per.as_ref().map(|p| p.span())) {
-            return Err(loc.at(span, format!("{who}: pool_rate and pool_per need mode = \"elastic\"")));
-        }
-    }
-    let mode = match mode_kind {
-        0 => Mode::Hard,
-        1 => Mode::Soft {
-            percent: match &r.soft_percent {
-                Some(p) => int_in(loc, &format!("{who}: soft_percent"), p, 1, 1000)? as u32,
-                None => 10,
-            },
-        },
-        _ => {
-            if kind >= 3 {
-                let span = r.mode.as_ref().map(|m| m.span()).unwrap_or(table.clone());
-                return Err(loc.at(span, format!("{who}: mode = \"elastic\" applies to token_bucket, fixed_window and sliding_window")));
-            }
-            let Some(pool_rate) = &r.pool_rate else {
-                let span = r.mode.as_ref().map(|m| m.span()).unwrap_or(table.clone());
-                return Err(loc.at(span, format!("{who}: mode = \"elastic\" needs pool_rate (requests per pool_per shared by all keys of the rule)")));
-            };
-            let amount = int_in(loc, &format!("{who}: pool_rate"), pool_rate, 1, crate::rules::MAX_RULE_RATE as i64)?;
-            let per_secs = duration(loc, &format!("{who}: pool_per"), &r.pool_per)?;
-            Mode::Elastic { pool: crate::rules::Rate { amount, per_secs, burst: amount } }
-        }
-    };
+    let fields = ModeFields { mode: &r.mode, soft_percent: &r.soft_percent, pool_rate: &r.pool_rate, pool_per: &r.pool_per };
+    let no_elastic = (kind >= 3).then_some("applies to token_bucket, fixed_window and sliding_window");
+    let mode = mode_of(loc, &who, fields, table.clone(), "requests", no_elastic)?;
     if kind == 4 {
         for (field, span) in [("rate", r.rate.as_ref().map(|v| v.span())), ("per", r.per.as_ref().map(|v| v.span())), ("burst", r.burst.as_ref().map(|v| v.span())), ("limits", r.limits.as_ref().map(|v| v.span()))] {
             if let Some(span) = span {
