@@ -202,6 +202,15 @@ impl RawLimit {
 
 // ---- Validation ---------------------------------------------------------
 
+/// A rule's name: 1..=48 characters from a-z, 0-9, `_` and `-`.
+pub(crate) fn checked_name<'a>(loc: &Located, what: &str, name: &'a Spanned<String>) -> Result<&'a String, ConfigError> {
+    let n = name.get_ref();
+    if n.is_empty() || n.len() > 48 || !n.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-') {
+        return Err(loc.at(name.span(), format!("{what} name \"{n}\" is not allowed: use 1..=48 characters from a-z, 0-9, _ and -")));
+    }
+    Ok(n)
+}
+
 /// A rule's `mode`, `soft_percent`, `pool_rate` and `pool_per` (packet and
 /// request rules share them).
 #[derive(Clone, Copy)]
@@ -385,13 +394,7 @@ pub(crate) fn validate_rules(loc: &Located, raw: &[Spanned<RawRule>]) -> Result<
         let name = r.name.as_ref().ok_or_else(|| {
             loc.at(table.clone(), format!("rule #{}: missing name: every rule needs a unique `name` ([a-z0-9_-], 1..=48 characters)", i + 1))
         })?;
-        let n = name.get_ref();
-        if n.is_empty()
-            || n.len() > 48
-            || !n.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
-        {
-            return Err(loc.at(name.span(), format!("rule name \"{n}\" is not allowed: use 1..=48 characters from a-z, 0-9, _ and -")));
-        }
+        let n = checked_name(loc, "rule", name)?;
         if let Some(first) = seen.insert(n.clone(), name.span().start) {
             let (line, _) = loc.line_col(first);
             return Err(loc.at(name.span(), format!("rule name \"{n}\" is already used on line {line}: names must be unique")));

@@ -9,7 +9,7 @@ use toml::Spanned;
 
 use crate::{
     config::{socket_address, ConfigError, Located},
-    rules::{choice, duration, int_in, limits_of, mode_of, Action, Algorithm, Mode, ModeFields, RawLimit, RuleLimit, MAX_LIMITS},
+    rules::{checked_name, choice, duration, int_in, limits_of, mode_of, Action, Algorithm, Mode, ModeFields, RawLimit, RuleLimit, MAX_LIMITS},
 };
 
 /// Most `[[l7.rule]]`s.
@@ -152,10 +152,7 @@ pub(crate) fn validate(loc: &Located, raw: &RawL7) -> Result<L7Config, ConfigErr
 fn validate_rule(loc: &Located, i: usize, spanned: &Spanned<RawL7Rule>) -> Result<L7Rule, ConfigError> {
     let (r, table) = (spanned.get_ref(), spanned.span());
     let name = r.name.as_ref().ok_or_else(|| loc.at(table.clone(), format!("l7 rule #{}: missing name", i + 1)))?;
-    let n = name.get_ref();
-    if n.is_empty() || n.len() > 48 || !n.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-') {
-        return Err(loc.at(name.span(), format!("l7 rule name \"{n}\" is not allowed: use 1..=48 characters from a-z, 0-9, _ and -")));
-    }
+    let n = checked_name(loc, "l7 rule", name)?;
     let who = format!("l7 rule \"{n}\"");
     let domain = match &r.domain {
         Some(d) => text(loc, &format!("{who}: domain"), d)?,
