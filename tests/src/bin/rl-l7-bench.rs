@@ -176,6 +176,21 @@ fn rss_kib(pid: u32) -> Result<u64> {
     rl_tests::proc_status_kib(pid, "VmRSS")
 }
 
+/// ns per decision of the engine alone, in this process (no transport).
+fn engine_ns() -> Result<f64> {
+    use rl_control::{config::Config, l7::engine::{DescriptorEntry, Engine}};
+    let c = Config::from_str(&rules(), "<bench>")?;
+    let e = Engine::new(&c.l7, 0, None);
+    let n = 1_000_000u64;
+    let values: Vec<String> = (0..1000).map(|i| i.to_string()).collect();
+    let t = Instant::now();
+    for i in 0..n {
+        let d = [DescriptorEntry { key: "user".into(), value: values[(i % 1000) as usize].clone() }];
+        std::hint::black_box(e.decide("bench", &d, 1));
+    }
+    Ok(t.elapsed().as_nanos() as f64 / n as f64)
+}
+
 fn main() -> Result<()> {
     let steal = rl_tests::StealMeter::start();
     let lab = Lab::new()?;
@@ -225,6 +240,7 @@ fn main() -> Result<()> {
         "gRPC at saturation (64 in flight): {rate:.0} decisions/s; target ≥ 100,000: {}",
         if rate >= 100_000.0 { "met" } else { "MISSED" }
     );
+    println!("the engine alone (match, hash, charge, quota; no transport): {:.0} ns per decision", engine_ns()?);
     for keys in [1, KEYS] {
         let (p50, p99) = http_latency(&lab, keys)?;
         println!("HTTP check, {keys} key(s): p50 {p50:.3} ms, p99 {p99:.3} ms");
