@@ -195,6 +195,14 @@ impl Engine {
         Engine { rules, by_domain, shards, keys, max_keys: config.max_keys, epoch_offset_ns, unmatched: AtomicU64::new(0) }
     }
 
+    /// The shard holding `key`, locked. The key's values part is already a
+    /// hash; mixed with the rule id it spreads one rule's keys, and the
+    /// rules' pool and overflow buckets, over the shards.
+    fn shard(&self, key: &Key) -> std::sync::MutexGuard<'_, HashMap<Key, Bucket>> {
+        let i = (key.0 ^ key.1[0]).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 58;
+        self.shards[i as usize % SHARDS].lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Request buckets held now.
     pub fn keys(&self) -> u64 {
         self.keys.load(Ordering::Relaxed)
@@ -227,17 +235,13 @@ impl Engine {
             return Status::unmatched();
         };
         let mut key: Key = (c.id, values_hash(entries));
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        key.hash(&mut h);
-        let mut shard = self.shards[h.finish() as usize % SHARDS].lock().unwrap_or_else(|e| e.into_inner());
+        let mut shard = self.shard(&key);
         if !shard.contains_key(&key) {
             if self.keys.load(Ordering::Relaxed) >= self.max_keys {
                 // Full: the rule's overflow bucket (fails closed, coarser).
                 key.1 = OVERFLOW;
                 drop(shard);
-                let mut h = std::collections::hash_map::DefaultHasher::new();
-                key.hash(&mut h);
-                shard = self.shards[h.finish() as usize % SHARDS].lock().unwrap_or_else(|e| e.into_inner());
+                shard = self.shard(&key);
             } else {
                 self.keys.fetch_add(1, Ordering::Relaxed);
             }
@@ -250,9 +254,7 @@ impl Engine {
                 // Elastic: over its own limit, the key may use the rule's
                 // shared pool while it has room.
                 let key: Key = (c.id, POOL);
-                let mut h = std::collections::hash_map::DefaultHasher::new();
-                key.hash(&mut h);
-                let mut shard = self.shards[h.finish() as usize % SHARDS].lock().unwrap_or_else(|e| e.into_inner());
+                let mut shard = self.shard(&key);
                 if let Bucket::One(word) = shard.entry(key).or_insert(Bucket::One(0)) {
                     if let Some(next) = pool.gcra_step(*word, now, hits as u64) {
                         *word = next;
@@ -283,10 +285,8 @@ impl Engine {
             return Status::unmatched();
         };
         let key: Key = (c.id, values_hash(entries));
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        key.hash(&mut h);
         let now = now_ns();
-        let mut shard = self.shards[h.finish() as usize % SHARDS].lock().unwrap_or_else(|e| e.into_inner());
+        let mut shard = self.shard(&key);
         let mut st = match shard.get_mut(&key) {
             Some(b) => charge(c, b, now, 0, self.epoch_offset_ns),
             None => charge(c, &mut new_bucket(c), now, 0, self.epoch_offset_ns),
