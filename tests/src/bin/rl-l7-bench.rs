@@ -176,6 +176,19 @@ fn rss_kib(pid: u32) -> Result<u64> {
     rl_tests::proc_status_kib(pid, "VmRSS")
 }
 
+/// Runs the future `make` gives on a runtime of its own, in the lab's
+/// protected namespace (where the daemon's loopback listeners are).
+fn in_lab<T, F>(lab: &Lab, make: impl FnOnce() -> F + Send + 'static) -> Result<T>
+where
+    T: Send + 'static,
+    F: std::future::Future<Output = Result<T>>,
+{
+    lab.b.run(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+        rt.block_on(make())
+    })
+}
+
 /// ns per decision of the engine alone, in this process (no transport).
 fn engine_ns() -> Result<f64> {
     use rl_control::{config::Config, l7::engine::{DescriptorEntry, Engine}};
@@ -198,26 +211,16 @@ fn main() -> Result<()> {
     let cfg = write(&dir, "rl.toml", &rules());
     let d = Daemon::serving(&lab, &cfg, &[])?;
     println!("rl request-decision benchmark (release daemon, 2 CPUs shared with the load generator), {RATE} requests/s offered for {SECONDS} s");
-    let grpc = |f: fn(u64) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(f64, f64, u64)>> + Send>>, keys: u64| {
-        lab.b.run(move || {
-            let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-            rt.block_on(f(keys))
-        })
-    };
-    let latency = |keys: u64| -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(f64, f64, u64)>> + Send>> { Box::pin(grpc_latency(keys)) };
     let report = |keys: u64, (p50, p99, failed): (f64, f64, u64)| {
         println!(
             "gRPC ShouldRateLimit, {keys} key(s) in the store: p50 {p50:.3} ms, p99 {p99:.3} ms ({failed} failed); target p99 < 1 ms at {RATE}/s: {}",
             if p99 < 1.0 && failed == 0 { "met" } else { "MISSED" }
         );
     };
-    report(1, grpc(latency, 1)?);
+    report(1, in_lab(&lab, || grpc_latency(1))?);
     let before = rss_kib(d.pid())?;
     let t = Instant::now();
-    lab.b.run(move || {
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-        rt.block_on(grpc_fill(KEYS))
-    })?;
+    in_lab(&lab, || grpc_fill(KEYS))?;
     let fill = t.elapsed().as_secs_f64();
     let after = rss_kib(d.pid())?;
     let held = rl_tests::http::parse_prometheus(&rl_tests::http::get(&lab.b, "/metrics").body)["rl_l7_keys"];
@@ -231,11 +234,8 @@ fn main() -> Result<()> {
         after as f64 / 1024.0,
         if per_key <= 100.0 { "met" } else { "MISSED" }
     );
-    report(KEYS, grpc(latency, KEYS)?);
-    let rate = lab.b.run(move || {
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-        rt.block_on(grpc_saturation())
-    })?;
+    report(KEYS, in_lab(&lab, || grpc_latency(KEYS))?);
+    let rate = in_lab(&lab, grpc_saturation)?;
     println!(
         "gRPC at saturation (64 in flight): {rate:.0} decisions/s; target ≥ 100,000: {}",
         if rate >= 100_000.0 { "met" } else { "MISSED" }
