@@ -124,18 +124,8 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         );
     }
     let listeners = api::listen::bind(&opts.runtime_dir, opts.api, &config).await?;
-    let l7_listener = match config.l7.http_listen {
-        Some(a) => Some(tokio::net::TcpListener::bind(a).await.with_context(|| {
-            format!("cannot listen on {a} for the request check ([l7] http_listen): is another rl-control running?")
-        })?),
-        None => None,
-    };
-    let grpc_listener = match config.l7.grpc_listen {
-        Some(a) => Some(tokio::net::TcpListener::bind(a).await.with_context(|| {
-            format!("cannot listen on {a} for Envoy's rate-limit service ([l7] grpc_listen): is another rl-control running?")
-        })?),
-        None => None,
-    };
+    let l7_listener = api::listen::bind_tcp(config.l7.http_listen, "the request check", "[l7] http_listen").await?;
+    let grpc_listener = api::listen::bind_tcp(config.l7.grpc_listen, "Envoy's rate-limit service", "[l7] grpc_listen").await?;
     let ifaces = if opts.ifaces.is_empty() { config.datapath.interfaces.clone() } else { opts.ifaces.clone() };
     if ifaces.is_empty() {
         anyhow::bail!("no interface to protect: pass --iface IFACE (repeat it for several) or set [datapath] interfaces");

@@ -26,8 +26,8 @@ use crate::{client::API_SOCKET, config::Config, state::Shared};
 pub struct Listeners {
     socket: UnixListener,
     socket_path: PathBuf,
-    tcp: Option<(TcpListener, SocketAddr)>,
-    metrics: Option<(TcpListener, SocketAddr)>,
+    tcp: Option<TcpListener>,
+    metrics: Option<TcpListener>,
     token: Option<Arc<str>>,
 }
 
@@ -83,21 +83,19 @@ pub async fn bind(runtime_dir: &Path, api: Option<SocketAddr>, config: &Config) 
     let socket = UnixListener::bind(&socket_path);
     unsafe { libc::umask(old) };
     let socket = socket.with_context(|| format!("cannot listen on {} for the admin API", socket_path.display()))?;
-    let tcp_bind = |addr: SocketAddr, flag: &'static str| async move {
-        TcpListener::bind(addr)
-            .await
-            .map(|l| (l, addr))
-            .with_context(|| format!("cannot listen on {addr} for the admin API (is another rl-control running? choose another address with {flag})"))
-    };
-    let tcp = match tcp_addr {
-        Some(a) => Some(tcp_bind(a, "--api").await?),
-        None => None,
-    };
-    let metrics = match config.api.metrics_listen {
-        Some(a) => Some(tcp_bind(a, "[api] metrics_listen").await?),
-        None => None,
-    };
+    let tcp = bind_tcp(tcp_addr, "the admin API", "--api").await?;
+    let metrics = bind_tcp(config.api.metrics_listen, "the metrics listener", "[api] metrics_listen").await?;
     Ok(Listeners { socket, socket_path, tcp, metrics, token })
+}
+
+/// Binds `addr`, if given, for `what` (set by `setting`), failing with one
+/// line if it is taken. Every TCP listener of the daemon is bound this way,
+/// before the interface is touched.
+pub async fn bind_tcp(addr: Option<SocketAddr>, what: &str, setting: &str) -> Result<Option<TcpListener>> {
+    let Some(addr) = addr else { return Ok(None) };
+    TcpListener::bind(addr).await.map(Some).with_context(|| {
+        format!("cannot listen on {addr} for {what}: is another rl-control running? choose another address with {setting}")
+    })
 }
 
 /// Serves the API on every listener until the returned tasks are aborted.
@@ -111,7 +109,9 @@ pub fn serve(l: Listeners, state: Shared) -> (Vec<tokio::task::JoinHandle<()>>, 
         }
     }));
     info!("admin API on {} (root only)", l.socket_path.display());
-    if let Some((listener, addr)) = l.tcp {
+    let at = |l: &TcpListener| l.local_addr().map(|a| a.to_string()).unwrap_or_default();
+    if let Some(listener) = l.tcp {
+        let addr = at(&listener);
         let app = router(Api { state: state.clone(), token: l.token.clone() });
         tasks.push(tokio::spawn(async move {
             if let Err(e) = axum::serve(listener, app).await {
@@ -120,7 +120,8 @@ pub fn serve(l: Listeners, state: Shared) -> (Vec<tokio::task::JoinHandle<()>>, 
         }));
         info!("admin API on http://{addr} (bearer token required for /v1)");
     }
-    if let Some((listener, addr)) = l.metrics {
+    if let Some(listener) = l.metrics {
+        let addr = at(&listener);
         let app = metrics_router(Api { state, token: None });
         tasks.push(tokio::spawn(async move {
             if let Err(e) = axum::serve(listener, app).await {
