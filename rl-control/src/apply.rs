@@ -87,7 +87,7 @@ pub fn apply<E: From<ApplyError>>(
     }
     // The request limiter too, keeping the buckets of unchanged l7 rules.
     let old = s.l7.read().unwrap_or_else(|e| e.into_inner()).clone();
-    let engine = crate::l7::engine::Engine::new(&config.l7, s.dp.epoch_offset_ns(), Some(&old));
+    let engine = crate::l7::engine::Engine::new(&config.l7, s.dp.epoch_offset_ns(), Some(&old)).with_cluster(s.cluster.clone());
     *s.l7.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(engine);
     s.config = Arc::new(config);
     s.text = Arc::from(text);
@@ -107,6 +107,13 @@ fn install(
     let new = Config::from_str(&change.text, &change.origin).map_err(|e| ApplyError::Invalid(e.to_string()))?;
     if new.datapath.max_sources != max_sources {
         warn!("datapath.max_sources changes only on restart; keeping {max_sources}");
+    }
+    if new.cluster != lock(shared).config.cluster {
+        return Err(ApplyError::Invalid(
+            "[cluster] differs from the running daemon's, and it changes only on restart: \
+             restore it in the file (or restart the daemon to join another Redis)"
+                .into(),
+        ));
     }
     let failed = |what: &str, e: &dyn std::fmt::Display| ApplyError::Failed(format!("{what}: {e}"));
     if change.persist {

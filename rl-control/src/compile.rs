@@ -188,10 +188,17 @@ fn compile_rules(config: &Config) -> RuleSet {
 /// whose algorithm may change): a restarted or upgraded daemon that adopts
 /// pinned maps finds each unchanged rule's buckets under the same id.
 fn stable_id(what: &impl Hash) -> u32 {
-    let mut h = Fnv1a(0xcbf2_9ce4_8422_2325);
-    what.hash(&mut h);
-    let v = h.finish();
+    let v = stable_hash(what, 0);
     ((v ^ (v >> 32)) as u32) & rl_common::RULE_ID_MASK
+}
+
+/// A 64-bit hash that every process, build and host computes alike
+/// (FNV-1a from its offset basis xor `seed` over the derived `Hash`
+/// stream): rule ids, and the names cluster rules and buckets have in Redis.
+pub fn stable_hash(what: &impl Hash, seed: u64) -> u64 {
+    let mut h = Fnv1a(0xcbf2_9ce4_8422_2325 ^ seed);
+    what.hash(&mut h);
+    h.finish()
 }
 
 /// 64-bit FNV-1a.

@@ -54,6 +54,8 @@ pub struct Config {
     /// `[[ban]]`: prefixes dropped until a moment (written by the admin API,
     /// so a restart keeps them). Expired bans are ignored.
     pub bans: Vec<Ban>,
+    /// `[cluster]`: the Redis that `scope = "cluster"` rules share.
+    pub cluster: Option<crate::cluster::settings::ClusterConfig>,
 }
 
 /// The admin API's settings.
@@ -222,6 +224,7 @@ struct RawConfig {
     ban: Vec<RawBan>,
     #[serde(default)]
     l7: crate::l7::rules::RawL7,
+    cluster: Option<Spanned<crate::cluster::settings::RawCluster>>,
 }
 
 #[derive(Deserialize, Default)]
@@ -401,7 +404,8 @@ impl Config {
                 ),
             ));
         }
-        let rules = validate_rules(&loc, &raw.rule)?;
+        let cluster = crate::cluster::settings::validate(&loc, &raw.cluster)?;
+        let rules = validate_rules(&loc, &raw.rule, cluster.is_some())?;
         let address = |v: &Option<Spanned<String>>, name: &str, example: &str| socket_address(&loc, v, name, example);
         let api = ApiConfig {
             listen: address(&raw.api.listen, "api.listen", "127.0.0.1:9100")?,
@@ -422,8 +426,8 @@ impl Config {
                 format!("{} allow, {} deny and {} ban CIDRs: the datapath holds at most {MAX_LIST_CIDRS} together", allow.len(), deny.len(), bans.len()),
             ));
         }
-        let l7 = crate::l7::rules::validate(&loc, &raw.l7)?;
-        Ok(Config { datapath, default, allow, deny, rules, api, bans, l7 })
+        let l7 = crate::l7::rules::validate(&loc, &raw.l7, cluster.is_some())?;
+        Ok(Config { datapath, default, allow, deny, rules, api, bans, l7, cluster })
     }
 }
 

@@ -8,6 +8,7 @@
 pub mod api;
 pub mod apply;
 pub mod client;
+pub mod cluster;
 pub mod compile;
 pub mod config;
 pub mod daemon;

@@ -61,6 +61,8 @@ pub struct State {
     pub dp: Datapath,
     /// The request limiter ([[l7.rule]]s), swapped on every change.
     pub l7: crate::l7::http::Shared,
+    /// The shared Redis of `scope = "cluster"` rules (`[cluster]`).
+    pub cluster: Option<Arc<crate::cluster::Cluster>>,
     /// Shared, so a change can read them without holding the lock.
     pub config: Arc<Config>,
     /// The text `config` was read from: what the API edits and writes back.

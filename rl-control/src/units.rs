@@ -29,6 +29,27 @@ pub fn parse_duration(text: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("\"{text}\" is too long: at most 366 days"))
 }
 
+/// Milliseconds in a short duration: `<n>ms`, `<n>s` or `<n>m` (at least
+/// 1 ms, at most `max_ms`), for timers such as `[cluster] sync_interval`.
+pub fn parse_millis(text: &str, max_ms: u64) -> Result<u64, String> {
+    let allowed = "write a whole number of milliseconds, seconds or minutes, e.g. \"50ms\", \"1s\"";
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let unit_ms = match unit.trim() {
+        "ms" => 1,
+        "s" => 1000,
+        "m" => 60_000,
+        _ => return Err(format!("\"{text}\" is not a duration: {allowed}")),
+    };
+    let n: u64 = num.parse().map_err(|_| format!("\"{text}\" is not a duration: {allowed}"))?;
+    match n.checked_mul(unit_ms) {
+        Some(0) => Err(format!("\"{text}\" is zero: at least 1ms")),
+        Some(ms) if ms <= max_ms => Ok(ms),
+        _ => Err(format!("\"{text}\" is too long: at most {max_ms}ms")),
+    }
+}
+
 /// Bytes in a size: an integer (bytes) or `<number><unit>` with unit `B`,
 /// `KB`/`MB`/`GB`/`TB` (powers of 1000) or `KiB`/`MiB`/`GiB`/`TiB` (powers of
 /// 1024). A fractional number is allowed when the result is whole bytes.

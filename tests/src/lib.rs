@@ -6,6 +6,7 @@ pub mod daemon;
 pub mod envoy;
 pub mod frames;
 pub mod http;
+pub mod redis;
 pub mod lab;
 pub mod reference;
 pub mod traffic;

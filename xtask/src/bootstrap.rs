@@ -166,7 +166,14 @@ fn linker_is_current(linker: &Path, soname: &str, libllvm: &Path) -> bool {
 /// Commands the tests run, and the Debian package that provides each.
 /// Commands the tests and benchmarks run, and the Debian packages with them
 /// (nft: the veth benchmark's nftables peer).
-const TOOLS: [(&str, &str); 4] = [("ip", "iproute2"), ("sysctl", "procps"), ("setpriv", "util-linux"), ("nft", "nftables")];
+const TOOLS: [(&str, &str); 6] = [
+    ("ip", "iproute2"),
+    ("sysctl", "procps"),
+    ("setpriv", "util-linux"),
+    ("nft", "nftables"),
+    ("redis-server", "redis-server"),
+    ("redis-cli", "redis-tools"),
+];
 
 fn has(cmd: &str) -> bool {
     Command::new("sh")

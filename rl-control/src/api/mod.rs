@@ -159,6 +159,8 @@ pub struct Status {
     pub pressure: crate::state::Pressure,
     pub config_file: Option<String>,
     pub last_reload: Option<ReloadRecord>,
+    /// `[cluster]`: `state` is `degraded` while Redis does not answer.
+    pub cluster: Option<crate::cluster::ClusterStatus>,
 }
 
 /// Interface, XDP mode, program, uptime, rule count, sources, last reload.
@@ -184,6 +186,7 @@ async fn status(AxState(api): AxState<Api>) -> Json<Status> {
         },
         config_file: s.path.as_ref().map(|p| p.display().to_string()),
         last_reload: s.last_reload.clone(),
+        cluster: s.cluster.as_ref().map(|c| c.status()),
     })
 }
 
@@ -575,6 +578,17 @@ async fn metrics(AxState(api): AxState<Api>) -> ApiResult<Response> {
     for ((route, code), n) in &s.api_requests {
         let _ = writeln!(out, "rl_api_requests_total{{route=\"{}\",status=\"{code}\"}} {n}", esc(route));
     }
+    if let Some(c) = &s.cluster {
+        let st = c.status();
+        family(&mut out, "rl_cluster_degraded", "gauge", "1 while Redis does not answer within [cluster] timeout: cluster rules enforce on_failure.");
+        let _ = writeln!(out, "rl_cluster_degraded{{on_failure=\"{}\"}} {}", st.on_failure, u8::from(st.state == "degraded"));
+        family(&mut out, "rl_cluster_redis_calls_total", "counter", "Redis script calls by result.");
+        let _ = writeln!(out, "rl_cluster_redis_calls_total{{result=\"ok\"}} {}\nrl_cluster_redis_calls_total{{result=\"failed\"}} {}", st.calls_ok, st.calls_failed);
+        family(&mut out, "rl_cluster_fallbacks_total", "counter", "Cluster decisions answered by on_failure instead of Redis.");
+        let _ = writeln!(out, "rl_cluster_fallbacks_total {}", st.fallbacks);
+        family(&mut out, "rl_cluster_mismatched_rules", "gauge", "Cluster rules another daemon defines differently (held in on_failure).");
+        let _ = writeln!(out, "rl_cluster_mismatched_rules {}", st.mismatched.len());
+    }
     family(&mut out, "rl_uptime_seconds", "gauge", "Seconds since the daemon attached.");
     let _ = writeln!(out, "rl_uptime_seconds {}", s.started.elapsed().as_secs());
     Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], out).into_response())
@@ -584,7 +598,7 @@ async fn metrics(AxState(api): AxState<Api>) -> ApiResult<Response> {
 #[openapi(
     info(title = "rl admin API", description = "rl-control's admin API: rules, stats, per-source quotas, bans, metrics."),
     paths(healthz, status, get_rules, put_rules, post_rule, delete_rule, stats, top_sources, source, events, post_ban, get_bans, delete_ban, reload, metrics, l7::l7_state),
-    components(schemas(ErrorBody, Health, Status, crate::state::Pressure, Applied, Stats, RuleCounters, SourceState, SourceLimit, NewBan, BanView, ReloadRecord, crate::state::Top, crate::state::TopSource, Events, crate::state::EventView, crate::l7::engine::Status)),
+    components(schemas(ErrorBody, Health, Status, crate::state::Pressure, Applied, Stats, RuleCounters, SourceState, SourceLimit, NewBan, BanView, ReloadRecord, crate::state::Top, crate::state::TopSource, Events, crate::state::EventView, crate::l7::engine::Status, crate::cluster::ClusterStatus)),
     modifiers(&BearerAuth)
 )]
 pub struct ApiDoc;

@@ -60,7 +60,7 @@ pub struct Status {
 }
 
 impl Status {
-    fn unmatched() -> Status {
+    pub(super) fn unmatched() -> Status {
         Status { code: "unmatched", rule: String::new(), limit: 0, per_secs: 0, remaining: 0, reset_ms: 0, retry_after_ms: 0, shadow: false, enforced: false }
     }
 }
@@ -73,8 +73,10 @@ pub struct Counters {
     pub shadow_over: AtomicU64,
 }
 
-struct Compiled {
-    rule: L7Rule,
+pub(super) struct Compiled {
+    pub(super) rule: L7Rule,
+    /// `scope = "cluster"`: how to ask Redis.
+    pub(super) cluster: Option<crate::cluster::requests::Prepared>,
     /// `mode = "elastic"`: the rule's shared pool, a token bucket.
     pool: Option<LimitEntry>,
     /// The rule's identity (a hash of its definition): buckets survive a
@@ -134,6 +136,8 @@ pub struct Engine {
     max_keys: u64,
     epoch_offset_ns: u64,
     pub unmatched: AtomicU64,
+    /// The shared Redis, for `scope = "cluster"` rules.
+    pub(super) cluster: Option<Arc<crate::cluster::Cluster>>,
 }
 
 fn rule_id(rule: &L7Rule) -> u64 {
@@ -143,7 +147,7 @@ fn rule_id(rule: &L7Rule) -> u64 {
 }
 
 /// The monotonic clock rl-common's arithmetic runs on.
-fn now_ns() -> u64 {
+pub(super) fn now_ns() -> u64 {
     crate::datapath::monotonic_ns()
 }
 
@@ -166,6 +170,7 @@ impl Engine {
                     }
                     _ => None,
                 },
+                cluster: (r.scope == crate::rules::Scope::Cluster).then(|| crate::cluster::requests::Prepared::new(r)),
                 rule: r.clone(),
                 counters: Counters::default(),
             })
@@ -192,7 +197,14 @@ impl Engine {
             }
             None => (Arc::new((0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect()), Arc::new(AtomicU64::new(0))),
         };
-        Engine { rules, by_domain, shards, keys, max_keys: config.max_keys, epoch_offset_ns, unmatched: AtomicU64::new(0) }
+        Engine { rules, by_domain, shards, keys, max_keys: config.max_keys, epoch_offset_ns, unmatched: AtomicU64::new(0), cluster: None }
+    }
+
+    /// This engine deciding `scope = "cluster"` rules through `cluster`
+    /// (without one, they are decided here).
+    pub fn with_cluster(mut self, cluster: Option<Arc<crate::cluster::Cluster>>) -> Engine {
+        self.cluster = cluster;
+        self
     }
 
     /// The shard holding `key`, locked. The key's values part is already a
@@ -214,7 +226,7 @@ impl Engine {
     }
 
     /// The first rule of `domain` whose descriptor matches `entries`.
-    fn matching(&self, domain: &str, entries: &[DescriptorEntry]) -> Option<&Compiled> {
+    pub(super) fn matching(&self, domain: &str, entries: &[DescriptorEntry]) -> Option<&Compiled> {
         let matches = |d: &[Entry]| {
             d.len() == entries.len()
                 && d.iter().zip(entries).all(|(r, e)| r.key == e.key && r.value.as_ref().is_none_or(|v| *v == e.value))
@@ -234,6 +246,12 @@ impl Engine {
             self.unmatched.fetch_add(1, Ordering::Relaxed);
             return Status::unmatched();
         };
+        let st = self.charge_here(c, entries, hits, now);
+        self.counted(c, st)
+    }
+
+    /// Charges this host's bucket of `entries` under rule `c`.
+    pub(super) fn charge_here(&self, c: &Compiled, entries: &[DescriptorEntry], hits: i64, now: u64) -> Status {
         let mut key: Key = (c.id, values_hash(entries));
         let mut shard = self.shard(&key);
         if !shard.contains_key(&key) {
@@ -263,6 +281,12 @@ impl Engine {
                 }
             }
         }
+        st
+    }
+
+    /// `st` after the rule's action (shadow rules pass what is over),
+    /// counted.
+    pub(super) fn counted(&self, c: &Compiled, mut st: Status) -> Status {
         let counters = &c.counters;
         if st.code == "over_limit" {
             if c.rule.action == Action::Shadow {

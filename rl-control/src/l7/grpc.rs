@@ -82,14 +82,14 @@ fn header(key: &str, value: String) -> HeaderValue {
 impl RateLimitService for Service {
     async fn should_rate_limit(&self, req: Request<RateLimitRequest>) -> Result<Response<RateLimitResponse>, GrpcStatus> {
         let t = std::time::Instant::now();
-        let r = self.answer(req.into_inner());
+        let r = self.answer(req.into_inner()).await;
         super::GRPC_LATENCY.record(t.elapsed());
         r
     }
 }
 
 impl Service {
-    fn answer(&self, r: RateLimitRequest) -> Result<Response<RateLimitResponse>, GrpcStatus> {
+    async fn answer(&self, r: RateLimitRequest) -> Result<Response<RateLimitResponse>, GrpcStatus> {
         if r.domain.is_empty() || r.domain.len() > MAX_VALUE_LEN {
             return Err(invalid(format!("domain must be 1..={MAX_VALUE_LEN} bytes")));
         }
@@ -114,7 +114,10 @@ impl Service {
             charges.push((entries, if d.is_negative_hits { -hits } else { hits }));
         }
         let engine = self.l7.read().unwrap_or_else(|e| e.into_inner()).clone();
-        let statuses: Vec<Status> = charges.iter().map(|(e, h)| engine.decide(&r.domain, e, *h)).collect();
+        let mut statuses: Vec<Status> = Vec::with_capacity(charges.len());
+        for (e, h) in &charges {
+            statuses.push(engine.decide_scoped(&r.domain, e, *h).await);
+        }
         let over = statuses.iter().any(|s| s.code == "over_limit");
         let mut out = RateLimitResponse {
             overall_code: if over { Code::OverLimit } else { Code::Ok } as i32,

@@ -95,12 +95,12 @@ pub fn headers(s: &Status, over: bool) -> HeaderMap {
 
 async fn check(State(l7): State<Shared>, body: Bytes) -> Response {
     let t = std::time::Instant::now();
-    let r = answer(l7, body);
+    let r = answer(l7, body).await;
     super::HTTP_LATENCY.record(t.elapsed());
     r
 }
 
-fn answer(l7: Shared, body: Bytes) -> Response {
+async fn answer(l7: Shared, body: Bytes) -> Response {
     let c: Check = match serde_json::from_slice(&body) {
         Ok(c) => c,
         Err(e) => {
@@ -118,7 +118,10 @@ fn answer(l7: Shared, body: Bytes) -> Response {
         h => h,
     };
     let engine = l7.read().unwrap_or_else(|e| e.into_inner()).clone();
-    let statuses: Vec<Status> = c.descriptors.iter().map(|d| engine.decide(&c.domain, d, hits)).collect();
+    let mut statuses: Vec<Status> = Vec::with_capacity(c.descriptors.len());
+    for d in &c.descriptors {
+        statuses.push(engine.decide_scoped(&c.domain, d, hits).await);
+    }
     let over = statuses.iter().any(|s| s.code == "over_limit");
     let code = if over { StatusCode::TOO_MANY_REQUESTS } else { StatusCode::OK };
     let hdrs = deciding(&statuses).map(|s| headers(s, over)).unwrap_or_default();

@@ -8,6 +8,7 @@ pub mod engine;
 pub mod grpc;
 pub mod http;
 pub mod rules;
+mod scoped;
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 

@@ -9,7 +9,8 @@ use toml::Spanned;
 
 use crate::{
     config::{socket_address, ConfigError, Located},
-    rules::{checked_name, choice, duration, int_in, limits_of, mode_of, Action, Algorithm, Mode, ModeFields, RawLimit, RuleLimit, MAX_LIMITS},
+    cluster::settings::scope_of,
+    rules::{checked_name, choice, duration, int_in, limits_of, mode_of, Action, Algorithm, Mode, ModeFields, RawLimit, RuleLimit, Scope, MAX_LIMITS},
 };
 
 /// Most `[[l7.rule]]`s.
@@ -56,6 +57,8 @@ pub struct L7Rule {
     pub limits: Vec<RuleLimit>,
     pub action: Action,
     pub mode: Mode,
+    /// `scope = "cluster"`: decided in Redis, shared by every daemon.
+    pub scope: Scope,
 }
 
 /// `[l7]`.
@@ -107,6 +110,7 @@ pub(crate) struct RawL7Rule {
     pool_per: Option<Spanned<String>>,
     max: Option<Spanned<i64>>,
     lease: Option<Spanned<String>>,
+    scope: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -124,7 +128,7 @@ fn text(loc: &Located, what: &str, v: &Spanned<String>) -> Result<String, Config
     Ok(t.clone())
 }
 
-pub(crate) fn validate(loc: &Located, raw: &RawL7) -> Result<L7Config, ConfigError> {
+pub(crate) fn validate(loc: &Located, raw: &RawL7, has_cluster: bool) -> Result<L7Config, ConfigError> {
     let mut out = L7Config {
         grpc_listen: socket_address(loc, &raw.grpc_listen, "l7.grpc_listen", "127.0.0.1:8081")?,
         http_listen: socket_address(loc, &raw.http_listen, "l7.http_listen", "127.0.0.1:8082")?,
@@ -139,7 +143,7 @@ pub(crate) fn validate(loc: &Located, raw: &RawL7) -> Result<L7Config, ConfigErr
         return Err(loc.at(raw.rule[MAX_L7_RULES].span(), format!("{} l7 rules: at most {MAX_L7_RULES}", raw.rule.len())));
     }
     for (i, spanned) in raw.rule.iter().enumerate() {
-        let rule = validate_rule(loc, i, spanned)?;
+        let rule = validate_rule(loc, i, spanned, has_cluster)?;
         if let Some(first) = out.rules.iter().find(|r| r.name == rule.name) {
             let span = spanned.get_ref().name.as_ref().map(|n| n.span()).unwrap_or(spanned.span());
             return Err(loc.at(span, format!("l7 rule name \"{}\" is already used: names must be unique", first.name)));
@@ -149,7 +153,7 @@ pub(crate) fn validate(loc: &Located, raw: &RawL7) -> Result<L7Config, ConfigErr
     Ok(out)
 }
 
-fn validate_rule(loc: &Located, i: usize, spanned: &Spanned<RawL7Rule>) -> Result<L7Rule, ConfigError> {
+fn validate_rule(loc: &Located, i: usize, spanned: &Spanned<RawL7Rule>, has_cluster: bool) -> Result<L7Rule, ConfigError> {
     let (r, table) = (spanned.get_ref(), spanned.span());
     let name = r.name.as_ref().ok_or_else(|| loc.at(table.clone(), format!("l7 rule #{}: missing name", i + 1)))?;
     let n = checked_name(loc, "l7 rule", name)?;
@@ -181,6 +185,11 @@ fn validate_rule(loc: &Located, i: usize, spanned: &Spanned<RawL7Rule>) -> Resul
     let fields = ModeFields { mode: &r.mode, soft_percent: &r.soft_percent, pool_rate: &r.pool_rate, pool_per: &r.pool_per };
     let no_elastic = (kind >= 3).then_some("applies to token_bucket, fixed_window and sliding_window");
     let mode = mode_of(loc, &who, fields, table.clone(), "requests", no_elastic)?;
+    let scope = scope_of(loc, &who, &r.scope, has_cluster)?;
+    if scope == Scope::Cluster && matches!(mode, Mode::Elastic { .. }) {
+        let span = r.mode.as_ref().map(|m| m.span()).unwrap_or(table.clone());
+        return Err(loc.at(span, format!("{who}: mode = \"elastic\" cannot be scope = \"cluster\": the pool is this host's; use hard or soft")));
+    }
     if kind == 4 {
         for (field, span) in [("rate", r.rate.as_ref().map(|v| v.span())), ("per", r.per.as_ref().map(|v| v.span())), ("burst", r.burst.as_ref().map(|v| v.span())), ("limits", r.limits.as_ref().map(|v| v.span()))] {
             if let Some(span) = span {
@@ -203,6 +212,7 @@ fn validate_rule(loc: &Located, i: usize, spanned: &Spanned<RawL7Rule>) -> Resul
             limits: Vec::new(),
             action,
             mode,
+            scope,
         });
     }
     for (field, v) in [("max", r.max.as_ref().map(|v| v.span())), ("lease", r.lease.as_ref().map(|v| v.span()))] {
@@ -245,7 +255,13 @@ fn validate_rule(loc: &Located, i: usize, spanned: &Spanned<RawL7Rule>) -> Resul
             }
         }
     }
-    Ok(L7Rule { name: n.clone(), domain, descriptor, algorithm, limits, action, mode })
+    let rule = L7Rule { name: n.clone(), domain, descriptor, algorithm, limits, action, mode, scope };
+    if scope == Scope::Cluster {
+        if let Some(why) = crate::cluster::requests::too_large(&rule) {
+            return Err(loc.at(r.scope.as_ref().map(|s| s.span()).unwrap_or(table), format!("{who}: {why}")));
+        }
+    }
+    Ok(rule)
 }
 
 #[cfg(test)]

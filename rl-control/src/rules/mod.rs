@@ -11,7 +11,9 @@ use std::collections::HashMap;
 use serde::Deserialize;
 use toml::Spanned;
 
+pub use crate::cluster::settings::Scope;
 use crate::{
+    cluster::settings::scope_of,
     config::{ConfigError, Located},
     units::{parse_cidr, parse_port_range, Cidr},
 };
@@ -132,6 +134,8 @@ pub struct Rule {
     pub algorithm: Algorithm,
     pub action: Action,
     pub mode: Mode,
+    /// `scope = "cluster"`: one limit shared by every host (see [`crate::cluster`]).
+    pub scope: Scope,
 }
 
 // ---- Raw schema ---------------------------------------------------------
@@ -165,6 +169,7 @@ pub(crate) struct RawRule {
     soft_percent: Option<Spanned<i64>>,
     pool_rate: Option<Spanned<i64>>,
     pool_per: Option<Spanned<String>>,
+    scope: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize, Default, Clone)]
@@ -215,7 +220,7 @@ pub(crate) fn validate_list(loc: &Located, which: &str, raw: &[RawList]) -> Resu
         .collect()
 }
 
-pub(crate) fn validate_rules(loc: &Located, raw: &[Spanned<RawRule>]) -> Result<Vec<Rule>, ConfigError> {
+pub(crate) fn validate_rules(loc: &Located, raw: &[Spanned<RawRule>], has_cluster: bool) -> Result<Vec<Rule>, ConfigError> {
     if raw.len() > MAX_RULES {
         return Err(loc.at(
             raw[MAX_RULES].span(),
@@ -340,7 +345,23 @@ pub(crate) fn validate_rules(loc: &Located, raw: &[Spanned<RawRule>]) -> Result<
         let action = choice(loc, &format!("{who}: action"), &r.action, &[("drop", Action::Drop), ("shadow", Action::Shadow)])?;
         let fields = ModeFields { mode: &r.mode, soft_percent: &r.soft_percent, pool_rate: &r.pool_rate, pool_per: &r.pool_per };
         let mode = mode_of(loc, &who, fields, table.clone(), "packets", None)?;
-        rules.push(Rule { name: n.clone(), proto, dst_ports, syn_only, src, key, limits, algorithm, action, mode });
+        let scope = scope_of(loc, &who, &r.scope, has_cluster)?;
+        if scope == Scope::Cluster {
+            let why = if algorithm != Algorithm::TokenBucket {
+                Some("algorithm = \"token_bucket\"")
+            } else if limits.iter().any(|l| l.unit != Unit::Packets) {
+                Some("packet limits (rate), not bytes")
+            } else if matches!(mode, Mode::Elastic { .. }) {
+                Some("mode = \"hard\" or \"soft\"")
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                let span = r.scope.as_ref().map(|s| s.span()).unwrap_or(table.clone());
+                return Err(loc.at(span, format!("{who}: scope = \"cluster\" on a packet rule needs {why}: hosts exchange packet counts and charge them to token buckets")));
+            }
+        }
+        rules.push(Rule { name: n.clone(), proto, dst_ports, syn_only, src, key, limits, algorithm, action, mode, scope });
     }
     let src_total: usize = rules.iter().map(|r| r.src.len()).sum();
     if src_total > MAX_SRC_CIDRS {

@@ -1,6 +1,8 @@
 //! The run loop: validate, load, attach, report, reload on SIGHUP, detach on
 //! SIGINT/SIGTERM.
 
+pub mod cluster;
+
 use std::{
     net::{IpAddr, SocketAddr},
     path::PathBuf,
@@ -133,6 +135,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     for iface in &ifaces {
         interface_index(iface)?;
     }
+    let cluster = cluster::join(&config).await?;
     let compiled = compile(&config);
     let pin_dir = opts.pin_dir.clone().unwrap_or_else(|| config.datapath.pin_dir.clone());
     let pins = pin_dir.join(crate::datapath::pin_group(&ifaces));
@@ -175,7 +178,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     let map_ids = dp.table_ids();
     let events = dp.take_events();
     let l7: crate::l7::http::Shared =
-        Arc::new(std::sync::RwLock::new(Arc::new(crate::l7::engine::Engine::new(&config.l7, dp.epoch_offset_ns(), None))));
+        Arc::new(std::sync::RwLock::new(Arc::new(crate::l7::engine::Engine::new(&config.l7, dp.epoch_offset_ns(), None).with_cluster(cluster.clone()))));
     if let Some(listener) = l7_listener {
         let app = crate::l7::http::router(l7.clone());
         let addr = listener.local_addr().ok();
@@ -205,6 +208,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     }
     let state: Shared = Arc::new(Mutex::new(State {
         l7,
+        cluster: cluster.clone(),
         program_id: dp.program_id(),
         dp,
         config: Arc::new(config),
@@ -229,6 +233,9 @@ pub async fn run(opts: RunOptions) -> Result<()> {
             None
         }
     };
+    if let Some(c) = cluster {
+        tokio::spawn(cluster::keep_in_touch(state.clone(), c));
+    }
     match events {
         Ok(ring) => {
             tokio::spawn(forward_events(state.clone(), ring));

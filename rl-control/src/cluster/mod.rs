@@ -1,0 +1,269 @@
+//! Cluster-wide limits through Redis: the only room that talks to Redis.
+//!
+//! - [`settings`]: `[cluster]` and a rule's `scope`.
+//! - [`requests`]: `scope = "cluster"` request rules, decided by one Lua
+//!   script call per decision (server time, atomic, exact).
+//! - [`members`]: which definition of a cluster rule each daemon holds; a
+//!   daemon whose definition differs refuses to join.
+//!
+//! Redis is never on the packet path, and never holds a decision longer
+//! than `timeout`: a call that fails or is slower marks the cluster
+//! degraded, cluster rules then enforce `on_failure` without calling Redis,
+//! and a probe every `sync_interval` brings them back.
+
+pub mod members;
+pub mod requests;
+pub mod settings;
+
+use std::{
+    sync::{
+        atomic::{AtomicBool, AtomicU64, Ordering::Relaxed},
+        Arc, Mutex,
+    },
+    time::Duration,
+};
+
+use redis::{aio::ConnectionManager, cluster_async::ClusterConnection, FromRedisValue};
+use tracing::{info, warn};
+
+pub use settings::{ClusterConfig, OnFailure, Scope};
+
+/// A connection to the shared Redis: one server, or a Redis Cluster.
+#[derive(Clone)]
+enum Conn {
+    One(ConnectionManager),
+    Many(ClusterConnection),
+}
+
+/// Why a Redis call gave no answer.
+#[derive(Debug, thiserror::Error)]
+pub enum Failure {
+    #[error("Redis did not answer within {0} ms")]
+    Timeout(u64),
+    #[error("Redis failed: {0}")]
+    Redis(String),
+    #[error("the cluster is degraded: Redis calls wait for the next probe")]
+    Degraded,
+}
+
+/// Counters and state for `/v1/status` and `/metrics`.
+#[derive(Default)]
+pub struct Health {
+    degraded: AtomicBool,
+    /// Unix ms when the current degraded spell began (0: healthy).
+    since_ms: AtomicU64,
+    pub calls_ok: AtomicU64,
+    pub calls_failed: AtomicU64,
+    /// Decisions answered by `on_failure` instead of Redis.
+    pub fallbacks: AtomicU64,
+    last_error: Mutex<String>,
+}
+
+/// The cluster as `/v1/status` reports it.
+#[derive(Clone, Debug, serde::Serialize, utoipa::ToSchema)]
+pub struct ClusterStatus {
+    /// `ok` or `degraded` (Redis unreachable or too slow: cluster rules
+    /// enforce `on_failure`).
+    pub state: &'static str,
+    pub node: String,
+    pub redis: Vec<String>,
+    pub on_failure: &'static str,
+    /// Unix ms when the degraded spell began.
+    pub degraded_since_unix_ms: Option<u64>,
+    pub last_error: String,
+    pub calls_ok: u64,
+    pub calls_failed: u64,
+    pub fallbacks: u64,
+    /// Cluster rules another daemon defines differently: they stay in
+    /// `on_failure` until the definitions agree.
+    pub mismatched: Vec<String>,
+}
+
+/// A change of the cluster's health, for the event log.
+pub type Transition = (&'static str, String);
+
+/// The daemon's handle on the shared Redis.
+pub struct Cluster {
+    pub config: ClusterConfig,
+    conn: tokio::sync::RwLock<Option<Conn>>,
+    pub health: Health,
+    /// Rule names whose definition differs from another daemon's.
+    mismatched: Mutex<Vec<String>>,
+    /// Health changes not yet written to the event log.
+    transitions: Mutex<Vec<Transition>>,
+}
+
+impl Cluster {
+    /// A handle that connects lazily: a Redis down at start leaves the
+    /// daemon running with cluster rules in `on_failure`.
+    pub fn new(config: ClusterConfig) -> Arc<Cluster> {
+        let c = Arc::new(Cluster {
+            config,
+            conn: tokio::sync::RwLock::new(None),
+            health: Health::default(),
+            mismatched: Mutex::new(Vec::new()),
+            transitions: Mutex::new(Vec::new()),
+        });
+        // Degraded until the first probe answers.
+        c.set_degraded("not connected yet".into());
+        c
+    }
+
+    pub fn timeout(&self) -> Duration {
+        Duration::from_millis(self.config.timeout_ms)
+    }
+
+    pub fn is_degraded(&self) -> bool {
+        self.health.degraded.load(Relaxed)
+    }
+
+    fn set_degraded(&self, why: String) {
+        *self.health.last_error.lock().unwrap_or_else(|e| e.into_inner()) = why.clone();
+        if !self.health.degraded.swap(true, Relaxed) {
+            self.health.since_ms.store(crate::config::unix_now() * 1000, Relaxed);
+            warn!(on_failure = self.config.on_failure.name(), "cluster degraded: {why}; cluster rules enforce on_failure = \"{}\" until Redis answers again", self.config.on_failure.name());
+            self.transitions.lock().unwrap_or_else(|e| e.into_inner()).push(("cluster_degraded", why));
+        }
+    }
+
+    fn set_healthy(&self) {
+        if self.health.degraded.swap(false, Relaxed) {
+            self.health.since_ms.store(0, Relaxed);
+            info!("cluster healthy: Redis answers again; cluster rules are shared again");
+            self.transitions.lock().unwrap_or_else(|e| e.into_inner()).push(("cluster_recovered", String::new()));
+        }
+    }
+
+    /// Health changes since the last call, oldest first.
+    pub fn take_transitions(&self) -> Vec<Transition> {
+        std::mem::take(&mut *self.transitions.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    pub fn is_mismatched(&self, rule: &str) -> bool {
+        self.mismatched.lock().unwrap_or_else(|e| e.into_inner()).iter().any(|r| r == rule)
+    }
+
+    pub fn status(&self) -> ClusterStatus {
+        let h = &self.health;
+        let since = h.since_ms.load(Relaxed);
+        ClusterStatus {
+            state: if self.is_degraded() { "degraded" } else { "ok" },
+            node: self.config.node.clone(),
+            redis: self.config.redis.clone(),
+            on_failure: self.config.on_failure.name(),
+            degraded_since_unix_ms: (since != 0).then_some(since),
+            last_error: h.last_error.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+            calls_ok: h.calls_ok.load(Relaxed),
+            calls_failed: h.calls_failed.load(Relaxed),
+            fallbacks: h.fallbacks.load(Relaxed),
+            mismatched: self.mismatched.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+        }
+    }
+
+    /// Connects if not connected (within `timeout`).
+    async fn connection(&self) -> Result<Conn, Failure> {
+        if let Some(c) = self.conn.read().await.as_ref() {
+            return Ok(c.clone());
+        }
+        let mut slot = self.conn.write().await;
+        if let Some(c) = slot.as_ref() {
+            return Ok(c.clone());
+        }
+        let t = self.timeout();
+        let err = |e: redis::RedisError| Failure::Redis(e.to_string());
+        let conn = if self.config.is_redis_cluster() {
+            let client = redis::cluster::ClusterClientBuilder::new(self.config.redis.clone())
+                .connection_timeout(t)
+                .response_timeout(t)
+                .retries(2)
+                .min_retry_wait(10)
+                .max_retry_wait(t.as_millis() as u64)
+                .build()
+                .map_err(err)?;
+            let c = tokio::time::timeout(t * 4, client.get_async_connection())
+                .await
+                .map_err(|_| Failure::Timeout(self.config.timeout_ms * 4))?
+                .map_err(err)?;
+            Conn::Many(c)
+        } else {
+            let client = redis::Client::open(self.config.redis[0].as_str()).map_err(err)?;
+            let cfg = redis::aio::ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(t))
+                .set_response_timeout(Some(t))
+                .set_number_of_retries(1)
+                .set_max_delay(t);
+            Conn::One(ConnectionManager::new_lazy_with_config(client, cfg).map_err(err)?)
+        };
+        *slot = Some(conn.clone());
+        Ok(conn)
+    }
+
+    /// Runs `invocation` within `timeout`; a failure degrades the cluster.
+    /// While degraded, fails at once (the probe brings Redis back).
+    pub async fn call<T: FromRedisValue>(&self, invocation: &redis::ScriptInvocation<'_>) -> Result<T, Failure> {
+        if self.is_degraded() {
+            return Err(Failure::Degraded);
+        }
+        self.call_anyway(invocation).await
+    }
+
+    pub(crate) async fn call_anyway<T: FromRedisValue>(&self, invocation: &redis::ScriptInvocation<'_>) -> Result<T, Failure> {
+        let t = self.timeout();
+        let run = async {
+            let conn = self.connection().await?;
+            let r = match conn {
+                Conn::One(mut c) => invocation.invoke_async(&mut c).await,
+                Conn::Many(mut c) => invocation.invoke_async(&mut c).await,
+            };
+            r.map_err(|e| Failure::Redis(e.to_string()))
+        };
+        let r = match tokio::time::timeout(t, run).await {
+            Ok(r) => r,
+            Err(_) => Err(Failure::Timeout(self.config.timeout_ms)),
+        };
+        match &r {
+            Ok(_) => {
+                self.health.calls_ok.fetch_add(1, Relaxed);
+            }
+            Err(e) => {
+                self.health.calls_failed.fetch_add(1, Relaxed);
+                self.set_degraded(e.to_string());
+            }
+        }
+        r
+    }
+
+    /// Registers this daemon's cluster rules (see [`members`]) and, if that
+    /// answers, marks the cluster healthy. Called at start and every
+    /// `sync_interval`.
+    pub async fn probe(&self, definitions: &[(String, u64)]) -> Result<(), Failure> {
+        let clashes = members::register(self, definitions).await?;
+        let mut m = self.mismatched.lock().unwrap_or_else(|e| e.into_inner());
+        for (rule, other) in &clashes {
+            if !m.contains(rule) {
+                warn!(rule, "cluster rule \"{rule}\" is defined differently on {other}: it stays in on_failure here until every host defines it the same way");
+            }
+        }
+        *m = clashes.into_iter().map(|(r, _)| r).collect();
+        drop(m);
+        self.set_healthy();
+        Ok(())
+    }
+
+    /// How long a daemon's registration of its definitions lasts unless
+    /// renewed: a host that went away stops counting after this.
+    pub fn membership_ttl(&self) -> Duration {
+        Duration::from_millis((30 * self.config.sync_interval_ms).clamp(2_000, 60_000))
+    }
+
+    /// How long to wait before the next probe: one `sync_interval` while
+    /// degraded (cluster rules come back within one interval of Redis),
+    /// else often enough to keep this daemon's registration alive.
+    pub fn probe_pause(&self) -> Duration {
+        if self.is_degraded() {
+            Duration::from_millis(self.config.sync_interval_ms)
+        } else {
+            self.membership_ttl() / 4
+        }
+    }
+}

@@ -1,0 +1,158 @@
+//! `[cluster]` and a rule's `scope`: which Redis the daemons share, under
+//! what name this host joins, how often packet-rule usage travels, how long
+//! a Redis call may take, and what cluster rules do while Redis is away.
+
+use serde::Deserialize;
+use toml::Spanned;
+
+use crate::{
+    config::{ConfigError, Located},
+    rules::choice,
+    units::parse_millis,
+};
+
+/// Where a rule's limit holds: on this host, or across every daemon that
+/// shares the `[cluster]` Redis and defines the rule the same way.
+///
+/// Hashing writes nothing for `Local`, so a local rule's stable id (a hash
+/// of its definition) is what it was before scopes existed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Scope {
+    #[default]
+    Local,
+    Cluster,
+}
+
+impl std::hash::Hash for Scope {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        if *self == Scope::Cluster {
+            h.write_u8(0xc1);
+        }
+    }
+}
+
+/// What a cluster rule enforces while Redis cannot be reached.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnFailure {
+    /// Each host enforces the rule's own limit on its own (packet rules keep
+    /// the usage already charged).
+    Local,
+    /// No limit.
+    Open,
+    /// Everything over: drop / 429.
+    Closed,
+}
+
+impl OnFailure {
+    pub fn name(self) -> &'static str {
+        match self {
+            OnFailure::Local => "local",
+            OnFailure::Open => "open",
+            OnFailure::Closed => "closed",
+        }
+    }
+}
+
+/// Most seed URLs in `redis`.
+pub const MAX_SEEDS: usize = 16;
+/// Longest `timeout` and `sync_interval`.
+pub const MAX_TIMER_MS: u64 = 60_000;
+
+/// A validated `[cluster]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClusterConfig {
+    /// One URL: a standalone Redis; several: seeds of a Redis Cluster.
+    pub redis: Vec<String>,
+    /// This host's name among the daemons.
+    pub node: String,
+    pub sync_interval_ms: u64,
+    pub timeout_ms: u64,
+    pub on_failure: OnFailure,
+}
+
+impl ClusterConfig {
+    /// Several seeds mean a Redis Cluster.
+    pub fn is_redis_cluster(&self) -> bool {
+        self.redis.len() > 1
+    }
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawCluster {
+    redis: Option<Spanned<Vec<Spanned<String>>>>,
+    node: Option<Spanned<String>>,
+    sync_interval: Option<Spanned<String>>,
+    timeout: Option<Spanned<String>>,
+    on_failure: Option<Spanned<String>>,
+}
+
+/// This machine's host name (the default `node`).
+pub fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is valid for its length; gethostname NUL-terminates
+    // or truncates.
+    let r = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    let name = String::from_utf8_lossy(&buf[..end]).into_owned();
+    if r == 0 && valid_node(&name) { name } else { "rl".to_string() }
+}
+
+fn valid_node(n: &str) -> bool {
+    !n.is_empty() && n.len() <= 64 && n.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+}
+
+/// `[cluster]`, if the file has one.
+pub(crate) fn validate(loc: &Located, raw: &Option<Spanned<RawCluster>>) -> Result<Option<ClusterConfig>, ConfigError> {
+    let Some(spanned) = raw else { return Ok(None) };
+    let (r, table) = (spanned.get_ref(), spanned.span());
+    let Some(urls) = &r.redis else {
+        return Err(loc.at(table, "[cluster] needs redis = [\"redis://HOST:PORT\"] (one URL: a standalone Redis; several: seeds of a Redis Cluster)".into()));
+    };
+    if urls.get_ref().is_empty() || urls.get_ref().len() > MAX_SEEDS {
+        return Err(loc.at(urls.span(), format!("cluster.redis needs 1..={MAX_SEEDS} URLs")));
+    }
+    let mut redis = Vec::new();
+    for u in urls.get_ref() {
+        let text = u.get_ref();
+        let ok = (text.starts_with("redis://") || text.starts_with("redis+unix://") || text.starts_with("unix://"))
+            && redis::Client::open(text.as_str()).is_ok();
+        if !ok {
+            return Err(loc.at(u.span(), format!("cluster.redis: \"{text}\" is not a Redis URL: write redis://HOST:PORT, such as \"redis://10.0.0.5:6379\"")));
+        }
+        redis.push(text.clone());
+    }
+    let node = match &r.node {
+        Some(n) if valid_node(n.get_ref()) => n.get_ref().clone(),
+        Some(n) => return Err(loc.at(n.span(), format!("cluster.node = \"{}\" is not allowed: use 1..=64 characters from A-Z, a-z, 0-9, -, _ and .", n.get_ref()))),
+        None => hostname(),
+    };
+    let millis = |v: &Option<Spanned<String>>, what: &str, default: u64| match v {
+        None => Ok(default),
+        Some(s) => parse_millis(s.get_ref(), MAX_TIMER_MS).map_err(|m| loc.at(s.span(), format!("cluster.{what}: {m}"))),
+    };
+    let on_failure = choice(
+        loc,
+        "cluster.on_failure",
+        &r.on_failure,
+        &[("local", OnFailure::Local), ("open", OnFailure::Open), ("closed", OnFailure::Closed)],
+    )?;
+    Ok(Some(ClusterConfig {
+        redis,
+        node,
+        sync_interval_ms: millis(&r.sync_interval, "sync_interval", 100)?,
+        timeout_ms: millis(&r.timeout, "timeout", 50)?,
+        on_failure,
+    }))
+}
+
+/// A rule's `scope`: "local" (the default) or "cluster", which needs a
+/// `[cluster]` section.
+pub(crate) fn scope_of(loc: &Located, who: &str, v: &Option<Spanned<String>>, has_cluster: bool) -> Result<Scope, ConfigError> {
+    let scope = choice(loc, &format!("{who}: scope"), v, &[("local", Scope::Local), ("cluster", Scope::Cluster)])?;
+    if scope == Scope::Cluster && !has_cluster {
+        let span = v.as_ref().map(|s| s.span()).unwrap_or_default();
+        return Err(loc.at(span, format!("{who}: scope = \"cluster\" needs a [cluster] section naming the Redis the hosts share")));
+    }
+    Ok(scope)
+}

@@ -1,0 +1,91 @@
+//! Where a request decision is made: in this daemon's buckets, or for a
+//! `scope = "cluster"` rule in Redis, shared by every daemon; while Redis
+//! cannot answer (within `timeout`), by `[cluster] on_failure`.
+
+use std::sync::atomic::Ordering::Relaxed;
+
+use super::{
+    engine::{now_ns, Compiled, DescriptorEntry, Engine, Status},
+    rules::L7Algorithm,
+};
+use crate::cluster::{requests::Answer, OnFailure};
+
+impl Engine {
+    /// Charges `hits` to the bucket of one descriptor, wherever the rule's
+    /// scope keeps it. Front ends call this; [`Engine::decide`] is the
+    /// local part.
+    pub async fn decide_scoped(&self, domain: &str, entries: &[DescriptorEntry], hits: i64) -> Status {
+        let Some(c) = self.matching(domain, entries) else {
+            self.unmatched.fetch_add(1, Relaxed);
+            return Status::unmatched();
+        };
+        let (Some(prepared), Some(cluster)) = (&c.cluster, &self.cluster) else {
+            let st = self.charge_here(c, entries, hits, now_ns());
+            return self.counted(c, st);
+        };
+        let answer = if cluster.is_mismatched(&c.rule.name) {
+            None
+        } else {
+            prepared.decide(cluster, values_key(entries), hits).await.ok()
+        };
+        let st = match answer {
+            Some(a) => from_answer(c, a),
+            None => {
+                cluster.health.fallbacks.fetch_add(1, Relaxed);
+                match cluster.config.on_failure {
+                    OnFailure::Local => self.charge_here(c, entries, hits, now_ns()),
+                    OnFailure::Open => fixed(c, true),
+                    OnFailure::Closed => fixed(c, hits < 0),
+                }
+            }
+        };
+        self.counted(c, st)
+    }
+}
+
+/// The descriptor's values as every daemon hashes them (128 bits).
+fn values_key(entries: &[DescriptorEntry]) -> [u64; 2] {
+    let values: Vec<&str> = entries.iter().map(|e| e.value.as_str()).collect();
+    let h = |seed| crate::cluster::requests::stable_hash(&values, seed);
+    [h(0x5bd1_e995), h(0x27d4_eb2f_1656_67c5)]
+}
+
+/// The limit a status reports: the rule's `index`th (for `concurrency`, its
+/// max per lease).
+fn limit_of(c: &Compiled, index: usize) -> (u64, u64) {
+    match c.rule.algorithm {
+        L7Algorithm::Concurrency { max, lease_secs } => (max, lease_secs),
+        _ => c.rule.limits.get(index).map_or((0, 0), |l| (l.rate.amount, l.rate.per_secs)),
+    }
+}
+
+fn status(c: &Compiled, ok: bool, index: usize) -> Status {
+    let (limit, per_secs) = limit_of(c, index);
+    Status {
+        code: if ok { "ok" } else { "over_limit" },
+        rule: c.rule.name.clone(),
+        limit,
+        per_secs,
+        remaining: 0,
+        reset_ms: 0,
+        retry_after_ms: 0,
+        shadow: false,
+        enforced: c.rule.action != crate::rules::Action::Shadow,
+    }
+}
+
+fn from_answer(c: &Compiled, a: Answer) -> Status {
+    Status { remaining: a.remaining, reset_ms: a.reset_ms, retry_after_ms: a.retry_after_ms, ..status(c, a.ok, a.index) }
+}
+
+/// `on_failure = "open"` (everything passes) or `"closed"` (nothing does,
+/// but refunds): no bucket is charged, and the headers say so.
+fn fixed(c: &Compiled, ok: bool) -> Status {
+    let mut s = status(c, ok, 0);
+    if ok {
+        s.remaining = s.limit;
+    } else {
+        s.retry_after_ms = 1000;
+    }
+    s
+}

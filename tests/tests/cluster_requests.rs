@@ -1,0 +1,201 @@
+//! Request rules with `scope = "cluster"` across two daemons (two labs) and
+//! one real Redis in a namespace of the test's own, reached through a
+//! bridge: alternating checks share one exact limit for every algorithm; a
+//! host defining a rule differently is refused; Redis hung (SIGSTOP) makes
+//! each `on_failure` mode act within `timeout`, the status degraded; a
+//! daemon started while Redis hangs says so; after SIGCONT the decisions
+//! are shared again without double counting.
+
+use std::time::{Duration, Instant};
+
+use rl_tests::{
+    daemon::{run_once, write, Daemon},
+    http::{get, parse_prometheus, request_tcp},
+    lab::Lab,
+    redis::{Hub, Redis},
+};
+use serde_json::{json, Value};
+
+const CHECK: &str = "127.0.0.1:8082";
+const LIMIT: u64 = 6;
+
+fn config(redis: &str, node: &str, on_failure: &str, tb_burst: u64) -> String {
+    format!(
+        "[default]\nrate = 1000\n\
+         [cluster]\nredis = [\"{redis}\"]\nnode = \"{node}\"\nsync_interval = \"100ms\"\ntimeout = \"300ms\"\non_failure = \"{on_failure}\"\n\
+         [l7]\nhttp_listen = \"{CHECK}\"\n\
+         [[l7.rule]]\nname = \"tb\"\ndomain = \"d\"\ndescriptor = [{{ key = \"tb\" }}]\nrate = 1\nper = \"1h\"\nburst = {tb_burst}\nscope = \"cluster\"\n\
+         [[l7.rule]]\nname = \"fw\"\ndomain = \"d\"\ndescriptor = [{{ key = \"fw\" }}]\nrate = {LIMIT}\nper = \"1h\"\nalgorithm = \"fixed_window\"\nscope = \"cluster\"\n\
+         [[l7.rule]]\nname = \"sw\"\ndomain = \"d\"\ndescriptor = [{{ key = \"sw\" }}]\nrate = {LIMIT}\nper = \"1h\"\nalgorithm = \"sliding_window\"\nscope = \"cluster\"\n\
+         [[l7.rule]]\nname = \"log\"\ndomain = \"d\"\ndescriptor = [{{ key = \"log\" }}]\nrate = {LIMIT}\nper = \"1m\"\nalgorithm = \"sliding_log\"\nscope = \"cluster\"\n\
+         [[l7.rule]]\nname = \"sem\"\ndomain = \"d\"\ndescriptor = [{{ key = \"sem\" }}]\nalgorithm = \"concurrency\"\nmax = 3\nscope = \"cluster\"\n\
+         [[l7.rule]]\nname = \"here\"\ndomain = \"d\"\ndescriptor = [{{ key = \"here\" }}]\nrate = 1\nper = \"1h\"\nburst = 2\n"
+    )
+}
+
+fn check(lab: &Lab, key: &str, value: &str, hits: i64) -> (u16, Value) {
+    let body = json!({"domain": "d", "descriptors": [[{"key": key, "value": value}]], "hits": hits});
+    let a = request_tcp(&lab.b, CHECK, "POST", "/v1/check", Some(("application/json", serde_json::to_vec(&body).unwrap())), None).unwrap();
+    let v = a.json();
+    (a.status, v)
+}
+
+fn cluster_state(lab: &Lab) -> Value {
+    get(&lab.b, "/v1/status").json()["cluster"].clone()
+}
+
+fn wait_state(lab: &Lab, want: &str, within: Duration) -> Value {
+    let deadline = Instant::now() + within;
+    loop {
+        let c = cluster_state(lab);
+        if c["state"] == want {
+            return c;
+        }
+        assert!(Instant::now() < deadline, "the cluster state did not become {want} within {within:?}: {c}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Waits (up to 2 s: a sync interval and a timeout) for `event` in the log.
+fn wait_event(lab: &Lab, event: &str) {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        let ev = get(&lab.b, "/v1/events").json();
+        if ev["events"].as_array().is_some_and(|a| a.iter().any(|e| e["event"] == event)) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "no {event} event within 2 s: {ev}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Seconds to the next whole hour: windows of `per = "1h"` restart there.
+fn clear_of_the_hour() {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs();
+    let left = 3600 - now % 3600;
+    if left < 60 {
+        std::thread::sleep(Duration::from_secs(left + 1));
+    }
+}
+
+#[test]
+fn two_daemons_share_one_exact_limit_and_each_failure_mode_does_what_it_says() {
+    let mut hub = Hub::new(200 + std::process::id() % 50).unwrap();
+    let (l1, l2) = (Lab::new().unwrap(), Lab::new().unwrap());
+    hub.join_lab(&l1).unwrap();
+    hub.join_lab(&l2).unwrap();
+    let mut redis = Redis::start(&hub, 6379).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let c1 = write(&dir, "h1.toml", &config(&redis.url(), "host-1", "open", LIMIT));
+    let c2 = write(&dir, "h2.toml", &config(&redis.url(), "host-2", "closed", LIMIT));
+    let bad = write(&dir, "bad.toml", &config(&redis.url(), "host-2", "closed", LIMIT + 1));
+    clear_of_the_hour();
+    let d1 = Daemon::serving(&l1, &c1, &[]).unwrap();
+    assert!(d1.log().contains("joined the cluster: 5 cluster rules shared"), "{}", d1.log());
+
+    // Another definition of "tb" is refused, before anything is attached.
+    let (status, out) = run_once(Some(&l2.b), &["run", "--iface", "vb", "--config", bad.to_str().unwrap(), "--no-watch", "--detach-on-exit"]).unwrap();
+    assert!(!status.success(), "{out}");
+    assert!(out.contains("cluster rule \"l7:tb\" is defined differently by another host"), "{out}");
+    assert!(!l2.xdp_attached().unwrap(), "a refused start leaves nothing attached");
+
+    let d2 = Daemon::serving(&l2, &c2, &[]).unwrap();
+    assert_eq!(cluster_state(&l1)["state"], "ok");
+    assert_eq!(cluster_state(&l2)["state"], "ok");
+
+    // Alternating checks share one limit exactly, for every algorithm.
+    for rule in ["tb", "fw", "sw", "log"] {
+        let mut oks = Vec::new();
+        for i in 0..2 * LIMIT {
+            let lab = if i % 2 == 0 { &l1 } else { &l2 };
+            let (status, v) = check(lab, rule, "k1", 1);
+            let s = &v["statuses"][0];
+            if status == 200 {
+                assert_eq!(s["remaining"].as_u64(), Some(LIMIT - 1 - oks.len() as u64), "{rule} #{i}: {v}");
+                oks.push(i);
+            } else {
+                assert_eq!(status, 429, "{rule} #{i}: {v}");
+                assert!(s["retry_after_ms"].as_u64().unwrap() > 0, "{rule} #{i}: {v}");
+            }
+        }
+        assert_eq!(oks, (0..LIMIT).collect::<Vec<_>>(), "{rule}: exactly the first {LIMIT} of {} alternating checks pass", 2 * LIMIT);
+    }
+    // The semaphore: 3 in flight over both hosts; a refund on the other
+    // host frees one.
+    let sem: Vec<u16> = (0..4).map(|i| check(if i % 2 == 0 { &l1 } else { &l2 }, "sem", "job", 1).0).collect();
+    assert_eq!(sem, [200, 200, 200, 429]);
+    assert_eq!(check(&l2, "sem", "job", -1).0, 200);
+    assert_eq!(check(&l1, "sem", "job", 1).0, 200, "the refund on host 2 freed a permit for host 1");
+    assert_eq!(check(&l2, "sem", "job", 1).0, 429);
+    // A local rule stays per host.
+    for lab in [&l1, &l2] {
+        assert_eq!([check(lab, "here", "x", 1).0, check(lab, "here", "x", 1).0, check(lab, "here", "x", 1).0], [200, 200, 429]);
+    }
+
+    // Redis hangs: within `timeout` host 1 (open) passes an exhausted key,
+    // host 2 (closed) refuses a fresh one; both say degraded.
+    redis.signal(libc::SIGSTOP);
+    let t = Instant::now();
+    let (status, v) = check(&l1, "tb", "k1", 1);
+    let waited = t.elapsed();
+    assert_eq!(status, 200, "open: {v}");
+    assert!(waited < Duration::from_millis(300 + 400), "a decision waited {waited:?} with timeout 300 ms");
+    let t = Instant::now();
+    let (status, v) = check(&l2, "tb", "fresh", 1);
+    assert_eq!(status, 429, "closed: {v}");
+    assert!(t.elapsed() < Duration::from_millis(300 + 400), "a decision waited {:?} with timeout 300 ms", t.elapsed());
+    for lab in [&l1, &l2] {
+        let c = wait_state(lab, "degraded", Duration::from_secs(2));
+        assert!(c["degraded_since_unix_ms"].as_u64().is_some(), "{c}");
+        let m = parse_prometheus(&get(&lab.b, "/metrics").body);
+        assert!(m.keys().any(|k| k.starts_with("rl_cluster_degraded{") && m[k] == 1.0), "{m:?}");
+        assert!(get(&lab.b, "/healthz").status == 200, "health stays 200 while degraded");
+        wait_event(lab, "cluster_degraded");
+    }
+    // Degraded, decisions no longer wait at all.
+    let t = Instant::now();
+    for _ in 0..5 {
+        assert_eq!(check(&l1, "fw", "k1", 1).0, 200);
+    }
+    assert!(t.elapsed() < Duration::from_millis(250), "5 open decisions took {:?}", t.elapsed());
+
+    // Host 2 restarts while Redis hangs, now with on_failure = "local": it
+    // starts, says so, and enforces each rule's own limit by itself.
+    drop(d2);
+    let c2 = write(&dir, "h2.toml", &config(&redis.url(), "host-2", "local", LIMIT));
+    let d2 = Daemon::serving(&l2, &c2, &[]).unwrap();
+    assert!(d2.log().contains("is unreachable") && d2.log().contains("on_failure = \"local\""), "{}", d2.log());
+    assert_eq!(cluster_state(&l2)["state"], "degraded");
+    let local: Vec<u16> = (0..LIMIT + 1).map(|_| check(&l2, "fw", "k2", 1).0).collect();
+    assert_eq!(local.iter().filter(|&&s| s == 200).count() as u64, LIMIT, "{local:?}");
+
+    // Redis resumes: both hosts share again within a few sync intervals,
+    // and what Redis held is neither lost nor counted twice.
+    redis.signal(libc::SIGCONT);
+    for lab in [&l1, &l2] {
+        wait_state(lab, "ok", Duration::from_secs(3));
+        wait_event(lab, "cluster_recovered");
+    }
+    for (lab, rule) in [(&l1, "tb"), (&l2, "tb"), (&l1, "log"), (&l2, "fw")] {
+        let (status, v) = check(lab, rule, "k1", 1);
+        assert_eq!(status, 429, "{rule} stays exhausted in Redis after the outage: {v}");
+    }
+    let (status, v) = check(&l2, "log", "k3", 1);
+    assert_eq!((status, v["statuses"][0]["remaining"].as_u64()), (200, Some(LIMIT - 1)), "{v}");
+
+    // Redis killed: decisions keep answering within `timeout`.
+    redis.kill();
+    let t = Instant::now();
+    assert_eq!(check(&l1, "tb", "k9", 1).0, 200, "open");
+    assert!(t.elapsed() < Duration::from_millis(700), "{:?}", t.elapsed());
+    wait_state(&l1, "degraded", Duration::from_secs(2));
+    redis.restart().unwrap();
+    wait_state(&l1, "ok", Duration::from_secs(5));
+    wait_state(&l2, "ok", Duration::from_secs(5));
+    assert!(redis.cli(&["HGETALL", "rl:def:{l7:tb}"]).unwrap().contains("host-1"), "registrations come back after an empty restart");
+
+    for (d, name) in [(d1, "host 1"), (d2, "host 2")] {
+        let (status, log) = d.stop(libc::SIGTERM).unwrap();
+        assert!(status.success(), "{name}: {log}");
+    }
+}
