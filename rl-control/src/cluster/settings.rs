@@ -156,3 +156,73 @@ pub(crate) fn scope_of(loc: &Located, who: &str, v: &Option<Spanned<String>>, ha
     }
     Ok(scope)
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::config::Config;
+
+    fn error_of(text: &str) -> String {
+        Config::from_str(&format!("{DEFAULT}{text}"), "rl.toml").expect_err("must be refused").to_string()
+    }
+
+    /// Two lines before every example.
+    const DEFAULT: &str = "[default]\nrate = 1\n";
+    const REDIS: &str = "[cluster]\nredis = [\"redis://10.0.0.5:6379\"]\n";
+
+    #[test]
+    fn cluster_settings_parse_with_defaults() {
+        let c = Config::from_str(&format!("{DEFAULT}{REDIS}node = \"edge-1\"\n"), "rl.toml").unwrap().cluster.unwrap();
+        assert_eq!((c.node.as_str(), c.sync_interval_ms, c.timeout_ms, c.on_failure), ("edge-1", 100, 50, super::OnFailure::Local));
+        assert!(!c.is_redis_cluster());
+        let c = Config::from_str("[default]\nrate = 1\n[cluster]\nredis = [\"redis://a:1\", \"redis://b:2\"]\ntimeout = \"2s\"\non_failure = \"closed\"\n", "rl.toml").unwrap();
+        let c = c.cluster.unwrap();
+        assert!(c.is_redis_cluster());
+        assert_eq!((c.timeout_ms, c.on_failure), (2000, super::OnFailure::Closed));
+        assert!(!c.node.is_empty(), "the host name by default");
+    }
+
+    #[test]
+    fn invalid_cluster_values_are_refused_with_line_and_column() {
+        for (text, at, needle) in [
+            ("[cluster]\nnode = \"a\"\n".to_string(), "rl.toml:3:1:", "needs redis = ["),
+            ("[cluster]\nredis = []\n".into(), "rl.toml:4:9:", "needs 1..=16 URLs"),
+            ("[cluster]\nredis = [\"http://x\"]\n".into(), "rl.toml:4:10:", "is not a Redis URL"),
+            (format!("{REDIS}node = \"a b\"\n"), "rl.toml:5:8:", "is not allowed"),
+            (format!("{REDIS}sync_interval = \"0ms\"\n"), "rl.toml:5:17:", "is zero"),
+            (format!("{REDIS}timeout = \"5 parsecs\"\n"), "rl.toml:5:11:", "is not a duration"),
+            (format!("{REDIS}timeout = \"2m\"\n"), "rl.toml:5:11:", "too long"),
+            (format!("{REDIS}on_failure = \"maybe\"\n"), "rl.toml:5:14:", "use one of local, open, closed"),
+            (format!("{REDIS}colour = 1\n"), "rl.toml:5:1:", "unknown field"),
+            ("[[rule]]\nname = \"a\"\nrate = 1\nscope = \"cluster\"\n".into(), "rl.toml:6:9:", "needs a [cluster] section"),
+            (format!("{REDIS}[[rule]]\nname = \"a\"\nrate = 1\nscope = \"everywhere\"\n"), "rl.toml:8:9:", "use one of local, cluster"),
+            (format!("{REDIS}[[rule]]\nname = \"a\"\nrate = 1\nalgorithm = \"fixed_window\"\nscope = \"cluster\"\n"), "rl.toml:9:9:", "needs algorithm = \"token_bucket\""),
+            (format!("{REDIS}[[rule]]\nname = \"a\"\nbytes = \"1MB\"\nscope = \"cluster\"\n"), "rl.toml:8:9:", "packet limits"),
+            (
+                format!("{REDIS}[[l7.rule]]\nname = \"a\"\ndomain = \"d\"\ndescriptor = [{{ key = \"k\" }}]\nrate = 1\nmode = \"elastic\"\npool_rate = 5\nscope = \"cluster\"\n"),
+                "rl.toml:10:8:",
+                "cannot be scope = \"cluster\"",
+            ),
+            (
+                format!("{REDIS}[[l7.rule]]\nname = \"a\"\ndomain = \"d\"\ndescriptor = [{{ key = \"k\" }}]\nrate = 1\nper = \"1d\"\nburst = 200000\nscope = \"cluster\"\n"),
+                "rl.toml:12:9:",
+                "at most 2^53",
+            ),
+        ] {
+            let e = error_of(&text);
+            assert!(e.starts_with(at) && e.contains(needle), "{text:?}: expected {at} … {needle:?}, got: {e}");
+        }
+    }
+
+    #[test]
+    fn a_local_rule_keeps_its_stable_id_when_scopes_exist() {
+        // The scope writes nothing into the hash of a local rule, so pinned
+        // buckets keep their rule ids across this upgrade.
+        let text = "[default]\nrate = 1\n[[rule]]\nname = \"a\"\nrate = 5\n";
+        let with = format!("{text}scope = \"local\"\n{REDIS}");
+        let a = Config::from_str(text, "rl.toml").unwrap();
+        let b = Config::from_str(&with, "rl.toml").unwrap();
+        assert_eq!(crate::compile::stable_hash(&a.rules[0], 0), crate::compile::stable_hash(&b.rules[0], 0));
+        let c = Config::from_str(&format!("{text}scope = \"cluster\"\n{REDIS}"), "rl.toml").unwrap();
+        assert_ne!(crate::compile::stable_hash(&a.rules[0], 0), crate::compile::stable_hash(&c.rules[0], 0));
+    }
+}
