@@ -586,6 +586,17 @@ async fn metrics(AxState(api): AxState<Api>) -> ApiResult<Response> {
         let _ = writeln!(out, "rl_cluster_redis_calls_total{{result=\"ok\"}} {}\nrl_cluster_redis_calls_total{{result=\"failed\"}} {}", st.calls_ok, st.calls_failed);
         family(&mut out, "rl_cluster_fallbacks_total", "counter", "Cluster decisions answered by on_failure instead of Redis.");
         let _ = writeln!(out, "rl_cluster_fallbacks_total {}", st.fallbacks);
+        let sync = *c.sync.lock().unwrap_or_else(|e| e.into_inner());
+        family(&mut out, "rl_cluster_sync_rounds_total", "counter", "Packet-rule sync rounds.");
+        let _ = writeln!(out, "rl_cluster_sync_rounds_total {}", sync.rounds);
+        family(&mut out, "rl_cluster_sync_calls_total", "counter", "Redis script calls of the packet-rule sync (one per hash slot per round).");
+        let _ = writeln!(out, "rl_cluster_sync_calls_total {}", sync.calls);
+        family(&mut out, "rl_cluster_reported_buckets_total", "counter", "Bucket reports the packet-rule sync sent and Redis acknowledged.");
+        let _ = writeln!(out, "rl_cluster_reported_buckets_total {}", sync.reported_keys);
+        family(&mut out, "rl_cluster_raised_buckets_total", "counter", "Buckets moved up to their cluster bucket (other hosts' packets charged here).");
+        let _ = writeln!(out, "rl_cluster_raised_buckets_total {}", sync.raised);
+        family(&mut out, "rl_cluster_buckets", "gauge", "Buckets of cluster packet rules in the last round, and the hot ones that travelled.");
+        let _ = writeln!(out, "rl_cluster_buckets{{kind=\"all\"}} {}\nrl_cluster_buckets{{kind=\"hot\"}} {}", sync.buckets, sync.hot);
         family(&mut out, "rl_cluster_mismatched_rules", "gauge", "Cluster rules another daemon defines differently (held in on_failure).");
         let _ = writeln!(out, "rl_cluster_mismatched_rules {}", st.mismatched.len());
     }

@@ -12,6 +12,7 @@
 //! and a probe every `sync_interval` brings them back.
 
 pub mod members;
+pub mod packets;
 pub mod requests;
 pub mod settings;
 
@@ -91,6 +92,8 @@ pub struct Cluster {
     mismatched: Mutex<Vec<String>>,
     /// Health changes not yet written to the event log.
     transitions: Mutex<Vec<Transition>>,
+    /// The packet-rule sync's counts, as of its last round.
+    pub sync: Mutex<packets::SyncStats>,
 }
 
 impl Cluster {
@@ -103,6 +106,7 @@ impl Cluster {
             health: Health::default(),
             mismatched: Mutex::new(Vec::new()),
             transitions: Mutex::new(Vec::new()),
+            sync: Mutex::new(packets::SyncStats::default()),
         });
         // Degraded until the first probe answers.
         c.set_degraded("not connected yet".into());

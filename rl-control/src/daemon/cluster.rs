@@ -8,7 +8,11 @@ use anyhow::{bail, Result};
 use tracing::{info, warn};
 
 use crate::{
-    cluster::Cluster,
+    cluster::{
+        packets::{Ledger, Share, Shares},
+        Cluster,
+    },
+    datapath::share::{scan_shared, Tables},
     compile::stable_hash,
     config::Config,
     rules::Scope,
@@ -78,5 +82,79 @@ fn log_transitions(state: &Shared, cluster: &Cluster) {
     let mut s = lock(state);
     for (event, why) in changes {
         s.push_event(EventView { at_unix_ms: crate::config::unix_now() * 1000, event: event.into(), rule: why, limit_index: 0, source: String::new() });
+    }
+}
+
+/// The cluster packet rules' limits as the datapath numbers them, and the
+/// tables' ids; `None` without cluster packet rules.
+fn shares_of(state: &Shared) -> Option<((u32, u32), Shares)> {
+    let s = lock(state);
+    let clustered: std::collections::HashMap<&str, u64> =
+        s.config.rules.iter().filter(|r| r.scope == Scope::Cluster).map(|r| (r.name.as_str(), stable_hash(r, 0))).collect();
+    if clustered.is_empty() {
+        return None;
+    }
+    let ids = s.dp.source_map_ids().ok()?;
+    let limits = s.dp.limits_by_key().ok()?;
+    let shares = limits
+        .into_iter()
+        .filter_map(|(key, l)| {
+            let name = s.dp.rule_name_of_key(key)?;
+            let definition = *clustered.get(name)?;
+            let which = key & 7;
+            Some((key, Share { rule: name.to_string(), definition, which, ns_per_packet: l.a.max(1), burst_ns: l.b }))
+        })
+        .collect();
+    Some((ids, shares))
+}
+
+/// Exchanges packet-rule usage every `sync_interval` for as long as the
+/// daemon runs (see [`crate::cluster::packets`]). While the cluster is
+/// degraded each host enforces with what it has; the reports travel again
+/// when Redis answers, capped at what a bucket could pass meanwhile.
+pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
+    let interval = std::time::Duration::from_millis(cluster.config.sync_interval_ms);
+    let interval_ns = interval.as_nanos() as u64;
+    let keep_ms = (cluster.membership_ttl().as_millis() as u64 * 5).max(10_000);
+    let mut ledger = Ledger::new(&cluster.config.node);
+    let mut every = tokio::time::interval(interval);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every.tick().await;
+        if cluster.is_degraded() {
+            continue;
+        }
+        let Some((ids, shares)) = shares_of(&state) else { continue };
+        let wanted: std::collections::HashSet<u32> = shares.keys().copied().collect();
+        let buckets = match tokio::task::spawn_blocking(move || scan_shared(ids, |r| wanted.contains(&r))).await {
+            Ok(Ok(b)) => b,
+            Ok(Err(e)) => {
+                warn!("cluster sync: reading the bucket tables failed: {e}");
+                continue;
+            }
+            Err(_) => continue,
+        };
+        let now = crate::datapath::monotonic_ns();
+        let reports = ledger.reports(&buckets, &shares, interval_ns, now);
+        let (answers, _failure) = ledger.exchange(&cluster, &reports, interval_ns, keep_ms).await;
+        let raises: Vec<_> = answers.iter().filter(|(_, ahead)| *ahead > 0).map(|&(i, ahead_us)| (reports[i].id, ahead_us)).collect();
+        if !raises.is_empty() {
+            let raised = tokio::task::spawn_blocking(move || -> Result<u64, crate::datapath::DatapathError> {
+                let mut tables = Tables::open(ids)?;
+                let now = crate::datapath::monotonic_ns();
+                Ok(raises.into_iter().filter(|(id, ahead_us)| tables.raise(id, now + ahead_us * 1000)).count() as u64)
+            })
+            .await;
+            match raised {
+                Ok(Ok(n)) => ledger.stats.raised += n,
+                Ok(Err(e)) => warn!("cluster sync: moving buckets up to the cluster's failed: {e}"),
+                Err(_) => {}
+            }
+        }
+        for (i, _) in answers {
+            ledger.acknowledge(&reports[i], now);
+        }
+        ledger.stats.rounds += 1;
+        *cluster.sync.lock().unwrap_or_else(|e| e.into_inner()) = ledger.stats;
     }
 }

@@ -35,6 +35,7 @@ mod batch;
 mod install;
 mod pin;
 mod read;
+pub mod share;
 
 mod pressure;
 

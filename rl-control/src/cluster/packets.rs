@@ -1,0 +1,177 @@
+//! Packet rules with `scope = "cluster"`: Redis stays off the packet path.
+//!
+//! Every host enforces in XDP from its own token buckets, each allowed the
+//! rule's whole rate. Every `sync_interval` the daemon reports the packets
+//! its hot buckets passed since the last report (one script call per batch
+//! and hash slot); Redis charges them to the bucket's cluster-wide token
+//! bucket on its own clock and answers how far ahead of now that bucket
+//! is; the daemon moves its own bucket up to it (never down: its own
+//! packets are in both). So every bucket sees every host's packets, its own
+//! at once and the others' within `T + δ`, and no share of the rate is ever
+//! stranded on an idle host.
+//!
+//! Overshoot bound, for `N` hosts, rate `R`, burst `B`, `T` the sync
+//! interval, `δ` Redis' round trip and `θ` the hot threshold: over any span
+//! `τ`, the hosts together pass at most
+//! `R·τ + N·B + (N−1)·R·(T+δ) + N·θ` packets of one key: each host may
+//! spend its own burst, and each other host's rate for as long as its
+//! report is on the way; a bucket travels once its unreported packets reach
+//! `θ = max(1, R·T/4)` or it drops.
+
+use std::{collections::HashMap, sync::LazyLock};
+
+use redis::Script;
+
+use super::{Cluster, Failure};
+use crate::datapath::share::{BucketId, SharedBucket};
+
+static SYNC: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("sync.lua")));
+
+/// Hash slots a rule's buckets spread over in a Redis Cluster (one script
+/// call per slot per round).
+pub const SHARDS: u64 = 16;
+
+/// A cluster limit as the datapath numbers it (`RuleEntry::id | index`).
+#[derive(Clone, Debug)]
+pub struct Share {
+    pub rule: String,
+    /// The rule's definition hash: hosts with another definition never
+    /// share its buckets.
+    pub definition: u64,
+    pub which: u32,
+    pub ns_per_packet: u64,
+    pub burst_ns: u64,
+}
+
+pub type Shares = HashMap<u32, Share>;
+
+/// What this daemon last acknowledged of one bucket.
+#[derive(Clone, Copy, Debug)]
+struct Tracked {
+    passed: u64,
+    dropped: u64,
+    /// Packets this daemon run reported for it in total.
+    cum: u64,
+    at_ns: u64,
+}
+
+/// One bucket's report in a round.
+#[derive(Clone, Debug)]
+pub struct Report {
+    pub id: BucketId,
+    pub key: String,
+    pub cum: u64,
+    pub delta: u64,
+    passed: u64,
+    dropped: u64,
+    pub ns_per_packet: u64,
+    slot: String,
+}
+
+/// Counts for `/metrics`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SyncStats {
+    pub rounds: u64,
+    pub reported_keys: u64,
+    pub calls: u64,
+    /// Buckets moved up to their cluster bucket.
+    pub raised: u64,
+    /// Buckets of cluster rules seen in the last round / reported in it.
+    pub buckets: u64,
+    pub hot: u64,
+}
+
+/// This daemon run's side of the exchange.
+pub struct Ledger {
+    reporter: String,
+    tracked: HashMap<BucketId, Tracked>,
+    pub stats: SyncStats,
+}
+
+impl Ledger {
+    /// A ledger reporting as `node` (a restarted daemon reports under a new
+    /// name, so its counts start again without being taken for old ones).
+    pub fn new(node: &str) -> Ledger {
+        let boot = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
+        Ledger { reporter: format!("{node}:{boot}"), tracked: HashMap::new(), stats: SyncStats::default() }
+    }
+
+    /// The buckets that travel this round: those whose unreported packets
+    /// reach `θ`, or that dropped since the last report. A report after an
+    /// outage is capped at what the bucket could pass meanwhile.
+    pub fn reports(&mut self, buckets: &[SharedBucket], shares: &Shares, interval_ns: u64, now: u64) -> Vec<Report> {
+        let mut out = Vec::new();
+        let mut seen = std::collections::HashSet::with_capacity(buckets.len());
+        for sb in buckets {
+            let Some(share) = shares.get(&(sb.id.rule() & !(rl_common::KEY_CELL | rl_common::KEY_LAST))) else { continue };
+            seen.insert(sb.id);
+            let b = sb.bucket;
+            // A bucket collected and made again counts from zero.
+            let t = self.tracked.get(&sb.id).copied().filter(|t| b.passed >= t.passed);
+            let (passed0, dropped0, cum0) = t.map_or((0, 0, 0), |t| (t.passed, t.dropped, t.cum));
+            let mut delta = b.passed - passed0;
+            let theta = (interval_ns / share.ns_per_packet.max(1) / 4).max(1);
+            if delta < theta && b.dropped <= dropped0 {
+                continue;
+            }
+            if let Some(t) = t {
+                let could = (now.saturating_sub(t.at_ns) + share.burst_ns) / share.ns_per_packet.max(1) + 1;
+                delta = delta.min(could);
+            }
+            let addr = sb.id.addr_bytes();
+            let shard = crate::compile::stable_hash(&addr, 0) % SHARDS;
+            let hex: String = addr.iter().map(|b| format!("{b:02x}")).collect();
+            let slot = format!("{}:{:016x}:{}:{shard}", share.rule, share.definition, share.which);
+            out.push(Report {
+                id: sb.id,
+                key: format!("rl:p:{{{slot}}}:{hex}"),
+                cum: cum0 + delta,
+                delta,
+                passed: b.passed,
+                dropped: b.dropped,
+                ns_per_packet: share.ns_per_packet,
+                slot,
+            });
+        }
+        self.tracked.retain(|id, _| seen.contains(id));
+        self.stats.buckets = seen.len() as u64;
+        self.stats.hot = out.len() as u64;
+        out
+    }
+
+    /// Sends `reports`, one call per hash slot; returns, per report index,
+    /// how far ahead of now its cluster bucket is (µs), and
+    /// the failure that stopped the round, if one did (the cluster is then
+    /// degraded): the reports not answered travel again next round, and
+    /// are charged once.
+    pub async fn exchange(&mut self, cluster: &Cluster, reports: &[Report], interval_ns: u64, keep_ms: u64) -> (Vec<(usize, u64)>, Option<Failure>) {
+        let mut by_slot: HashMap<&str, Vec<usize>> = HashMap::new();
+        for (i, r) in reports.iter().enumerate() {
+            by_slot.entry(r.slot.as_str()).or_default().push(i);
+        }
+        let mut answers = Vec::with_capacity(reports.len());
+        for (_, idx) in by_slot {
+            let mut inv = SYNC.prepare_invoke();
+            for &i in &idx {
+                inv.key(&reports[i].key);
+            }
+            let cost_us = reports[idx[0]].ns_per_packet as f64 / 1000.0;
+            inv.arg(&self.reporter).arg(cost_us).arg(interval_ns / 1000).arg(keep_ms);
+            for &i in &idx {
+                inv.arg(reports[i].cum).arg(reports[i].delta);
+            }
+            match cluster.call::<Vec<u64>>(&inv).await {
+                Ok(remote) => answers.extend(idx.into_iter().zip(remote)),
+                Err(e) => return (answers, Some(e)),
+            }
+            self.stats.calls += 1;
+        }
+        (answers, None)
+    }
+
+    /// Records that Redis holds `r`.
+    pub fn acknowledge(&mut self, r: &Report, now: u64) {
+        self.tracked.insert(r.id, Tracked { passed: r.passed, dropped: r.dropped, cum: r.cum, at_ns: now });
+        self.stats.reported_keys += 1;
+    }
+}

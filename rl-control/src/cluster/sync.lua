@@ -1,0 +1,35 @@
+-- One host's report of packet-rule usage for a batch of buckets in one
+-- hash slot, charged to each bucket's cluster-wide token bucket on Redis'
+-- clock; answers how far ahead of now each cluster bucket is.
+--
+-- KEYS[i]: one bucket of a cluster packet rule, a hash:
+--   t            the cluster bucket's theoretical arrival time (µs, Redis'
+--                clock), charged with every host's reported packets
+--   c:<reporter> packets this daemon run reported in total (idempotent:
+--                a report that timed out but was applied later, or arrives
+--                twice, is charged once)
+-- ARGV[1]: this daemon run's name (node:boot); ARGV[2]: µs per packet;
+-- ARGV[3]: the sync interval in µs (reported packets passed within it);
+-- ARGV[4]: keep-alive in ms; then per key: cumulative, delta (packets since
+-- the last acknowledged report, charged when the key's ledger is gone:
+-- expired, or Redis restarted empty).
+-- Returns, per key, µs the cluster bucket is ahead of now (0: not ahead).
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local me, cost, span, keep = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local out = {}
+for i, K in ipairs(KEYS) do
+  local cum, delta = tonumber(ARGV[3 + 2 * i]), tonumber(ARGV[4 + 2 * i])
+  local v = redis.call('HMGET', K, 't', 'c:' .. me)
+  local tat = tonumber(v[1] or 0)
+  local reported = tonumber(v[2] or -1)
+  local charge = delta
+  if reported >= 0 then charge = math.max(cum - reported, 0) end
+  -- The packets passed during the last interval, not all at this instant.
+  if tat < now - span then tat = now - span end
+  tat = tat + charge * cost
+  redis.call('HSET', K, 't', tat, 'c:' .. me, math.max(cum, reported))
+  redis.call('PEXPIRE', K, keep)
+  out[i] = math.max(math.floor(tat - now), 0)
+end
+return out

@@ -1,0 +1,95 @@
+//! What the cluster sync reads from and writes to the bucket tables: the
+//! buckets of cluster rules with their pass and drop counts, and a raise of
+//! a bucket's theoretical arrival time to the cluster's (usage charged by
+//! other hosts), through handles of the caller's own.
+
+use aya::maps::{HashMap, MapData};
+use rl_common::*;
+
+use super::{read::scan_table_each, *};
+
+/// A bucket's key in either table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BucketId {
+    V4(Key4),
+    V6(Key6),
+}
+
+impl BucketId {
+    /// `RuleEntry::id | limit index` (and the key-kind bits).
+    pub fn rule(&self) -> u32 {
+        match self {
+            BucketId::V4(k) => k.rule,
+            BucketId::V6(k) => k.rule,
+        }
+    }
+
+    /// The bytes every host computes alike for this bucket (the rule id
+    /// part excluded: hosts may number rules differently).
+    pub fn addr_bytes(&self) -> Vec<u8> {
+        match self {
+            BucketId::V4(k) => k.addr_bytes().to_vec(),
+            BucketId::V6(k) => k.addr_bytes().to_vec(),
+        }
+    }
+}
+
+/// One bucket of a cluster rule, as read.
+#[derive(Clone, Copy, Debug)]
+pub struct SharedBucket {
+    pub id: BucketId,
+    pub bucket: Bucket,
+}
+
+/// Every own bucket and prefix cell whose limit `wanted` accepts (by
+/// `RuleEntry::id | index`, kind bits cleared), IPv4 then IPv6, a chunk at
+/// a time.
+pub fn scan_shared(ids: (u32, u32), wanted: impl Fn(u32) -> bool) -> Result<Vec<SharedBucket>, DatapathError> {
+    let mut out = Vec::new();
+    let keep = |rule: u32| key_kind(rule) != KeyKind::LastResort && wanted(rule & !(KEY_CELL | KEY_LAST));
+    scan_table_each::<Key4>(ids.0, MAP_SOURCES_V4, |k, b| {
+        out.extend(k.iter().zip(b).filter(|(k, _)| keep(k.rule)).map(|(k, b)| SharedBucket { id: BucketId::V4(*k), bucket: *b }));
+        Ok(())
+    })?;
+    scan_table_each::<Key6>(ids.1, MAP_SOURCES_V6, |k, b| {
+        out.extend(k.iter().zip(b).filter(|(k, _)| keep(k.rule)).map(|(k, b)| SharedBucket { id: BucketId::V6(*k), bucket: *b }));
+        Ok(())
+    })?;
+    Ok(out)
+}
+
+/// Handles on both tables for [`Tables::raise`].
+pub struct Tables {
+    v4: HashMap<MapData, Key4, Bucket>,
+    v6: HashMap<MapData, Key6, Bucket>,
+}
+
+impl Tables {
+    pub fn open(ids: (u32, u32)) -> Result<Tables, DatapathError> {
+        let open = |id, name| MapData::from_id(id).map_err(|e| map_error(name, e));
+        let v4 = HashMap::try_from(aya::maps::Map::HashMap(open(ids.0, MAP_SOURCES_V4)?)).map_err(|e| map_error(MAP_SOURCES_V4, e))?;
+        let v6 = HashMap::try_from(aya::maps::Map::HashMap(open(ids.1, MAP_SOURCES_V6)?)).map_err(|e| map_error(MAP_SOURCES_V6, e))?;
+        Ok(Tables { v4, v6 })
+    }
+
+    /// Moves the bucket's theoretical arrival time up to `tat_ns` (ktime)
+    /// if it is earlier, keeping its counters. Returns whether it moved.
+    ///
+    /// Userspace cannot compare-and-swap a hash map's value: a packet
+    /// charged by the kernel between this read and write is overwritten,
+    /// so each raise may forget the packets of one syscall's span (a term
+    /// of the documented bound).
+    pub fn raise(&mut self, id: &BucketId, tat_ns: u64) -> bool {
+        let flags = 2; // BPF_EXIST: a bucket collected meanwhile stays gone.
+        match id {
+            BucketId::V4(k) => match self.v4.get(k, 0) {
+                Ok(b) if b.tat_ns < tat_ns => self.v4.insert(k, Bucket { tat_ns, ..b }, flags).is_ok(),
+                _ => false,
+            },
+            BucketId::V6(k) => match self.v6.get(k, 0) {
+                Ok(b) if b.tat_ns < tat_ns => self.v6.insert(k, Bucket { tat_ns, ..b }, flags).is_ok(),
+                _ => false,
+            },
+        }
+    }
+}
