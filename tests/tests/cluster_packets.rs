@@ -128,6 +128,26 @@ fn three_hosts_hold_one_source_to_one_limit_within_the_documented_bound() {
 
     let st = get(&labs[0].b, "/v1/status").json();
     assert_eq!(st["cluster"]["state"], "ok", "{st}");
+
+    // 4. Redis hangs: XDP keeps enforcing the rule's own limit on each host
+    // (on_failure = "local"), the status says degraded; Redis back, the
+    // cluster state is ok again.
+    std::thread::sleep(Duration::from_secs(1));
+    redis.signal(libc::SIGSTOP);
+    let before = passed(&labs[0]);
+    let took = join(flood(&labs[0], 1000, 1000)).unwrap().seconds();
+    std::thread::sleep(Duration::from_millis(200));
+    let here = passed(&labs[0]) - before;
+    let local = RATE as f64 * took + BURST as f64;
+    assert!((here as f64) <= local * 1.1 + 5.0 && (here as f64) >= local * 0.8, "{here} passed with Redis hung: the local limit allows {local:.0}");
+    let st = get(&labs[0].b, "/v1/status").json();
+    assert_eq!(st["cluster"]["state"], "degraded", "{st}");
+    redis.signal(libc::SIGCONT);
+    let deadline = std::time::Instant::now() + Duration::from_secs(3);
+    while get(&labs[0].b, "/v1/status").json()["cluster"]["state"] != "ok" {
+        assert!(std::time::Instant::now() < deadline, "the cluster did not recover within 3 s of SIGCONT");
+        std::thread::sleep(Duration::from_millis(50));
+    }
     drop(redis);
     for (i, d) in daemons.into_iter().enumerate() {
         let (status, log) = d.stop(libc::SIGTERM).unwrap();
