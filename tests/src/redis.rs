@@ -159,3 +159,70 @@ impl Drop for Redis {
         self.kill();
     }
 }
+
+/// A Redis Cluster in the hub: `masters` masters with `replicas` replicas
+/// each, on consecutive ports from `first_port`, made with
+/// `redis-cli --cluster create`; a failed master's replica takes over
+/// after `cluster-node-timeout` (1 s).
+pub struct RedisCluster {
+    pub nodes: Vec<Redis>,
+    ns: String,
+}
+
+impl RedisCluster {
+    pub fn start(hub: &Hub, first_port: u16, masters: usize, replicas: usize) -> Result<RedisCluster> {
+        let mut nodes = Vec::new();
+        for i in 0..masters * (1 + replicas) {
+            let port = first_port + i as u16;
+            let conf = format!("nodes-{port}.conf");
+            nodes.push(Redis::start_with(
+                &hub.ns,
+                hub.addr(),
+                port,
+                &["--cluster-enabled", "yes", "--cluster-config-file", &conf, "--cluster-node-timeout", "1000"],
+            )?);
+        }
+        let addrs: Vec<String> = nodes.iter().map(|n| format!("{}:{}", n.host, n.port)).collect();
+        let out = Command::new("ip")
+            .args(["netns", "exec", &hub.ns.name, "redis-cli", "--cluster", "create"])
+            .args(&addrs)
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
+            .output()
+            .context("running redis-cli --cluster create")?;
+        if !out.status.success() {
+            bail!("redis-cli --cluster create: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        }
+        let c = RedisCluster { nodes, ns: hub.ns.name.clone() };
+        c.wait_ok(Duration::from_secs(20))?;
+        Ok(c)
+    }
+
+    /// Waits until every live node reports `cluster_state:ok`.
+    pub fn wait_ok(&self, within: Duration) -> Result<()> {
+        let deadline = Instant::now() + within;
+        loop {
+            let ok = self.nodes.iter().filter(|n| n.child.is_some()).all(|n| n.cli(&["CLUSTER", "INFO"]).is_ok_and(|i| i.contains("cluster_state:ok")));
+            if ok {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("the Redis Cluster in {} did not reach cluster_state:ok within {within:?}", self.ns);
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// The seed URLs (the masters as made).
+    pub fn seeds(&self, masters: usize) -> Vec<String> {
+        self.nodes[..masters].iter().map(Redis::url).collect()
+    }
+
+    /// The live node that holds a key matching `pattern` as a master.
+    pub fn master_holding(&self, pattern: &str) -> Option<usize> {
+        self.nodes.iter().position(|n| {
+            n.child.is_some()
+                && n.cli(&["ROLE"]).is_ok_and(|r| r.starts_with("master"))
+                && n.cli(&["KEYS", pattern]).is_ok_and(|k| !k.trim().is_empty())
+        })
+    }
+}
