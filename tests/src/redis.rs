@@ -179,7 +179,7 @@ impl RedisCluster {
                 &hub.ns,
                 hub.addr(),
                 port,
-                &["--cluster-enabled", "yes", "--cluster-config-file", &conf, "--cluster-node-timeout", "1000"],
+                &["--cluster-enabled", "yes", "--cluster-config-file", &conf, "--cluster-node-timeout", "1000", "--repl-diskless-sync-delay", "0"],
             )?);
         }
         let addrs: Vec<String> = nodes.iter().map(|n| format!("{}:{}", n.host, n.port)).collect();
@@ -194,6 +194,15 @@ impl RedisCluster {
         }
         let c = RedisCluster { nodes, ns: hub.ns.name.clone() };
         c.wait_ok(Duration::from_secs(20))?;
+        // A replica that never synchronised cannot take over: wait for every
+        // replica's link to its master.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !c.nodes.iter().all(|n| n.cli(&["INFO", "replication"]).is_ok_and(|i| i.contains("role:master") || i.contains("master_link_status:up"))) {
+            if Instant::now() > deadline {
+                bail!("the Redis Cluster's replicas did not synchronise with their masters within 20 s");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
         Ok(c)
     }
 
@@ -205,8 +214,28 @@ impl RedisCluster {
             if ok {
                 return Ok(());
             }
-            if Instant::now() > deadline {
+            if Instant::now() >= deadline {
                 bail!("the Redis Cluster in {} did not reach cluster_state:ok within {within:?}", self.ns);
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Waits until a replica has taken over from the dead node `victim`:
+    /// the live nodes mark it failed, another master serves every slot, and
+    /// the cluster is ok.
+    pub fn wait_failover(&self, victim: usize, within: Duration) -> Result<Duration> {
+        let t = Instant::now();
+        let port = format!(":{}@", self.nodes[victim].port);
+        let live = (0..self.nodes.len()).find(|&n| n != victim).context("no live node")?;
+        loop {
+            let nodes = self.nodes[live].cli(&["CLUSTER", "NODES"]).unwrap_or_default();
+            let failed = nodes.lines().any(|l| l.contains(&port) && l.split_whitespace().nth(2).is_some_and(|f| f.split(',').any(|x| x == "fail")));
+            if failed && self.wait_ok(Duration::ZERO).is_ok() {
+                return Ok(t.elapsed());
+            }
+            if t.elapsed() > within {
+                bail!("no replica took over from node {} within {within:?}:\n{nodes}", self.nodes[victim].port);
             }
             std::thread::sleep(Duration::from_millis(100));
         }

@@ -232,6 +232,14 @@ impl Cluster {
             Err(e) => {
                 self.health.calls_failed.fetch_add(1, Relaxed);
                 self.set_degraded(e.to_string());
+                if self.config.is_redis_cluster() {
+                    // A Redis Cluster that failed over may have moved slots
+                    // the client still maps to a dead master: the next call
+                    // connects afresh from the seeds and reads the topology.
+                    if let Ok(mut slot) = self.conn.try_write() {
+                        *slot = None;
+                    }
+                }
             }
         }
         r
