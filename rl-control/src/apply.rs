@@ -94,6 +94,31 @@ pub fn apply<E: From<ApplyError>>(
     Ok(summary)
 }
 
+/// Installs the running rules as they stand while the cluster is degraded
+/// with `mode` (see [`crate::compile::with_failure_mode`]), or as written
+/// (`None`), unless they stand so already.
+pub fn set_failure_mode(shared: &Shared, mode: Option<crate::cluster::OnFailure>) -> Result<(), ApplyError> {
+    let _writer = WRITER.lock().unwrap_or_else(|e| e.into_inner());
+    let config = lock(shared).config.clone();
+    if lock(shared).failure_mode == mode {
+        return Ok(());
+    }
+    let mut compiled = compile(&config);
+    if let Some(m) = mode {
+        compiled.rules = crate::compile::with_failure_mode(&config, compiled.rules, m);
+    }
+    let basis = lock(shared).dp.basis();
+    let plan = Plan::new(basis, &compiled.rules).map_err(|e| ApplyError::Failed(format!("installing the on_failure rules: {e}")))?;
+    let mut s = lock(shared);
+    s.dp.execute(plan).map_err(|e| ApplyError::Failed(format!("installing the on_failure rules: {e}")))?;
+    s.failure_mode = mode;
+    match mode {
+        Some(m) => warn!("cluster degraded: cluster packet rules now enforce on_failure = \"{}\"", m.name()),
+        None => info!("cluster healthy: cluster packet rules enforce their limits again"),
+    }
+    Ok(())
+}
+
 /// Validates, compiles (no lock), installs (the state lock held for the
 /// map writes only) and persists (no lock) one change.
 fn install(
@@ -127,7 +152,10 @@ fn install(
             }
         }
     }
-    let compiled = compile(&new);
+    let mut compiled = compile(&new);
+    if let Some(mode) = lock(shared).failure_mode {
+        compiled.rules = crate::compile::with_failure_mode(&new, compiled.rules, mode);
+    }
     // The differences are worked out against a snapshot, outside the lock;
     // the lock is held to write them and flip.
     let (basis, ready) = {
@@ -147,7 +175,10 @@ fn install(
                 if let Err(e) = write_atomic(p, &change.text) {
                     // Put the old rules back: the file and the datapath agree.
                     let mut s = lock(shared);
-                    let old = compile(&s.config);
+                    let mut old = compile(&s.config);
+                    if let Some(mode) = s.failure_mode {
+                        old.rules = crate::compile::with_failure_mode(&s.config, old.rules, mode);
+                    }
                     let _ = s.dp.install(&old.rules);
                     return Err(failed(
                         &format!("cannot write {} (nothing changed; check its directory is writable)", p.display()),

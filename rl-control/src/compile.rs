@@ -122,6 +122,31 @@ pub enum Verdict {
     Rule(u32),
 }
 
+/// `rules` (compiled from `config`) as they stand while the cluster is
+/// degraded with `on_failure = mode`: every `scope = "cluster"` packet rule
+/// passes everything and counts it as shadow (`open`) or drops everything
+/// (`closed`: no burst, no rate). Rule ids are kept, so the buckets are
+/// where they were when Redis answers again; `local` changes nothing.
+pub fn with_failure_mode(config: &Config, mut rules: RuleSet, mode: crate::cluster::OnFailure) -> RuleSet {
+    use crate::cluster::OnFailure;
+    for (entry, rule) in rules.entries.iter_mut().skip(1).zip(&config.rules) {
+        if rule.scope != crate::rules::Scope::Cluster {
+            continue;
+        }
+        match mode {
+            OnFailure::Local => {}
+            OnFailure::Open => entry.flags |= rl_common::RULE_SHADOW,
+            OnFailure::Closed => {
+                for l in entry.limits.iter_mut().take(entry.n_limits as usize) {
+                    // A packet costs more than the bucket can ever hold.
+                    (l.a, l.b, l.shift) = (u64::MAX / 4, 0, 0);
+                }
+            }
+        }
+    }
+    rules
+}
+
 pub fn compile(config: &Config) -> Compiled {
     Compiled {
         max_sources: config.datapath.max_sources,

@@ -63,6 +63,9 @@ pub struct State {
     pub l7: crate::l7::http::Shared,
     /// The shared Redis of `scope = "cluster"` rules (`[cluster]`).
     pub cluster: Option<Arc<crate::cluster::Cluster>>,
+    /// The `on_failure` variant of the packet rules installed while the
+    /// cluster is degraded (`None`: the rules as written).
+    pub failure_mode: Option<crate::cluster::OnFailure>,
     /// Shared, so a change can read them without holding the lock.
     pub config: Arc<Config>,
     /// The text `config` was read from: what the API edits and writes back.

@@ -37,7 +37,13 @@ pub async fn register(cluster: &Cluster, definitions: &[(String, u64)]) -> Resul
     }
     if definitions.is_empty() {
         // Nothing to register: a round trip still tells whether Redis answers.
-        let _: i64 = cluster.call_anyway(&PING.prepare_invoke()).await?;
+        ping(cluster).await?;
     }
     Ok(clashes)
+}
+
+/// One round trip to Redis.
+pub async fn ping(cluster: &Cluster) -> Result<(), Failure> {
+    let _: i64 = cluster.call_anyway(&PING.prepare_invoke()).await?;
+    Ok(())
 }

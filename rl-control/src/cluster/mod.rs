@@ -268,14 +268,10 @@ impl Cluster {
         Duration::from_millis((30 * self.config.sync_interval_ms).clamp(2_000, 60_000))
     }
 
-    /// How long to wait before the next probe: one `sync_interval` while
-    /// degraded (cluster rules come back within one interval of Redis),
-    /// else often enough to keep this daemon's registration alive.
-    pub fn probe_pause(&self) -> Duration {
-        if self.is_degraded() {
-            Duration::from_millis(self.config.sync_interval_ms)
-        } else {
-            self.membership_ttl() / 4
-        }
+    /// One round trip (within `timeout`): a failure degrades the cluster,
+    /// an answer while degraded does not heal it (a probe re-registers
+    /// first).
+    pub async fn ping(&self) -> Result<(), Failure> {
+        members::ping(self).await
     }
 }

@@ -61,16 +61,29 @@ pub async fn join(config: &Config) -> Result<Option<Arc<Cluster>>> {
     Ok(Some(cluster))
 }
 
-/// Probes Redis for as long as the daemon runs (re-registering the rules
-/// in force) and writes the cluster's health changes to the event log.
+/// Watches Redis for as long as the daemon runs: a round trip every
+/// `sync_interval` (so a hung or dead Redis is noticed within that and
+/// `timeout`, traffic or not), the rules in force re-registered while
+/// degraded and every quarter of the membership TTL; writes the cluster's
+/// health changes to the event log and follows `on_failure`.
 pub async fn keep_in_touch(state: Shared, cluster: Arc<Cluster>) {
+    let mut every = tokio::time::interval(std::time::Duration::from_millis(cluster.config.sync_interval_ms));
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut registered = std::time::Instant::now();
     loop {
-        tokio::time::sleep(cluster.probe_pause()).await;
+        every.tick().await;
         // A decision that found Redis gone changed the health already.
         log_transitions(&state, &cluster);
-        let defs = definitions(&lock(&state).config);
-        let _ = cluster.probe(&defs).await;
+        if cluster.is_degraded() || registered.elapsed() >= cluster.membership_ttl() / 4 {
+            let defs = definitions(&lock(&state).config);
+            if cluster.probe(&defs).await.is_ok() {
+                registered = std::time::Instant::now();
+            }
+        } else {
+            let _ = cluster.ping().await;
+        }
         log_transitions(&state, &cluster);
+        follow_failure_mode(&state, &cluster).await;
     }
 }
 
@@ -121,6 +134,7 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         every.tick().await;
+        follow_failure_mode(&state, &cluster).await;
         if cluster.is_degraded() {
             continue;
         }
@@ -154,7 +168,25 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
         for (i, _) in answers {
             ledger.acknowledge(&reports[i], now);
         }
+        follow_failure_mode(&state, &cluster).await;
         ledger.stats.rounds += 1;
         *cluster.sync.lock().unwrap_or_else(|e| e.into_inner()) = ledger.stats;
+    }
+}
+
+/// Installs the packet rules' `on_failure` variant while the cluster is
+/// degraded (`open` and `closed`; `local` keeps the rules), and the rules
+/// as written once it is not.
+async fn follow_failure_mode(state: &Shared, cluster: &Cluster) {
+    let wanted = (cluster.is_degraded() && cluster.config.on_failure != crate::cluster::OnFailure::Local).then_some(cluster.config.on_failure);
+    {
+        let s = lock(state);
+        if s.failure_mode == wanted || (wanted.is_some() && !s.config.rules.iter().any(|r| r.scope == Scope::Cluster)) {
+            return;
+        }
+    }
+    let st = state.clone();
+    if let Ok(Err(e)) = tokio::task::spawn_blocking(move || crate::apply::set_failure_mode(&st, wanted)).await {
+        warn!("{e}");
     }
 }

@@ -209,6 +209,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     let state: Shared = Arc::new(Mutex::new(State {
         l7,
         cluster: cluster.clone(),
+        failure_mode: None,
         program_id: dp.program_id(),
         dp,
         config: Arc::new(config),
