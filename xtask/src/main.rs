@@ -185,5 +185,7 @@ fn bench(repeat: u32, frames: u64) -> Result<()> {
     step!("daemon: packets lost across a restart, /metrics under ban churn, peak RSS with 1M sources");
     run(cargo().args(["run", "--quiet", "--release", "-p", "rl-tests", "--bin", "rl-daemon-bench"]))?;
     step!("request decisions: gRPC and HTTP latency at 20,000/s with 1 and 1M keys, gRPC saturation, memory per key");
-    run(cargo().args(["run", "--quiet", "--release", "-p", "rl-tests", "--bin", "rl-l7-bench"]))
+    run(cargo().args(["run", "--quiet", "--release", "-p", "rl-tests", "--bin", "rl-l7-bench"]))?;
+    step!("cluster: decisions through Redis against local and raw EVALSHA, the packet-rule sync's Redis cost, overshoot of 3 hosts against the bound");
+    run(cargo().args(["run", "--quiet", "--release", "-p", "rl-tests", "--bin", "rl-cluster-bench"]))
 }

@@ -53,6 +53,8 @@ struct Tracked {
     /// Packets this daemon run reported for it in total.
     cum: u64,
     at_ns: u64,
+    /// When the bucket was last in the tables.
+    seen_ns: u64,
 }
 
 /// One bucket's report in a round.
@@ -84,39 +86,59 @@ pub struct SyncStats {
 /// This daemon run's side of the exchange.
 pub struct Ledger {
     reporter: String,
+    /// Every bucket reported, with its cumulative count: kept while Redis
+    /// may still hold that count (a bucket the collector deleted and the
+    /// datapath made again counts from zero in the kernel, never here).
     tracked: HashMap<BucketId, Tracked>,
+    forget_after_ns: u64,
     pub stats: SyncStats,
 }
 
 impl Ledger {
     /// A ledger reporting as `node` (a restarted daemon reports under a new
     /// name, so its counts start again without being taken for old ones).
-    pub fn new(node: &str) -> Ledger {
+    /// `keep_ms`: how long Redis keeps a bucket's ledger after its last
+    /// report (this side keeps its counts twice as long).
+    pub fn new(node: &str, keep_ms: u64) -> Ledger {
         let boot = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
-        Ledger { reporter: format!("{node}:{boot}"), tracked: HashMap::new(), stats: SyncStats::default() }
+        Ledger { reporter: format!("{node}:{boot}"), tracked: HashMap::new(), forget_after_ns: 2 * keep_ms * 1_000_000, stats: SyncStats::default() }
     }
 
     /// The buckets that travel this round: those whose unreported packets
-    /// reach `θ`, or that dropped since the last report. A report after an
-    /// outage is capped at what the bucket could pass meanwhile.
+    /// reach `θ`, or that dropped since the last report. A report is capped
+    /// at what the bucket could pass in two intervals (`2·R·T + B`): usage
+    /// during an outage (`on_failure = "open"`, say) is not charged in full
+    /// when Redis is back.
     pub fn reports(&mut self, buckets: &[SharedBucket], shares: &Shares, interval_ns: u64, now: u64) -> Vec<Report> {
         let mut out = Vec::new();
-        let mut seen = std::collections::HashSet::with_capacity(buckets.len());
+        let mut seen = 0;
         for sb in buckets {
             let Some(share) = shares.get(&(sb.id.rule() & !(rl_common::KEY_CELL | rl_common::KEY_LAST))) else { continue };
-            seen.insert(sb.id);
+            seen += 1;
             let b = sb.bucket;
-            // A bucket collected and made again counts from zero.
-            let t = self.tracked.get(&sb.id).copied().filter(|t| b.passed >= t.passed);
-            let (passed0, dropped0, cum0) = t.map_or((0, 0, 0), |t| (t.passed, t.dropped, t.cum));
+            // Only reported buckets are tracked: the rest have reported
+            // nothing, so all they passed is unreported.
+            let t = self.tracked.get_mut(&sb.id).map(|t| {
+                t.seen_ns = now;
+                *t
+            });
+            let (passed0, dropped0, cum0) = match t {
+                Some(t) if b.passed >= t.passed => (t.passed, t.dropped, t.cum),
+                // A bucket collected and made again counts from zero in the
+                // kernel; its reports go on from the count Redis holds.
+                Some(t) => (0, 0, t.cum),
+                None => (0, 0, 0),
+            };
             let mut delta = b.passed - passed0;
             let theta = (interval_ns / share.ns_per_packet.max(1) / 4).max(1);
             if delta < theta && b.dropped <= dropped0 {
                 continue;
             }
             if let Some(t) = t {
-                let could = (now.saturating_sub(t.at_ns) + share.burst_ns) / share.ns_per_packet.max(1) + 1;
-                delta = delta.min(could);
+                // What the bucket could pass in (at most) two intervals: a
+                // report after an outage charges no more.
+                let span = now.saturating_sub(t.at_ns).min(2 * interval_ns);
+                delta = delta.min((span + share.burst_ns) / share.ns_per_packet.max(1) + 1);
             }
             let addr = sb.id.addr_bytes();
             let shard = crate::compile::stable_hash(&addr, 0) % SHARDS;
@@ -133,8 +155,9 @@ impl Ledger {
                 slot,
             });
         }
-        self.tracked.retain(|id, _| seen.contains(id));
-        self.stats.buckets = seen.len() as u64;
+        let forget = self.forget_after_ns;
+        self.tracked.retain(|_, t| now.saturating_sub(t.seen_ns.max(t.at_ns)) < forget);
+        self.stats.buckets = seen;
         self.stats.hot = out.len() as u64;
         out
     }
@@ -171,7 +194,7 @@ impl Ledger {
 
     /// Records that Redis holds `r`.
     pub fn acknowledge(&mut self, r: &Report, now: u64) {
-        self.tracked.insert(r.id, Tracked { passed: r.passed, dropped: r.dropped, cum: r.cum, at_ns: now });
+        self.tracked.insert(r.id, Tracked { passed: r.passed, dropped: r.dropped, cum: r.cum, at_ns: now, seen_ns: now });
         self.stats.reported_keys += 1;
     }
 }

@@ -14,7 +14,9 @@ use crate::{
     rules::Algorithm,
 };
 
-static DECIDE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("decide.lua")));
+/// The decision script (`decide.lua`), for tools that call it directly.
+pub const DECIDE_LUA: &str = include_str!("decide.lua");
+static DECIDE: LazyLock<Script> = LazyLock::new(|| Script::new(DECIDE_LUA));
 
 /// Largest `amount × period` (and `burst × period`) in µs a cluster rule may
 /// have: Redis' Lua computes in doubles, exact below 2⁵³.

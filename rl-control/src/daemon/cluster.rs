@@ -129,7 +129,7 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
     let interval = std::time::Duration::from_millis(cluster.config.sync_interval_ms);
     let interval_ns = interval.as_nanos() as u64;
     let keep_ms = (cluster.membership_ttl().as_millis() as u64 * 5).max(10_000);
-    let mut ledger = Ledger::new(&cluster.config.node);
+    let mut ledger = Ledger::new(&cluster.config.node, keep_ms);
     let mut every = tokio::time::interval(interval);
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
