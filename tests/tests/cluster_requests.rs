@@ -29,6 +29,7 @@ fn config(redis: &str, node: &str, on_failure: &str, tb_burst: u64) -> String {
          [[l7.rule]]\nname = \"sw\"\ndomain = \"d\"\ndescriptor = [{{ key = \"sw\" }}]\nrate = {LIMIT}\nper = \"1h\"\nalgorithm = \"sliding_window\"\nscope = \"cluster\"\n\
          [[l7.rule]]\nname = \"log\"\ndomain = \"d\"\ndescriptor = [{{ key = \"log\" }}]\nrate = {LIMIT}\nper = \"1m\"\nalgorithm = \"sliding_log\"\nscope = \"cluster\"\n\
          [[l7.rule]]\nname = \"sem\"\ndomain = \"d\"\ndescriptor = [{{ key = \"sem\" }}]\nalgorithm = \"concurrency\"\nmax = 3\nscope = \"cluster\"\n\
+         [[l7.rule]]\nname = \"bt\"\ndomain = \"d\"\ndescriptor = [{{ key = \"bt\" }}]\nrate = 20\nper = \"1s\"\nburst = 5\nscope = \"cluster\"\nbatch = \"20ms\"\n\
          [[l7.rule]]\nname = \"here\"\ndomain = \"d\"\ndescriptor = [{{ key = \"here\" }}]\nrate = 1\nper = \"1h\"\nburst = 2\n"
     )
 }
@@ -91,7 +92,7 @@ fn two_daemons_share_one_exact_limit_and_each_failure_mode_does_what_it_says() {
     let bad = write(&dir, "bad.toml", &config(&redis.url(), "host-2", "closed", LIMIT + 1));
     clear_of_the_hour();
     let d1 = Daemon::serving(&l1, &c1, &[]).unwrap();
-    assert!(d1.log().contains("joined the cluster: 5 cluster rules shared"), "{}", d1.log());
+    assert!(d1.log().contains("joined the cluster: 6 cluster rules shared"), "{}", d1.log());
 
     // Another definition of "tb" is refused, before anything is attached.
     let (status, out) = run_once(Some(&l2.b), &["run", "--iface", "vb", "--config", bad.to_str().unwrap(), "--no-watch", "--detach-on-exit"]).unwrap();
@@ -127,6 +128,26 @@ fn two_daemons_share_one_exact_limit_and_each_failure_mode_does_what_it_says() {
     assert_eq!(check(&l2, "sem", "job", -1).0, 200);
     assert_eq!(check(&l1, "sem", "job", 1).0, 200, "the refund on host 2 freed a permit for host 1");
     assert_eq!(check(&l2, "sem", "job", 1).0, 429);
+    // A batched token bucket (20/s, burst 5, batch 20 ms): decided on each
+    // host, the hits exchanged every 20 ms; checks alternating between the
+    // hosts for 2 s stay within R·τ + N·B + (N−1)·R·(T+δ); two hosts each
+    // on their own would allow 2·(R·τ + B).
+    let start = Instant::now();
+    let mut ok = 0u64;
+    let mut i = 0u64;
+    while start.elapsed() < Duration::from_secs(2) {
+        if check(if i % 2 == 0 { &l1 } else { &l2 }, "bt", "k", 1).0 == 200 {
+            ok += 1;
+        }
+        i += 1;
+    }
+    let tau = start.elapsed().as_secs_f64();
+    let bound = 20.0 * tau + 2.0 * 5.0 + 20.0 * (0.02 + 0.01);
+    eprintln!("batched: {ok} of {i} checks passed in {tau:.2} s; bound {bound:.1}; two hosts on their own: {:.0}", 2.0 * (20.0 * tau + 5.0));
+    assert!((ok as f64) <= bound, "{ok} passed in {tau:.2} s, over the batched bound {bound:.1}");
+    assert!((ok as f64) >= 20.0 * tau * 0.8, "{ok} passed in {tau:.2} s: batching starved the key");
+    assert!(i > 100, "only {i} checks in 2 s");
+
     // A local rule stays per host.
     for lab in [&l1, &l2] {
         assert_eq!([check(lab, "here", "x", 1).0, check(lab, "here", "x", 1).0, check(lab, "here", "x", 1).0], [200, 200, 429]);

@@ -11,6 +11,7 @@
 //! degraded, cluster rules then enforce `on_failure` without calling Redis,
 //! and a probe every `sync_interval` brings them back.
 
+pub mod batched;
 pub mod members;
 pub mod packets;
 pub mod requests;

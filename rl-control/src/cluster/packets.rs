@@ -57,17 +57,30 @@ struct Tracked {
     seen_ns: u64,
 }
 
+/// One bucket's line in a report to Redis (packet and batched request
+/// buckets alike).
+#[derive(Clone, Debug)]
+pub struct Line {
+    /// The bucket's Redis key; `slot` is its hash tag (one call per slot).
+    pub key: String,
+    pub slot: String,
+    /// Units this daemon run reported in total, this one included.
+    pub cum: u64,
+    /// Units since the last acknowledged report.
+    pub delta: u64,
+    pub ns_per_unit: u64,
+    /// The units passed during this span (the cluster bucket charges them
+    /// from its start).
+    pub interval_ns: u64,
+}
+
 /// One bucket's report in a round.
 #[derive(Clone, Debug)]
 pub struct Report {
     pub id: BucketId,
-    pub key: String,
-    pub cum: u64,
-    pub delta: u64,
+    pub line: Line,
     passed: u64,
     dropped: u64,
-    pub ns_per_packet: u64,
-    slot: String,
 }
 
 /// Counts for `/metrics`.
@@ -146,13 +159,16 @@ impl Ledger {
             let slot = format!("{}:{:016x}:{}:{shard}", share.rule, share.definition, share.which);
             out.push(Report {
                 id: sb.id,
-                key: format!("rl:p:{{{slot}}}:{hex}"),
-                cum: cum0 + delta,
-                delta,
+                line: Line {
+                    key: format!("rl:p:{{{slot}}}:{hex}"),
+                    slot,
+                    cum: cum0 + delta,
+                    delta,
+                    ns_per_unit: share.ns_per_packet,
+                    interval_ns,
+                },
                 passed: b.passed,
                 dropped: b.dropped,
-                ns_per_packet: share.ns_per_packet,
-                slot,
             });
         }
         let forget = self.forget_after_ns;
@@ -162,39 +178,48 @@ impl Ledger {
         out
     }
 
-    /// Sends `reports`, one call per hash slot; returns, per report index,
-    /// how far ahead of now its cluster bucket is (µs), and
-    /// the failure that stopped the round, if one did (the cluster is then
-    /// degraded): the reports not answered travel again next round, and
-    /// are charged once.
-    pub async fn exchange(&mut self, cluster: &Cluster, reports: &[Report], interval_ns: u64, keep_ms: u64) -> (Vec<(usize, u64)>, Option<Failure>) {
-        let mut by_slot: HashMap<&str, Vec<usize>> = HashMap::new();
-        for (i, r) in reports.iter().enumerate() {
-            by_slot.entry(r.slot.as_str()).or_default().push(i);
-        }
-        let mut answers = Vec::with_capacity(reports.len());
-        for (_, idx) in by_slot {
-            let mut inv = SYNC.prepare_invoke();
-            for &i in &idx {
-                inv.key(&reports[i].key);
-            }
-            let cost_us = reports[idx[0]].ns_per_packet as f64 / 1000.0;
-            inv.arg(&self.reporter).arg(cost_us).arg(interval_ns / 1000).arg(keep_ms);
-            for &i in &idx {
-                inv.arg(reports[i].cum).arg(reports[i].delta);
-            }
-            match cluster.call::<Vec<u64>>(&inv).await {
-                Ok(remote) => answers.extend(idx.into_iter().zip(remote)),
-                Err(e) => return (answers, Some(e)),
-            }
-            self.stats.calls += 1;
-        }
-        (answers, None)
+    /// Sends `reports` (see [`exchange`]).
+    pub async fn exchange(&mut self, cluster: &Cluster, reports: &[Report], keep_ms: u64) -> (Vec<(usize, u64)>, Option<Failure>) {
+        let lines: Vec<&Line> = reports.iter().map(|r| &r.line).collect();
+        let (answers, failure, calls) = exchange(cluster, &self.reporter, &lines, keep_ms).await;
+        self.stats.calls += calls;
+        (answers, failure)
     }
 
     /// Records that Redis holds `r`.
     pub fn acknowledge(&mut self, r: &Report, now: u64) {
-        self.tracked.insert(r.id, Tracked { passed: r.passed, dropped: r.dropped, cum: r.cum, at_ns: now, seen_ns: now });
+        self.tracked.insert(r.id, Tracked { passed: r.passed, dropped: r.dropped, cum: r.line.cum, at_ns: now, seen_ns: now });
         self.stats.reported_keys += 1;
     }
+}
+
+/// Sends `lines` as `reporter` (a daemon run's name), one script call per
+/// hash slot; returns, per line index, how far ahead of now its cluster
+/// bucket is (µs), the failure that stopped the round if one did (the
+/// cluster is then degraded: the lines not answered travel again, and are
+/// charged once), and the calls made.
+pub async fn exchange(cluster: &Cluster, reporter: &str, lines: &[&Line], keep_ms: u64) -> (Vec<(usize, u64)>, Option<Failure>, u64) {
+    let mut by_slot: HashMap<&str, Vec<usize>> = HashMap::new();
+    for (i, l) in lines.iter().enumerate() {
+        by_slot.entry(l.slot.as_str()).or_default().push(i);
+    }
+    let mut answers = Vec::with_capacity(lines.len());
+    let mut calls = 0;
+    for (_, idx) in by_slot {
+        let first = lines[idx[0]];
+        let mut inv = SYNC.prepare_invoke();
+        for &i in &idx {
+            inv.key(&lines[i].key);
+        }
+        inv.arg(reporter).arg(first.ns_per_unit as f64 / 1000.0).arg(first.interval_ns / 1000).arg(keep_ms);
+        for &i in &idx {
+            inv.arg(lines[i].cum).arg(lines[i].delta);
+        }
+        match cluster.call::<Vec<u64>>(&inv).await {
+            Ok(ahead) => answers.extend(idx.into_iter().zip(ahead)),
+            Err(e) => return (answers, Some(e), calls),
+        }
+        calls += 1;
+    }
+    (answers, None, calls)
 }

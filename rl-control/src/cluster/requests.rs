@@ -84,6 +84,13 @@ impl Prepared {
         Prepared { algorithm, limits, prefix: format!("rl:l7:{{{}:{definition:016x}:", rule.name), logs }
     }
 
+    /// The Redis key and hash tag of a batched bucket (see
+    /// [`super::batched`]): 16 slots per rule.
+    pub fn batch_names(&self, values: [u64; 2]) -> (String, String) {
+        let slot = format!("{}b{}", self.prefix.trim_start_matches("rl:l7:{"), values[0] % 16);
+        (format!("rl:b:{{{slot}}}:{:016x}{:016x}", values[0], values[1]), slot)
+    }
+
     /// The key of the bucket for descriptor values hashed to `values`.
     pub fn bucket_key(&self, values: [u64; 2]) -> String {
         format!("{}{:016x}{:016x}}}", self.prefix, values[0], values[1])

@@ -198,6 +198,21 @@ mod tests {
             (format!("{REDIS}[[rule]]\nname = \"a\"\nrate = 1\nalgorithm = \"fixed_window\"\nscope = \"cluster\"\n"), "rl.toml:9:9:", "needs algorithm = \"token_bucket\""),
             (format!("{REDIS}[[rule]]\nname = \"a\"\nbytes = \"1MB\"\nscope = \"cluster\"\n"), "rl.toml:8:9:", "packet limits"),
             (
+                "[[l7.rule]]\nname = \"a\"\ndomain = \"d\"\ndescriptor = [{ key = \"k\" }]\nrate = 1\nbatch = \"10ms\"\n".into(),
+                "rl.toml:8:9:",
+                "batch needs scope = \"cluster\"",
+            ),
+            (
+                format!("{REDIS}[[l7.rule]]\nname = \"a\"\ndomain = \"d\"\ndescriptor = [{{ key = \"k\" }}]\nrate = 1\nalgorithm = \"sliding_log\"\nscope = \"cluster\"\nbatch = \"10ms\"\n"),
+                "rl.toml:12:9:",
+                "batch applies to algorithm = \"token_bucket\" only",
+            ),
+            (
+                format!("{REDIS}[[l7.rule]]\nname = \"a\"\ndomain = \"d\"\ndescriptor = [{{ key = \"k\" }}]\nrate = 1\nscope = \"cluster\"\nbatch = \"0ms\"\n"),
+                "rl.toml:11:9:",
+                "batch: \"0ms\" is zero",
+            ),
+            (
                 format!("{REDIS}[[l7.rule]]\nname = \"a\"\ndomain = \"d\"\ndescriptor = [{{ key = \"k\" }}]\nrate = 1\nmode = \"elastic\"\npool_rate = 5\nscope = \"cluster\"\n"),
                 "rl.toml:10:8:",
                 "cannot be scope = \"cluster\"",

@@ -150,7 +150,7 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
         };
         let now = crate::datapath::monotonic_ns();
         let reports = ledger.reports(&buckets, &shares, interval_ns, now);
-        let (answers, _failure) = ledger.exchange(&cluster, &reports, interval_ns, keep_ms).await;
+        let (answers, _failure) = ledger.exchange(&cluster, &reports, keep_ms).await;
         let raises: Vec<_> = answers.iter().filter(|(_, ahead)| *ahead > 0).map(|&(i, ahead_us)| (reports[i].id, ahead_us)).collect();
         if !raises.is_empty() {
             let raised = tokio::task::spawn_blocking(move || -> Result<u64, crate::datapath::DatapathError> {
@@ -188,5 +188,36 @@ async fn follow_failure_mode(state: &Shared, cluster: &Cluster) {
     let st = state.clone();
     if let Ok(Err(e)) = tokio::task::spawn_blocking(move || crate::apply::set_failure_mode(&st, wanted)).await {
         warn!("{e}");
+    }
+}
+
+/// Sends the hits of `batch` request rules to Redis every `batch` (the
+/// shortest of the rules in force) for as long as the daemon runs, and
+/// moves each key's bucket up to its cluster bucket (see
+/// [`crate::cluster::batched`]).
+pub async fn sync_requests(state: Shared, cluster: Arc<Cluster>) {
+    let boot = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
+    let reporter = format!("{}:{boot}:l7", cluster.config.node);
+    let keep_ms = (cluster.membership_ttl().as_millis() as u64 * 5).max(10_000);
+    loop {
+        let engine = lock(&state).l7.read().unwrap_or_else(|e| e.into_inner()).clone();
+        tokio::time::sleep(engine.batch_interval().unwrap_or(std::time::Duration::from_millis(100))).await;
+        if cluster.is_degraded() {
+            continue;
+        }
+        let lines = engine.batch.take(crate::datapath::monotonic_ns());
+        if lines.is_empty() {
+            continue;
+        }
+        let refs: Vec<&crate::cluster::packets::Line> = lines.iter().map(|(_, l)| l).collect();
+        let (answers, _failure, _) = crate::cluster::packets::exchange(&cluster, &reporter, &refs, keep_ms).await;
+        let now = crate::datapath::monotonic_ns();
+        for (i, ahead_us) in answers {
+            let (key, line) = &lines[i];
+            engine.batch.acknowledge(key, line.cum);
+            if ahead_us > 0 {
+                engine.raise(*key, now + ahead_us * 1000);
+            }
+        }
     }
 }

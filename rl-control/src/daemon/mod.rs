@@ -236,7 +236,8 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     };
     if let Some(c) = cluster {
         tokio::spawn(cluster::keep_in_touch(state.clone(), c.clone()));
-        tokio::spawn(cluster::sync_packets(state.clone(), c));
+        tokio::spawn(cluster::sync_packets(state.clone(), c.clone()));
+        tokio::spawn(cluster::sync_requests(state.clone(), c));
     }
     match events {
         Ok(ring) => {

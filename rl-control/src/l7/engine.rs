@@ -77,12 +77,14 @@ pub(super) struct Compiled {
     pub(super) rule: L7Rule,
     /// `scope = "cluster"`: how to ask Redis.
     pub(super) cluster: Option<crate::cluster::requests::Prepared>,
+    /// `batch`: decided here, charged to Redis this often (ns).
+    pub(super) batch_ns: Option<u64>,
     /// `mode = "elastic"`: the rule's shared pool, a token bucket.
     pool: Option<LimitEntry>,
     /// The rule's identity (a hash of its definition): buckets survive a
     /// reload that leaves the rule unchanged.
     id: u64,
-    limits: Vec<LimitEntry>,
+    pub(super) limits: Vec<LimitEntry>,
     counters: Counters,
 }
 
@@ -138,6 +140,8 @@ pub struct Engine {
     pub unmatched: AtomicU64,
     /// The shared Redis, for `scope = "cluster"` rules.
     pub(super) cluster: Option<Arc<crate::cluster::Cluster>>,
+    /// Hits of `batch` rules on their way to Redis (kept across reloads).
+    pub batch: Arc<crate::cluster::batched::Batch>,
 }
 
 fn rule_id(rule: &L7Rule) -> u64 {
@@ -171,6 +175,7 @@ impl Engine {
                     _ => None,
                 },
                 cluster: (r.scope == crate::rules::Scope::Cluster).then(|| crate::cluster::requests::Prepared::new(r)),
+                batch_ns: r.batch_ms.map(|ms| ms * 1_000_000),
                 rule: r.clone(),
                 counters: Counters::default(),
             })
@@ -197,7 +202,8 @@ impl Engine {
             }
             None => (Arc::new((0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect()), Arc::new(AtomicU64::new(0))),
         };
-        Engine { rules, by_domain, shards, keys, max_keys: config.max_keys, epoch_offset_ns, unmatched: AtomicU64::new(0), cluster: None }
+        let batch = previous.map(|p| p.batch.clone()).unwrap_or_default();
+        Engine { rules, by_domain, shards, keys, max_keys: config.max_keys, epoch_offset_ns, unmatched: AtomicU64::new(0), cluster: None, batch }
     }
 
     /// This engine deciding `scope = "cluster"` rules through `cluster`
@@ -213,6 +219,24 @@ impl Engine {
     fn shard(&self, key: &Key) -> std::sync::MutexGuard<'_, HashMap<Key, Bucket>> {
         let i = (key.0 ^ key.1[0]).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 58;
         self.shards[i as usize % SHARDS].lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The engine's key of `entries`' bucket under rule `c`.
+    pub(super) fn key_of(c: &Compiled, entries: &[DescriptorEntry]) -> Key {
+        (c.id, values_hash(entries))
+    }
+
+    /// The shortest `batch` of the rules, if any rule batches.
+    pub fn batch_interval(&self) -> Option<std::time::Duration> {
+        self.rules.iter().filter_map(|c| c.batch_ns).min().map(std::time::Duration::from_nanos)
+    }
+
+    /// Moves a token bucket's state up to `tat` (a batched key charged by
+    /// other daemons); never down.
+    pub fn raise(&self, key: Key, tat: u64) {
+        if let Some(Bucket::One(word)) = self.shard(&key).get_mut(&key) {
+            *word = (*word).max(tat);
+        }
     }
 
     /// Request buckets held now.

@@ -59,6 +59,9 @@ pub struct L7Rule {
     pub mode: Mode,
     /// `scope = "cluster"`: decided in Redis, shared by every daemon.
     pub scope: Scope,
+    /// `batch = "10ms"` (cluster token buckets): decided here, charged to
+    /// Redis in batches this often.
+    pub batch_ms: Option<u64>,
 }
 
 /// `[l7]`.
@@ -111,6 +114,7 @@ pub(crate) struct RawL7Rule {
     max: Option<Spanned<i64>>,
     lease: Option<Spanned<String>>,
     scope: Option<Spanned<String>>,
+    batch: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -213,6 +217,7 @@ fn validate_rule(loc: &Located, i: usize, spanned: &Spanned<RawL7Rule>, has_clus
             action,
             mode,
             scope,
+            batch_ms: None,
         });
     }
     for (field, v) in [("max", r.max.as_ref().map(|v| v.span())), ("lease", r.lease.as_ref().map(|v| v.span()))] {
@@ -255,7 +260,25 @@ fn validate_rule(loc: &Located, i: usize, spanned: &Spanned<RawL7Rule>, has_clus
             }
         }
     }
-    let rule = L7Rule { name: n.clone(), domain, descriptor, algorithm, limits, action, mode, scope };
+    let batch_ms = match &r.batch {
+        None => None,
+        Some(b) => {
+            let why = if scope != Scope::Cluster {
+                Some("needs scope = \"cluster\"")
+            } else if algorithm != L7Algorithm::Packet(Algorithm::TokenBucket) {
+                Some("applies to algorithm = \"token_bucket\" only")
+            } else if limits.len() != 1 {
+                Some("needs exactly one limit")
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                return Err(loc.at(b.span(), format!("{who}: batch {why}")));
+            }
+            Some(crate::units::parse_millis(b.get_ref(), 60_000).map_err(|m| loc.at(b.span(), format!("{who}: batch: {m}")))?)
+        }
+    };
+    let rule = L7Rule { name: n.clone(), domain, descriptor, algorithm, limits, action, mode, scope, batch_ms };
     if scope == Scope::Cluster {
         if let Some(why) = crate::cluster::requests::too_large(&rule) {
             return Err(loc.at(r.scope.as_ref().map(|s| s.span()).unwrap_or(table), format!("{who}: {why}")));

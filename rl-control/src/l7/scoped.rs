@@ -23,6 +23,20 @@ impl Engine {
             let st = self.charge_here(c, entries, hits, now_ns());
             return self.counted(c, st);
         };
+        if let Some(interval) = c.batch_ns {
+            // Batched: decided here; the hits travel to Redis every batch.
+            if cluster.is_degraded() && cluster.config.on_failure != OnFailure::Local {
+                cluster.health.fallbacks.fetch_add(1, Relaxed);
+                return self.counted(c, fixed(c, cluster.config.on_failure == OnFailure::Open || hits < 0));
+            }
+            let now = now_ns();
+            let st = self.charge_here(c, entries, hits, now);
+            if st.code == "ok" && hits > 0 {
+                let cost = c.limits.first().map_or(1, |l| l.a);
+                self.batch.record(Engine::key_of(c, entries), hits as u64, cost, interval, now, || prepared.batch_names(values_key(entries)));
+            }
+            return self.counted(c, st);
+        }
         let answer = if cluster.is_mismatched(&c.rule.name) {
             None
         } else {

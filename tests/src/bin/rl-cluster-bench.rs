@@ -176,7 +176,7 @@ async fn sync(url: String, redis: &Redis) -> Result<()> {
             let t = Instant::now();
             let now = rl_control::datapath::monotonic_ns();
             let reports = ledger.reports(&buckets, &shares, interval_ns, now);
-            let (answers, failure) = ledger.exchange(&cluster, &reports, interval_ns, 60_000).await;
+            let (answers, failure) = ledger.exchange(&cluster, &reports, 60_000).await;
             if let Some(e) = failure {
                 anyhow::bail!("the sync failed: {e}");
             }

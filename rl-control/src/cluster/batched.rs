@@ -1,0 +1,98 @@
+//! Request rules with `batch = "10ms"`: decided at once from this daemon's
+//! own token bucket (no Redis round trip per decision), and every `batch`
+//! the hits each key took here travel to Redis with the packet rules'
+//! script (`sync.lua`): Redis charges them to the key's cluster bucket and
+//! answers how far ahead it is; the daemon moves its own bucket up to it.
+//!
+//! The bound is the packet rules' with `T = batch` and nothing unreported:
+//! over any span τ, N daemons allow at most `R·τ + N·B + (N−1)·R·(T+δ)`
+//! requests of one key.
+
+use std::{collections::HashMap, sync::Mutex};
+
+use super::packets::Line;
+
+/// A batched key's account.
+#[derive(Clone, Debug)]
+struct Account {
+    key: String,
+    slot: String,
+    ns_per_unit: u64,
+    interval_ns: u64,
+    /// Hits taken here and not yet sent.
+    unsent: u64,
+    /// Hits sent but not acknowledged (they travel again, charged once).
+    unacked: u64,
+    /// Hits this daemon run sent in total.
+    cum: u64,
+    last_ns: u64,
+}
+
+/// The engine's key of a request bucket (rule id, values hash).
+pub type LocalKey = (u64, [u64; 2]);
+
+/// Hits of batched keys on their way to Redis. Shared by the engines a
+/// reload swaps in, like the buckets.
+#[derive(Default)]
+pub struct Batch {
+    accounts: Mutex<HashMap<LocalKey, Account>>,
+}
+
+/// Keys idle this long are forgotten (after their Redis ledger expired).
+const FORGET_NS: u64 = 120_000_000_000;
+
+impl Batch {
+    /// Records `hits` taken here by `local`; `names` gives its Redis key
+    /// and hash tag the first time.
+    pub fn record(&self, local: LocalKey, hits: u64, ns_per_unit: u64, interval_ns: u64, now: u64, names: impl FnOnce() -> (String, String)) {
+        let mut a = self.accounts.lock().unwrap_or_else(|e| e.into_inner());
+        let acc = a.entry(local).or_insert_with(|| {
+            let (key, slot) = names();
+            Account { key, slot, ns_per_unit, interval_ns, unsent: 0, unacked: 0, cum: 0, last_ns: now }
+        });
+        acc.unsent += hits;
+        acc.last_ns = now;
+    }
+
+    /// The lines to send now (keys with hits not yet acknowledged), and the
+    /// keys they belong to.
+    pub fn take(&self, now: u64) -> Vec<(LocalKey, Line)> {
+        let mut a = self.accounts.lock().unwrap_or_else(|e| e.into_inner());
+        a.retain(|_, acc| acc.unsent + acc.unacked > 0 || now.saturating_sub(acc.last_ns) < FORGET_NS);
+        a.iter_mut()
+            .filter(|(_, acc)| acc.unsent + acc.unacked > 0)
+            .map(|(k, acc)| {
+                acc.cum += acc.unsent;
+                acc.unacked += acc.unsent;
+                acc.unsent = 0;
+                let line = Line {
+                    key: acc.key.clone(),
+                    slot: acc.slot.clone(),
+                    cum: acc.cum,
+                    delta: acc.unacked,
+                    ns_per_unit: acc.ns_per_unit,
+                    interval_ns: acc.interval_ns,
+                };
+                (*k, line)
+            })
+            .collect()
+    }
+
+    /// Redis holds what `local` sent up to `cum`.
+    pub fn acknowledge(&self, local: &LocalKey, cum: u64) {
+        if let Some(acc) = self.accounts.lock().unwrap_or_else(|e| e.into_inner()).get_mut(local) {
+            if acc.cum == cum {
+                acc.unacked = 0;
+            }
+        }
+    }
+
+    /// Keys with an account.
+    pub fn len(&self) -> usize {
+        self.accounts.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
