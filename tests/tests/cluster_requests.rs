@@ -173,6 +173,12 @@ fn two_daemons_share_one_exact_limit_and_each_failure_mode_does_what_it_says() {
         assert!(get(&lab.b, "/healthz").status == 200, "health stays 200 while degraded");
         wait_event(lab, "cluster_degraded");
     }
+    // Local rules are never slowed by Redis.
+    let t = Instant::now();
+    for _ in 0..5 {
+        check(&l1, "here", "fast", 1);
+    }
+    assert!(t.elapsed() < Duration::from_millis(250), "5 local decisions took {:?} with Redis hung", t.elapsed());
     // Degraded, decisions no longer wait at all.
     let t = Instant::now();
     for _ in 0..5 {
@@ -213,6 +219,10 @@ fn two_daemons_share_one_exact_limit_and_each_failure_mode_does_what_it_says() {
     redis.restart().unwrap();
     wait_state(&l1, "ok", Duration::from_secs(5));
     wait_state(&l2, "ok", Duration::from_secs(5));
+    // Empty, Redis has forgotten every request bucket: an exhausted key
+    // gets one burst again, no more (the documented R·τ + 2B).
+    let again: Vec<u64> = (0..2 * LIMIT).filter(|&i| check(if i % 2 == 0 { &l1 } else { &l2 }, "tb", "k1", 1).0 == 200).collect();
+    assert_eq!(again, (0..LIMIT).collect::<Vec<_>>(), "after an empty restart");
     assert!(redis.cli(&["HGETALL", "rl:def:{l7:tb}"]).unwrap().contains("host-1"), "registrations come back after an empty restart");
 
     for (d, name) in [(d1, "host 1"), (d2, "host 2")] {

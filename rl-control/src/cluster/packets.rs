@@ -3,7 +3,7 @@
 //! Every host enforces in XDP from its own token buckets, each allowed the
 //! rule's whole rate. Every `sync_interval` the daemon reports the packets
 //! its hot buckets passed since the last report (one script call per batch
-//! and hash slot); Redis charges them to the bucket's cluster-wide token
+//! of up to 1,000, per hash slot on a Redis Cluster); Redis charges them to the bucket's cluster-wide token
 //! bucket on its own clock and answers how far ahead of now that bucket
 //! is; the daemon moves its own bucket up to it (never down: its own
 //! packets are in both). So every bucket sees every host's packets, its own
@@ -28,7 +28,8 @@ use crate::datapath::share::{BucketId, SharedBucket};
 static SYNC: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("sync.lua")));
 
 /// Hash slots a rule's buckets spread over in a Redis Cluster (one script
-/// call per slot per round).
+/// call per slot per round there; one server takes a rule's buckets in one
+/// call per [`LINES_PER_CALL`]).
 pub const SHARDS: u64 = 16;
 
 /// A cluster limit as the datapath numbers it (`RuleEntry::id | index`).
@@ -193,19 +194,28 @@ impl Ledger {
     }
 }
 
-/// Sends `lines` as `reporter` (a daemon run's name), one script call per
-/// hash slot; returns, per line index, how far ahead of now its cluster
-/// bucket is (µs), the failure that stopped the round if one did (the
-/// cluster is then degraded: the lines not answered travel again, and are
-/// charged once), and the calls made.
+/// Most buckets in one script call: Redis runs a script alone, so a call
+/// is kept to a few milliseconds.
+pub const LINES_PER_CALL: usize = 1_000;
+
+/// Sends `lines` as `reporter` (a daemon run's name): one script call per
+/// [`LINES_PER_CALL`] buckets of one rule (and, on a Redis Cluster, one hash
+/// slot); returns, per line index, how far ahead of now its cluster bucket
+/// is (µs), the failure that stopped the round if one did (the cluster is
+/// then degraded: the lines not answered travel again, and are charged
+/// once), and the calls made.
 pub async fn exchange(cluster: &Cluster, reporter: &str, lines: &[&Line], keep_ms: u64) -> (Vec<(usize, u64)>, Option<Failure>, u64) {
-    let mut by_slot: HashMap<&str, Vec<usize>> = HashMap::new();
+    // A call charges every line at one cost and interval: group by rule
+    // (the slot names it), and by slot only where slots matter.
+    let one_server = !cluster.config.is_redis_cluster();
+    let mut groups: HashMap<(&str, u64, u64), Vec<usize>> = HashMap::new();
     for (i, l) in lines.iter().enumerate() {
-        by_slot.entry(l.slot.as_str()).or_default().push(i);
+        let slot = if one_server { "" } else { l.slot.as_str() };
+        groups.entry((slot, l.ns_per_unit, l.interval_ns)).or_default().push(i);
     }
     let mut answers = Vec::with_capacity(lines.len());
     let mut calls = 0;
-    for (_, idx) in by_slot {
+    for idx in groups.into_values().flat_map(|g| g.chunks(LINES_PER_CALL).map(<[usize]>::to_vec).collect::<Vec<_>>()) {
         let first = lines[idx[0]];
         let mut inv = SYNC.prepare_invoke();
         for &i in &idx {
