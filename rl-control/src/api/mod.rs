@@ -6,11 +6,7 @@
 //! changes run on the blocking pool (an install waits for the old rule slot
 //! to drain), so a slow change never stalls reads.
 
-use std::{
-    fmt::Write as _,
-    net::IpAddr,
-    sync::Arc,
-};
+use std::{net::IpAddr, sync::Arc};
 
 use axum::{
     body::Bytes,
@@ -36,6 +32,7 @@ use crate::{
 };
 
 mod l7;
+mod metrics;
 pub mod listen;
 
 /// Largest request body accepted (a full rule set with 262,144 CIDRs fits).
@@ -491,124 +488,10 @@ async fn reload(AxState(api): AxState<Api>) -> ApiResult<Json<Applied>> {
     Ok(Json(Applied { summary }))
 }
 
-/// Prometheus text exposition.
-#[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text format", content_type = "text/plain")))]
-async fn metrics(AxState(api): AxState<Api>) -> ApiResult<Response> {
-    let s = lock(&api.state);
-    let rules = rule_counters(&s)?;
-    let global = s.dp.counters()?;
-    let mut out = String::new();
-    let esc = |v: &str| v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n");
-    let family = |out: &mut String, name: &str, kind: &str, help: &str| {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-    };
-    family(&mut out, "rl_packets_total", "counter", "Packets by rule (allow, deny and default included) and verdict.");
-    for (name, c) in &rules {
-        for (verdict, v) in [("passed", c.passed_packets), ("dropped", c.dropped_packets), ("shadow_dropped", c.shadow_dropped_packets)] {
-            let _ = writeln!(out, "rl_packets_total{{rule=\"{}\",verdict=\"{verdict}\"}} {v}", esc(name));
-        }
-    }
-    family(&mut out, "rl_bytes_total", "counter", "Bytes by rule and verdict.");
-    for (name, c) in &rules {
-        for (verdict, v) in [("passed", c.passed_bytes), ("dropped", c.dropped_bytes), ("shadow_dropped", c.shadow_dropped_bytes)] {
-            let _ = writeln!(out, "rl_bytes_total{{rule=\"{}\",verdict=\"{verdict}\"}} {v}", esc(name));
-        }
-    }
-    family(&mut out, "rl_datapath_events_total", "counter", "Frames and events outside the rules: non-IP frames passed, malformed dropped, buckets created, CAS contention, no state.");
-    for (i, name) in rl_common::STAT_NAMES.iter().enumerate() {
-        if name.contains("passed") || name.contains("dropped") {
-            continue;
-        }
-        let _ = writeln!(out, "rl_datapath_events_total{{event=\"{name}\"}} {}", global.get(i as u32));
-    }
-    let p = &s.pressure;
-    family(&mut out, "rl_tracked_sources", "gauge", "Per-source buckets held (refreshed every second).");
-    let _ = writeln!(out, "rl_tracked_sources{{family=\"ipv4\"}} {}\nrl_tracked_sources{{family=\"ipv6\"}} {}", p.buckets_ipv4, p.buckets_ipv6);
-    family(&mut out, "rl_source_capacity", "gauge", "Capacity of each family's source map (datapath.max_sources).");
-    let _ = writeln!(out, "rl_source_capacity {}", s.config.datapath.max_sources);
-    family(&mut out, "rl_table_occupancy_ratio", "gauge", "Entries held over capacity, per table and family.");
-    for (table, family_, held, cap) in [
-        ("sources", "ipv4", p.buckets_ipv4, s.config.datapath.max_sources),
-        ("sources", "ipv6", p.buckets_ipv6, s.config.datapath.max_sources),
-        ("cells", "ipv4", p.cells_ipv4, s.config.datapath.flood_prefixes),
-        ("cells", "ipv6", p.cells_ipv6, s.config.datapath.flood_prefixes),
-    ] {
-        let _ = writeln!(out, "rl_table_occupancy_ratio{{table=\"{table}\",family=\"{family_}\"}} {}", held as f64 / cap.max(1) as f64);
-    }
-    family(&mut out, "rl_prefix_cells", "gauge", "Prefix cells held (datapath.flood_prefixes each).");
-    let _ = writeln!(out, "rl_prefix_cells{{family=\"ipv4\"}} {}\nrl_prefix_cells{{family=\"ipv6\"}} {}", p.cells_ipv4, p.cells_ipv6);
-    family(&mut out, "rl_unseen_keys_per_second", "gauge", "Keys the datapath found no bucket for, per second.");
-    let _ = writeln!(out, "rl_unseen_keys_per_second {}", p.unseen_keys_per_sec);
-    family(&mut out, "rl_new_buckets_per_second", "gauge", "Per-source buckets created per second.");
-    let _ = writeln!(out, "rl_new_buckets_per_second {}", p.new_buckets_per_sec);
-    family(&mut out, "rl_flood_mode", "gauge", "1 while unseen sources are charged to their prefix cells (flood mode).");
-    let _ = writeln!(out, "rl_flood_mode {}", u8::from(p.flood_mode));
-    family(&mut out, "rl_collected_buckets_total", "counter", "Buckets deleted by the collector because their state was fresh again.");
-    let _ = writeln!(out, "rl_collected_buckets_total {}", p.collected_buckets);
-    family(&mut out, "rl_active_bans", "gauge", "Bans in force.");
-    let _ = writeln!(out, "rl_active_bans {}", s.config.active_bans(unix_now()).count());
-    family(&mut out, "rl_rules", "gauge", "Rules in force ([default] not counted).");
-    let _ = writeln!(out, "rl_rules {}", s.config.rules.len());
-    let engine = s.l7.read().unwrap_or_else(|e| e.into_inner()).clone();
-    family(&mut out, "rl_l7_decisions_total", "counter", "Request decisions per [[l7.rule]]: ok, over (answered 429) and shadow_over (counted, answered ok).");
-    for (name, c) in engine.counters() {
-        use std::sync::atomic::Ordering::Relaxed;
-        for (result, v) in [("ok", c.ok.load(Relaxed)), ("over", c.over.load(Relaxed)), ("shadow_over", c.shadow_over.load(Relaxed))] {
-            let _ = writeln!(out, "rl_l7_decisions_total{{rule=\"{name}\",result=\"{result}\"}} {v}");
-        }
-    }
-    family(&mut out, "rl_l7_unmatched_total", "counter", "Request descriptors no [[l7.rule]] matched (not limited).");
-    let _ = writeln!(out, "rl_l7_unmatched_total {}", engine.unmatched.load(std::sync::atomic::Ordering::Relaxed));
-    family(&mut out, "rl_l7_request_seconds", "histogram", "Time to answer a request decision (decode, decide, encode), by front end.");
-    for (api, l) in [("grpc", &crate::l7::GRPC_LATENCY), ("http", &crate::l7::HTTP_LATENCY)] {
-        let (counts, sum) = l.snapshot();
-        for (i, c) in counts.iter().enumerate() {
-            let le = crate::l7::LATENCY_BOUNDS.get(i).map_or("+Inf".to_string(), |b| b.to_string());
-            let _ = writeln!(out, "rl_l7_request_seconds_bucket{{api=\"{api}\",le=\"{le}\"}} {c}");
-        }
-        let _ = writeln!(out, "rl_l7_request_seconds_sum{{api=\"{api}\"}} {sum}\nrl_l7_request_seconds_count{{api=\"{api}\"}} {}", counts.last().copied().unwrap_or(0));
-    }
-    family(&mut out, "rl_l7_keys", "gauge", "Request buckets held, against [l7] max_keys.");
-    let _ = writeln!(out, "rl_l7_keys {}", engine.keys());
-    family(&mut out, "rl_l7_max_keys", "gauge", "[l7] max_keys.");
-    let _ = writeln!(out, "rl_l7_max_keys {}", s.config.l7.max_keys);
-    family(&mut out, "rl_reloads_total", "counter", "Rule set changes (file reloads and API changes) by result.");
-    let _ = writeln!(out, "rl_reloads_total{{result=\"ok\"}} {}\nrl_reloads_total{{result=\"failed\"}} {}", s.reloads_ok, s.reloads_failed);
-    family(&mut out, "rl_api_requests_total", "counter", "Admin API requests by route and status.");
-    for ((route, code), n) in &s.api_requests {
-        let _ = writeln!(out, "rl_api_requests_total{{route=\"{}\",status=\"{code}\"}} {n}", esc(route));
-    }
-    if let Some(c) = &s.cluster {
-        let st = c.status();
-        family(&mut out, "rl_cluster_degraded", "gauge", "1 while Redis does not answer within [cluster] timeout: cluster rules enforce on_failure.");
-        let _ = writeln!(out, "rl_cluster_degraded{{on_failure=\"{}\"}} {}", st.on_failure, u8::from(st.state == "degraded"));
-        family(&mut out, "rl_cluster_redis_calls_total", "counter", "Redis script calls by result.");
-        let _ = writeln!(out, "rl_cluster_redis_calls_total{{result=\"ok\"}} {}\nrl_cluster_redis_calls_total{{result=\"failed\"}} {}", st.calls_ok, st.calls_failed);
-        family(&mut out, "rl_cluster_fallbacks_total", "counter", "Cluster decisions answered by on_failure instead of Redis.");
-        let _ = writeln!(out, "rl_cluster_fallbacks_total {}", st.fallbacks);
-        let sync = *c.sync.lock().unwrap_or_else(|e| e.into_inner());
-        family(&mut out, "rl_cluster_sync_rounds_total", "counter", "Packet-rule sync rounds.");
-        let _ = writeln!(out, "rl_cluster_sync_rounds_total {}", sync.rounds);
-        family(&mut out, "rl_cluster_sync_calls_total", "counter", "Redis script calls of the packet-rule sync (one per hash slot per round).");
-        let _ = writeln!(out, "rl_cluster_sync_calls_total {}", sync.calls);
-        family(&mut out, "rl_cluster_reported_buckets_total", "counter", "Bucket reports the packet-rule sync sent and Redis acknowledged.");
-        let _ = writeln!(out, "rl_cluster_reported_buckets_total {}", sync.reported_keys);
-        family(&mut out, "rl_cluster_raised_buckets_total", "counter", "Buckets moved up to their cluster bucket (other hosts' packets charged here).");
-        let _ = writeln!(out, "rl_cluster_raised_buckets_total {}", sync.raised);
-        family(&mut out, "rl_cluster_buckets", "gauge", "Buckets of cluster packet rules in the last round, and the hot ones that travelled.");
-        let _ = writeln!(out, "rl_cluster_buckets{{kind=\"all\"}} {}\nrl_cluster_buckets{{kind=\"hot\"}} {}", sync.buckets, sync.hot);
-        family(&mut out, "rl_cluster_mismatched_rules", "gauge", "Cluster rules another daemon defines differently (held in on_failure).");
-        let _ = writeln!(out, "rl_cluster_mismatched_rules {}", st.mismatched.len());
-    }
-    family(&mut out, "rl_uptime_seconds", "gauge", "Seconds since the daemon attached.");
-    let _ = writeln!(out, "rl_uptime_seconds {}", s.started.elapsed().as_secs());
-    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], out).into_response())
-}
-
 #[derive(OpenApi)]
 #[openapi(
     info(title = "rl admin API", description = "rl-control's admin API: rules, stats, per-source quotas, bans, metrics."),
-    paths(healthz, status, get_rules, put_rules, post_rule, delete_rule, stats, top_sources, source, events, post_ban, get_bans, delete_ban, reload, metrics, l7::l7_state),
+    paths(healthz, status, get_rules, put_rules, post_rule, delete_rule, stats, top_sources, source, events, post_ban, get_bans, delete_ban, reload, metrics::metrics, l7::l7_state),
     components(schemas(ErrorBody, Health, Status, crate::state::Pressure, Applied, Stats, RuleCounters, SourceState, SourceLimit, NewBan, BanView, ReloadRecord, crate::state::Top, crate::state::TopSource, Events, crate::state::EventView, crate::l7::engine::Status, crate::cluster::ClusterStatus)),
     modifiers(&BearerAuth)
 )]
@@ -672,7 +555,7 @@ async fn method_not_allowed() -> ApiError {
 pub fn metrics_router(api: Api) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
-        .route("/metrics", get(metrics))
+        .route("/metrics", get(metrics::metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(api)
@@ -696,7 +579,7 @@ pub fn router(api: Api) -> Router {
         .route_layer(middleware::from_fn_with_state(api.clone(), auth));
     Router::new()
         .route("/healthz", get(healthz))
-        .route("/metrics", get(metrics))
+        .route("/metrics", get(metrics::metrics))
         .route("/openapi.json", get(openapi))
         .merge(v1)
         .fallback(not_found)

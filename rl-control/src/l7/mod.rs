@@ -4,6 +4,7 @@
 //! Envoy's rate-limit service (gRPC) and a plain HTTP check
 //! (`POST /v1/check`).
 
+mod charge;
 pub mod engine;
 pub mod grpc;
 pub mod http;
