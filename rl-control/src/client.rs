@@ -240,12 +240,28 @@ pub fn status(v: &Value) -> String {
         0 | 1 => format!("interface:       {} (XDP {}, program {})", s(&v["iface"]), s(&v["xdp_mode"]), s(&v["program_id"])),
         _ => format!("interfaces:      {}; one program ({}) and one set of buckets", on.join(", "), s(&v["program_id"])),
     };
+    let c = &v["cluster"];
+    let redis: Vec<String> = c["redis"].as_array().into_iter().flatten().map(s).collect();
+    let mismatched: Vec<String> = c["mismatched"].as_array().into_iter().flatten().map(s).collect();
+    let mut cluster = match c["state"].as_str() {
+        None => String::new(),
+        Some("ok") => format!("cluster:         ok, node {} on {} (on_failure = {})\n", s(&c["node"]), redis.join(", "), s(&c["on_failure"])),
+        Some(_) => format!(
+            "cluster:         DEGRADED since {} ({}): cluster rules enforce on_failure = {}\n",
+            s(&c["degraded_since_unix_ms"]),
+            s(&c["last_error"]),
+            s(&c["on_failure"])
+        ),
+    };
+    if !mismatched.is_empty() {
+        cluster += &format!("                 defined differently by another host (held in on_failure): {}\n", mismatched.join(", "));
+    }
     format!(
         "{iface_line}\nuptime:          {}s\nrules:           {} (+ default), {} allow and {} deny CIDRs, {} bans\n\
          sources tracked: IPv4 {}, IPv6 {} of {} per family\nprefix cells:    IPv4 {}, IPv6 {} of {} per family\n\
          unseen keys:     {:.0}/s; buckets created {:.0}/s, collected {} since start\n\
          flood mode:      {flood}\nfallbacks:       {} packets charged to a cell or last resort; {} inserts refused (table full)\n\
-         config file:     {}\nlast change:     {reload}\n",
+         config file:     {}\nlast change:     {reload}\n{cluster}",
         s(&v["uptime_secs"]), s(&v["rules"]),
         s(&v["allow_cidrs"]), s(&v["deny_cidrs"]), s(&v["active_bans"]),
         s(&p["buckets_ipv4"]), s(&p["buckets_ipv6"]), s(&p["bucket_capacity"]),

@@ -101,6 +101,8 @@ fn two_daemons_share_one_exact_limit_and_each_failure_mode_does_what_it_says() {
     assert!(!l2.xdp_attached().unwrap(), "a refused start leaves nothing attached");
 
     let d2 = Daemon::serving(&l2, &c2, &[]).unwrap();
+    let (_, out) = run_once(Some(&l2.b), &["status"]).unwrap();
+    assert!(out.contains("cluster:         ok, node host-2 on redis://"), "{out}");
     assert_eq!(cluster_state(&l1)["state"], "ok");
     assert_eq!(cluster_state(&l2)["state"], "ok");
 
@@ -167,6 +169,8 @@ fn two_daemons_share_one_exact_limit_and_each_failure_mode_does_what_it_says() {
     assert!(t.elapsed() < Duration::from_millis(300 + 400), "a decision waited {:?} with timeout 300 ms", t.elapsed());
     for lab in [&l1, &l2] {
         let c = wait_state(lab, "degraded", Duration::from_secs(2));
+        let (ok, out) = run_once(Some(&lab.b), &["status"]).unwrap();
+        assert!(ok.success() && out.contains("cluster:         DEGRADED since") && out.contains("on_failure ="), "{out}");
         assert!(c["degraded_since_unix_ms"].as_u64().is_some(), "{c}");
         let m = parse_prometheus(&get(&lab.b, "/metrics").body);
         assert!(m.keys().any(|k| k.starts_with("rl_cluster_degraded{") && m[k] == 1.0), "{m:?}");
