@@ -341,15 +341,31 @@ async fn watch_pressure(state: Shared, ids: TableIds) {
     let mut top = TopRanker::default();
     let mut last: Option<(std::time::Instant, u64)> = None;
     let mut pass_no = 0u32;
+    // Buckets the last walk left, and the datapath's inserts before it.
+    let mut left = u64::MAX;
+    let mut inserted_before = 0u64;
     loop {
         every.tick().await;
         let st = state.clone();
-        let offset = lock(&state).dp.epoch_offset_ns();
+        let (offset, inserted) = {
+            let s = lock(&state);
+            let c = s.dp.counters().unwrap_or_default();
+            (s.dp.epoch_offset_ns(), c.get(rl_common::STAT_NEW_SOURCES) + c.get(rl_common::STAT_NEW_CELLS))
+        };
+        // Tables sized for a million sources take milliseconds of CPU to
+        // walk even when empty: when the last walk left nothing and nothing
+        // was inserted since, there is nothing to collect or rank.
+        let idle = left == 0 && inserted == inserted_before;
+        inserted_before = inserted;
         let walked = tokio::task::spawn_blocking(move || {
             // No rule change during the walk: its limits stay exact.
             let _changes = crate::apply::hold_changes();
-            let limits = lock(&st).dp.limits_by_key()?;
-            let pass = crate::datapath::collect(ids, offset, &limits)?;
+            let pass = if idle {
+                crate::datapath::Pass::default()
+            } else {
+                let limits = lock(&st).dp.limits_by_key()?;
+                crate::datapath::collect(ids, offset, &limits)?
+            };
             let engine = lock(&st).l7.read().unwrap_or_else(|e| e.into_inner()).clone();
             engine.collect();
             Ok::<_, crate::datapath::DatapathError>((pass, crate::datapath::flood_mode(ids)?))
@@ -363,6 +379,7 @@ async fn watch_pressure(state: Shared, ids: TableIds) {
             }
             Err(_) => return,
         };
+        left = pass.own.0 + pass.own.1 + pass.cells.0 + pass.cells.1;
         let now = std::time::Instant::now();
         let mut s = lock(&state);
         let counters = s.dp.counters().unwrap_or_default();

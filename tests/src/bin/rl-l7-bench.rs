@@ -8,6 +8,12 @@
 //! - the daemon's memory per token-bucket key with 1,000,000 keys (1 per
 //!   hour each: every key spends its one, so none is fresh again and
 //!   collected during the run; most answers are 429s, decided in full).
+//!
+//! Knobs for diagnosis: `RL_BENCH_QUICK=1` (the 1-key latencies only),
+//! `RL_BENCH_WORKERS` (the generator's tokio workers, default 2),
+//! `RL_BENCH_MAX_SOURCES` (the daemon's `[datapath] max_sources`, default
+//! 1,048,576: the collector's walk of the packet tables costs CPU in
+//! proportion to it).
 
 use std::time::{Duration, Instant};
 
@@ -30,8 +36,9 @@ const CONNECTIONS: usize = 4;
 
 fn rules() -> String {
     format!(
-        "[default]\nrate = 1000\n[l7]\ngrpc_listen = \"{GRPC}\"\nhttp_listen = \"127.0.0.1:8082\"\nmax_keys = 2000000\n\
-         [[l7.rule]]\nname = \"per-user\"\ndomain = \"bench\"\ndescriptor = [{{ key = \"user\" }}]\nrate = 1\nper = \"1h\"\n"
+        "[default]\nrate = 1000\n[datapath]\nmax_sources = {}\n[l7]\ngrpc_listen = \"{GRPC}\"\nhttp_listen = \"127.0.0.1:8082\"\nmax_keys = 2000000\n\
+         [[l7.rule]]\nname = \"per-user\"\ndomain = \"bench\"\ndescriptor = [{{ key = \"user\" }}]\nrate = 1\nper = \"1h\"\n",
+        std::env::var("RL_BENCH_MAX_SOURCES").unwrap_or("1048576".into())
     )
 }
 
@@ -208,7 +215,8 @@ where
     F: std::future::Future<Output = Result<T>>,
 {
     lab.b.run(move || {
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+        let workers = std::env::var("RL_BENCH_WORKERS").ok().and_then(|v| v.parse().ok()).unwrap_or(2);
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(workers).enable_all().build()?;
         rt.block_on(make())
     })
 }
@@ -244,6 +252,9 @@ fn main() -> Result<()> {
     };
     for paced in [true, false] {
         report(1, paced, in_lab(&lab, move || grpc_latency(1, paced))?);
+    }
+    if std::env::var_os("RL_BENCH_QUICK").is_some() {
+        return Ok(());
     }
     let before = rss_kib(d.pid())?;
     let t = Instant::now();
