@@ -12,9 +12,11 @@ use std::{
 
 use rl_tests::{
     daemon::{write, Daemon},
+    frames::{eth, ipv4, udp, ETH_P_IP, UDP},
     http::{get, request_tcp},
-    lab::Lab,
+    lab::{Lab, VA},
     redis::{Hub, RedisCluster},
+    traffic::{forged, join},
 };
 use serde_json::json;
 
@@ -29,7 +31,8 @@ fn config(seeds: &[String], node: &str) -> String {
          [cluster]\nredis = [{}]\nnode = \"{node}\"\nsync_interval = \"100ms\"\ntimeout = \"300ms\"\non_failure = \"closed\"\n\
          [l7]\nhttp_listen = \"{CHECK}\"\n\
          [[l7.rule]]\nname = \"tb\"\ndomain = \"d\"\ndescriptor = [{{ key = \"user\" }}]\nrate = 1\nper = \"1h\"\nburst = {LIMIT}\nscope = \"cluster\"\n\
-         [[l7.rule]]\nname = \"log\"\ndomain = \"d\"\ndescriptor = [{{ key = \"ip\" }}]\nrate = {LIMIT}\nper = \"1m\"\nalgorithm = \"sliding_log\"\nscope = \"cluster\"\n",
+         [[l7.rule]]\nname = \"log\"\ndomain = \"d\"\ndescriptor = [{{ key = \"ip\" }}]\nrate = {LIMIT}\nper = \"1m\"\nalgorithm = \"sliding_log\"\nscope = \"cluster\"\n\
+         [[rule]]\nname = \"udp\"\nproto = \"udp\"\ndst_ports = [9000]\nrate = 200\nburst = 20\nscope = \"cluster\"\n",
         redis.join(", ")
     )
 }
@@ -59,8 +62,30 @@ fn a_redis_cluster_shares_limits_and_survives_a_master_failover_during_traffic()
     let dir = tempfile::tempdir().unwrap();
     let d1 = Daemon::serving(&l1, &write(&dir, "h1.toml", &config(&seeds, "host-1")), &[]).unwrap();
     let d2 = Daemon::serving(&l2, &write(&dir, "h2.toml", &config(&seeds, "host-2")), &[]).unwrap();
-    assert!(d1.log().contains("joined the cluster: 2 cluster rules shared"), "{}", d1.log());
+    assert!(d1.log().contains("joined the cluster: 3 cluster rules shared"), "{}", d1.log());
     let labs = [&l1, &l2];
+
+    // A packet rule over the Redis Cluster: 64 forged sources (spread over
+    // the slots) flood both hosts at once; each source is held to one limit
+    // within the bound R·τ + N·B + (N−1)·R·(T+δ) + N·θ.
+    let frame = eth(&[], ETH_P_IP, &ipv4([198, 51, 100, 0], UDP, &[], &udp(9000)));
+    let src = |i: u64| [198, 51, 100, (i % 64) as u8];
+    let floods: Vec<_> = labs.iter().map(|lab| forged(&lab.a, VA, frame.clone(), 64 * 1000, 32_000, None, src)).collect();
+    let took = floods.into_iter().map(|h| join(h).unwrap().seconds()).fold(0.0, f64::max);
+    std::thread::sleep(Duration::from_millis(300));
+    let passed: u64 = labs.iter().map(|lab| get(&lab.b, "/v1/stats").json()["rules"]["udp"]["passed_packets"].as_u64().unwrap()).sum();
+    let per_source = passed as f64 / 64.0;
+    let bound = 200.0 * took + 2.0 * 20.0 + 200.0 * 0.11 + 2.0 * 5.0;
+    eprintln!("packet rule over the Redis Cluster: {per_source:.0} passed per source in {took:.2} s; bound {bound:.0}; each host alone {:.0}", 2.0 * (200.0 * took + 20.0));
+    assert!(per_source <= bound, "{per_source:.0} passed per source, over the bound {bound:.0}");
+    assert!(per_source >= 200.0 * took * 0.8, "{per_source:.0} passed per source: starved");
+    let slots: std::collections::HashSet<usize> = (0..cluster.nodes.len())
+        .filter(|&n| {
+            let node = &cluster.nodes[n];
+            node.cli(&["ROLE"]).is_ok_and(|r| r.starts_with("master")) && node.cli(&["KEYS", "rl:p:*"]).is_ok_and(|k| !k.trim().is_empty())
+        })
+        .collect();
+    assert!(slots.len() > 1, "the packet buckets spread over the masters: {slots:?}");
 
     // Keys over every master, exact for both algorithms.
     for i in 0..8 {
