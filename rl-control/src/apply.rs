@@ -94,23 +94,36 @@ pub fn apply<E: From<ApplyError>>(
     Ok(summary)
 }
 
+/// `config` compiled as it stands: as written, or in its `on_failure`
+/// variant while the cluster is degraded (`mode`).
+fn compiled_for(config: &Config, mode: Option<crate::cluster::OnFailure>) -> crate::compile::Compiled {
+    let mut compiled = compile(config);
+    if let Some(m) = mode {
+        compiled.rules = crate::compile::with_failure_mode(config, compiled.rules, m);
+    }
+    compiled
+}
+
 /// Installs the running rules as they stand while the cluster is degraded
 /// with `mode` (see [`crate::compile::with_failure_mode`]), or as written
 /// (`None`), unless they stand so already.
 pub fn set_failure_mode(shared: &Shared, mode: Option<crate::cluster::OnFailure>) -> Result<(), ApplyError> {
     let _writer = WRITER.lock().unwrap_or_else(|e| e.into_inner());
-    let config = lock(shared).config.clone();
-    if lock(shared).failure_mode == mode {
-        return Ok(());
+    let (config, basis, ready) = {
+        let s = lock(shared);
+        if s.failure_mode == mode {
+            return Ok(());
+        }
+        (s.config.clone(), s.dp.basis(), s.dp.ready_at())
+    };
+    let compiled = compiled_for(&config, mode);
+    let failed = |e: &dyn std::fmt::Display| ApplyError::Failed(format!("installing the on_failure rules: {e}"));
+    let plan = Plan::new(basis, &compiled.rules).map_err(|e| failed(&e))?;
+    if let Some(wait) = ready.checked_duration_since(Instant::now()) {
+        std::thread::sleep(wait);
     }
-    let mut compiled = compile(&config);
-    if let Some(m) = mode {
-        compiled.rules = crate::compile::with_failure_mode(&config, compiled.rules, m);
-    }
-    let basis = lock(shared).dp.basis();
-    let plan = Plan::new(basis, &compiled.rules).map_err(|e| ApplyError::Failed(format!("installing the on_failure rules: {e}")))?;
     let mut s = lock(shared);
-    s.dp.execute(plan).map_err(|e| ApplyError::Failed(format!("installing the on_failure rules: {e}")))?;
+    s.dp.execute(plan).map_err(|e| failed(&e))?;
     s.failure_mode = mode;
     match mode {
         Some(m) => warn!("cluster degraded: cluster packet rules now enforce on_failure = \"{}\"", m.name()),
@@ -152,10 +165,8 @@ fn install(
             }
         }
     }
-    let mut compiled = compile(&new);
-    if let Some(mode) = lock(shared).failure_mode {
-        compiled.rules = crate::compile::with_failure_mode(&new, compiled.rules, mode);
-    }
+    let failure_mode = lock(shared).failure_mode;
+    let compiled = compiled_for(&new, failure_mode);
     // The differences are worked out against a snapshot, outside the lock;
     // the lock is held to write them and flip.
     let (basis, ready) = {
@@ -175,10 +186,7 @@ fn install(
                 if let Err(e) = write_atomic(p, &change.text) {
                     // Put the old rules back: the file and the datapath agree.
                     let mut s = lock(shared);
-                    let mut old = compile(&s.config);
-                    if let Some(mode) = s.failure_mode {
-                        old.rules = crate::compile::with_failure_mode(&s.config, old.rules, mode);
-                    }
+                    let old = compiled_for(&s.config, s.failure_mode);
                     let _ = s.dp.install(&old.rules);
                     return Err(failed(
                         &format!("cannot write {} (nothing changed; check its directory is writable)", p.display()),

@@ -254,7 +254,7 @@ pub fn status(v: &Value) -> String {
         ),
     };
     if !mismatched.is_empty() {
-        cluster += &format!("                 defined differently by another host (held in on_failure): {}\n", mismatched.join(", "));
+        cluster += &format!("                 defined differently by another host (not shared here): {}\n", mismatched.join(", "));
     }
     format!(
         "{iface_line}\nuptime:          {}s\nrules:           {} (+ default), {} allow and {} deny CIDRs, {} bans\n\

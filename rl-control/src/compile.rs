@@ -240,7 +240,9 @@ impl Hasher for Fnv1a {
     }
 }
 
-fn rule_entry(r: &Rule, v4_default: u8, v6_default: u8) -> RuleEntry {
+/// The datapath's entry for rule `r` (its bucket id, masks and limits as
+/// written), with `[datapath]`'s default prefixes.
+pub fn rule_entry(r: &Rule, v4_default: u8, v6_default: u8) -> RuleEntry {
     let (v4, v6) = match r.key {
         KeyScope::Source => (v4_default, v6_default),
         KeyScope::Prefix { v4, v6 } => (v4, v6),

@@ -118,9 +118,12 @@ impl Redis {
         self.child.as_ref().map_or(0, |c| c.id())
     }
 
-    /// Sends `signal` (SIGSTOP: Redis hangs; SIGCONT: it resumes).
+    /// Sends `signal` (SIGSTOP: Redis hangs; SIGCONT: it resumes), if it
+    /// runs (pid 0 would signal the whole process group).
     pub fn signal(&self, signal: libc::c_int) {
-        unsafe { libc::kill(self.pid() as i32, signal) };
+        if let Some(c) = &self.child {
+            unsafe { libc::kill(c.id() as i32, signal) };
+        }
     }
 
     /// Kills Redis (SIGKILL) and waits for it.

@@ -123,6 +123,11 @@ fn two_daemons_share_one_exact_limit_and_each_failure_mode_does_what_it_says() {
         }
         assert_eq!(oks, (0..LIMIT).collect::<Vec<_>>(), "{rule}: exactly the first {LIMIT} of {} alternating checks pass", 2 * LIMIT);
     }
+    // Only the semaphore takes refunds: a negative charge gives nothing back.
+    for rule in ["tb", "fw", "sw", "log"] {
+        check(&l1, rule, "k1", -5);
+        assert_eq!(check(&l2, rule, "k1", 1).0, 429, "{rule}: a refund must not refill the bucket");
+    }
     // The semaphore: 3 in flight over both hosts; a refund on the other
     // host frees one.
     let sem: Vec<u16> = (0..4).map(|i| check(if i % 2 == 0 { &l1 } else { &l2 }, "sem", "job", 1).0).collect();

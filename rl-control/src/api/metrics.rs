@@ -114,7 +114,7 @@ pub(super) async fn metrics(AxState(api): AxState<Api>) -> ApiResult<Response> {
         let _ = writeln!(out, "rl_cluster_raised_buckets_total {}", sync.raised);
         family(&mut out, "rl_cluster_buckets", "gauge", "Buckets of cluster packet rules in the last round, and the hot ones that travelled.");
         let _ = writeln!(out, "rl_cluster_buckets{{kind=\"all\"}} {}\nrl_cluster_buckets{{kind=\"hot\"}} {}", sync.buckets, sync.hot);
-        family(&mut out, "rl_cluster_mismatched_rules", "gauge", "Cluster rules another daemon defines differently (held in on_failure).");
+        family(&mut out, "rl_cluster_mismatched_rules", "gauge", "Cluster rules another daemon defines differently (request rules answer from on_failure, packet rules are not shared).");
         let _ = writeln!(out, "rl_cluster_mismatched_rules {}", st.mismatched.len());
     }
     family(&mut out, "rl_uptime_seconds", "gauge", "Seconds since the daemon attached.");

@@ -19,6 +19,7 @@ struct Account {
     slot: String,
     ns_per_unit: u64,
     interval_ns: u64,
+    burst_ns: u64,
     /// Hits taken here and not yet sent.
     unsent: u64,
     /// Hits sent but not acknowledged (they travel again, charged once).
@@ -38,30 +39,33 @@ pub struct Batch {
     accounts: Mutex<HashMap<LocalKey, Account>>,
 }
 
-/// Keys idle this long are forgotten (after their Redis ledger expired).
-const FORGET_NS: u64 = 120_000_000_000;
-
 impl Batch {
-    /// Records `hits` taken here by `local`; `names` gives its Redis key
-    /// and hash tag the first time.
-    pub fn record(&self, local: LocalKey, hits: u64, ns_per_unit: u64, interval_ns: u64, now: u64, names: impl FnOnce() -> (String, String)) {
+    /// Records `hits` taken here by `local` (a limit of `ns_per_unit` per
+    /// hit holding `burst_ns`); `names` gives its Redis key and hash tag
+    /// the first time.
+    #[allow(clippy::too_many_arguments)]
+    pub fn record(&self, local: LocalKey, hits: u64, ns_per_unit: u64, burst_ns: u64, interval_ns: u64, now: u64, names: impl FnOnce() -> (String, String)) {
         let mut a = self.accounts.lock().unwrap_or_else(|e| e.into_inner());
         let acc = a.entry(local).or_insert_with(|| {
             let (key, slot) = names();
-            Account { key, slot, ns_per_unit, interval_ns, unsent: 0, unacked: 0, cum: 0, last_ns: now }
+            Account { key, slot, ns_per_unit, interval_ns, burst_ns, unsent: 0, unacked: 0, cum: 0, last_ns: now }
         });
         acc.unsent += hits;
         acc.last_ns = now;
     }
 
     /// The lines to send now (keys with hits not yet acknowledged), and the
-    /// keys they belong to.
-    pub fn take(&self, now: u64) -> Vec<(LocalKey, Line)> {
+    /// keys they belong to. What a key took beyond two batches and its
+    /// burst since its last line (an outage) is not sent. Keys idle for
+    /// `forget_ns` are forgotten: Redis has dropped their ledger by then.
+    pub fn take(&self, now: u64, forget_ns: u64) -> Vec<(LocalKey, Line)> {
         let mut a = self.accounts.lock().unwrap_or_else(|e| e.into_inner());
-        a.retain(|_, acc| acc.unsent + acc.unacked > 0 || now.saturating_sub(acc.last_ns) < FORGET_NS);
+        a.retain(|_, acc| acc.unsent + acc.unacked > 0 || now.saturating_sub(acc.last_ns) < forget_ns);
         a.iter_mut()
             .filter(|(_, acc)| acc.unsent + acc.unacked > 0)
             .map(|(k, acc)| {
+                let cap = (2 * acc.interval_ns + acc.burst_ns) / acc.ns_per_unit.max(1) + 1;
+                acc.unsent = acc.unsent.min(cap);
                 acc.cum += acc.unsent;
                 acc.unacked += acc.unsent;
                 acc.unsent = 0;

@@ -17,6 +17,9 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local algo, hits, n = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local K = KEYS[1]
+-- Only the semaphore takes refunds: elsewhere a negative charge would hand
+-- out what was spent (the local engine reads it as 0 too).
+if algo ~= 'sem' and hits < 0 then hits = 0 end
 
 local function ms(us)
   if us <= 0 then return 0 end

@@ -3,8 +3,9 @@
 //! Each daemon registers `(rule, definition hash)` under its node name in
 //! one Redis hash per rule, renewed while it runs. A daemon that finds a
 //! live other node with a different definition does not register: that
-//! rule stays in `on_failure` on this host (and the start is refused, see
-//! [`crate::daemon`]), so two definitions never share one limit. The keys
+//! request rule answers from `on_failure` and that packet rule is not
+//! shared on this host (and the start is refused, see [`crate::daemon`]),
+//! so two definitions never share one limit. The keys
 //! of a rule's buckets carry the definition hash as well.
 
 use std::sync::LazyLock;

@@ -185,11 +185,8 @@ impl Cluster {
                 .max_retry_wait(t.as_millis() as u64)
                 .build()
                 .map_err(err)?;
-            let c = tokio::time::timeout(t * 4, client.get_async_connection())
-                .await
-                .map_err(|_| Failure::Timeout(self.config.timeout_ms * 4))?
-                .map_err(err)?;
-            Conn::Many(c)
+            // The caller's `timeout` bounds the connection too.
+            Conn::Many(client.get_async_connection().await.map_err(err)?)
         } else {
             let client = redis::Client::open(self.config.redis[0].as_str()).map_err(err)?;
             let cfg = redis::aio::ConnectionManagerConfig::new()
@@ -254,7 +251,7 @@ impl Cluster {
         let mut m = self.mismatched.lock().unwrap_or_else(|e| e.into_inner());
         for (rule, other) in &clashes {
             if !m.contains(rule) {
-                warn!(rule, "cluster rule \"{rule}\" is defined differently on {other}: it stays in on_failure here until every host defines it the same way");
+                warn!(rule, "cluster rule \"{rule}\" is defined differently on {other}: here a request rule answers from on_failure and a packet rule is not shared, until every host defines it the same way");
             }
         }
         *m = clashes.into_iter().map(|(r, _)| r).collect();

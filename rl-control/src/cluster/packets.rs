@@ -148,15 +148,17 @@ impl Ledger {
             if delta < theta && b.dropped <= dropped0 {
                 continue;
             }
-            if let Some(t) = t {
-                // What the bucket could pass in (at most) two intervals: a
-                // report after an outage charges no more.
-                let span = now.saturating_sub(t.at_ns).min(2 * interval_ns);
-                delta = delta.min((span + share.burst_ns) / share.ns_per_packet.max(1) + 1);
-            }
+            // What the bucket could pass in (at most) two intervals: a
+            // report after an outage charges no more.
+            let span = t.map_or(2 * interval_ns, |t| now.saturating_sub(t.at_ns).min(2 * interval_ns));
+            delta = delta.min((span + share.burst_ns) / share.ns_per_packet.max(1) + 1);
             let addr = sb.id.addr_bytes();
             let shard = crate::compile::stable_hash(&addr, 0) % SHARDS;
-            let hex: String = addr.iter().map(|b| format!("{b:02x}")).collect();
+            let mut hex: String = addr.iter().map(|b| format!("{b:02x}")).collect();
+            if rl_common::key_kind(sb.id.rule()) == rl_common::KeyKind::Cell {
+                // A prefix cell and a source's own bucket may share an address.
+                hex.push_str("/cell");
+            }
             let slot = format!("{}:{:016x}:{}:{shard}", share.rule, share.definition, share.which);
             out.push(Report {
                 id: sb.id,

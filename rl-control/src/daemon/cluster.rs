@@ -98,27 +98,22 @@ fn log_transitions(state: &Shared, cluster: &Cluster) {
     }
 }
 
-/// The cluster packet rules' limits as the datapath numbers them, and the
-/// tables' ids; `None` without cluster packet rules.
-fn shares_of(state: &Shared) -> Option<((u32, u32), Shares)> {
-    let s = lock(state);
-    let clustered: std::collections::HashMap<&str, u64> =
-        s.config.rules.iter().filter(|r| r.scope == Scope::Cluster).map(|r| (r.name.as_str(), stable_hash(r, 0))).collect();
-    if clustered.is_empty() {
-        return None;
+/// The cluster packet rules' limits as the datapath numbers them
+/// (`RuleEntry::id | index`), from the rules as written (never an
+/// `on_failure` variant); rules another host defines differently are not
+/// shared.
+fn shares_of(config: &Config, cluster: &Cluster) -> Shares {
+    let d = &config.datapath;
+    let mut shares = Shares::new();
+    for r in config.rules.iter().filter(|r| r.scope == Scope::Cluster && !cluster.is_mismatched(&format!("packet:{}", r.name))) {
+        let entry = crate::compile::rule_entry(r, d.ipv4_prefix, d.ipv6_prefix);
+        let definition = stable_hash(r, 0);
+        for which in 0..entry.n_limits.min(rl_common::MAX_LIMITS as u32) {
+            let l = entry.limits[which as usize];
+            shares.insert(entry.id | which, Share { rule: r.name.clone(), definition, which, ns_per_packet: l.a.max(1), burst_ns: l.b });
+        }
     }
-    let ids = s.dp.source_map_ids().ok()?;
-    let limits = s.dp.limits_by_key().ok()?;
-    let shares = limits
-        .into_iter()
-        .filter_map(|(key, l)| {
-            let name = s.dp.rule_name_of_key(key)?;
-            let definition = *clustered.get(name)?;
-            let which = key & 7;
-            Some((key, Share { rule: name.to_string(), definition, which, ns_per_packet: l.a.max(1), burst_ns: l.b }))
-        })
-        .collect();
-    Some((ids, shares))
+    shares
 }
 
 /// Exchanges packet-rule usage every `sync_interval` for as long as the
@@ -130,15 +125,37 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
     let interval_ns = interval.as_nanos() as u64;
     let keep_ms = (cluster.membership_ttl().as_millis() as u64 * 5).max(10_000);
     let mut ledger = Ledger::new(&cluster.config.node, keep_ms);
+    let Ok(ids) = lock(&state).dp.source_map_ids() else {
+        warn!("cluster sync: the bucket tables cannot be read; cluster packet rules enforce on each host alone");
+        return;
+    };
+    // The shares of the config in force, worked out again when it changes.
+    let mut shares_for: Option<(Arc<Config>, Arc<Shares>)> = None;
     let mut every = tokio::time::interval(interval);
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         every.tick().await;
         follow_failure_mode(&state, &cluster).await;
-        if cluster.is_degraded() {
+        // Degraded, or an on_failure variant still installed: each host
+        // enforces alone until both are over.
+        let (config, variant) = {
+            let s = lock(&state);
+            (s.config.clone(), s.failure_mode.is_some())
+        };
+        if cluster.is_degraded() || variant {
             continue;
         }
-        let Some((ids, shares)) = shares_of(&state) else { continue };
+        let shares = match &shares_for {
+            Some((c, sh)) if Arc::ptr_eq(c, &config) && cluster.status().mismatched.is_empty() => sh.clone(),
+            _ => {
+                let sh = Arc::new(shares_of(&config, &cluster));
+                shares_for = Some((config.clone(), sh.clone()));
+                sh
+            }
+        };
+        if shares.is_empty() {
+            continue;
+        }
         let wanted: std::collections::HashSet<u32> = shares.keys().copied().collect();
         let buckets = match tokio::task::spawn_blocking(move || scan_shared(ids, |r| wanted.contains(&r))).await {
             Ok(Ok(b)) => b,
@@ -205,7 +222,7 @@ pub async fn sync_requests(state: Shared, cluster: Arc<Cluster>) {
         if cluster.is_degraded() {
             continue;
         }
-        let lines = engine.batch.take(crate::datapath::monotonic_ns());
+        let lines = engine.batch.take(crate::datapath::monotonic_ns(), 2 * keep_ms * 1_000_000);
         if lines.is_empty() {
             continue;
         }

@@ -234,6 +234,11 @@ impl Engine {
         self.rules.iter().filter_map(|c| c.batch_ns).min().map(std::time::Duration::from_nanos)
     }
 
+    /// Whether the store holds a bucket under `key`.
+    pub(super) fn holds(&self, key: &Key) -> bool {
+        self.shard(key).contains_key(key)
+    }
+
     /// Moves a token bucket's state up to `tat` (a batched key charged by
     /// other daemons); never down.
     pub fn raise(&self, key: Key, tat: u64) {

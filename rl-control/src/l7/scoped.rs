@@ -31,13 +31,16 @@ impl Engine {
             }
             let now = now_ns();
             let st = self.charge_here(c, entries, hits, now);
-            if st.code == "ok" && hits > 0 {
-                let cost = c.limits.first().map_or(1, |l| l.a);
-                self.batch.record(Engine::key_of(c, entries), hits as u64, cost, interval, now, || prepared.batch_names(values_key(entries)));
+            let key = Engine::key_of(c, entries);
+            // Only keys with a bucket of their own (not the overflow bucket
+            // of a full store): accounts stay bounded by max_keys.
+            if st.code == "ok" && hits > 0 && self.holds(&key) {
+                let (cost, burst) = c.limits.first().map_or((1, 0), |l| (l.a, l.b));
+                self.batch.record(key, hits as u64, cost, burst, interval, now, || prepared.batch_names(values_key(entries)));
             }
             return self.counted(c, st);
         }
-        let answer = if cluster.is_mismatched(&c.rule.name) {
+        let answer = if cluster.is_mismatched(&crate::cluster::requests::member_name(&c.rule)) {
             None
         } else {
             prepared.decide(cluster, values_key(entries), hits).await.ok()
