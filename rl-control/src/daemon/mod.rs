@@ -343,28 +343,37 @@ async fn watch_pressure(state: Shared, ids: TableIds) {
     let mut pass_no = 0u32;
     // Buckets the last walk left, and the datapath's inserts before it.
     let mut left = u64::MAX;
-    let mut inserted_before = 0u64;
+    let mut inserted_at_walk = 0u64;
     loop {
         every.tick().await;
         let st = state.clone();
-        let (offset, inserted) = {
+        let (offset, inserted, capacity) = {
             let s = lock(&state);
             let c = s.dp.counters().unwrap_or_default();
-            (s.dp.epoch_offset_ns(), c.get(rl_common::STAT_NEW_SOURCES) + c.get(rl_common::STAT_NEW_CELLS))
+            let inserted = c.get(rl_common::STAT_NEW_SOURCES) + c.get(rl_common::STAT_NEW_CELLS);
+            (s.dp.epoch_offset_ns(), inserted, 2 * u64::from(s.config.datapath.max_sources))
         };
-        // Tables sized for a million sources take milliseconds of CPU to
-        // walk even when empty: when the last walk left nothing and nothing
-        // was inserted since, there is nothing to collect or rank.
-        let idle = left == 0 && inserted == inserted_before;
-        inserted_before = inserted;
+        // A walk visits every bucket of the tables' capacity: milliseconds
+        // of CPU for a million, in one system call, even when they are
+        // empty. Empty with nothing inserted since: nothing to walk. Under
+        // 1% full: only when the top sources are ranked (every TOP_EVERY
+        // passes); the few fresh buckets can wait, the room is there.
+        let new = inserted.saturating_sub(inserted_at_walk);
+        let empty = left == 0 && new == 0;
+        let low = left.saturating_add(new) < capacity / 100;
+        let ranking = (pass_no + 1) % TOP_EVERY == 1;
+        let walk = !empty && (!low || ranking);
+        if walk {
+            inserted_at_walk = inserted;
+        }
         let walked = tokio::task::spawn_blocking(move || {
             // No rule change during the walk: its limits stay exact.
             let _changes = crate::apply::hold_changes();
-            let pass = if idle {
-                crate::datapath::Pass::default()
-            } else {
+            let pass = if walk {
                 let limits = lock(&st).dp.limits_by_key()?;
-                crate::datapath::collect(ids, offset, &limits)?
+                Some(crate::datapath::collect(ids, offset, &limits)?)
+            } else {
+                None
             };
             let engine = lock(&st).l7.read().unwrap_or_else(|e| e.into_inner()).clone();
             engine.collect();
@@ -379,17 +388,21 @@ async fn watch_pressure(state: Shared, ids: TableIds) {
             }
             Err(_) => return,
         };
-        left = pass.own.0 + pass.own.1 + pass.cells.0 + pass.cells.1;
+        if let Some(pass) = &pass {
+            left = pass.own.0 + pass.own.1 + pass.cells.0 + pass.cells.1;
+        }
         let now = std::time::Instant::now();
         let mut s = lock(&state);
         let counters = s.dp.counters().unwrap_or_default();
         let created = counters.get(rl_common::STAT_NEW_SOURCES);
         let p = &mut s.pressure;
-        p.buckets_ipv4 = pass.own.0;
-        p.buckets_ipv6 = pass.own.1;
-        p.cells_ipv4 = pass.cells.0;
-        p.cells_ipv6 = pass.cells.1;
-        p.collected_buckets += pass.collected;
+        if let Some(pass) = &pass {
+            p.buckets_ipv4 = pass.own.0;
+            p.buckets_ipv6 = pass.own.1;
+            p.cells_ipv4 = pass.cells.0;
+            p.cells_ipv6 = pass.cells.1;
+            p.collected_buckets += pass.collected;
+        }
         p.table_full_refusals = counters.get(rl_common::STAT_TABLE_FULL);
         p.fallback_packets = counters.get(rl_common::STAT_FALLBACK);
         p.unseen_keys_per_sec = flood.unseen_last_window as f64 * 1e9 / (1u64 << rl_common::FLOOD_WINDOW_SHIFT) as f64;
@@ -415,7 +428,7 @@ async fn watch_pressure(state: Shared, ids: TableIds) {
             });
         }
         pass_no += 1;
-        if pass_no % TOP_EVERY == 1 {
+        if let Some(pass) = pass.as_ref().filter(|_| pass_no % TOP_EVERY == 1) {
             if let Some(t) = top.rank(&pass.sources, now, &s) {
                 s.top = t;
             }
