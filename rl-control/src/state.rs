@@ -92,7 +92,7 @@ pub struct State {
 }
 
 /// Pressure on the bucket tables (see README, "Floods"), as of the last
-/// collector pass (every second).
+/// collector pass (every second; every 5 s while under 1% full).
 #[derive(Clone, Debug, Default, Serialize, utoipa::ToSchema)]
 pub struct Pressure {
     /// Per-source buckets held, per family.

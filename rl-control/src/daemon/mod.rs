@@ -332,7 +332,8 @@ const COLLECT_INTERVAL: Duration = Duration::from_secs(1);
 /// How often the top-sources list is ranked (every this many passes).
 const TOP_EVERY: u32 = 5;
 
-/// Walks the bucket tables every second through handles of its own, so a
+/// Walks the bucket tables every second (every TOP_EVERY seconds while they
+/// are under 1% full, never while empty) through handles of its own, so a
 /// walk of a million buckets never holds the state lock: deletes buckets
 /// that are fresh again, records the pressure on the tables, raises flood
 /// events, and every few passes ranks sources by their drops.
