@@ -102,6 +102,17 @@ pub fn proc_status_kib(pid: u32, field: &str) -> Result<u64> {
         .with_context(|| format!("no {field} in /proc/{pid}/status"))
 }
 
+/// CPU time process `pid` has used (user + system), in seconds.
+pub fn process_cpu_secs(pid: u32) -> Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the command (in parentheses, which may hold spaces).
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).context("a /proc/PID/stat line")?;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = f.get(11).and_then(|v| v.parse().ok()).unwrap_or(0) + f.get(12).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    Ok(ticks as f64 / hz)
+}
+
 /// The first (all-CPU) line of `/proc/stat` in clock ticks: user, nice,
 /// system, idle, iowait, irq, softirq, steal, …
 pub fn cpu_ticks() -> Vec<u64> {

@@ -275,10 +275,19 @@ fn main() -> Result<()> {
     for paced in [true, false] {
         report(KEYS, paced, in_lab(&lab, move || grpc_latency(KEYS, paced))?);
     }
+    let cpu_before = rl_tests::process_cpu_secs(d.pid())?;
     let rate = in_lab(&lab, grpc_saturation)?;
+    let daemon_cpu = rl_tests::process_cpu_secs(d.pid())? - cpu_before;
     println!(
         "gRPC at saturation (64 in flight): {rate:.0} decisions/s; target ≥ 100,000: {}",
         if rate >= 100_000.0 { "met" } else { "MISSED" }
+    );
+    // What the daemon itself spent: the generator takes the rest of the CPUs.
+    let per = daemon_cpu / (rate * SECONDS as f64);
+    println!(
+        "  the daemon used {daemon_cpu:.2} CPU-s for them: {:.1} µs of CPU per decision (two CPUs of the daemon's alone would be {:.0}/s; not measured, derived)",
+        per * 1e6,
+        2.0 / per
     );
     println!("the engine alone (match, hash, charge, quota; no transport): {:.0} ns per decision", engine_ns()?);
     for keys in [1, KEYS] {
