@@ -4,7 +4,7 @@
 //! window with rl-common's weighting, the sliding log as a sorted set, the
 //! semaphore with leases).
 
-use std::{hash::Hash, sync::LazyLock};
+use std::sync::LazyLock;
 
 use redis::Script;
 
@@ -50,12 +50,6 @@ pub fn member_name(rule: &L7Rule) -> String {
     format!("l7:{}", rule.name)
 }
 
-/// Hashes that every build and host compute alike (FNV-1a over the derived
-/// `Hash` stream), for definitions and descriptor values.
-pub fn stable_hash(what: &impl Hash, seed: u64) -> u64 {
-    crate::compile::stable_hash(what, seed)
-}
-
 impl Prepared {
     pub fn new(rule: &L7Rule) -> Prepared {
         let us = |secs: u64| secs * 1_000_000;
@@ -80,7 +74,7 @@ impl Prepared {
                 (name, limits, logs)
             }
         };
-        let definition = stable_hash(rule, 0);
+        let definition = crate::compile::stable_hash(rule, 0);
         Prepared { algorithm, limits, prefix: format!("rl:l7:{{{}:{definition:016x}:", rule.name), logs }
     }
 

@@ -63,7 +63,7 @@ impl Engine {
 /// The descriptor's values as every daemon hashes them (128 bits).
 fn values_key(entries: &[DescriptorEntry]) -> [u64; 2] {
     let values: Vec<&str> = entries.iter().map(|e| e.value.as_str()).collect();
-    let h = |seed| crate::cluster::requests::stable_hash(&values, seed);
+    let h = |seed| crate::compile::stable_hash(&values, seed);
     [h(0x5bd1_e995), h(0x27d4_eb2f_1656_67c5)]
 }
 

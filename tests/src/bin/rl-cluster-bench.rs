@@ -90,22 +90,21 @@ async fn requests(url: String) -> Result<()> {
     let cluster = Cluster::new(config.cluster.clone().unwrap());
     cluster.probe(&[]).await.map_err(|e| anyhow::anyhow!("{e}"))?;
     let engine = Arc::new(Engine::new(&config.l7, 0, None).with_cluster(Some(cluster.clone())));
-    let e = engine.clone();
-    let cluster_rule = measure(move |i| {
-        let e = e.clone();
-        async move {
-            assert_eq!(e.decide_scoped("b", &entry("c", i), 1).await.code, "ok");
-        }
-    })
-    .await;
-    let e = engine.clone();
-    let local_rule = measure(move |i| {
-        let e = e.clone();
-        async move {
-            assert_eq!(e.decide_scoped("b", &entry("l", i), 1).await.code, "ok");
-        }
-    })
-    .await;
+    // The same rule in the cluster (descriptor key "c") and local ("l").
+    let mut rules = Vec::new();
+    for key in ["c", "l"] {
+        let e = engine.clone();
+        rules.push(
+            measure(move |i| {
+                let e = e.clone();
+                async move {
+                    assert_eq!(e.decide_scoped("b", &entry(key, i), 1).await.code, "ok");
+                }
+            })
+            .await,
+        );
+    }
+    let (cluster_rule, local_rule) = (rules[0], rules[1]);
     let client = redis::Client::open(url.as_str())?;
     let conn = redis::aio::ConnectionManager::new(client).await?;
     let script = Arc::new(redis::Script::new(DECIDE_LUA));
