@@ -11,6 +11,7 @@
 #![no_std]
 
 pub mod clock;
+pub mod known;
 pub mod limiter;
 pub mod maps;
 pub mod pressure;
@@ -18,6 +19,7 @@ pub mod quota;
 pub mod window;
 
 pub use clock::TickClock;
+pub use known::*;
 pub use limiter::{admit_with, gcra, gcra_cost, Admit, Limit, SharedWord};
 pub use maps::*;
 pub use pressure::*;

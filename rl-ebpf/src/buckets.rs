@@ -14,11 +14,11 @@ use aya_ebpf::{
     maps::{HashMap, PerCpuArray},
 };
 use rl_common::{
-    Bucket, DatapathConfig, FloodState, Key4, Key6, RuleEntry, Unseen, KEY_CELL, KEY_LAST, STAT_FALLBACK,
+    Bucket, DatapathConfig, FloodState, Key4, Key6, KnownKey, RuleEntry, Unseen, KEY_CELL, KEY_LAST, STAT_FALLBACK,
     STAT_NEW_CELLS, STAT_NEW_SOURCES, STAT_TABLE_FULL,
 };
 
-use crate::stats;
+use crate::{known, stats};
 
 /// Buckets by (limit, masked source), one map per family (see
 /// rl_common::MAP_SOURCES_V6): sources' own buckets, prefix cells and last
@@ -41,15 +41,19 @@ static RL_FLOOD: PerCpuArray<FloodState> = PerCpuArray::with_max_entries(1, 0);
 pub fn bucket(cfg: &DatapathConfig, rule: &RuleEntry, which: u32, is_v6: bool, src: &[u32; 4]) -> Option<*mut Bucket> {
     if is_v6 {
         let key = rule.key6(which, src);
-        if let Some(b) = RL_SRC6.get_ptr_mut(&key) {
-            return Some(b);
+        if known::maybe(&key) {
+            if let Some(b) = RL_SRC6.get_ptr_mut(&key) {
+                return Some(b);
+            }
         }
         let b = unseen6(cfg, &key);
         (!b.is_null()).then_some(b)
     } else {
         let key = rule.key4(which, src[3]);
-        if let Some(b) = RL_SRC4.get_ptr_mut(&key) {
-            return Some(b);
+        if known::maybe(&key) {
+            if let Some(b) = RL_SRC4.get_ptr_mut(&key) {
+                return Some(b);
+            }
         }
         let b = unseen4(cfg, &key);
         (!b.is_null()).then_some(b)
@@ -68,7 +72,7 @@ pub fn existing(rule: &RuleEntry, which: u32, is_v6: bool, src: &[u32; 4]) -> Op
 }
 
 /// The fallback keys of a source key.
-trait Fallbacks: Copy {
+trait Fallbacks: Copy + KnownKey {
     fn cell(&self, cfg: &DatapathConfig) -> Self;
     fn last(&self) -> Self;
 }
@@ -118,7 +122,8 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
     // What the key maps to now: its cell, else its rule's last resort
     // (created fresh the first time a rule needs it).
     let mut probe = key.cell(cfg);
-    let (parent, is_cell) = match table.get_ptr_mut(&probe) {
+    let cell = if known::maybe(&probe) { table.get_ptr_mut(&probe) } else { None };
+    let (parent, is_cell) = match cell {
         Some(c) => (c, true),
         None => {
             probe = key.last();
@@ -134,6 +139,7 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
     };
     let mut init = Bucket { tat_ns: unsafe { core::ptr::read_volatile(&raw const (*parent).tat_ns) }, ..Bucket::default() };
     if flood.see(now, cfg.flood_cap) == Unseen::Insert {
+        known::mark(key);
         match table.insert(key, &init, BPF_NOEXIST as u64) {
             Ok(()) => stats::bump(STAT_NEW_SOURCES),
             // Another CPU created it first: charge that one.
@@ -155,6 +161,7 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
     }
     probe = key.cell(cfg);
     init.tat_ns = unsafe { core::ptr::read_volatile(&raw const (*parent).tat_ns) };
+    known::mark(&probe);
     match table.insert(&probe, &init, BPF_NOEXIST as u64) {
         Ok(()) => stats::bump(STAT_NEW_CELLS),
         Err(e) if e == -(EEXIST as i32) => {}

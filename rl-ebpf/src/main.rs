@@ -12,6 +12,7 @@
 
 mod buckets;
 mod frag;
+mod known;
 mod limit;
 mod parse;
 mod stats;

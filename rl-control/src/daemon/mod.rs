@@ -345,9 +345,17 @@ async fn watch_pressure(state: Shared, ids: TableIds) {
     // Buckets the last walk left, and the datapath's inserts before it.
     let mut left = u64::MAX;
     let mut inserted_at_walk = 0u64;
+    let known = match crate::datapath::KnownFilter::open(ids.known) {
+        Ok(k) => std::sync::Arc::new(k),
+        Err(e) => {
+            warn!("the bucket collector cannot start: {e}; buckets are not collected, so the tables fill and new sources share their prefix cells");
+            return;
+        }
+    };
     loop {
         every.tick().await;
         let st = state.clone();
+        let filter = known.clone();
         let (offset, inserted, capacity) = {
             let s = lock(&state);
             let c = s.dp.counters().unwrap_or_default();
@@ -372,7 +380,7 @@ async fn watch_pressure(state: Shared, ids: TableIds) {
             let _changes = crate::apply::hold_changes();
             let pass = if walk {
                 let limits = lock(&st).dp.limits_by_key()?;
-                Some(crate::datapath::collect(ids, offset, &limits)?)
+                Some(crate::datapath::collect(ids, offset, &limits, &filter)?)
             } else {
                 None
             };

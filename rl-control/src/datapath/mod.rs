@@ -21,7 +21,7 @@ use aya::{
 use aya_log::EbpfLogger;
 use aya::maps::Array;
 use rl_common::{
-    DatapathConfig, LAYOUT_VERSION, MAP_CONFIG, MAP_LAYOUT,
+    DatapathConfig, KNOWN_VALID, LAYOUT_VERSION, MAP_CONFIG, MAP_KNOWN, MAP_LAYOUT,
     RuleStats, RULE_SLOTS, TickClock, MAP_EVENTS, MAP_SOURCES_V4, MAP_SOURCES_V6, PROG_CLOCK, PROG_FLOOR, PROG_LIMITER, STAT_COUNT,
     STAT_NAMES,
 };
@@ -33,6 +33,7 @@ use crate::compile::{Compiled, RuleSet};
 mod attach;
 mod batch;
 mod install;
+mod known;
 mod pin;
 mod read;
 pub mod share;
@@ -40,6 +41,7 @@ pub mod share;
 mod pressure;
 
 pub use install::Plan;
+pub use known::KnownFilter;
 pub use pressure::{collect, flood_mode, FloodReading, LimitsByKey, Pass, TableIds, COLLECT_IDLE_NS};
 pub use pin::{detach as detach_pinned, dirs_with as pin_dirs_with, group_name as pin_group, prepare as prepare_pins};
 pub use read::{scan_buckets, Source};
@@ -368,6 +370,12 @@ impl Datapath {
             dp.slots = [Arc::new(SlotContents { unknown: true, ..Default::default() }), Arc::new(SlotContents { unknown: true, ..Default::default() })];
         }
         dp.install(&compiled.rules)?;
+        if !adopted {
+            // Fresh, empty tables: every clear bit is true. Adopted ones
+            // wait for the collector's first walk (rl_common::known).
+            let mut known: Array<&mut MapData, u64> = map_mut(&mut dp.ebpf, MAP_KNOWN)?;
+            known.set(0, KNOWN_VALID, 0).map_err(|e| map_error(MAP_KNOWN, e))?;
+        }
         if opts.pin.is_some() {
             let mut layout: Array<&mut MapData, u32> = map_mut(&mut dp.ebpf, MAP_LAYOUT)?;
             layout.set(0, LAYOUT_VERSION, 0).map_err(|e| map_error(MAP_LAYOUT, e))?;

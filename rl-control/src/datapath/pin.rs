@@ -137,6 +137,11 @@ pub(super) fn hold(dir: &Path) -> Result<std::os::fd::OwnedFd, DatapathError> {
 /// Whether `dir` holds a pinned datapath; if it does, checks that every map
 /// matches `specs` and the layout version is this build's. Refuses with
 /// what differs, never adopts a map it would misread.
+/// Maps a setup of this layout version may lack because an older build did
+/// not have them: they are created fresh, which is safe for each (a fresh
+/// known-keys filter is "not valid" until the collector's first walk).
+const ADDED_SINCE_LAYOUT: &[&str] = &[rl_common::MAP_KNOWN];
+
 pub(super) fn check(dir: &Path, specs: &[MapSpec]) -> Result<bool, DatapathError> {
     let present: Vec<&MapSpec> = specs.iter().filter(|s| dir.join(&s.name).exists()).collect();
     if present.is_empty() {
@@ -146,6 +151,9 @@ pub(super) fn check(dir: &Path, specs: &[MapSpec]) -> Result<bool, DatapathError
     for s in specs {
         let path = dir.join(&s.name);
         if !path.exists() {
+            if ADDED_SINCE_LAYOUT.contains(&s.name.as_str()) {
+                continue;
+            }
             return Err(mismatch(format!("{} is not pinned (an incomplete or older setup)", s.name)));
         }
         let info = MapInfo::from_pin(&path).map_err(|e| mismatch(format!("{} cannot be read: {}", s.name, chain(&e))))?;

@@ -11,6 +11,7 @@ use rl_common::*;
 
 use super::{
     batch::delete_batch,
+    known::KnownFilter,
     read::{scan_table_each, BucketKey},
     *,
 };
@@ -20,6 +21,7 @@ use super::{
 pub struct TableIds {
     pub tables: (u32, u32),
     pub flood: u32,
+    pub known: u32,
 }
 
 /// A bucket must have been fresh for this long before it is collected, so
@@ -39,6 +41,9 @@ pub struct Pass {
     /// Buckets deleted by this pass because they were fresh (or their
     /// rule is gone from both slots).
     pub collected: u64,
+    /// The share of the known-keys filter's bits set after the pass's
+    /// rebuild, per family (see `rl_common::known`).
+    pub known_fill: (f64, f64),
 }
 
 /// The limits a bucket's key may name (`RuleEntry::id | index`), from both
@@ -49,7 +54,7 @@ pub type LimitsByKey = StdHashMap<u32, LimitEntry>;
 impl Datapath {
     /// The ids the collector needs.
     pub fn table_ids(&self) -> Result<TableIds, DatapathError> {
-        Ok(TableIds { tables: self.source_map_ids()?, flood: self.map_id(MAP_FLOOD)? })
+        Ok(TableIds { tables: self.source_map_ids()?, flood: self.map_id(MAP_FLOOD)?, known: self.map_id(MAP_KNOWN)? })
     }
 
     /// Every limit of both slots by bucket key.
@@ -79,68 +84,77 @@ impl Datapath {
 /// not take them back). `limits` must stay exact for the whole walk: the
 /// caller holds rule changes off (a limit id names one definition forever,
 /// but a rule installed during the walk would look gone).
-pub fn collect(ids: TableIds, epoch_offset_ns: u64, limits: &LimitsByKey) -> Result<Pass, DatapathError> {
+///
+/// The walk also rebuilds the known-keys filter: only a walk that completes
+/// flips it, so a failed one leaves the old half in use (stale bits cost
+/// lookups, never verdicts).
+pub fn collect(ids: TableIds, epoch_offset_ns: u64, limits: &LimitsByKey, known: &KnownFilter) -> Result<Pass, DatapathError> {
     let now = monotonic_ns().saturating_sub(COLLECT_IDLE_NS);
     let mut pass = Pass::default();
-    let mut own = 0;
-    let mut cells = 0;
-    scan_table_each::<Key4>(ids.tables.0, MAP_SOURCES_V4, |k, b| {
-        sweep(ids.tables.0, MAP_SOURCES_V4, k, b, limits, now, epoch_offset_ns, &mut pass, (&mut own, &mut cells))
-    })?;
-    pass.own.0 = own;
-    pass.cells.0 = cells;
-    (own, cells) = (0, 0);
-    scan_table_each::<Key6>(ids.tables.1, MAP_SOURCES_V6, |k, b| {
-        sweep(ids.tables.1, MAP_SOURCES_V6, k, b, limits, now, epoch_offset_ns, &mut pass, (&mut own, &mut cells))
-    })?;
-    pass.own.1 = own;
-    pass.cells.1 = cells;
+    let half = known.begin();
+    let mut walk = Walk { limits, now, epoch_offset_ns, known, half, own: 0, cells: 0 };
+    scan_table_each::<Key4>(ids.tables.0, MAP_SOURCES_V4, |k, b| walk.sweep(ids.tables.0, MAP_SOURCES_V4, k, b, &mut pass))?;
+    (pass.own.0, pass.cells.0) = (walk.own, walk.cells);
+    (walk.own, walk.cells) = (0, 0);
+    scan_table_each::<Key6>(ids.tables.1, MAP_SOURCES_V6, |k, b| walk.sweep(ids.tables.1, MAP_SOURCES_V6, k, b, &mut pass))?;
+    (pass.own.1, pass.cells.1) = (walk.own, walk.cells);
+    known.finish(half);
+    pass.known_fill = (known.fill(0), known.fill(1));
     Ok(pass)
 }
 
-/// Deletes the fresh (or orphaned) buckets of one chunk of a table; counts
-/// the rest and keeps the sources among them that have dropped packets.
-#[allow(clippy::too_many_arguments)]
-fn sweep<K: BucketKey>(
-    id: u32,
-    name: &'static str,
-    keys: &[K],
-    buckets: &[Bucket],
-    limits: &LimitsByKey,
+/// One walk's settings and counts.
+struct Walk<'a> {
+    limits: &'a LimitsByKey,
+    /// Buckets fresh since before this are collected.
     now: u64,
     epoch_offset_ns: u64,
-    pass: &mut Pass,
-    (own, cells): (&mut u64, &mut u64),
-) -> Result<(), DatapathError> {
-    use std::os::fd::{AsFd, AsRawFd};
-    let mut dead = Vec::new();
-    for (k, b) in keys.iter().zip(buckets) {
-        let gone = match limits.get(&(k.rule() & !(KEY_CELL | KEY_LAST))) {
-            None => true,
-            Some(_) if key_kind(k.rule()) == KeyKind::LastResort => false,
-            Some(l) => l.is_fresh(b.tat_ns, now, epoch_offset_ns),
-        };
-        if gone {
-            dead.push(*k);
-            continue;
-        }
-        match key_kind(k.rule()) {
-            KeyKind::Own => {
-                *own += 1;
-                if b.dropped > 0 {
-                    pass.sources.push(Source::of(k, *b));
-                }
+    known: &'a KnownFilter,
+    /// The filter half being rebuilt.
+    half: u32,
+    own: u64,
+    cells: u64,
+}
+
+impl Walk<'_> {
+    /// Deletes the fresh (or orphaned) buckets of one chunk of a table;
+    /// counts the rest, marks them in the filter and keeps the sources
+    /// among them that have dropped packets.
+    fn sweep<K: BucketKey + KnownKey>(&mut self, id: u32, name: &'static str, keys: &[K], buckets: &[Bucket], pass: &mut Pass) -> Result<(), DatapathError> {
+        use std::os::fd::{AsFd, AsRawFd};
+        let mut dead = Vec::new();
+        for (k, b) in keys.iter().zip(buckets) {
+            let gone = match self.limits.get(&(k.rule() & !(KEY_CELL | KEY_LAST))) {
+                None => true,
+                Some(_) if key_kind(k.rule()) == KeyKind::LastResort => false,
+                Some(l) => l.is_fresh(b.tat_ns, self.now, self.epoch_offset_ns),
+            };
+            if gone {
+                dead.push(*k);
+                continue;
             }
-            KeyKind::Cell => *cells += 1,
-            KeyKind::LastResort => {}
+            match key_kind(k.rule()) {
+                KeyKind::Own => {
+                    self.own += 1;
+                    self.known.mark(self.half, k);
+                    if b.dropped > 0 {
+                        pass.sources.push(Source::of(k, *b));
+                    }
+                }
+                KeyKind::Cell => {
+                    self.cells += 1;
+                    self.known.mark(self.half, k);
+                }
+                KeyKind::LastResort => {}
+            }
         }
+        if !dead.is_empty() {
+            let data = MapData::from_id(id).map_err(|e| map_error(name, e))?;
+            delete_batch(data.fd().as_fd().as_raw_fd(), &dead).map_err(|e| map_error(name, e))?;
+            pass.collected += dead.len() as u64;
+        }
+        Ok(())
     }
-    if !dead.is_empty() {
-        let data = MapData::from_id(id).map_err(|e| map_error(name, e))?;
-        delete_batch(data.fd().as_fd().as_raw_fd(), &dead).map_err(|e| map_error(name, e))?;
-        pass.collected += dead.len() as u64;
-    }
-    Ok(())
 }
 
 /// Flood mode as the datapath's per-CPU detectors report it.
