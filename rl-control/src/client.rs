@@ -260,6 +260,7 @@ pub fn status(v: &Value) -> String {
         "{iface_line}\nuptime:          {}s\nrules:           {} (+ default), {} allow and {} deny CIDRs, {} bans\n\
          sources tracked: IPv4 {}, IPv6 {} of {} per family\nprefix cells:    IPv4 {}, IPv6 {} of {} per family\n\
          unseen keys:     {:.0}/s; buckets created {:.0}/s, collected {} since start\n\
+         lookup filter:   {:.3}% of IPv4 bits, {:.3}% of IPv6 bits set (an unseen key pays a table lookup that often)\n\
          flood mode:      {flood}\nfallbacks:       {} packets charged to a cell or last resort; {} inserts refused (table full)\n\
          config file:     {}\nlast change:     {reload}\n{cluster}",
         s(&v["uptime_secs"]), s(&v["rules"]),
@@ -267,6 +268,7 @@ pub fn status(v: &Value) -> String {
         s(&p["buckets_ipv4"]), s(&p["buckets_ipv6"]), s(&p["bucket_capacity"]),
         s(&p["cells_ipv4"]), s(&p["cells_ipv6"]), s(&p["cell_capacity"]),
         p["unseen_keys_per_sec"].as_f64().unwrap_or(0.0), p["new_buckets_per_sec"].as_f64().unwrap_or(0.0), s(&p["collected_buckets"]),
+        100.0 * p["known_filter_fill_ipv4"].as_f64().unwrap_or(0.0), 100.0 * p["known_filter_fill_ipv6"].as_f64().unwrap_or(0.0),
         s(&p["fallback_packets"]), s(&p["table_full_refusals"]),
         s(&v["config_file"]),
     )

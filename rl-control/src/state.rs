@@ -105,6 +105,11 @@ pub struct Pressure {
     pub cells_ipv6: u64,
     /// Capacity of each family's cell table (`datapath.flood_prefixes`).
     pub cell_capacity: u32,
+    /// Share of the known-keys filter's bits set, per family: how often a
+    /// key that owns no bucket still pays a table lookup (see README,
+    /// "Floods"; rebuilt by each collector walk).
+    pub known_filter_fill_ipv4: f64,
+    pub known_filter_fill_ipv6: f64,
     /// Keys the datapath found no bucket for, per second (the last flood
     /// window): new sources, and in flood mode every packet of an unseen one.
     pub unseen_keys_per_sec: f64,

@@ -119,6 +119,11 @@ fn a_spoofed_flood_through_the_daemon_neither_resets_nor_bypasses_a_limit_and_is
     let m = parse_prometheus(&get(&lab.b, "/metrics").body);
     assert_eq!(m["rl_flood_mode"], 0.0);
     assert!(m["rl_table_occupancy_ratio{table=\"sources\",family=\"ipv4\"}"] > 0.0);
+    // The walks rebuilt the known-keys filter from the buckets they kept.
+    let fill = m["rl_known_filter_fill_ratio{family=\"ipv4\"}"];
+    assert!(fill > 0.0 && fill < 0.01, "known-keys filter fill {fill}");
+    let (_, out) = run_once(Some(&lab.b), &["status"]).unwrap();
+    assert!(out.lines().any(|l| l.starts_with("lookup filter:") && !l.contains(" 0.000% of IPv4")), "{out}");
     let (status, log) = daemon.stop(libc::SIGTERM).unwrap();
     assert!(status.success(), "{log}");
     assert!(log.contains("flood_started") && log.contains("flood_ended"), "the log names both events:\n{log}");

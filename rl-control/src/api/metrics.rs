@@ -54,6 +54,8 @@ pub(super) async fn metrics(AxState(api): AxState<Api>) -> ApiResult<Response> {
     }
     family(&mut out, "rl_prefix_cells", "gauge", "Prefix cells held (datapath.flood_prefixes each).");
     let _ = writeln!(out, "rl_prefix_cells{{family=\"ipv4\"}} {}\nrl_prefix_cells{{family=\"ipv6\"}} {}", p.cells_ipv4, p.cells_ipv6);
+    family(&mut out, "rl_known_filter_fill_ratio", "gauge", "Share of the known-keys filter's bits set: how often a key without a bucket still pays a table lookup.");
+    let _ = writeln!(out, "rl_known_filter_fill_ratio{{family=\"ipv4\"}} {}\nrl_known_filter_fill_ratio{{family=\"ipv6\"}} {}", p.known_filter_fill_ipv4, p.known_filter_fill_ipv6);
     family(&mut out, "rl_unseen_keys_per_second", "gauge", "Keys the datapath found no bucket for, per second.");
     let _ = writeln!(out, "rl_unseen_keys_per_second {}", p.unseen_keys_per_sec);
     family(&mut out, "rl_new_buckets_per_second", "gauge", "Per-source buckets created per second.");

@@ -410,6 +410,7 @@ async fn watch_pressure(state: Shared, ids: TableIds) {
             p.buckets_ipv6 = pass.own.1;
             p.cells_ipv4 = pass.cells.0;
             p.cells_ipv6 = pass.cells.1;
+            (p.known_filter_fill_ipv4, p.known_filter_fill_ipv6) = pass.known_fill;
             p.collected_buckets += pass.collected;
         }
         p.table_full_refusals = counters.get(rl_common::STAT_TABLE_FULL);

@@ -45,6 +45,9 @@ fn nft_ruleset() -> String {
 enum Filter {
     Pass,
     Rl,
+    /// rl with its known-keys filter off: every unseen key pays its table
+    /// lookups, as before the filter.
+    RlUnfiltered,
     Nft,
 }
 
@@ -53,6 +56,7 @@ impl Filter {
         match self {
             Filter::Pass => "bare XDP_PASS",
             Filter::Rl => "rl (flood mode)",
+            Filter::RlUnfiltered => "rl, lookup filter off",
             Filter::Nft => "nftables dynset limit",
         }
     }
@@ -65,8 +69,12 @@ impl Filter {
 fn one_run(lab: &Lab, filter: Filter, frames: u64, rules: &std::path::Path, check: bool) -> Result<f64> {
     let mut dp = None;
     match filter {
-        Filter::Pass | Filter::Rl => {
-            let mut d = datapath(RL_CONFIG)?;
+        Filter::Pass | Filter::Rl | Filter::RlUnfiltered => {
+            let extra = std::env::var("RL_VETH_EXTRA").unwrap_or_default();
+            let mut d = datapath(&format!("{extra}{RL_CONFIG}"))?;
+            if filter == Filter::RlUnfiltered {
+                rl_control::datapath::KnownFilter::open(d.table_ids()?.known)?.disable();
+            }
             lab.b.run(move || {
                 if filter == Filter::Pass {
                     d.attach_baseline(VB)?;
@@ -82,10 +90,11 @@ fn one_run(lab: &Lab, filter: Filter, frames: u64, rules: &std::path::Path, chec
     let frame = eth(&[], ETH_P_IP, &ipv4([0; 4], UDP, &[], &udp(9)));
     let mut seed = 0x2545_f491u32;
     let before = cpu_ticks();
-    let sent = join(forged(&lab.a, VA, frame, frames, 0, Some(0), move |_| spoofed_source(&mut seed)))?;
+    let one = std::env::var("RL_VETH_ONE").is_ok();
+    let sent = join(forged(&lab.a, VA, frame, frames, 0, Some(0), move |_| if one { [10, 1, 2, 3] } else { spoofed_source(&mut seed) }))?;
     let busy = busy_ns_since(&before);
     if let Some(d) = &dp {
-        if filter == Filter::Rl {
+        if filter != Filter::Pass {
             let passed = d.counters()?.get(STAT_PASSED_PKTS);
             if passed < frames {
                 bail!("rl passed {passed} of {frames} frames: the limit was meant to pass all");
@@ -131,7 +140,7 @@ fn main() -> Result<()> {
          {ROUNDS} interleaved rounds; busy CPU ns per frame over all CPUs (sender included)"
     );
     let steal = rl_tests::StealMeter::start();
-    let filters = [Filter::Pass, Filter::Rl, Filter::Nft];
+    let filters = [Filter::Pass, Filter::Rl, Filter::RlUnfiltered, Filter::Nft];
     let mut ns: Vec<Vec<f64>> = vec![Vec::new(); filters.len()];
     let started = Instant::now();
     // A warm-up run, not counted: first-touch costs land on no case.
@@ -148,7 +157,8 @@ fn main() -> Result<()> {
         println!("{:<24} {:>10.0} {:>10.0} {:>16.3}", f.name(), best, median(ns[i].clone()), paired);
     }
     let ratio = |i: usize, j: usize| median(ns[i].iter().zip(&ns[j]).map(|(a, b)| a / b).collect());
-    let (rl_vs_pass, rl_vs_nft) = (ratio(1, 0), ratio(1, 2));
+    let (rl_vs_pass, rl_vs_nft) = (ratio(1, 0), ratio(1, 3));
+    println!("the lookup filter: rl {:.3}× rl with it off", ratio(1, 2));
     println!(
         "target rl ≤ 1.10× bare XDP_PASS: {} ({rl_vs_pass:.3}×)",
         if rl_vs_pass <= 1.10 { "met" } else { "MISSED" }
