@@ -13,6 +13,11 @@
 //! filter. CPU time is all CPUs' busy time in `/proc/stat` over the send,
 //! generator included; cases are interleaved over rounds, and each case
 //! starts from an empty table (fresh datapath, fresh nft set).
+//!
+//! To see where rl's cost goes: `RL_BENCH_ONE_SOURCE=1` sends every frame
+//! from one source (a known source after the first frame), and
+//! `RL_BENCH_DATAPATH` is TOML prepended to rl's rules, e.g.
+//! `$'[datapath]\nflood_prefix_v4 = 8\n'` for one hot prefix cell.
 
 use std::time::Instant;
 
@@ -70,7 +75,7 @@ fn one_run(lab: &Lab, filter: Filter, frames: u64, rules: &std::path::Path, chec
     let mut dp = None;
     match filter {
         Filter::Pass | Filter::Rl | Filter::RlUnfiltered => {
-            let extra = std::env::var("RL_VETH_EXTRA").unwrap_or_default();
+            let extra = std::env::var("RL_BENCH_DATAPATH").unwrap_or_default();
             let mut d = datapath(&format!("{extra}{RL_CONFIG}"))?;
             if filter == Filter::RlUnfiltered {
                 rl_control::datapath::KnownFilter::open(d.table_ids()?.known)?.disable();
@@ -90,7 +95,7 @@ fn one_run(lab: &Lab, filter: Filter, frames: u64, rules: &std::path::Path, chec
     let frame = eth(&[], ETH_P_IP, &ipv4([0; 4], UDP, &[], &udp(9)));
     let mut seed = 0x2545_f491u32;
     let before = cpu_ticks();
-    let one = std::env::var("RL_VETH_ONE").is_ok();
+    let one = std::env::var("RL_BENCH_ONE_SOURCE").is_ok();
     let sent = join(forged(&lab.a, VA, frame, frames, 0, Some(0), move |_| if one { [10, 1, 2, 3] } else { spoofed_source(&mut seed) }))?;
     let busy = busy_ns_since(&before);
     if let Some(d) = &dp {
