@@ -11,8 +11,8 @@ use rl_common::{known_mask, known_word, KnownKey, KNOWN_ENTRIES, KNOWN_HALF, KNO
 #[map(name = "RL_KNOWN")]
 static RL_KNOWN: Array<u64> = Array::with_max_entries(KNOWN_ENTRIES, BPF_F_MMAPABLE);
 
-/// False only if `key` surely owns no bucket: the filter is valid and its
-/// bit is clear in the half the daemon last rebuilt.
+/// False only if `key` surely owns no bucket: the filter is valid and one
+/// of its two bits is clear in the half the daemon last rebuilt.
 #[inline(always)]
 pub fn maybe<K: KnownKey>(key: &K) -> bool {
     let Some(ctl) = RL_KNOWN.get_ptr(0) else { return true };
@@ -20,20 +20,23 @@ pub fn maybe<K: KnownKey>(key: &K) -> bool {
     if ctl & KNOWN_VALID == 0 {
         return true;
     }
-    let bit = key.known_bit();
-    match RL_KNOWN.get_ptr(known_word(K::FAMILY, (ctl & KNOWN_HALF) as u32, bit)) {
-        Some(w) => (unsafe { core::ptr::read_volatile(w) } & known_mask(bit)) != 0,
+    let hash = key.known_hash();
+    match RL_KNOWN.get_ptr(known_word(K::FAMILY, (ctl & KNOWN_HALF) as u32, hash)) {
+        Some(w) => {
+            let mask = known_mask(hash);
+            (unsafe { core::ptr::read_volatile(w) } & mask) == mask
+        },
         None => true,
     }
 }
 
-/// Sets `key`'s bit in both halves: call before inserting its bucket.
+/// Sets `key`'s bits in both halves: call before inserting its bucket.
 #[inline(always)]
 pub fn mark<K: KnownKey>(key: &K) {
-    let bit = key.known_bit();
+    let hash = key.known_hash();
     for half in 0..2 {
-        if let Some(w) = RL_KNOWN.get_ptr_mut(known_word(K::FAMILY, half, bit)) {
-            unsafe { atomic_or::<u64, u64, { AtomicOrdering::Relaxed }>(w, known_mask(bit)) };
+        if let Some(w) = RL_KNOWN.get_ptr_mut(known_word(K::FAMILY, half, hash)) {
+            unsafe { atomic_or::<u64, u64, { AtomicOrdering::Relaxed }>(w, known_mask(hash)) };
         }
     }
 }

@@ -10,7 +10,7 @@ use std::{
 };
 
 use aya::maps::MapData;
-use rl_common::{known_mask, known_word, KnownKey, KNOWN_ENTRIES, KNOWN_HALF, KNOWN_VALID, KNOWN_WORDS, MAP_KNOWN};
+use rl_common::{known_mask, known_region, known_word, KnownKey, KNOWN_ENTRIES, KNOWN_HALF, KNOWN_VALID, KNOWN_WORDS, MAP_KNOWN};
 
 use super::{map_error, DatapathError};
 
@@ -68,7 +68,7 @@ impl KnownFilter {
     pub fn begin(&self) -> u32 {
         let half = ((self.control() & KNOWN_HALF) ^ 1) as u32;
         for family in 0..2 {
-            let first = known_word(family, half, 0);
+            let first = known_region(family, half);
             for i in first..first + KNOWN_WORDS {
                 self.word(i).store(0, Ordering::Relaxed);
             }
@@ -78,16 +78,17 @@ impl KnownFilter {
         half
     }
 
-    /// Sets `key`'s bit in `half` (a bucket the walk keeps).
+    /// Sets `key`'s bits in `half` (a bucket the walk keeps).
     pub fn mark<K: KnownKey>(&self, half: u32, key: &K) {
-        let bit = key.known_bit();
-        self.word(known_word(K::FAMILY, half, bit)).fetch_or(known_mask(bit), Ordering::Relaxed);
+        let hash = key.known_hash();
+        self.word(known_word(K::FAMILY, half, hash)).fetch_or(known_mask(hash), Ordering::Relaxed);
     }
 
-    /// Whether `key`'s bit is set in `half`.
+    /// Whether both of `key`'s bits are set in `half` (what the program
+    /// tests).
     pub fn has<K: KnownKey>(&self, half: u32, key: &K) -> bool {
-        let bit = key.known_bit();
-        self.word(known_word(K::FAMILY, half, bit)).load(Ordering::Relaxed) & known_mask(bit) != 0
+        let (hash, mask) = (key.known_hash(), known_mask(key.known_hash()));
+        self.word(known_word(K::FAMILY, half, hash)).load(Ordering::Relaxed) & mask == mask
     }
 
     /// Ends a rebuild that marked every bucket a complete walk kept: the
@@ -102,11 +103,12 @@ impl KnownFilter {
         self.word(0).store(0, Ordering::Release);
     }
 
-    /// The share of `family`'s bits set in the half the program reads: the
-    /// chance that a key owning no bucket still pays the table lookup.
+    /// The share of `family`'s bits set in the half the program reads (a
+    /// key owning no bucket still pays the table lookup with about its
+    /// square as probability).
     pub fn fill(&self, family: u32) -> f64 {
         let half = (self.control() & KNOWN_HALF) as u32;
-        let first = known_word(family, half, 0);
+        let first = known_region(family, half);
         let ones: u64 = (first..first + KNOWN_WORDS).map(|i| u64::from(self.word(i).load(Ordering::Relaxed).count_ones())).sum();
         ones as f64 / (u64::from(KNOWN_WORDS) * 64) as f64
     }
