@@ -1,9 +1,10 @@
 //! rl's XDP program: parse ➜ limit ➜ count, one verdict per packet.
 //!
 //! The per-packet path does no string work and no loops over rules: a config
-//! lookup, the precomputed classification (see `limit`), one LRU hash lookup
-//! per limit of the matched rule (plus an insert for a new source), one
-//! compare-and-swap each, and per-CPU counters.
+//! lookup, the precomputed classification (see `limit`), one hash lookup
+//! per limit of the matched rule (skipped when the known-keys filter says
+//! the key owns no bucket; see `known` and `buckets`), one compare-and-swap
+//! each, and per-CPU counters.
 #![no_std]
 #![no_main]
 // compare-and-swap on map memory: see `limit::Tat`.
