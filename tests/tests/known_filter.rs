@@ -111,3 +111,35 @@ fn a_rebuild_drops_the_bits_of_collected_buckets() {
     // The limited bucket was kept, so is its bit: still limited.
     assert_eq!(offer(&dp, &to(kept, 9999), 1), (0, 1));
 }
+
+#[test]
+fn pins_from_a_build_without_the_filter_are_adopted_with_it_off_until_a_walk() {
+    use rl_control::datapath::LoadOptions;
+    require_root();
+    rl_tests::lab::pin_to_cpu(0).unwrap();
+    let pins = rl_tests::lab::BpfFs::new().unwrap();
+    let dir = pins.path().join("known");
+    rl_control::datapath::prepare_pins(pins.path(), &dir).unwrap();
+    let toml = rl_tests::flood_rules(1024);
+    let compiled = compile(&Config::from_str(&toml, "<test>").unwrap());
+    let load = || Datapath::load_with(&compiled, LoadOptions { pin: Some(dir.clone()), ..Default::default() }).unwrap();
+    let limited = [192, 0, 2, 20];
+    {
+        let dp = load();
+        assert_eq!(offer(&dp, &to(limited, 9999), 3), (1, 2), "1 per hour");
+    }
+    // What an older build leaves: every map pinned but this one.
+    std::fs::remove_file(dir.join(rl_common::MAP_KNOWN)).unwrap();
+    let dp = load();
+    let known = filter(&dp);
+    assert_eq!(known.control() & KNOWN_VALID, 0, "an adopted table's bucket keys are not in a fresh filter: it must start off");
+    let mut seed = 0x5eed_0002u32;
+    for _ in 0..4096 {
+        offer(&dp, &to(spoofed(&mut seed), 5000), 1);
+    }
+    assert!(dp.counters().unwrap().get(STAT_FALLBACK) > 0, "flood mode");
+    assert_eq!(offer(&dp, &to(limited, 9999), 2), (0, 2), "the adopted bucket is looked up while the filter is off");
+    rebuild(&dp, &known);
+    assert_eq!(known.control() & KNOWN_VALID, KNOWN_VALID, "the first walk makes it valid");
+    assert_eq!(offer(&dp, &to(limited, 9999), 2), (0, 2), "and the walk marked the adopted bucket");
+}
