@@ -87,7 +87,8 @@ impl KnownFilter {
     /// Whether both of `key`'s bits are set in `half` (what the program
     /// tests).
     pub fn has<K: KnownKey>(&self, half: u32, key: &K) -> bool {
-        let (hash, mask) = (key.known_hash(), known_mask(key.known_hash()));
+        let hash = key.known_hash();
+        let mask = known_mask(hash);
         self.word(known_word(K::FAMILY, half, hash)).load(Ordering::Relaxed) & mask == mask
     }
 
