@@ -10,6 +10,8 @@
 //!   collected during the run; most answers are 429s, decided in full).
 //!
 //! Knobs for diagnosis: `RL_BENCH_QUICK=1` (the 1-key latencies only),
+//! `RL_BENCH_SATURATION=1` (saturation only, after printing the daemon's
+//! pid and waiting 3 s, e.g. for `perf record -p`),
 //! `RL_BENCH_WORKERS` (the generator's tokio workers, default 2),
 //! `RL_BENCH_MAX_SOURCES` (the daemon's `[datapath] max_sources`, default
 //! 1,048,576: the collector's walk of the packet tables costs CPU in
@@ -250,6 +252,15 @@ fn main() -> Result<()> {
             if p99 < 1.0 && failed == 0 { "met" } else { "MISSED" }
         );
     };
+    if std::env::var_os("RL_BENCH_SATURATION").is_some() {
+        // For profiling the daemon: saturation only, its pid first.
+        println!("daemon pid {}", d.pid());
+        std::thread::sleep(Duration::from_secs(3));
+        let rate = in_lab(&lab, grpc_saturation)?;
+        println!("gRPC at saturation (64 in flight): {rate:.0} decisions/s");
+        d.stop(libc::SIGTERM)?;
+        return Ok(());
+    }
     for paced in [true, false] {
         report(1, paced, in_lab(&lab, move || grpc_latency(1, paced))?);
     }
