@@ -21,7 +21,7 @@ fn default_key(toml: &str, src: [u8; 4]) -> Key4 {
 }
 
 fn filter(dp: &Datapath) -> KnownFilter {
-    KnownFilter::open(dp.table_ids().unwrap().known).expect("mapping the known-keys filter")
+    dp.known_filter().expect("mapping the known-keys filter")
 }
 
 fn rebuild(dp: &Datapath, known: &KnownFilter) -> rl_control::datapath::Pass {

@@ -115,6 +115,13 @@ impl KnownFilter {
     }
 }
 
+impl super::Datapath {
+    /// This datapath's known-keys filter, mapped (see [`KnownFilter::open`]).
+    pub fn known_filter(&self) -> Result<KnownFilter, DatapathError> {
+        KnownFilter::open(self.map_id(MAP_KNOWN)?)
+    }
+}
+
 impl Drop for KnownFilter {
     fn drop(&mut self) {
         let bytes = (self.len * 8).next_multiple_of(page_size());

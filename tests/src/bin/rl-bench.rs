@@ -104,7 +104,7 @@ fn main() -> Result<()> {
     // The same with the known-keys filter off: every unseen key pays its
     // table lookups (own bucket, prefix cell), as before the filter.
     let unfiltered_dp = load(100_000_000, 1_000_000_000, 65_536, true)?;
-    rl_control::datapath::KnownFilter::open(unfiltered_dp.table_ids()?.known)?.disable();
+    unfiltered_dp.known_filter()?.disable();
     // The same path with one unseen source over and over (flood mode always
     // on: no new key ever gets a bucket): the instructions without the
     // cache misses of random keys.

@@ -78,7 +78,7 @@ fn one_run(lab: &Lab, filter: Filter, frames: u64, rules: &std::path::Path, chec
             let extra = std::env::var("RL_BENCH_DATAPATH").unwrap_or_default();
             let mut d = datapath(&format!("{extra}{RL_CONFIG}"))?;
             if filter == Filter::RlUnfiltered {
-                rl_control::datapath::KnownFilter::open(d.table_ids()?.known)?.disable();
+                d.known_filter()?.disable();
             }
             lab.b.run(move || {
                 if filter == Filter::Pass {
