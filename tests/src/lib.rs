@@ -10,6 +10,7 @@ pub mod http;
 pub mod redis;
 pub mod lab;
 pub mod reference;
+pub mod rls;
 pub mod traffic;
 
 use anyhow::{Context, Result};

@@ -191,20 +191,10 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     }
     if let Some(listener) = grpc_listener {
         let addr = listener.local_addr().ok();
-        let svc = crate::l7::grpc::server(crate::l7::grpc::Service { l7: l7.clone(), draft_headers: config.l7.draft_headers });
-        tokio::spawn(async move {
-            // No Nagle delay on answers (tonic skips its TCP settings for
-            // an incoming stream of our own).
-            let incoming = tokio_stream::StreamExt::map(tokio_stream::wrappers::TcpListenerStream::new(listener), |s| {
-                s.inspect(|s| {
-                    let _ = s.set_nodelay(true);
-                })
-            });
-            if let Err(e) = tonic::transport::Server::builder().add_service(svc).serve_with_incoming(incoming).await {
-                tracing::error!("Envoy's rate-limit service (l7 gRPC) stopped: {e}");
-            }
-        });
-        info!("Envoy rate-limit service on {} (envoy.service.ratelimit.v3)", addr.map(|a| a.to_string()).unwrap_or_default());
+        let threads = crate::l7::grpc_threads::thread_count(config.l7.grpc_threads);
+        let draft_headers = config.l7.draft_headers;
+        crate::l7::grpc_threads::serve(listener, threads, || crate::l7::grpc::Service { l7: l7.clone(), draft_headers })?;
+        info!("Envoy rate-limit service on {} (envoy.service.ratelimit.v3, {threads} threads)", addr.map(|a| a.to_string()).unwrap_or_default());
     }
     let state: Shared = Arc::new(Mutex::new(State {
         l7,

@@ -7,6 +7,7 @@
 mod charge;
 pub mod engine;
 pub mod grpc;
+pub mod grpc_threads;
 pub mod http;
 pub mod rules;
 mod scoped;

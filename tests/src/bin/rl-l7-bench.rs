@@ -1,6 +1,10 @@
 //! `cargo xtask bench`, request decisions (issue 10): Envoy's rate-limit
-//! service over gRPC (a Rust tonic client, the same protocol Envoy speaks)
-//! and the HTTP check, against the release daemon in a lab namespace.
+//! service over gRPC and the HTTP check, against the release daemon in a
+//! lab namespace. The gRPC load comes from `rl_tests::rls`: gRPC over
+//! HTTP/2 like Envoy's, from 2 threads with 2 connections each, every
+//! answer decoded and checked; lean enough that on a 2-CPU host the
+//! figures are mostly the daemon's (each line prints both sides' CPU per
+//! request).
 //! - latency at a fixed offered rate (open loop: each request is due at its
 //!   tick, so queueing behind a slow answer counts), with one key and with
 //!   1,000,000 distinct keys;
@@ -12,7 +16,7 @@
 //! Knobs for diagnosis: `RL_BENCH_QUICK=1` (the 1-key latencies only),
 //! `RL_BENCH_SATURATION=1` (saturation only, after printing the daemon's
 //! pid and waiting 3 s, e.g. for `perf record -p`),
-//! `RL_BENCH_WORKERS` (the generator's tokio workers, default 2),
+//! `RL_BENCH_WORKERS` (the generator's threads, default 2),
 //! `RL_BENCH_MAX_SOURCES` (the daemon's `[datapath] max_sources`, default
 //! 1,048,576: the collector's walk of the packet tables costs CPU in
 //! proportion to it).
@@ -22,11 +26,12 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Result};
 use envoy_types::pb::envoy::{
     extensions::common::ratelimit::v3::{rate_limit_descriptor::Entry, RateLimitDescriptor},
-    service::ratelimit::v3::{rate_limit_service_client::RateLimitServiceClient, RateLimitRequest},
+    service::ratelimit::v3::RateLimitRequest,
 };
 use rl_tests::{
     daemon::{write, Daemon},
     lab::Lab,
+    rls::{encode, on_threads, Conn, Ticker},
 };
 
 const GRPC: &str = "127.0.0.1:8081";
@@ -57,110 +62,125 @@ fn percentile(v: &mut [f64], q: f64) -> f64 {
     v[((v.len() as f64 * q) as usize).min(v.len() - 1)]
 }
 
-/// Open loop at `RATE`/s for `SECONDS` over gRPC; `keys` distinct users;
-/// each request's time from its send to its answer. `paced`: a thread
-/// sleeping to each request's due time (the kernel's high-resolution
-/// timers) releases requests one by one, as many independent clients
-/// would; otherwise tokio's timer, which wakes in whole milliseconds,
-/// releases each millisecond's 20 requests together.
-async fn grpc_latency(keys: u64, paced: bool) -> Result<(f64, f64, u64)> {
-    let mut clients = Vec::new();
-    for _ in 0..CONNECTIONS {
-        clients.push(RateLimitServiceClient::connect(format!("http://{GRPC}")).await?);
-    }
-    let n = RATE * SECONDS;
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<u64>();
-    let start = Instant::now();
-    let due = move |i: u64| start + Duration::from_nanos(i * 1_000_000_000 / RATE);
-    let pacer = if paced {
-        Some(std::thread::spawn(move || {
-            for i in 0..n {
-                if let Some(w) = due(i).checked_duration_since(Instant::now()) {
-                    std::thread::sleep(w);
-                }
-                let _ = tx.send(i);
-            }
-        }))
-    } else {
-        tokio::spawn(async move {
-            for i in 0..n {
-                tokio::time::sleep_until(tokio::time::Instant::from_std(due(i))).await;
-                let _ = tx.send(i);
-            }
-        });
-        None
-    };
-    let mut tasks = Vec::with_capacity(n as usize);
-    while let Some(i) = rx.recv().await {
-        let mut c = clients[i as usize % CONNECTIONS].clone();
-        let user = if keys == 1 { 0 } else { (i * 2_654_435_761) % keys };
-        tasks.push(tokio::spawn(async move {
-            // From the send: sends never wait for answers (open loop), so
-            // lateness of the generator is the generator's, not the service's.
-            let sent = Instant::now();
-            let r = c.should_rate_limit(request(user)).await;
-            (r.is_ok(), sent.elapsed().as_secs_f64() * 1e3)
-        }));
-    }
-    if let Some(p) = pacer {
-        p.join().map_err(|_| anyhow::anyhow!("the pacer panicked"))?;
-    }
-    let mut ms = Vec::with_capacity(tasks.len());
-    let mut failed = 0;
-    for t in tasks {
-        let (ok, m) = t.await?;
-        failed += u64::from(!ok);
-        ms.push(m);
-    }
-    Ok((percentile(&mut ms, 0.5), percentile(&mut ms, 0.99), failed))
+/// The generator's threads (`RL_BENCH_WORKERS`, default 2), each with
+/// `CONNECTIONS / threads` connections of its own.
+fn threads() -> usize {
+    std::env::var("RL_BENCH_WORKERS").ok().and_then(|v| v.parse().ok()).unwrap_or(2).max(1)
 }
 
-/// Closed loop with 64 in flight for `SECONDS`: decisions per second.
-async fn grpc_saturation() -> Result<f64> {
-    // Several HTTP/2 connections, as Envoy's workers open.
-    let mut clients = Vec::new();
-    for _ in 0..CONNECTIONS {
-        clients.push(RateLimitServiceClient::connect(format!("http://{GRPC}")).await?);
+async fn connect(threads: usize) -> Result<Vec<Conn>> {
+    let mut conns = Vec::new();
+    for _ in 0..(CONNECTIONS / threads).max(1) {
+        conns.push(Conn::connect(GRPC.parse()?).await?);
     }
-    let stop = Instant::now() + Duration::from_secs(SECONDS);
-    let mut tasks = Vec::new();
-    for w in 0..64u64 {
-        let mut c = clients[w as usize % CONNECTIONS].clone();
-        tasks.push(tokio::spawn(async move {
-            let mut done = 0u64;
-            while Instant::now() < stop {
-                if c.should_rate_limit(request(w * 1000 + done % 1000)).await.is_ok() {
-                    done += 1;
-                }
-            }
-            done
-        }));
-    }
-    let mut total = 0;
-    for t in tasks {
-        total += t.await?;
-    }
-    Ok(total as f64 / SECONDS as f64)
+    Ok(conns)
 }
 
-/// Creates `keys` distinct buckets (closed loop, 64 in flight).
-async fn grpc_fill(keys: u64) -> Result<()> {
-    let client = RateLimitServiceClient::connect(format!("http://{GRPC}")).await?;
-    let mut tasks = Vec::new();
-    for w in 0..64u64 {
-        let mut c = client.clone();
-        tasks.push(tokio::spawn(async move {
-            let mut user = w;
-            while user < keys {
-                c.should_rate_limit(request(user)).await?;
-                user += 64;
+/// Open loop at `RATE`/s for `SECONDS` over gRPC, spread over the
+/// generator's threads; `keys` distinct users; each request's time from its
+/// send to its answer. `paced`: a kernel timer releases requests one by
+/// one, as many independent clients would; otherwise each millisecond's 20
+/// requests go together. A thread that wakes late sends what is due at once.
+/// p50, p99 (ms) and the requests that failed.
+fn grpc_latency(lab: &Lab, keys: u64, paced: bool) -> Result<(f64, f64, u64)> {
+    let per_thread = on_threads(&lab.b, threads(), move |t, threads| async move {
+        let conns = connect(threads).await?;
+        let rate = RATE / threads as u64;
+        let n = rate * SECONDS;
+        let (every, batch) = if paced { (Duration::from_nanos(1_000_000_000 / rate), 1) } else { (Duration::from_millis(1), rate / 1000) };
+        let ticker = Ticker::new(every)?;
+        let mut tasks = Vec::with_capacity(n as usize);
+        let mut i = 0;
+        while i < n {
+            for _ in 0..ticker.tick().await? * batch {
+                if i == n {
+                    break;
+                }
+                let g = i * threads as u64 + t as u64;
+                let user = if keys == 1 { 0 } else { (g * 2_654_435_761) % keys };
+                let c = conns[i as usize % conns.len()].clone();
+                tasks.push(tokio::spawn(async move {
+                    // From the send: sends never wait for answers (open
+                    // loop), so lateness of the generator is the
+                    // generator's, not the service's.
+                    let sent = Instant::now();
+                    let r = c.call(encode(&request(user))).await;
+                    (r.err().map(|e| format!("{e:#}")), sent.elapsed().as_secs_f64() * 1e3)
+                }));
+                i += 1;
             }
-            Ok::<_, tonic::Status>(())
-        }));
+        }
+        let mut ms = Vec::with_capacity(tasks.len());
+        let mut failed = Vec::new();
+        for t in tasks {
+            let (err, m) = t.await?;
+            failed.extend(err);
+            ms.push(m);
+        }
+        Ok((ms, failed))
+    })?;
+    let (mut ms, mut failed) = (Vec::new(), Vec::new());
+    for (m, f) in per_thread {
+        ms.extend(m);
+        failed.extend(f);
     }
-    for t in tasks {
-        t.await??;
+    if let Some(e) = failed.first() {
+        println!("  {} requests failed, the first with: {e}", failed.len());
     }
+    Ok((percentile(&mut ms, 0.5), percentile(&mut ms, 0.99), failed.len() as u64))
+}
+
+/// Closed loop with 64 in flight in all for `SECONDS`: decisions per second.
+fn grpc_saturation(lab: &Lab) -> Result<f64> {
+    let done = on_threads(&lab.b, threads(), |t, threads| async move {
+        let conns = connect(threads).await?;
+        let stop = Instant::now() + Duration::from_secs(SECONDS);
+        let mut tasks = Vec::new();
+        for w in 0..64 / threads {
+            let c = conns[w % conns.len()].clone();
+            let first = ((t * 64 + w) * 1000) as u64;
+            tasks.push(tokio::spawn(async move {
+                let mut done = 0u64;
+                while Instant::now() < stop {
+                    if c.call(encode(&request(first + done % 1000))).await.is_ok() {
+                        done += 1;
+                    }
+                }
+                done
+            }));
+        }
+        let mut total = 0;
+        for t in tasks {
+            total += t.await?;
+        }
+        Ok(total)
+    })?;
+    Ok(done.iter().sum::<u64>() as f64 / SECONDS as f64)
+}
+
+/// Creates `keys` distinct buckets (closed loop, 64 in flight in all).
+fn grpc_fill(lab: &Lab, keys: u64) -> Result<()> {
+    on_threads(&lab.b, threads(), move |t, threads| async move {
+        let conns = connect(threads).await?;
+        let per = 64 / threads;
+        let mut tasks = Vec::new();
+        for w in 0..per {
+            let c = conns[w % conns.len()].clone();
+            let stride = (threads * per) as u64;
+            tasks.push(tokio::spawn(async move {
+                let mut user = (t * per + w) as u64;
+                while user < keys {
+                    c.call(encode(&request(user))).await?;
+                    user += stride;
+                }
+                Ok::<_, anyhow::Error>(())
+            }));
+        }
+        for t in tasks {
+            t.await??;
+        }
+        Ok(())
+    })?;
     Ok(())
 }
 
@@ -209,20 +229,6 @@ fn rss_kib(pid: u32) -> Result<u64> {
     rl_tests::proc_status_kib(pid, "VmRSS")
 }
 
-/// Runs the future `make` gives on a runtime of its own, in the lab's
-/// protected namespace (where the daemon's loopback listeners are).
-fn in_lab<T, F>(lab: &Lab, make: impl FnOnce() -> F + Send + 'static) -> Result<T>
-where
-    T: Send + 'static,
-    F: std::future::Future<Output = Result<T>>,
-{
-    lab.b.run(move || {
-        let workers = std::env::var("RL_BENCH_WORKERS").ok().and_then(|v| v.parse().ok()).unwrap_or(2);
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(workers).enable_all().build()?;
-        rt.block_on(make())
-    })
-}
-
 /// ns per decision of the engine alone, in this process (no transport).
 fn engine_ns() -> Result<f64> {
     use rl_control::{config::Config, l7::engine::{DescriptorEntry, Engine}};
@@ -245,31 +251,37 @@ fn main() -> Result<()> {
     let cfg = write(&dir, "rl.toml", &rules());
     let d = Daemon::serving(&lab, &cfg, &[])?;
     println!("rl request-decision benchmark (release daemon, 2 CPUs shared with the load generator), {RATE} requests/s offered for {SECONDS} s");
-    let report = |keys: u64, paced: bool, (p50, p99, failed): (f64, f64, u64)| {
+    let latency = |keys: u64, paced: bool| -> Result<()> {
+        let (cpu, own) = (rl_tests::process_cpu_secs(d.pid())?, rl_tests::process_cpu_secs(std::process::id())?);
+        let (p50, p99, failed) = grpc_latency(&lab, keys, paced)?;
+        let per = |secs: f64| secs / (RATE * SECONDS) as f64 * 1e6;
+        let (cpu, own) = (per(rl_tests::process_cpu_secs(d.pid())? - cpu), per(rl_tests::process_cpu_secs(std::process::id())? - own));
         let how = if paced { "paced one by one" } else { "released per ms" };
         println!(
             "gRPC ShouldRateLimit, {keys} key(s) in the store, {how}: p50 {p50:.3} ms, p99 {p99:.3} ms ({failed} failed); target p99 < 1 ms at {RATE}/s: {}",
             if p99 < 1.0 && failed == 0 { "met" } else { "MISSED" }
         );
+        println!("  CPU per request: daemon {cpu:.1} µs, load generator {own:.1} µs");
+        Ok(())
     };
     if std::env::var_os("RL_BENCH_SATURATION").is_some() {
         // For profiling the daemon: saturation only, its pid first.
         println!("daemon pid {}", d.pid());
         std::thread::sleep(Duration::from_secs(3));
-        let rate = in_lab(&lab, grpc_saturation)?;
+        let rate = grpc_saturation(&lab)?;
         println!("gRPC at saturation (64 in flight): {rate:.0} decisions/s");
         d.stop(libc::SIGTERM)?;
         return Ok(());
     }
     for paced in [true, false] {
-        report(1, paced, in_lab(&lab, move || grpc_latency(1, paced))?);
+        latency(1, paced)?;
     }
     if std::env::var_os("RL_BENCH_QUICK").is_some() {
         return Ok(());
     }
     let before = rss_kib(d.pid())?;
     let t = Instant::now();
-    in_lab(&lab, || grpc_fill(KEYS))?;
+    grpc_fill(&lab, KEYS)?;
     let fill = t.elapsed().as_secs_f64();
     let after = rss_kib(d.pid())?;
     let held = rl_tests::http::parse_prometheus(&rl_tests::http::get(&lab.b, "/metrics").body)["rl_l7_keys"];
@@ -284,10 +296,10 @@ fn main() -> Result<()> {
         if per_key <= 100.0 { "met" } else { "MISSED" }
     );
     for paced in [true, false] {
-        report(KEYS, paced, in_lab(&lab, move || grpc_latency(KEYS, paced))?);
+        latency(KEYS, paced)?;
     }
     let cpu_before = rl_tests::process_cpu_secs(d.pid())?;
-    let rate = in_lab(&lab, grpc_saturation)?;
+    let rate = grpc_saturation(&lab)?;
     let daemon_cpu = rl_tests::process_cpu_secs(d.pid())? - cpu_before;
     println!(
         "gRPC at saturation (64 in flight): {rate:.0} decisions/s; target ≥ 100,000: {}",

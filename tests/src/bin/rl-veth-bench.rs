@@ -18,6 +18,8 @@
 //! from one source (a known source after the first frame), and
 //! `RL_BENCH_DATAPATH` is TOML prepended to rl's rules, e.g.
 //! `$'[datapath]\nflood_prefix_v4 = 8\n'` for one hot prefix cell.
+//! `RL_BENCH_ONLY=rl` (or `rlunfiltered`, `nft`) measures that case beside
+//! the baseline alone, e.g. under `perf record -a`.
 
 use std::time::Instant;
 
@@ -145,7 +147,11 @@ fn main() -> Result<()> {
          {ROUNDS} interleaved rounds; busy CPU ns per frame over all CPUs (sender included)"
     );
     let steal = rl_tests::StealMeter::start();
-    let filters = [Filter::Pass, Filter::Rl, Filter::RlUnfiltered, Filter::Nft];
+    let mut filters = vec![Filter::Pass, Filter::Rl, Filter::RlUnfiltered, Filter::Nft];
+    if let Ok(only) = std::env::var("RL_BENCH_ONLY") {
+        // For profiling one case: the baseline is still measured first.
+        filters.retain(|f| *f == Filter::Pass || format!("{f:?}").eq_ignore_ascii_case(&only));
+    }
     let mut ns: Vec<Vec<f64>> = vec![Vec::new(); filters.len()];
     let started = Instant::now();
     // A warm-up run, not counted: first-touch costs land on no case.
@@ -162,6 +168,9 @@ fn main() -> Result<()> {
         println!("{:<24} {:>10.0} {:>10.0} {:>16.3}", f.name(), best, median(ns[i].clone()), paired);
     }
     let ratio = |i: usize, j: usize| median(ns[i].iter().zip(&ns[j]).map(|(a, b)| a / b).collect());
+    if filters.len() < 4 {
+        return Ok(());
+    }
     let (rl_vs_pass, rl_vs_nft) = (ratio(1, 0), ratio(1, 3));
     println!("the lookup filter: rl {:.3}× rl with it off", ratio(1, 2));
     println!(
