@@ -1,0 +1,96 @@
+//! Envoy's rate-limit service on several threads (`[l7] grpc_threads`):
+//! connections are dealt out in turn, every thread answers from the one
+//! shared set of request buckets, and `rl_l7_grpc_connections{thread}`
+//! follows connections as they open and close.
+
+use std::{sync::mpsc, time::Duration};
+
+use envoy_types::pb::envoy::{
+    extensions::common::ratelimit::v3::{rate_limit_descriptor::Entry, RateLimitDescriptor},
+    service::ratelimit::v3::{rate_limit_response::Code, RateLimitRequest},
+};
+use rl_tests::{
+    daemon::{write, Daemon},
+    http::{get, parse_prometheus},
+    lab::Lab,
+    rls::{encode, Conn},
+};
+
+const GRPC: &str = "127.0.0.1:8081";
+
+fn request(user: &str) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: "edge".into(),
+        descriptors: vec![RateLimitDescriptor { entries: vec![Entry { key: "user".into(), value: user.into() }], ..Default::default() }],
+        hits_addend: 1,
+    }
+}
+
+fn connections(lab: &Lab) -> (f64, f64) {
+    let m = parse_prometheus(&get(&lab.b, "/metrics").body);
+    let at = |t: &str| m.get(&format!("rl_l7_grpc_connections{{thread=\"{t}\"}}")).copied().unwrap_or(-1.0);
+    (at("0"), at("1"))
+}
+
+#[test]
+fn connections_are_dealt_over_the_threads_which_share_one_set_of_buckets() {
+    let lab = Lab::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write(
+        &dir,
+        "rl.toml",
+        &format!(
+            "[default]\nrate = 1000\n[l7]\ngrpc_listen = \"{GRPC}\"\ngrpc_threads = 2\n\
+             [[l7.rule]]\nname = \"per-user\"\ndomain = \"edge\"\ndescriptor = [{{ key = \"user\" }}]\nrate = 3\nper = \"1h\"\n"
+        ),
+    );
+    let d = Daemon::serving(&lab, &cfg, &[]).unwrap();
+    let names: Vec<String> = std::fs::read_dir(format!("/proc/{}/task", d.pid()))
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .map(|c| c.trim().to_string())
+        .collect();
+    for want in ["rl-grpc-0", "rl-grpc-1"] {
+        assert!(names.iter().any(|n| n == want), "no thread {want} in the daemon: {names:?}");
+    }
+    assert!(!names.iter().any(|n| n == "rl-grpc-2"), "more threads than grpc_threads = 2: {names:?}");
+    assert_eq!(connections(&lab), (0.0, 0.0), "connections before any client");
+
+    // Four connections, held open until told; one call on each, in turn.
+    let (opened, wait_open) = mpsc::channel();
+    let (close, closing) = mpsc::channel::<()>();
+    let client = lab.b.spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        rt.block_on(async move {
+            let mut conns = Vec::new();
+            for _ in 0..4 {
+                conns.push(Conn::connect(GRPC.parse()?).await?);
+            }
+            // User "u" may pass 3 times an hour: the 4th call is over the
+            // limit whichever thread answers it.
+            let mut codes = Vec::new();
+            for c in &conns {
+                codes.push(c.call(encode(&request("u"))).await?);
+            }
+            opened.send(codes)?;
+            let _ = closing.recv();
+            drop(conns);
+            Ok::<_, anyhow::Error>(())
+        })
+    });
+    let codes = wait_open.recv_timeout(Duration::from_secs(10)).expect("the client did not finish its calls");
+    assert_eq!(codes, [Code::Ok, Code::Ok, Code::Ok, Code::OverLimit], "one bucket across the threads");
+    assert_eq!(connections(&lab), (2.0, 2.0), "four connections dealt out in turn over two threads");
+    close.send(()).unwrap();
+    client.join().unwrap().unwrap();
+    let mut now = connections(&lab);
+    for _ in 0..50 {
+        if now == (0.0, 0.0) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        now = connections(&lab);
+    }
+    assert_eq!(now, (0.0, 0.0), "closed connections are no longer counted");
+    d.stop(libc::SIGTERM).unwrap();
+}
