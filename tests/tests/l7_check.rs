@@ -150,3 +150,44 @@ fn headers_of(lab: &Lab, body: &Value) -> Headers {
         })
         .unwrap()
 }
+
+/// The daemon sweeps the request store's shards in turn, each once a
+/// second: buckets that are fresh again go (whatever shard they hashed
+/// to), limited ones stay.
+#[test]
+fn the_daemon_drops_request_buckets_that_are_fresh_again_and_keeps_limited_ones() {
+    let lab = Lab::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write(
+        &dir,
+        "rl.toml",
+        &format!(
+            "[default]\nrate = 1000\n[l7]\nhttp_listen = \"{CHECK}\"\n\
+             [[l7.rule]]\nname = \"fast\"\ndomain = \"api\"\ndescriptor = [{{ key = \"user\" }}]\nrate = 10\nper = \"1s\"\n\
+             [[l7.rule]]\nname = \"slow\"\ndomain = \"auth\"\ndescriptor = [{{ key = \"user\" }}]\nrate = 1\nper = \"1h\"\n"
+        ),
+    );
+    let d = Daemon::serving(&lab, &cfg, &[]).unwrap();
+    let keys = || parse_prometheus(&get(&lab.b, "/metrics").body)["rl_l7_keys"];
+    // 200 keys spread over every shard, fresh again 100 ms after their one
+    // request; 3 keys limited for an hour.
+    for u in 0..200 {
+        assert_eq!(check(&lab, &json!({"domain": "api", "descriptors": [[{"key": "user", "value": format!("u{u}")}]]})).status, 200);
+    }
+    for u in 0..3 {
+        let body = json!({"domain": "auth", "descriptors": [[{"key": "user", "value": format!("s{u}")}]]});
+        assert_eq!(check(&lab, &body).status, 200);
+        assert_eq!(check(&lab, &body).status, 429);
+    }
+    assert!(keys() >= 200.0, "{} keys held", keys());
+    let started = std::time::Instant::now();
+    while keys() > 3.0 && started.elapsed() < std::time::Duration::from_secs(5) {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    assert_eq!(keys(), 3.0, "fresh buckets still held {:?} after the first request", started.elapsed());
+    for u in 0..3 {
+        let body = json!({"domain": "auth", "descriptors": [[{"key": "user", "value": format!("s{u}")}]]});
+        assert_eq!(check(&lab, &body).status, 429, "a limited key was dropped by the sweep");
+    }
+    d.stop(libc::SIGTERM).unwrap();
+}

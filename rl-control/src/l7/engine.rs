@@ -360,10 +360,24 @@ impl Engine {
 
     /// [`Engine::collect`] at monotonic time `now`.
     pub fn collect_at(&self, now: u64) -> u64 {
+        (0..SHARDS).map(|i| self.collect_shard_at(i, now)).sum()
+    }
+
+    /// The store's shards, which [`Engine::collect_shard`] sweeps one by one.
+    pub const SHARDS: usize = SHARDS;
+
+    /// [`Engine::collect`] over shard `i` alone: the daemon sweeps the
+    /// shards in turn, spread over each second, so that no sweep of a
+    /// million keys takes a CPU (and a shard lock) for long at once.
+    pub fn collect_shard(&self, i: usize) -> u64 {
+        self.collect_shard_at(i, now_ns())
+    }
+
+    fn collect_shard_at(&self, i: usize, now: u64) -> u64 {
         let by_id: HashMap<u64, &Compiled> = self.rules.iter().map(|c| (c.id, c)).collect();
         let mut gone = 0;
-        for s in self.shards.iter() {
-            let mut m = s.lock().unwrap_or_else(|e| e.into_inner());
+        {
+            let mut m = self.shards[i % SHARDS].lock().unwrap_or_else(|e| e.into_inner());
             m.retain(|(id, values), b| {
                 let keep = by_id.get(id).is_some_and(|c| match b {
                     Bucket::One(w) if *values == POOL => c.pool.is_some_and(|p| !p.is_fresh(*w, now, self.epoch_offset_ns)),

@@ -17,6 +17,9 @@
 //! `RL_BENCH_SATURATION=1` (saturation only, after printing the daemon's
 //! pid and waiting 3 s, e.g. for `perf record -p`),
 //! `RL_BENCH_WORKERS` (the generator's threads, default 2),
+//! `RL_BENCH_DUMP=PREFIX` (each latency run writes "sent-at-ms latency-ms"
+//! per request to PREFIX-KEYS-PACED-THREAD: a tail that comes every second
+//! is a periodic job's),
 //! `RL_BENCH_MAX_SOURCES` (the daemon's `[datapath] max_sources`, default
 //! 1,048,576: the collector's walk of the packet tables costs CPU in
 //! proportion to it).
@@ -85,10 +88,17 @@ async fn connect(threads: usize) -> Result<Vec<Conn>> {
 fn grpc_latency(lab: &Lab, keys: u64, paced: bool) -> Result<(f64, f64, u64)> {
     let per_thread = on_threads(&lab.b, threads(), move |t, threads| async move {
         let conns = connect(threads).await?;
+        // Warm up, not counted: the connections' first calls.
+        for c in &conns {
+            for _ in 0..100 {
+                c.call(encode(&request(0))).await?;
+            }
+        }
         let rate = RATE / threads as u64;
         let n = rate * SECONDS;
         let (every, batch) = if paced { (Duration::from_nanos(1_000_000_000 / rate), 1) } else { (Duration::from_millis(1), rate / 1000) };
         let ticker = Ticker::new(every)?;
+        let t0 = Instant::now();
         let mut tasks = Vec::with_capacity(n as usize);
         let mut i = 0;
         while i < n {
@@ -105,17 +115,22 @@ fn grpc_latency(lab: &Lab, keys: u64, paced: bool) -> Result<(f64, f64, u64)> {
                     // generator's, not the service's.
                     let sent = Instant::now();
                     let r = c.call(encode(&request(user))).await;
-                    (r.err().map(|e| format!("{e:#}")), sent.elapsed().as_secs_f64() * 1e3)
+                    (r.err().map(|e| format!("{e:#}")), sent.elapsed().as_secs_f64() * 1e3, (sent - t0).as_secs_f64() * 1e3)
                 }));
                 i += 1;
             }
         }
         let mut ms = Vec::with_capacity(tasks.len());
         let mut failed = Vec::new();
+        let mut dump = String::new();
         for t in tasks {
-            let (err, m) = t.await?;
+            let (err, m, at) = t.await?;
             failed.extend(err);
             ms.push(m);
+            dump += &format!("{at:.3} {m:.3}\n");
+        }
+        if let Ok(p) = std::env::var("RL_BENCH_DUMP") {
+            std::fs::write(format!("{p}-{keys}-{paced}-{t}"), dump)?;
         }
         Ok((ms, failed))
     })?;
@@ -244,6 +259,24 @@ fn engine_ns() -> Result<f64> {
     Ok(t.elapsed().as_nanos() as f64 / n as f64)
 }
 
+/// ms of one collector sweep over an engine holding `KEYS` keys, none of
+/// them fresh (so every one is looked at and kept), in this process.
+fn sweep_ms() -> Result<f64> {
+    use rl_control::{config::Config, l7::engine::{DescriptorEntry, Engine}};
+    let c = Config::from_str(&rules(), "<bench>")?;
+    let e = Engine::new(&c.l7, 0, None);
+    for i in 0..KEYS {
+        e.decide("bench", &[DescriptorEntry { key: "user".into(), value: i.to_string() }], 1);
+    }
+    let t = Instant::now();
+    let gone = e.collect();
+    let ms = t.elapsed().as_secs_f64() * 1e3;
+    if gone != 0 || e.keys() != KEYS {
+        bail!("the sweep dropped {gone} keys that were not fresh");
+    }
+    Ok(ms)
+}
+
 fn main() -> Result<()> {
     let steal = rl_tests::StealMeter::start();
     let lab = Lab::new()?;
@@ -279,6 +312,7 @@ fn main() -> Result<()> {
     if std::env::var_os("RL_BENCH_QUICK").is_some() {
         return Ok(());
     }
+
     let before = rss_kib(d.pid())?;
     let t = Instant::now();
     grpc_fill(&lab, KEYS)?;
@@ -313,6 +347,10 @@ fn main() -> Result<()> {
         2.0 / per
     );
     println!("the engine alone (match, hash, charge, quota; no transport): {:.0} ns per decision", engine_ns()?);
+    println!(
+        "one sweep of the store with {KEYS} keys in one go: {:.1} ms of a CPU (the daemon sweeps its 64 shards in turn over each second)",
+        sweep_ms()?
+    );
     for keys in [1, KEYS] {
         let (p50, p99) = http_latency(&lab, keys)?;
         println!("HTTP check, {keys} key(s): p50 {p50:.3} ms, p99 {p99:.3} ms");
