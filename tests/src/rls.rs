@@ -40,7 +40,11 @@ impl Conn {
     pub async fn connect(addr: SocketAddr) -> Result<Self> {
         let tcp = tokio::net::TcpStream::connect(addr).await.with_context(|| format!("connecting to {addr}"))?;
         tcp.set_nodelay(true)?;
-        let (send, conn) = h2::client::handshake(tcp).await.context("the HTTP/2 handshake")?;
+        // h2 closes a connection that holds more than ~130 small DATA
+        // frames unread (its guard against a hostile server); a generator
+        // thread that runs late holds many answers at once, so a larger
+        // budget.
+        let (send, conn) = h2::client::Builder::new().data_frame_budget(16 << 20).handshake(tcp).await.context("the HTTP/2 handshake")?;
         tokio::spawn(async move {
             let _ = conn.await;
         });
