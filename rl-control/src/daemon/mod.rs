@@ -333,8 +333,16 @@ async fn sweep_requests(l7: crate::l7::http::Shared) {
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     for i in (0..shards).cycle() {
         every.tick().await;
-        let engine = l7.read().unwrap_or_else(|e| e.into_inner()).clone();
-        let _ = tokio::task::spawn_blocking(move || engine.collect_shard(i)).await;
+        let l7 = l7.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            // The rules in force for the whole sweep: a bucket of a rule
+            // that a change just added is unknown to the engine before it,
+            // and would be dropped as if its rule were gone.
+            let _changes = crate::apply::hold_changes();
+            let engine = l7.read().unwrap_or_else(|e| e.into_inner()).clone();
+            engine.collect_shard(i)
+        })
+        .await;
     }
 }
 
