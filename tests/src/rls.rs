@@ -53,20 +53,33 @@ impl Conn {
 
     /// `ShouldRateLimit` with an [`encode`]d request: the overall code.
     pub async fn call(&self, body: Bytes) -> Result<Code> {
+        let (status, data) = self.raw(PATH, body).await?;
+        if status != "0" {
+            bail!("grpc-status {status}");
+        }
+        if data.len() < 5 {
+            bail!("an answer of {} bytes", data.len());
+        }
+        let r = RateLimitResponse::decode(&data[5..])?;
+        Code::try_from(r.overall_code).ok().filter(|c| *c != Code::Unknown).context("an answer without a code")
+    }
+
+    /// A gRPC call of any method with any body: its grpc-status (from the
+    /// trailers, or from the headers of a trailers-only answer) and the
+    /// response body.
+    pub async fn raw(&self, path: &str, body: Bytes) -> Result<(String, BytesMut)> {
         let mut send = self.send.clone().ready().await?;
-        let req = http::Request::post(self.uri.clone())
-            .header("content-type", "application/grpc")
-            .header("te", "trailers")
-            .body(())?;
+        let uri = if path == PATH { self.uri.clone() } else { format!("http://{}{path}", self.uri.authority().context("an authority")?).parse()? };
+        let req = http::Request::post(uri).header("content-type", "application/grpc").header("te", "trailers").body(())?;
         let (resp, mut stream) = send.send_request(req, false)?;
         stream.send_data(body, true)?;
         let resp = resp.await?;
         if resp.status() != http::StatusCode::OK {
             bail!("HTTP status {}", resp.status());
         }
-        // A trailers-only answer (an error) carries grpc-status in the headers.
-        if let Some(s) = resp.headers().get("grpc-status") {
-            bail!("grpc-status {s:?} {:?}", resp.headers().get("grpc-message"));
+        let status = |h: &http::HeaderMap| h.get("grpc-status").map(|s| String::from_utf8_lossy(s.as_bytes()).into_owned());
+        if let Some(s) = status(resp.headers()) {
+            return Ok((s, BytesMut::new()));
         }
         let mut body = resp.into_body();
         let mut data = BytesMut::new();
@@ -75,15 +88,8 @@ impl Conn {
             let _ = body.flow_control().release_capacity(chunk.len());
             data.extend_from_slice(&chunk);
         }
-        let status = body.trailers().await?.and_then(|t| t.get("grpc-status").cloned());
-        if status.as_ref().map(|s| s.as_bytes()) != Some(b"0") {
-            bail!("grpc-status {status:?}");
-        }
-        if data.len() < 5 {
-            bail!("an answer of {} bytes", data.len());
-        }
-        let r = RateLimitResponse::decode(&data[5..])?;
-        Code::try_from(r.overall_code).ok().filter(|c| *c != Code::Unknown).context("an answer without a code")
+        let trailers = body.trailers().await?.context("an answer without trailers")?;
+        Ok((status(&trailers).context("trailers without grpc-status")?, data))
     }
 }
 

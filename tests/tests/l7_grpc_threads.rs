@@ -1,7 +1,8 @@
 //! Envoy's rate-limit service on several threads (`[l7] grpc_threads`):
 //! connections are dealt out in turn, every thread answers from the one
-//! shared set of request buckets, and `rl_l7_grpc_connections{thread}`
-//! follows connections as they open and close.
+//! shared set of request buckets, bad calls get their gRPC status, and
+//! `rl_l7_grpc_connections{thread}` follows connections as they open and
+//! close.
 
 use std::{sync::mpsc, time::Duration};
 
@@ -72,14 +73,32 @@ fn connections_are_dealt_over_the_threads_which_share_one_set_of_buckets() {
             for c in &conns {
                 codes.push(c.call(encode(&request("u"))).await?);
             }
-            opened.send(codes)?;
+            // Bad input on the same connections: a body that is not the
+            // protobuf, a request without a domain, a method that does
+            // not exist. Each is answered with its gRPC status and the
+            // connection keeps serving.
+            let garbage = bytes::Bytes::from_static(&[0, 0, 0, 0, 3, 0xff, 0xff, 0xff]);
+            let mut no_domain = request("u");
+            no_domain.domain.clear();
+            let bad = [
+                conns[0].raw("/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit", garbage).await?.0,
+                conns[1].raw("/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit", encode(&no_domain)).await?.0,
+                conns[2].raw("/envoy.service.ratelimit.v3.RateLimitService/Nope", encode(&request("u"))).await?.0,
+                conns[3].raw("/other.Service/Call", encode(&request("u"))).await?.0,
+            ];
+            codes.push(conns[0].call(encode(&request("v"))).await?);
+            opened.send((codes, bad))?;
             let _ = closing.recv();
             drop(conns);
             Ok::<_, anyhow::Error>(())
         })
     });
-    let codes = wait_open.recv_timeout(Duration::from_secs(10)).expect("the client did not finish its calls");
-    assert_eq!(codes, [Code::Ok, Code::Ok, Code::Ok, Code::OverLimit], "one bucket across the threads");
+    let (codes, bad) = wait_open.recv_timeout(Duration::from_secs(10)).expect("the client did not finish its calls");
+    assert_eq!(codes[..4], [Code::Ok, Code::Ok, Code::Ok, Code::OverLimit], "one bucket across the threads");
+    // INTERNAL for an undecodable message (as tonic answers it),
+    // INVALID_ARGUMENT, UNIMPLEMENTED twice.
+    assert_eq!(bad, ["13", "3", "12", "12"], "gRPC statuses of bad calls");
+    assert_eq!(codes[4], Code::Ok, "a connection serves on after bad calls");
     assert_eq!(connections(&lab), (2.0, 2.0), "four connections dealt out in turn over two threads");
     close.send(()).unwrap();
     client.join().unwrap().unwrap();

@@ -12,20 +12,18 @@
 //! `rl_l7_grpc_connections{thread}` shows the spread.
 
 use std::{
-    io,
-    pin::Pin,
     sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed},
-    task::{Context, Poll},
     time::Duration,
 };
 
 use anyhow::Context as _;
-use tokio::{
-    io::{AsyncRead, AsyncWrite, ReadBuf},
-    net::{TcpListener, TcpStream},
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
+use hyper_util::{
+    rt::{TokioExecutor, TokioIo, TokioTimer},
+    service::TowerToHyperService,
 };
-use tonic::transport::server::{Connected, TcpConnectInfo};
-use tracing::{error, warn};
+use tokio::net::{TcpListener, TcpStream};
+use tracing::{debug, warn};
 
 use super::{grpc, rules::MAX_GRPC_THREADS};
 
@@ -41,28 +39,27 @@ pub fn thread_count(configured: Option<u32>) -> usize {
 }
 
 /// Starts `threads` serving threads with a service from `make` each, and
-/// the accepting task on the current runtime.
+/// the accepting task on the current runtime. Each connection is served by
+/// hyper's HTTP/2 with the generated service directly: tonic's router,
+/// error recovery and connection-info layers moved every call's future
+/// around for nothing (one service, no TLS).
 pub fn serve(listener: TcpListener, threads: usize, make: impl Fn() -> grpc::Service) -> anyhow::Result<()> {
     let mut queues = Vec::with_capacity(threads);
     for i in 0..threads {
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<std::net::TcpStream>();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<std::net::TcpStream>();
         let svc = grpc::server(make());
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().context("a runtime for a gRPC thread")?;
         std::thread::Builder::new()
             .name(format!("rl-grpc-{i}"))
             .spawn(move || {
                 rt.block_on(async move {
-                    let incoming = tokio_stream::StreamExt::filter_map(tokio_stream::wrappers::UnboundedReceiverStream::new(rx), move |s| {
+                    while let Some(s) = rx.recv().await {
                         match TcpStream::from_std(s) {
-                            Ok(s) => Some(Ok::<_, io::Error>(Counted::new(s, i))),
-                            Err(e) => {
-                                warn!("a gRPC connection could not join thread {i}: {e}");
-                                None
+                            Ok(s) => {
+                                tokio::spawn(connection(s, i, svc.clone()));
                             }
+                            Err(e) => warn!("a gRPC connection could not join thread {i}: {e}"),
                         }
-                    });
-                    if let Err(e) = tonic::transport::Server::builder().add_service(svc).serve_with_incoming(incoming).await {
-                        error!("Envoy's rate-limit service (l7 gRPC) thread {i} stopped: {e}");
                     }
                 })
             })
@@ -97,52 +94,16 @@ pub fn serve(listener: TcpListener, threads: usize, make: impl Fn() -> grpc::Ser
     Ok(())
 }
 
-/// A connection, counted in [`CONNECTIONS`] while open.
-struct Counted {
-    s: TcpStream,
-    thread: usize,
-}
-
-impl Counted {
-    fn new(s: TcpStream, thread: usize) -> Self {
-        CONNECTIONS[thread].fetch_add(1, Relaxed);
-        Counted { s, thread }
-    }
-}
-
-impl Drop for Counted {
-    fn drop(&mut self) {
-        CONNECTIONS[self.thread].fetch_sub(1, Relaxed);
-    }
-}
-
-impl Connected for Counted {
-    type ConnectInfo = TcpConnectInfo;
-    fn connect_info(&self) -> TcpConnectInfo {
-        self.s.connect_info()
-    }
-}
-
-impl AsyncRead for Counted {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.s).poll_read(cx, buf)
-    }
-}
-
-impl AsyncWrite for Counted {
-    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.s).poll_write(cx, buf)
-    }
-    fn poll_write_vectored(mut self: Pin<&mut Self>, cx: &mut Context<'_>, bufs: &[io::IoSlice<'_>]) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.s).poll_write_vectored(cx, bufs)
-    }
-    fn is_write_vectored(&self) -> bool {
-        self.s.is_write_vectored()
-    }
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.s).poll_flush(cx)
-    }
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.s).poll_shutdown(cx)
+/// Serves one connection on this thread until it closes, counted in
+/// [`CONNECTIONS`] meanwhile.
+async fn connection(s: TcpStream, thread: usize, svc: RateLimitServiceServer<grpc::Service>) {
+    CONNECTIONS[thread].fetch_add(1, Relaxed);
+    let served = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+        .timer(TokioTimer::new())
+        .serve_connection(TokioIo::new(s), TowerToHyperService::new(svc))
+        .await;
+    CONNECTIONS[thread].fetch_sub(1, Relaxed);
+    if let Err(e) = served {
+        debug!("a gRPC connection on thread {thread} ended: {e}");
     }
 }
