@@ -98,7 +98,7 @@ impl Service {
         }
         let request_hits = if r.hits_addend == 0 { 1 } else { r.hits_addend as i64 };
         let mut charges = Vec::with_capacity(r.descriptors.len());
-        for d in &r.descriptors {
+        for d in r.descriptors {
             if d.entries.is_empty() || d.entries.len() > MAX_ENTRIES {
                 return Err(invalid(format!("a descriptor needs 1..={MAX_ENTRIES} entries")));
             }
@@ -109,8 +109,8 @@ impl Service {
             if hits > MAX_HITS {
                 return Err(invalid(format!("hits_addend must be at most {MAX_HITS}")));
             }
-            let entries: Vec<DescriptorEntry> =
-                d.entries.iter().map(|e| DescriptorEntry { key: e.key.clone(), value: e.value.clone() }).collect();
+            // Moved, not copied: the request is ours.
+            let entries: Vec<DescriptorEntry> = d.entries.into_iter().map(|e| DescriptorEntry { key: e.key, value: e.value }).collect();
             charges.push((entries, if d.is_negative_hits { -hits } else { hits }));
         }
         let engine = self.l7.read().unwrap_or_else(|e| e.into_inner()).clone();
