@@ -31,6 +31,25 @@ pub fn binary() -> PathBuf {
     );
 }
 
+/// A new lab with a daemon serving the rules `toml` (see
+/// [`Daemon::serving`]); the rule file lives as long as this.
+pub struct Served {
+    pub d: Daemon,
+    pub cfg: PathBuf,
+    pub lab: crate::lab::Lab,
+    /// Holds the rule file: bind it (`dir: _dir`) while the daemon runs.
+    pub dir: tempfile::TempDir,
+}
+
+/// [`Served`] with `toml`.
+pub fn served(toml: &str) -> Result<Served> {
+    let lab = crate::lab::Lab::new()?;
+    let dir = tempfile::tempdir()?;
+    let cfg = write(&dir, "rl.toml", toml);
+    let d = Daemon::serving(&lab, &cfg, &[])?;
+    Ok(Served { d, cfg, lab, dir })
+}
+
 /// Writes `text` to `name` in `dir` (a config or token file for the daemon).
 pub fn write(dir: &tempfile::TempDir, name: &str, text: &str) -> PathBuf {
     let p = dir.path().join(name);

@@ -4,7 +4,7 @@
 //! the buckets of unchanged rules; decisions in `/metrics`.
 
 use rl_tests::{
-    daemon::{write, Daemon},
+    daemon::{served, write, Daemon, Served},
     http::{get, parse_prometheus, request, request_tcp, Answer},
     lab::Lab,
 };
@@ -156,18 +156,12 @@ fn headers_of(lab: &Lab, body: &Value) -> Headers {
 /// to), limited ones stay.
 #[test]
 fn the_daemon_drops_request_buckets_that_are_fresh_again_and_keeps_limited_ones() {
-    let lab = Lab::new().unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = write(
-        &dir,
-        "rl.toml",
-        &format!(
-            "[default]\nrate = 1000\n[l7]\nhttp_listen = \"{CHECK}\"\n\
-             [[l7.rule]]\nname = \"fast\"\ndomain = \"api\"\ndescriptor = [{{ key = \"user\" }}]\nrate = 1\nper = \"2s\"\n\
-             [[l7.rule]]\nname = \"slow\"\ndomain = \"auth\"\ndescriptor = [{{ key = \"user\" }}]\nrate = 1\nper = \"1h\"\n"
-        ),
-    );
-    let d = Daemon::serving(&lab, &cfg, &[]).unwrap();
+    let Served { lab, d, dir: _dir, .. } = served(&format!(
+        "[default]\nrate = 1000\n[l7]\nhttp_listen = \"{CHECK}\"\n\
+         [[l7.rule]]\nname = \"fast\"\ndomain = \"api\"\ndescriptor = [{{ key = \"user\" }}]\nrate = 1\nper = \"2s\"\n\
+         [[l7.rule]]\nname = \"slow\"\ndomain = \"auth\"\ndescriptor = [{{ key = \"user\" }}]\nrate = 1\nper = \"1h\"\n"
+    ))
+    .unwrap();
     let keys = || parse_prometheus(&get(&lab.b, "/metrics").body)["rl_l7_keys"];
     // 200 keys spread over every shard, fresh again 2 s after their one
     // request (making them takes well under that); 3 keys limited for an

@@ -11,7 +11,7 @@ use envoy_types::pb::envoy::{
     service::ratelimit::v3::{rate_limit_response::Code, RateLimitRequest},
 };
 use rl_tests::{
-    daemon::{write, Daemon},
+    daemon::{served, Served},
     http::{get, parse_prometheus},
     lab::Lab,
     rls::{encode, Conn},
@@ -35,17 +35,11 @@ fn connections(lab: &Lab) -> (f64, f64) {
 
 #[test]
 fn connections_are_dealt_over_the_threads_which_share_one_set_of_buckets() {
-    let lab = Lab::new().unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = write(
-        &dir,
-        "rl.toml",
-        &format!(
-            "[default]\nrate = 1000\n[l7]\ngrpc_listen = \"{GRPC}\"\ngrpc_threads = 2\n\
-             [[l7.rule]]\nname = \"per-user\"\ndomain = \"edge\"\ndescriptor = [{{ key = \"user\" }}]\nrate = 3\nper = \"1h\"\n"
-        ),
-    );
-    let d = Daemon::serving(&lab, &cfg, &[]).unwrap();
+    let Served { lab, d, dir: _dir, .. } = served(&format!(
+        "[default]\nrate = 1000\n[l7]\ngrpc_listen = \"{GRPC}\"\ngrpc_threads = 2\n\
+         [[l7.rule]]\nname = \"per-user\"\ndomain = \"edge\"\ndescriptor = [{{ key = \"user\" }}]\nrate = 3\nper = \"1h\"\n"
+    ))
+    .unwrap();
     let names: Vec<String> = std::fs::read_dir(format!("/proc/{}/task", d.pid()))
         .unwrap()
         .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
