@@ -87,13 +87,11 @@ pub(super) async fn metrics(AxState(api): AxState<Api>) -> ApiResult<Response> {
         }
         let _ = writeln!(out, "rl_l7_request_seconds_sum{{api=\"{api}\"}} {sum}\nrl_l7_request_seconds_count{{api=\"{api}\"}} {}", counts.last().copied().unwrap_or(0));
     }
-    let threads = crate::l7::threads::THREADS.load(std::sync::atomic::Ordering::Relaxed);
+    let threads = crate::l7::grpc_threads::THREADS.load(std::sync::atomic::Ordering::Relaxed);
     if threads > 0 {
-        family(&mut out, "rl_l7_connections", "gauge", "Open request connections per front end and serving thread ([l7] threads).");
-        for (api, per_thread) in crate::l7::threads::APIS.iter().zip(&crate::l7::threads::CONNECTIONS) {
-            for (i, c) in per_thread[..threads].iter().enumerate() {
-                let _ = writeln!(out, "rl_l7_connections{{api=\"{api}\",thread=\"{i}\"}} {}", c.load(std::sync::atomic::Ordering::Relaxed));
-            }
+        family(&mut out, "rl_l7_grpc_connections", "gauge", "Open gRPC connections per serving thread ([l7] grpc_threads).");
+        for (i, c) in crate::l7::grpc_threads::CONNECTIONS[..threads].iter().enumerate() {
+            let _ = writeln!(out, "rl_l7_grpc_connections{{thread=\"{i}\"}} {}", c.load(std::sync::atomic::Ordering::Relaxed));
         }
     }
     family(&mut out, "rl_l7_keys", "gauge", "Request buckets held, against [l7] max_keys.");

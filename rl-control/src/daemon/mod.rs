@@ -179,21 +179,22 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     let events = dp.take_events();
     let l7: crate::l7::http::Shared =
         Arc::new(std::sync::RwLock::new(Arc::new(crate::l7::engine::Engine::new(&config.l7, dp.epoch_offset_ns(), None).with_cluster(cluster.clone()))));
-    // Both request front ends on the same serving threads.
-    let threads = crate::l7::threads::thread_count(config.l7.threads);
-    let draft_headers = config.l7.draft_headers;
-    let make_grpc = || crate::l7::grpc::Service { l7: l7.clone(), draft_headers };
-    let (http_addr, grpc_addr) = (l7_listener.as_ref().and_then(|l| l.local_addr().ok()), grpc_listener.as_ref().and_then(|l| l.local_addr().ok()));
-    crate::l7::threads::serve(
-        threads,
-        grpc_listener.map(|l| (l, &make_grpc as &dyn Fn() -> crate::l7::grpc::Service)),
-        l7_listener.map(|l| (l, crate::l7::http::router(l7.clone()))),
-    )?;
-    if let Some(addr) = http_addr {
-        info!("request check on http://{addr} (POST /v1/check; {} l7 rules; {threads} threads)", config.l7.rules.len());
+    if let Some(listener) = l7_listener {
+        let app = crate::l7::http::router(l7.clone());
+        let addr = listener.local_addr().ok();
+        tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, app).await {
+                tracing::error!("the request check (l7) stopped: {e}");
+            }
+        });
+        info!("request check on http://{} (POST /v1/check; {} l7 rules)", addr.map(|a| a.to_string()).unwrap_or_default(), config.l7.rules.len());
     }
-    if let Some(addr) = grpc_addr {
-        info!("Envoy rate-limit service on {addr} (envoy.service.ratelimit.v3; {threads} threads)");
+    if let Some(listener) = grpc_listener {
+        let addr = listener.local_addr().ok();
+        let threads = crate::l7::grpc_threads::thread_count(config.l7.grpc_threads);
+        let draft_headers = config.l7.draft_headers;
+        crate::l7::grpc_threads::serve(listener, threads, || crate::l7::grpc::Service { l7: l7.clone(), draft_headers })?;
+        info!("Envoy rate-limit service on {} (envoy.service.ratelimit.v3, {threads} threads)", addr.map(|a| a.to_string()).unwrap_or_default());
     }
     let state: Shared = Arc::new(Mutex::new(State {
         l7,

@@ -7,10 +7,10 @@
 mod charge;
 pub mod engine;
 pub mod grpc;
+pub mod grpc_threads;
 pub mod http;
 pub mod rules;
 mod scoped;
-pub mod threads;
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 

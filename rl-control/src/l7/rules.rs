@@ -24,8 +24,8 @@ pub const MAX_VALUE_LEN: usize = 256;
 pub const MAX_LOG_RATE: u64 = 10_000;
 /// Largest `max` of a `concurrency` rule.
 pub const MAX_CONCURRENCY: u64 = 1_000_000;
-/// Most `[l7] threads`.
-pub const MAX_THREADS: usize = 64;
+/// Most `[l7] grpc_threads`.
+pub const MAX_GRPC_THREADS: usize = 64;
 /// Largest `[l7] max_keys`.
 pub const MAX_KEYS_LIMIT: u64 = 16_777_216;
 
@@ -77,15 +77,15 @@ pub struct L7Config {
     pub max_keys: u64,
     /// Add the IETF `RateLimit-Policy` / `RateLimit` headers to gRPC answers.
     pub draft_headers: bool,
-    /// Threads serving request decisions, both front ends (`None`: one per
-    /// CPU the daemon may run on). Read at start, like the listen addresses.
-    pub threads: Option<u32>,
+    /// Threads serving gRPC connections (`None`: one per CPU the daemon may
+    /// run on). Read at start, like the listen addresses.
+    pub grpc_threads: Option<u32>,
     pub rules: Vec<L7Rule>,
 }
 
 impl Default for L7Config {
     fn default() -> Self {
-        L7Config { grpc_listen: None, http_listen: None, max_keys: 1_000_000, draft_headers: false, threads: None, rules: Vec::new() }
+        L7Config { grpc_listen: None, http_listen: None, max_keys: 1_000_000, draft_headers: false, grpc_threads: None, rules: Vec::new() }
     }
 }
 
@@ -96,7 +96,7 @@ pub(crate) struct RawL7 {
     http_listen: Option<Spanned<String>>,
     max_keys: Option<Spanned<i64>>,
     draft_headers: Option<bool>,
-    threads: Option<Spanned<i64>>,
+    grpc_threads: Option<Spanned<i64>>,
     #[serde(default)]
     rule: Vec<Spanned<RawL7Rule>>,
 }
@@ -147,8 +147,8 @@ pub(crate) fn validate(loc: &Located, raw: &RawL7, has_cluster: bool) -> Result<
             None => 1_000_000,
         },
         draft_headers: raw.draft_headers.unwrap_or(false),
-        threads: match &raw.threads {
-            Some(v) => Some(int_in(loc, "l7.threads", v, 1, MAX_THREADS as i64)? as u32),
+        grpc_threads: match &raw.grpc_threads {
+            Some(v) => Some(int_in(loc, "l7.grpc_threads", v, 1, MAX_GRPC_THREADS as i64)? as u32),
             None => None,
         },
         rules: Vec::new(),
@@ -341,8 +341,8 @@ mod tests {
             ("[[l7.rule]]\nname = \"R!\"\n".into(), "rules.toml:4:8:", "is not allowed"),
             (format!("{}{}", rule("rate = 1\n"), rule("rate = 2\n")), "rules.toml:9:8:", "already used"),
             ("[l7]\nmax_keys = 0\n".into(), "rules.toml:4:12:", "l7.max_keys = 0 is out of range"),
-            ("[l7]\nthreads = 0\n".into(), "rules.toml:4:11:", "l7.threads = 0 is out of range"),
-            ("[l7]\nthreads = 65\n".into(), "rules.toml:4:11:", "l7.threads = 65 is out of range"),
+            ("[l7]\ngrpc_threads = 0\n".into(), "rules.toml:4:16:", "l7.grpc_threads = 0 is out of range"),
+            ("[l7]\ngrpc_threads = 65\n".into(), "rules.toml:4:16:", "l7.grpc_threads = 65 is out of range"),
             ("[l7]\nhttp_listen = \"localhost\"\n".into(), "rules.toml:4:15:", "is not an address"),
             ("[l7]\ngrpc_listen = \"8081\"\n".into(), "rules.toml:4:15:", "is not an address"),
             ("[l7]\nbogus = 1\n".into(), "rules.toml:4:1:", "unknown field `bogus`"),

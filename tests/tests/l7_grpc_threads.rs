@@ -1,7 +1,7 @@
-//! Request decisions on several threads (`[l7] threads`): connections of
-//! both front ends are dealt out in turn, every thread answers from the
-//! one shared set of request buckets, bad gRPC calls get their status, and
-//! `rl_l7_connections{api, thread}` follows connections as they open and
+//! Envoy's rate-limit service on several threads (`[l7] grpc_threads`):
+//! connections are dealt out in turn, every thread answers from the one
+//! shared set of request buckets, bad calls get their gRPC status, and
+//! `rl_l7_grpc_connections{thread}` follows connections as they open and
 //! close.
 
 use std::{sync::mpsc, time::Duration};
@@ -18,7 +18,6 @@ use rl_tests::{
 };
 
 const GRPC: &str = "127.0.0.1:8081";
-const CHECK: &str = "127.0.0.1:8082";
 
 fn request(user: &str) -> RateLimitRequest {
     RateLimitRequest {
@@ -28,42 +27,16 @@ fn request(user: &str) -> RateLimitRequest {
     }
 }
 
-/// Open connections: gRPC on threads 0 and 1, then HTTP on 0 and 1.
-fn connections(lab: &Lab) -> [f64; 4] {
+fn connections(lab: &Lab) -> (f64, f64) {
     let m = parse_prometheus(&get(&lab.b, "/metrics").body);
-    let at = |api: &str, t: &str| m.get(&format!("rl_l7_connections{{api=\"{api}\",thread=\"{t}\"}}")).copied().unwrap_or(-1.0);
-    [at("grpc", "0"), at("grpc", "1"), at("http", "0"), at("http", "1")]
-}
-
-/// One HTTP check over a kept-alive connection: the status code.
-fn check(s: &mut std::net::TcpStream, user: &str) -> anyhow::Result<u16> {
-    use std::io::{Read, Write};
-    let body = format!("{{\"domain\":\"edge\",\"descriptors\":[[{{\"key\":\"user\",\"value\":\"{user}\"}}]]}}");
-    write!(s, "POST /v1/check HTTP/1.1\r\nHost: rl\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len())?;
-    let mut got = Vec::new();
-    let mut buf = [0u8; 4096];
-    // The whole answer: its headers, then Content-Length bytes of body.
-    loop {
-        let n = s.read(&mut buf)?;
-        anyhow::ensure!(n > 0, "the check closed the connection");
-        got.extend_from_slice(&buf[..n]);
-        let text = String::from_utf8_lossy(&got).to_string();
-        if let Some(end) = text.find("\r\n\r\n") {
-            let len: usize = text[..end]
-                .lines()
-                .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length:").map(|v| v.trim().parse().unwrap_or(0)))
-                .unwrap_or(0);
-            if got.len() >= end + 4 + len {
-                return Ok(text[9..12].parse()?);
-            }
-        }
-    }
+    let at = |t: &str| m.get(&format!("rl_l7_grpc_connections{{thread=\"{t}\"}}")).copied().unwrap_or(-1.0);
+    (at("0"), at("1"))
 }
 
 #[test]
 fn connections_are_dealt_over_the_threads_which_share_one_set_of_buckets() {
     let Served { lab, d, dir: _dir, .. } = served(&format!(
-        "[default]\nrate = 1000\n[l7]\ngrpc_listen = \"{GRPC}\"\nhttp_listen = \"{CHECK}\"\nthreads = 2\n\
+        "[default]\nrate = 1000\n[l7]\ngrpc_listen = \"{GRPC}\"\ngrpc_threads = 2\n\
          [[l7.rule]]\nname = \"per-user\"\ndomain = \"edge\"\ndescriptor = [{{ key = \"user\" }}]\nrate = 3\nper = \"1h\"\n"
     ))
     .unwrap();
@@ -72,11 +45,11 @@ fn connections_are_dealt_over_the_threads_which_share_one_set_of_buckets() {
         .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
         .map(|c| c.trim().to_string())
         .collect();
-    for want in ["rl-l7-0", "rl-l7-1"] {
+    for want in ["rl-grpc-0", "rl-grpc-1"] {
         assert!(names.iter().any(|n| n == want), "no thread {want} in the daemon: {names:?}");
     }
-    assert!(!names.iter().any(|n| n == "rl-l7-2"), "more threads than threads = 2: {names:?}");
-    assert_eq!(connections(&lab), [0.0; 4], "connections before any client");
+    assert!(!names.iter().any(|n| n == "rl-grpc-2"), "more threads than grpc_threads = 2: {names:?}");
+    assert_eq!(connections(&lab), (0.0, 0.0), "connections before any client");
 
     // Four connections, held open until told; one call on each, in turn.
     let (opened, wait_open) = mpsc::channel();
@@ -108,34 +81,29 @@ fn connections_are_dealt_over_the_threads_which_share_one_set_of_buckets() {
                 conns[3].raw("/other.Service/Call", encode(&request("u"))).await?.0,
             ];
             codes.push(conns[0].call(encode(&request("v"))).await?);
-            // Two HTTP check connections: "u" is over its limit there too,
-            // "w" is not.
-            let mut checks = [std::net::TcpStream::connect(CHECK)?, std::net::TcpStream::connect(CHECK)?];
-            let statuses = [check(&mut checks[0], "u")?, check(&mut checks[1], "w")?];
-            opened.send((codes, bad, statuses))?;
+            opened.send((codes, bad))?;
             let _ = closing.recv();
-            drop((conns, checks));
+            drop(conns);
             Ok::<_, anyhow::Error>(())
         })
     });
-    let (codes, bad, statuses) = wait_open.recv_timeout(Duration::from_secs(10)).expect("the client did not finish its calls");
+    let (codes, bad) = wait_open.recv_timeout(Duration::from_secs(10)).expect("the client did not finish its calls");
     assert_eq!(codes[..4], [Code::Ok, Code::Ok, Code::Ok, Code::OverLimit], "one bucket across the threads");
     // INTERNAL for an undecodable message (as tonic answers it),
     // INVALID_ARGUMENT, UNIMPLEMENTED twice.
     assert_eq!(bad, ["13", "3", "12", "12"], "gRPC statuses of bad calls");
     assert_eq!(codes[4], Code::Ok, "a connection serves on after bad calls");
-    assert_eq!(statuses, [429, 200], "the HTTP check answers from the same buckets");
-    assert_eq!(connections(&lab), [2.0, 2.0, 1.0, 1.0], "connections of each front end dealt out in turn over two threads");
+    assert_eq!(connections(&lab), (2.0, 2.0), "four connections dealt out in turn over two threads");
     close.send(()).unwrap();
     client.join().unwrap().unwrap();
     let mut now = connections(&lab);
     for _ in 0..50 {
-        if now == [0.0; 4] {
+        if now == (0.0, 0.0) {
             break;
         }
         std::thread::sleep(Duration::from_millis(100));
         now = connections(&lab);
     }
-    assert_eq!(now, [0.0; 4], "closed connections are no longer counted");
+    assert_eq!(now, (0.0, 0.0), "closed connections are no longer counted");
     d.stop(libc::SIGTERM).unwrap();
 }
