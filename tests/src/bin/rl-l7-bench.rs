@@ -14,6 +14,7 @@
 //!   collected during the run; most answers are 429s, decided in full).
 //!
 //! Knobs for diagnosis: `RL_BENCH_QUICK=1` (the 1-key latencies only),
+//! `RL_BENCH_HTTP=1` (the HTTP check's 1-key latency only),
 //! `RL_BENCH_SATURATION=1` (saturation only, after printing the daemon's
 //! pid and waiting 3 s, e.g. for `perf record -p`),
 //! `RL_BENCH_WORKERS` (the generator's threads, default 2),
@@ -297,6 +298,11 @@ fn main() -> Result<()> {
         println!("  CPU per request: daemon {cpu:.1} µs, load generator {own:.1} µs");
         Ok(())
     };
+    if std::env::var_os("RL_BENCH_HTTP").is_some() {
+        let (p50, p99) = http_latency(&lab, 1)?;
+        println!("HTTP check, 1 key: p50 {p50:.3} ms, p99 {p99:.3} ms");
+        return Ok(());
+    }
     if std::env::var_os("RL_BENCH_SATURATION").is_some() {
         // For profiling the daemon: saturation only, its pid first.
         println!("daemon pid {}", d.pid());
