@@ -30,6 +30,8 @@ use super::{
 };
 use crate::rules::{Action, Algorithm};
 
+mod collect;
+
 const SHARDS: usize = 64;
 const NS: u64 = 1_000_000_000;
 
@@ -349,53 +351,6 @@ impl Engine {
         };
         st.code = if st.remaining > 0 { "ok" } else { "over_limit" };
         st
-    }
-
-    /// Drops buckets whose state is fresh again (a full token bucket, a
-    /// window past, an empty log or no permit out): forgetting them changes
-    /// no decision. Returns how many went.
-    pub fn collect(&self) -> u64 {
-        self.collect_at(now_ns())
-    }
-
-    /// [`Engine::collect`] at monotonic time `now`.
-    pub fn collect_at(&self, now: u64) -> u64 {
-        (0..SHARDS).map(|i| self.collect_shard_at(i, now)).sum()
-    }
-
-    /// The store's shards, which [`Engine::collect_shard`] sweeps one by one.
-    pub const SHARDS: usize = SHARDS;
-
-    /// [`Engine::collect`] over shard `i` alone: the daemon sweeps the
-    /// shards in turn, spread over each second, so that no sweep of a
-    /// million keys takes a CPU (and a shard lock) for long at once.
-    pub fn collect_shard(&self, i: usize) -> u64 {
-        self.collect_shard_at(i, now_ns())
-    }
-
-    fn collect_shard_at(&self, i: usize, now: u64) -> u64 {
-        let by_id: HashMap<u64, &Compiled> = self.rules.iter().map(|c| (c.id, c)).collect();
-        let mut gone = 0;
-        {
-            let mut m = self.shards[i % SHARDS].lock().unwrap_or_else(|e| e.into_inner());
-            m.retain(|(id, values), b| {
-                let keep = by_id.get(id).is_some_and(|c| match b {
-                    Bucket::One(w) if *values == POOL => c.pool.is_some_and(|p| !p.is_fresh(*w, now, self.epoch_offset_ns)),
-                    Bucket::One(w) => !c.limits[0].is_fresh(*w, now, self.epoch_offset_ns),
-                    Bucket::Words(w) => !c.limits.iter().zip(w.iter()).all(|(l, w)| l.is_fresh(*w, now, self.epoch_offset_ns)),
-                    Bucket::Log(logs) => {
-                        !logs.iter().zip(&c.rule.limits).all(|(log, l)| log.back().is_none_or(|t| t + l.rate.per_secs * NS <= now))
-                    }
-                    Bucket::Leases(leases) => !leases.iter().all(|&expiry| expiry <= now),
-                });
-                if !keep && *values != OVERFLOW && *values != POOL {
-                    gone += 1;
-                }
-                keep
-            });
-        }
-        self.keys.fetch_sub(gone.min(self.keys()), Ordering::Relaxed);
-        gone
     }
 }
 
