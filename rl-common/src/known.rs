@@ -105,6 +105,14 @@ pub const fn known_mask(hash: u64) -> u64 {
     1 << (hash & 63) | 1 << ((hash >> 6) & 63)
 }
 
+/// Whether `word` holds both bits of the key with `hash`: false means the
+/// key surely owns no bucket (the one test the program and the daemon make).
+#[inline(always)]
+pub const fn known_holds(word: u64, hash: u64) -> bool {
+    let mask = known_mask(hash);
+    word & mask == mask
+}
+
 #[cfg(test)]
 mod tests {
     extern crate std;

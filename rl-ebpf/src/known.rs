@@ -5,7 +5,7 @@
 use core::intrinsics::{atomic_or, AtomicOrdering};
 
 use aya_ebpf::{bindings::BPF_F_MMAPABLE, macros::map, maps::Array};
-use rl_common::{known_mask, known_word, KnownKey, KNOWN_ENTRIES, KNOWN_HALF, KNOWN_VALID};
+use rl_common::{known_holds, known_mask, known_word, KnownKey, KNOWN_ENTRIES, KNOWN_HALF, KNOWN_VALID};
 
 /// rl_common::MAP_KNOWN. Mappable: the daemon rebuilds it with atomic ORs.
 #[map(name = "RL_KNOWN")]
@@ -22,10 +22,7 @@ pub fn maybe<K: KnownKey>(key: &K) -> bool {
     }
     let hash = key.known_hash();
     match RL_KNOWN.get_ptr(known_word(K::FAMILY, (ctl & KNOWN_HALF) as u32, hash)) {
-        Some(w) => {
-            let mask = known_mask(hash);
-            (unsafe { core::ptr::read_volatile(w) } & mask) == mask
-        },
+        Some(w) => known_holds(unsafe { core::ptr::read_volatile(w) }, hash),
         None => true,
     }
 }

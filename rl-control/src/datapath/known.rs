@@ -10,7 +10,7 @@ use std::{
 };
 
 use aya::maps::MapData;
-use rl_common::{known_mask, known_region, known_word, KnownKey, KNOWN_ENTRIES, KNOWN_HALF, KNOWN_VALID, KNOWN_WORDS, MAP_KNOWN};
+use rl_common::{known_holds, known_mask, known_region, known_word, KnownKey, KNOWN_ENTRIES, KNOWN_HALF, KNOWN_VALID, KNOWN_WORDS, MAP_KNOWN};
 
 use super::{map_error, DatapathError};
 
@@ -88,8 +88,7 @@ impl KnownFilter {
     /// tests).
     pub fn has<K: KnownKey>(&self, half: u32, key: &K) -> bool {
         let hash = key.known_hash();
-        let mask = known_mask(hash);
-        self.word(known_word(K::FAMILY, half, hash)).load(Ordering::Relaxed) & mask == mask
+        known_holds(self.word(known_word(K::FAMILY, half, hash)).load(Ordering::Relaxed), hash)
     }
 
     /// Ends a rebuild that marked every bucket a complete walk kept: the
