@@ -123,14 +123,17 @@ fn grpc_latency(lab: &Lab, keys: u64, paced: bool) -> Result<(f64, f64, u64)> {
         }
         let mut ms = Vec::with_capacity(tasks.len());
         let mut failed = Vec::new();
+        let dump_to = std::env::var("RL_BENCH_DUMP").ok();
         let mut dump = String::new();
         for t in tasks {
             let (err, m, at) = t.await?;
             failed.extend(err);
             ms.push(m);
-            dump += &format!("{at:.3} {m:.3}\n");
+            if dump_to.is_some() {
+                dump += &format!("{at:.3} {m:.3}\n");
+            }
         }
-        if let Ok(p) = std::env::var("RL_BENCH_DUMP") {
+        if let Some(p) = dump_to {
             std::fs::write(format!("{p}-{keys}-{paced}-{t}"), dump)?;
         }
         Ok((ms, failed))
