@@ -74,11 +74,26 @@ fn connections_are_dealt_over_the_threads_which_share_one_set_of_buckets() {
             let garbage = bytes::Bytes::from_static(&[0, 0, 0, 0, 3, 0xff, 0xff, 0xff]);
             let mut no_domain = request("u");
             no_domain.domain.clear();
+            // And gRPC's own framing, which the daemon reads itself: a
+            // compressed message (no compression is offered), a message
+            // shorter than its prefix says, no message, two messages, and
+            // one over the 1 MiB cap.
+            let mut two = encode(&request("u")).to_vec();
+            two.extend_from_slice(&two.clone());
+            let mut huge = vec![0u8, 0, 0x10, 0, 1];
+            huge.resize(5 + (1 << 20) + 1, b'x');
+            const RLS: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
+            let frame = |b: &[u8]| bytes::Bytes::copy_from_slice(b);
             let bad = [
-                conns[0].raw("/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit", garbage).await?.0,
-                conns[1].raw("/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit", encode(&no_domain)).await?.0,
+                conns[0].raw(RLS, garbage).await?.0,
+                conns[1].raw(RLS, encode(&no_domain)).await?.0,
                 conns[2].raw("/envoy.service.ratelimit.v3.RateLimitService/Nope", encode(&request("u"))).await?.0,
                 conns[3].raw("/other.Service/Call", encode(&request("u"))).await?.0,
+                conns[0].raw(RLS, frame(&[1, 0, 0, 0, 2, 0x0a, 0])).await?.0,
+                conns[1].raw(RLS, frame(&[0, 0, 0, 0, 10, 0x0a, 0])).await?.0,
+                conns[2].raw(RLS, bytes::Bytes::new()).await?.0,
+                conns[3].raw(RLS, two.into()).await?.0,
+                conns[0].raw(RLS, huge.into()).await?.0,
             ];
             codes.push(conns[0].call(encode(&request("v"))).await?);
             opened.send((codes, bad))?;
@@ -90,8 +105,10 @@ fn connections_are_dealt_over_the_threads_which_share_one_set_of_buckets() {
     let (codes, bad) = wait_open.recv_timeout(Duration::from_secs(10)).expect("the client did not finish its calls");
     assert_eq!(codes[..4], [Code::Ok, Code::Ok, Code::Ok, Code::OverLimit], "one bucket across the threads");
     // INTERNAL for an undecodable message (as tonic answers it),
-    // INVALID_ARGUMENT, UNIMPLEMENTED twice.
-    assert_eq!(bad, ["13", "3", "12", "12"], "gRPC statuses of bad calls");
+    // INVALID_ARGUMENT, UNIMPLEMENTED twice; UNIMPLEMENTED for compression,
+    // INTERNAL for a short, a missing and a second message,
+    // RESOURCE_EXHAUSTED over the cap.
+    assert_eq!(bad, ["13", "3", "12", "12", "12", "13", "13", "13", "8"], "gRPC statuses of bad calls");
     assert_eq!(codes[4], Code::Ok, "a connection serves on after bad calls");
     assert_eq!(connections(&lab), (2.0, 2.0), "four connections dealt out in turn over two threads");
     close.send(()).unwrap();

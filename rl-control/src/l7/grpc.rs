@@ -19,13 +19,11 @@ use envoy_types::pb::{
         config::core::v3::HeaderValue,
         service::ratelimit::v3::{
             rate_limit_response::{rate_limit::Unit, Code, DescriptorStatus, RateLimit},
-            rate_limit_service_server::{RateLimitService, RateLimitServiceServer},
             RateLimitRequest, RateLimitResponse,
         },
     },
     google::protobuf::Duration,
 };
-use tonic::{Request, Response, Status as GrpcStatus};
 
 use super::{
     engine::{DescriptorEntry, Status},
@@ -40,9 +38,22 @@ pub struct Service {
     pub draft_headers: bool,
 }
 
-/// The tonic server for [`Service`].
-pub fn server(s: Service) -> RateLimitServiceServer<Service> {
-    RateLimitServiceServer::new(s).max_decoding_message_size(1 << 20)
+/// A call's failure: its gRPC status code and message.
+#[derive(Debug)]
+pub struct Failure {
+    pub code: u8,
+    pub message: String,
+}
+
+impl Failure {
+    pub const INVALID_ARGUMENT: u8 = 3;
+    pub const RESOURCE_EXHAUSTED: u8 = 8;
+    pub const UNIMPLEMENTED: u8 = 12;
+    pub const INTERNAL: u8 = 13;
+
+    pub fn new(code: u8, message: impl Into<String>) -> Self {
+        Failure { code, message: message.into() }
+    }
 }
 
 /// Envoy's unit and `requests_per_unit` for `limit` per `per_secs`.
@@ -53,8 +64,8 @@ pub fn envoy_unit(limit: u64, per_secs: u64) -> (Unit, u32) {
     (unit, per_unit as u32)
 }
 
-fn invalid(m: String) -> GrpcStatus {
-    GrpcStatus::invalid_argument(m)
+fn invalid(m: String) -> Failure {
+    Failure::new(Failure::INVALID_ARGUMENT, m)
 }
 
 /// A descriptor's status for Envoy. Unmatched descriptors and shadow rules
@@ -78,18 +89,9 @@ fn header(key: &str, value: String) -> HeaderValue {
     HeaderValue { key: key.into(), value, ..Default::default() }
 }
 
-#[tonic::async_trait]
-impl RateLimitService for Service {
-    async fn should_rate_limit(&self, req: Request<RateLimitRequest>) -> Result<Response<RateLimitResponse>, GrpcStatus> {
-        let t = std::time::Instant::now();
-        let r = self.answer(req.into_inner()).await;
-        super::GRPC_LATENCY.record(t.elapsed());
-        r
-    }
-}
-
 impl Service {
-    async fn answer(&self, r: RateLimitRequest) -> Result<Response<RateLimitResponse>, GrpcStatus> {
+    /// `ShouldRateLimit`.
+    pub async fn answer(&self, r: RateLimitRequest) -> Result<RateLimitResponse, Failure> {
         if r.domain.is_empty() || r.domain.len() > MAX_VALUE_LEN {
             return Err(invalid(format!("domain must be 1..={MAX_VALUE_LEN} bytes")));
         }
@@ -131,7 +133,7 @@ impl Service {
                 out.response_headers_to_add.push(header("ratelimit", format!("\"{}\";r={};t={reset}", s.rule, s.remaining)));
             }
         }
-        Ok(Response::new(out))
+        Ok(out)
     }
 }
 

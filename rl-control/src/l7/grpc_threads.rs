@@ -10,22 +10,42 @@
 //! answers to calls that arrive together go out in one write. Envoy holds
 //! one connection per worker, so a busy Envoy spreads over the threads.
 //! `rl_l7_grpc_connections{thread}` shows the spread.
+//!
+//! Each connection is served by `h2` directly, its calls polled inside the
+//! connection's own task (see [`connection`]).
 
 use std::{
-    sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed},
-    time::Duration,
+    sync::{
+        atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed},
+        Arc,
+    },
+    task::Poll,
+    time::{Duration, Instant},
 };
 
 use anyhow::Context as _;
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
-use hyper_util::{
-    rt::{TokioExecutor, TokioIo, TokioTimer},
-    service::TowerToHyperService,
-};
+use bytes::{BufMut, Bytes, BytesMut};
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use futures_util::{stream::FuturesUnordered, StreamExt};
+use h2::{server::SendResponse, RecvStream};
+use http::{header::CONTENT_TYPE, HeaderMap, HeaderValue, Response};
+use prost::Message;
 use tokio::net::{TcpListener, TcpStream};
 use tracing::{debug, warn};
 
-use super::{grpc, rules::MAX_GRPC_THREADS};
+use super::{
+    grpc::{self, Failure},
+    rules::MAX_GRPC_THREADS,
+};
+
+/// The one method served.
+pub const PATH: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
+/// The largest request message accepted (RESOURCE_EXHAUSTED beyond). The
+/// largest valid request (16 descriptors of 16 entries of 256-byte keys
+/// and values) is about 130 KiB.
+pub const MAX_MESSAGE: usize = 1 << 20;
+/// Calls in flight per connection (HTTP/2 streams), as hyper's default.
+const MAX_STREAMS: u32 = 200;
 
 /// Open connections per serving thread.
 pub static CONNECTIONS: [AtomicU64; MAX_GRPC_THREADS] = [const { AtomicU64::new(0) }; MAX_GRPC_THREADS];
@@ -39,15 +59,12 @@ pub fn thread_count(configured: Option<u32>) -> usize {
 }
 
 /// Starts `threads` serving threads with a service from `make` each, and
-/// the accepting task on the current runtime. Each connection is served by
-/// hyper's HTTP/2 with the generated service directly: tonic's router,
-/// error recovery and connection-info layers moved every call's future
-/// around for nothing (one service, no TLS).
+/// the accepting task on the current runtime.
 pub fn serve(listener: TcpListener, threads: usize, make: impl Fn() -> grpc::Service) -> anyhow::Result<()> {
     let mut queues = Vec::with_capacity(threads);
     for i in 0..threads {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<std::net::TcpStream>();
-        let svc = grpc::server(make());
+        let svc = Arc::new(make());
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().context("a runtime for a gRPC thread")?;
         std::thread::Builder::new()
             .name(format!("rl-grpc-{i}"))
@@ -96,14 +113,165 @@ pub fn serve(listener: TcpListener, threads: usize, make: impl Fn() -> grpc::Ser
 
 /// Serves one connection on this thread until it closes, counted in
 /// [`CONNECTIONS`] meanwhile.
-async fn connection(s: TcpStream, thread: usize, svc: RateLimitServiceServer<grpc::Service>) {
+async fn connection(s: TcpStream, thread: usize, svc: Arc<grpc::Service>) {
     CONNECTIONS[thread].fetch_add(1, Relaxed);
-    let served = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
-        .timer(TokioTimer::new())
-        .serve_connection(TokioIo::new(s), TowerToHyperService::new(svc))
-        .await;
+    let served = calls(s, &svc).await;
     CONNECTIONS[thread].fetch_sub(1, Relaxed);
     if let Err(e) = served {
         debug!("a gRPC connection on thread {thread} ended: {e}");
+    }
+}
+
+/// The connection's HTTP/2 and its calls, all polled by this one task: a
+/// call that can be answered at once (every local rule) is answered in the
+/// same wake-up that read it, with no task spawned and no hand-over. (hyper
+/// spawned a task per call and woke the connection's task to send each
+/// answer; that, tonic's body codec and hyper's date header were most of
+/// the daemon's own work per call.)
+///
+/// Every call that has arrived is taken before any is answered, so the
+/// next poll of the connection writes all their answers in one go (h2
+/// writes what is queued each time it is polled: taking and answering calls
+/// one by one cost a write each).
+async fn calls(s: TcpStream, svc: &grpc::Service) -> Result<(), h2::Error> {
+    let mut conn = h2::server::Builder::new()
+        .initial_window_size(1 << 20)
+        .initial_connection_window_size(1 << 20)
+        .max_concurrent_streams(MAX_STREAMS)
+        .max_header_list_size(16 << 10)
+        .handshake::<_, Bytes>(s)
+        .await?;
+    let mut under_way = FuturesUnordered::new();
+    std::future::poll_fn(|cx| loop {
+        loop {
+            match conn.poll_accept(cx) {
+                Poll::Ready(Some(Ok((req, respond)))) => under_way.push(call(svc, req, respond)),
+                Poll::Ready(Some(Err(e))) => return Poll::Ready(Err(e)),
+                // Closed, every stream done.
+                Poll::Ready(None) => return Poll::Ready(Ok(())),
+                Poll::Pending => break,
+            }
+        }
+        let mut answered = false;
+        while let Poll::Ready(Some(())) = under_way.poll_next_unpin(cx) {
+            answered = true;
+        }
+        if !answered {
+            return Poll::Pending;
+        }
+    })
+    .await
+}
+
+/// One unary call: reads its message, answers it, sends the answer (or a
+/// trailers-only failure).
+async fn call(svc: &grpc::Service, req: http::Request<RecvStream>, respond: SendResponse<Bytes>) {
+    let outcome = if req.uri().path() != PATH {
+        Err(Failure::new(Failure::UNIMPLEMENTED, format!("unknown method {}: this service has {PATH} only", req.uri().path())))
+    } else {
+        match message(req.into_body()).await {
+            Ok(m) => {
+                let t = Instant::now();
+                let answer = match RateLimitRequest::decode(m) {
+                    Ok(r) => svc.answer(r).await.map(|a| framed(&a)),
+                    Err(e) => Err(Failure::new(Failure::INTERNAL, format!("failed to decode the request: {e}"))),
+                };
+                super::GRPC_LATENCY.record(t.elapsed());
+                answer
+            }
+            Err(f) => Err(f),
+        }
+    };
+    send(respond, outcome);
+}
+
+/// The request's one gRPC message (length-prefixed, uncompressed), read to
+/// the end of the stream.
+async fn message(mut body: RecvStream) -> Result<Bytes, Failure> {
+    let mut buf = BytesMut::new();
+    while let Some(chunk) = body.data().await {
+        let chunk = chunk.map_err(|e| Failure::new(Failure::INTERNAL, format!("reading the request: {e}")))?;
+        let _ = body.flow_control().release_capacity(chunk.len());
+        if buf.len() + chunk.len() > 5 + MAX_MESSAGE {
+            return Err(Failure::new(Failure::RESOURCE_EXHAUSTED, format!("a request message may be at most {MAX_MESSAGE} bytes")));
+        }
+        if buf.is_empty() {
+            // Usually the whole message in one frame: no copy.
+            buf = BytesMut::from(chunk);
+        } else {
+            buf.extend_from_slice(&chunk);
+        }
+    }
+    let buf = buf.freeze();
+    if buf.len() < 5 {
+        return Err(Failure::new(Failure::INTERNAL, "missing request message"));
+    }
+    if buf[0] != 0 {
+        return Err(Failure::new(Failure::UNIMPLEMENTED, "compressed messages are not supported: send them uncompressed"));
+    }
+    let len = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
+    if len != buf.len() - 5 {
+        return Err(Failure::new(Failure::INTERNAL, format!("a unary call carries one message: {len} bytes announced, {} sent", buf.len() - 5)));
+    }
+    Ok(buf.slice(5..))
+}
+
+/// An answer as a gRPC message on the wire.
+fn framed(m: &impl Message) -> Bytes {
+    let len = m.encoded_len();
+    let mut b = BytesMut::with_capacity(5 + len);
+    b.put_u8(0);
+    b.put_u32(len as u32);
+    m.encode(&mut b).expect("the buffer has room");
+    b.freeze()
+}
+
+/// Sends an answer: headers, the message, `grpc-status: 0` trailers; or a
+/// failure as trailers-only (status and message in the headers).
+fn send(mut respond: SendResponse<Bytes>, outcome: Result<Bytes, Failure>) {
+    let mut head = Response::new(());
+    head.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    match outcome {
+        Ok(message) => {
+            let Ok(mut stream) = respond.send_response(head, false) else { return };
+            if stream.send_data(message, false).is_ok() {
+                let mut trailers = HeaderMap::with_capacity(1);
+                trailers.insert("grpc-status", HeaderValue::from_static("0"));
+                let _ = stream.send_trailers(trailers);
+            }
+        }
+        Err(f) => {
+            let h = head.headers_mut();
+            h.insert("grpc-status", HeaderValue::from(f.code as u16));
+            if let Ok(m) = HeaderValue::from_str(&percent_encoded(&f.message)) {
+                h.insert("grpc-message", m);
+            }
+            let _ = respond.send_response(head, true);
+        }
+    }
+}
+
+/// gRPC's `grpc-message` encoding: bytes outside printable ASCII, and `%`,
+/// as `%XX`.
+fn percent_encoded(m: &str) -> String {
+    let mut out = String::with_capacity(m.len());
+    for b in m.bytes() {
+        if (0x20..0x7f).contains(&b) && b != b'%' {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_messages_are_percent_encoded() {
+        assert_eq!(percent_encoded("a 100% ok"), "a 100%25 ok");
+        assert_eq!(percent_encoded("é\n"), "%C3%A9%0A");
     }
 }
