@@ -71,14 +71,14 @@ fn invalid(m: String) -> Failure {
 /// A descriptor's status for Envoy. Unmatched descriptors and shadow rules
 /// answer OK without a limit: Envoy builds its x-ratelimit headers from the
 /// statuses that carry one, and those must be the enforced rules.
-fn descriptor_status(s: &Status) -> DescriptorStatus {
+fn descriptor_status(s: Status) -> DescriptorStatus {
     if !s.enforced {
         return DescriptorStatus { code: Code::Ok as i32, ..Default::default() };
     }
     let (unit, per_unit) = envoy_unit(s.limit, s.per_secs);
     DescriptorStatus {
         code: if s.code == "over_limit" { Code::OverLimit } else { Code::Ok } as i32,
-        current_limit: Some(RateLimit { name: s.rule.clone(), requests_per_unit: per_unit, unit: unit as i32 }),
+        current_limit: Some(RateLimit { name: s.rule, requests_per_unit: per_unit, unit: unit as i32 }),
         limit_remaining: s.remaining.min(u32::MAX as u64) as u32,
         duration_until_reset: Some(Duration { seconds: (s.reset_ms / 1000) as i64, nanos: ((s.reset_ms % 1000) * 1_000_000) as i32 }),
         ..Default::default()
@@ -121,11 +121,7 @@ impl Service {
             statuses.push(engine.decide_scoped(&r.domain, e, *h).await);
         }
         let over = statuses.iter().any(|s| s.code == "over_limit");
-        let mut out = RateLimitResponse {
-            overall_code: if over { Code::OverLimit } else { Code::Ok } as i32,
-            statuses: statuses.iter().map(descriptor_status).collect(),
-            ..Default::default()
-        };
+        let mut out = RateLimitResponse { overall_code: if over { Code::OverLimit } else { Code::Ok } as i32, ..Default::default() };
         if self.draft_headers {
             if let Some(s) = deciding(&statuses) {
                 let reset = s.reset_ms.div_ceil(1000);
@@ -133,6 +129,8 @@ impl Service {
                 out.response_headers_to_add.push(header("ratelimit", format!("\"{}\";r={};t={reset}", s.rule, s.remaining)));
             }
         }
+        // The statuses moved in: each rule name is copied once per answer.
+        out.statuses = statuses.into_iter().map(descriptor_status).collect();
         Ok(out)
     }
 }

@@ -43,7 +43,10 @@ impl Engine {
         let answer = if cluster.is_mismatched(&crate::cluster::requests::member_name(&c.rule)) {
             None
         } else {
-            prepared.decide(cluster, values_key(entries), hits).await.ok()
+            // Boxed: the Redis call's state is large (over a kilobyte), and
+            // unboxed it would be part of every decision's future, moved
+            // and copied with it, local ones included.
+            Box::pin(prepared.decide(cluster, values_key(entries), hits)).await.ok()
         };
         let st = match answer {
             Some(a) => from_answer(c, a),
