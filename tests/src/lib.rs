@@ -11,6 +11,7 @@ pub mod redis;
 pub mod lab;
 pub mod reference;
 pub mod rls;
+pub mod rls_load;
 pub mod traffic;
 
 use anyhow::{Context, Result};

@@ -35,8 +35,10 @@ use envoy_types::pb::envoy::{
 use rl_tests::{
     daemon::{write, Daemon},
     lab::Lab,
-    rls::{encode, on_threads, Conn, Ticker},
+    rls::{on_threads, Ticker},
+    rls_load::{message, Done, Load},
 };
+use tokio::net::TcpStream;
 
 const GRPC: &str = "127.0.0.1:8081";
 const RATE: u64 = 20_000;
@@ -72,133 +74,169 @@ fn threads() -> usize {
     std::env::var("RL_BENCH_WORKERS").ok().and_then(|v| v.parse().ok()).unwrap_or(2).max(1)
 }
 
-async fn connect(threads: usize) -> Result<Vec<Conn>> {
-    let mut conns = Vec::new();
-    for _ in 0..(CONNECTIONS / threads).max(1) {
-        conns.push(Conn::connect(GRPC.parse()?).await?);
+/// Runs `job(connection, of)` for every connection, spread over the
+/// generator's threads (a task per connection); the results in order.
+fn on_connections<T, F>(lab: &Lab, job: impl Fn(usize, usize) -> F + Send + Sync + Copy + 'static) -> Result<Vec<T>>
+where
+    T: Send + 'static,
+    F: std::future::Future<Output = Result<T>> + Send + 'static,
+{
+    let per_thread = on_threads(&lab.b, threads(), move |t, threads| async move {
+        let per = (CONNECTIONS / threads).max(1);
+        let of = per * threads;
+        let tasks: Vec<_> = (0..per).map(|k| tokio::spawn(job(t * per + k, of))).collect();
+        let mut out = Vec::new();
+        for task in tasks {
+            out.push(task.await??);
+        }
+        Ok(out)
+    })?;
+    Ok(per_thread.into_iter().flatten().collect())
+}
+
+/// Waits for answers on one connection, writes what reading queued
+/// (window updates, calls that waited for room); the finished calls.
+async fn answers(tcp: &TcpStream, load: &mut Load, done: &mut Vec<Done>) -> Result<()> {
+    tcp.readable().await?;
+    if !load.read(tcp, done)? {
+        bail!("the daemon closed a connection");
     }
-    Ok(conns)
+    load.flush(tcp).await
+}
+
+/// Closed loop on one connection: `user(i)` for the i-th call while it
+/// gives one, `in_flight` at a time; calls answered (any failure is an
+/// error).
+async fn closed_loop(tcp: &TcpStream, load: &mut Load, in_flight: usize, user: impl Fn(u64) -> Option<u64>) -> Result<u64> {
+    let (mut next, mut answered, mut done) = (0u64, 0u64, Vec::new());
+    loop {
+        while load.pending() < in_flight {
+            let Some(u) = user(next) else { break };
+            load.call(next, message(&request(u)));
+            next += 1;
+        }
+        if load.pending() == 0 {
+            return Ok(answered);
+        }
+        load.flush(tcp).await?;
+        answers(tcp, load, &mut done).await?;
+        for d in done.drain(..) {
+            d.result.map_err(|e| anyhow::anyhow!("call {}: {e}", d.token))?;
+            answered += 1;
+        }
+    }
 }
 
 /// Open loop at `RATE`/s for `SECONDS` over gRPC, spread over the
-/// generator's threads; `keys` distinct users; each request's time from its
-/// send to its answer. `paced`: a kernel timer releases requests one by
-/// one, as many independent clients would; otherwise each millisecond's 20
-/// requests go together. A thread that wakes late sends what is due at once.
-/// p50, p99 (ms) and the requests that failed.
+/// connections, each with its own kernel timer; `keys` distinct users;
+/// each request's time from its send to its answer. `paced`: requests are
+/// released one by one, as many independent clients would send them;
+/// otherwise each millisecond's 20 go together. A connection that wakes
+/// late sends what is due at once. p50, p99 (ms) and the requests that
+/// failed.
 fn grpc_latency(lab: &Lab, keys: u64, paced: bool) -> Result<(f64, f64, u64)> {
-    let per_thread = on_threads(&lab.b, threads(), move |t, threads| async move {
-        let conns = connect(threads).await?;
-        // Warm up, not counted: the connections' first calls.
-        for c in &conns {
-            for _ in 0..100 {
-                c.call(encode(&request(0))).await?;
-            }
-        }
-        let rate = RATE / threads as u64;
+    let before = decided(lab)?;
+    let per_conn = on_connections(lab, move |conn, of| async move {
+        let (tcp, mut load) = Load::connect(GRPC.parse()?).await?;
+        // Warm up, not counted: the connection's first calls.
+        closed_loop(&tcp, &mut load, 1, |i| (i < 100).then_some(0)).await?;
+        let rate = RATE / of as u64;
         let n = rate * SECONDS;
-        let (every, batch) = if paced { (Duration::from_nanos(1_000_000_000 / rate), 1) } else { (Duration::from_millis(1), rate / 1000) };
+        let (every, batch) = if paced { (Duration::from_nanos(1_000_000_000 / rate), 1) } else { (Duration::from_millis(1), (rate / 1000).max(1)) };
         let ticker = Ticker::new(every)?;
         let t0 = Instant::now();
-        let mut tasks = Vec::with_capacity(n as usize);
-        let mut i = 0;
-        while i < n {
-            for _ in 0..ticker.tick().await? * batch {
-                if i == n {
-                    break;
-                }
-                let g = i * threads as u64 + t as u64;
-                let user = if keys == 1 { 0 } else { (g * 2_654_435_761) % keys };
-                let c = conns[i as usize % conns.len()].clone();
-                tasks.push(tokio::spawn(async move {
-                    // From the send: sends never wait for answers (open
-                    // loop), so lateness of the generator is the
-                    // generator's, not the service's.
-                    let sent = Instant::now();
-                    let r = c.call(encode(&request(user))).await;
-                    (r.err().map(|e| format!("{e:#}")), sent.elapsed().as_secs_f64() * 1e3, (sent - t0).as_secs_f64() * 1e3)
-                }));
-                i += 1;
-            }
-        }
-        let mut ms = Vec::with_capacity(tasks.len());
-        let mut failed = Vec::new();
+        let (mut sent, mut done) = (0u64, Vec::new());
+        let mut ms = Vec::with_capacity(n as usize);
+        let (mut failed, mut dump) = (Vec::new(), String::new());
         let dump_to = std::env::var("RL_BENCH_DUMP").ok();
-        let mut dump = String::new();
-        for t in tasks {
-            let (err, m, at) = t.await?;
-            failed.extend(err);
-            ms.push(m);
-            if dump_to.is_some() {
-                dump += &format!("{at:.3} {m:.3}\n");
+        let deadline = tokio::time::sleep(Duration::from_secs(4 * SECONDS + 10));
+        tokio::pin!(deadline);
+        while (ms.len() as u64) < n {
+            tokio::select! {
+                ticks = ticker.tick(), if sent < n => {
+                    for _ in 0..ticks? * batch {
+                        if sent == n {
+                            break;
+                        }
+                        let g = sent * of as u64 + conn as u64;
+                        load.call(sent, message(&request(if keys == 1 { 0 } else { (g * 2_654_435_761) % keys })));
+                        sent += 1;
+                    }
+                    load.flush(&tcp).await?;
+                }
+                r = answers(&tcp, &mut load, &mut done) => {
+                    r?;
+                    for d in done.drain(..) {
+                        // From the send: sends never wait for answers (open
+                        // loop), so lateness of the generator is the
+                        // generator's, not the service's.
+                        let m = d.sent.elapsed().as_secs_f64() * 1e3;
+                        ms.push(m);
+                        if let Err(e) = d.result {
+                            failed.push(e);
+                        }
+                        if dump_to.is_some() {
+                            dump += &format!("{:.3} {m:.3}\n", (d.sent - t0).as_secs_f64() * 1e3);
+                        }
+                    }
+                }
+                _ = &mut deadline => bail!("{} of {n} calls unanswered after {} s", n - ms.len() as u64, 4 * SECONDS + 10),
             }
         }
         if let Some(p) = dump_to {
-            std::fs::write(format!("{p}-{keys}-{paced}-{t}"), dump)?;
+            std::fs::write(format!("{p}-{keys}-{paced}-{conn}"), dump)?;
         }
         Ok((ms, failed))
     })?;
     let (mut ms, mut failed) = (Vec::new(), Vec::new());
-    for (m, f) in per_thread {
+    for (m, f) in per_conn {
         ms.extend(m);
         failed.extend(f);
     }
     if let Some(e) = failed.first() {
         println!("  {} requests failed, the first with: {e}", failed.len());
     }
+    // Each connection's warm-up: 100 calls.
+    same_count(lab, before, (ms.len() - failed.len() + 100 * CONNECTIONS) as u64)?;
     Ok((percentile(&mut ms, 0.5), percentile(&mut ms, 0.99), failed.len() as u64))
+}
+
+/// The daemon's own count of request decisions, from its metrics: the
+/// generator's counts are checked against it.
+fn decided(lab: &Lab) -> Result<u64> {
+    let m = rl_tests::http::parse_prometheus(&rl_tests::http::get(&lab.b, "/metrics").body);
+    Ok(m.iter().filter(|(k, _)| k.starts_with("rl_l7_decisions_total")).map(|(_, v)| *v as u64).sum())
+}
+
+/// Fails unless the daemon counted exactly the `answered` decisions since
+/// it counted `before`.
+fn same_count(lab: &Lab, before: u64, answered: u64) -> Result<()> {
+    let counted = decided(lab)? - before;
+    if counted != answered {
+        bail!("the generator counted {answered} answers, the daemon {counted} decisions");
+    }
+    Ok(())
 }
 
 /// Closed loop with 64 in flight in all for `SECONDS`: decisions per second.
 fn grpc_saturation(lab: &Lab) -> Result<f64> {
-    let done = on_threads(&lab.b, threads(), |t, threads| async move {
-        let conns = connect(threads).await?;
-        let stop = Instant::now() + Duration::from_secs(SECONDS);
-        let mut tasks = Vec::new();
-        for w in 0..64 / threads {
-            let c = conns[w % conns.len()].clone();
-            let first = ((t * 64 + w) * 1000) as u64;
-            tasks.push(tokio::spawn(async move {
-                let mut done = 0u64;
-                while Instant::now() < stop {
-                    if c.call(encode(&request(first + done % 1000))).await.is_ok() {
-                        done += 1;
-                    }
-                }
-                done
-            }));
-        }
-        let mut total = 0;
-        for t in tasks {
-            total += t.await?;
-        }
-        Ok(total)
+    let before = decided(lab)?;
+    let stop = Instant::now() + Duration::from_secs(SECONDS);
+    let done = on_connections(lab, move |conn, of| async move {
+        let first = (conn * 1000) as u64;
+        let (tcp, mut load) = Load::connect(GRPC.parse()?).await?;
+        closed_loop(&tcp, &mut load, 64 / of, |i| (Instant::now() < stop).then_some(first + i % 1000)).await
     })?;
-    Ok(done.iter().sum::<u64>() as f64 / SECONDS as f64)
+    let answered = done.iter().sum::<u64>();
+    same_count(lab, before, answered)?;
+    Ok(answered as f64 / SECONDS as f64)
 }
 
 /// Creates `keys` distinct buckets (closed loop, 64 in flight in all).
 fn grpc_fill(lab: &Lab, keys: u64) -> Result<()> {
-    on_threads(&lab.b, threads(), move |t, threads| async move {
-        let conns = connect(threads).await?;
-        let per = 64 / threads;
-        let mut tasks = Vec::new();
-        for w in 0..per {
-            let c = conns[w % conns.len()].clone();
-            let stride = (threads * per) as u64;
-            tasks.push(tokio::spawn(async move {
-                let mut user = (t * per + w) as u64;
-                while user < keys {
-                    c.call(encode(&request(user))).await?;
-                    user += stride;
-                }
-                Ok::<_, anyhow::Error>(())
-            }));
-        }
-        for t in tasks {
-            t.await??;
-        }
-        Ok(())
+    on_connections(lab, move |conn, of| async move {
+        let (tcp, mut load) = Load::connect(GRPC.parse()?).await?;
+        closed_loop(&tcp, &mut load, 64 / of, |i| Some(i * of as u64 + conn as u64).filter(|u| *u < keys)).await
     })?;
     Ok(())
 }
