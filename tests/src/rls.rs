@@ -1,14 +1,8 @@
-//! A lean client of Envoy's rate-limit service for load generation: gRPC
-//! spoken directly over `h2` (one HTTP/2 stream per call, the request
-//! message encoded once up front), on current-thread runtimes, one per
-//! generator thread, each with connections of its own, as Envoy's workers
-//! hold theirs.
-//!
-//! A tonic `Channel` passes every call through a buffer task and back, and
-//! on a 2-CPU machine shared with the daemon such a generator spent about
-//! twice the daemon's CPU per request (measured by `rl-l7-bench`), so the
-//! figures were mostly the generator's. The protocol is the same: tonic's
-//! client is still what the functional tests use.
+//! A client of Envoy's rate-limit service over `h2` (one HTTP/2 stream per
+//! call, any method, any body, the gRPC status read from the trailers),
+//! for tests that need calls tonic's client would not make; and the
+//! generator's threads and timer. The benchmark's load itself is
+//! [`crate::rls_load`], leaner still.
 
 use std::{net::SocketAddr, time::Duration};
 

@@ -1,10 +1,11 @@
 //! `cargo xtask bench`, request decisions (issue 10): Envoy's rate-limit
 //! service over gRPC and the HTTP check, against the release daemon in a
-//! lab namespace. The gRPC load comes from `rl_tests::rls`: gRPC over
-//! HTTP/2 like Envoy's, from 2 threads with 2 connections each, every
-//! answer decoded and checked; lean enough that on a 2-CPU host the
-//! figures are mostly the daemon's (each line prints both sides' CPU per
-//! request).
+//! lab namespace. The gRPC load comes from `rl_tests::rls_load`: calls
+//! written straight onto HTTP/2 frames, from 2 threads with 2 connections
+//! each, every answer decoded and its code checked, and the total checked
+//! against the daemon's decision counter; lean enough that on a 2-CPU host
+//! the figures are mostly the daemon's (each line prints both sides' CPU
+//! per request).
 //! - latency at a fixed offered rate (open loop: each request is due at its
 //!   tick, so queueing behind a slow answer counts), with one key and with
 //!   1,000,000 distinct keys;
