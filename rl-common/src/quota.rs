@@ -74,6 +74,36 @@ fn first_time(now: u64, horizon: u64, ok: impl Fn(u64) -> bool) -> u64 {
 /// The quota of `limit` for a key in state `word` at `now` (ktime ns; the
 /// limit's windows are aligned with `epoch_offset_ns`, as in the datapath).
 pub fn quota(limit: &LimitEntry, word: u64, now: u64, epoch_offset_ns: u64) -> Quota {
+    if limit.kind & 0xff == LIMIT_GCRA && limit.kind & LIMIT_BYTES == 0 {
+        return packet_bucket(limit, word, now);
+    }
+    searched(limit, word, now, epoch_offset_ns)
+}
+
+/// [`quota`] of a packet (or request) token bucket in closed form: the
+/// searches below, solved. `remaining(t)` is the room the TAT leaves at `t`,
+/// `b - max(0, word - t)`, over the cost of one unit; it reaches `need` ns
+/// of room once the TAT is no more than `b - need` ahead. (The property
+/// test checks it against the searches.)
+fn packet_bucket(l: &LimitEntry, word: u64, now: u64) -> Quota {
+    let per = (l.a >> (l.shift & 63)).max(1);
+    let ahead = word.saturating_sub(now);
+    let horizon = l.b.saturating_add(1);
+    let wait = |need: u64| {
+        if need == 0 {
+            0
+        } else if need > l.b {
+            horizon
+        } else {
+            ahead.saturating_sub(l.b - need).min(horizon)
+        }
+    };
+    let limit = l.b / per;
+    Quota { limit, remaining: l.b.saturating_sub(ahead) / per, retry_after_ns: wait(per), reset_ns: wait(limit * per) }
+}
+
+/// [`quota`] by searching the step functions: windows, byte buckets.
+fn searched(limit: &LimitEntry, word: u64, now: u64, epoch_offset_ns: u64) -> Quota {
     let rem = |t: u64| remaining(limit, word, t, epoch_offset_ns);
     let full = remaining(limit, 0, now, epoch_offset_ns).max(rem(now));
     // A token bucket refills within its burst span, a window within two windows.
@@ -161,6 +191,17 @@ mod tests {
             };
             let (word, _) = send(&l, 0, start, sent, off);
             check(&l, word, start + gap_ms * 1_000_000, off);
+        }
+
+        #[test]
+        fn the_packet_buckets_closed_form_is_the_search(
+            a in 1u64..10_000_000_000, b in 0u64..100_000_000_000, shift in 0u32..12,
+            ahead in 0u64..200_000_000_000, behind in 0u64..2, now in 0u64..1_000_000_000_000_000,
+        ) {
+            let l = LimitEntry { kind: LIMIT_GCRA, shift, a, b };
+            // The TAT ahead of the clock, or (behind) in the past.
+            let word = if behind == 1 { now.saturating_sub(ahead) } else { now + ahead };
+            prop_assert_eq!(packet_bucket(&l, word, now), searched(&l, word, now, 0));
         }
     }
 }
