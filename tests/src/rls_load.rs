@@ -71,7 +71,9 @@ pub struct Load {
     /// Calls waiting for room: (token, gRPC message).
     waiting: VecDeque<(u64, Vec<u8>)>,
     out: Vec<u8>,
+    /// Answers read, `filled` bytes of it (zeroed once, reused).
     input: Vec<u8>,
+    filled: usize,
     /// Answer bytes received since the connection window was last topped up.
     unacked: u64,
 }
@@ -125,7 +127,8 @@ impl Load {
             send_window: 65_535,
             waiting: VecDeque::new(),
             out: PREFACE.to_vec(),
-            input: Vec::with_capacity(64 << 10),
+            input: vec![0; 256 << 10],
+            filled: 0,
             unacked: 0,
         };
         // SETTINGS: no push (2), our stream window (4).
@@ -187,29 +190,27 @@ impl Load {
     pub fn read(&mut self, tcp: &TcpStream, done: &mut Vec<Done>) -> Result<bool> {
         let mut open = true;
         loop {
-            let len = self.input.len();
-            self.input.resize(len + (64 << 10), 0);
-            match tcp.try_read(&mut self.input[len..]) {
+            if self.filled == self.input.len() {
+                // A frame larger than what is held: room for it.
+                self.input.resize(2 * self.input.len(), 0);
+            }
+            match tcp.try_read(&mut self.input[self.filled..]) {
                 Ok(0) => {
-                    self.input.truncate(len);
                     open = false;
                     break;
                 }
-                Ok(n) => self.input.truncate(len + n),
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    self.input.truncate(len);
-                    break;
-                }
+                Ok(n) => self.filled += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                 Err(e) => return Err(e).context("reading answers"),
             }
         }
         // Taken out while its frames are handled (no copy of each).
         let mut input = std::mem::take(&mut self.input);
         let mut at = 0;
-        while input.len() - at >= 9 {
+        while self.filled - at >= 9 {
             let h = &input[at..at + 9];
             let n = (h[0] as usize) << 16 | (h[1] as usize) << 8 | h[2] as usize;
-            if input.len() - at - 9 < n {
+            if self.filled - at - 9 < n {
                 break;
             }
             let (kind, flags) = (h[3], h[4]);
@@ -221,7 +222,9 @@ impl Load {
                 return Err(e);
             }
         }
-        input.drain(..at);
+        // The start of a frame not yet whole moves to the front.
+        input.copy_within(at..self.filled, 0);
+        self.filled -= at;
         self.input = input;
         if self.unacked > (WINDOW / 2) as u64 {
             frame(&mut self.out, WINDOW_UPDATE, 0, 0, &(self.unacked as u32).to_be_bytes());
