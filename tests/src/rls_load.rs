@@ -16,13 +16,15 @@
 //!   window up front (topped up as answers arrive); the server's window for
 //!   requests and its stream limit are kept to (calls wait locally).
 //!
-//! The functional tests keep using real clients (`h2`, tonic, Envoy,
-//! grpcio); this is only the load.
+//! Requests are encoded by [`crate::rls::encode`]. The functional tests
+//! keep using real clients (`h2`, tonic, Envoy, grpcio); this is only the
+//! load.
 
 use std::{collections::VecDeque, net::SocketAddr, time::Instant};
 
 use anyhow::{bail, Context, Result};
-use envoy_types::pb::envoy::service::ratelimit::v3::{rate_limit_response::Code, RateLimitRequest, RateLimitResponse};
+use bytes::Bytes;
+use envoy_types::pb::envoy::service::ratelimit::v3::{rate_limit_response::Code, RateLimitResponse};
 use prost::Message;
 use tokio::net::TcpStream;
 
@@ -69,7 +71,7 @@ pub struct Load {
     max_streams: usize,
     send_window: i64,
     /// Calls waiting for room: (token, gRPC message).
-    waiting: VecDeque<(u64, Vec<u8>)>,
+    waiting: VecDeque<(u64, Bytes)>,
     out: Vec<u8>,
     /// Answers read, `filled` bytes of it (zeroed once, reused).
     input: Vec<u8>,
@@ -90,15 +92,6 @@ fn literal(block: &mut Vec<u8>, s: &[u8]) {
     assert!(s.len() < 127);
     block.push(s.len() as u8);
     block.extend_from_slice(s);
-}
-
-/// A request as a gRPC message (length-prefixed protobuf).
-pub fn message(req: &RateLimitRequest) -> Vec<u8> {
-    let mut m = Vec::with_capacity(5 + req.encoded_len());
-    m.push(0);
-    m.extend_from_slice(&(req.encoded_len() as u32).to_be_bytes());
-    req.encode(&mut m).expect("a Vec grows");
-    m
 }
 
 impl Load {
@@ -147,9 +140,9 @@ impl Load {
         self.in_flight + self.waiting.len()
     }
 
-    /// Queues a call with an encoded [`message`]; `token` comes back with
+    /// Queues a call ([`crate::rls::encode`]d); `token` comes back with
     /// its answer. Written out by the next [`Load::flush`].
-    pub fn call(&mut self, token: u64, message: Vec<u8>) {
+    pub fn call(&mut self, token: u64, message: Bytes) {
         self.waiting.push_back((token, message));
         self.start_waiting();
     }

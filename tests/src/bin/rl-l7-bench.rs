@@ -36,8 +36,8 @@ use envoy_types::pb::envoy::{
 use rl_tests::{
     daemon::{write, Daemon},
     lab::Lab,
-    rls::{on_threads, Ticker},
-    rls_load::{message, Done, Load},
+    rls::{encode, on_threads, Ticker},
+    rls_load::{Done, Load},
 };
 use tokio::net::TcpStream;
 
@@ -113,7 +113,7 @@ async fn closed_loop(tcp: &TcpStream, load: &mut Load, in_flight: usize, user: i
     loop {
         while load.pending() < in_flight {
             let Some(u) = user(next) else { break };
-            load.call(next, message(&request(u)));
+            load.call(next, encode(&request(u)));
             next += 1;
         }
         if load.pending() == 0 {
@@ -160,7 +160,7 @@ fn grpc_latency(lab: &Lab, keys: u64, paced: bool) -> Result<(f64, f64, u64)> {
                             break;
                         }
                         let g = sent * of as u64 + conn as u64;
-                        load.call(sent, message(&request(if keys == 1 { 0 } else { (g * 2_654_435_761) % keys })));
+                        load.call(sent, encode(&request(if keys == 1 { 0 } else { (g * 2_654_435_761) % keys })));
                         sent += 1;
                     }
                     load.flush(&tcp).await?;
