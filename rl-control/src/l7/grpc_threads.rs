@@ -126,8 +126,8 @@ async fn connection(s: TcpStream, thread: usize, svc: Arc<grpc::Service>) {
 /// call that can be answered at once (every local rule) is answered in the
 /// same wake-up that read it, with no task spawned and no hand-over. (hyper
 /// spawned a task per call and woke the connection's task to send each
-/// answer; that, tonic's body codec and hyper's date header were most of
-/// the daemon's own work per call.)
+/// answer; with tonic's body codec and hyper's date header that was about
+/// a sixth of the daemon's CPU per call at saturation.)
 ///
 /// Every call that has arrived is taken before any is answered, so the
 /// next poll of the connection writes all their answers in one go (h2
