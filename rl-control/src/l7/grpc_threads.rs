@@ -188,21 +188,23 @@ async fn call(svc: &grpc::Service, req: http::Request<RecvStream>, respond: Send
 /// The request's one gRPC message (length-prefixed, uncompressed), read to
 /// the end of the stream.
 async fn message(mut body: RecvStream) -> Result<Bytes, Failure> {
-    let mut buf = BytesMut::new();
+    // Usually the whole message comes in one frame, kept as it is; only a
+    // message split over frames is copied together.
+    let (mut first, mut joined) = (Bytes::new(), BytesMut::new());
     while let Some(chunk) = body.data().await {
         let chunk = chunk.map_err(|e| Failure::new(Failure::INTERNAL, format!("reading the request: {e}")))?;
         let _ = body.flow_control().release_capacity(chunk.len());
-        if buf.len() + chunk.len() > 5 + MAX_MESSAGE {
+        if first.len() + joined.len() + chunk.len() > 5 + MAX_MESSAGE {
             return Err(Failure::new(Failure::RESOURCE_EXHAUSTED, format!("a request message may be at most {MAX_MESSAGE} bytes")));
         }
-        if buf.is_empty() {
-            // Usually the whole message in one frame: no copy.
-            buf = BytesMut::from(chunk);
+        if first.is_empty() && joined.is_empty() {
+            first = chunk;
         } else {
-            buf.extend_from_slice(&chunk);
+            joined.extend_from_slice(&std::mem::take(&mut first));
+            joined.extend_from_slice(&chunk);
         }
     }
-    let buf = buf.freeze();
+    let buf = if joined.is_empty() { first } else { joined.freeze() };
     if buf.len() < 5 {
         return Err(Failure::new(Failure::INTERNAL, "missing request message"));
     }
