@@ -190,6 +190,7 @@ fn grpc_latency(lab: &Lab, keys: u64, paced: bool) -> Result<(f64, f64, u64)> {
         Ok((ms, failed))
     })?;
     let (mut ms, mut failed) = (Vec::new(), Vec::new());
+    let connections = per_conn.len();
     for (m, f) in per_conn {
         ms.extend(m);
         failed.extend(f);
@@ -198,7 +199,7 @@ fn grpc_latency(lab: &Lab, keys: u64, paced: bool) -> Result<(f64, f64, u64)> {
         println!("  {} requests failed, the first with: {e}", failed.len());
     }
     // Each connection's warm-up: 100 calls.
-    same_count(lab, before, (ms.len() - failed.len() + 100 * CONNECTIONS) as u64)?;
+    same_count(lab, before, (ms.len() - failed.len() + 100 * connections) as u64)?;
     Ok((percentile(&mut ms, 0.5), percentile(&mut ms, 0.99), failed.len() as u64))
 }
 
