@@ -138,10 +138,13 @@ impl Ticker {
             let mut guard = self.fd.readable().await?;
             let mut n = 0u64;
             let r = unsafe { libc::read(self.fd.get_ref().as_raw_fd(), (&raw mut n).cast(), 8) };
+            // A read takes every expiry so far: the next comes as a new
+            // event, so the readiness is cleared either way (no read that
+            // would only say EAGAIN before waiting).
+            guard.clear_ready();
             if r == 8 {
                 return Ok(n);
             }
-            guard.clear_ready();
         }
     }
 }
