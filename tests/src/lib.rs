@@ -7,6 +7,7 @@ pub mod daemon;
 pub mod envoy;
 pub mod frames;
 pub mod http;
+pub mod http_load;
 pub mod redis;
 pub mod lab;
 pub mod reference;

@@ -183,6 +183,11 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         let app = crate::l7::http::router(l7.clone());
         let addr = listener.local_addr().ok();
         tokio::spawn(async move {
+            // No Nagle delay on answers.
+            use axum::serve::ListenerExt;
+            let listener = listener.tap_io(|tcp| {
+                let _ = tcp.set_nodelay(true);
+            });
             if let Err(e) = axum::serve(listener, app).await {
                 tracing::error!("the request check (l7) stopped: {e}");
             }

@@ -37,6 +37,7 @@ use rl_tests::{
     daemon::{write, Daemon},
     lab::Lab,
     rls::{encode, on_threads, Ticker},
+    http_load::Checks,
     rls_load::{Done, Load},
 };
 use tokio::net::TcpStream;
@@ -47,6 +48,10 @@ const SECONDS: u64 = 5;
 const KEYS: u64 = 1_000_000;
 /// HTTP/2 connections the gRPC load spreads over.
 const CONNECTIONS: usize = 4;
+const HTTP: &str = "127.0.0.1:8082";
+/// Keep-alive connections the HTTP load spreads over (one request in
+/// flight on each).
+const HTTP_CONNECTIONS: usize = 8;
 
 fn rules() -> String {
     format!(
@@ -75,15 +80,15 @@ fn threads() -> usize {
     std::env::var("RL_BENCH_WORKERS").ok().and_then(|v| v.parse().ok()).unwrap_or(2).max(1)
 }
 
-/// Runs `job(connection, of)` for every connection, spread over the
+/// Runs `job(connection, of)` for each of `connections`, spread over the
 /// generator's threads (a task per connection); the results in order.
-fn on_connections<T, F>(lab: &Lab, job: impl Fn(usize, usize) -> F + Send + Sync + Copy + 'static) -> Result<Vec<T>>
+fn on_connections<T, F>(lab: &Lab, connections: usize, job: impl Fn(usize, usize) -> F + Send + Sync + Copy + 'static) -> Result<Vec<T>>
 where
     T: Send + 'static,
     F: std::future::Future<Output = Result<T>> + Send + 'static,
 {
     let per_thread = on_threads(&lab.b, threads(), move |t, threads| async move {
-        let per = (CONNECTIONS / threads).max(1);
+        let per = (connections / threads).max(1);
         let of = per * threads;
         let tasks: Vec<_> = (0..per).map(|k| tokio::spawn(job(t * per + k, of))).collect();
         let mut out = Vec::new();
@@ -137,7 +142,7 @@ async fn closed_loop(tcp: &TcpStream, load: &mut Load, in_flight: usize, user: i
 /// failed.
 fn grpc_latency(lab: &Lab, keys: u64, paced: bool) -> Result<(f64, f64, u64)> {
     let before = decided(lab)?;
-    let per_conn = on_connections(lab, move |conn, of| async move {
+    let per_conn = on_connections(lab, CONNECTIONS, move |conn, of| async move {
         let (tcp, mut load) = Load::connect(GRPC.parse()?).await?;
         // Warm up, not counted: the connection's first calls.
         closed_loop(&tcp, &mut load, 1, |i| (i < 100).then_some(0)).await?;
@@ -224,7 +229,7 @@ fn same_count(lab: &Lab, before: u64, answered: u64) -> Result<()> {
 fn grpc_saturation(lab: &Lab) -> Result<f64> {
     let before = decided(lab)?;
     let stop = Instant::now() + Duration::from_secs(SECONDS);
-    let done = on_connections(lab, move |conn, of| async move {
+    let done = on_connections(lab, CONNECTIONS, move |conn, of| async move {
         let first = (conn * 1000) as u64;
         let (tcp, mut load) = Load::connect(GRPC.parse()?).await?;
         closed_loop(&tcp, &mut load, 64 / of, |i| (Instant::now() < stop).then_some(first + i % 1000)).await
@@ -236,51 +241,80 @@ fn grpc_saturation(lab: &Lab) -> Result<f64> {
 
 /// Creates `keys` distinct buckets (closed loop, 64 in flight in all).
 fn grpc_fill(lab: &Lab, keys: u64) -> Result<()> {
-    on_connections(lab, move |conn, of| async move {
+    on_connections(lab, CONNECTIONS, move |conn, of| async move {
         let (tcp, mut load) = Load::connect(GRPC.parse()?).await?;
         closed_loop(&tcp, &mut load, 64 / of, |i| Some(i * of as u64 + conn as u64).filter(|u| *u < keys)).await
     })?;
     Ok(())
 }
 
-/// Open loop over the HTTP check from 8 threads at `RATE`/s in all.
+/// Open loop over the HTTP check at `RATE`/s for `SECONDS`, spread over
+/// `HTTP_CONNECTIONS` keep-alive connections, each with its own kernel
+/// timer and one request in flight at a time (as forward-auth gateways
+/// send them); `keys` distinct users. A request is timed from when it fell
+/// due (the timer's wake-up that found it due) to its whole answer, so one
+/// that waits for its connection's previous answer counts the wait. p50,
+/// p99 (ms).
 fn http_latency(lab: &Lab, keys: u64) -> Result<(f64, f64)> {
-    let threads = 8u64;
-    let handles: Vec<_> = (0..threads)
-        .map(|t| {
-            lab.b.spawn(move || {
-                let agent = ureq::AgentBuilder::new().timeout(Duration::from_secs(5)).build();
-                let per = RATE / threads;
-                let n = per * SECONDS;
-                let start = Instant::now();
-                let mut ms = Vec::with_capacity(n as usize);
-                for i in 0..n {
-                    let due = start + Duration::from_nanos(i * 1_000_000_000 / per);
-                    if let Some(w) = due.checked_duration_since(Instant::now()) {
-                        std::thread::sleep(w);
-                    }
-                    let user = if keys == 1 { 0 } else { ((i * threads + t) * 2_654_435_761) % keys };
-                    let body = format!("{{\"domain\":\"bench\",\"descriptors\":[[{{\"key\":\"user\",\"value\":\"{user}\"}}]]}}");
-                    let r = agent.post("http://127.0.0.1:8082/v1/check").set("Content-Type", "application/json").send_string(&body);
-                    match r {
-                        Ok(r) => {
-                            r.into_string()?;
-                        }
-                        Err(ureq::Error::Status(_, r)) => {
-                            r.into_string()?;
-                        }
-                        Err(e) => bail!("the check failed: {e}"),
-                    }
-                    ms.push((Instant::now() - due).as_secs_f64() * 1e3);
+    let before = decided(lab)?;
+    let per_conn = on_connections(lab, HTTP_CONNECTIONS, move |conn, of| async move {
+        let (mut tcp, mut c) = Checks::connect(HTTP.parse()?).await?;
+        let body = |u: u64| format!("{{\"domain\":\"bench\",\"descriptors\":[[{{\"key\":\"user\",\"value\":\"{u}\"}}]]}}");
+        // Warm up, not counted.
+        for _ in 0..100 {
+            c.check(Instant::now(), body(0));
+            c.send(&mut tcp).await?;
+            while c.pending() > 0 {
+                tcp.readable().await?;
+                if let Some(d) = c.read(&tcp)? {
+                    d.result.map_err(|e| anyhow::anyhow!("a warm-up check {e}"))?;
                 }
-                Ok(ms)
-            })
-        })
-        .collect();
-    let mut all = Vec::new();
-    for h in handles {
-        all.extend(h.join().map_err(|_| anyhow::anyhow!("a load thread panicked"))??);
-    }
+            }
+        }
+        let rate = RATE / of as u64;
+        let n = rate * SECONDS;
+        let ticker = Ticker::new(Duration::from_nanos(1_000_000_000 / rate))?;
+        let (mut queued, mut ms) = (0u64, Vec::with_capacity(n as usize));
+        let (t0, mut dump, dump_to) = (Instant::now(), String::new(), std::env::var("RL_BENCH_DUMP").ok());
+        let deadline = tokio::time::sleep(Duration::from_secs(4 * SECONDS + 10));
+        tokio::pin!(deadline);
+        while (ms.len() as u64) < n {
+            tokio::select! {
+                ticks = ticker.tick(), if queued < n => {
+                    let now = Instant::now();
+                    for _ in 0..ticks? {
+                        if queued == n {
+                            break;
+                        }
+                        let g = queued * of as u64 + conn as u64;
+                        c.check(now, body(if keys == 1 { 0 } else { (g * 2_654_435_761) % keys }));
+                        queued += 1;
+                    }
+                    c.send(&mut tcp).await?;
+                }
+                r = tcp.readable(), if c.pending() > 0 => {
+                    r?;
+                    if let Some(d) = c.read(&tcp)? {
+                        let m = d.due.elapsed().as_secs_f64() * 1e3;
+                        ms.push(m);
+                        if dump_to.is_some() {
+                            dump += &format!("{:.3} {m:.3}\n", (d.due - t0).as_secs_f64() * 1e3);
+                        }
+                        d.result.map_err(|e| anyhow::anyhow!("a check {e}"))?;
+                        c.send(&mut tcp).await?;
+                    }
+                }
+                _ = &mut deadline => bail!("{} of {n} checks unanswered after {} s", n - ms.len() as u64, 4 * SECONDS + 10),
+            }
+        }
+        if let Some(p) = dump_to {
+            std::fs::write(format!("{p}-http-{keys}-{conn}"), dump)?;
+        }
+        Ok(ms)
+    })?;
+    let connections = per_conn.len();
+    let mut all: Vec<f64> = per_conn.into_iter().flatten().collect();
+    same_count(lab, before, (all.len() + 100 * connections) as u64)?;
     Ok((percentile(&mut all, 0.5), percentile(&mut all, 0.99)))
 }
 
@@ -345,10 +379,17 @@ fn main() -> Result<()> {
         println!("  CPU per request: daemon {cpu:.1} µs, load generator {own:.1} µs; steal meanwhile {:.2}%", steal * 100.0);
         Ok(())
     };
+    let http = |keys: u64| -> Result<()> {
+        let (cpu, own) = (rl_tests::process_cpu_secs(d.pid())?, rl_tests::process_cpu_secs(std::process::id())?);
+        let (p50, p99) = http_latency(&lab, keys)?;
+        let per = |secs: f64| secs / (RATE * SECONDS) as f64 * 1e6;
+        let (cpu, own) = (per(rl_tests::process_cpu_secs(d.pid())? - cpu), per(rl_tests::process_cpu_secs(std::process::id())? - own));
+        println!("HTTP check, {keys} key(s): p50 {p50:.3} ms, p99 {p99:.3} ms");
+        println!("  CPU per request: daemon {cpu:.1} µs, load generator {own:.1} µs");
+        Ok(())
+    };
     if std::env::var_os("RL_BENCH_HTTP").is_some() {
-        let (p50, p99) = http_latency(&lab, 1)?;
-        println!("HTTP check, 1 key: p50 {p50:.3} ms, p99 {p99:.3} ms");
-        return Ok(());
+        return http(1);
     }
     if std::env::var_os("RL_BENCH_SATURATION").is_some() {
         // For profiling the daemon: saturation only, its pid first.
@@ -405,8 +446,7 @@ fn main() -> Result<()> {
         sweep_ms()?
     );
     for keys in [1, KEYS] {
-        let (p50, p99) = http_latency(&lab, keys)?;
-        println!("HTTP check, {keys} key(s): p50 {p50:.3} ms, p99 {p99:.3} ms");
+        http(keys)?;
     }
     d.stop(libc::SIGTERM)?;
     println!("{}", steal.report().1);
