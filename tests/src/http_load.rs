@@ -10,7 +10,7 @@
 //! (`Content-Length`); anything else fails the request. The functional
 //! tests keep using a real client (`ureq`).
 
-use std::{os::fd::AsRawFd, time::Instant};
+use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use tokio::{io::AsyncWriteExt, net::TcpStream};
@@ -69,33 +69,16 @@ impl Checks {
     }
 
     /// Reads what has arrived (after `tcp.readable()`); the request in
-    /// flight if its answer is now whole. A read that does not fill the
-    /// buffer clears the readiness (no read that only says EAGAIN).
+    /// flight if its answer is now whole.
     pub fn read(&mut self, tcp: &TcpStream) -> Result<Option<Done>> {
         let Some(due) = self.in_flight else { bail!("an answer came with no request in flight") };
         if self.filled == self.input.len() {
             self.input.resize(2 * self.input.len(), 0);
         }
-        let room = &mut self.input[self.filled..];
-        let (want, mut got) = (room.len(), 0);
-        let read = tcp.try_io(tokio::io::Interest::READABLE, || {
-            // SAFETY: room is valid for writes of its length.
-            let n = unsafe { libc::read(tcp.as_raw_fd(), room.as_mut_ptr().cast(), want) };
-            if n < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            got = n as usize;
-            if got > 0 && got < want {
-                return Err(std::io::ErrorKind::WouldBlock.into());
-            }
-            Ok(())
-        });
-        self.filled += got;
-        match read {
-            Ok(()) if got == 0 => bail!("the daemon closed the connection"),
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-            Err(e) => return Err(e).context("reading an answer"),
+        match crate::read_available(tcp, &mut self.input[self.filled..]).context("reading an answer")? {
+            Some(0) => bail!("the daemon closed the connection"),
+            Some(n) => self.filled += n,
+            None => {}
         }
         let Some(len) = answer_len(&self.input[..self.filled])? else { return Ok(None) };
         let status = std::str::from_utf8(&self.input[9..12]).ok().and_then(|s| s.parse::<u16>().ok()).unwrap_or(0);

@@ -160,3 +160,31 @@ impl StealMeter {
         (share, verdict)
     }
 }
+
+/// Reads what `tcp` holds into `room` (after `tcp.readable()`): `Some(n)`
+/// bytes (0: the peer closed), or `None` when nothing was there. A read
+/// that does not fill `room` took all there was, so it clears the
+/// readiness (by answering WouldBlock, as tokio does for its own reads)
+/// rather than leaving a read that only says EAGAIN for later; data that
+/// comes after is a new event.
+pub fn read_available(tcp: &tokio::net::TcpStream, room: &mut [u8]) -> std::io::Result<Option<usize>> {
+    use std::os::fd::AsRawFd;
+    let (want, mut got) = (room.len(), 0);
+    let read = tcp.try_io(tokio::io::Interest::READABLE, || {
+        // SAFETY: room is valid for writes of its length.
+        let n = unsafe { libc::read(tcp.as_raw_fd(), room.as_mut_ptr().cast(), want) };
+        if n < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        got = n as usize;
+        if got > 0 && got < want {
+            return Err(std::io::ErrorKind::WouldBlock.into());
+        }
+        Ok(())
+    });
+    match read {
+        Ok(()) => Ok(Some(got)),
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok((got > 0).then_some(got)),
+        Err(e) => Err(e),
+    }
+}

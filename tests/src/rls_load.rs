@@ -20,7 +20,7 @@
 //! keep using real clients (`h2`, tonic, Envoy, grpcio); this is only the
 //! load.
 
-use std::{collections::VecDeque, net::SocketAddr, os::fd::AsRawFd, time::Instant};
+use std::{collections::VecDeque, net::SocketAddr, time::Instant};
 
 use anyhow::{bail, Context, Result};
 use bytes::Bytes;
@@ -187,33 +187,13 @@ impl Load {
                 // A frame larger than what is held: room for it.
                 self.input.resize(2 * self.input.len(), 0);
             }
-            let room = &mut self.input[self.filled..];
-            let (want, mut got) = (room.len(), 0);
-            // A read that does not fill the room took all there was: the
-            // readiness is cleared then (by answering WouldBlock), as tokio
-            // does for its own reads, rather than by a read that only says
-            // EAGAIN. Data that comes later is a new event.
-            let read = tcp.try_io(tokio::io::Interest::READABLE, || {
-                // SAFETY: room is valid for writes of its length.
-                let n = unsafe { libc::read(tcp.as_raw_fd(), room.as_mut_ptr().cast(), want) };
-                if n < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                got = n as usize;
-                if got > 0 && got < want {
-                    return Err(std::io::ErrorKind::WouldBlock.into());
-                }
-                Ok(())
-            });
-            self.filled += got;
-            match read {
-                Ok(()) if got == 0 => {
+            match crate::read_available(tcp, &mut self.input[self.filled..]).context("reading answers")? {
+                Some(0) => {
                     open = false;
                     break;
                 }
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                Err(e) => return Err(e).context("reading answers"),
+                Some(n) => self.filled += n,
+                None => break,
             }
         }
         // Taken out while its frames are handled (no copy of each).
