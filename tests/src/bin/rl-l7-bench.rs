@@ -364,30 +364,32 @@ fn main() -> Result<()> {
     let cfg = write(&dir, "rl.toml", &rules());
     let d = Daemon::serving(&lab, &cfg, &[])?;
     println!("rl request-decision benchmark (release daemon, 2 CPUs shared with the load generator), {RATE} requests/s offered for {SECONDS} s");
-    let latency = |keys: u64, paced: bool| -> Result<()> {
+    // Runs one latency measurement; its result and a line with both sides'
+    // CPU per request and the steal meanwhile (a vCPU the hypervisor holds
+    // back stalls every request on it).
+    let measured = |run: &dyn Fn() -> Result<(f64, f64, u64)>| -> Result<((f64, f64, u64), String)> {
         let (cpu, own) = (rl_tests::process_cpu_secs(d.pid())?, rl_tests::process_cpu_secs(std::process::id())?);
         let steal = rl_tests::StealMeter::start();
-        let (p50, p99, failed) = grpc_latency(&lab, keys, paced)?;
-        // What the hypervisor took meanwhile: a vCPU it holds back stalls
-        // every call on it.
+        let out = run()?;
         let steal = steal.report().0;
         let per = |secs: f64| secs / (RATE * SECONDS) as f64 * 1e6;
         let (cpu, own) = (per(rl_tests::process_cpu_secs(d.pid())? - cpu), per(rl_tests::process_cpu_secs(std::process::id())? - own));
+        Ok((out, format!("  CPU per request: daemon {cpu:.1} µs, load generator {own:.1} µs; steal meanwhile {:.2}%", steal * 100.0)))
+    };
+    let latency = |keys: u64, paced: bool| -> Result<()> {
+        let ((p50, p99, failed), cpu) = measured(&|| grpc_latency(&lab, keys, paced))?;
         let how = if paced { "paced one by one" } else { "released per ms" };
         println!(
             "gRPC ShouldRateLimit, {keys} key(s) in the store, {how}: p50 {p50:.3} ms, p99 {p99:.3} ms ({failed} failed); target p99 < 1 ms at {RATE}/s: {}",
             if p99 < 1.0 && failed == 0 { "met" } else { "MISSED" }
         );
-        println!("  CPU per request: daemon {cpu:.1} µs, load generator {own:.1} µs; steal meanwhile {:.2}%", steal * 100.0);
+        println!("{cpu}");
         Ok(())
     };
     let http = |keys: u64| -> Result<()> {
-        let (cpu, own) = (rl_tests::process_cpu_secs(d.pid())?, rl_tests::process_cpu_secs(std::process::id())?);
-        let (p50, p99) = http_latency(&lab, keys)?;
-        let per = |secs: f64| secs / (RATE * SECONDS) as f64 * 1e6;
-        let (cpu, own) = (per(rl_tests::process_cpu_secs(d.pid())? - cpu), per(rl_tests::process_cpu_secs(std::process::id())? - own));
+        let ((p50, p99, _), cpu) = measured(&|| http_latency(&lab, keys).map(|(p50, p99)| (p50, p99, 0)))?;
         println!("HTTP check, {keys} key(s): p50 {p50:.3} ms, p99 {p99:.3} ms");
-        println!("  CPU per request: daemon {cpu:.1} µs, load generator {own:.1} µs");
+        println!("{cpu}");
         Ok(())
     };
     if std::env::var_os("RL_BENCH_HTTP").is_some() {
