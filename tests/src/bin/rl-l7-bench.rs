@@ -388,7 +388,10 @@ fn main() -> Result<()> {
     };
     let http = |keys: u64| -> Result<()> {
         let ((p50, p99, _), cpu) = measured(&|| http_latency(&lab, keys).map(|(p50, p99)| (p50, p99, 0)))?;
-        println!("HTTP check, {keys} key(s): p50 {p50:.3} ms, p99 {p99:.3} ms");
+        println!(
+            "HTTP check, {keys} key(s): p50 {p50:.3} ms, p99 {p99:.3} ms; target p99 < 1 ms at {RATE}/s: {}",
+            if p99 < 1.0 { "met" } else { "MISSED" }
+        );
         println!("{cpu}");
         Ok(())
     };
