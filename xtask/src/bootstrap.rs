@@ -163,16 +163,17 @@ fn linker_is_current(linker: &Path, soname: &str, libllvm: &Path) -> bool {
     })
 }
 
-/// Commands the tests run, and the Debian package that provides each.
 /// Commands the tests and benchmarks run, and the Debian packages with them
-/// (nft: the veth benchmark's nftables peer).
-const TOOLS: [(&str, &str); 6] = [
+/// (nft: the veth benchmark's nftables peer; caddy: a real forward-auth
+/// gateway in front of the HTTP check).
+const TOOLS: [(&str, &str); 7] = [
     ("ip", "iproute2"),
     ("sysctl", "procps"),
     ("setpriv", "util-linux"),
     ("nft", "nftables"),
     ("redis-server", "redis-server"),
     ("redis-cli", "redis-tools"),
+    ("caddy", "caddy"),
 ];
 
 fn has(cmd: &str) -> bool {

@@ -18,16 +18,8 @@ use crate::l7::engine::{DescriptorEntry, Status};
     responses((status = 200, body = Status), (status = 400, body = super::ErrorBody)))]
 pub async fn l7_state(AxState(api): AxState<Api>, RawQuery(q): RawQuery) -> ApiResult<Json<Status>> {
     let bad = |m: &str| ApiError(StatusCode::BAD_REQUEST, format!("{m}: use ?domain=D&key=value&… (the descriptor's entries in order)"));
-    let pairs: Vec<(String, String)> = q
-        .as_deref()
-        .unwrap_or("")
-        .split('&')
-        .filter(|p| !p.is_empty())
-        .map(|p| {
-            let (k, v) = p.split_once('=').unwrap_or((p, ""));
-            (decode(k), decode(v))
-        })
-        .collect();
+    let pairs: Vec<(String, String)> =
+        crate::l7::forward::query_pairs(q.as_deref().unwrap_or("")).into_iter().map(|(k, v)| (k, v.unwrap_or_default())).collect();
     let Some(((first, domain), entries)) = pairs.split_first() else { return Err(bad("no domain")) };
     if first != "domain" || domain.is_empty() {
         return Err(bad("the first parameter must be domain"));
@@ -38,29 +30,4 @@ pub async fn l7_state(AxState(api): AxState<Api>, RawQuery(q): RawQuery) -> ApiR
     let entries: Vec<DescriptorEntry> = entries.iter().map(|(k, v)| DescriptorEntry { key: k.clone(), value: v.clone() }).collect();
     let engine = crate::state::lock(&api.state).l7.read().unwrap_or_else(|e| e.into_inner()).clone();
     Ok(Json(engine.peek(domain, &entries)))
-}
-
-/// Percent-decoding (and `+` as a space) of one query component.
-fn decode(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        match b[i] {
-            b'%' if i + 2 < b.len() => {
-                match u8::from_str_radix(std::str::from_utf8(&b[i + 1..i + 3]).unwrap_or(""), 16) {
-                    Ok(v) => {
-                        out.push(v);
-                        i += 3;
-                        continue;
-                    }
-                    Err(_) => out.push(b'%'),
-                }
-            }
-            b'+' => out.push(b' '),
-            c => out.push(c),
-        }
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }

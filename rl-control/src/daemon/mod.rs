@@ -192,7 +192,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
                 tracing::error!("the request check (l7) stopped: {e}");
             }
         });
-        info!("request check on http://{} (POST /v1/check; {} l7 rules)", addr.map(|a| a.to_string()).unwrap_or_default(), config.l7.rules.len());
+        info!("request check on http://{} (POST /v1/check, forward auth on /v1/forward-auth/{{domain}}; {} l7 rules)", addr.map(|a| a.to_string()).unwrap_or_default(), config.l7.rules.len());
     }
     if let Some(listener) = grpc_listener {
         let addr = listener.local_addr().ok();

@@ -1,6 +1,7 @@
 //! `POST /v1/check` on `[l7] http_listen`: one decision per request for any
 //! gateway or application, with the conventional and IETF rate-limit
-//! headers. It only charges buckets: it cannot change rules, and needs no
+//! headers; and `/v1/forward-auth/{domain}?entries`, the same decision for
+//! forward-auth gateways, which send no body (see [`super::forward`]). It only charges buckets: it cannot change rules, and needs no
 //! token (like Envoy's gRPC port it belongs on loopback or a private
 //! network).
 
@@ -8,10 +9,10 @@ use std::sync::{Arc, RwLock};
 
 use axum::{
     body::Bytes,
-    extract::State,
+    extract::{Path, RawQuery, State},
     http::{HeaderMap, HeaderName, HeaderValue, StatusCode},
     response::{IntoResponse, Response},
-    routing::{get, post},
+    routing::{any, get, post},
     Json, Router,
 };
 use serde::Deserialize;
@@ -106,6 +107,20 @@ async fn check(State(l7): State<Shared>, body: Bytes) -> Response {
     r
 }
 
+/// A forward-auth gateway's call: the descriptor from the query and the
+/// forwarded request, one hit.
+async fn forward_auth(State(l7): State<Shared>, Path(domain): Path<String>, RawQuery(q): RawQuery, headers: HeaderMap) -> Response {
+    let t = std::time::Instant::now();
+    let r = match super::forward::descriptor(q.as_deref().unwrap_or(""), &headers) {
+        Err(m) => bad(m),
+        // A header it names is absent: the descriptor does not apply.
+        Ok(None) => answered(&[]),
+        Ok(Some(d)) => decided(l7, Check { domain, descriptors: vec![d], hits: None }).await,
+    };
+    super::HTTP_LATENCY.record(t.elapsed());
+    r
+}
+
 async fn answer(l7: Shared, body: Bytes) -> Response {
     let c: Check = match serde_json::from_slice(&body) {
         Ok(c) => c,
@@ -115,6 +130,12 @@ async fn answer(l7: Shared, body: Bytes) -> Response {
             ))
         }
     };
+    decided(l7, c).await
+}
+
+/// The check's decision: each descriptor charged, or 400 when the check is
+/// invalid.
+async fn decided(l7: Shared, c: Check) -> Response {
     if let Some(m) = invalid(&c) {
         return bad(m);
     }
@@ -128,12 +149,18 @@ async fn answer(l7: Shared, body: Bytes) -> Response {
     for d in &c.descriptors {
         statuses.push(engine.decide_scoped(&c.domain, d, hits).await);
     }
+    answered(&statuses)
+}
+
+/// 200 or 429 with the headers of the deciding status and the statuses as
+/// JSON.
+fn answered(statuses: &[Status]) -> Response {
     let over = statuses.iter().any(|s| s.code == "over_limit");
     let code = if over { StatusCode::TOO_MANY_REQUESTS } else { StatusCode::OK };
-    let hdrs = deciding(&statuses).map(|s| headers(s, over)).unwrap_or_default();
+    let hdrs = deciding(statuses).map(|s| headers(s, over)).unwrap_or_default();
     // Serialized straight from the statuses (a `json!` value built a map
     // per status first: a tenth of the daemon's CPU per check).
-    let body = serde_json::to_vec(&Answer { overall: if over { "over_limit" } else { "ok" }, statuses: &statuses }).unwrap_or_default();
+    let body = serde_json::to_vec(&Answer { overall: if over { "over_limit" } else { "ok" }, statuses }).unwrap_or_default();
     let mut r = (code, hdrs, body).into_response();
     r.headers_mut().insert(axum::http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     r
@@ -150,10 +177,12 @@ async fn healthz() -> Json<serde_json::Value> {
     Json(serde_json::json!({ "status": "ok" }))
 }
 
-/// `POST /v1/check` and `GET /healthz`.
+/// `POST /v1/check`, `/v1/forward-auth/{domain}` (any method) and
+/// `GET /healthz`.
 pub fn router(l7: Shared) -> Router {
     Router::new()
         .route("/v1/check", post(check))
+        .route("/v1/forward-auth/{domain}", any(forward_auth))
         .route("/healthz", get(healthz))
         .layer(axum::extract::DefaultBodyLimit::max(64 << 10))
         .with_state(l7)

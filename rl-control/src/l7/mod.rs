@@ -2,10 +2,12 @@
 //! Envoy-style descriptors and charge request buckets with rl-common's
 //! arithmetic (plus the sliding log and the semaphore), answered over
 //! Envoy's rate-limit service (gRPC) and a plain HTTP check
-//! (`POST /v1/check`).
+//! (`POST /v1/check`, and `/v1/forward-auth/{domain}` for forward-auth
+//! gateways).
 
 mod charge;
 pub mod engine;
+pub mod forward;
 pub mod grpc;
 pub mod grpc_threads;
 pub mod http;

@@ -1,0 +1,123 @@
+//! A real Caddy (Debian's `caddy`, installed by the bootstrap) in a lab
+//! namespace, as a forward-auth gateway in front of rl's HTTP check;
+//! stopped on drop. And a plain HTTP/1.1 GET from a chosen loopback
+//! address, so a test can be several clients.
+
+use std::{
+    collections::HashMap,
+    io::{Read, Write},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context, Result};
+
+use crate::lab::Netns;
+
+/// A running Caddy.
+pub struct Caddy {
+    child: Child,
+    log: std::path::PathBuf,
+}
+
+impl Caddy {
+    /// Starts Caddy in `ns` with the Caddyfile `config`, its state kept in
+    /// `dir`; returns once 127.0.0.1:`port` accepts connections.
+    pub fn start(ns: &Netns, dir: &std::path::Path, config: &str, port: u16) -> Result<Caddy> {
+        if Command::new("sh").args(["-c", "command -v caddy"]).output().map(|o| !o.status.success()).unwrap_or(true) {
+            bail!("caddy is not installed (Debian package caddy): run `cargo xtask bootstrap`");
+        }
+        let file = dir.join("Caddyfile");
+        std::fs::write(&file, config)?;
+        let log = dir.join("caddy.log");
+        let child = Command::new("ip")
+            .args(["netns", "exec", &ns.name, "caddy", "run", "--adapter", "caddyfile", "--config"])
+            .arg(&file)
+            // Caddy keeps its state under $HOME and $XDG_*: all in `dir`.
+            .env("HOME", dir)
+            .env("XDG_DATA_HOME", dir)
+            .env("XDG_CONFIG_HOME", dir)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log)?)
+            .spawn()
+            .context("starting caddy")?;
+        let mut caddy = Caddy { child, log };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if ns.run(move || Ok(std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()))? {
+                return Ok(caddy);
+            }
+            if let Some(status) = caddy.child.try_wait()? {
+                bail!("caddy exited ({status}): {}", caddy.log());
+            }
+            if Instant::now() > deadline {
+                bail!("caddy did not listen on {port} within 20 s: {}", caddy.log());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Caddy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// An HTTP answer: status, headers (names lowercased), body.
+#[derive(Debug)]
+pub struct Reply {
+    pub status: u16,
+    pub headers: HashMap<String, String>,
+    pub body: String,
+}
+
+impl Reply {
+    /// A header's value ("" when absent).
+    pub fn header(&self, name: &str) -> &str {
+        self.headers.get(name).map(String::as_str).unwrap_or("")
+    }
+}
+
+/// `GET path` on `to` from the local address `from` (any 127/8 address is
+/// the host's own), with extra `headers`, in `ns`.
+pub fn get_from(ns: &Netns, from: &str, to: &str, path: &str, headers: &[(&str, &str)]) -> Result<Reply> {
+    let (from, to): (std::net::SocketAddr, std::net::SocketAddr) = (format!("{from}:0").parse()?, to.parse()?);
+    let mut req = format!("GET {path} HTTP/1.1\r\nHost: {to}\r\nConnection: close\r\n");
+    for (k, v) in headers {
+        req += &format!("{k}: {v}\r\n");
+    }
+    req += "\r\n";
+    let path = path.to_string();
+    ns.run(move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_io().build()?;
+        let s = rt.block_on(async {
+            let s = tokio::net::TcpSocket::new_v4()?;
+            s.bind(from)?;
+            s.connect(to).await
+        });
+        let s = s.with_context(|| format!("connecting from {from} to {to}"))?.into_std()?;
+        drop(rt);
+        s.set_nonblocking(false)?;
+        s.set_read_timeout(Some(Duration::from_secs(10)))?;
+        let mut s = s;
+        s.write_all(req.as_bytes())?;
+        let mut raw = Vec::new();
+        s.read_to_end(&mut raw).with_context(|| format!("reading the answer to GET {path}"))?;
+        parse(&String::from_utf8_lossy(&raw))
+    })
+}
+
+/// A whole `Connection: close` answer (a `Content-Length` or unframed body).
+fn parse(raw: &str) -> Result<Reply> {
+    let (head, body) = raw.split_once("\r\n\r\n").with_context(|| format!("not an HTTP answer: {raw:?}"))?;
+    let mut lines = head.split("\r\n");
+    let status = lines.next().and_then(|l| l.split_whitespace().nth(1)).and_then(|c| c.parse().ok()).with_context(|| format!("no status in {head:?}"))?;
+    let headers = lines.filter_map(|l| l.split_once(':')).map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string())).collect();
+    Ok(Reply { status, headers, body: body.to_string() })
+}
