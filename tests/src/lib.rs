@@ -2,11 +2,11 @@
 //! frames, and a guard for the `rl-control` daemon. Used by the end-to-end
 //! tests, `cargo xtask demo` and `cargo xtask bench`.
 
-pub mod caddy;
 pub mod cluster_lab;
 pub mod daemon;
 pub mod envoy;
 pub mod frames;
+pub mod gateway;
 pub mod http;
 pub mod http_load;
 pub mod redis;

@@ -1,18 +1,49 @@
-//! The HTTP check as a forward-auth gateway uses it: a real Caddy
-//! (`forward_auth`) in front of a real upstream, rl's
-//! `/v1/forward-auth/{domain}` deciding from the forwarded request's
-//! client address and headers, and Caddy handing rl's 429 (with its
-//! headers) to the client.
+//! The HTTP check as forward-auth gateways use it: a real Caddy
+//! (`forward_auth`) and a real nginx (`auth_request`) in front of a real
+//! upstream, rl's `/v1/forward-auth/{domain}` deciding from the forwarded
+//! request's client address and headers, and the gateway turning rl's
+//! "over the limit" into a 429 for the client.
 
 use rl_tests::{
-    caddy::{get_from, Caddy},
     daemon::{served, Served},
     envoy::upstream,
+    gateway::{get_from, Gateway, Reply},
     http::{get, request_tcp},
+    lab::Lab,
 };
 
 const CHECK: &str = "127.0.0.1:8082";
-const GATEWAY: &str = "127.0.0.1:10080";
+const UPSTREAM: u16 = 10001;
+
+fn rules() -> String {
+    format!(
+        "[default]\nrate = 1000\n[l7]\nhttp_listen = \"{CHECK}\"\n\
+         [[l7.rule]]\nname = \"login-per-ip\"\ndomain = \"auth\"\n\
+         descriptor = [{{ key = \"auth_type\", value = \"login\" }}, {{ key = \"remote_address\" }}]\nrate = 3\nper = \"1m\"\nalgorithm = \"sliding_log\"\n\
+         [[l7.rule]]\nname = \"per-key\"\ndomain = \"api\"\ndescriptor = [{{ key = \"x-api-key\" }}]\nrate = 2\nper = \"1h\"\n"
+    )
+}
+
+/// Three logins a minute per client address, through `gateway`: a client
+/// that forges `X-Forwarded-For` is counted by the address the gateway saw;
+/// the 4th login gets 429 with `Retry-After`. Returns that 429.
+fn logins_are_limited_per_client(lab: &Lab, gateway: &str, log: impl Fn() -> String) -> Reply {
+    let login = |from: &str, headers: &[(&str, &str)]| get_from(&lab.b, from, gateway, "/login", headers).unwrap();
+    let forged = [("X-Forwarded-For", "198.51.100.1")];
+    for i in 0..3 {
+        let r = login("127.0.0.1", &forged);
+        assert_eq!((r.status, r.body.as_str()), (200, "ok"), "login {i} reaches the upstream: {r:?}\n{}", log());
+    }
+    let r = login("127.0.0.1", &forged);
+    assert_eq!(r.status, 429, "the 4th login in a minute: {r:?}\n{}", log());
+    let retry: u64 = r.header("retry-after").parse().unwrap_or_else(|_| panic!("{r:?}"));
+    assert!((59..=60).contains(&retry), "{r:?}");
+    let state = |ip: &str| get(&lab.b, &format!("/v1/l7/state?domain=auth&auth_type=login&remote_address={ip}")).json();
+    assert_eq!(state("127.0.0.1")["code"], "over_limit");
+    assert_eq!(state("198.51.100.1")["remaining"], 3, "the forged address was never charged");
+    assert_eq!(login("127.0.0.2", &[]).status, 200, "another client has its own bucket");
+    r
+}
 
 const CADDYFILE: &str = r#"
 {
@@ -36,40 +67,19 @@ const CADDYFILE: &str = r#"
 "#;
 
 #[test]
-fn a_real_forward_auth_gateway_limits_by_client_address_and_header() {
-    let Served { lab, d, dir, .. } = served(&format!(
-        "[default]\nrate = 1000\n[l7]\nhttp_listen = \"{CHECK}\"\n\
-         [[l7.rule]]\nname = \"login-per-ip\"\ndomain = \"auth\"\n\
-         descriptor = [{{ key = \"auth_type\", value = \"login\" }}, {{ key = \"remote_address\" }}]\nrate = 3\nper = \"1m\"\nalgorithm = \"sliding_log\"\n\
-         [[l7.rule]]\nname = \"per-key\"\ndomain = \"api\"\ndescriptor = [{{ key = \"x-api-key\" }}]\nrate = 2\nper = \"1h\"\n"
-    ))
-    .unwrap();
-    upstream(&lab.b, 10001).unwrap();
-    let caddy = Caddy::start(&lab.b, dir.path(), CADDYFILE, 10080).unwrap();
-    let login = |from: &str, headers: &[(&str, &str)]| get_from(&lab.b, from, GATEWAY, "/login", headers).unwrap();
-
-    // A client that forges X-Forwarded-For is still counted by the address
-    // Caddy saw.
-    let forged = [("X-Forwarded-For", "198.51.100.1")];
-    for i in 0..3 {
-        let r = login("127.0.0.1", &forged);
-        assert_eq!((r.status, r.body.as_str()), (200, "ok"), "login {i} reaches the upstream: {r:?}\n{}", caddy.log());
-    }
-    let r = login("127.0.0.1", &forged);
-    assert_eq!(r.status, 429, "the 4th login in a minute: {r:?}");
+fn caddy_forward_auth_limits_by_client_address_and_header() {
+    let Served { lab, d, dir, .. } = served(&rules()).unwrap();
+    upstream(&lab.b, UPSTREAM).unwrap();
+    let caddy = Gateway::caddy(&lab.b, dir.path(), CADDYFILE, 10080).unwrap();
+    let r = logins_are_limited_per_client(&lab, "127.0.0.1:10080", || caddy.log());
+    // Caddy hands rl's own answer to the client.
     assert_eq!((r.header("x-ratelimit-limit"), r.header("x-ratelimit-remaining")), ("3", "0"), "{r:?}");
-    let retry: u64 = r.header("retry-after").parse().unwrap_or_else(|_| panic!("{r:?}"));
-    assert!((59..=60).contains(&retry), "{r:?}");
     assert_eq!(r.header("ratelimit-policy"), "\"login-per-ip\";q=3;w=60", "{r:?}");
-    assert!(r.body.contains("over_limit"), "rl's own answer reaches the client: {r:?}");
-    let state = |ip: &str| get(&lab.b, &format!("/v1/l7/state?domain=auth&auth_type=login&remote_address={ip}")).json();
-    assert_eq!(state("127.0.0.1")["code"], "over_limit");
-    assert_eq!(state("198.51.100.1")["remaining"], 3, "the forged address was never charged");
-    assert_eq!(login("127.0.0.2", &[]).status, 200, "another client has its own bucket");
+    assert!(r.body.contains("over_limit"), "{r:?}");
 
     // A key from a header; a request without the header is not limited by
     // that rule (as Envoy's request_headers action).
-    let api = |headers: &[(&str, &str)]| get_from(&lab.b, "127.0.0.1", GATEWAY, "/api/items", headers).unwrap().status;
+    let api = |headers: &[(&str, &str)]| get_from(&lab.b, "127.0.0.1", "127.0.0.1:10080", "/api/items", headers).unwrap().status;
     assert_eq!([api(&[("X-Api-Key", "k1")]), api(&[("X-Api-Key", "k1")]), api(&[("X-Api-Key", "k1")])], [200, 200, 429]);
     assert_eq!(api(&[("X-Api-Key", "k2")]), 200);
     assert_eq!([api(&[]), api(&[]), api(&[])], [200, 200, 200]);
@@ -81,6 +91,59 @@ fn a_real_forward_auth_gateway_limits_by_client_address_and_header() {
     let a = request_tcp(&lab.b, CHECK, "GET", "/v1/forward-auth/auth", None, None).unwrap();
     assert_eq!(a.status, 400, "{}", a.body);
     drop(caddy);
+    let (status, log) = d.stop(libc::SIGTERM).unwrap();
+    assert!(status.success(), "{log}");
+}
+
+/// nginx's `auth_request` lets 2xx through, denies on 401 and 403, and
+/// takes any other status as an error (500): it asks rl for 403 over the
+/// limit (`RL-Over-Status`) and answers the client 429 itself, with rl's
+/// `Retry-After`. `$proxy_add_x_forwarded_for` appends the client nginx saw
+/// to whatever the client sent: rl takes the last address.
+const NGINX: &str = r#"
+error_log nginx-error.log warn;
+pid nginx.pid;
+events { worker_connections 64; }
+http {
+    access_log off;
+    client_body_temp_path tmp-body;
+    proxy_temp_path tmp-proxy;
+    fastcgi_temp_path tmp-fastcgi;
+    uwsgi_temp_path tmp-uwsgi;
+    scgi_temp_path tmp-scgi;
+    server {
+        listen 127.0.0.1:10081;
+        location /login {
+            auth_request /_rl;
+            auth_request_set $rl_retry_after $upstream_http_retry_after;
+            error_page 403 = @limited;
+            proxy_pass http://127.0.0.1:10001;
+        }
+        location = /_rl {
+            internal;
+            proxy_pass http://127.0.0.1:8082/v1/forward-auth/auth?auth_type=login&remote_address;
+            proxy_pass_request_body off;
+            proxy_set_header Content-Length "";
+            proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
+            proxy_set_header RL-Over-Status 403;
+        }
+        location @limited {
+            add_header Retry-After $rl_retry_after always;
+            return 429;
+        }
+    }
+}
+"#;
+
+#[test]
+fn nginx_auth_request_limits_by_client_address() {
+    let Served { lab, d, dir, .. } = served(&rules()).unwrap();
+    upstream(&lab.b, UPSTREAM).unwrap();
+    let nginx = Gateway::nginx(&lab.b, dir.path(), NGINX, 10081).unwrap();
+    logins_are_limited_per_client(&lab, "127.0.0.1:10081", || nginx.log() + &std::fs::read_to_string(dir.path().join("nginx-error.log")).unwrap_or_default());
+    let a = request_tcp(&lab.b, CHECK, "GET", "/v1/forward-auth/auth?auth_type=login&remote_address", None, None);
+    assert_eq!(a.unwrap().status, 400);
+    drop(nginx);
     let (status, log) = d.stop(libc::SIGTERM).unwrap();
     assert!(status.success(), "{log}");
 }

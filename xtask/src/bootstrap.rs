@@ -164,9 +164,9 @@ fn linker_is_current(linker: &Path, soname: &str, libllvm: &Path) -> bool {
 }
 
 /// Commands the tests and benchmarks run, and the Debian packages with them
-/// (nft: the veth benchmark's nftables peer; caddy: a real forward-auth
-/// gateway in front of the HTTP check).
-const TOOLS: [(&str, &str); 7] = [
+/// (nft: the veth benchmark's nftables peer; caddy and nginx: real
+/// forward-auth gateways in front of the HTTP check).
+const TOOLS: [(&str, &str); 8] = [
     ("ip", "iproute2"),
     ("sysctl", "procps"),
     ("setpriv", "util-linux"),
@@ -174,6 +174,7 @@ const TOOLS: [(&str, &str); 7] = [
     ("redis-server", "redis-server"),
     ("redis-cli", "redis-tools"),
     ("caddy", "caddy"),
+    ("nginx", "nginx-light"),
 ];
 
 fn has(cmd: &str) -> bool {

@@ -108,18 +108,33 @@ async fn check(State(l7): State<Shared>, body: Bytes) -> Response {
 }
 
 /// A forward-auth gateway's call: the descriptor from the query and the
-/// forwarded request, one hit.
+/// forwarded request, one hit. Over the limit it answers 429, or the status
+/// in the gateway's `RL-Over-Status` header (401 or 403: nginx's
+/// `auth_request` takes any other as an error).
 async fn forward_auth(State(l7): State<Shared>, Path(domain): Path<String>, RawQuery(q): RawQuery, headers: HeaderMap) -> Response {
     let t = std::time::Instant::now();
-    let r = match super::forward::descriptor(q.as_deref().unwrap_or(""), &headers) {
+    let over_status = match headers.get(OVER_STATUS).map(|v| v.to_str().unwrap_or("").trim()) {
+        None | Some("429") => StatusCode::TOO_MANY_REQUESTS,
+        Some("403") => StatusCode::FORBIDDEN,
+        Some("401") => StatusCode::UNAUTHORIZED,
+        Some(v) => return bad(format!("RL-Over-Status must be 401, 403 or 429, not {v:?}")),
+    };
+    let mut r = match super::forward::descriptor(q.as_deref().unwrap_or(""), &headers) {
         Err(m) => bad(m),
         // A header it names is absent: the descriptor does not apply.
         Ok(None) => answered(&[]),
         Ok(Some(d)) => decided(l7, Check { domain, descriptors: vec![d], hits: None }).await,
     };
+    if r.status() == StatusCode::TOO_MANY_REQUESTS {
+        *r.status_mut() = over_status;
+    }
     super::HTTP_LATENCY.record(t.elapsed());
     r
 }
+
+/// The header in which a gateway asks for another status than 429 over the
+/// limit.
+const OVER_STATUS: HeaderName = HeaderName::from_static("rl-over-status");
 
 async fn answer(l7: Shared, body: Bytes) -> Response {
     let c: Check = match serde_json::from_slice(&body) {

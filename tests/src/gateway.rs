@@ -1,7 +1,8 @@
-//! A real Caddy (Debian's `caddy`, installed by the bootstrap) in a lab
-//! namespace, as a forward-auth gateway in front of rl's HTTP check;
-//! stopped on drop. And a plain HTTP/1.1 GET from a chosen loopback
-//! address, so a test can be several clients.
+//! Real forward-auth gateways in front of rl's HTTP check, in a lab
+//! namespace: Caddy (`forward_auth`) and nginx (`auth_request`), Debian's
+//! `caddy` and `nginx-light`, installed by the bootstrap; stopped on drop.
+//! And a plain HTTP/1.1 GET from a chosen loopback address, so a test can
+//! be several clients.
 
 use std::{
     collections::HashMap,
@@ -14,44 +15,52 @@ use anyhow::{bail, Context, Result};
 
 use crate::lab::Netns;
 
-/// A running Caddy.
-pub struct Caddy {
+/// A running gateway.
+pub struct Gateway {
     child: Child,
     log: std::path::PathBuf,
 }
 
-impl Caddy {
+impl Gateway {
     /// Starts Caddy in `ns` with the Caddyfile `config`, its state kept in
     /// `dir`; returns once 127.0.0.1:`port` accepts connections.
-    pub fn start(ns: &Netns, dir: &std::path::Path, config: &str, port: u16) -> Result<Caddy> {
-        if Command::new("sh").args(["-c", "command -v caddy"]).output().map(|o| !o.status.success()).unwrap_or(true) {
-            bail!("caddy is not installed (Debian package caddy): run `cargo xtask bootstrap`");
-        }
+    pub fn caddy(ns: &Netns, dir: &std::path::Path, config: &str, port: u16) -> Result<Gateway> {
         let file = dir.join("Caddyfile");
         std::fs::write(&file, config)?;
-        let log = dir.join("caddy.log");
-        let child = Command::new("ip")
-            .args(["netns", "exec", &ns.name, "caddy", "run", "--adapter", "caddyfile", "--config"])
+        let mut cmd = command(ns, "caddy", "caddy")?;
+        cmd.args(["run", "--adapter", "caddyfile", "--config"])
             .arg(&file)
             // Caddy keeps its state under $HOME and $XDG_*: all in `dir`.
             .env("HOME", dir)
             .env("XDG_DATA_HOME", dir)
-            .env("XDG_CONFIG_HOME", dir)
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log)?)
-            .spawn()
-            .context("starting caddy")?;
-        let mut caddy = Caddy { child, log };
+            .env("XDG_CONFIG_HOME", dir);
+        Gateway::start(cmd, dir.join("caddy.log"), ns, port)
+    }
+
+    /// Starts nginx in `ns` with `config` (an `http { … }` block and what
+    /// goes before it; `dir` is its prefix, for relative paths) in the
+    /// foreground; returns once 127.0.0.1:`port` accepts connections.
+    pub fn nginx(ns: &Netns, dir: &std::path::Path, config: &str, port: u16) -> Result<Gateway> {
+        let file = dir.join("nginx.conf");
+        std::fs::write(&file, config)?;
+        let mut cmd = command(ns, "nginx", "nginx-light")?;
+        cmd.arg("-p").arg(dir).arg("-c").arg(&file).args(["-g", "daemon off; master_process off;"]);
+        Gateway::start(cmd, dir.join("nginx.log"), ns, port)
+    }
+
+    fn start(mut cmd: Command, log: std::path::PathBuf, ns: &Netns, port: u16) -> Result<Gateway> {
+        let child = cmd.stdout(Stdio::null()).stderr(std::fs::File::create(&log)?).spawn().context("starting the gateway")?;
+        let mut gw = Gateway { child, log };
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             if ns.run(move || Ok(std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()))? {
-                return Ok(caddy);
+                return Ok(gw);
             }
-            if let Some(status) = caddy.child.try_wait()? {
-                bail!("caddy exited ({status}): {}", caddy.log());
+            if let Some(status) = gw.child.try_wait()? {
+                bail!("the gateway exited ({status}): {}", gw.log());
             }
             if Instant::now() > deadline {
-                bail!("caddy did not listen on {port} within 20 s: {}", caddy.log());
+                bail!("the gateway did not listen on {port} within 20 s: {}", gw.log());
             }
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -62,7 +71,17 @@ impl Caddy {
     }
 }
 
-impl Drop for Caddy {
+/// `program` run in `ns`, or why it cannot be.
+fn command(ns: &Netns, program: &str, package: &str) -> Result<Command> {
+    if Command::new("sh").args(["-c", &format!("command -v {program}")]).output().map(|o| !o.status.success()).unwrap_or(true) {
+        bail!("{program} is not installed (Debian package {package}): run `cargo xtask bootstrap`");
+    }
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", &ns.name, program]);
+    Ok(cmd)
+}
+
+impl Drop for Gateway {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
