@@ -90,9 +90,9 @@ fn caddy_forward_auth_limits_by_client_address_and_header() {
     assert!(a.body.contains("X-Forwarded-For"), "{}", a.body);
     let a = request_tcp(&lab.b, CHECK, "GET", "/v1/forward-auth/auth", None, None).unwrap();
     assert_eq!(a.status, 400, "{}", a.body);
-    drop(caddy);
     let (status, log) = d.stop(libc::SIGTERM).unwrap();
     assert!(status.success(), "{log}");
+    assert_eq!(api(&[("X-Api-Key", "k3")]), 502, "with rl-control down Caddy fails closed");
 }
 
 /// nginx's `auth_request` lets 2xx through, denies on 401 and 403, and
@@ -143,7 +143,8 @@ fn nginx_auth_request_limits_by_client_address() {
     logins_are_limited_per_client(&lab, "127.0.0.1:10081", || nginx.log() + &std::fs::read_to_string(dir.path().join("nginx-error.log")).unwrap_or_default());
     let a = request_tcp(&lab.b, CHECK, "GET", "/v1/forward-auth/auth?auth_type=login&remote_address", None, None);
     assert_eq!(a.unwrap().status, 400);
-    drop(nginx);
     let (status, log) = d.stop(libc::SIGTERM).unwrap();
     assert!(status.success(), "{log}");
+    let r = get_from(&lab.b, "127.0.0.1", "127.0.0.1:10081", "/login", &[]).unwrap();
+    assert_eq!(r.status, 500, "with rl-control down nginx fails closed: {r:?}");
 }
