@@ -71,7 +71,7 @@ pub struct L7Rule {
 pub struct L7Config {
     /// Envoy's `RateLimitService` (gRPC).
     pub grpc_listen: Option<SocketAddr>,
-    /// `POST /v1/check`.
+    /// `POST /v1/check` and `/v1/forward-auth/{domain}`.
     pub http_listen: Option<SocketAddr>,
     /// Request buckets held at most.
     pub max_keys: u64,
