@@ -93,6 +93,98 @@ impl Checks {
     }
 }
 
+/// How a due check picks its connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dispatch {
+    /// In turn: each check waits for its own connection, even while
+    /// others are idle (a fixed set of serial clients).
+    InTurn,
+    /// An idle connection, else the first to come free (a gateway's
+    /// keep-alive pool: Caddy keeps 32 per upstream, nginx `keepalive N`).
+    AnyIdle,
+}
+
+/// A set of keep-alive connections and the checks waiting for one.
+pub struct Pool {
+    conns: Vec<(TcpStream, Checks)>,
+    dispatch: Dispatch,
+    /// Connections with nothing in flight (`AnyIdle`).
+    idle: Vec<usize>,
+    /// Checks waiting for any connection (`AnyIdle`).
+    backlog: std::collections::VecDeque<(Instant, String)>,
+    next: usize,
+    ready: Vec<usize>,
+}
+
+impl Pool {
+    pub async fn connect(addr: std::net::SocketAddr, connections: usize, dispatch: Dispatch) -> Result<Pool> {
+        let mut conns = Vec::with_capacity(connections);
+        for _ in 0..connections {
+            conns.push(Checks::connect(addr).await?);
+        }
+        let idle = (0..connections).rev().collect();
+        Ok(Pool { conns, dispatch, idle, backlog: Default::default(), next: 0, ready: Vec::new() })
+    }
+
+    /// Checks not yet answered.
+    pub fn pending(&self) -> usize {
+        self.backlog.len() + self.conns.iter().map(|(_, c)| c.pending()).sum::<usize>()
+    }
+
+    /// A check due `due`, sent at once if its connection is free.
+    pub async fn check(&mut self, due: Instant, body: String) -> Result<()> {
+        let i = match self.dispatch {
+            Dispatch::InTurn => {
+                self.next = (self.next + 1) % self.conns.len();
+                self.next
+            }
+            Dispatch::AnyIdle => match self.idle.pop() {
+                Some(i) => i,
+                None => {
+                    self.backlog.push_back((due, body));
+                    return Ok(());
+                }
+            },
+        };
+        let (tcp, c) = &mut self.conns[i];
+        c.check(due, body);
+        c.send(tcp).await
+    }
+
+    /// Waits for answers, then reads every connection that has one and
+    /// sends each freed connection its next check; the finished checks.
+    pub async fn answers(&mut self, done: &mut Vec<Done>) -> Result<()> {
+        let (conns, ready) = (&self.conns, &mut self.ready);
+        std::future::poll_fn(|cx| {
+            ready.clear();
+            for (i, (tcp, c)) in conns.iter().enumerate() {
+                if c.in_flight.is_some() && tcp.poll_read_ready(cx).is_ready() {
+                    ready.push(i);
+                }
+            }
+            if ready.is_empty() { std::task::Poll::Pending } else { std::task::Poll::Ready(()) }
+        })
+        .await;
+        for k in 0..self.ready.len() {
+            let i = self.ready[k];
+            let (tcp, c) = &mut self.conns[i];
+            let Some(d) = c.read(tcp)? else { continue };
+            done.push(d);
+            match self.dispatch {
+                Dispatch::InTurn => c.send(tcp).await?,
+                Dispatch::AnyIdle => match self.backlog.pop_front() {
+                    Some((due, body)) => {
+                        c.check(due, body);
+                        c.send(tcp).await?;
+                    }
+                    None => self.idle.push(i),
+                },
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The length of the whole answer at the start of `b` (head and
 /// `Content-Length` body), once it is all there.
 fn answer_len(b: &[u8]) -> Result<Option<usize>> {
