@@ -45,10 +45,10 @@ fn connections_are_dealt_over_the_threads_which_share_one_set_of_buckets() {
         .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
         .map(|c| c.trim().to_string())
         .collect();
-    for want in ["rl-grpc-0", "rl-grpc-1"] {
+    for want in ["rl-l7-0", "rl-l7-1"] {
         assert!(names.iter().any(|n| n == want), "no thread {want} in the daemon: {names:?}");
     }
-    assert!(!names.iter().any(|n| n == "rl-grpc-2"), "more threads than grpc_threads = 2: {names:?}");
+    assert!(!names.iter().any(|n| n == "rl-l7-2"), "more threads than grpc_threads = 2: {names:?}");
     assert_eq!(connections(&lab), (0.0, 0.0), "connections before any client");
 
     // Four connections, held open until told; one call on each, in turn.

@@ -179,27 +179,21 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     let events = dp.take_events();
     let l7: crate::l7::http::Shared =
         Arc::new(std::sync::RwLock::new(Arc::new(crate::l7::engine::Engine::new(&config.l7, dp.epoch_offset_ns(), None).with_cluster(cluster.clone()))));
-    if let Some(listener) = l7_listener {
-        let app = crate::l7::http::router(l7.clone());
+    // Both l7 listeners are served thread per core, on the same threads.
+    let threads = match l7_listener.is_some() || grpc_listener.is_some() {
+        true => Some(crate::l7::threads::Threads::start(crate::l7::threads::thread_count(config.l7.grpc_threads))?),
+        false => None,
+    };
+    if let (Some(listener), Some(threads)) = (l7_listener, &threads) {
         let addr = listener.local_addr().ok();
-        tokio::spawn(async move {
-            // No Nagle delay on answers.
-            use axum::serve::ListenerExt;
-            let listener = listener.tap_io(|tcp| {
-                let _ = tcp.set_nodelay(true);
-            });
-            if let Err(e) = axum::serve(listener, app).await {
-                tracing::error!("the request check (l7) stopped: {e}");
-            }
-        });
+        crate::l7::http::serve(listener, threads, l7.clone());
         info!("request check on http://{} (POST /v1/check, forward auth on /v1/forward-auth/{{domain}}; {} l7 rules)", addr.map(|a| a.to_string()).unwrap_or_default(), config.l7.rules.len());
     }
-    if let Some(listener) = grpc_listener {
+    if let (Some(listener), Some(threads)) = (grpc_listener, &threads) {
         let addr = listener.local_addr().ok();
-        let threads = crate::l7::grpc_threads::thread_count(config.l7.grpc_threads);
         let draft_headers = config.l7.draft_headers;
-        crate::l7::grpc_threads::serve(listener, threads, || crate::l7::grpc::Service { l7: l7.clone(), draft_headers })?;
-        info!("Envoy rate-limit service on {} (envoy.service.ratelimit.v3, {threads} threads)", addr.map(|a| a.to_string()).unwrap_or_default());
+        crate::l7::grpc_threads::serve(listener, threads, || crate::l7::grpc::Service { l7: l7.clone(), draft_headers });
+        info!("Envoy rate-limit service on {} (envoy.service.ratelimit.v3, {} threads)", addr.map(|a| a.to_string()).unwrap_or_default(), threads.len());
     }
     let state: Shared = Arc::new(Mutex::new(State {
         l7,

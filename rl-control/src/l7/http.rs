@@ -192,6 +192,20 @@ async fn healthz() -> Json<serde_json::Value> {
     Json(serde_json::json!({ "status": "ok" }))
 }
 
+/// Serves the check on the l7 serving threads: each HTTP/1.1 connection
+/// stays on the thread it was dealt to.
+pub fn serve(listener: tokio::net::TcpListener, threads: &super::threads::Threads, l7: Shared) {
+    let app = router(l7);
+    threads.serve(listener, "HTTP check", move |s, thread| {
+        let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+        async move {
+            if let Err(e) = hyper::server::conn::http1::Builder::new().serve_connection(hyper_util::rt::TokioIo::new(s), svc).await {
+                tracing::debug!("an HTTP check connection on thread {thread} ended: {e}");
+            }
+        }
+    });
+}
+
 /// `POST /v1/check`, `/v1/forward-auth/{domain}` (any method) and
 /// `GET /healthz`.
 pub fn router(l7: Shared) -> Router {

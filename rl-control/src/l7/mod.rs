@@ -13,6 +13,7 @@ pub mod grpc_threads;
 pub mod http;
 pub mod rules;
 mod scoped;
+pub mod threads;
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
