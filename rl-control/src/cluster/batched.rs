@@ -29,8 +29,8 @@ struct Account {
     last_ns: u64,
 }
 
-/// The engine's key of a request bucket (rule id, values hash).
-pub type LocalKey = (u64, [u64; 2]);
+/// The engine's key of a request bucket (rule slot, values hash).
+pub type LocalKey = crate::l7::engine::Key;
 
 /// Hits of batched keys on their way to Redis. Shared by the engines a
 /// reload swaps in, like the buckets.

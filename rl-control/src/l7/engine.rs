@@ -89,11 +89,13 @@ pub(super) struct Compiled {
     /// The rule's identity (a hash of its definition): buckets survive a
     /// reload that leaves the rule unchanged.
     id: u64,
+    /// The rule's number in bucket keys: kept with `id` by reloads.
+    slot: u32,
     pub(super) limits: Vec<LimitEntry>,
     counters: Counters,
 }
 
-/// A request bucket, kept small (16 bytes, its key 24): a million keys must
+/// A request bucket, kept small (16 bytes, its key 16): a million keys must
 /// fit in about 100 MB with the map's own overhead. A one-limit token
 /// bucket or window, the common case, needs no allocation.
 pub(super) enum Bucket {
@@ -108,19 +110,37 @@ pub(super) enum Bucket {
 }
 
 const _: () = assert!(std::mem::size_of::<Bucket>() == 16);
-const _: () = assert!(std::mem::size_of::<Key>() == 24);
+const _: () = assert!(std::mem::size_of::<Key>() == 16);
 
-/// A bucket's key: its rule's id and a 128-bit hash of the descriptor's
-/// values (two independent 64-bit hashes; a collision is as likely as
-/// guessing a random 128-bit number), 24 bytes whatever the values' length.
-type Key = (u64, [u64; 2]);
+/// A bucket's key, 16 bytes whatever the values' length: its rule's slot
+/// (a number the engine gives each rule, kept by reloads that leave the
+/// rule unchanged) and a 96-bit hash of the descriptor's values (`hi`,
+/// `lo`: two independent hashes; that two of a million keys collide is
+/// about as likely as 2^-57). 24 bytes with the rule's 64-bit id in it cost
+/// 8 bytes more per key, spread by the map's load to about 17.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct Key {
+    slot: u32,
+    hi: u32,
+    lo: u64,
+}
+
+impl Key {
+    fn new(slot: u32, (hi, lo): (u32, u64)) -> Key {
+        Key { slot, hi, lo }
+    }
+
+    fn values(&self) -> (u32, u64) {
+        (self.hi, self.lo)
+    }
+}
 
 /// The values part of the overflow bucket's key.
-const OVERFLOW: [u64; 2] = [u64::MAX; 2];
+const OVERFLOW: (u32, u64) = (u32::MAX, u64::MAX);
 /// The values part of an elastic rule's pool bucket's key.
-const POOL: [u64; 2] = [u64::MAX, u64::MAX - 1];
+const POOL: (u32, u64) = (u32::MAX, u64::MAX - 1);
 
-fn values_hash(entries: &[DescriptorEntry]) -> [u64; 2] {
+fn values_hash(entries: &[DescriptorEntry]) -> (u32, u64) {
     let half = |salt: u64| {
         let mut h = std::collections::hash_map::DefaultHasher::new();
         salt.hash(&mut h);
@@ -129,8 +149,8 @@ fn values_hash(entries: &[DescriptorEntry]) -> [u64; 2] {
         }
         h.finish()
     };
-    let v = [half(0x9e37_79b9_7f4a_7c15), half(0xc2b2_ae3d_27d4_eb4f)];
-    if v == OVERFLOW || v == POOL { [u64::MAX, 0] } else { v }
+    let v = ((half(0x9e37_79b9_7f4a_7c15) >> 32) as u32, half(0xc2b2_ae3d_27d4_eb4f));
+    if v == OVERFLOW || v == POOL { (u32::MAX, 0) } else { v }
 }
 
 /// The request limiter: compiled rules and their buckets.
@@ -140,6 +160,8 @@ pub struct Engine {
     /// Shared with the engine this one replaced (a reload keeps buckets).
     shards: Arc<Vec<Mutex<HashMap<Key, Bucket>>>>,
     keys: Arc<AtomicU64>,
+    /// The next rule slot (shared with the engine this one replaced).
+    next_slot: Arc<std::sync::atomic::AtomicU32>,
     max_keys: u64,
     epoch_offset_ns: u64,
     pub unmatched: AtomicU64,
@@ -169,6 +191,7 @@ impl Engine {
             .iter()
             .map(|r| Compiled {
                 id: rule_id(r),
+                slot: 0,
                 limits: match r.algorithm {
                     L7Algorithm::Packet(a) => r.limits.iter().map(|l| crate::compile::limit_entry(a, l.unit, &l.enforced(r.mode))).collect(),
                     _ => Vec::new(),
@@ -185,6 +208,16 @@ impl Engine {
                 counters: Counters::default(),
             })
             .collect();
+        // An unchanged rule keeps its slot, and so its buckets; a new or
+        // changed one gets a slot never used before.
+        let next_slot = previous.map(|p| p.next_slot.clone()).unwrap_or_default();
+        let mut rules = rules;
+        for c in &mut rules {
+            c.slot = match previous.and_then(|p| p.rules.iter().find(|q| q.id == c.id)) {
+                Some(q) => q.slot,
+                None => next_slot.fetch_add(1, Ordering::Relaxed),
+            };
+        }
         let mut by_domain: HashMap<String, Vec<usize>> = HashMap::new();
         for (i, c) in rules.iter().enumerate() {
             by_domain.entry(c.rule.domain.clone()).or_default().push(i);
@@ -192,13 +225,13 @@ impl Engine {
         let (shards, keys) = match previous {
             Some(p) => {
                 // The buckets of rules that are gone go now.
-                let live: std::collections::HashSet<u64> = rules.iter().map(|c| c.id).collect();
+                let live: std::collections::HashSet<u32> = rules.iter().map(|c| c.slot).collect();
                 for s in p.shards.iter() {
                     let mut m = s.lock().unwrap_or_else(|e| e.into_inner());
                     let mut gone = 0u64;
-                    m.retain(|(id, values), _| {
-                        let keep = live.contains(id);
-                        gone += u64::from(!keep && *values != OVERFLOW && *values != POOL);
+                    m.retain(|key, _| {
+                        let keep = live.contains(&key.slot);
+                        gone += u64::from(!keep && key.values() != OVERFLOW && key.values() != POOL);
                         keep
                     });
                     p.keys.fetch_sub(gone.min(p.keys.load(Ordering::Relaxed)), Ordering::Relaxed);
@@ -208,7 +241,7 @@ impl Engine {
             None => (Arc::new((0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect()), Arc::new(AtomicU64::new(0))),
         };
         let batch = previous.map(|p| p.batch.clone()).unwrap_or_default();
-        Engine { rules, by_domain, shards, keys, max_keys: config.max_keys, epoch_offset_ns, unmatched: AtomicU64::new(0), cluster: None, batch }
+        Engine { rules, by_domain, shards, keys, next_slot, max_keys: config.max_keys, epoch_offset_ns, unmatched: AtomicU64::new(0), cluster: None, batch }
     }
 
     /// This engine deciding `scope = "cluster"` rules through `cluster`
@@ -222,13 +255,13 @@ impl Engine {
     /// hash; mixed with the rule id it spreads one rule's keys, and the
     /// rules' pool and overflow buckets, over the shards.
     fn shard(&self, key: &Key) -> std::sync::MutexGuard<'_, HashMap<Key, Bucket>> {
-        let i = (key.0 ^ key.1[0]).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 58;
+        let i = ((u64::from(key.slot) << 32 | u64::from(key.hi)) ^ key.lo).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 58;
         self.shards[i as usize % SHARDS].lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The engine's key of `entries`' bucket under rule `c`.
     pub(super) fn key_of(c: &Compiled, entries: &[DescriptorEntry]) -> Key {
-        (c.id, values_hash(entries))
+        Key::new(c.slot, values_hash(entries))
     }
 
     /// The shortest `batch` of the rules, if any rule batches.
@@ -286,12 +319,12 @@ impl Engine {
 
     /// Charges this host's bucket of `entries` under rule `c`.
     pub(super) fn charge_here(&self, c: &Compiled, entries: &[DescriptorEntry], hits: i64, now: u64) -> Status {
-        let mut key: Key = (c.id, values_hash(entries));
+        let mut key = Key::new(c.slot, values_hash(entries));
         let mut shard = self.shard(&key);
         if !shard.contains_key(&key) {
             if self.keys.load(Ordering::Relaxed) >= self.max_keys {
                 // Full: the rule's overflow bucket (fails closed, coarser).
-                key.1 = OVERFLOW;
+                key = Key::new(c.slot, OVERFLOW);
                 drop(shard);
                 shard = self.shard(&key);
             } else {
@@ -305,7 +338,7 @@ impl Engine {
             if let Some(pool) = &c.pool {
                 // Elastic: over its own limit, the key may use the rule's
                 // shared pool while it has room.
-                let key: Key = (c.id, POOL);
+                let key = Key::new(c.slot, POOL);
                 let mut shard = self.shard(&key);
                 if let Bucket::One(word) = shard.entry(key).or_insert(Bucket::One(0)) {
                     if let Some(next) = pool.gcra_step(*word, now, hits as u64) {
@@ -342,7 +375,7 @@ impl Engine {
         let Some(c) = self.matching(domain, entries) else {
             return Status::unmatched();
         };
-        let key: Key = (c.id, values_hash(entries));
+        let key = Key::new(c.slot, values_hash(entries));
         let now = now_ns();
         let mut shard = self.shard(&key);
         let mut st = match shard.get_mut(&key) {

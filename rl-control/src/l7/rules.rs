@@ -77,8 +77,8 @@ pub struct L7Config {
     pub max_keys: u64,
     /// Add the IETF `RateLimit-Policy` / `RateLimit` headers to gRPC answers.
     pub draft_headers: bool,
-    /// Threads serving gRPC connections (`None`: one per CPU the daemon may
-    /// run on). Read at start, like the listen addresses.
+    /// Threads serving gRPC and HTTP check connections (`None`: one per CPU
+    /// the daemon may run on). Read at start, like the listen addresses.
     pub grpc_threads: Option<u32>,
     pub rules: Vec<L7Rule>,
 }

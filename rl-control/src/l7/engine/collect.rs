@@ -31,13 +31,14 @@ impl Engine {
     }
 
     fn collect_shard_at(&self, i: usize, now: u64) -> u64 {
-        let by_id: HashMap<u64, &Compiled> = self.rules.iter().map(|c| (c.id, c)).collect();
+        let by_slot: HashMap<u32, &Compiled> = self.rules.iter().map(|c| (c.slot, c)).collect();
         let mut gone = 0;
         {
             let mut m = self.shards[i % SHARDS].lock().unwrap_or_else(|e| e.into_inner());
-            m.retain(|(id, values), b| {
-                let keep = by_id.get(id).is_some_and(|c| match b {
-                    Bucket::One(w) if *values == POOL => c.pool.is_some_and(|p| !p.is_fresh(*w, now, self.epoch_offset_ns)),
+            m.retain(|key, b| {
+                let values = key.values();
+                let keep = by_slot.get(&key.slot).is_some_and(|c| match b {
+                    Bucket::One(w) if values == POOL => c.pool.is_some_and(|p| !p.is_fresh(*w, now, self.epoch_offset_ns)),
                     Bucket::One(w) => !c.limits[0].is_fresh(*w, now, self.epoch_offset_ns),
                     Bucket::Words(w) => !c.limits.iter().zip(w.iter()).all(|(l, w)| l.is_fresh(*w, now, self.epoch_offset_ns)),
                     Bucket::Log(logs) => {
@@ -45,7 +46,7 @@ impl Engine {
                     }
                     Bucket::Leases(leases) => !leases.iter().all(|&expiry| expiry <= now),
                 });
-                if !keep && *values != OVERFLOW && *values != POOL {
+                if !keep && values != OVERFLOW && values != POOL {
                     gone += 1;
                 }
                 keep
