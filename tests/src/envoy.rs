@@ -5,7 +5,7 @@
 use std::{
     io::{Read, Write},
     process::{Child, Command, Stdio},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use anyhow::{bail, Context, Result};
@@ -48,20 +48,10 @@ impl Envoy {
             .spawn()
             .context("starting envoy")?;
         let mut envoy = Envoy { child, log };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            let ready = ns.run(move || Ok(get_status(&format!("127.0.0.1:{admin_port}"), "/ready").unwrap_or(0))).unwrap_or(0);
-            if ready == 200 {
-                return Ok(envoy);
-            }
-            if let Some(status) = envoy.child.try_wait()? {
-                bail!("envoy exited ({status}): {}", envoy.log());
-            }
-            if Instant::now() > deadline {
-                bail!("envoy was not ready within 20 s: {}", envoy.log());
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        let log = envoy.log.clone();
+        let ready = || ns.run(move || Ok(get_status(&format!("127.0.0.1:{admin_port}"), "/ready").unwrap_or(0))).unwrap_or(0) == 200;
+        crate::wait_ready(&mut envoy.child, "envoy", &|| std::fs::read_to_string(&log).unwrap_or_default(), &ready)?;
+        Ok(envoy)
     }
 
     pub fn log(&self) -> String {

@@ -8,7 +8,7 @@ use std::{
     collections::HashMap,
     io::{Read, Write},
     process::{Child, Command, Stdio},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use anyhow::{bail, Context, Result};
@@ -51,19 +51,10 @@ impl Gateway {
     fn start(mut cmd: Command, log: std::path::PathBuf, ns: &Netns, port: u16) -> Result<Gateway> {
         let child = cmd.stdout(Stdio::null()).stderr(std::fs::File::create(&log)?).spawn().context("starting the gateway")?;
         let mut gw = Gateway { child, log };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if ns.run(move || Ok(std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()))? {
-                return Ok(gw);
-            }
-            if let Some(status) = gw.child.try_wait()? {
-                bail!("the gateway exited ({status}): {}", gw.log());
-            }
-            if Instant::now() > deadline {
-                bail!("the gateway did not listen on {port} within 20 s: {}", gw.log());
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        let log = gw.log.clone();
+        let ready = || ns.run(move || Ok(std::net::TcpStream::connect(("127.0.0.1", port)).is_ok())).unwrap_or(false);
+        crate::wait_ready(&mut gw.child, "the gateway", &|| std::fs::read_to_string(&log).unwrap_or_default(), &ready)?;
+        Ok(gw)
     }
 
     pub fn log(&self) -> String {

@@ -8,7 +8,8 @@
 //! the generator's. Here a connection is a byte buffer out and a response
 //! parser in: the status must be 200 or 429 and the body whole
 //! (`Content-Length`); anything else fails the request. The functional
-//! tests keep using a real client (`ureq`).
+//! tests keep using a real client (`ureq`). A [`Pool`] holds a thread's
+//! connections and sends each due check by its [`Dispatch`].
 
 use std::time::Instant;
 

@@ -6,7 +6,8 @@
 //! against the daemon's decision counter; lean enough that on a 2-CPU host
 //! the figures are mostly the daemon's (each line prints both sides' CPU
 //! per request). The HTTP check's load comes from `rl_tests::http_load`:
-//! 8 keep-alive HTTP/1.1 connections, one request in flight on each.
+//! keep-alive HTTP/1.1 connections, one request in flight on each, as 8
+//! serial clients and as a gateway's pool of 32.
 //! - latency at a fixed offered rate (open loop: each request is due at its
 //!   tick, so queueing behind a slow answer counts), with one key and with
 //!   1,000,000 distinct keys;
@@ -22,7 +23,7 @@
 //! `RL_BENCH_WORKERS` (the generator's threads, default 2),
 //! `RL_BENCH_DUMP=PREFIX` (each latency run writes "sent-at-ms latency-ms"
 //! per request to PREFIX-KEYS-PACED-CONNECTION, and the HTTP check's to
-//! PREFIX-http-KEYS-CONNECTION: a tail that comes every second is a
+//! PREFIX-http-KEYS-SHAPE-THREAD: a tail that comes every second is a
 //! periodic job's),
 //! `RL_BENCH_MAX_SOURCES` (the daemon's `[datapath] max_sources`, default
 //! 1,048,576: the collector's walk of the packet tables costs CPU in
