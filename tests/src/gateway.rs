@@ -1,6 +1,7 @@
-//! Real forward-auth gateways in front of rl's HTTP check, in a lab
-//! namespace: Caddy (`forward_auth`) and nginx (`auth_request`), Debian's
-//! `caddy` and `nginx-light`, installed by the bootstrap; stopped on drop.
+//! Real gateways in a lab namespace, stopped on drop: Envoy (see
+//! [`crate::envoy`]), and in front of rl's HTTP check the forward-auth
+//! gateways Caddy (`forward_auth`) and nginx (`auth_request`), Debian's
+//! `caddy` and `nginx-light`, installed by the bootstrap.
 //! And a plain HTTP/1.1 GET from a chosen loopback address, so a test can
 //! be several clients.
 
@@ -8,7 +9,7 @@ use std::{
     collections::HashMap,
     io::{Read, Write},
     process::{Child, Command, Stdio},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use anyhow::{bail, Context, Result};
@@ -34,7 +35,7 @@ impl Gateway {
             .env("HOME", dir)
             .env("XDG_DATA_HOME", dir)
             .env("XDG_CONFIG_HOME", dir);
-        Gateway::start(cmd, dir.join("caddy.log"), ns, port)
+        Gateway::listening(cmd, dir.join("caddy.log"), ns, port)
     }
 
     /// Starts nginx in `ns` with `config` (an `http { … }` block and what
@@ -45,16 +46,35 @@ impl Gateway {
         std::fs::write(&file, config)?;
         let mut cmd = command(ns, "nginx", "nginx-light")?;
         cmd.arg("-p").arg(dir).arg("-c").arg(&file).args(["-g", "daemon off; master_process off;"]);
-        Gateway::start(cmd, dir.join("nginx.log"), ns, port)
+        Gateway::listening(cmd, dir.join("nginx.log"), ns, port)
     }
 
-    fn start(mut cmd: Command, log: std::path::PathBuf, ns: &Netns, port: u16) -> Result<Gateway> {
-        let child = cmd.stdout(Stdio::null()).stderr(std::fs::File::create(&log)?).spawn().context("starting the gateway")?;
-        let mut gw = Gateway { child, log };
-        let log = gw.log.clone();
+    /// `cmd` (its stderr into `log`), once 127.0.0.1:`port` accepts
+    /// connections in `ns`.
+    fn listening(mut cmd: Command, log: std::path::PathBuf, ns: &Netns, port: u16) -> Result<Gateway> {
+        cmd.stderr(std::fs::File::create(&log)?);
         let ready = || ns.run(move || Ok(std::net::TcpStream::connect(("127.0.0.1", port)).is_ok())).unwrap_or(false);
-        crate::wait_ready(&mut gw.child, "the gateway", &|| std::fs::read_to_string(&log).unwrap_or_default(), &ready)?;
-        Ok(gw)
+        Gateway::run(cmd, log, "the gateway", &ready)
+    }
+
+    /// Starts `cmd`, its log in `log`; returns once it is `ready` (20 s at
+    /// most), or fails with its log.
+    pub fn run(mut cmd: Command, log: std::path::PathBuf, what: &str, ready: &dyn Fn() -> bool) -> Result<Gateway> {
+        let child = cmd.stdout(Stdio::null()).spawn().with_context(|| format!("starting {what}"))?;
+        let mut gw = Gateway { child, log };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if ready() {
+                return Ok(gw);
+            }
+            if let Some(status) = gw.child.try_wait()? {
+                bail!("{what} exited ({status}): {}", gw.log());
+            }
+            if Instant::now() > deadline {
+                bail!("{what} was not ready within 20 s: {}", gw.log());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     pub fn log(&self) -> String {

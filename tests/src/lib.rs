@@ -189,21 +189,3 @@ pub fn read_available(tcp: &tokio::net::TcpStream, room: &mut [u8]) -> std::io::
         Err(e) => Err(e),
     }
 }
-
-/// Waits up to 20 s for a process just started to be `ready`; fails with
-/// its `log` if it exits or the time runs out first.
-pub fn wait_ready(child: &mut std::process::Child, what: &str, log: &dyn Fn() -> String, ready: &dyn Fn() -> bool) -> anyhow::Result<()> {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    loop {
-        if ready() {
-            return Ok(());
-        }
-        if let Some(status) = child.try_wait()? {
-            anyhow::bail!("{what} exited ({status}): {}", log());
-        }
-        if std::time::Instant::now() > deadline {
-            anyhow::bail!("{what} was not ready within 20 s: {}", log());
-        }
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
-}

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use rl_tests::{
     daemon::{write, Daemon},
-    envoy::{upstream, Envoy},
+    envoy::{self, upstream},
     http::{get, parse_prometheus},
     lab::Lab,
 };
@@ -101,7 +101,7 @@ fn a_real_envoy_limits_through_rl_and_fails_open_while_rl_is_down() {
     upstream(&lab.b, 18080).unwrap();
     let cfg = write(&dir, "rl.toml", &rules());
     let d = Daemon::serving(&lab, &cfg, &[]).unwrap();
-    let envoy = Envoy::start(&lab.b, dir.path(), ENVOY, 9901).unwrap();
+    let envoy = envoy::start(&lab.b, dir.path(), ENVOY, 9901).unwrap();
 
     for left in [2, 1, 0] {
         let (status, h) = through_envoy(&lab, "alice");
