@@ -90,6 +90,12 @@ fn caddy_forward_auth_limits_by_client_address_and_header() {
     assert!(a.body.contains("X-Forwarded-For"), "{}", a.body);
     let a = request_tcp(&lab.b, CHECK, "GET", "/v1/forward-auth/auth", None, None).unwrap();
     assert_eq!(a.status, 400, "{}", a.body);
+    // Over the limit, the status a gateway asks for (nginx needs 401/403).
+    let direct = |over: &str| {
+        let headers = [("X-Forwarded-For", "127.0.0.1"), ("RL-Over-Status", over)];
+        get_from(&lab.b, "127.0.0.1", CHECK, "/v1/forward-auth/auth?auth_type=login&remote_address", &headers).unwrap().status
+    };
+    assert_eq!([direct("401"), direct("403"), direct("429"), direct("418")], [401, 403, 429, 400]);
     let (status, log) = d.stop(libc::SIGTERM).unwrap();
     assert!(status.success(), "{log}");
     assert_eq!(api(&[("X-Api-Key", "k3")]), 502, "with rl-control down Caddy fails closed");

@@ -23,7 +23,7 @@ use std::net::{IpAddr, SocketAddr};
 
 use axum::http::HeaderMap;
 
-use super::engine::DescriptorEntry;
+use super::{engine::DescriptorEntry, rules::MAX_VALUE_LEN};
 
 /// The query's parameters in order, percent-decoded: `key=value` as
 /// `(key, Some(value))`, a bare `key` as `(key, None)`.
@@ -87,10 +87,10 @@ pub fn descriptor(q: &str, headers: &HeaderMap) -> Result<Option<Vec<DescriptorE
 /// The value of a bare `key` from the forwarded request's headers (see the
 /// module's documentation).
 fn forwarded(key: &str, headers: &HeaderMap) -> Result<Option<String>, String> {
-    let header = |name: &str| -> Option<String> {
-        let all: Vec<&str> = headers.get_all(name).iter().filter_map(|v| v.to_str().ok()).collect();
-        (!all.is_empty()).then(|| all.join(","))
-    };
+    // A header's first value (as most applications read it), its bytes
+    // kept even when they are not UTF-8: a value the check cannot read is
+    // still charged, never skips its limit.
+    let header = |name: &str| headers.get(name).map(|v| fitted(&String::from_utf8_lossy(v.as_bytes())));
     let first_of = |names: [&str; 2]| names.iter().find_map(|n| header(n));
     Ok(match key {
         "remote_address" => Some(remote_address(headers)?),
@@ -106,14 +106,37 @@ fn forwarded(key: &str, headers: &HeaderMap) -> Result<Option<String>, String> {
     })
 }
 
-/// The client's address as the gateway saw it.
+/// A forwarded value as a descriptor value: one longer than descriptors
+/// allow keeps its start and a hash of the whole, so distinct values stay
+/// distinct (a long path is not an error).
+fn fitted(v: &str) -> String {
+    if v.len() <= MAX_VALUE_LEN {
+        return v.to_string();
+    }
+    let mut cut = MAX_VALUE_LEN - 17;
+    while !v.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    std::hash::Hash::hash(v, &mut h);
+    format!("{}#{:016x}", &v[..cut], std::hash::Hasher::finish(&h))
+}
+
+/// The client's address as the gateway saw it: the last entry of the last
+/// `X-Forwarded-For` line, else `X-Real-IP`. An `X-Forwarded-For` whose
+/// last entry is not an address is an error, never a reason to look
+/// elsewhere (the client could then choose its own key).
 fn remote_address(headers: &HeaderMap) -> Result<String, String> {
-    let xff = headers.get_all("x-forwarded-for").iter().filter_map(|v| v.to_str().ok()).flat_map(|v| v.split(',')).map(str::trim).filter(|a| !a.is_empty()).last();
-    let Some(raw) = xff.or_else(|| headers.get("x-real-ip").and_then(|v| v.to_str().ok()).map(str::trim)) else {
-        return Err("remote_address needs the client's address in X-Forwarded-For or X-Real-IP: have the gateway send it (Traefik and Caddy do)".into());
+    let (raw, from) = match headers.get_all("x-forwarded-for").iter().last() {
+        Some(v) => (v.as_bytes().rsplit(|b| *b == b',').map(<[u8]>::trim_ascii).find(|a| !a.is_empty()).unwrap_or(b""), "X-Forwarded-For"),
+        None => match headers.get("x-real-ip") {
+            Some(v) => (v.as_bytes().trim_ascii(), "X-Real-IP"),
+            None => return Err("remote_address needs the client's address in X-Forwarded-For or X-Real-IP: have the gateway send it (Traefik and Caddy do)".into()),
+        },
     };
+    let raw = String::from_utf8_lossy(raw);
     let ip = raw.parse::<IpAddr>().or_else(|_| raw.parse::<SocketAddr>().map(|s| s.ip()));
-    ip.map(|ip| ip.to_string()).map_err(|_| format!("the forwarded client address {raw:?} is not an IP address"))
+    ip.map(|ip| ip.to_string()).map_err(|_| format!("the client address {raw:?} in {from} is not an IP address: the gateway must add the address it saw"))
 }
 
 #[cfg(test)]
@@ -148,6 +171,11 @@ mod tests {
         let e = descriptor("remote_address", &HeaderMap::new()).unwrap_err();
         assert!(e.contains("X-Forwarded-For"), "{e}");
         assert!(descriptor("remote_address", &headers(&[("x-forwarded-for", "not-an-ip")])).is_err());
+        // An unreadable last entry is an error, not a reason to take the
+        // client's own X-Real-IP.
+        let mut h = headers(&[("x-real-ip", "198.51.100.1")]);
+        h.append("x-forwarded-for", axum::http::HeaderValue::from_bytes(b"10.0.0.1, \xff").unwrap());
+        assert!(descriptor("remote_address", &h).is_err());
     }
 
     #[test]
@@ -158,6 +186,15 @@ mod tests {
             [("method", "POST"), ("path", "/login"), ("host", "shop.example"), ("x-api-key", "k1")].map(|(k, v)| (k.to_string(), v.to_string()))
         );
         assert_eq!(descriptor("user=alice&x-user", &h).unwrap(), None, "an absent header: the descriptor does not apply");
+        let mut odd = HeaderMap::new();
+        odd.insert("x-api-key", axum::http::HeaderValue::from_bytes(b"k\xff").unwrap());
+        assert_eq!(entries("x-api-key", &odd), [("x-api-key".to_string(), "k\u{fffd}".to_string())], "a value that is not ASCII is still a key");
+        odd.append("x-api-key", "second".parse().unwrap());
+        assert_eq!(entries("x-api-key", &odd)[0].1, "k\u{fffd}", "the first value, as applications read it");
+        let long = format!("/{}", "p".repeat(400));
+        let (a, b) = (headers(&[("x-forwarded-uri", Box::leak(long.clone().into_boxed_str()))]), headers(&[("x-forwarded-uri", Box::leak(format!("{long}q").into_boxed_str()))]));
+        let (a, b) = (entries("path", &a)[0].1.clone(), entries("path", &b)[0].1.clone());
+        assert!(a.len() <= MAX_VALUE_LEN && a != b, "a long value fits, and stays distinct: {a} {b}");
         assert!(descriptor("", &h).is_err());
         assert!(descriptor("bad%20name", &h).is_err());
     }

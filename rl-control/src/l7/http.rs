@@ -114,19 +114,19 @@ async fn check(State(l7): State<Shared>, body: Bytes) -> Response {
 async fn forward_auth(State(l7): State<Shared>, Path(domain): Path<String>, RawQuery(q): RawQuery, headers: HeaderMap) -> Response {
     let t = std::time::Instant::now();
     let over_status = match headers.get(OVER_STATUS).map(|v| v.to_str().unwrap_or("").trim()) {
-        None | Some("429") => StatusCode::TOO_MANY_REQUESTS,
-        Some("403") => StatusCode::FORBIDDEN,
-        Some("401") => StatusCode::UNAUTHORIZED,
-        Some(v) => return bad(format!("RL-Over-Status must be 401, 403 or 429, not {v:?}")),
+        None | Some("429") => Ok(StatusCode::TOO_MANY_REQUESTS),
+        Some("403") => Ok(StatusCode::FORBIDDEN),
+        Some("401") => Ok(StatusCode::UNAUTHORIZED),
+        Some(v) => Err(format!("RL-Over-Status must be 401, 403 or 429, not {v:?}")),
     };
-    let mut r = match super::forward::descriptor(q.as_deref().unwrap_or(""), &headers) {
+    let mut r = match over_status.clone().and_then(|_| super::forward::descriptor(q.as_deref().unwrap_or(""), &headers)) {
         Err(m) => bad(m),
         // A header it names is absent: the descriptor does not apply.
         Ok(None) => answered(&[]),
         Ok(Some(d)) => decided(l7, Check { domain, descriptors: vec![d], hits: None }).await,
     };
-    if r.status() == StatusCode::TOO_MANY_REQUESTS {
-        *r.status_mut() = over_status;
+    if let (StatusCode::TOO_MANY_REQUESTS, Ok(status)) = (r.status(), over_status) {
+        *r.status_mut() = status;
     }
     super::HTTP_LATENCY.record(t.elapsed());
     r
@@ -199,7 +199,10 @@ pub fn serve(listener: tokio::net::TcpListener, threads: &super::threads::Thread
     threads.serve(listener, "HTTP check", move |s, thread| {
         let svc = hyper_util::service::TowerToHyperService::new(app.clone());
         async move {
-            if let Err(e) = hyper::server::conn::http1::Builder::new().serve_connection(hyper_util::rt::TokioIo::new(s), svc).await {
+            let mut http = hyper::server::conn::http1::Builder::new();
+            // A client that never finishes its request head is dropped.
+            http.timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(std::time::Duration::from_secs(30));
+            if let Err(e) = http.serve_connection(hyper_util::rt::TokioIo::new(s), svc).await {
                 tracing::debug!("an HTTP check connection on thread {thread} ended: {e}");
             }
         }

@@ -38,6 +38,7 @@ pub fn thread_count(configured: Option<u32>) -> usize {
 impl Threads {
     /// Starts `n` threads, named `rl-l7-0`….
     pub fn start(n: usize) -> anyhow::Result<Threads> {
+        anyhow::ensure!(n > 0, "at least one l7 serving thread");
         let mut queues = Vec::with_capacity(n);
         for i in 0..n {
             let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Job>();
@@ -87,12 +88,15 @@ impl Threads {
                         let i = next % queues.len();
                         next = next.wrapping_add(1);
                         let conn = conn.clone();
-                        let _ = queues[i].send(Box::new(move || match TcpStream::from_std(s) {
+                        let job: Job = Box::new(move || match TcpStream::from_std(s) {
                             Ok(s) => {
                                 tokio::spawn(conn(s, i));
                             }
                             Err(e) => warn!("a {what} connection could not join thread {i}: {e}"),
-                        }));
+                        });
+                        if queues[i].send(job).is_err() {
+                            warn!("l7 serving thread {i} has stopped: a {what} connection was closed unserved");
+                        }
                     }
                     Err(e) => {
                         // Out of file descriptors, say: keep serving the open

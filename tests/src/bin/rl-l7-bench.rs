@@ -390,9 +390,10 @@ fn main() -> Result<()> {
     let http = |keys: u64| -> Result<()> {
         for (connections, dispatch) in HTTP_LOADS {
             let ((p50, p99, _), cpu) = measured(&|| http_latency(&lab, keys, connections, dispatch).map(|(p50, p99)| (p50, p99, 0)))?;
+            let n = (connections / threads()).max(1) * threads();
             let how = match dispatch {
-                Dispatch::InTurn => "8 serial clients (each check waits for its own connection)",
-                Dispatch::AnyIdle => "a gateway's pool of 32 connections (each check on an idle one)",
+                Dispatch::InTurn => format!("{n} serial clients (each check waits for its own connection)"),
+                Dispatch::AnyIdle => format!("a gateway's pool of {n} connections (each check on an idle one)"),
             };
             println!(
                 "HTTP check, {keys} key(s), {how}: p50 {p50:.3} ms, p99 {p99:.3} ms; target p99 < 1 ms at {RATE}/s: {}",
