@@ -186,12 +186,20 @@ impl Engine {
     /// An engine for `config`, keeping the buckets of `previous`'s rules
     /// that are unchanged.
     pub fn new(config: &L7Config, epoch_offset_ns: u64, previous: Option<&Engine>) -> Engine {
+        // An unchanged rule keeps its slot, and so its buckets; a new or
+        // changed one gets a slot never used before.
+        let next_slot = previous.map(|p| p.next_slot.clone()).unwrap_or_default();
+        let slot = |id: u64| match previous.and_then(|p| p.rules.iter().find(|q| q.id == id)) {
+            Some(q) => q.slot,
+            None => next_slot.fetch_add(1, Ordering::Relaxed),
+        };
         let rules: Vec<Compiled> = config
             .rules
             .iter()
-            .map(|r| Compiled {
-                id: rule_id(r),
-                slot: 0,
+            .map(|r| (r, rule_id(r)))
+            .map(|(r, id)| Compiled {
+                id,
+                slot: slot(id),
                 limits: match r.algorithm {
                     L7Algorithm::Packet(a) => r.limits.iter().map(|l| crate::compile::limit_entry(a, l.unit, &l.enforced(r.mode))).collect(),
                     _ => Vec::new(),
@@ -208,16 +216,6 @@ impl Engine {
                 counters: Counters::default(),
             })
             .collect();
-        // An unchanged rule keeps its slot, and so its buckets; a new or
-        // changed one gets a slot never used before.
-        let next_slot = previous.map(|p| p.next_slot.clone()).unwrap_or_default();
-        let mut rules = rules;
-        for c in &mut rules {
-            c.slot = match previous.and_then(|p| p.rules.iter().find(|q| q.id == c.id)) {
-                Some(q) => q.slot,
-                None => next_slot.fetch_add(1, Ordering::Relaxed),
-            };
-        }
         let mut by_domain: HashMap<String, Vec<usize>> = HashMap::new();
         for (i, c) in rules.iter().enumerate() {
             by_domain.entry(c.rule.domain.clone()).or_default().push(i);

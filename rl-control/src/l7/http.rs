@@ -1,7 +1,8 @@
 //! `POST /v1/check` on `[l7] http_listen`: one decision per request for any
 //! gateway or application, with the conventional and IETF rate-limit
 //! headers; and `/v1/forward-auth/{domain}?entries`, the same decision for
-//! forward-auth gateways, which send no body (see [`super::forward`]). It only charges buckets: it cannot change rules, and needs no
+//! forward-auth gateways, which send no body (see [`super::forward`]). It
+//! only charges buckets: it cannot change rules, and needs no
 //! token (like Envoy's gRPC port it belongs on loopback or a private
 //! network).
 
@@ -113,22 +114,27 @@ async fn check(State(l7): State<Shared>, body: Bytes) -> Response {
 /// `auth_request` takes any other as an error).
 async fn forward_auth(State(l7): State<Shared>, Path(domain): Path<String>, RawQuery(q): RawQuery, headers: HeaderMap) -> Response {
     let t = std::time::Instant::now();
+    let r = forward_answer(l7, domain, q.as_deref().unwrap_or(""), &headers).await;
+    super::HTTP_LATENCY.record(t.elapsed());
+    r
+}
+
+async fn forward_answer(l7: Shared, domain: String, q: &str, headers: &HeaderMap) -> Response {
     let over_status = match headers.get(OVER_STATUS).map(|v| v.to_str().unwrap_or("").trim()) {
-        None | Some("429") => Ok(StatusCode::TOO_MANY_REQUESTS),
-        Some("403") => Ok(StatusCode::FORBIDDEN),
-        Some("401") => Ok(StatusCode::UNAUTHORIZED),
-        Some(v) => Err(format!("RL-Over-Status must be 401, 403 or 429, not {v:?}")),
+        None | Some("429") => StatusCode::TOO_MANY_REQUESTS,
+        Some("403") => StatusCode::FORBIDDEN,
+        Some("401") => StatusCode::UNAUTHORIZED,
+        Some(v) => return bad(format!("RL-Over-Status must be 401, 403 or 429, not {v:?}")),
     };
-    let mut r = match over_status.clone().and_then(|_| super::forward::descriptor(q.as_deref().unwrap_or(""), &headers)) {
-        Err(m) => bad(m),
+    let mut r = match super::forward::descriptor(q, headers) {
+        Err(m) => return bad(m),
         // A header it names is absent: the descriptor does not apply.
         Ok(None) => answered(&[]),
         Ok(Some(d)) => decided(l7, Check { domain, descriptors: vec![d], hits: None }).await,
     };
-    if let (StatusCode::TOO_MANY_REQUESTS, Ok(status)) = (r.status(), over_status) {
-        *r.status_mut() = status;
+    if r.status() == StatusCode::TOO_MANY_REQUESTS {
+        *r.status_mut() = over_status;
     }
-    super::HTTP_LATENCY.record(t.elapsed());
     r
 }
 
