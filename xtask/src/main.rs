@@ -121,6 +121,7 @@ fn build_ebpf() -> Result<()> {
 }
 
 fn build(release: bool) -> Result<()> {
+    disk_space()?;
     bootstrap::bootstrap()?;
     build_ebpf()?;
     step!("building host binaries ({})", if release { "release" } else { "debug" });
@@ -130,6 +131,41 @@ fn build(release: bool) -> Result<()> {
         c.arg("--release");
     }
     run(&mut c)
+}
+
+/// A full-disk build fails deep inside rustc ("No space left on device"
+/// on some rlib): say so up front, with the figure and what to do.
+fn disk_space() -> Result<()> {
+    let target = workspace_root().join("target");
+    let probe = if target.exists() { target.clone() } else { workspace_root() };
+    let path = std::ffi::CString::new(probe.as_os_str().as_encoded_bytes()).context("target path")?;
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    if unsafe { libc::statvfs(path.as_ptr(), &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error()).with_context(|| format!("statvfs {}", probe.display()));
+    }
+    let free = st.f_bavail as u64 * st.f_frsize as u64;
+    enough_disk(free, target.join("debug/deps").exists(), &target)
+}
+
+/// What a build from scratch takes (debug and test binaries, the XDP object
+/// and release benches: about 7.5 GiB), and what an incremental one keeps
+/// needing.
+const FRESH_BUILD_BYTES: u64 = 9 << 30;
+const INCREMENTAL_BUILD_BYTES: u64 = 2 << 30;
+
+fn enough_disk(free: u64, built_before: bool, target: &std::path::Path) -> Result<()> {
+    let need = if built_before { INCREMENTAL_BUILD_BYTES } else { FRESH_BUILD_BYTES };
+    if free < need {
+        bail!(
+            "only {:.1} GiB free on the disk holding {}; a {} build needs about {} GiB: free space \
+             (`cargo clean` in old checkouts, stale clones under /tmp) and rerun",
+            free as f64 / (1u64 << 30) as f64,
+            target.display(),
+            if built_before { "further" } else { "first" },
+            need >> 30
+        );
+    }
+    Ok(())
 }
 
 fn require_root(what: &str) -> Result<()> {
@@ -188,4 +224,20 @@ fn bench(repeat: u32, frames: u64) -> Result<()> {
     run(cargo().args(["run", "--quiet", "--release", "-p", "rl-tests", "--bin", "rl-l7-bench"]))?;
     step!("cluster: decisions through Redis against local and raw EVALSHA, the packet-rule sync's Redis cost, overshoot of 3 hosts against the bound");
     run(cargo().args(["run", "--quiet", "--release", "-p", "rl-tests", "--bin", "rl-cluster-bench"]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_first_build_needs_room_for_everything_a_later_one_less() {
+        let t = std::path::Path::new("/x/target");
+        let err = enough_disk(600 << 20, false, t).unwrap_err().to_string();
+        assert!(err.starts_with("only 0.6 GiB free on the disk holding /x/target; a first build needs about 9 GiB"), "{err}");
+        assert!(enough_disk(5 << 30, false, t).is_err());
+        assert!(enough_disk(5 << 30, true, t).is_ok());
+        assert!(enough_disk(1 << 30, true, t).is_err());
+        assert!(enough_disk(10 << 30, false, t).is_ok());
+    }
 }
