@@ -10,6 +10,7 @@
 //! can read and write them directly.
 #![no_std]
 
+pub mod cells;
 pub mod clock;
 pub mod known;
 pub mod limiter;
@@ -18,6 +19,7 @@ pub mod pressure;
 pub mod quota;
 pub mod window;
 
+pub use cells::*;
 pub use clock::TickClock;
 pub use known::*;
 pub use limiter::{admit_with, gcra, gcra_cost, Admit, Limit, SharedWord};

@@ -168,7 +168,12 @@ pub struct DatapathConfig {
     /// Unix-epoch nanoseconds minus ktime, for epoch-aligned windows.
     pub epoch_offset_ns: u64,
     /// 1 once the daemon has written a configuration.
-    pub enabled: u32,
+    pub enabled: u16,
+    /// Log₂ of the slots of each prefix-cell array ([`crate::cell_slots`]).
+    /// (Carved from a former `enabled: u32`: a configuration pinned by an
+    /// older build reads as one slot, which holds one cell, until the
+    /// daemon rewrites it.)
+    pub cell_slots_log2: u16,
     /// Unseen keys one CPU may see per flood window (~1.07 s) before it
     /// enters flood mode (see [`crate::pressure`]); `u32::MAX`: never.
     pub flood_cap: u32,

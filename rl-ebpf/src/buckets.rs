@@ -7,15 +7,17 @@
 //! every bucket pointer the charging code holds is then of one kind, which
 //! keeps the verifier's work linear in the number of limits.
 
+use core::intrinsics::{atomic_cxchg, AtomicOrdering};
+
 use aya_ebpf::{
-    bindings::BPF_NOEXIST,
+    bindings::{BPF_F_MMAPABLE, BPF_NOEXIST},
     helpers::bpf_ktime_get_coarse_ns,
     macros::map,
-    maps::{HashMap, PerCpuArray},
+    maps::{Array, HashMap, PerCpuArray},
 };
 use rl_common::{
-    Bucket, DatapathConfig, FloodState, Key4, Key6, KnownKey, RuleEntry, Unseen, KEY_CELL, KEY_LAST, STAT_FALLBACK,
-    STAT_NEW_CELLS, STAT_NEW_SOURCES, STAT_TABLE_FULL,
+    cell_claim, cell_set, Bucket, Cell, DatapathConfig, FloodState, Key4, Key6, KnownKey, RuleEntry, Unseen, CELL_WAYS,
+    KEY_CELL, KEY_LAST, STAT_FALLBACK, STAT_NEW_CELLS, STAT_NEW_SOURCES, STAT_TABLE_FULL,
 };
 
 use crate::{known, stats};
@@ -29,6 +31,14 @@ use crate::{known, stats};
 static RL_SRC4: HashMap<Key4, Bucket> = HashMap::with_max_entries(65_536, 0);
 #[map(name = "RL_SRC6")]
 static RL_SRC6: HashMap<Key6, Bucket> = HashMap::with_max_entries(65_536, 0);
+
+/// Prefix cells (rl_common::cells), one array per family. Mappable: the
+/// daemon frees fresh cells with compare-and-swap on their claim word. The
+/// daemon sets the real size at load (`cell_slots(flood_prefixes)`).
+#[map(name = "RL_CELL4")]
+static RL_CELL4: Array<Cell<Key4>> = Array::with_max_entries(CELL_WAYS, BPF_F_MMAPABLE);
+#[map(name = "RL_CELL6")]
+static RL_CELL6: Array<Cell<Key6>> = Array::with_max_entries(CELL_WAYS, BPF_F_MMAPABLE);
 
 /// Per-CPU flood detector (rl_common::MAP_FLOOD).
 #[map(name = "RL_FLOOD")]
@@ -72,9 +82,11 @@ pub fn existing(rule: &RuleEntry, which: u32, is_v6: bool, src: &[u32; 4]) -> Op
 }
 
 /// The fallback keys of a source key.
-trait Fallbacks: Copy + KnownKey {
+trait Fallbacks: Copy + KnownKey + PartialEq {
     fn cell(&self, cfg: &DatapathConfig) -> Self;
     fn last(&self) -> Self;
+    /// Slot `i` of the family's cell array.
+    fn slot(i: u32) -> Option<*mut Cell<Self>>;
 }
 
 impl Fallbacks for Key4 {
@@ -85,6 +97,10 @@ impl Fallbacks for Key4 {
     #[inline(always)]
     fn last(&self) -> Self {
         Key4 { rule: self.rule | KEY_LAST, addr: 0 }
+    }
+    #[inline(always)]
+    fn slot(i: u32) -> Option<*mut Cell<Self>> {
+        RL_CELL4.get_ptr_mut(i)
     }
 }
 
@@ -97,6 +113,10 @@ impl Fallbacks for Key6 {
     #[inline(always)]
     fn last(&self) -> Self {
         Key6 { rule: self.rule | KEY_LAST, addr: [0; 4] }
+    }
+    #[inline(always)]
+    fn slot(i: u32) -> Option<*mut Cell<Self>> {
+        RL_CELL6.get_ptr_mut(i)
     }
 }
 
@@ -112,7 +132,9 @@ fn unseen6(cfg: &DatapathConfig, key: &Key6) -> *mut Bucket {
 }
 
 /// A key with no bucket of its own: create one (a copy of the bucket it
-/// maps to), or, in flood mode or with the table full, charge that bucket.
+/// maps to), or, in flood mode or with the table full, charge that bucket:
+/// its prefix cell (claimed now if its set has a free slot: a copy of the
+/// last resort), else its rule's last resort.
 /// (One key variable is reused for every probe: BPF stacks are small.)
 #[inline(always)]
 fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfig) -> Option<*mut Bucket> {
@@ -121,23 +143,26 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
     let now = unsafe { bpf_ktime_get_coarse_ns() };
     // What the key maps to now: its cell, else its rule's last resort
     // (created fresh the first time a rule needs it).
-    let mut probe = key.cell(cfg);
-    let cell = if known::maybe(&probe) { table.get_ptr_mut(&probe) } else { None };
-    let (parent, is_cell) = match cell {
-        Some(c) => (c, true),
-        None => {
-            probe = key.last();
-            let l = match table.get_ptr_mut(&probe) {
-                Some(l) => l,
-                None => {
-                    let _ = table.insert(&probe, &Bucket::default(), BPF_NOEXIST as u64);
-                    table.get_ptr_mut(&probe)?
-                }
-            };
-            (l, false)
+    let cell_key = key.cell(cfg);
+    let claim = cell_claim(&cell_key);
+    let set = cell_set(&cell_key, 1 << (cfg.cell_slots_log2 & 31));
+    let (mut cell, mut free) = (None, None);
+    for way in 0..CELL_WAYS {
+        let Some(c) = K::slot(set + way) else { break };
+        let held = unsafe { core::ptr::read_volatile(&raw const (*c).claim) };
+        if held == claim && unsafe { core::ptr::read_volatile(&raw const (*c).key) } == cell_key {
+            cell = Some(c);
+            break;
         }
+        if held == 0 && free.is_none() {
+            free = Some(c);
+        }
+    }
+    let parent = match cell {
+        Some(c) => unsafe { &raw mut (*c).bucket },
+        None => last_resort(table, key)?,
     };
-    let mut init = Bucket { tat_ns: unsafe { core::ptr::read_volatile(&raw const (*parent).tat_ns) }, ..Bucket::default() };
+    let init = Bucket { tat_ns: unsafe { core::ptr::read_volatile(&raw const (*parent).tat_ns) }, ..Bucket::default() };
     if flood.see(now, cfg.flood_cap) == Unseen::Insert {
         known::mark(key);
         match table.insert(key, &init, BPF_NOEXIST as u64) {
@@ -154,20 +179,36 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
         }
     }
     stats::bump(STAT_FALLBACK);
-    // Charge the cell: the one found above, else a new one (a copy of the
-    // last resort) while the table has room, else the last resort.
-    if is_cell || !flood.may_insert(now) {
+    if cell.is_some() {
         return Some(parent);
     }
-    probe = key.cell(cfg);
-    init.tat_ns = unsafe { core::ptr::read_volatile(&raw const (*parent).tat_ns) };
-    known::mark(&probe);
-    match table.insert(&probe, &init, BPF_NOEXIST as u64) {
-        Ok(()) => stats::bump(STAT_NEW_CELLS),
-        Err(e) if e == -(EEXIST as i32) => {}
-        Err(_) => flood.table_full(now),
+    // Claim a free slot of the set for this cell, a copy of the last resort
+    // (`parent`): the bucket first, the key last, so a CPU that finds the
+    // key finds the bucket written.
+    let Some(c) = free else { return Some(parent) };
+    let (_, won) = unsafe {
+        atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(&raw mut (*c).claim, 0, claim)
+    };
+    if !won {
+        return Some(parent);
     }
-    Some(table.get_ptr_mut(&probe).unwrap_or(parent))
+    unsafe {
+        core::ptr::write_volatile(&raw mut (*c).bucket, init);
+        core::ptr::write_volatile(&raw mut (*c).key, cell_key);
+    }
+    stats::bump(STAT_NEW_CELLS);
+    Some(unsafe { &raw mut (*c).bucket })
+}
+
+/// The rule's last resort for `key`, created fresh the first time.
+#[inline(always)]
+fn last_resort<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K) -> Option<*mut Bucket> {
+    let last = key.last();
+    if let Some(l) = table.get_ptr_mut(&last) {
+        return Some(l);
+    }
+    let _ = table.insert(&last, &Bucket::default(), BPF_NOEXIST as u64);
+    table.get_ptr_mut(&last)
 }
 
 const EEXIST: u32 = 17;

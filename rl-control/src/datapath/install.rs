@@ -35,6 +35,7 @@ pub struct Basis {
     old: Arc<SlotContents>,
     clock: TickClock,
     epoch_offset_ns: u64,
+    cell_slots_log2: u16,
     cpus: usize,
 }
 
@@ -64,6 +65,7 @@ impl Datapath {
             old: self.slots[slot as usize].clone(),
             clock: self.clock,
             epoch_offset_ns: self.epoch_offset_ns,
+            cell_slots_log2: self.cell_slots_log2,
             cpus: self.cpus,
         }
     }
@@ -229,6 +231,7 @@ impl Plan {
             clock: basis.clock,
             epoch_offset_ns: basis.epoch_offset_ns,
             enabled: 1,
+            cell_slots_log2: basis.cell_slots_log2,
             slot_flags: DatapathConfig::pack_slot_flags(slot, rules.flags),
             flood_cap: flood_cap_per_cpu(t.flood_new_keys_per_sec, basis.cpus),
             cell_mask4: t.cell_mask4,

@@ -4,15 +4,13 @@
 //! without ever clearing the bit of a bucket that exists.
 
 use std::{
-    os::fd::{AsFd, AsRawFd},
     sync::atomic::{AtomicU64, Ordering},
     time::Duration,
 };
 
-use aya::maps::MapData;
 use rl_common::{known_holds, known_mask, known_region, known_word, KnownKey, KNOWN_ENTRIES, KNOWN_HALF, KNOWN_VALID, KNOWN_WORDS, MAP_KNOWN};
 
-use super::{map_error, DatapathError};
+use super::{cells::Mapped, DatapathError};
 
 /// Every XDP program run that could have set a bit before the half was
 /// zeroed has inserted its bucket long before this (runs take microseconds
@@ -21,41 +19,24 @@ const RUN_GRACE: Duration = Duration::from_millis(2);
 
 /// [`MAP_KNOWN`], mapped read-write.
 pub struct KnownFilter {
-    words: *const AtomicU64,
-    len: usize,
-    _map: MapData,
+    mem: Mapped,
 }
-
-// The mapping is shared memory reached only through atomics.
-unsafe impl Send for KnownFilter {}
-unsafe impl Sync for KnownFilter {}
 
 impl KnownFilter {
     /// Maps the filter of the map with kernel id `id`.
     pub fn open(id: u32) -> Result<KnownFilter, DatapathError> {
-        let map = MapData::from_id(id).map_err(|e| map_error(MAP_KNOWN, e))?;
-        let info = map.info().map_err(|e| map_error(MAP_KNOWN, e))?;
-        if (info.value_size(), info.max_entries()) != (8, KNOWN_ENTRIES) {
+        let mem = Mapped::open(id, MAP_KNOWN, 8)?;
+        if mem.len != KNOWN_ENTRIES {
             return Err(DatapathError::Load(format!(
-                "map {MAP_KNOWN} holds {} values of {} bytes, rl-common expects {KNOWN_ENTRIES} of 8: rebuild both with `cargo xtask build`",
-                info.max_entries(),
-                info.value_size()
+                "map {MAP_KNOWN} holds {} words, rl-common expects {KNOWN_ENTRIES}: rebuild both with `cargo xtask build`",
+                mem.len
             )));
         }
-        let len = KNOWN_ENTRIES as usize;
-        let bytes = (len * 8).next_multiple_of(page_size());
-        let fd = map.fd().as_fd().as_raw_fd();
-        let p = unsafe { libc::mmap(std::ptr::null_mut(), bytes, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0) };
-        if p == libc::MAP_FAILED {
-            let e = std::io::Error::last_os_error();
-            return Err(DatapathError::Load(format!("cannot map {MAP_KNOWN} (created without BPF_F_MMAPABLE by an older build?): {e}")));
-        }
-        Ok(KnownFilter { words: p as *const AtomicU64, len, _map: map })
+        Ok(KnownFilter { mem })
     }
 
     fn word(&self, i: u32) -> &AtomicU64 {
-        assert!((i as usize) < self.len);
-        unsafe { &*self.words.add(i as usize) }
+        self.mem.word(i as usize * 8)
     }
 
     /// The control word: [`KNOWN_VALID`] | the half the program reads.
@@ -119,15 +100,4 @@ impl super::Datapath {
     pub fn known_filter(&self) -> Result<KnownFilter, DatapathError> {
         KnownFilter::open(self.map_id(MAP_KNOWN)?)
     }
-}
-
-impl Drop for KnownFilter {
-    fn drop(&mut self) {
-        let bytes = (self.len * 8).next_multiple_of(page_size());
-        unsafe { libc::munmap(self.words as *mut libc::c_void, bytes) };
-    }
-}
-
-fn page_size() -> usize {
-    (unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).max(4096) as usize
 }

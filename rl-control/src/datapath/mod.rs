@@ -32,6 +32,7 @@ use crate::compile::{Compiled, RuleSet};
 
 mod attach;
 mod batch;
+mod cells;
 mod install;
 mod known;
 mod pin;
@@ -41,6 +42,7 @@ pub mod share;
 mod pressure;
 
 pub use install::Plan;
+pub use cells::CellArray;
 pub use known::KnownFilter;
 pub use pressure::{collect, flood_mode, FloodReading, LimitsByKey, Pass, TableIds, COLLECT_IDLE_NS};
 pub use pin::{detach as detach_pinned, dirs_with as pin_dirs_with, group_name as pin_group, prepare as prepare_pins};
@@ -263,6 +265,8 @@ pub struct Datapath {
     /// Counters of rule names from slots since rewritten.
     retired: StdHashMap<String, RuleStats>,
     /// Possible CPUs (the per-CPU maps' width).
+    /// Log₂ of each cell array's slots (sized at load).
+    cell_slots_log2: u16,
     cpus: usize,
     /// The pin directory, if pinned.
     pins: Option<std::path::PathBuf>,
@@ -298,8 +302,10 @@ pub(super) struct SlotContents {
 /// four limits and a pool each.
 pub const LAST_RESORT_ROOM: u32 = 2 * RULE_SLOTS * 5;
 
-/// Entries of each family's bucket table: the sources' own buckets, the
-/// prefix cells and the last resorts share it (see `rl_common::pressure`).
+/// Entries of each family's bucket table: the sources' own buckets and the
+/// last resorts share it (see `rl_common::pressure`). It keeps the room of
+/// `flood_prefixes` too: the prefix cells lived here before they had arrays
+/// of their own (`rl_common::cells`), and tables pinned then stay adoptable.
 pub fn table_capacity(c: &Compiled) -> u32 {
     c.max_sources.saturating_add(c.flood_prefixes).saturating_add(LAST_RESORT_ROOM)
 }
@@ -318,7 +324,14 @@ impl Datapath {
     /// [`Datapath::load`] with load-time knobs.
     pub fn load_with(compiled: &Compiled, opts: LoadOptions) -> Result<Datapath, DatapathError> {
         let capacity = table_capacity(compiled);
-        let specs = pin::specs(OBJECT, &[(MAP_SOURCES_V4, capacity), (MAP_SOURCES_V6, capacity)])?;
+        let cell_slots = rl_common::cell_slots(compiled.flood_prefixes);
+        let sized = [
+            (MAP_SOURCES_V4, capacity),
+            (MAP_SOURCES_V6, capacity),
+            (rl_common::MAP_CELLS_V4, cell_slots),
+            (rl_common::MAP_CELLS_V6, cell_slots),
+        ];
+        let specs = pin::specs(OBJECT, &sized)?;
         let held = opts.pin.as_deref().map(pin::hold).transpose()?;
         let adopted = match &opts.pin {
             Some(dir) => pin::check(dir, &specs)?,
@@ -326,10 +339,10 @@ impl Datapath {
         };
         let bench = u32::from(opts.bench_new_sources);
         let mut loader = EbpfLoader::new();
-        loader
-            .map_max_entries(MAP_SOURCES_V4, capacity)
-            .map_max_entries(MAP_SOURCES_V6, capacity)
-            .override_global(GLOBAL_BENCH_NEW_SOURCES, &bench, true);
+        for (name, n) in sized {
+            loader.map_max_entries(name, n);
+        }
+        loader.override_global(GLOBAL_BENCH_NEW_SOURCES, &bench, true);
         if let Some(dir) = &opts.pin {
             for s in &specs {
                 loader.map_pin_path(s.name.as_str(), dir.join(&s.name));
@@ -351,6 +364,7 @@ impl Datapath {
             slots: Default::default(),
             generation: 0,
             retired: StdHashMap::new(),
+            cell_slots_log2: cell_slots.trailing_zeros() as u16,
             cpus: aya::util::nr_cpus().map_err(|(_, e)| DatapathError::Load(format!("cannot count the CPUs: {e}")))?,
             pins: opts.pin.clone(),
             adopted,

@@ -140,7 +140,10 @@ pub(super) fn hold(dir: &Path) -> Result<std::os::fd::OwnedFd, DatapathError> {
 /// Maps a setup of this layout version may lack because an older build did
 /// not have them: they are created fresh, which is safe for each (a fresh
 /// known-keys filter is "not valid" until the collector's first walk).
-const ADDED_SINCE_LAYOUT: &[&str] = &[rl_common::MAP_KNOWN];
+/// Prefix cells moved to arrays of their own: empty ones are safe (a key
+/// with no cell is charged to its rule's last resort), and the collector
+/// moves the cells it finds in the sources' tables into them.
+const ADDED_SINCE_LAYOUT: &[&str] = &[rl_common::MAP_KNOWN, rl_common::MAP_CELLS_V4, rl_common::MAP_CELLS_V6];
 
 pub(super) fn check(dir: &Path, specs: &[MapSpec]) -> Result<bool, DatapathError> {
     let present: Vec<&MapSpec> = specs.iter().filter(|s| dir.join(&s.name).exists()).collect();

@@ -11,6 +11,7 @@ use rl_common::*;
 
 use super::{
     batch::delete_batch,
+    cells::CellArray,
     known::KnownFilter,
     read::{scan_table_each, BucketKey},
     *,
@@ -20,6 +21,8 @@ use super::{
 #[derive(Clone, Copy, Debug)]
 pub struct TableIds {
     pub tables: (u32, u32),
+    /// The prefix-cell arrays (IPv4, IPv6).
+    pub cells: (u32, u32),
     pub flood: u32,
     pub known: u32,
 }
@@ -54,7 +57,12 @@ pub type LimitsByKey = StdHashMap<u32, LimitEntry>;
 impl Datapath {
     /// The ids the collector needs.
     pub fn table_ids(&self) -> Result<TableIds, DatapathError> {
-        Ok(TableIds { tables: self.source_map_ids()?, flood: self.map_id(MAP_FLOOD)?, known: self.map_id(MAP_KNOWN)? })
+        Ok(TableIds {
+            tables: self.source_map_ids()?,
+            cells: (self.map_id(MAP_CELLS_V4)?, self.map_id(MAP_CELLS_V6)?),
+            flood: self.map_id(MAP_FLOOD)?,
+            known: self.map_id(MAP_KNOWN)?,
+        })
     }
 
     /// Every limit of both slots by bucket key.
@@ -87,19 +95,25 @@ impl Datapath {
 ///
 /// The walk also rebuilds the known-keys filter: only a walk that completes
 /// flips it, so a failed one leaves the old half in use (stale bits cost
-/// lookups, never verdicts).
+/// lookups, never verdicts). Then it frees the prefix cells that are fresh
+/// (or whose rule is gone) in the cell arrays.
 pub fn collect(ids: TableIds, epoch_offset_ns: u64, limits: &LimitsByKey, known: &KnownFilter) -> Result<Pass, DatapathError> {
     let now = monotonic_ns().saturating_sub(COLLECT_IDLE_NS);
     let mut pass = Pass::default();
     let half = known.begin();
-    let mut walk = Walk { limits, now, epoch_offset_ns, known, half, own: 0, cells: 0 };
-    scan_table_each::<Key4>(ids.tables.0, MAP_SOURCES_V4, |k, b| walk.sweep(ids.tables.0, MAP_SOURCES_V4, k, b, &mut pass))?;
-    (pass.own.0, pass.cells.0) = (walk.own, walk.cells);
-    (walk.own, walk.cells) = (0, 0);
-    scan_table_each::<Key6>(ids.tables.1, MAP_SOURCES_V6, |k, b| walk.sweep(ids.tables.1, MAP_SOURCES_V6, k, b, &mut pass))?;
-    (pass.own.1, pass.cells.1) = (walk.own, walk.cells);
+    let cells4 = CellArray::<Key4>::open(ids.cells.0, MAP_CELLS_V4)?;
+    let cells6 = CellArray::<Key6>::open(ids.cells.1, MAP_CELLS_V6)?;
+    let mut walk = Walk { limits, now, epoch_offset_ns, known, half, own: 0, moved: 0 };
+    scan_table_each::<Key4>(ids.tables.0, MAP_SOURCES_V4, |k, b| walk.sweep(ids.tables.0, MAP_SOURCES_V4, &cells4, k, b, &mut pass))?;
+    pass.own.0 = std::mem::take(&mut walk.own);
+    scan_table_each::<Key6>(ids.tables.1, MAP_SOURCES_V6, |k, b| walk.sweep(ids.tables.1, MAP_SOURCES_V6, &cells6, k, b, &mut pass))?;
+    pass.own.1 = std::mem::take(&mut walk.own);
     known.finish(half);
     pass.known_fill = (known.fill(0), known.fill(1));
+    pass.cells = (walk.cells(&cells4, &mut pass), walk.cells(&cells6, &mut pass));
+    if walk.moved > 0 {
+        tracing::info!(cells = walk.moved, "moved the prefix cells an older build kept in the sources' tables into the cell arrays");
+    }
     Ok(pass)
 }
 
@@ -113,17 +127,37 @@ struct Walk<'a> {
     /// The filter half being rebuilt.
     half: u32,
     own: u64,
-    cells: u64,
+    /// Cells found in the sources' tables (left by an older build) and moved.
+    moved: u64,
 }
 
 impl Walk<'_> {
     /// Deletes the fresh (or orphaned) buckets of one chunk of a table;
     /// counts the rest, marks them in the filter and keeps the sources
     /// among them that have dropped packets.
-    fn sweep<K: BucketKey + KnownKey>(&mut self, id: u32, name: &'static str, keys: &[K], buckets: &[Bucket], pass: &mut Pass) -> Result<(), DatapathError> {
+    #[allow(clippy::too_many_arguments)]
+    fn sweep<K: BucketKey + KnownKey + PartialEq>(
+        &mut self,
+        id: u32,
+        name: &'static str,
+        cells: &CellArray<K>,
+        keys: &[K],
+        buckets: &[Bucket],
+        pass: &mut Pass,
+    ) -> Result<(), DatapathError> {
         use std::os::fd::{AsFd, AsRawFd};
         let mut dead = Vec::new();
         for (k, b) in keys.iter().zip(buckets) {
+            if key_kind(k.rule()) == KeyKind::Cell {
+                // An older build's cell: into the array, or, if its set is
+                // full, into its rule's last resort (never forgotten).
+                if !cells.adopt(k, *b) {
+                    raise_last_resort(id, name, k, b.tat_ns)?;
+                }
+                self.moved += 1;
+                dead.push(*k);
+                continue;
+            }
             let gone = match self.limits.get(&(k.rule() & !(KEY_CELL | KEY_LAST))) {
                 None => true,
                 Some(_) if key_kind(k.rule()) == KeyKind::LastResort => false,
@@ -141,11 +175,7 @@ impl Walk<'_> {
                         pass.sources.push(Source::of(k, *b));
                     }
                 }
-                KeyKind::Cell => {
-                    self.cells += 1;
-                    self.known.mark(self.half, k);
-                }
-                KeyKind::LastResort => {}
+                KeyKind::Cell | KeyKind::LastResort => {}
             }
         }
         if !dead.is_empty() {
@@ -155,6 +185,49 @@ impl Walk<'_> {
         }
         Ok(())
     }
+}
+
+impl Walk<'_> {
+    /// Frees the cells of one array that are fresh (or whose rule is gone);
+    /// returns how many are left.
+    fn cells<K: BucketKey + KnownKey + PartialEq>(&self, cells: &CellArray<K>, pass: &mut Pass) -> u64 {
+        let mut left = 0;
+        for i in 0..cells.slots() {
+            let c = cells.get(i);
+            if c.claim == 0 {
+                continue;
+            }
+            if c.claim != cell_claim(&c.key) {
+                // Being claimed this instant: its key is not written yet.
+                left += 1;
+                continue;
+            }
+            let gone = match self.limits.get(&(c.key.rule() & !(KEY_CELL | KEY_LAST))) {
+                None => true,
+                Some(l) => l.is_fresh(c.bucket.tat_ns, self.now, self.epoch_offset_ns),
+            };
+            if gone && cells.free(i, c.claim) {
+                pass.collected += 1;
+            } else {
+                left += 1;
+            }
+        }
+        left
+    }
+}
+
+/// Raises the last resort of cell key `k`'s rule to `tat_ns` (created if
+/// missing): where an older build's cell goes when its set has no room.
+fn raise_last_resort<K: BucketKey>(id: u32, name: &'static str, k: &K, tat_ns: u64) -> Result<(), DatapathError> {
+    let data = MapData::from_id(id).map_err(|e| map_error(name, e))?;
+    let mut table: aya::maps::HashMap<MapData, K, Bucket> =
+        aya::maps::HashMap::try_from(Map::HashMap(data)).map_err(|e| map_error(name, e))?;
+    let last = k.last_resort();
+    let b = table.get(&last, 0).unwrap_or_default();
+    if b.tat_ns < tat_ns {
+        table.insert(last, Bucket { tat_ns, ..b }, 0).map_err(|e| map_error(name, e))?;
+    }
+    Ok(())
 }
 
 /// Flood mode as the datapath's per-CPU detectors report it.

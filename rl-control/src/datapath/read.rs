@@ -238,11 +238,16 @@ pub(super) fn scan_table_each<K: BucketKey>(
 pub(super) trait BucketKey: aya::Pod + Default {
     fn rule(&self) -> u32;
     fn addr(&self) -> IpAddr;
+    /// The key of the last resort of this key's limit.
+    fn last_resort(&self) -> Self;
 }
 
 impl BucketKey for Key4 {
     fn rule(&self) -> u32 {
         self.rule
+    }
+    fn last_resort(&self) -> Self {
+        Key4 { rule: (self.rule & !KEY_CELL) | KEY_LAST, addr: 0 }
     }
     fn addr(&self) -> IpAddr {
         IpAddr::from(self.addr_bytes())
@@ -252,6 +257,9 @@ impl BucketKey for Key4 {
 impl BucketKey for Key6 {
     fn rule(&self) -> u32 {
         self.rule
+    }
+    fn last_resort(&self) -> Self {
+        Key6 { rule: (self.rule & !KEY_CELL) | KEY_LAST, addr: [0; 4] }
     }
     fn addr(&self) -> IpAddr {
         IpAddr::from(self.addr_bytes())

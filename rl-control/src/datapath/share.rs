@@ -6,7 +6,10 @@
 use aya::maps::{HashMap, MapData};
 use rl_common::*;
 
-use super::{read::scan_table_each, *};
+use super::{
+    read::{scan_table_each, BucketKey},
+    *,
+};
 
 /// A bucket's key in either table.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -43,33 +46,51 @@ pub struct SharedBucket {
 
 /// Every own bucket and prefix cell whose limit `wanted` accepts (by
 /// `RuleEntry::id | index`, kind bits cleared), IPv4 then IPv6, a chunk at
-/// a time.
-pub fn scan_shared(ids: (u32, u32), wanted: impl Fn(u32) -> bool) -> Result<Vec<SharedBucket>, DatapathError> {
+/// a time, then the cells.
+pub fn scan_shared(ids: TableIds, wanted: impl Fn(u32) -> bool) -> Result<Vec<SharedBucket>, DatapathError> {
     let mut out = Vec::new();
-    let keep = |rule: u32| key_kind(rule) != KeyKind::LastResort && wanted(rule & !(KEY_CELL | KEY_LAST));
-    scan_table_each::<Key4>(ids.0, MAP_SOURCES_V4, |k, b| {
+    let keep = |rule: u32| key_kind(rule) == KeyKind::Own && wanted(rule);
+    scan_table_each::<Key4>(ids.tables.0, MAP_SOURCES_V4, |k, b| {
         out.extend(k.iter().zip(b).filter(|(k, _)| keep(k.rule)).map(|(k, b)| SharedBucket { id: BucketId::V4(*k), bucket: *b }));
         Ok(())
     })?;
-    scan_table_each::<Key6>(ids.1, MAP_SOURCES_V6, |k, b| {
+    scan_table_each::<Key6>(ids.tables.1, MAP_SOURCES_V6, |k, b| {
         out.extend(k.iter().zip(b).filter(|(k, _)| keep(k.rule)).map(|(k, b)| SharedBucket { id: BucketId::V6(*k), bucket: *b }));
         Ok(())
     })?;
+    let tables = Tables::open(ids)?;
+    let cell_wanted = |rule: u32| wanted(rule & !KEY_CELL);
+    out.extend(cells_of(&tables.cells4, cell_wanted).into_iter().map(|(k, bucket)| SharedBucket { id: BucketId::V4(k), bucket }));
+    out.extend(cells_of(&tables.cells6, cell_wanted).into_iter().map(|(k, bucket)| SharedBucket { id: BucketId::V6(k), bucket }));
     Ok(out)
 }
 
-/// Handles on both tables for [`Tables::raise`].
+/// The cells of an array whose limit `wanted` accepts.
+fn cells_of<K: KnownKey + PartialEq + BucketKey>(cells: &CellArray<K>, wanted: impl Fn(u32) -> bool) -> Vec<(K, Bucket)> {
+    (0..cells.slots())
+        .map(|i| cells.get(i))
+        .filter(|c| c.claim != 0 && c.claim == cell_claim(&c.key) && wanted(c.key.rule()))
+        .map(|c| (c.key, c.bucket))
+        .collect()
+}
+
+/// Handles on both tables and both cell arrays for [`Tables::raise`].
 pub struct Tables {
     v4: HashMap<MapData, Key4, Bucket>,
     v6: HashMap<MapData, Key6, Bucket>,
+    cells4: CellArray<Key4>,
+    cells6: CellArray<Key6>,
 }
 
 impl Tables {
-    pub fn open(ids: (u32, u32)) -> Result<Tables, DatapathError> {
+    pub fn open(ids: TableIds) -> Result<Tables, DatapathError> {
         let open = |id, name| MapData::from_id(id).map_err(|e| map_error(name, e));
-        let v4 = HashMap::try_from(aya::maps::Map::HashMap(open(ids.0, MAP_SOURCES_V4)?)).map_err(|e| map_error(MAP_SOURCES_V4, e))?;
-        let v6 = HashMap::try_from(aya::maps::Map::HashMap(open(ids.1, MAP_SOURCES_V6)?)).map_err(|e| map_error(MAP_SOURCES_V6, e))?;
-        Ok(Tables { v4, v6 })
+        let (t4, t6) = ids.tables;
+        let v4 = HashMap::try_from(aya::maps::Map::HashMap(open(t4, MAP_SOURCES_V4)?)).map_err(|e| map_error(MAP_SOURCES_V4, e))?;
+        let v6 = HashMap::try_from(aya::maps::Map::HashMap(open(t6, MAP_SOURCES_V6)?)).map_err(|e| map_error(MAP_SOURCES_V6, e))?;
+        let cells4 = CellArray::open(ids.cells.0, MAP_CELLS_V4)?;
+        let cells6 = CellArray::open(ids.cells.1, MAP_CELLS_V6)?;
+        Ok(Tables { v4, v6, cells4, cells6 })
     }
 
     /// Moves the bucket's theoretical arrival time up to `tat_ns` (ktime)
@@ -77,11 +98,14 @@ impl Tables {
     ///
     /// Userspace cannot compare-and-swap a hash map's value: a packet
     /// charged by the kernel between this read and write is overwritten,
-    /// so each raise may forget the packets of one syscall's span (a term
-    /// of the documented bound).
+    /// so each raise of a source's own bucket may forget the packets of one
+    /// syscall's span (a term of the documented bound). Cells are raised
+    /// with an atomic maximum on their mapped word, losing nothing.
     pub fn raise(&mut self, id: &BucketId, tat_ns: u64) -> bool {
         let flags = 2; // BPF_EXIST: a bucket collected meanwhile stays gone.
         match id {
+            BucketId::V4(k) if key_kind(k.rule) == KeyKind::Cell => self.cells4.raise(k, tat_ns) == Some(true),
+            BucketId::V6(k) if key_kind(k.rule) == KeyKind::Cell => self.cells6.raise(k, tat_ns) == Some(true),
             BucketId::V4(k) => match self.v4.get(k, 0) {
                 Ok(b) if b.tat_ns < tat_ns => self.v4.insert(k, Bucket { tat_ns, ..b }, flags).is_ok(),
                 _ => false,

@@ -206,8 +206,8 @@ async fn sync(url: String, redis: &Redis) -> Result<()> {
 fn walk() -> Result<()> {
     use aya::maps::{HashMap, Map, MapData};
     let dp = rl_tests::datapath("[default]\nrate = 1000\n[datapath]\nmax_sources = 1048576\n[[rule]]\nname = \"udp\"\nproto = \"udp\"\nrate = 1000\n")?;
-    let ids = dp.source_map_ids()?;
-    let mut map: HashMap<MapData, Key4, Bucket> = HashMap::try_from(Map::HashMap(MapData::from_id(ids.0)?))?;
+    let ids = dp.table_ids()?;
+    let mut map: HashMap<MapData, Key4, Bucket> = HashMap::try_from(Map::HashMap(MapData::from_id(ids.tables.0)?))?;
     let t = Instant::now();
     for i in 0..1_000_000u32 {
         map.insert(Key4 { rule: 8, addr: i }, Bucket { passed: 1, ..Default::default() }, 0).context("filling the bucket table")?;

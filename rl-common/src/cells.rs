@@ -1,0 +1,131 @@
+//! Prefix cells: where an unseen key is charged when it gets no bucket of
+//! its own (see [`crate::pressure`]), kept in a fixed array per family
+//! rather than in the sources' hash table.
+//!
+//! A random-source flood charges every packet to some cell, so the cell's
+//! lookup is the flood's per-packet cost. In the sources' table it was a
+//! hash-table walk (a call, the hash, the bucket head and the element: two
+//! cache misses in memory sized for a million sources); here it is one
+//! load of the cell's 64-byte line, at an index the program computes
+//! (array lookups are inlined by the verifier).
+//!
+//! The array is set-associative: a cell key may sit in either of the
+//! [`CELL_WAYS`] slots of its set. A slot is free while its `claim` word is
+//! 0. The program claims a free slot with a compare-and-swap, then writes
+//! the bucket (a copy of what the key mapped to until then: its rule's last
+//! resort) and last the key; a key is charged to a slot only if the slot is
+//! claimed and holds that very key. A key whose set is full of other cells
+//! is charged to its rule's last resort, as when the cells' room is spent.
+//! The daemon frees slots whose bucket is fresh again (the same rule as for
+//! any bucket), through the array's mapped memory: compare-and-swap of the
+//! claim back to 0.
+
+use crate::{Bucket, Key4, Key6, KnownKey};
+
+/// IPv4 cells: `Array<Cell<Key4>>`, [`cell_slots`] entries, mappable.
+pub const MAP_CELLS_V4: &str = "RL_CELL4";
+/// IPv6 cells: `Array<Cell<Key6>>`, [`cell_slots`] entries, mappable.
+pub const MAP_CELLS_V6: &str = "RL_CELL6";
+
+/// Slots a cell key may use.
+pub const CELL_WAYS: u32 = 2;
+
+/// One slot: 64 bytes, one cache line.
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Cell<K> {
+    /// 0: free. Otherwise [`cell_claim`] of the key it holds (or is being
+    /// given: the key is written after the bucket).
+    pub claim: u64,
+    pub bucket: Bucket,
+    /// The cell key (`KEY_CELL` set, the address masked to the cell prefix).
+    pub key: K,
+}
+const _: () = assert!(core::mem::size_of::<Cell<Key4>>() == 64);
+const _: () = assert!(core::mem::size_of::<Cell<Key6>>() == 64);
+/// Byte offset of [`Cell::claim`] (the daemon's atomics reach it in mapped memory).
+pub const CELL_CLAIM_OFFSET: usize = 0;
+/// Byte offset of the bucket's state word.
+pub const CELL_TAT_OFFSET: usize = 8;
+
+/// Slots per family for `datapath.flood_prefixes`: twice that, rounded up to
+/// a power of two, so that sets rarely overflow while the cells in use stay
+/// within `flood_prefixes`.
+pub const fn cell_slots(flood_prefixes: u32) -> u32 {
+    let want = if flood_prefixes < 1 << 24 { flood_prefixes } else { 1 << 24 };
+    let n = (want as u64 * 2).next_power_of_two();
+    if n < CELL_WAYS as u64 {
+        CELL_WAYS
+    } else {
+        n as u32
+    }
+}
+
+/// The first slot of `key`'s set in an array of `slots` (a power of two).
+#[inline(always)]
+pub fn cell_set<K: KnownKey>(key: &K, slots: u32) -> u32 {
+    // The high half: the known-keys filter takes its bits from the low one.
+    ((key.known_hash() >> 32) as u32 & (slots - 1)) & !(CELL_WAYS - 1)
+}
+
+/// The nonzero claim word of a slot holding `key`.
+#[inline(always)]
+pub fn cell_claim<K: KnownKey>(key: &K) -> u64 {
+    key.known_hash() | 1
+}
+
+impl<K: PartialEq> Cell<K> {
+    /// Whether this slot holds `key` (claimed, and the key written).
+    #[inline(always)]
+    pub fn holds(&self, key: &K) -> bool {
+        self.claim != 0 && self.key == *key
+    }
+}
+
+#[cfg(feature = "user")]
+mod pod {
+    unsafe impl aya::Pod for super::Cell<super::Key4> {}
+    unsafe impl aya::Pod for super::Cell<super::Key6> {}
+}
+
+#[cfg(test)]
+mod tests {
+    extern crate std;
+    use super::*;
+    use crate::KEY_CELL;
+
+    #[test]
+    fn slots_are_twice_the_prefixes_in_a_power_of_two() {
+        assert_eq!(cell_slots(1), 2);
+        assert_eq!(cell_slots(256), 512);
+        assert_eq!(cell_slots(65_536), 131_072);
+        assert_eq!(cell_slots(100_000), 262_144);
+        assert_eq!(cell_slots(16_777_216), 33_554_432);
+        assert_eq!(cell_slots(u32::MAX), 33_554_432);
+    }
+
+    #[test]
+    fn a_random_flood_of_as_many_prefixes_as_configured_mostly_finds_room() {
+        // 65,536 /24 cells of one rule into cell_slots(65,536): the share
+        // that finds its set full (charged to the last resort instead).
+        let slots = cell_slots(65_536);
+        let mut used = std::vec![0u8; slots as usize / CELL_WAYS as usize];
+        let mut overflow = 0;
+        for i in 0..65_536u32 {
+            let k = Key4 { rule: 8 | KEY_CELL, addr: (10 << 24 | i << 8).to_be() };
+            let set = cell_set(&k, slots);
+            assert_eq!(set % CELL_WAYS, 0);
+            assert!(set < slots);
+            let u = &mut used[(set / CELL_WAYS) as usize];
+            if u32::from(*u) < CELL_WAYS {
+                *u += 1;
+            } else {
+                overflow += 1;
+            }
+        }
+        // Two ways at half load: about 10% expected.
+        assert!(overflow < 65_536 / 8, "{overflow} of 65,536 found no room");
+        assert!(cell_claim(&Key6::default()) != 0);
+    }
+}
+
