@@ -11,7 +11,7 @@ use core::intrinsics::{atomic_cxchg, AtomicOrdering};
 
 use aya_ebpf::{
     bindings::{BPF_F_MMAPABLE, BPF_NOEXIST},
-    helpers::bpf_ktime_get_coarse_ns,
+    helpers::bpf_jiffies64,
     macros::map,
     maps::{Array, HashMap, PerCpuArray},
 };
@@ -139,8 +139,10 @@ fn unseen6(cfg: &DatapathConfig, key: &Key6) -> *mut Bucket {
 #[inline(always)]
 fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfig) -> Option<*mut Bucket> {
     let flood = unsafe { &mut *RL_FLOOD.get_ptr_mut(0)? };
-    // The coarse clock: one load, and a window of ~1 s needs no more.
-    let now = unsafe { bpf_ktime_get_coarse_ns() };
+    // The tick clock: one inlined load, no helper call (each call and
+    // return is dear with this CPU's return-stack mitigation), and a window
+    // of ~1 s needs no finer time.
+    let now = cfg.clock.at(unsafe { bpf_jiffies64() });
     // What the key maps to now: its cell, else its rule's last resort
     // (created fresh the first time a rule needs it).
     let cell_key = key.cell(cfg);

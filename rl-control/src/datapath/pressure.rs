@@ -266,7 +266,8 @@ pub fn flood_mode(ids: TableIds) -> Result<FloodReading, DatapathError> {
     Ok(r)
 }
 
-/// `CLOCK_MONOTONIC_COARSE` in ns: the clock `bpf_ktime_get_coarse_ns` reads.
+/// `CLOCK_MONOTONIC_COARSE` in ns: within a tick of the clock the flood
+/// detectors keep (jiffies on the ktime scale, `TickClock::at`).
 fn coarse_monotonic_ns() -> u64 {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
