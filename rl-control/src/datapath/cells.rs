@@ -150,3 +150,10 @@ impl<K: KnownKey + Copy + PartialEq> CellArray<K> {
         false
     }
 }
+
+impl super::Datapath {
+    /// This datapath's IPv4 prefix cells, mapped.
+    pub fn cells_v4(&self) -> Result<CellArray<rl_common::Key4>, DatapathError> {
+        CellArray::open(self.map_id(rl_common::MAP_CELLS_V4)?, rl_common::MAP_CELLS_V4)
+    }
+}

@@ -1,0 +1,110 @@
+//! Prefix cells in their arrays (`rl_common::cells`), through TestRun: an
+//! unseen key in flood mode is charged to its /24's cell; the collector
+//! frees cells that are fresh again and keeps the rest; the cluster sync
+//! reads and raises cells; and a cell an older build left in the sources'
+//! table is moved into the array without losing its state.
+
+use aya::maps::{HashMap, Map, MapData};
+use rl_common::{Bucket, Key4, KEY_CELL, STAT_FALLBACK, STAT_NEW_CELLS};
+use rl_control::{
+    compile::compile,
+    config::Config,
+    datapath::{
+        collect,
+        share::{scan_shared, BucketId, Tables},
+        Datapath, Pass, COLLECT_IDLE_NS,
+    },
+};
+use rl_tests::{datapath, frames::*, lab::require_root, offer};
+
+fn to(src: [u8; 4], port: u16) -> Vec<u8> {
+    eth(&[], ETH_P_IP, &ipv4(src, UDP, &[], &udp(port)))
+}
+
+/// `flood_rules` with flood mode always on: every unseen key goes to its cell.
+fn rules() -> String {
+    rl_tests::flood_rules(1024).replace("flood_new_keys_per_sec = 2000", "flood_new_keys_per_sec = 0")
+}
+
+/// The cell key of `src` under limit 0 of rule `index` (0 `[default]`, 2 "once").
+fn cell_key(index: usize, src: [u8; 4]) -> Key4 {
+    let compiled = compile(&Config::from_str(&rules(), "<test>").unwrap());
+    let k = compiled.rules.entries[index].key4(0, u32::from_ne_bytes(src));
+    Key4 { rule: k.rule | KEY_CELL, addr: k.addr & u32::from_ne_bytes([255, 255, 255, 0]) }
+}
+
+fn pass(dp: &Datapath) -> Pass {
+    let limits = dp.limits_by_key().unwrap();
+    collect(dp.table_ids().unwrap(), dp.epoch_offset_ns(), &limits, &dp.known_filter().unwrap()).expect("a collector pass")
+}
+
+#[test]
+fn unseen_keys_share_their_prefix_cell_and_the_collector_frees_it_once_fresh() {
+    require_root();
+    let dp = datapath(&rules()).unwrap();
+    let cells = dp.cells_v4().unwrap();
+    // Two newcomers of one /24 under "once" (1 per hour): one cell, one pass.
+    let got = offer(&dp, &to([10, 9, 9, 1], 9999), 1).0 + offer(&dp, &to([10, 9, 9, 2], 9999), 1).0;
+    assert_eq!(got, 1, "newcomers of one /24 share its 1-per-hour cell");
+    let c = dp.counters().unwrap();
+    assert!(c.get(STAT_FALLBACK) >= 2 && c.get(STAT_NEW_CELLS) == 1, "one cell claimed, both charged to it: {c}");
+    let once = cells.find(&cell_key(2, [10, 9, 9, 0])).expect("the cell is in the array");
+    assert_eq!(cells.get(once).bucket.passed, 1);
+    // A newcomer of another /24 gets a cell of its own.
+    assert_eq!(offer(&dp, &to([10, 9, 10, 1], 9999), 1), (1, 0));
+    // Cells under [default] (1,000/s) are fresh again within milliseconds.
+    for i in 0..20u8 {
+        assert_eq!(offer(&dp, &to([10, 20, i, 1], 5000), 1), (1, 0));
+    }
+    let before = pass(&dp);
+    assert_eq!(before.cells.0, 22, "every cell is counted and none is fresh yet for a second: {before:?}");
+    std::thread::sleep(std::time::Duration::from_nanos(COLLECT_IDLE_NS + 200_000_000));
+    let after = pass(&dp);
+    assert_eq!((after.cells.0, after.collected), (2, 20), "the [default] cells were freed, the 1-per-hour ones kept: {after:?}");
+    assert!(cells.find(&cell_key(0, [10, 20, 0, 1])).is_none());
+    // The /24 that used its hour stays limited.
+    assert_eq!(offer(&dp, &to([10, 9, 9, 3], 9999), 1), (0, 1));
+}
+
+#[test]
+fn the_cluster_sync_reads_and_raises_cells() {
+    require_root();
+    let dp = datapath(&rules()).unwrap();
+    assert_eq!(offer(&dp, &to([10, 7, 7, 1], 9999), 1), (1, 0));
+    let key = cell_key(2, [10, 7, 7, 0]);
+    let once = key.rule & !KEY_CELL;
+    let ids = dp.table_ids().unwrap();
+    let shared = scan_shared(ids, |r| r == once).unwrap();
+    assert!(shared.iter().any(|b| b.id == BucketId::V4(key) && b.bucket.passed == 1), "the cell is shared: {shared:?}");
+    // Another /24's cell, fresh: raised by the cluster to an hour ahead.
+    assert_eq!(offer(&dp, &to([10, 7, 8, 1], 9999), 1), (1, 0));
+    let fresh = cell_key(2, [10, 7, 8, 0]);
+    let mut tables = Tables::open(ids).unwrap();
+    let hour_ahead = rl_control::datapath::monotonic_ns() + 3_600_000_000_000;
+    assert!(tables.raise(&BucketId::V4(fresh), hour_ahead), "the cell moved up");
+    assert!(!tables.raise(&BucketId::V4(fresh), hour_ahead - 1), "never down");
+    assert_eq!(offer(&dp, &to([10, 7, 8, 2], 9999), 1), (0, 1), "other hosts' usage now limits this /24");
+    assert!(!tables.raise(&BucketId::V4(cell_key(2, [10, 7, 99, 0])), hour_ahead), "no such cell");
+}
+
+#[test]
+fn a_cell_an_older_build_kept_in_the_sources_table_moves_to_the_array_and_keeps_limiting() {
+    require_root();
+    let dp = datapath(&rules()).unwrap();
+    let ids = dp.table_ids().unwrap();
+    // As an older build left it: a drained 1-per-hour cell in the sources' table.
+    let key = cell_key(2, [10, 5, 5, 0]);
+    let drained = rl_control::datapath::monotonic_ns() + 3_000_000_000_000;
+    let mut table: HashMap<MapData, Key4, Bucket> =
+        HashMap::try_from(Map::HashMap(MapData::from_id(ids.tables.0).unwrap())).unwrap();
+    table.insert(key, Bucket { tat_ns: drained, passed: 1, ..Bucket::default() }, 0).unwrap();
+    let cells = dp.cells_v4().unwrap();
+    assert!(cells.find(&key).is_none());
+    pass(&dp);
+    assert!(table.get(&key, 0).is_err(), "the table no longer holds it");
+    let i = cells.find(&key).expect("the array holds it");
+    assert_eq!(cells.get(i).bucket.tat_ns, drained, "with its state");
+    // A newcomer of that /24 is charged to it: the hour is still used.
+    assert_eq!(offer(&dp, &to([10, 5, 5, 9], 9999), 1), (0, 1));
+    assert_eq!(offer(&dp, &to([10, 5, 6, 9], 9999), 1), (1, 0), "another /24 is not");
+}
