@@ -3,8 +3,9 @@
 //! Buckets live in non-evicting hash maps: a bucket is never forgotten while
 //! its state differs from a fresh one. A key that finds no bucket of its own
 //! is charged to the bucket it *maps to*: its prefix cell (the key masked to
-//! `flood_prefix`, marked [`KEY_CELL`]), or, when there is none, its rule's
-//! last resort (one per rule and limit, [`KEY_LAST`]). Whenever a
+//! `flood_prefix`, marked [`KEY_CELL`], kept in the cell arrays of
+//! [`crate::cells`]), or, when there is none, its rule's last resort (one
+//! per rule and limit, [`KEY_LAST`], in the sources' table). Whenever a
 //! finer bucket is created (a source's own, or a prefix cell), it starts as a
 //! copy of the bucket the key mapped to until then, never fuller; and the
 //! daemon deletes only buckets that are [`fresh`](crate::LimitEntry::is_fresh)
@@ -26,9 +27,9 @@
 pub const MAP_FLOOD: &str = "RL_FLOOD";
 
 /// Rule ids leave these bits free: bucket keys use them to mark the
-/// fallbacks, which live in the same table as the sources' own buckets
-/// (one table per family keeps every bucket pointer of one kind for the
-/// verifier). The low 3 bits are the limit index.
+/// fallbacks (last resorts share the sources' table; cells have arrays of
+/// their own but keep the bit, which names them to the cluster sync). The
+/// low 3 bits are the limit index.
 pub const RULE_ID_MASK: u32 = 0x3fff_fff8;
 /// `Key4::rule` / `Key6::rule` bit of a prefix cell: the key's address is
 /// masked to `flood_prefix_v4` / `flood_prefix_v6`.
@@ -67,8 +68,8 @@ pub struct FloodState {
     pub unseen: u64,
     /// Unseen keys in the window before it (0 if it was not the previous one).
     pub prev_unseen: u64,
-    /// The window in which a bucket insert (a source's own or a prefix
-    /// cell: they share the table) last failed because the table was full;
+    /// The window in which a bucket insert (a source's own) last failed
+    /// because the table was full;
     /// no more inserts are tried until the next window.
     pub full_window: u64,
     /// The clock (ns) of the last key charged to a fallback in flood mode:

@@ -103,7 +103,8 @@ pub struct Pressure {
     /// Prefix cells held, per family.
     pub cells_ipv4: u64,
     pub cells_ipv6: u64,
-    /// Capacity of each family's cell table (`datapath.flood_prefixes`).
+    /// Slots of each family's cell array (`rl_common::cell_slots` of
+    /// `datapath.flood_prefixes`).
     pub cell_capacity: u32,
     /// Share of the known-keys filter's bits set, per family: how often a
     /// key that owns no bucket still pays a table lookup (see README,

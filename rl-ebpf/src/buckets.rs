@@ -3,9 +3,11 @@
 //! a new bucket starts as a copy of the one its key mapped to, are in
 //! `rl_common::pressure`.
 //!
-//! All three kinds live in one table per family (told apart by key bits):
-//! every bucket pointer the charging code holds is then of one kind, which
-//! keeps the verifier's work linear in the number of limits.
+//! Own buckets and last resorts live in one hash table per family (told
+//! apart by key bits); prefix cells in an array per family
+//! (`rl_common::cells`), where finding a random source's cell is one load
+//! of one line instead of a hash-table walk: the cost a random-source flood
+//! pays on every packet.
 
 use core::intrinsics::{atomic_cxchg, AtomicOrdering};
 

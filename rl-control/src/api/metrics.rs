@@ -47,12 +47,12 @@ pub(super) async fn metrics(AxState(api): AxState<Api>) -> ApiResult<Response> {
     for (table, family_, held, cap) in [
         ("sources", "ipv4", p.buckets_ipv4, s.config.datapath.max_sources),
         ("sources", "ipv6", p.buckets_ipv6, s.config.datapath.max_sources),
-        ("cells", "ipv4", p.cells_ipv4, s.config.datapath.flood_prefixes),
-        ("cells", "ipv6", p.cells_ipv6, s.config.datapath.flood_prefixes),
+        ("cells", "ipv4", p.cells_ipv4, rl_common::cell_slots(s.config.datapath.flood_prefixes)),
+        ("cells", "ipv6", p.cells_ipv6, rl_common::cell_slots(s.config.datapath.flood_prefixes)),
     ] {
         let _ = writeln!(out, "rl_table_occupancy_ratio{{table=\"{table}\",family=\"{family_}\"}} {}", held as f64 / cap.max(1) as f64);
     }
-    family(&mut out, "rl_prefix_cells", "gauge", "Prefix cells held (datapath.flood_prefixes each).");
+    family(&mut out, "rl_prefix_cells", "gauge", "Prefix cells held (each family's array has 2 × datapath.flood_prefixes slots, two per set).");
     let _ = writeln!(out, "rl_prefix_cells{{family=\"ipv4\"}} {}\nrl_prefix_cells{{family=\"ipv6\"}} {}", p.cells_ipv4, p.cells_ipv6);
     family(&mut out, "rl_known_filter_fill_ratio", "gauge", "Share of the known-keys filter's bits set: how often a key without a bucket still pays a table lookup.");
     let _ = writeln!(out, "rl_known_filter_fill_ratio{{family=\"ipv4\"}} {}\nrl_known_filter_fill_ratio{{family=\"ipv6\"}} {}", p.known_filter_fill_ipv4, p.known_filter_fill_ipv6);
