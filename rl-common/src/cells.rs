@@ -27,6 +27,24 @@ pub const MAP_CELLS_V4: &str = "RL_CELL4";
 /// IPv6 cells: `Array<Cell<Key6>>`, [`cell_slots`] entries, mappable.
 pub const MAP_CELLS_V6: &str = "RL_CELL6";
 
+/// Cells claimed per family (`Array<u64>`, entries 0 IPv4 and 1 IPv6,
+/// mappable): the program adds one per claim, the collector stores the
+/// exact count after each pass. Only a hint (see [`cells_saturated`]).
+pub const MAP_CELL_COUNT: &str = "RL_CELLN";
+
+/// Whether an array of `slots` holding `claimed` cells is so full that a
+/// cell key the known-keys filter does not hold skips reading its set:
+/// with two ways at half load, a set is full for one new prefix in four,
+/// and a flood over more prefixes than that would pay a set read (a miss
+/// in memory sized for `2 × flood_prefixes` lines) only to learn that its
+/// cell does not exist and cannot be made. Such keys go to their rule's
+/// last resort, as when the cells' room is spent. The program sets a cell
+/// key's filter bits before it claims, so the filter never hides a cell.
+#[inline(always)]
+pub fn cells_saturated(claimed: u64, slots: u32) -> bool {
+    claimed.saturating_mul(2) >= slots as u64
+}
+
 /// Slots a cell key may use.
 pub const CELL_WAYS: u32 = 2;
 
@@ -93,6 +111,13 @@ mod tests {
     extern crate std;
     use super::*;
     use crate::KEY_CELL;
+
+    #[test]
+    fn saturation_is_half_the_slots() {
+        assert!(!cells_saturated(0, 2) && cells_saturated(1, 2));
+        assert!(!cells_saturated(65_535, 131_072) && cells_saturated(65_536, 131_072));
+        assert!(cells_saturated(u64::MAX, u32::MAX));
+    }
 
     #[test]
     fn slots_are_twice_the_prefixes_in_a_power_of_two() {

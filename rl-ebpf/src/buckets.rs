@@ -9,7 +9,7 @@
 //! of one line instead of a hash-table walk: the cost a random-source flood
 //! pays on every packet.
 
-use core::intrinsics::{atomic_cxchg, AtomicOrdering};
+use core::intrinsics::{atomic_cxchg, atomic_xadd, AtomicOrdering};
 
 use aya_ebpf::{
     bindings::{BPF_F_MMAPABLE, BPF_NOEXIST},
@@ -18,7 +18,7 @@ use aya_ebpf::{
     maps::{Array, HashMap, PerCpuArray},
 };
 use rl_common::{
-    cell_claim, cell_set, Bucket, Cell, DatapathConfig, FloodState, Key4, Key6, KnownKey, RuleEntry, Unseen, CELL_WAYS,
+    cell_claim, cell_set, cells_saturated, Bucket, Cell, DatapathConfig, FloodState, Key4, Key6, KnownKey, RuleEntry, Unseen, CELL_WAYS,
     KEY_CELL, KEY_LAST, STAT_FALLBACK, STAT_NEW_CELLS, STAT_NEW_SOURCES, STAT_TABLE_FULL,
 };
 
@@ -41,6 +41,10 @@ static RL_SRC6: HashMap<Key6, Bucket> = HashMap::with_max_entries(65_536, 0);
 static RL_CELL4: Array<Cell<Key4>> = Array::with_max_entries(CELL_WAYS, BPF_F_MMAPABLE);
 #[map(name = "RL_CELL6")]
 static RL_CELL6: Array<Cell<Key6>> = Array::with_max_entries(CELL_WAYS, BPF_F_MMAPABLE);
+
+/// Cells claimed per family (rl_common::MAP_CELL_COUNT).
+#[map(name = "RL_CELLN")]
+static RL_CELLN: Array<u64> = Array::with_max_entries(2, BPF_F_MMAPABLE);
 
 /// Per-CPU flood detector (rl_common::MAP_FLOOD).
 #[map(name = "RL_FLOOD")]
@@ -149,9 +153,18 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
     // (created fresh the first time a rule needs it).
     let cell_key = key.cell(cfg);
     let claim = cell_claim(&cell_key);
-    let set = cell_set(&cell_key, 1 << (cfg.cell_slots_log2 & 31));
+    let slots = 1 << (cfg.cell_slots_log2 & 31);
+    let set = cell_set(&cell_key, slots);
+    let claimed = RL_CELLN.get_ptr_mut(K::FAMILY);
+    let look = match claimed {
+        Some(n) if cells_saturated(unsafe { core::ptr::read_volatile(n) }, slots) => known::maybe(&cell_key),
+        _ => true,
+    };
     let (mut cell, mut free) = (None, None);
     for way in 0..CELL_WAYS {
+        if !look {
+            break;
+        }
         let Some(c) = K::slot(set + way) else { break };
         let held = unsafe { core::ptr::read_volatile(&raw const (*c).claim) };
         if held == claim && unsafe { core::ptr::read_volatile(&raw const (*c).key) } == cell_key {
@@ -190,6 +203,7 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
     // (`parent`): the bucket first, the key last, so a CPU that finds the
     // key finds the bucket written.
     let Some(c) = free else { return Some(parent) };
+    known::mark(&cell_key);
     let (_, won) = unsafe {
         atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(&raw mut (*c).claim, 0, claim)
     };
@@ -201,6 +215,9 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
         core::ptr::write_volatile(&raw mut (*c).key, cell_key);
     }
     stats::bump(STAT_NEW_CELLS);
+    if let Some(n) = claimed {
+        unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(n, 1) };
+    }
     Some(unsafe { &raw mut (*c).bucket })
 }
 

@@ -143,7 +143,8 @@ pub(super) fn hold(dir: &Path) -> Result<std::os::fd::OwnedFd, DatapathError> {
 /// Prefix cells moved to arrays of their own: empty ones are safe (a key
 /// with no cell is charged to its rule's last resort), and the collector
 /// moves the cells it finds in the sources' tables into them.
-const ADDED_SINCE_LAYOUT: &[&str] = &[rl_common::MAP_KNOWN, rl_common::MAP_CELLS_V4, rl_common::MAP_CELLS_V6];
+const ADDED_SINCE_LAYOUT: &[&str] =
+    &[rl_common::MAP_KNOWN, rl_common::MAP_CELLS_V4, rl_common::MAP_CELLS_V6, rl_common::MAP_CELL_COUNT];
 
 pub(super) fn check(dir: &Path, specs: &[MapSpec]) -> Result<bool, DatapathError> {
     let present: Vec<&MapSpec> = specs.iter().filter(|s| dir.join(&s.name).exists()).collect();

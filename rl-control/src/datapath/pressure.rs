@@ -11,7 +11,7 @@ use rl_common::*;
 
 use super::{
     batch::delete_batch,
-    cells::CellArray,
+    cells::{CellArray, Mapped},
     known::KnownFilter,
     read::{scan_table_each, BucketKey},
     *,
@@ -21,8 +21,9 @@ use super::{
 #[derive(Clone, Copy, Debug)]
 pub struct TableIds {
     pub tables: (u32, u32),
-    /// The prefix-cell arrays (IPv4, IPv6).
+    /// The prefix-cell arrays (IPv4, IPv6) and their claimed counts.
     pub cells: (u32, u32),
+    pub cell_count: u32,
     pub flood: u32,
     pub known: u32,
 }
@@ -60,6 +61,7 @@ impl Datapath {
         Ok(TableIds {
             tables: self.source_map_ids()?,
             cells: (self.map_id(MAP_CELLS_V4)?, self.map_id(MAP_CELLS_V6)?),
+            cell_count: self.map_id(MAP_CELL_COUNT)?,
             flood: self.map_id(MAP_FLOOD)?,
             known: self.map_id(MAP_KNOWN)?,
         })
@@ -108,9 +110,12 @@ pub fn collect(ids: TableIds, epoch_offset_ns: u64, limits: &LimitsByKey, known:
     pass.own.0 = std::mem::take(&mut walk.own);
     scan_table_each::<Key6>(ids.tables.1, MAP_SOURCES_V6, |k, b| walk.sweep(ids.tables.1, MAP_SOURCES_V6, &cells6, k, b, &mut pass))?;
     pass.own.1 = std::mem::take(&mut walk.own);
+    pass.cells = (walk.cells(&cells4, &mut pass), walk.cells(&cells6, &mut pass));
     known.finish(half);
     pass.known_fill = (known.fill(0), known.fill(1));
-    pass.cells = (walk.cells(&cells4, &mut pass), walk.cells(&cells6, &mut pass));
+    let count = Mapped::open(ids.cell_count, MAP_CELL_COUNT, 8)?;
+    count.word(0).store(pass.cells.0, std::sync::atomic::Ordering::Relaxed);
+    count.word(8).store(pass.cells.1, std::sync::atomic::Ordering::Relaxed);
     if walk.moved > 0 {
         tracing::info!(cells = walk.moved, "moved the prefix cells an older build kept in the sources' tables into the cell arrays");
     }
@@ -188,8 +193,9 @@ impl Walk<'_> {
 }
 
 impl Walk<'_> {
-    /// Frees the cells of one array that are fresh (or whose rule is gone);
-    /// returns how many are left.
+    /// Frees the cells of one array that are fresh (or whose rule is gone)
+    /// and marks the rest in the filter half being rebuilt; returns how
+    /// many are left.
     fn cells<K: BucketKey + KnownKey + PartialEq>(&self, cells: &CellArray<K>, pass: &mut Pass) -> u64 {
         let mut left = 0;
         for i in 0..cells.slots() {
@@ -198,7 +204,8 @@ impl Walk<'_> {
                 continue;
             }
             if c.claim != cell_claim(&c.key) {
-                // Being claimed this instant: its key is not written yet.
+                // Being claimed this instant: its key is not written yet
+                // (the program marked it in both halves before claiming).
                 left += 1;
                 continue;
             }
@@ -209,6 +216,7 @@ impl Walk<'_> {
             if gone && cells.free(i, c.claim) {
                 pass.collected += 1;
             } else {
+                self.known.mark(self.half, &c.key);
                 left += 1;
             }
         }
