@@ -4,8 +4,8 @@
 //! for `max_sources` (a random-source flood makes every such lookup a miss).
 //!
 //! A clear bit is a promise: "no bucket of this key exists" (a source's own
-//! bucket; last resorts are always looked up, prefix cells are found in
-//! their arrays, see [`crate::cells`]). A set bit
+//! bucket or a prefix cell, see [`crate::cells`]; last resorts are always
+//! looked up). A set bit
 //! promises nothing (hash collisions, buckets deleted since). So the XDP
 //! program may skip the table lookup of a key whose bit is clear, and must
 //! look up the rest. The promise is kept by:
@@ -34,7 +34,7 @@ pub const MAP_KNOWN: &str = "RL_KNOWN";
 /// Log₂ of the 64-bit words per family and half: 65,536 words, 4,194,304
 /// bits, 512 KiB. Each key sets two bits of one word (a word-blocked Bloom
 /// filter: one memory access, fewer false "maybe"s than one bit per key).
-/// With k own buckets in a family, about 2k of the bits are set,
+/// With k own buckets and cells in a family, about 2k of the bits are set,
 /// and a key without a bucket still pays the lookup with probability about
 /// (2k / 4,194,304)²: 0.2% for 100,000 buckets, 25% for a full default
 /// table of 1,048,576 (then the filter saves less, and costs one load).
