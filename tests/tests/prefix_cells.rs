@@ -108,3 +108,21 @@ fn a_cell_an_older_build_kept_in_the_sources_table_moves_to_the_array_and_keeps_
     assert_eq!(offer(&dp, &to([10, 5, 5, 9], 9999), 1), (0, 1));
     assert_eq!(offer(&dp, &to([10, 5, 6, 9], 9999), 1), (1, 0), "another /24 is not");
 }
+
+#[test]
+fn ipv6_newcomers_of_one_prefix_share_its_cell_and_another_prefix_gets_its_own() {
+    require_root();
+    let dp = datapath(&rules()).unwrap();
+    let six = |tail: [u8; 4], port: u16| {
+        let mut src = [0x20, 0x01, 0x0d, 0xb8, 0, 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+        src[4..8].copy_from_slice(&tail);
+        eth(&[], ETH_P_IPV6, &ipv6(src, UDP, &udp(port)))
+    };
+    // 2001:db8:7::/48 under "once" (1 per hour): two /64s of it, one pass.
+    let got = offer(&dp, &six([0, 7, 0, 1], 9999), 1).0 + offer(&dp, &six([0, 7, 0, 2], 9999), 1).0;
+    assert_eq!(got, 1, "newcomers of one /48 share its cell");
+    // 2001:db8:8::/48 is another cell.
+    assert_eq!(offer(&dp, &six([0, 8, 0, 1], 9999), 1), (1, 0));
+    assert_eq!(dp.counters().unwrap().get(STAT_NEW_CELLS), 2);
+    assert_eq!(pass(&dp).cells.1, 2, "both IPv6 cells are counted");
+}
