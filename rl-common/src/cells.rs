@@ -17,8 +17,26 @@
 //! claimed and holds that very key. A key whose set is full of other cells
 //! is charged to its rule's last resort, as when the cells' room is spent.
 //! The daemon frees slots whose bucket is fresh again (the same rule as for
-//! any bucket), through the array's mapped memory: compare-and-swap of the
-//! claim back to 0.
+//! any bucket), through the array's mapped memory, in two steps so that no
+//! charge is lost: it turns a fresh cell's claim into [`cell_dying`] (no
+//! program run finds the cell from then on), waits out every run in flight
+//! (one may have found the cell just before), and reads the bucket again:
+//! still fresh, it clears the key and then the claim (the slot is free);
+//! charged meanwhile, it turns the claim back and the cell lives on.
+//!
+//! What a program run makes of a way of the key's set ([`cell_way`]):
+//!
+//! | claim word | key | meaning | the run |
+//! | --- | --- | --- | --- |
+//! | `cell_claim(key)` | `key` | the key's cell | charges it |
+//! | `cell_claim(key)` | other | being claimed (key not written yet) or cleared | charges the parent, claims nothing |
+//! | `cell_dying(key)` | any | the key's cell, being freed | charges the parent, claims nothing |
+//! | 0 | any | free | may claim it |
+//! | other | any | another key's cell | looks at the next way |
+//!
+//! "Claims nothing" keeps one cell per key: a second run that claimed the
+//! other way while the first cell is being written (or freed, and then
+//! turned back) would split the key's charges over two buckets.
 
 use crate::{Bucket, Key4, Key6, KnownKey};
 
@@ -92,6 +110,47 @@ pub fn cell_claim<K: KnownKey>(key: &K) -> u64 {
     key.known_hash() | 1
 }
 
+/// The claim word of `key`'s cell while the daemon frees it: even, so never
+/// a claim, and never 0, so never free.
+#[inline(always)]
+pub fn cell_dying<K: KnownKey>(key: &K) -> u64 {
+    (cell_claim(key) & !3) | 2
+}
+
+/// What one way of a set is to a key (see the module doc).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Way {
+    /// The key's cell: charge it.
+    Holds,
+    /// The key's cell is being claimed or freed: charge the parent, claim
+    /// nothing.
+    Busy,
+    /// Free: the key may claim it.
+    Free,
+    /// Another key's cell.
+    Other,
+}
+
+/// Classifies a way whose claim word reads `held` and whose key equals the
+/// key's (`key_matches`, read after `held`) for a key with claim `claim`
+/// and dying word `dying`.
+#[inline(always)]
+pub fn cell_way(held: u64, key_matches: bool, claim: u64, dying: u64) -> Way {
+    if held == claim {
+        if key_matches {
+            Way::Holds
+        } else {
+            Way::Busy
+        }
+    } else if held == dying {
+        Way::Busy
+    } else if held == 0 {
+        Way::Free
+    } else {
+        Way::Other
+    }
+}
+
 impl<K: PartialEq> Cell<K> {
     /// Whether this slot holds `key` (claimed, and the key written).
     #[inline(always)]
@@ -151,6 +210,26 @@ mod tests {
         // Two ways at half load: about 10% expected.
         assert!(overflow < 65_536 / 8, "{overflow} of 65,536 found no room");
         assert!(cell_claim(&Key6::default()) != 0);
+    }
+
+    #[test]
+    fn a_dying_word_is_never_free_nor_any_key_claim() {
+        for i in 0..100_000u32 {
+            let k = Key4 { rule: 8 | KEY_CELL, addr: i.wrapping_mul(0x9e37_79b9) };
+            let d = cell_dying(&k);
+            assert!(d != 0 && d % 2 == 0 && d != cell_claim(&k));
+        }
+    }
+
+    #[test]
+    fn a_way_is_the_keys_only_when_claimed_with_its_key_written() {
+        let (c, d) = (0x1234_5679, 0x1234_567a);
+        assert_eq!(cell_way(c, true, c, d), Way::Holds);
+        assert_eq!(cell_way(c, false, c, d), Way::Busy, "claimed, key not written yet");
+        assert_eq!(cell_way(d, true, c, d), Way::Busy, "being freed");
+        assert_eq!(cell_way(d, false, c, d), Way::Busy);
+        assert_eq!(cell_way(0, true, c, d), Way::Free, "a freed slot's stale key does not count");
+        assert_eq!(cell_way(0x77, true, c, d), Way::Other);
     }
 }
 

@@ -382,6 +382,19 @@ impl LimitEntry {
         }
     }
 
+    /// Two state words of this limit (say a prefix cell an older build kept
+    /// and the one this build made since) as one that allows no more than
+    /// either, at `now` (ktime) and at every later time: merging buckets
+    /// never hands out an allowance.
+    pub fn merge(&self, a: u64, b: u64, now: u64, epoch_offset_ns: u64) -> u64 {
+        let epoch_ns = now.wrapping_add(epoch_offset_ns);
+        match self.kind & 0xff {
+            LIMIT_GCRA => a.max(b),
+            LIMIT_FIXED => crate::window::fixed_merge(a, b, epoch_ns, self.a),
+            _ => crate::window::sliding_merge(a, b, epoch_ns, self.a),
+        }
+    }
+
     /// Whether `word` behaves like a new bucket (`0`) at `now` and at every
     /// later time: forgetting it then changes no verdict, so the daemon may
     /// delete it (see [`crate::pressure`]).
@@ -635,6 +648,40 @@ mod fresh_tests {
     use proptest::prelude::*;
 
     proptest! {
+        /// A merged word passes a packet only where both words would, at
+        /// the merge and at every later time.
+        #[test]
+        fn a_merge_allows_no_more_than_either_word(
+            kind in prop_oneof![Just(LIMIT_GCRA), Just(LIMIT_FIXED), Just(LIMIT_SLIDING)],
+            a in 1u64..5_000_000_000, b in 1u64..30,
+            start in 0u64..1_000_000_000_000, off in 0u64..1_000_000_000_000,
+            sent in (0u64..40, 0u64..40), skew in (0u64..10_000_000_000, 0u64..10_000_000_000),
+            gaps in proptest::collection::vec(0u64..3_000_000_000, 1..40),
+        ) {
+            let l = match kind {
+                LIMIT_GCRA => LimitEntry { kind, shift: 0, a, b: a * b },
+                _ => LimitEntry { kind, shift: 0, a, b },
+            };
+            // Two histories of the same limit, then a merge at `now`.
+            let fill = |n: u64, t: u64| (0..n).fold(0u64, |w, _| l.step(w, t, off, 1).unwrap_or(w));
+            let (mut x, mut y) = (fill(sent.0, start), fill(sent.1, start + skew.0));
+            let mut now = start + skew.0.max(skew.1);
+            let mut m = l.merge(x, y, now, off);
+            // Each bucket takes what it passes; the merge never passes more
+            // than either word, counted from the merge on.
+            let (mut px, mut py, mut pm) = (0, 0, 0);
+            for g in gaps {
+                for (w, p) in [(&mut x, &mut px), (&mut y, &mut py), (&mut m, &mut pm)] {
+                    if let Some(n) = l.step(*w, now, off, 1) {
+                        *w = n;
+                        *p += 1;
+                    }
+                }
+                prop_assert!(pm <= px && pm <= py, "the merge passed {} where the words passed {} and {}", pm, px, py);
+                now += g;
+            }
+        }
+
         /// A bucket the daemon may delete is one whose every future verdict
         /// equals a new bucket's: deleting it hands out nothing.
         #[test]

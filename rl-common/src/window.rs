@@ -71,6 +71,33 @@ pub fn sliding_window(word: u64, now: u64, window_ns: u64, max: u64, cost: u64) 
     Some(w << (2 * SLIDE_BITS) | prev << SLIDE_BITS | next)
 }
 
+/// Two fixed-window words of one limit as one that allows no more than
+/// either at `now` and later: the larger of their counts in `now`'s window.
+pub fn fixed_merge(a: u64, b: u64, now: u64, window_ns: u64) -> u64 {
+    let w = (now / window_ns.max(1)) & FIXED_INDEX_MASK;
+    let count = |x: u64| if x >> FIXED_COUNT_BITS == w { x & FIXED_COUNT_MASK } else { 0 };
+    w << FIXED_COUNT_BITS | count(a).max(count(b))
+}
+
+/// Two sliding-window words of one limit as one that allows no more than
+/// either at `now` and later: each read as `(previous, current)` of `now`'s
+/// window, the larger of each (the estimate grows with both).
+pub fn sliding_merge(a: u64, b: u64, now: u64, window_ns: u64) -> u64 {
+    let w = (now / window_ns.max(1)) & 0xff;
+    let counts = |x: u64| {
+        let idx = x >> (2 * SLIDE_BITS);
+        if idx == w {
+            ((x >> SLIDE_BITS) & SLIDE_MASK, x & SLIDE_MASK)
+        } else if idx == (w.wrapping_sub(1) & 0xff) {
+            (x & SLIDE_MASK, 0)
+        } else {
+            (0, 0)
+        }
+    };
+    let ((pa, ca), (pb, cb)) = (counts(a), counts(b));
+    w << (2 * SLIDE_BITS) | pa.max(pb) << SLIDE_BITS | ca.max(cb)
+}
+
 #[cfg(test)]
 mod tests {
     extern crate std;

@@ -18,7 +18,7 @@ use aya_ebpf::{
     maps::{Array, HashMap, PerCpuArray},
 };
 use rl_common::{
-    cell_claim, cell_set, cells_saturated, Bucket, Cell, DatapathConfig, FloodState, Key4, Key6, KnownKey, RuleEntry, Unseen, CELL_WAYS,
+    cell_claim, cell_dying, cell_set, cell_way, cells_saturated, Way, Bucket, Cell, DatapathConfig, FloodState, Key4, Key6, KnownKey, RuleEntry, Unseen, CELL_WAYS,
     KEY_CELL, KEY_LAST, STAT_FALLBACK, STAT_NEW_CELLS, STAT_NEW_SOURCES, STAT_TABLE_FULL,
 };
 
@@ -160,6 +160,7 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
         Some(n) if cells_saturated(unsafe { core::ptr::read_volatile(n) }, slots) => known::maybe(&cell_key),
         _ => true,
     };
+    let dying = cell_dying(&cell_key);
     let (mut cell, mut free) = (None, None);
     for way in 0..CELL_WAYS {
         if !look {
@@ -167,12 +168,19 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
         }
         let Some(c) = K::slot(set + way) else { break };
         let held = unsafe { core::ptr::read_volatile(&raw const (*c).claim) };
-        if held == claim && unsafe { core::ptr::read_volatile(&raw const (*c).key) } == cell_key {
-            cell = Some(c);
-            break;
-        }
-        if held == 0 && free.is_none() {
-            free = Some(c);
+        let matches = held == claim && unsafe { core::ptr::read_volatile(&raw const (*c).key) } == cell_key;
+        match cell_way(held, matches, claim, dying) {
+            Way::Holds => {
+                cell = Some(c);
+                break;
+            }
+            // Its cell is being written or freed: the parent, no claim.
+            Way::Busy => {
+                free = None;
+                break;
+            }
+            Way::Free if free.is_none() => free = Some(c),
+            Way::Free | Way::Other => {}
         }
     }
     let parent = match cell {

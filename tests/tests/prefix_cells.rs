@@ -1,8 +1,10 @@
 //! Prefix cells in their arrays (`rl_common::cells`), through TestRun: an
 //! unseen key in flood mode is charged to its /24's cell; the collector
 //! frees cells that are fresh again and keeps the rest; the cluster sync
-//! reads and raises cells; and a cell an older build left in the sources'
-//! table is moved into the array without losing its state.
+//! reads and raises cells; a cell charged while the collector frees it is
+//! kept, and its prefix claims nothing while it is being freed; and a cell
+//! an older build left in the sources' table is moved into the array before
+//! the program swap, without losing its state.
 
 use aya::maps::{HashMap, Map, MapData};
 use rl_common::{Bucket, Key4, KEY_CELL, STAT_FALLBACK, STAT_NEW_CELLS};
@@ -100,13 +102,78 @@ fn a_cell_an_older_build_kept_in_the_sources_table_moves_to_the_array_and_keeps_
     table.insert(key, Bucket { tat_ns: drained, passed: 1, ..Bucket::default() }, 0).unwrap();
     let cells = dp.cells_v4().unwrap();
     assert!(cells.find(&key).is_none());
+    // The daemon copies it before it swaps its program in: the new program
+    // finds it at once, not a copy of the rule's last resort.
+    assert_eq!(dp.move_old_cells().unwrap(), 1);
+    let i = cells.find(&key).expect("the array holds it before any collector pass");
+    assert_eq!(cells.get(i).bucket.tat_ns, drained, "with its state");
+    assert_eq!(offer(&dp, &to([10, 5, 5, 9], 9999), 1), (0, 1), "a newcomer of that /24 is charged to it: the hour is still used");
+    // The old program charged the table's copy after the copy was taken:
+    // the collector merges that in, then deletes the table's copy.
+    let later = drained + 600_000_000_000;
+    table.insert(key, Bucket { tat_ns: later, passed: 2, ..Bucket::default() }, 0).unwrap();
     pass(&dp);
     assert!(table.get(&key, 0).is_err(), "the table no longer holds it");
-    let i = cells.find(&key).expect("the array holds it");
-    assert_eq!(cells.get(i).bucket.tat_ns, drained, "with its state");
-    // A newcomer of that /24 is charged to it: the hour is still used.
+    let i = cells.find(&key).expect("the array still holds it");
+    assert_eq!(cells.get(i).bucket.tat_ns, later, "the old program's last charges are merged in");
     assert_eq!(offer(&dp, &to([10, 5, 5, 9], 9999), 1), (0, 1));
     assert_eq!(offer(&dp, &to([10, 5, 6, 9], 9999), 1), (1, 0), "another /24 is not");
+}
+
+#[test]
+fn a_cell_charged_while_the_collector_frees_it_is_kept_with_its_charges() {
+    require_root();
+    let dp = datapath(&rules()).unwrap();
+    let cells = dp.cells_v4().unwrap();
+    let limits = dp.limits_by_key().unwrap();
+    let key = cell_key(0, [10, 6, 6, 0]);
+    let limit = limits[&(key.rule & !KEY_CELL)];
+    let fresh = |b: &Bucket| limit.is_fresh(b.tat_ns, rl_control::datapath::monotonic_ns(), dp.epoch_offset_ns());
+    // A [default] cell (1,000/s, burst 1,000), fresh again after a few ms.
+    assert_eq!(offer(&dp, &to([10, 6, 6, 1], 5000), 1), (1, 0));
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let i = cells.find(&key).unwrap();
+    let seen = cells.get(i);
+    assert!(fresh(&seen.bucket), "the collector reads it fresh");
+    // The race: newcomers of the /24 drain it after that read, before the
+    // collector acts on it.
+    let drained = offer(&dp, &to([10, 6, 6, 2], 5000), 1_010);
+    assert!(drained.0 >= 1_000 && drained.1 >= 1, "the burst passed, then drops: {drained:?}");
+    assert!(cells.begin_free(i, &key, seen.claim), "its claim did not change");
+    assert!(!cells.finish_free(i, &key, fresh), "charged meanwhile: kept");
+    let kept = cells.get(cells.find(&key).expect("the cell is found again"));
+    assert_eq!(kept.bucket.passed, 1 + u64::from(drained.0), "with every charge");
+    assert_eq!(offer(&dp, &to([10, 6, 6, 3], 5000), 1), (0, 1), "the /24 stays limited: no fresh allowance");
+}
+
+#[test]
+fn while_a_cell_is_being_freed_its_prefix_is_charged_to_the_last_resort_and_claims_nothing() {
+    require_root();
+    let dp = datapath(&rules()).unwrap();
+    let cells = dp.cells_v4().unwrap();
+    let key = cell_key(2, [10, 4, 4, 0]);
+    assert_eq!(offer(&dp, &to([10, 4, 4, 1], 9999), 1), (1, 0));
+    let i = cells.find(&key).unwrap();
+    let claimed = dp.counters().unwrap().get(STAT_NEW_CELLS);
+    assert!(cells.begin_free(i, &key, cells.get(i).claim));
+    assert!(cells.find(&key).is_none(), "a dying cell is nobody's");
+    // "once" allows 1 per hour: its last resort (fresh) passes one packet;
+    // no second cell is made for the /24 in the set's other way.
+    assert_eq!(offer(&dp, &to([10, 4, 4, 2], 9999), 2), (1, 1));
+    assert_eq!(dp.counters().unwrap().get(STAT_NEW_CELLS), claimed, "nothing claimed while the cell is dying");
+    assert!(cells.find(&key).is_none());
+    // Turned back (it is not fresh): it limits the /24 again, with its state.
+    assert!(!cells.finish_free(i, &key, |_| false));
+    assert_eq!(cells.find(&key), Some(i));
+    assert_eq!(cells.get(i).bucket.passed, 1);
+    // Freed for real: the key is cleared, and the next newcomer claims anew.
+    assert!(cells.begin_free(i, &key, cells.get(i).claim));
+    assert!(cells.finish_free(i, &key, |_| true));
+    assert_eq!(cells.get(i).claim, 0);
+    assert_ne!(cells.get(i).key, key, "a freed slot keeps no key a claimer could match before writing its own");
+    offer(&dp, &to([10, 4, 4, 3], 9999), 1);
+    assert_eq!(dp.counters().unwrap().get(STAT_NEW_CELLS), claimed + 1);
+    assert!(cells.find(&key).is_some());
 }
 
 #[test]

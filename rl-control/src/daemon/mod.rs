@@ -159,6 +159,13 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     // writes only its differences (a ban, its entries), never the whole set.
     dp.install(&compiled.rules)?;
     let adopted = dp.adopted();
+    if adopted {
+        // Before the swap: the new program looks for cells in the arrays only.
+        let moved = dp.move_old_cells()?;
+        if moved > 0 {
+            info!(cells = moved, "copied the prefix cells an older build kept in the sources' tables into the cell arrays");
+        }
+    }
     let attachments = match dp.attach_all(&ifaces, opts.mode) {
         Ok(a) => a,
         Err(e) => {

@@ -8,7 +8,7 @@ use std::{
 };
 
 use aya::maps::MapData;
-use rl_common::{cell_claim, cell_set, Bucket, Cell, KnownKey, CELL_CLAIM_OFFSET, CELL_TAT_OFFSET, CELL_WAYS};
+use rl_common::{cell_claim, cell_dying, cell_set, cell_way, Bucket, Cell, KnownKey, Way, CELL_CLAIM_OFFSET, CELL_TAT_OFFSET, CELL_WAYS};
 
 use super::{map_error, DatapathError};
 
@@ -78,7 +78,7 @@ pub struct CellArray<K> {
 
 const CELL: usize = std::mem::size_of::<Cell<rl_common::Key4>>();
 
-impl<K: KnownKey + Copy + PartialEq> CellArray<K> {
+impl<K: KnownKey + Copy + PartialEq + Default> CellArray<K> {
     pub(super) fn open(id: u32, name: &'static str) -> Result<CellArray<K>, DatapathError> {
         let mem = Mapped::open(id, name, CELL)?;
         if !mem.len.is_power_of_two() || mem.len < CELL_WAYS {
@@ -107,38 +107,74 @@ impl<K: KnownKey + Copy + PartialEq> CellArray<K> {
     /// The slot holding `key`, if any.
     pub fn find(&self, key: &K) -> Option<u32> {
         let set = cell_set(key, self.slots());
-        (set..set + CELL_WAYS).find(|&i| {
-            let c = self.get(i);
-            c.claim == cell_claim(key) && c.key == *key
-        })
+        (set..set + CELL_WAYS).find(|&i| self.way(i, key) == Way::Holds)
     }
 
-    /// Frees slot `i` if it is still claimed with `claim` (the program may
-    /// claim it again at once).
-    pub fn free(&self, i: u32, claim: u64) -> bool {
-        self.claim_word(i).compare_exchange(claim, 0, Ordering::AcqRel, Ordering::Relaxed).is_ok()
+    /// What slot `i` is to `key` (as the program sees it: `rl_common::cell_way`).
+    fn way(&self, i: u32, key: &K) -> Way {
+        let c = self.get(i);
+        cell_way(c.claim, c.claim == cell_claim(key) && c.key == *key, cell_claim(key), cell_dying(key))
+    }
+
+    /// First step of freeing slot `i`, held by `key` with `claim`: from now
+    /// on no program run finds the cell (see `rl_common::cells`). `false`:
+    /// the slot changed since it was read, leave it.
+    pub fn begin_free(&self, i: u32, key: &K, claim: u64) -> bool {
+        self.claim_word(i).compare_exchange(claim, cell_dying(key), Ordering::AcqRel, Ordering::Relaxed).is_ok()
+    }
+
+    /// Second step, once every program run that could have found the cell
+    /// before [`begin_free`](Self::begin_free) is over: if `fresh` still
+    /// holds for its bucket the slot is freed (the key cleared first, so
+    /// that a run finding the slot claimed again before its new key is
+    /// written sees "busy", never a stale match); otherwise the cell lives
+    /// on with what was charged to it. Returns whether it was freed.
+    pub fn finish_free(&self, i: u32, key: &K, fresh: impl Fn(&Bucket) -> bool) -> bool {
+        let dying = cell_dying(key);
+        if fresh(&self.get(i).bucket) {
+            let at = self.slot_ptr(i);
+            unsafe { std::ptr::write_volatile(&raw mut (*at).key, K::default()) };
+            if self.claim_word(i).compare_exchange(dying, 0, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
+                return true;
+            }
+        }
+        // Charged meanwhile (or, impossibly, changed): the cell lives on.
+        unsafe { std::ptr::write_volatile(&raw mut (*self.slot_ptr(i)).key, *key) };
+        let _ = self.claim_word(i).compare_exchange(dying, cell_claim(key), Ordering::AcqRel, Ordering::Relaxed);
+        false
+    }
+
+    fn slot_ptr(&self, i: u32) -> *mut Cell<K> {
+        assert!(i < self.slots());
+        unsafe { self.mem.base.add(i as usize * CELL) as *mut Cell<K> }
     }
 
     /// Moves the state word of `key`'s cell up to `tat_ns` if it is
-    /// earlier (never down). `None`: there is no such cell; else whether
-    /// it moved.
+    /// earlier (never down): token buckets only (cluster rules are). `None`:
+    /// there is no such cell; else whether it moved.
     pub fn raise(&self, key: &K, tat_ns: u64) -> Option<bool> {
         let i = self.find(key)?;
         Some(self.tat_word(i).fetch_max(tat_ns, Ordering::AcqRel) < tat_ns)
     }
 
     /// Gives `key` a cell holding `bucket` (a cell pinned by an older build,
-    /// moved here), or raises its cell to it if it has one. `false`: its set
-    /// is full.
-    pub fn adopt(&self, key: &K, bucket: Bucket) -> bool {
-        if self.raise(key, bucket.tat_ns).is_some() {
+    /// moved here), or, if it has one, merges `bucket`'s state into it with
+    /// `merge` (`LimitEntry::merge`: never more allowance than either).
+    /// `false`: its set has no room (or its cell is being written or freed).
+    pub fn adopt(&self, key: &K, bucket: Bucket, merge: impl Fn(u64, u64) -> u64) -> bool {
+        if let Some(i) = self.find(key) {
+            let word = self.tat_word(i);
+            let _ = word.fetch_update(Ordering::AcqRel, Ordering::Acquire, |cur| Some(merge(cur, bucket.tat_ns)));
             return true;
         }
         let set = cell_set(key, self.slots());
+        if (set..set + CELL_WAYS).any(|i| self.way(i, key) == Way::Busy) {
+            return false;
+        }
         for i in set..set + CELL_WAYS {
             if self.claim_word(i).compare_exchange(0, cell_claim(key), Ordering::AcqRel, Ordering::Relaxed).is_ok() {
                 // As the program does: the bucket first, the key last.
-                let at = unsafe { self.mem.base.add(i as usize * CELL) as *mut Cell<K> };
+                let at = self.slot_ptr(i);
                 unsafe {
                     std::ptr::write_volatile(&raw mut (*at).bucket, bucket);
                     std::sync::atomic::fence(Ordering::Release);

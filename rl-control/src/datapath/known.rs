@@ -15,7 +15,7 @@ use super::{cells::Mapped, DatapathError};
 /// Every XDP program run that could have set a bit before the half was
 /// zeroed has inserted its bucket long before this (runs take microseconds
 /// and cannot sleep), so the walk that follows finds it.
-const RUN_GRACE: Duration = Duration::from_millis(2);
+pub(super) const RUN_GRACE: Duration = Duration::from_millis(2);
 
 /// [`MAP_KNOWN`], mapped read-write.
 pub struct KnownFilter {

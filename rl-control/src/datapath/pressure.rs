@@ -12,7 +12,7 @@ use rl_common::*;
 use super::{
     batch::delete_batch,
     cells::{CellArray, Mapped},
-    known::KnownFilter,
+    known::{KnownFilter, RUN_GRACE},
     read::{scan_table_each, BucketKey},
     *,
 };
@@ -154,12 +154,12 @@ impl Walk<'_> {
         let mut dead = Vec::new();
         for (k, b) in keys.iter().zip(buckets) {
             if key_kind(k.rule()) == KeyKind::Cell {
-                // An older build's cell: into the array, or, if its set is
-                // full, into its rule's last resort (never forgotten).
-                if !cells.adopt(k, *b) {
-                    raise_last_resort(id, name, k, b.tat_ns)?;
+                // An older build's cell: into the array (merged into the
+                // copy moved before the program swap, see `move_old_cells`).
+                if let Some(l) = self.limits.get(&(k.rule() & !KEY_CELL)) {
+                    move_old_cell(id, name, cells, k, b, l, self.epoch_offset_ns)?;
+                    self.moved += 1;
                 }
-                self.moved += 1;
                 dead.push(*k);
                 continue;
             }
@@ -195,9 +195,11 @@ impl Walk<'_> {
 impl Walk<'_> {
     /// Frees the cells of one array that are fresh (or whose rule is gone)
     /// and marks the rest in the filter half being rebuilt; returns how
-    /// many are left.
+    /// many are left. Freeing takes two steps with a grace between them
+    /// (`rl_common::cells`): a cell charged meanwhile is kept, not lost.
     fn cells<K: BucketKey + KnownKey + PartialEq>(&self, cells: &CellArray<K>, pass: &mut Pass) -> u64 {
         let mut left = 0;
+        let mut dying = Vec::new();
         for i in 0..cells.slots() {
             let c = cells.get(i);
             if c.claim == 0 {
@@ -209,33 +211,101 @@ impl Walk<'_> {
                 left += 1;
                 continue;
             }
-            let gone = match self.limits.get(&(c.key.rule() & !(KEY_CELL | KEY_LAST))) {
-                None => true,
-                Some(l) => l.is_fresh(c.bucket.tat_ns, self.now, self.epoch_offset_ns),
-            };
-            if gone && cells.free(i, c.claim) {
-                pass.collected += 1;
+            if self.gone(&c.key, &c.bucket) && cells.begin_free(i, &c.key, c.claim) {
+                dying.push((i, c.key));
             } else {
                 self.known.mark(self.half, &c.key);
                 left += 1;
             }
         }
+        if dying.is_empty() {
+            return left;
+        }
+        std::thread::sleep(RUN_GRACE);
+        for (i, key) in dying {
+            if cells.finish_free(i, &key, |b| self.gone(&key, b)) {
+                pass.collected += 1;
+            } else {
+                self.known.mark(self.half, &key);
+                left += 1;
+            }
+        }
         left
+    }
+
+    /// Whether cell `key` holding `b` may go: fresh, or its rule is gone.
+    fn gone<K: BucketKey>(&self, key: &K, b: &Bucket) -> bool {
+        match self.limits.get(&(key.rule() & !(KEY_CELL | KEY_LAST))) {
+            None => true,
+            Some(l) => l.is_fresh(b.tat_ns, self.now, self.epoch_offset_ns),
+        }
     }
 }
 
-/// Raises the last resort of cell key `k`'s rule to `tat_ns` (created if
-/// missing): where an older build's cell goes when its set has no room.
-fn raise_last_resort<K: BucketKey>(id: u32, name: &'static str, k: &K, tat_ns: u64) -> Result<(), DatapathError> {
+/// Moves cell `k` that an older build kept in the sources' table (`id`,
+/// `name`) with state `b` into the cell array, merged with the cell there
+/// if there is one; if its set has no room, merges it into its rule's last
+/// resort. Never forgotten, never handed a fresh allowance. The table's
+/// copy is left for the collector to delete.
+fn move_old_cell<K: BucketKey + KnownKey + PartialEq>(
+    id: u32,
+    name: &'static str,
+    cells: &CellArray<K>,
+    k: &K,
+    b: &Bucket,
+    limit: &LimitEntry,
+    epoch_offset_ns: u64,
+) -> Result<(), DatapathError> {
+    let now = monotonic_ns();
+    let merge = |x, y| limit.merge(x, y, now, epoch_offset_ns);
+    if cells.adopt(k, *b, merge) {
+        return Ok(());
+    }
     let data = MapData::from_id(id).map_err(|e| map_error(name, e))?;
     let mut table: aya::maps::HashMap<MapData, K, Bucket> =
         aya::maps::HashMap::try_from(Map::HashMap(data)).map_err(|e| map_error(name, e))?;
     let last = k.last_resort();
-    let b = table.get(&last, 0).unwrap_or_default();
-    if b.tat_ns < tat_ns {
-        table.insert(last, Bucket { tat_ns, ..b }, 0).map_err(|e| map_error(name, e))?;
+    let l = table.get(&last, 0).unwrap_or_default();
+    table.insert(last, Bucket { tat_ns: merge(l.tat_ns, b.tat_ns), ..l }, 0).map_err(|e| map_error(name, e))
+}
+
+/// [`Datapath::move_old_cells`] for one family's table.
+fn move_old_cells_of<K: BucketKey + KnownKey + PartialEq>(
+    id: u32,
+    name: &'static str,
+    cells: &CellArray<K>,
+    limits: &LimitsByKey,
+    epoch_offset_ns: u64,
+) -> Result<u64, DatapathError> {
+    let mut moved = 0;
+    scan_table_each::<K>(id, name, |keys, buckets| {
+        for (k, b) in keys.iter().zip(buckets) {
+            if let (KeyKind::Cell, Some(l)) = (key_kind(k.rule()), limits.get(&(k.rule() & !KEY_CELL))) {
+                move_old_cell(id, name, cells, k, b, l, epoch_offset_ns)?;
+                moved += 1;
+            }
+        }
+        Ok(())
+    })?;
+    Ok(moved)
+}
+
+impl Datapath {
+    /// On adopting pins from a build that kept prefix cells in the sources'
+    /// tables: copies those cells into the cell arrays before this build's
+    /// program is swapped in, so that no prefix finds its cell missing and
+    /// is charged a copy of its rule's last resort instead (a fresh
+    /// allowance). The old program charges the table's copies until the
+    /// swap; the collector's first pass merges those charges in and deletes
+    /// the copies. Returns how many cells were copied.
+    pub fn move_old_cells(&self) -> Result<u64, DatapathError> {
+        let ids = self.table_ids()?;
+        let limits = self.limits_by_key()?;
+        let cells4 = CellArray::<Key4>::open(ids.cells.0, MAP_CELLS_V4)?;
+        let cells6 = CellArray::<Key6>::open(ids.cells.1, MAP_CELLS_V6)?;
+        Ok(move_old_cells_of(ids.tables.0, MAP_SOURCES_V4, &cells4, &limits, self.epoch_offset_ns)?
+            + move_old_cells_of(ids.tables.1, MAP_SOURCES_V6, &cells6, &limits, self.epoch_offset_ns)?)
     }
-    Ok(())
 }
 
 /// Flood mode as the datapath's per-CPU detectors report it.
