@@ -144,6 +144,13 @@ impl<K: KnownKey + Copy + PartialEq + Default> CellArray<K> {
         false
     }
 
+    /// Frees slot `i`, left dying (`claim`) with its key already cleared by
+    /// a daemon that stopped between the two stores of
+    /// [`finish_free`](Self::finish_free): it had found the cell fresh.
+    pub fn release_abandoned(&self, i: u32, claim: u64) -> bool {
+        claim & 1 == 0 && self.claim_word(i).compare_exchange(claim, 0, Ordering::AcqRel, Ordering::Relaxed).is_ok()
+    }
+
     fn slot_ptr(&self, i: u32) -> *mut Cell<K> {
         assert!(i < self.slots());
         unsafe { self.mem.base.add(i as usize * CELL) as *mut Cell<K> }

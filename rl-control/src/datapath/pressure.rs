@@ -205,6 +205,16 @@ impl Walk<'_> {
             if c.claim == 0 {
                 continue;
             }
+            if c.claim & 1 == 0 {
+                // Dying: a daemon stopped between the two steps of a free.
+                // Finish it (the key was cleared only if it was fresh).
+                if c.key == K::default() {
+                    pass.collected += u64::from(cells.release_abandoned(i, c.claim));
+                } else {
+                    dying.push((i, c.key));
+                }
+                continue;
+            }
             if c.claim != cell_claim(&c.key) {
                 // Being claimed this instant: its key is not written yet
                 // (the program marked it in both halves before claiming).
