@@ -91,15 +91,32 @@ fn the_cluster_sync_reads_and_raises_cells() {
 
 #[test]
 fn a_cell_an_older_build_kept_in_the_sources_table_moves_to_the_array_and_keeps_limiting() {
+    use rl_control::datapath::LoadOptions;
     require_root();
-    let dp = datapath(&rules()).unwrap();
-    let ids = dp.table_ids().unwrap();
-    // As an older build left it: a drained 1-per-hour cell in the sources' table.
+    let pins = rl_tests::lab::BpfFs::new().unwrap();
+    let dir = pins.path().join("cells");
+    rl_control::datapath::prepare_pins(pins.path(), &dir).unwrap();
+    let compiled = compile(&Config::from_str(&rules(), "<test>").unwrap());
+    let load = || Datapath::load_with(&compiled, LoadOptions { pin: Some(dir.clone()), ..Default::default() }).unwrap();
+    // As an older build left it: a drained 1-per-hour cell in the sources'
+    // table, and no cell arrays pinned.
     let key = cell_key(2, [10, 5, 5, 0]);
     let drained = rl_control::datapath::monotonic_ns() + 3_000_000_000_000;
+    {
+        let dp = load();
+        assert!(!dp.cells_in_tables(), "fresh pins");
+        let mut table: HashMap<MapData, Key4, Bucket> =
+            HashMap::try_from(Map::HashMap(MapData::from_id(dp.table_ids().unwrap().tables.0).unwrap())).unwrap();
+        table.insert(key, Bucket { tat_ns: drained, passed: 1, ..Bucket::default() }, 0).unwrap();
+    }
+    for name in [rl_common::MAP_CELLS_V4, rl_common::MAP_CELLS_V6, rl_common::MAP_CELL_COUNT] {
+        std::fs::remove_file(dir.join(name)).unwrap();
+    }
+    let dp = load();
+    assert!(dp.adopted() && dp.cells_in_tables(), "the daemon must move the cells before its swap");
+    let ids = dp.table_ids().unwrap();
     let mut table: HashMap<MapData, Key4, Bucket> =
         HashMap::try_from(Map::HashMap(MapData::from_id(ids.tables.0).unwrap())).unwrap();
-    table.insert(key, Bucket { tat_ns: drained, passed: 1, ..Bucket::default() }, 0).unwrap();
     let cells = dp.cells_v4().unwrap();
     assert!(cells.find(&key).is_none());
     // The daemon copies it before it swaps its program in: the new program
@@ -118,6 +135,8 @@ fn a_cell_an_older_build_kept_in_the_sources_table_moves_to_the_array_and_keeps_
     assert_eq!(cells.get(i).bucket.tat_ns, later, "the old program's last charges are merged in");
     assert_eq!(offer(&dp, &to([10, 5, 5, 9], 9999), 1), (0, 1));
     assert_eq!(offer(&dp, &to([10, 5, 6, 9], 9999), 1), (1, 0), "another /24 is not");
+    drop((cells, table, dp));
+    assert!(!load().cells_in_tables(), "a restart of this build has its arrays pinned: nothing to move");
 }
 
 #[test]

@@ -159,7 +159,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     // writes only its differences (a ban, its entries), never the whole set.
     dp.install(&compiled.rules)?;
     let adopted = dp.adopted();
-    if adopted {
+    if dp.cells_in_tables() {
         // Before the swap: the new program looks for cells in the arrays only.
         let moved = dp.move_old_cells()?;
         if moved > 0 {

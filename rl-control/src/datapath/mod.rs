@@ -272,6 +272,9 @@ pub struct Datapath {
     pins: Option<std::path::PathBuf>,
     /// Whether the maps were adopted from an earlier process.
     adopted: bool,
+    /// Adopted from a build without cell arrays (made fresh now): its cells
+    /// are in the sources' tables (see [`Datapath::move_old_cells`]).
+    cells_from_tables: bool,
     /// The pinned XDP links, held once attached (pinned setups only).
     links: Vec<FdLink>,
     /// The lock on the pin directory (one daemon per pinned datapath).
@@ -337,6 +340,7 @@ impl Datapath {
             Some(dir) => pin::check(dir, &specs)?,
             None => false,
         };
+        let cells_from_tables = adopted && opts.pin.as_ref().is_some_and(|d| !d.join(rl_common::MAP_CELLS_V4).exists());
         let bench = u32::from(opts.bench_new_sources);
         let mut loader = EbpfLoader::new();
         for (name, n) in sized {
@@ -368,6 +372,7 @@ impl Datapath {
             cpus: aya::util::nr_cpus().map_err(|(_, e)| DatapathError::Load(format!("cannot count the CPUs: {e}")))?,
             pins: opts.pin.clone(),
             adopted,
+            cells_from_tables,
             links: Vec::new(),
             _held: held,
             failpoint: None,
@@ -539,6 +544,13 @@ impl Datapath {
     /// Whether the maps were adopted from an earlier daemon's pins.
     pub fn adopted(&self) -> bool {
         self.adopted
+    }
+
+    /// Whether the adopted pins came from a build that kept prefix cells in
+    /// the sources' tables: then [`Datapath::move_old_cells`] must run
+    /// before this build's program is swapped in.
+    pub fn cells_in_tables(&self) -> bool {
+        self.cells_from_tables
     }
 
     /// The directory the datapath is pinned in, if it is.
