@@ -405,15 +405,19 @@ impl LimitEntry {
         }
         let window = self.a.max(1);
         let current = now.wrapping_add(epoch_offset_ns) / window;
+        // How many windows before `now`'s the word's is (mod the index's
+        // width). Only a window strictly behind is over: a word of a later
+        // window than `now`'s (charged after `now` was read, or on a clock a
+        // tick ahead) is current at some later time. Half the index range
+        // tells behind from ahead.
         if self.kind & 0xff == LIMIT_FIXED {
-            // The count of an earlier window is never read again (the index
-            // is kept mod 2²⁴: it would take 2²⁴ windows to come back).
-            return word & crate::window::FIXED_MAX == 0 || word >> 40 != current & ((1 << 24) - 1);
+            // The count of an earlier window is never read again.
+            let behind = current.wrapping_sub(word >> 40) & ((1 << 24) - 1);
+            return word & crate::window::FIXED_MAX == 0 || (behind != 0 && behind < 1 << 23);
         }
         // Sliding: the counts of windows before the previous one are never read.
-        let idx = word >> 56;
-        let cur = current & 0xff;
-        word & ((1 << 56) - 1) == 0 || (idx != cur && idx != (cur.wrapping_sub(1) & 0xff))
+        let behind = current.wrapping_sub(word >> 56) & 0xff;
+        word & ((1 << 56) - 1) == 0 || (2..128).contains(&behind)
     }
 
     /// This limit reading the tick clock exactly when `clock` suits it.
@@ -699,6 +703,15 @@ mod fresh_tests {
             let mut word = 0;
             for _ in 0..sent {
                 if let Some(w) = l.step(word, start, off, 1) { word = w; }
+            }
+            // Read at a time before the word was charged (the collector read
+            // its clock, then the packet came), it is not fresh either.
+            let window = if kind == LIMIT_GCRA { 1 } else { a };
+            for back in [1, window / 2 + 1, window, 3 * window, 100 * window] {
+                if sent > 0 && back <= start {
+                    let charged = (0..sent).fold(0u64, |w, _| l.step(w, start, off, 1).unwrap_or(w));
+                    prop_assert!(!l.is_fresh(charged, start - back, off), "a word charged at {} read as fresh at {} ns before", start, back);
+                }
             }
             let mut now = start;
             for g in gaps {

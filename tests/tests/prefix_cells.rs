@@ -217,3 +217,32 @@ fn ipv6_newcomers_of_one_prefix_share_its_cell_and_another_prefix_gets_its_own()
     assert_eq!(dp.counters().unwrap().get(STAT_NEW_CELLS), 2);
     assert_eq!(pass(&dp).cells.1, 2, "both IPv6 cells are counted");
 }
+
+#[test]
+fn a_window_bucket_charged_in_its_window_survives_a_collector_pass() {
+    require_root();
+    // Windows start at whole multiples of their length on the Unix clock.
+    // The collector tests freshness a second back, where a bucket of the
+    // window running now once looked over (a window other than that
+    // second's): deleted, its source got a fresh allowance.
+    let rules = "[default]\nrate = 1000\nburst = 1000\n\
+                 [[rule]]\nname = \"fixed\"\nproto = \"udp\"\ndst_ports = [8001]\nrate = 3\nper = \"2s\"\nalgorithm = \"fixed_window\"\n\
+                 [[rule]]\nname = \"sliding\"\nproto = \"udp\"\ndst_ports = [8002]\nrate = 3\nper = \"1s\"\nalgorithm = \"sliding_window\"\n";
+    let dp = datapath(rules).unwrap();
+    // Start early in a 2 s window, so that all below happens inside it (and
+    // past the first ticks: the datapath's coarse clock lags by up to one).
+    let into = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() % 2_000_000_000;
+    while !(50_000_000..300_000_000).contains(&into()) {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let start = std::time::Instant::now();
+    for port in [8001, 8002] {
+        assert_eq!(offer(&dp, &to([192, 0, 2, 44], port), 4), (3, 1), "port {port}: 3 per window");
+    }
+    let p = pass(&dp);
+    assert_eq!(p.collected, 0, "nothing is fresh: {p:?}");
+    for port in [8001, 8002] {
+        assert_eq!(offer(&dp, &to([192, 0, 2, 44], port), 1), (0, 1), "port {port}: still limited after the pass");
+    }
+    assert!(start.elapsed() < std::time::Duration::from_millis(400), "the test outlived the sliding window's reach: rerun");
+}

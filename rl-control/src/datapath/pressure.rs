@@ -100,12 +100,11 @@ impl Datapath {
 /// lookups, never verdicts). Then it frees the prefix cells that are fresh
 /// (or whose rule is gone) in the cell arrays.
 pub fn collect(ids: TableIds, epoch_offset_ns: u64, limits: &LimitsByKey, known: &KnownFilter) -> Result<Pass, DatapathError> {
-    let now = monotonic_ns().saturating_sub(COLLECT_IDLE_NS);
     let mut pass = Pass::default();
     let half = known.begin();
     let cells4 = CellArray::<Key4>::open(ids.cells.0, MAP_CELLS_V4)?;
     let cells6 = CellArray::<Key6>::open(ids.cells.1, MAP_CELLS_V6)?;
-    let mut walk = Walk { limits, now, epoch_offset_ns, known, half, own: 0, moved: 0 };
+    let mut walk = Walk { limits, epoch_offset_ns, known, half, own: 0, moved: 0 };
     scan_table_each::<Key4>(ids.tables.0, MAP_SOURCES_V4, |k, b| walk.sweep(ids.tables.0, MAP_SOURCES_V4, &cells4, k, b, &mut pass))?;
     pass.own.0 = std::mem::take(&mut walk.own);
     scan_table_each::<Key6>(ids.tables.1, MAP_SOURCES_V6, |k, b| walk.sweep(ids.tables.1, MAP_SOURCES_V6, &cells6, k, b, &mut pass))?;
@@ -125,8 +124,6 @@ pub fn collect(ids: TableIds, epoch_offset_ns: u64, limits: &LimitsByKey, known:
 /// One walk's settings and counts.
 struct Walk<'a> {
     limits: &'a LimitsByKey,
-    /// Buckets fresh since before this are collected.
-    now: u64,
     epoch_offset_ns: u64,
     known: &'a KnownFilter,
     /// The filter half being rebuilt.
@@ -152,6 +149,8 @@ impl Walk<'_> {
     ) -> Result<(), DatapathError> {
         use std::os::fd::{AsFd, AsRawFd};
         let mut dead = Vec::new();
+        // Read after the chunk: no word in it is of a later window.
+        let now = monotonic_ns();
         for (k, b) in keys.iter().zip(buckets) {
             if key_kind(k.rule()) == KeyKind::Cell {
                 // An older build's cell: into the array (merged into the
@@ -166,7 +165,7 @@ impl Walk<'_> {
             let gone = match self.limits.get(&(k.rule() & !(KEY_CELL | KEY_LAST))) {
                 None => true,
                 Some(_) if key_kind(k.rule()) == KeyKind::LastResort => false,
-                Some(l) => l.is_fresh(b.tat_ns, self.now, self.epoch_offset_ns),
+                Some(l) => self.idle(l, b, now),
             };
             if gone {
                 dead.push(*k);
@@ -243,12 +242,23 @@ impl Walk<'_> {
         left
     }
 
-    /// Whether cell `key` holding `b` may go: fresh, or its rule is gone.
+    /// Whether cell `key` holding `b` (read just before) may go: idle and
+    /// fresh, or its rule is gone.
     fn gone<K: BucketKey>(&self, key: &K, b: &Bucket) -> bool {
         match self.limits.get(&(key.rule() & !(KEY_CELL | KEY_LAST))) {
             None => true,
-            Some(l) => l.is_fresh(b.tat_ns, self.now, self.epoch_offset_ns),
+            Some(l) => self.idle(l, b, monotonic_ns()),
         }
+    }
+
+    /// Whether bucket `b` of `limit`, read before `now`, has been fresh
+    /// since [`COLLECT_IDLE_NS`] before `now`: a source still sending now
+    /// and then keeps its bucket, and a window counts as over only that
+    /// long after its end, whatever tick the datapath's coarse clock lags
+    /// by. A word of a window after that time (charged since) is never
+    /// fresh (`LimitEntry::is_fresh`).
+    fn idle(&self, limit: &LimitEntry, b: &Bucket, now: u64) -> bool {
+        limit.is_fresh(b.tat_ns, now.saturating_sub(COLLECT_IDLE_NS), self.epoch_offset_ns)
     }
 }
 
