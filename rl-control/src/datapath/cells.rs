@@ -169,26 +169,31 @@ impl<K: KnownKey + Copy + PartialEq + Default> CellArray<K> {
     /// `merge` (`LimitEntry::merge`: never more allowance than either).
     /// `false`: its set has no room (or its cell is being written or freed).
     pub fn adopt(&self, key: &K, bucket: Bucket, merge: impl Fn(u64, u64) -> u64) -> bool {
-        if let Some(i) = self.find(key) {
-            let word = self.tat_word(i);
-            let _ = word.fetch_update(Ordering::AcqRel, Ordering::Acquire, |cur| Some(merge(cur, bucket.tat_ns)));
-            return true;
-        }
-        let set = cell_set(key, self.slots());
-        if (set..set + CELL_WAYS).any(|i| self.way(i, key) == Way::Busy) {
-            return false;
-        }
-        for i in set..set + CELL_WAYS {
-            if self.claim_word(i).compare_exchange(0, cell_claim(key), Ordering::AcqRel, Ordering::Relaxed).is_ok() {
-                // As the program does: the bucket first, the key last.
-                let at = self.slot_ptr(i);
-                unsafe {
-                    std::ptr::write_volatile(&raw mut (*at).bucket, bucket);
-                    std::sync::atomic::fence(Ordering::Release);
-                    std::ptr::write_volatile(&raw mut (*at).key, *key);
-                }
+        // A few rounds: a program run may be claiming a way of the set this
+        // very moment (perhaps for this key: then merge into that cell).
+        for _ in 0..8 {
+            if let Some(i) = self.find(key) {
+                let word = self.tat_word(i);
+                let _ = word.fetch_update(Ordering::AcqRel, Ordering::Acquire, |cur| Some(merge(cur, bucket.tat_ns)));
                 return true;
             }
+            let set = cell_set(key, self.slots());
+            if (set..set + CELL_WAYS).any(|i| self.way(i, key) == Way::Busy) {
+                std::thread::yield_now();
+                continue;
+            }
+            let Some(i) = (set..set + CELL_WAYS).find(|&i| self.get(i).claim == 0) else { return false };
+            if self.claim_word(i).compare_exchange(0, cell_claim(key), Ordering::AcqRel, Ordering::Relaxed).is_err() {
+                continue;
+            }
+            // As the program does: the bucket first, the key last.
+            let at = self.slot_ptr(i);
+            unsafe {
+                std::ptr::write_volatile(&raw mut (*at).bucket, bucket);
+                std::sync::atomic::fence(Ordering::Release);
+                std::ptr::write_volatile(&raw mut (*at).key, *key);
+            }
+            return true;
         }
         false
     }

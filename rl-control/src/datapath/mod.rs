@@ -272,8 +272,9 @@ pub struct Datapath {
     pins: Option<std::path::PathBuf>,
     /// Whether the maps were adopted from an earlier process.
     adopted: bool,
-    /// Adopted from a build without cell arrays (made fresh now): its cells
-    /// are in the sources' tables (see [`Datapath::move_old_cells`]).
+    /// Adopted from a build without cell arrays, or from a daemon stopped
+    /// before it moved that build's cells: they are in the sources' tables
+    /// (see [`Datapath::move_old_cells`]).
     cells_from_tables: bool,
     /// The pinned XDP links, held once attached (pinned setups only).
     links: Vec<FdLink>,
@@ -340,7 +341,9 @@ impl Datapath {
             Some(dir) => pin::check(dir, &specs)?,
             None => false,
         };
-        let cells_from_tables = adopted && opts.pin.as_ref().is_some_and(|d| !d.join(rl_common::MAP_CELLS_V4).exists());
+        // RL_CELLN is pinned only once the cells are in the arrays (see
+        // `move_old_cells`): a daemon stopped before that moves them again.
+        let cells_from_tables = adopted && opts.pin.as_ref().is_some_and(|d| !d.join(rl_common::MAP_CELL_COUNT).exists());
         let bench = u32::from(opts.bench_new_sources);
         let mut loader = EbpfLoader::new();
         for (name, n) in sized {
@@ -349,7 +352,9 @@ impl Datapath {
         loader.override_global(GLOBAL_BENCH_NEW_SOURCES, &bench, true);
         if let Some(dir) = &opts.pin {
             for s in &specs {
-                loader.map_pin_path(s.name.as_str(), dir.join(&s.name));
+                if !(cells_from_tables && s.name == rl_common::MAP_CELL_COUNT) {
+                    loader.map_pin_path(s.name.as_str(), dir.join(&s.name));
+                }
             }
         }
         let ebpf = loader

@@ -286,7 +286,14 @@ fn move_old_cell<K: BucketKey + KnownKey + PartialEq>(
         aya::maps::HashMap::try_from(Map::HashMap(data)).map_err(|e| map_error(name, e))?;
     let last = k.last_resort();
     let l = table.get(&last, 0).unwrap_or_default();
-    table.insert(last, Bucket { tat_ns: merge(l.tat_ns, b.tat_ns), ..l }, 0).map_err(|e| map_error(name, e))
+    let tat_ns = merge(l.tat_ns, b.tat_ns);
+    // Written only if it moves: a plain write may forget a charge the
+    // program makes between the read and it (a hash map's value has no
+    // compare-and-swap from userspace).
+    if tat_ns == l.tat_ns {
+        return Ok(());
+    }
+    table.insert(last, Bucket { tat_ns, ..l }, 0).map_err(|e| map_error(name, e))
 }
 
 /// [`Datapath::move_old_cells`] for one family's table.
@@ -317,14 +324,23 @@ impl Datapath {
     /// is charged a copy of its rule's last resort instead (a fresh
     /// allowance). The old program charges the table's copies until the
     /// swap; the collector's first pass merges those charges in and deletes
-    /// the copies. Returns how many cells were copied.
-    pub fn move_old_cells(&self) -> Result<u64, DatapathError> {
+    /// the copies. Then it pins `RL_CELLN`, which marks the move done: a
+    /// daemon stopped before that moves them again at its next start.
+    /// Returns how many cells were copied.
+    pub fn move_old_cells(&mut self) -> Result<u64, DatapathError> {
         let ids = self.table_ids()?;
         let limits = self.limits_by_key()?;
         let cells4 = CellArray::<Key4>::open(ids.cells.0, MAP_CELLS_V4)?;
         let cells6 = CellArray::<Key6>::open(ids.cells.1, MAP_CELLS_V6)?;
-        Ok(move_old_cells_of(ids.tables.0, MAP_SOURCES_V4, &cells4, &limits, self.epoch_offset_ns)?
-            + move_old_cells_of(ids.tables.1, MAP_SOURCES_V6, &cells6, &limits, self.epoch_offset_ns)?)
+        let moved = move_old_cells_of(ids.tables.0, MAP_SOURCES_V4, &cells4, &limits, self.epoch_offset_ns)?
+            + move_old_cells_of(ids.tables.1, MAP_SOURCES_V6, &cells6, &limits, self.epoch_offset_ns)?;
+        if let Some(dir) = &self.pins {
+            let path = dir.join(MAP_CELL_COUNT);
+            let map = self.ebpf.map(MAP_CELL_COUNT).ok_or_else(|| DatapathError::Load(format!("map {MAP_CELL_COUNT} is missing")))?;
+            map.pin(&path).map_err(|e| DatapathError::Load(format!("pinning {}: {e}", path.display())))?;
+        }
+        self.cells_from_tables = false;
+        Ok(moved)
     }
 }
 
