@@ -384,14 +384,13 @@ impl LimitEntry {
 
     /// Two state words of this limit (say a prefix cell an older build kept
     /// and the one this build made since) as one that allows no more than
-    /// either, at `now` (ktime) and at every later time: merging buckets
-    /// never hands out an allowance.
-    pub fn merge(&self, a: u64, b: u64, now: u64, epoch_offset_ns: u64) -> u64 {
-        let epoch_ns = now.wrapping_add(epoch_offset_ns);
+    /// either, now and at every later time: merging buckets never hands out
+    /// an allowance. No clock is read (see `window::fixed_merge`).
+    pub fn merge(&self, a: u64, b: u64) -> u64 {
         match self.kind & 0xff {
             LIMIT_GCRA => a.max(b),
-            LIMIT_FIXED => crate::window::fixed_merge(a, b, epoch_ns, self.a),
-            _ => crate::window::sliding_merge(a, b, epoch_ns, self.a),
+            LIMIT_FIXED => crate::window::fixed_merge(a, b),
+            _ => crate::window::sliding_merge(a, b),
         }
     }
 
@@ -670,7 +669,7 @@ mod fresh_tests {
             let fill = |n: u64, t: u64| (0..n).fold(0u64, |w, _| l.step(w, t, off, 1).unwrap_or(w));
             let (mut x, mut y) = (fill(sent.0, start), fill(sent.1, start + skew.0));
             let mut now = start + skew.0.max(skew.1);
-            let mut m = l.merge(x, y, now, off);
+            let mut m = l.merge(x, y);
             // Each bucket takes what it passes; the merge never passes more
             // than either word, counted from the merge on.
             let (mut px, mut py, mut pm) = (0, 0, 0);

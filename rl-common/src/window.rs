@@ -72,30 +72,43 @@ pub fn sliding_window(word: u64, now: u64, window_ns: u64, max: u64, cost: u64) 
 }
 
 /// Two fixed-window words of one limit as one that allows no more than
-/// either at `now` and later: the larger of their counts in `now`'s window.
-pub fn fixed_merge(a: u64, b: u64, now: u64, window_ns: u64) -> u64 {
-    let w = (now / window_ns.max(1)) & FIXED_INDEX_MASK;
-    let count = |x: u64| if x >> FIXED_COUNT_BITS == w { x & FIXED_COUNT_MASK } else { 0 };
-    w << FIXED_COUNT_BITS | count(a).max(count(b))
+/// either, now and later: of one window, the larger count; of two, the
+/// later window's word (the other's count is never read again once the
+/// datapath is in the later window, and it is: it wrote that word). No
+/// clock is read, so a datapath clock a tick behind the daemon's sees the
+/// window it is in.
+pub fn fixed_merge(a: u64, b: u64) -> u64 {
+    let count = |x: u64| x & FIXED_COUNT_MASK;
+    if count(a) == 0 || count(b) == 0 {
+        return if count(a) == 0 { b } else { a };
+    }
+    let (ia, ib) = (a >> FIXED_COUNT_BITS, b >> FIXED_COUNT_BITS);
+    match ia.wrapping_sub(ib) & FIXED_INDEX_MASK {
+        0 => ia << FIXED_COUNT_BITS | count(a).max(count(b)),
+        d if d < 1 << 23 => a,
+        _ => b,
+    }
 }
 
-/// Two sliding-window words of one limit as one that allows no more than
-/// either at `now` and later: each read as `(previous, current)` of `now`'s
-/// window, the larger of each (the estimate grows with both).
-pub fn sliding_merge(a: u64, b: u64, now: u64, window_ns: u64) -> u64 {
-    let w = (now / window_ns.max(1)) & 0xff;
-    let counts = |x: u64| {
-        let idx = x >> (2 * SLIDE_BITS);
-        if idx == w {
-            ((x >> SLIDE_BITS) & SLIDE_MASK, x & SLIDE_MASK)
-        } else if idx == (w.wrapping_sub(1) & 0xff) {
-            (x & SLIDE_MASK, 0)
-        } else {
-            (0, 0)
-        }
-    };
-    let ((pa, ca), (pb, cb)) = (counts(a), counts(b));
-    w << (2 * SLIDE_BITS) | pa.max(pb) << SLIDE_BITS | ca.max(cb)
+/// [`fixed_merge`] for sliding-window words: of one window, the larger of
+/// each count; one window apart, the later window's word with the earlier
+/// one's count as its previous where that is larger; further apart, the
+/// later word.
+pub fn sliding_merge(a: u64, b: u64) -> u64 {
+    let live = |x: u64| x & ((1 << (2 * SLIDE_BITS)) - 1) != 0;
+    if !live(a) || !live(b) {
+        return if live(a) { a } else { b };
+    }
+    let split = |x: u64| (x >> (2 * SLIDE_BITS), (x >> SLIDE_BITS) & SLIDE_MASK, x & SLIDE_MASK);
+    let ((ia, pa, ca), (ib, pb, cb)) = (split(a), split(b));
+    let word = |i: u64, p: u64, c: u64| i << (2 * SLIDE_BITS) | p << SLIDE_BITS | c;
+    match ia.wrapping_sub(ib) & 0xff {
+        0 => word(ia, pa.max(pb), ca.max(cb)),
+        1 => word(ia, pa.max(cb), ca),
+        255 => word(ib, pb.max(ca), cb),
+        d if d < 128 => a,
+        _ => b,
+    }
 }
 
 #[cfg(test)]

@@ -116,6 +116,8 @@ fn a_cell_an_older_build_kept_in_the_sources_table_moves_to_the_array_and_keeps_
     assert!(load().cells_in_tables());
     let mut dp = load();
     assert!(dp.adopted() && dp.cells_in_tables(), "the daemon must move the cells before its swap");
+    // (The pin directory is held by `dp`: a second load would be refused.)
+    let load_again_sees_cells_in_tables = |d: &std::path::Path| !d.join(rl_common::MAP_CELL_COUNT).exists();
     let ids = dp.table_ids().unwrap();
     let mut table: HashMap<MapData, Key4, Bucket> =
         HashMap::try_from(Map::HashMap(MapData::from_id(ids.tables.0).unwrap())).unwrap();
@@ -124,6 +126,8 @@ fn a_cell_an_older_build_kept_in_the_sources_table_moves_to_the_array_and_keeps_
     // The daemon copies it before it swaps its program in: the new program
     // finds it at once, not a copy of the rule's last resort.
     assert_eq!(dp.move_old_cells().unwrap(), 1);
+    assert!(load_again_sees_cells_in_tables(&dir), "not marked done before the swap");
+    dp.cells_moved().unwrap();
     let i = cells.find(&key).expect("the array holds it before any collector pass");
     assert_eq!(cells.get(i).bucket.tat_ns, drained, "with its state");
     assert_eq!(offer(&dp, &to([10, 5, 5, 9], 9999), 1), (0, 1), "a newcomer of that /24 is charged to it: the hour is still used");
@@ -247,4 +251,20 @@ fn a_window_bucket_charged_in_its_window_survives_a_collector_pass() {
         assert_eq!(offer(&dp, &to([192, 0, 2, 44], port), 1), (0, 1), "port {port}: still limited after the pass");
     }
     assert!(start.elapsed() < std::time::Duration::from_millis(400), "the test outlived the sliding window's reach: rerun");
+}
+
+#[test]
+fn a_pass_clears_the_key_an_older_build_left_in_a_freed_slot() {
+    require_root();
+    let dp = datapath(&rules()).unwrap();
+    let cells = dp.cells_v4().unwrap();
+    let key = cell_key(2, [10, 3, 3, 0]);
+    assert_eq!(offer(&dp, &to([10, 3, 3, 1], 9999), 1), (1, 0));
+    let i = cells.find(&key).unwrap();
+    // As the older build freed slots: the claim back to 0, the key left.
+    assert!(cells.begin_free(i, &key, cells.get(i).claim));
+    assert!(cells.release_abandoned(i, cells.get(i).claim));
+    assert_eq!((cells.get(i).claim, cells.get(i).key), (0, key));
+    pass(&dp);
+    assert_eq!((cells.get(i).claim, cells.get(i).key), (0, Key4::default()), "the pass cleared the stale key");
 }

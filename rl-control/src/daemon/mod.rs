@@ -178,6 +178,8 @@ pub async fn run(opts: RunOptions) -> Result<()> {
             return Err(e.into());
         }
     };
+    // This build's program is in: the older build's cells are in the arrays.
+    dp.cells_moved()?;
     if adopted {
         info!(pins = %pins.display(), "adopted the pinned datapath: buckets kept, program replaced atomically");
     }

@@ -144,6 +144,17 @@ impl<K: KnownKey + Copy + PartialEq + Default> CellArray<K> {
         false
     }
 
+    /// Clears the key a free slot `i` still holds (`key`, left by a build
+    /// that freed slots without clearing it), holding the slot as dying
+    /// meanwhile so that no program run claims it under the write.
+    pub fn clear_stale_key(&self, i: u32, key: &K) {
+        let dying = cell_dying(key);
+        if self.claim_word(i).compare_exchange(0, dying, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
+            unsafe { std::ptr::write_volatile(&raw mut (*self.slot_ptr(i)).key, K::default()) };
+            let _ = self.claim_word(i).compare_exchange(dying, 0, Ordering::AcqRel, Ordering::Relaxed);
+        }
+    }
+
     /// Frees slot `i`, left dying (`claim`) with its key already cleared by
     /// a daemon that stopped between the two stores of
     /// [`finish_free`](Self::finish_free): it had found the cell fresh.
@@ -182,7 +193,13 @@ impl<K: KnownKey + Copy + PartialEq + Default> CellArray<K> {
                 std::thread::yield_now();
                 continue;
             }
-            let Some(i) = (set..set + CELL_WAYS).find(|&i| self.get(i).claim == 0) else { return false };
+            let Some(i) = (set..set + CELL_WAYS).find(|&i| self.get(i).claim == 0) else {
+                // Full, unless a run just claimed a way for this key.
+                if self.find(key).is_none() && !(set..set + CELL_WAYS).any(|i| self.way(i, key) == Way::Busy) {
+                    return false;
+                }
+                continue;
+            };
             if self.claim_word(i).compare_exchange(0, cell_claim(key), Ordering::AcqRel, Ordering::Relaxed).is_err() {
                 continue;
             }

@@ -156,7 +156,7 @@ impl Walk<'_> {
                 // An older build's cell: into the array (merged into the
                 // copy moved before the program swap, see `move_old_cells`).
                 if let Some(l) = self.limits.get(&(k.rule() & !KEY_CELL)) {
-                    move_old_cell(id, name, cells, k, b, l, self.epoch_offset_ns)?;
+                    move_old_cell(id, name, cells, k, b, l)?;
                     self.moved += 1;
                 }
                 dead.push(*k);
@@ -202,6 +202,11 @@ impl Walk<'_> {
         for i in 0..cells.slots() {
             let c = cells.get(i);
             if c.claim == 0 {
+                if c.key != K::default() {
+                    // Freed by an older build, which left the key: cleared,
+                    // so that a claimer of this key never matches it early.
+                    cells.clear_stale_key(i, &c.key);
+                }
                 continue;
             }
             if c.claim & 1 == 0 {
@@ -274,10 +279,8 @@ fn move_old_cell<K: BucketKey + KnownKey + PartialEq>(
     k: &K,
     b: &Bucket,
     limit: &LimitEntry,
-    epoch_offset_ns: u64,
 ) -> Result<(), DatapathError> {
-    let now = monotonic_ns();
-    let merge = |x, y| limit.merge(x, y, now, epoch_offset_ns);
+    let merge = |x, y| limit.merge(x, y);
     if cells.adopt(k, *b, merge) {
         return Ok(());
     }
@@ -302,13 +305,12 @@ fn move_old_cells_of<K: BucketKey + KnownKey + PartialEq>(
     name: &'static str,
     cells: &CellArray<K>,
     limits: &LimitsByKey,
-    epoch_offset_ns: u64,
 ) -> Result<u64, DatapathError> {
     let mut moved = 0;
     scan_table_each::<K>(id, name, |keys, buckets| {
         for (k, b) in keys.iter().zip(buckets) {
             if let (KeyKind::Cell, Some(l)) = (key_kind(k.rule()), limits.get(&(k.rule() & !KEY_CELL))) {
-                move_old_cell(id, name, cells, k, b, l, epoch_offset_ns)?;
+                move_old_cell(id, name, cells, k, b, l)?;
                 moved += 1;
             }
         }
@@ -324,23 +326,29 @@ impl Datapath {
     /// is charged a copy of its rule's last resort instead (a fresh
     /// allowance). The old program charges the table's copies until the
     /// swap; the collector's first pass merges those charges in and deletes
-    /// the copies. Then it pins `RL_CELLN`, which marks the move done: a
-    /// daemon stopped before that moves them again at its next start.
+    /// the copies. [`Datapath::cells_moved`] marks it done after the swap.
     /// Returns how many cells were copied.
-    pub fn move_old_cells(&mut self) -> Result<u64, DatapathError> {
+    pub fn move_old_cells(&self) -> Result<u64, DatapathError> {
         let ids = self.table_ids()?;
         let limits = self.limits_by_key()?;
         let cells4 = CellArray::<Key4>::open(ids.cells.0, MAP_CELLS_V4)?;
         let cells6 = CellArray::<Key6>::open(ids.cells.1, MAP_CELLS_V6)?;
-        let moved = move_old_cells_of(ids.tables.0, MAP_SOURCES_V4, &cells4, &limits, self.epoch_offset_ns)?
-            + move_old_cells_of(ids.tables.1, MAP_SOURCES_V6, &cells6, &limits, self.epoch_offset_ns)?;
-        if let Some(dir) = &self.pins {
+        Ok(move_old_cells_of(ids.tables.0, MAP_SOURCES_V4, &cells4, &limits)?
+            + move_old_cells_of(ids.tables.1, MAP_SOURCES_V6, &cells6, &limits)?)
+    }
+
+    /// Marks the move of an older build's cells done, once this build's
+    /// program is attached: pins `RL_CELLN`. Until then a restart moves
+    /// them again (the old program may have kept charging and making cells
+    /// in the tables if the swap failed).
+    pub fn cells_moved(&mut self) -> Result<(), DatapathError> {
+        if let (true, Some(dir)) = (self.cells_from_tables, &self.pins) {
             let path = dir.join(MAP_CELL_COUNT);
             let map = self.ebpf.map(MAP_CELL_COUNT).ok_or_else(|| DatapathError::Load(format!("map {MAP_CELL_COUNT} is missing")))?;
             map.pin(&path).map_err(|e| DatapathError::Load(format!("pinning {}: {e}", path.display())))?;
         }
         self.cells_from_tables = false;
-        Ok(moved)
+        Ok(())
     }
 }
 
