@@ -151,14 +151,6 @@ pub fn cell_way(held: u64, key_matches: bool, claim: u64, dying: u64) -> Way {
     }
 }
 
-impl<K: PartialEq> Cell<K> {
-    /// Whether this slot holds `key` (claimed, and the key written).
-    #[inline(always)]
-    pub fn holds(&self, key: &K) -> bool {
-        self.claim != 0 && self.key == *key
-    }
-}
-
 #[cfg(feature = "user")]
 mod pod {
     unsafe impl aya::Pod for super::Cell<super::Key4> {}

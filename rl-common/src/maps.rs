@@ -402,21 +402,15 @@ impl LimitEntry {
             // max(tat, t) = t for every t ≥ now.
             return word <= now;
         }
-        let window = self.a.max(1);
-        let current = now.wrapping_add(epoch_offset_ns) / window;
-        // How many windows before `now`'s the word's is (mod the index's
-        // width). Only a window strictly behind is over: a word of a later
-        // window than `now`'s (charged after `now` was read, or on a clock a
-        // tick ahead) is current at some later time. Half the index range
-        // tells behind from ahead.
+        // Only a window strictly behind `now`'s is over: a word of a later
+        // window (charged after `now` was read, or on a clock a tick ahead)
+        // is current at some later time.
+        let epoch_ns = now.wrapping_add(epoch_offset_ns);
         if self.kind & 0xff == LIMIT_FIXED {
-            // The count of an earlier window is never read again.
-            let behind = current.wrapping_sub(word >> 40) & ((1 << 24) - 1);
-            return word & crate::window::FIXED_MAX == 0 || (behind != 0 && behind < 1 << 23);
+            crate::window::fixed_is_over(word, epoch_ns, self.a)
+        } else {
+            crate::window::sliding_is_over(word, epoch_ns, self.a)
         }
-        // Sliding: the counts of windows before the previous one are never read.
-        let behind = current.wrapping_sub(word >> 56) & 0xff;
-        word & ((1 << 56) - 1) == 0 || (2..128).contains(&behind)
     }
 
     /// This limit reading the tick clock exactly when `clock` suits it.

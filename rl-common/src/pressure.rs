@@ -126,7 +126,6 @@ impl FloodState {
 
     /// Whether this CPU charged a key to a fallback in flood mode within
     /// the last `within_ns` before `now_ns`.
-    #[inline(always)]
     pub fn flooding(&self, now_ns: u64, within_ns: u64) -> bool {
         self.last_flood_ns != 0 && now_ns.saturating_sub(self.last_flood_ns) <= within_ns
     }

@@ -8,7 +8,8 @@
 /// Fixed window: `[window index mod 2²⁴ : 24 | count : 40]`.
 const FIXED_COUNT_BITS: u32 = 40;
 const FIXED_COUNT_MASK: u64 = (1 << FIXED_COUNT_BITS) - 1;
-const FIXED_INDEX_MASK: u64 = (1 << 24) - 1;
+const FIXED_INDEX_BITS: u32 = 24;
+const FIXED_INDEX_MASK: u64 = (1 << FIXED_INDEX_BITS) - 1;
 
 /// Largest per-window cap a fixed window holds (in counted units).
 pub const FIXED_MAX: u64 = FIXED_COUNT_MASK;
@@ -71,6 +72,30 @@ pub fn sliding_window(word: u64, now: u64, window_ns: u64, max: u64, cost: u64) 
     Some(w << (2 * SLIDE_BITS) | prev << SLIDE_BITS | next)
 }
 
+/// How many windows index `idx` is behind index `now` when indexes are
+/// kept mod `2^bits`: past half that range it is taken to be ahead
+/// (`None`), a word of a later window than the one `now` names.
+#[inline(always)]
+fn behind(now: u64, idx: u64, bits: u32) -> Option<u64> {
+    let d = now.wrapping_sub(idx) & ((1 << bits) - 1);
+    (d < 1 << (bits - 1)).then_some(d)
+}
+
+/// Whether a fixed-window word is over at `now` (epoch ns) and at every
+/// later time: empty, or of a window strictly before `now`'s.
+pub fn fixed_is_over(word: u64, now: u64, window_ns: u64) -> bool {
+    let current = now / window_ns.max(1);
+    word & FIXED_COUNT_MASK == 0 || behind(current, word >> FIXED_COUNT_BITS, FIXED_INDEX_BITS).is_some_and(|d| d != 0)
+}
+
+/// Whether a sliding-window word is over at `now` (epoch ns) and at every
+/// later time: empty, or of a window before the one before `now`'s (the
+/// counts of such windows are never read).
+pub fn sliding_is_over(word: u64, now: u64, window_ns: u64) -> bool {
+    let current = now / window_ns.max(1);
+    word & ((1 << (2 * SLIDE_BITS)) - 1) == 0 || behind(current, word >> (2 * SLIDE_BITS), 8).is_some_and(|d| d >= 2)
+}
+
 /// Two fixed-window words of one limit as one that allows no more than
 /// either, now and later: of one window, the larger count; of two, the
 /// later window's word (the other's count is never read again once the
@@ -83,10 +108,10 @@ pub fn fixed_merge(a: u64, b: u64) -> u64 {
         return if count(a) == 0 { b } else { a };
     }
     let (ia, ib) = (a >> FIXED_COUNT_BITS, b >> FIXED_COUNT_BITS);
-    match ia.wrapping_sub(ib) & FIXED_INDEX_MASK {
-        0 => ia << FIXED_COUNT_BITS | count(a).max(count(b)),
-        d if d < 1 << 23 => a,
-        _ => b,
+    match behind(ia, ib, FIXED_INDEX_BITS) {
+        Some(0) => ia << FIXED_COUNT_BITS | count(a).max(count(b)),
+        Some(_) => a,
+        None => b,
     }
 }
 
@@ -102,11 +127,11 @@ pub fn sliding_merge(a: u64, b: u64) -> u64 {
     let split = |x: u64| (x >> (2 * SLIDE_BITS), (x >> SLIDE_BITS) & SLIDE_MASK, x & SLIDE_MASK);
     let ((ia, pa, ca), (ib, pb, cb)) = (split(a), split(b));
     let word = |i: u64, p: u64, c: u64| i << (2 * SLIDE_BITS) | p << SLIDE_BITS | c;
-    match ia.wrapping_sub(ib) & 0xff {
-        0 => word(ia, pa.max(pb), ca.max(cb)),
-        1 => word(ia, pa.max(cb), ca),
-        255 => word(ib, pb.max(ca), cb),
-        d if d < 128 => a,
+    match (behind(ia, ib, 8), behind(ib, ia, 8)) {
+        (Some(0), _) => word(ia, pa.max(pb), ca.max(cb)),
+        (Some(1), _) => word(ia, pa.max(cb), ca),
+        (_, Some(1)) => word(ib, pb.max(ca), cb),
+        (Some(_), _) => a,
         _ => b,
     }
 }
