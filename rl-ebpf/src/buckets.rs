@@ -187,10 +187,10 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
         Some(c) => unsafe { &raw mut (*c).bucket },
         None => last_resort(table, key)?,
     };
-    let init = Bucket { tat_ns: unsafe { core::ptr::read_volatile(&raw const (*parent).tat_ns) }, ..Bucket::default() };
+    let tat = unsafe { core::ptr::read_volatile(&raw const (*parent).tat_ns) };
     if flood.see(now, cfg.flood_cap) == Unseen::Insert {
         known::mark(key);
-        match table.insert(key, &init, BPF_NOEXIST as u64) {
+        match table.insert(key, &copy_of(tat), BPF_NOEXIST as u64) {
             Ok(()) => stats::bump(STAT_NEW_SOURCES),
             // Another CPU created it first: charge that one.
             Err(e) if e == -(EEXIST as i32) => {}
@@ -219,7 +219,7 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
         return Some(parent);
     }
     unsafe {
-        core::ptr::write_volatile(&raw mut (*c).bucket, init);
+        core::ptr::write_volatile(&raw mut (*c).bucket, copy_of(tat));
         core::ptr::write_volatile(&raw mut (*c).key, cell_key);
     }
     stats::bump(STAT_NEW_CELLS);
@@ -227,6 +227,16 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
         unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(n, 1) };
     }
     Some(unsafe { &raw mut (*c).bucket })
+}
+
+/// A new bucket that starts where its parent's state word `tat` is (see
+/// `rl_common::pressure`), its counters at zero. Built only where it is
+/// stored, field by field: `..Bucket::default()` here compiled to a call of
+/// a byte-at-a-time memset on every unseen packet (6 ns of a flood's 112
+/// in the program, measured with `perf record` on the veth bench).
+#[inline(always)]
+fn copy_of(tat: u64) -> Bucket {
+    Bucket { tat_ns: tat, passed: 0, dropped: 0, last_drop_ns: 0 }
 }
 
 /// The rule's last resort for `key`, created fresh the first time.

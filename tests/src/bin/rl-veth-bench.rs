@@ -18,6 +18,8 @@
 //! from one source (a known source after the first frame), and
 //! `RL_BENCH_DATAPATH` is TOML prepended to rl's rules, e.g.
 //! `$'[datapath]\nflood_prefix_v4 = 8\n'` for one hot prefix cell.
+//! `RL_BENCH_PREFIXES=16384` narrows the flood to that many /24 prefixes
+//! (fewer prefix cells: what the cells' working set costs).
 //! `RL_BENCH_ONLY=rl` (or `rlunfiltered`, `nft`) measures that case beside
 //! the baseline alone, e.g. under `perf record -a`.
 
@@ -98,7 +100,15 @@ fn one_run(lab: &Lab, filter: Filter, frames: u64, rules: &std::path::Path, chec
     let mut seed = 0x2545_f491u32;
     let before = cpu_ticks();
     let one = std::env::var("RL_BENCH_ONE_SOURCE").is_ok();
-    let sent = join(forged(&lab.a, VA, frame, frames, 0, Some(0), move |_| if one { [10, 1, 2, 3] } else { spoofed_source(&mut seed) }))?;
+    let narrow = flood_prefixes()?;
+    let sent = join(forged(&lab.a, VA, frame, frames, 0, Some(0), move |_| {
+        if one {
+            return [10, 1, 2, 3];
+        }
+        let mut s = spoofed_source(&mut seed);
+        s[1] &= narrow;
+        s
+    }))?;
     let busy = busy_ns_since(&before);
     if let Some(d) = &dp {
         if filter != Filter::Pass {
@@ -117,6 +127,17 @@ fn one_run(lab: &Lab, filter: Filter, frames: u64, rules: &std::path::Path, chec
         }
     }
     Ok(busy / frames as f64)
+}
+
+/// `RL_BENCH_PREFIXES`: the /24 prefixes the flood's sources span (a power
+/// of two from 256 to 65,536, the default: all of 10/8), as the mask of the
+/// source's second byte.
+fn flood_prefixes() -> Result<u8> {
+    let Ok(v) = std::env::var("RL_BENCH_PREFIXES") else { return Ok(255) };
+    match v.parse::<u32>() {
+        Ok(n) if n.is_power_of_two() && (256..=65_536).contains(&n) => Ok((n / 256 - 1) as u8),
+        _ => bail!("RL_BENCH_PREFIXES={v}: expected a power of two from 256 to 65536"),
+    }
 }
 
 /// The packets the nft rule's named counter saw (listing just the counter:
