@@ -13,6 +13,7 @@
 pub mod cells;
 pub mod clock;
 pub mod known;
+pub mod limit_entry;
 pub mod limiter;
 pub mod maps;
 pub mod pressure;
@@ -22,6 +23,7 @@ pub mod window;
 pub use cells::*;
 pub use clock::TickClock;
 pub use known::*;
+pub use limit_entry::*;
 pub use limiter::{admit_with, gcra, gcra_cost, Admit, Limit, SharedWord};
 pub use maps::*;
 pub use pressure::*;

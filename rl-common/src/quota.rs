@@ -7,7 +7,7 @@
 //! would not; at `retry_after_ns` from now a packet passes and one
 //! nanosecond earlier it would not. The host tests check exactly that.
 
-use crate::maps::{LimitEntry, LIMIT_BYTES, LIMIT_GCRA};
+use crate::limit_entry::{LimitEntry, LIMIT_BYTES, LIMIT_GCRA};
 
 /// One limit's quota for one key, at one moment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -119,7 +119,7 @@ fn searched(limit: &LimitEntry, word: u64, now: u64, epoch_offset_ns: u64) -> Qu
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::maps::{LIMIT_FIXED, LIMIT_SLIDING};
+    use crate::limit_entry::{LIMIT_FIXED, LIMIT_SLIDING};
     use proptest::prelude::*;
 
     const S: u64 = 1_000_000_000;

@@ -96,22 +96,56 @@ pub fn sliding_is_over(word: u64, now: u64, window_ns: u64) -> bool {
     word & ((1 << (2 * SLIDE_BITS)) - 1) == 0 || behind(current, word >> (2 * SLIDE_BITS), 8).is_some_and(|d| d >= 2)
 }
 
-/// Two fixed-window words of one limit as one that allows no more than
-/// either, now and later: of one window, the larger count; of two, the
-/// later window's word (the other's count is never read again once the
-/// datapath is in the later window, and it is: it wrote that word). No
-/// clock is read, so a datapath clock a tick behind the daemon's sees the
-/// window it is in.
-pub fn fixed_merge(a: u64, b: u64) -> u64 {
+/// How far the datapath's clock (ktime, or the tick clock) may run ahead of
+/// the daemon's `CLOCK_MONOTONIC_COARSE`: a tick (10 ms at `HZ=100`).
+pub const MERGE_AHEAD_NS: u64 = 10_000_000;
+
+/// Which of two words' windows (`ia`, `ib`, kept mod `2^bits`) is the later
+/// in real time, judged at `now` (epoch ns): each index is taken as the
+/// window nearest `now`'s, and one that would lie after every window the
+/// datapath's clock can be in (`now`'s, or the next one in the last
+/// [`MERGE_AHEAD_NS`] before it) is a stale word whose index wrapped
+/// around: its window is long over. Returns `(a is the later, windows
+/// between them)`, the distance `None` when one of them is such a stale
+/// word or both are.
+fn later_window(ia: u64, ib: u64, now: u64, window_ns: u64, bits: u32) -> (bool, Option<u64>) {
+    let window_ns = window_ns.max(1);
+    let current = now / window_ns;
+    let half = 1i64 << (bits - 1);
+    let ahead_max = (now.saturating_add(MERGE_AHEAD_NS) / window_ns - current).min(half as u64 - 1) as i64;
+    // The window `idx` names, relative to `current`: in [-half, half).
+    let offset = |idx: u64| {
+        let d = (idx.wrapping_sub(current) & ((1 << bits) - 1)) as i64;
+        if d < half { d } else { d - 2 * half }
+    };
+    let (oa, ob) = (offset(ia), offset(ib));
+    match (oa <= ahead_max, ob <= ahead_max) {
+        (true, true) => (oa >= ob, Some(oa.abs_diff(ob))),
+        (a_real, _) => (a_real, None),
+    }
+}
+
+/// Two fixed-window words of one limit, judged at `now` (epoch ns), as one
+/// that allows no more than either, now and later: of one window, the larger
+/// count; of two, the later window's word (the other's count is never read
+/// again once the datapath is in the later window, and it is: it wrote that
+/// word). The clock only tells which window is the later when indexes have
+/// wrapped; of two words in or next to `now`'s window the later is the same
+/// at any clock within a tick, so a datapath clock a tick behind the
+/// daemon's sees the window it is in.
+pub fn fixed_merge(a: u64, b: u64, now: u64, window_ns: u64) -> u64 {
     let count = |x: u64| x & FIXED_COUNT_MASK;
     if count(a) == 0 || count(b) == 0 {
         return if count(a) == 0 { b } else { a };
     }
     let (ia, ib) = (a >> FIXED_COUNT_BITS, b >> FIXED_COUNT_BITS);
-    match behind(ia, ib, FIXED_INDEX_BITS) {
-        Some(0) => ia << FIXED_COUNT_BITS | count(a).max(count(b)),
-        Some(_) => a,
-        None => b,
+    if ia == ib {
+        return ia << FIXED_COUNT_BITS | count(a).max(count(b));
+    }
+    if later_window(ia, ib, now, window_ns, FIXED_INDEX_BITS).0 {
+        a
+    } else {
+        b
     }
 }
 
@@ -119,7 +153,7 @@ pub fn fixed_merge(a: u64, b: u64) -> u64 {
 /// each count; one window apart, the later window's word with the earlier
 /// one's count as its previous where that is larger; further apart, the
 /// later word.
-pub fn sliding_merge(a: u64, b: u64) -> u64 {
+pub fn sliding_merge(a: u64, b: u64, now: u64, window_ns: u64) -> u64 {
     let live = |x: u64| x & ((1 << (2 * SLIDE_BITS)) - 1) != 0;
     if !live(a) || !live(b) {
         return if live(a) { a } else { b };
@@ -127,12 +161,14 @@ pub fn sliding_merge(a: u64, b: u64) -> u64 {
     let split = |x: u64| (x >> (2 * SLIDE_BITS), (x >> SLIDE_BITS) & SLIDE_MASK, x & SLIDE_MASK);
     let ((ia, pa, ca), (ib, pb, cb)) = (split(a), split(b));
     let word = |i: u64, p: u64, c: u64| i << (2 * SLIDE_BITS) | p << SLIDE_BITS | c;
-    match (behind(ia, ib, 8), behind(ib, ia, 8)) {
-        (Some(0), _) => word(ia, pa.max(pb), ca.max(cb)),
-        (Some(1), _) => word(ia, pa.max(cb), ca),
-        (_, Some(1)) => word(ib, pb.max(ca), cb),
-        (Some(_), _) => a,
-        _ => b,
+    if ia == ib {
+        return word(ia, pa.max(pb), ca.max(cb));
+    }
+    match later_window(ia, ib, now, window_ns, 8) {
+        (true, Some(1)) => word(ia, pa.max(cb), ca),
+        (false, Some(1)) => word(ib, pb.max(ca), cb),
+        (true, _) => a,
+        (false, _) => b,
     }
 }
 
@@ -180,6 +216,46 @@ mod tests {
         assert_eq!(n, 50);
         // Two windows later nothing of it counts.
         assert!(sliding_window(w, 12 * SEC + 1, SEC, 100, 100).is_some());
+    }
+
+    #[test]
+    fn a_merge_takes_the_later_window_when_indexes_wrapped() {
+        // A 1 s sliding window: 129 windows keep an index 127 windows
+        // "ahead" mod 256, and 255 windows one "ahead". The later word is
+        // the one just charged.
+        let w = SEC;
+        let now = 1_000 * SEC + SEC / 2;
+        let new = sliding_window(0, now, w, 1, 1).unwrap();
+        for back in [129, 255, 256 + 2] {
+            let old = sliding_window(0, now - back * w, w, 1, 1).unwrap();
+            assert_eq!(sliding_merge(old, new, now, w), new, "{back} windows back");
+            assert_eq!(sliding_merge(new, old, now, w), new, "{back} windows back");
+        }
+        // In the last tick of a window the datapath may already be in the
+        // next one: a word of that window is the later.
+        let late = 1_000 * SEC + SEC - MERGE_AHEAD_NS / 2;
+        let next = sliding_window(0, late + MERGE_AHEAD_NS, w, 1, 1).unwrap();
+        let this = sliding_window(0, late, w, 1, 1).unwrap();
+        assert_eq!(sliding_merge(this, next, late, w) >> (2 * SLIDE_BITS), next >> (2 * SLIDE_BITS));
+        // A 20 ms window (the arithmetic takes any length).
+        let w = 20_000_000;
+        let now = 1_000 * SEC;
+        let old = sliding_window(0, now - 129 * w, w, 1, 1).unwrap();
+        let new = sliding_window(0, now, w, 1, 1).unwrap();
+        assert_eq!(sliding_merge(old, new, now, w), new);
+        assert_eq!(sliding_merge(new, old, now, w), new);
+        assert!(sliding_window(sliding_merge(old, new, now, w), now + 1, w, 1, 1).is_none(), "the merge still holds the limit");
+        // One window apart, the earlier count becomes the previous one.
+        let prev = sliding_window(0, now - w, w, 5, 3).unwrap();
+        let m = sliding_merge(new, prev, now, w);
+        assert_eq!((m >> SLIDE_BITS) & SLIDE_MASK, 3);
+        assert_eq!(m & SLIDE_MASK, 1);
+        // Fixed windows of 1 µs wrap their 24-bit index every 16.8 s.
+        let w = 1_000;
+        let old = fixed_window(0, now - (1 << 23) * w - 5 * w, w, 1, 1).unwrap();
+        let new = fixed_window(0, now, w, 1, 1).unwrap();
+        assert_eq!(fixed_merge(old, new, now, w), new);
+        assert_eq!(fixed_merge(new, old, now, w), new);
     }
 
     proptest! {

@@ -156,7 +156,7 @@ impl Walk<'_> {
                 // An older build's cell: into the array (merged into the
                 // copy moved before the program swap, see `move_old_cells`).
                 if let Some(l) = self.limits.get(&(k.rule() & !KEY_CELL)) {
-                    move_old_cell(id, name, cells, k, b, l)?;
+                    move_old_cell(id, name, cells, k, b, l, self.epoch_offset_ns)?;
                     self.moved += 1;
                 }
                 dead.push(*k);
@@ -279,8 +279,9 @@ fn move_old_cell<K: BucketKey + KnownKey + PartialEq>(
     k: &K,
     b: &Bucket,
     limit: &LimitEntry,
+    epoch_offset_ns: u64,
 ) -> Result<(), DatapathError> {
-    let merge = |x, y| limit.merge(x, y);
+    let merge = |x, y| limit.merge(x, y, monotonic_ns(), epoch_offset_ns);
     if cells.adopt(k, *b, merge) {
         return Ok(());
     }
@@ -305,12 +306,13 @@ fn move_old_cells_of<K: BucketKey + KnownKey + PartialEq>(
     name: &'static str,
     cells: &CellArray<K>,
     limits: &LimitsByKey,
+    epoch_offset_ns: u64,
 ) -> Result<u64, DatapathError> {
     let mut moved = 0;
     scan_table_each::<K>(id, name, |keys, buckets| {
         for (k, b) in keys.iter().zip(buckets) {
             if let (KeyKind::Cell, Some(l)) = (key_kind(k.rule()), limits.get(&(k.rule() & !KEY_CELL))) {
-                move_old_cell(id, name, cells, k, b, l)?;
+                move_old_cell(id, name, cells, k, b, l, epoch_offset_ns)?;
                 moved += 1;
             }
         }
@@ -333,8 +335,9 @@ impl Datapath {
         let limits = self.limits_by_key()?;
         let cells4 = CellArray::<Key4>::open(ids.cells.0, MAP_CELLS_V4)?;
         let cells6 = CellArray::<Key6>::open(ids.cells.1, MAP_CELLS_V6)?;
-        Ok(move_old_cells_of(ids.tables.0, MAP_SOURCES_V4, &cells4, &limits)?
-            + move_old_cells_of(ids.tables.1, MAP_SOURCES_V6, &cells6, &limits)?)
+        let offset = self.epoch_offset_ns;
+        Ok(move_old_cells_of(ids.tables.0, MAP_SOURCES_V4, &cells4, &limits, offset)?
+            + move_old_cells_of(ids.tables.1, MAP_SOURCES_V6, &cells6, &limits, offset)?)
     }
 
     /// Marks the move of an older build's cells done, once this build's
