@@ -4,7 +4,8 @@
 //! reads and raises cells; a cell charged while the collector frees it is
 //! kept, and its prefix claims nothing while it is being freed; and a cell
 //! an older build left in the sources' table is moved into the array before
-//! the program swap, without losing its state.
+//! the program swap, without losing its state: by the datapath, and end to
+//! end by a daemon started on such pins, with real packets through veth.
 
 use aya::maps::{HashMap, Map, MapData};
 use rl_common::{Bucket, Key4, KEY_CELL, STAT_FALLBACK, STAT_NEW_CELLS};
@@ -267,4 +268,58 @@ fn a_pass_clears_the_key_an_older_build_left_in_a_freed_slot() {
     assert_eq!((cells.get(i).claim, cells.get(i).key), (0, key));
     pass(&dp);
     assert_eq!((cells.get(i).claim, cells.get(i).key), (0, Key4::default()), "the pass cleared the stale key");
+}
+
+#[test]
+fn a_daemon_upgrading_pins_with_cells_in_the_tables_moves_them_and_the_limit_holds() {
+    use rl_control::datapath::LoadOptions;
+    use rl_tests::{
+        daemon::{write, Daemon},
+        lab::{BpfFs, Lab, VA, VB},
+        traffic::{forged, join, Receiver},
+    };
+    let lab = Lab::new().unwrap();
+    let pins = BpfFs::new().unwrap();
+    let conf = tempfile::tempdir().unwrap();
+    let cfg = write(&conf, "rl.toml", &rules());
+    let dir = pins.path().join(rl_control::datapath::pin_group(&[VB.to_string()]));
+    let send = |src: [u8; 4]| {
+        let tap = Receiver::tap(&lab.b, VB).unwrap();
+        join(forged(&lab.a, VA, to(src, 9999), 1, 0, None, move |_| src)).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        tap.finish().unwrap().get(&std::net::IpAddr::from(src)).copied().unwrap_or(0)
+    };
+    // This build uses the /24's hour ("once": 1 per hour, flood mode always
+    // on, so the source is charged to its cell).
+    let d = Daemon::pinned(&lab, &cfg, &pins, &[]).unwrap();
+    assert_eq!(send([192, 0, 2, 10]), 1, "the hour's one packet passes");
+    let (status, log) = d.stop(libc::SIGTERM).unwrap();
+    assert!(status.success(), "{log}");
+    // Turn its pins into an older build's: the cell in the sources' table,
+    // no cell arrays pinned (the attached program keeps its own).
+    let key = cell_key(2, [192, 0, 2, 0]);
+    {
+        let compiled = compile(&Config::from_str(&rules(), "<test>").unwrap());
+        let dp = Datapath::load_with(&compiled, LoadOptions { pin: Some(dir.clone()), ..Default::default() }).unwrap();
+        let cells = dp.cells_v4().unwrap();
+        let cell = cells.get(cells.find(&key).expect("this build kept the cell in its array"));
+        let mut table: HashMap<MapData, Key4, Bucket> =
+            HashMap::try_from(Map::HashMap(MapData::from_id(dp.table_ids().unwrap().tables.0).unwrap())).unwrap();
+        table.insert(key, cell.bucket, 0).unwrap();
+    }
+    for name in [rl_common::MAP_CELLS_V4, rl_common::MAP_CELLS_V6, rl_common::MAP_CELL_COUNT] {
+        std::fs::remove_file(dir.join(name)).unwrap();
+    }
+    // The upgrade: the daemon copies the cell before its swap and marks the
+    // move done after it.
+    let d = Daemon::pinned(&lab, &cfg, &pins, &[]).unwrap();
+    let log = d.log();
+    assert!(log.contains("copied the prefix cells an older build kept") && log.contains("cells=1"), "{log}");
+    assert!(dir.join(rl_common::MAP_CELL_COUNT).exists(), "the move is marked done once the program is in");
+    assert_eq!(send([192, 0, 2, 20]), 0, "a newcomer of that /24 finds the hour used");
+    assert_eq!(send([198, 51, 100, 7]), 1, "another /24 has its own");
+    let (status, log) = d.stop(libc::SIGTERM).unwrap();
+    assert!(status.success(), "{log}");
+    let (status, out) = rl_tests::daemon::run_once(Some(&lab.b), &["detach", "--iface", VB, "--pin-dir", pins.arg()]).unwrap();
+    assert!(status.success(), "{out}");
 }
