@@ -66,16 +66,17 @@ impl TickClock {
 
     /// Whether `limit` stays accurate when read through this clock.
     pub fn suits(&self, limit: &Limit) -> bool {
-        self.suits_bucket(limit.burst_span_ns, limit.interval_ns)
+        self.suits_bucket(limit.burst_span_ns, limit.interval_ns, limit.interval_ns)
     }
 
-    /// Whether a token bucket holding `span_ns` whose largest packet costs
-    /// `cost_ns` stays accurate on this clock: its tolerance (`span_ns -
-    /// cost_ns`) lasts [`COARSE_MIN_TICKS`], or, without that, one packet's
-    /// cost lasts [`COARSE_MIN_COST_TICKS`].
-    pub fn suits_bucket(&self, span_ns: u64, cost_ns: u64) -> bool {
-        self.suits_span(span_ns.saturating_sub(cost_ns))
-            || (self.tick_ns != 0 && cost_ns >= self.tick_ns.saturating_mul(COARSE_MIN_COST_TICKS))
+    /// Whether a token bucket holding `span_ns` whose packets cost from
+    /// `least_ns` to `most_ns` stays accurate on this clock: its tolerance
+    /// after the largest (`span_ns - most_ns`) lasts [`COARSE_MIN_TICKS`],
+    /// or, without that, the smallest packet's cost lasts
+    /// [`COARSE_MIN_COST_TICKS`].
+    pub fn suits_bucket(&self, span_ns: u64, most_ns: u64, least_ns: u64) -> bool {
+        self.suits_span(span_ns.saturating_sub(most_ns))
+            || (self.tick_ns != 0 && least_ns >= self.tick_ns.saturating_mul(COARSE_MIN_COST_TICKS))
     }
 
     /// Whether a window of `span_ns` (or a bucket's tolerance) stays

@@ -8,7 +8,7 @@ use core::mem::size_of;
 use crate::{
     clock::TickClock,
     limiter::gcra_cost,
-    window::{fixed_window, sliding_window},
+    window::{fixed_window, sliding_window, MERGE_SETTLE_NS},
 };
 
 /// `LimitEntry::kind` values (low byte) and flags.
@@ -107,13 +107,26 @@ impl LimitEntry {
         }
     }
 
+    /// How long the daemon waits before it merges two words of this limit
+    /// at `now` (ktime): a window's first [`MERGE_SETTLE_NS`], where a
+    /// datapath on the tick clock may still be in the window before.
+    pub fn merge_wait_ns(&self, now: u64, epoch_offset_ns: u64) -> u64 {
+        if self.kind & 0xff == LIMIT_GCRA || self.a == 0 {
+            return 0;
+        }
+        let into = now.wrapping_add(epoch_offset_ns) % self.a;
+        MERGE_SETTLE_NS.saturating_sub(into)
+    }
+
     /// This limit reading the tick clock exactly when `clock` suits it
     /// (a token bucket by its tolerance after its largest packet,
-    /// [`MAX_FRAME_BYTES`] for a byte limit; a window by its length).
+    /// [`MAX_FRAME_BYTES`] for a byte limit, or by its smallest packet's
+    /// cost, one byte for a byte limit; a window by its length).
     pub fn with_clock(mut self, clock: &TickClock) -> Self {
         let suits = if self.kind & 0xff == LIMIT_GCRA {
-            let units = if self.kind & LIMIT_BYTES != 0 { MAX_FRAME_BYTES } else { 1 };
-            clock.suits_bucket(self.b, units.saturating_mul(self.a) >> (self.shift & 63))
+            let cost = |units: u64| units.saturating_mul(self.a) >> (self.shift & 63);
+            let (most, least) = if self.kind & LIMIT_BYTES != 0 { (MAX_FRAME_BYTES, 1) } else { (1, 1) };
+            clock.suits_bucket(self.b, cost(most), cost(least))
         } else {
             clock.suits_span(self.a)
         };
@@ -134,6 +147,26 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    #[test]
+    fn a_byte_limit_reads_the_tick_clock_only_with_tolerance_after_a_jumbo_frame() {
+        let clock = TickClock { tick_ns: 4_000_000, offset_ns: 0 };
+        let coarse = |l: LimitEntry| l.with_clock(&clock).kind & LIMIT_COARSE != 0;
+        // 2 KB/s: 500 µs a byte.
+        let bytes = |burst: u64| LimitEntry { kind: LIMIT_GCRA | LIMIT_BYTES, shift: 0, a: 500_000, b: burst * 500_000 };
+        assert!(!coarse(bytes(1_500)), "a burst under a jumbo frame: no tolerance for large packets");
+        assert!(!coarse(bytes(MAX_FRAME_BYTES)));
+        assert!(coarse(bytes(MAX_FRAME_BYTES + 64)), "32 ms of tolerance after a jumbo frame");
+        // Packets: 8/s with burst 1 has no tolerance and costs 125 ms.
+        let packets = |burst: u64| LimitEntry { kind: LIMIT_GCRA, shift: 0, a: 125_000_000, b: burst * 125_000_000 };
+        assert!(!coarse(packets(1)) && coarse(packets(2)));
+        // Windows of 1 s and more always suit; a merge waits out their first tick.
+        let window = LimitEntry { kind: LIMIT_SLIDING, shift: 0, a: 1_000_000_000, b: 5 };
+        assert!(coarse(window));
+        assert_eq!(window.merge_wait_ns(7_000_000_000 + 4_000_000, 0), MERGE_SETTLE_NS - 4_000_000);
+        assert_eq!(window.merge_wait_ns(7_000_000_000 + MERGE_SETTLE_NS, 0), 0);
+        assert_eq!(packets(1).merge_wait_ns(7_000_000_000, 0), 0);
+    }
+
     proptest! {
         /// A merged word passes a packet only where both words would, at
         /// the merge and at every later time.
@@ -143,7 +176,7 @@ mod tests {
             a in 1u64..5_000_000_000, b in 1u64..30,
             start in 0u64..1_000_000_000_000, off in 0u64..1_000_000_000_000,
             sent in (0u64..40, 0u64..40), skew in (0u64..600_000_000_000, 0u64..600_000_000_000),
-            gaps in proptest::collection::vec(0u64..3_000_000_000, 1..40),
+            gaps in proptest::collection::vec(0u64..3_000_000_000, 1..40), lag in 0u64..MERGE_SETTLE_NS,
         ) {
             let l = match kind {
                 LIMIT_GCRA => LimitEntry { kind, shift: 0, a, b: a * b },
@@ -155,14 +188,10 @@ mod tests {
             let fill = |n: u64, t: u64| (0..n).fold(0u64, |w, _| l.step(w, t, off, 1).unwrap_or(w));
             let (mut x, mut y) = (fill(sent.0, start), fill(sent.1, start + skew.0));
             let mut now = start + skew.0.max(skew.1);
-            // Both histories and the merge read one clock here, so the
-            // datapath is never a tick ahead: the last tick of a window,
-            // where a word of the next one is taken as real, is left out.
-            if kind != LIMIT_GCRA {
-                let to_boundary = l.a - (now + off) % l.a;
-                prop_assume!(to_boundary > crate::window::MERGE_AHEAD_NS);
-            }
-            let mut m = l.merge(x, y, now, off);
+            // The daemon merges on a clock up to a tick ahead of the
+            // datapath's (`now`), after waiting out its window's first tick.
+            prop_assume!(l.merge_wait_ns(now + lag, off) == 0);
+            let mut m = l.merge(x, y, now + lag, off);
             // Each bucket takes what it passes; the merge never passes more
             // than either word, counted from the merge on.
             let (mut px, mut py, mut pm) = (0, 0, 0);

@@ -96,30 +96,33 @@ pub fn sliding_is_over(word: u64, now: u64, window_ns: u64) -> bool {
     word & ((1 << (2 * SLIDE_BITS)) - 1) == 0 || behind(current, word >> (2 * SLIDE_BITS), 8).is_some_and(|d| d >= 2)
 }
 
-/// How far the datapath's clock (ktime, or the tick clock) may run ahead of
-/// the daemon's `CLOCK_MONOTONIC_COARSE`: a tick (10 ms at `HZ=100`).
-pub const MERGE_AHEAD_NS: u64 = 10_000_000;
+/// How far the datapath's clock may lag the daemon's `CLOCK_MONOTONIC`: a
+/// tick (10 ms at `HZ=100`) for limits on the tick clock. A merge of window
+/// words waits until this long into its window
+/// (`LimitEntry::merge_wait_ns`), so that the datapath is in the window the
+/// daemon reads; and the daemon reads its clock after the words, so no word
+/// is of a later window than that.
+pub const MERGE_SETTLE_NS: u64 = 10_000_000;
 
 /// Which of two words' windows (`ia`, `ib`, kept mod `2^bits`) is the later
-/// in real time, judged at `now` (epoch ns): each index is taken as the
-/// window nearest `now`'s, and one that would lie after every window the
-/// datapath's clock can be in (`now`'s, or the next one in the last
-/// [`MERGE_AHEAD_NS`] before it) is a stale word whose index wrapped
-/// around: its window is long over. Returns `(a is the later, windows
-/// between them)`, the distance `None` when one of them is such a stale
-/// word or both are.
+/// in real time, judged at `now` (epoch ns, read after both words, at least
+/// [`MERGE_SETTLE_NS`] into its window): each index is taken as the window
+/// nearest `now`'s, and one that would lie after `now`'s is a stale word
+/// whose index wrapped around: its window is long over. Returns `(a is the
+/// later, windows between them)`, the distance `None` when one of them is
+/// such a stale word or both are. (A stale word that wraps to `now`'s window
+/// or the one before is taken as live, as the datapath reads it: it limits
+/// more, never less.)
 fn later_window(ia: u64, ib: u64, now: u64, window_ns: u64, bits: u32) -> (bool, Option<u64>) {
-    let window_ns = window_ns.max(1);
-    let current = now / window_ns;
+    let current = now / window_ns.max(1);
     let half = 1i64 << (bits - 1);
-    let ahead_max = (now.saturating_add(MERGE_AHEAD_NS) / window_ns - current).min(half as u64 - 1) as i64;
     // The window `idx` names, relative to `current`: in [-half, half).
     let offset = |idx: u64| {
         let d = (idx.wrapping_sub(current) & ((1 << bits) - 1)) as i64;
         if d < half { d } else { d - 2 * half }
     };
     let (oa, ob) = (offset(ia), offset(ib));
-    match (oa <= ahead_max, ob <= ahead_max) {
+    match (oa <= 0, ob <= 0) {
         (true, true) => (oa >= ob, Some(oa.abs_diff(ob))),
         (a_real, _) => (a_real, None),
     }
@@ -129,10 +132,8 @@ fn later_window(ia: u64, ib: u64, now: u64, window_ns: u64, bits: u32) -> (bool,
 /// that allows no more than either, now and later: of one window, the larger
 /// count; of two, the later window's word (the other's count is never read
 /// again once the datapath is in the later window, and it is: it wrote that
-/// word). The clock only tells which window is the later when indexes have
-/// wrapped; of two words in or next to `now`'s window the later is the same
-/// at any clock within a tick, so a datapath clock a tick behind the
-/// daemon's sees the window it is in.
+/// word). The clock (see [`later_window`]) tells which window is the later
+/// when indexes have wrapped.
 pub fn fixed_merge(a: u64, b: u64, now: u64, window_ns: u64) -> u64 {
     let count = |x: u64| x & FIXED_COUNT_MASK;
     if count(a) == 0 || count(b) == 0 {
@@ -231,12 +232,11 @@ mod tests {
             assert_eq!(sliding_merge(old, new, now, w), new, "{back} windows back");
             assert_eq!(sliding_merge(new, old, now, w), new, "{back} windows back");
         }
-        // In the last tick of a window the datapath may already be in the
-        // next one: a word of that window is the later.
-        let late = 1_000 * SEC + SEC - MERGE_AHEAD_NS / 2;
-        let next = sliding_window(0, late + MERGE_AHEAD_NS, w, 1, 1).unwrap();
-        let this = sliding_window(0, late, w, 1, 1).unwrap();
-        assert_eq!(sliding_merge(this, next, late, w) >> (2 * SLIDE_BITS), next >> (2 * SLIDE_BITS));
+        // The daemon reads its clock after the words: one of a later
+        // window than its clock's is a stale word wrapped around.
+        let ahead = sliding_window(0, now + w, w, 1, 1).unwrap();
+        assert_eq!(sliding_merge(ahead, new, now, w), new);
+        assert_eq!(sliding_merge(new, ahead, now, w), new);
         // A 20 ms window (the arithmetic takes any length).
         let w = 20_000_000;
         let now = 1_000 * SEC;

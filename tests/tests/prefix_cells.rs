@@ -314,7 +314,10 @@ fn a_daemon_upgrading_pins_with_cells_in_the_tables_moves_them_and_the_limit_hol
     // move done after it.
     let d = Daemon::pinned(&lab, &cfg, &pins, &[]).unwrap();
     let log = d.log();
-    assert!(log.contains("copied the prefix cells an older build kept") && log.contains("cells=1"), "{log}");
+    let line = |needle: &str| log.lines().position(|l| l.contains(needle));
+    let copied = line("copied the prefix cells an older build kept").expect(&log);
+    assert!(log.lines().nth(copied).unwrap().trim_end().ends_with(" cells=1"), "one cell copied: {log}");
+    assert!(copied < line("attached: ").expect(&log), "copied before the program swap: {log}");
     assert!(dir.join(rl_common::MAP_CELL_COUNT).exists(), "the move is marked done once the program is in");
     assert_eq!(send([192, 0, 2, 20]), 0, "a newcomer of that /24 finds the hour used");
     assert_eq!(send([198, 51, 100, 7]), 1, "another /24 has its own");

@@ -281,6 +281,9 @@ fn move_old_cell<K: BucketKey + KnownKey + PartialEq>(
     limit: &LimitEntry,
     epoch_offset_ns: u64,
 ) -> Result<(), DatapathError> {
+    // In a window's first tick a datapath on the tick clock may still be in
+    // the window before: merge after it, on a clock read after the words.
+    std::thread::sleep(std::time::Duration::from_nanos(limit.merge_wait_ns(monotonic_ns(), epoch_offset_ns)));
     let merge = |x, y| limit.merge(x, y, monotonic_ns(), epoch_offset_ns);
     if cells.adopt(k, *b, merge) {
         return Ok(());
