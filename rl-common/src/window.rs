@@ -72,13 +72,27 @@ pub fn sliding_window(word: u64, now: u64, window_ns: u64, max: u64, cost: u64) 
     Some(w << (2 * SLIDE_BITS) | prev << SLIDE_BITS | next)
 }
 
+/// The window index `idx` names relative to index `current`, both kept mod
+/// `2^bits`: the nearest such window, in `[-2^(bits-1), 2^(bits-1))`
+/// windows (positive: after `current`).
+#[inline(always)]
+fn offset(current: u64, idx: u64, bits: u32) -> i64 {
+    let half = 1i64 << (bits - 1);
+    let d = (idx.wrapping_sub(current) & ((1 << bits) - 1)) as i64;
+    if d < half {
+        d
+    } else {
+        d - 2 * half
+    }
+}
+
 /// How many windows index `idx` is behind index `now` when indexes are
-/// kept mod `2^bits`: past half that range it is taken to be ahead
+/// kept mod `2^bits`: half that range or more, it is taken to be ahead
 /// (`None`), a word of a later window than the one `now` names.
 #[inline(always)]
 fn behind(now: u64, idx: u64, bits: u32) -> Option<u64> {
-    let d = now.wrapping_sub(idx) & ((1 << bits) - 1);
-    (d < 1 << (bits - 1)).then_some(d)
+    let o = offset(now, idx, bits);
+    (o <= 0 && o > -(1i64 << (bits - 1))).then_some(o.unsigned_abs())
 }
 
 /// Whether a fixed-window word is over at `now` (epoch ns) and at every
@@ -115,13 +129,7 @@ pub const MERGE_SETTLE_NS: u64 = 10_000_000;
 /// more, never less.)
 fn later_window(ia: u64, ib: u64, now: u64, window_ns: u64, bits: u32) -> (bool, Option<u64>) {
     let current = now / window_ns.max(1);
-    let half = 1i64 << (bits - 1);
-    // The window `idx` names, relative to `current`: in [-half, half).
-    let offset = |idx: u64| {
-        let d = (idx.wrapping_sub(current) & ((1 << bits) - 1)) as i64;
-        if d < half { d } else { d - 2 * half }
-    };
-    let (oa, ob) = (offset(ia), offset(ib));
+    let (oa, ob) = (offset(current, ia, bits), offset(current, ib, bits));
     match (oa <= 0, ob <= 0) {
         (true, true) => (oa >= ob, Some(oa.abs_diff(ob))),
         (a_real, _) => (a_real, None),

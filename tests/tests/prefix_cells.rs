@@ -15,7 +15,7 @@ use rl_control::{
     datapath::{
         collect,
         share::{scan_shared, BucketId, Tables},
-        Datapath, Pass, COLLECT_IDLE_NS,
+        CellArray, Datapath, Pass, COLLECT_IDLE_NS,
     },
 };
 use rl_tests::{datapath, frames::*, lab::require_root, offer};
@@ -34,6 +34,19 @@ fn cell_key(index: usize, src: [u8; 4]) -> Key4 {
     let compiled = compile(&Config::from_str(&rules(), "<test>").unwrap());
     let k = compiled.rules.entries[index].key4(0, u32::from_ne_bytes(src));
     Key4 { rule: k.rule | KEY_CELL, addr: k.addr & u32::from_ne_bytes([255, 255, 255, 0]) }
+}
+
+/// A datapath where one packet from `prefix.1` to "once" (1 per hour) made
+/// the /24's cell: the datapath, its cells, the cell's key and slot.
+fn once_cell(prefix: [u8; 3]) -> (Datapath, CellArray<Key4>, Key4, u32) {
+    require_root();
+    let dp = datapath(&rules()).unwrap();
+    let cells = dp.cells_v4().unwrap();
+    let [a, b, c] = prefix;
+    let key = cell_key(2, [a, b, c, 0]);
+    assert_eq!(offer(&dp, &to([a, b, c, 1], 9999), 1), (1, 0), "the hour's one packet passes");
+    let i = cells.find(&key).expect("its cell was made");
+    (dp, cells, key, i)
 }
 
 fn pass(dp: &Datapath) -> Pass {
@@ -174,12 +187,7 @@ fn a_cell_charged_while_the_collector_frees_it_is_kept_with_its_charges() {
 
 #[test]
 fn while_a_cell_is_being_freed_its_prefix_is_charged_to_the_last_resort_and_claims_nothing() {
-    require_root();
-    let dp = datapath(&rules()).unwrap();
-    let cells = dp.cells_v4().unwrap();
-    let key = cell_key(2, [10, 4, 4, 0]);
-    assert_eq!(offer(&dp, &to([10, 4, 4, 1], 9999), 1), (1, 0));
-    let i = cells.find(&key).unwrap();
+    let (dp, cells, key, i) = once_cell([10, 4, 4]);
     let claimed = dp.counters().unwrap().get(STAT_NEW_CELLS);
     assert!(cells.begin_free(i, &key, cells.get(i).claim));
     assert!(cells.find(&key).is_none(), "a dying cell is nobody's");
@@ -256,12 +264,7 @@ fn a_window_bucket_charged_in_its_window_survives_a_collector_pass() {
 
 #[test]
 fn a_pass_clears_the_key_an_older_build_left_in_a_freed_slot() {
-    require_root();
-    let dp = datapath(&rules()).unwrap();
-    let cells = dp.cells_v4().unwrap();
-    let key = cell_key(2, [10, 3, 3, 0]);
-    assert_eq!(offer(&dp, &to([10, 3, 3, 1], 9999), 1), (1, 0));
-    let i = cells.find(&key).unwrap();
+    let (dp, cells, key, i) = once_cell([10, 3, 3]);
     // As the older build freed slots: the claim back to 0, the key left.
     assert!(cells.begin_free(i, &key, cells.get(i).claim));
     assert!(cells.release_abandoned(i, cells.get(i).claim));
