@@ -323,6 +323,9 @@ pub const MAX_LIMITS: usize = 4;
 /// `RuleEntry::flags`.
 pub const RULE_SHADOW: u32 = 1;
 pub const RULE_ELASTIC: u32 = 2;
+/// `scope = "cluster"`: its prefix cells keep counts (`rl_common::CellKey`)
+/// for the cluster sync to report.
+pub const RULE_CLUSTER: u32 = 4;
 
 /// One rule (or `[default]`) as the datapath applies it.
 #[repr(C)]

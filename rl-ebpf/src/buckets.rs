@@ -18,8 +18,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, PerCpuArray},
 };
 use rl_common::{
-    cell_claim, cell_dying, cell_set, cell_way, cells_saturated, Way, Bucket, Cell, DatapathConfig, FloodState, Key4, Key6, KnownKey, RuleEntry, Unseen, CELL_WAYS,
-    KEY_CELL, KEY_LAST, STAT_FALLBACK, STAT_NEW_CELLS, STAT_NEW_SOURCES, STAT_TABLE_FULL,
+    cell_claim, cell_set, cell_way, cell_writing, cells_saturated, Bucket, Cell, CellKey, CellScratch, DatapathConfig, FloodState, Key4, Key6, KnownKey,
+    RuleEntry, Unseen, Way, CELL_WAYS, KEY_CELL, KEY_LAST, NO_CELL, RULE_CLUSTER, STAT_FALLBACK, STAT_NEW_CELLS, STAT_NEW_SOURCES, STAT_TABLE_FULL,
 };
 
 use crate::{known, stats};
@@ -34,13 +34,22 @@ static RL_SRC4: HashMap<Key4, Bucket> = HashMap::with_max_entries(65_536, 0);
 #[map(name = "RL_SRC6")]
 static RL_SRC6: HashMap<Key6, Bucket> = HashMap::with_max_entries(65_536, 0);
 
-/// Prefix cells (rl_common::cells), one array per family. Mappable: the
-/// daemon frees fresh cells with compare-and-swap on their claim word. The
-/// daemon sets the real size at load (`cell_slots(flood_prefixes)`).
-#[map(name = "RL_CELL4")]
-static RL_CELL4: Array<Cell<Key4>> = Array::with_max_entries(CELL_WAYS, BPF_F_MMAPABLE);
-#[map(name = "RL_CELL6")]
-static RL_CELL6: Array<Cell<Key6>> = Array::with_max_entries(CELL_WAYS, BPF_F_MMAPABLE);
+/// Prefix cells (rl_common::cells), one array per family, and their keys
+/// and counts, slot for slot. Mappable: the daemon frees fresh cells with
+/// compare-and-swap on their claim word. The daemon sets the real size at
+/// load (`cell_slots(flood_prefixes)`).
+#[map(name = "RL_CELLS4")]
+static RL_CELLS4: Array<Cell> = Array::with_max_entries(CELL_WAYS, BPF_F_MMAPABLE);
+#[map(name = "RL_CELLS6")]
+static RL_CELLS6: Array<Cell> = Array::with_max_entries(CELL_WAYS, BPF_F_MMAPABLE);
+#[map(name = "RL_CELLK4")]
+static RL_CELLK4: Array<CellKey<Key4>> = Array::with_max_entries(CELL_WAYS, BPF_F_MMAPABLE);
+#[map(name = "RL_CELLK6")]
+static RL_CELLK6: Array<CellKey<Key6>> = Array::with_max_entries(CELL_WAYS, BPF_F_MMAPABLE);
+
+/// rl_common::MAP_CELL_SCRATCH.
+#[map(name = "RL_CSCRATCH")]
+static RL_CSCRATCH: PerCpuArray<CellScratch> = PerCpuArray::with_max_entries(1, 0);
 
 /// Cells claimed per family (rl_common::MAP_CELL_COUNT).
 #[map(name = "RL_CELLN")]
@@ -50,30 +59,77 @@ static RL_CELLN: Array<u64> = Array::with_max_entries(2, BPF_F_MMAPABLE);
 #[map(name = "RL_FLOOD")]
 static RL_FLOOD: PerCpuArray<FloodState> = PerCpuArray::with_max_entries(1, 0);
 
+/// Where a limit's state word is, and where its packets are counted: a
+/// bucket's own fields, or, for a prefix cell, the state in the cell and
+/// the counts in this CPU's scratch (and, for a cluster rule, in the cell's
+/// key slot too: [`count_in_cell`]).
+pub struct Held {
+    pub tat: *mut u64,
+    pub counts: *mut Bucket,
+    /// The cell's slot, or [`NO_CELL`].
+    pub cell: u32,
+}
+
+#[inline(always)]
+fn whole(b: *mut Bucket) -> Held {
+    Held { tat: unsafe { &raw mut (*b).tat_ns }, counts: b, cell: NO_CELL }
+}
+
+/// Counts a cluster rule's packet in the key slot of the cell that decided
+/// it (the cluster sync reports cells' passes). Kept apart from the
+/// bucket's counts: one kind of counts pointer for every cell keeps the
+/// verifier's walk ~150,000 instructions shorter.
+#[inline(always)]
+pub fn count_in_cell(rule: &RuleEntry, is_v6: bool, cell: u32, passed: bool) {
+    if cell == NO_CELL || rule.flags & RULE_CLUSTER == 0 {
+        return;
+    }
+    let counts = if is_v6 {
+        RL_CELLK6.get_ptr_mut(cell).map(|k| unsafe { &raw mut (*k).counts })
+    } else {
+        RL_CELLK4.get_ptr_mut(cell).map(|k| unsafe { &raw mut (*k).counts })
+    };
+    if let Some(c) = counts {
+        let n = unsafe { if passed { &raw mut (*c).passed } else { &raw mut (*c).dropped } };
+        unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(n, 1) };
+    }
+}
+
 /// The bucket that charges limit `which` of `rule` for this source, or
 /// `None` if no bucket could be found or made (the caller drops: it fails
 /// closed).
 #[inline(always)]
-pub fn bucket(cfg: &DatapathConfig, rule: &RuleEntry, which: u32, is_v6: bool, src: &[u32; 4]) -> Option<*mut Bucket> {
+pub fn bucket(cfg: &DatapathConfig, rule: &RuleEntry, which: u32, is_v6: bool, src: &[u32; 4]) -> Option<Held> {
     if is_v6 {
         let key = rule.key6(which, src);
         if known::maybe(&key) {
             if let Some(b) = RL_SRC6.get_ptr_mut(&key) {
-                return Some(b);
+                return Some(whole(b));
             }
         }
-        let b = unseen6(cfg, &key);
-        (!b.is_null()).then_some(b)
+        found::<Key6>(unseen6(cfg, &key))
     } else {
         let key = rule.key4(which, src[3]);
         if known::maybe(&key) {
             if let Some(b) = RL_SRC4.get_ptr_mut(&key) {
-                return Some(b);
+                return Some(whole(b));
             }
         }
-        let b = unseen4(cfg, &key);
-        (!b.is_null()).then_some(b)
+        found::<Key4>(unseen4(cfg, &key))
     }
+}
+
+/// What [`unseen`] found: the bucket it returned, else the cell it left in
+/// the scratch, else nothing.
+#[inline(always)]
+fn found<K: Fallbacks>(b: *mut Bucket) -> Option<Held> {
+    if !b.is_null() {
+        return Some(whole(b));
+    }
+    let scratch = RL_CSCRATCH.get_ptr_mut(0)?;
+    let i = unsafe { (*scratch).cell };
+    let c = K::slot(i)?;
+    Some(Held { tat: unsafe { &raw mut (*c).tat_ns }, counts: unsafe { &raw mut (*scratch).counts }, cell: i })
 }
 
 /// The bucket of limit `which` of `rule` for this source if it already
@@ -92,7 +148,9 @@ trait Fallbacks: Copy + KnownKey + PartialEq {
     fn cell(&self, cfg: &DatapathConfig) -> Self;
     fn last(&self) -> Self;
     /// Slot `i` of the family's cell array.
-    fn slot(i: u32) -> Option<*mut Cell<Self>>;
+    fn slot(i: u32) -> Option<*mut Cell>;
+    /// Slot `i` of the family's cell-key array.
+    fn key_slot(i: u32) -> Option<*mut CellKey<Self>>;
 }
 
 impl Fallbacks for Key4 {
@@ -105,8 +163,12 @@ impl Fallbacks for Key4 {
         Key4 { rule: self.rule | KEY_LAST, addr: 0 }
     }
     #[inline(always)]
-    fn slot(i: u32) -> Option<*mut Cell<Self>> {
-        RL_CELL4.get_ptr_mut(i)
+    fn slot(i: u32) -> Option<*mut Cell> {
+        RL_CELLS4.get_ptr_mut(i)
+    }
+    #[inline(always)]
+    fn key_slot(i: u32) -> Option<*mut CellKey<Self>> {
+        RL_CELLK4.get_ptr_mut(i)
     }
 }
 
@@ -121,12 +183,17 @@ impl Fallbacks for Key6 {
         Key6 { rule: self.rule | KEY_LAST, addr: [0; 4] }
     }
     #[inline(always)]
-    fn slot(i: u32) -> Option<*mut Cell<Self>> {
-        RL_CELL6.get_ptr_mut(i)
+    fn slot(i: u32) -> Option<*mut Cell> {
+        RL_CELLS6.get_ptr_mut(i)
+    }
+    #[inline(always)]
+    fn key_slot(i: u32) -> Option<*mut CellKey<Self>> {
+        RL_CELLK6.get_ptr_mut(i)
     }
 }
 
 // Out of line, one copy per family: every limit of every rule shares them.
+// A null bucket: the key went to the cell in the scratch (`found`).
 #[inline(never)]
 fn unseen4(cfg: &DatapathConfig, key: &Key4) -> *mut Bucket {
     unseen(&RL_SRC4, key, cfg).unwrap_or(core::ptr::null_mut())
@@ -140,10 +207,14 @@ fn unseen6(cfg: &DatapathConfig, key: &Key6) -> *mut Bucket {
 /// A key with no bucket of its own: create one (a copy of the bucket it
 /// maps to), or, in flood mode or with the table full, charge that bucket:
 /// its prefix cell (claimed now if its set has a free slot: a copy of the
-/// last resort), else its rule's last resort.
+/// last resort), else its rule's last resort. A cell is returned as `None`
+/// with its slot in the scratch (one pointer comes back from a call);
+/// `None` with [`NO_CELL`] there: nothing could be found or made.
 /// (One key variable is reused for every probe: BPF stacks are small.)
 #[inline(always)]
 fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfig) -> Option<*mut Bucket> {
+    let scratch = unsafe { &mut *RL_CSCRATCH.get_ptr_mut(0)? };
+    scratch.cell = NO_CELL;
     let flood = unsafe { &mut *RL_FLOOD.get_ptr_mut(0)? };
     // The tick clock: one inlined load, no helper call (each call and
     // return is dear with this CPU's return-stack mitigation), and a window
@@ -160,18 +231,15 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
         Some(n) if cells_saturated(unsafe { core::ptr::read_volatile(n) }, slots) => known::maybe(&cell_key),
         _ => true,
     };
-    let dying = cell_dying(&cell_key);
     let (mut cell, mut free) = (None, None);
     for way in 0..CELL_WAYS {
         if !look {
             break;
         }
         let Some(c) = K::slot(set + way) else { break };
-        let held = unsafe { core::ptr::read_volatile(&raw const (*c).claim) };
-        let matches = held == claim && unsafe { core::ptr::read_volatile(&raw const (*c).key) } == cell_key;
-        match cell_way(held, matches, claim, dying) {
+        match cell_way(unsafe { core::ptr::read_volatile(&raw const (*c).claim) }, claim) {
             Way::Holds => {
-                cell = Some(c);
+                cell = Some((c, set + way));
                 break;
             }
             // Its cell is being written or freed: the parent, no claim.
@@ -179,15 +247,17 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
                 free = None;
                 break;
             }
-            Way::Free if free.is_none() => free = Some(c),
+            Way::Free if free.is_none() => free = Some((c, set + way)),
             Way::Free | Way::Other => {}
         }
     }
-    let parent = match cell {
-        Some(c) => unsafe { &raw mut (*c).bucket },
-        None => last_resort(table, key)?,
+    let (tat, last) = match cell {
+        Some((c, _)) => (unsafe { core::ptr::read_volatile(&raw const (*c).tat_ns) }, None),
+        None => {
+            let l = last_resort(table, key)?;
+            (unsafe { core::ptr::read_volatile(&raw const (*l).tat_ns) }, Some(l))
+        }
     };
-    let tat = unsafe { core::ptr::read_volatile(&raw const (*parent).tat_ns) };
     if flood.see(now, cfg.flood_cap) == Unseen::Insert {
         known::mark(key);
         match table.insert(key, &copy_of(tat), BPF_NOEXIST as u64) {
@@ -204,29 +274,38 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
         }
     }
     stats::bump(STAT_FALLBACK);
-    if cell.is_some() {
-        return Some(parent);
+    if let Some((_, i)) = cell {
+        scratch.cell = i;
+        return None;
     }
-    // Claim a free slot of the set for this cell, a copy of the last resort
-    // (`parent`): the bucket first, the key last, so a CPU that finds the
-    // key finds the bucket written.
-    let Some(c) = free else { return Some(parent) };
+    // Claim a free slot of the set for this cell, a copy of the last resort:
+    // the state and the key first, the claim last, so a CPU that finds the
+    // claim finds the state written.
+    let Some((c, i)) = free else { return last };
     known::mark(&cell_key);
     let (_, won) = unsafe {
-        atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(&raw mut (*c).claim, 0, claim)
+        atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(&raw mut (*c).claim, 0, cell_writing(claim))
     };
     if !won {
-        return Some(parent);
+        return last;
     }
     unsafe {
-        core::ptr::write_volatile(&raw mut (*c).bucket, copy_of(tat));
-        core::ptr::write_volatile(&raw mut (*c).key, cell_key);
+        core::ptr::write_volatile(&raw mut (*c).tat_ns, tat);
+        if let Some(k) = K::key_slot(i) {
+            // Field by field: a whole `CellKey` would be built on the stack.
+            core::ptr::write_volatile(&raw mut (*k).key, cell_key);
+            core::ptr::write_volatile(&raw mut (*k).counts.passed, 0);
+            core::ptr::write_volatile(&raw mut (*k).counts.dropped, 0);
+            core::ptr::write_volatile(&raw mut (*k).counts.last_drop_ns, 0);
+        }
+        core::ptr::write_volatile(&raw mut (*c).claim, claim);
     }
     stats::bump(STAT_NEW_CELLS);
     if let Some(n) = claimed {
         unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(n, 1) };
     }
-    Some(unsafe { &raw mut (*c).bucket })
+    scratch.cell = i;
+    None
 }
 
 /// A new bucket that starts where its parent's state word `tat` is (see

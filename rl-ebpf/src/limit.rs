@@ -303,15 +303,20 @@ fn charge(
     let n = rule.n_limits as usize;
     if n == 1 {
         // The common case: one limit, no separate check.
-        let Some(b) = buckets::bucket(cfg, rule, 0, is_v6, src) else {
+        let Some(h) = buckets::bucket(cfg, rule, 0, is_v6, src) else {
             rare_event(ctx, STAT_NO_STATE);
             return Verdict::Drop;
         };
-        let (verdict, t) = admit(ctx, cfg, &rule.limits[0], b, cost);
-        if let Verdict::Drop = verdict {
-            return over(ctx, cfg, rule, 0, is_v6, src, cost, t, b);
-        }
-        decided(ctx, t, b, &verdict, rule, 0, is_v6, src);
+        let b = h.counts;
+        let (verdict, t) = admit(ctx, cfg, &rule.limits[0], h.tat, cost);
+        let verdict = match verdict {
+            Verdict::Drop => over(ctx, cfg, rule, 0, is_v6, src, cost, t, b),
+            Verdict::Pass => {
+                decided(ctx, t, b, &verdict, rule, 0, is_v6, src);
+                verdict
+            }
+        };
+        buckets::count_in_cell(rule, is_v6, h.cell, matches!(verdict, Verdict::Pass));
         return verdict;
     }
     // Check every limit first (buckets are looked up again to charge them:
@@ -335,12 +340,14 @@ fn charge(
         if i >= n {
             break;
         }
-        let Some(b) = buckets::bucket(cfg, rule, i as u32, is_v6, src) else {
+        let Some(h) = buckets::bucket(cfg, rule, i as u32, is_v6, src) else {
             return Verdict::Drop;
         };
-        let (verdict, t) = admit(ctx, cfg, &rule.limits[i], b, cost);
+        let b = h.counts;
+        let (verdict, t) = admit(ctx, cfg, &rule.limits[i], h.tat, cost);
         if i + 1 == n || matches!(verdict, Verdict::Drop) {
             decided(ctx, t, b, &verdict, rule, i as u32, is_v6, src);
+            buckets::count_in_cell(rule, is_v6, h.cell, matches!(verdict, Verdict::Pass));
         }
         if let Verdict::Drop = verdict {
             return Verdict::Drop;
@@ -448,10 +455,10 @@ fn elastic(ctx: &XdpContext, cfg: &DatapathConfig, rule: &RuleEntry, is_v6: bool
     if rule.flags & RULE_ELASTIC == 0 {
         return Verdict::Drop;
     }
-    let Some(b) = buckets::bucket(cfg, rule, POOL_INDEX, is_v6, &[0; 4]) else {
+    let Some(h) = buckets::bucket(cfg, rule, POOL_INDEX, is_v6, &[0; 4]) else {
         return Verdict::Drop;
     };
-    admit(ctx, cfg, &rule.pool, b, cost).0
+    admit(ctx, cfg, &rule.pool, h.tat, cost).0
 }
 
 /// The limit's clock: the inlined tick clock when it suits the limit.
@@ -484,8 +491,8 @@ fn step(cfg: &DatapathConfig, limit: &LimitEntry, cost: Cost, word: u64) -> Opti
 /// Charges one limit: the clock is read once, then the algorithm's
 /// compare-and-swap loop runs.
 #[inline(always)]
-fn admit(ctx: &XdpContext, cfg: &DatapathConfig, limit: &LimitEntry, b: *mut Bucket, cost: Cost) -> (Verdict, u64) {
-    let cell = Tat(unsafe { &raw mut (*b).tat_ns });
+fn admit(ctx: &XdpContext, cfg: &DatapathConfig, limit: &LimitEntry, tat: *mut u64, cost: Cost) -> (Verdict, u64) {
+    let cell = Tat(tat);
     let (t, u) = (now(cfg, limit), units(limit, cost));
     let outcome = match limit.kind & 0xff {
         LIMIT_GCRA => admit_with(&cell, |w| limit.gcra_step(w, t, u)),

@@ -1,14 +1,17 @@
 //! Prefix cells in their arrays (`rl_common::cells`), through TestRun: an
 //! unseen key in flood mode is charged to its /24's cell; the collector
 //! frees cells that are fresh again and keeps the rest; the cluster sync
-//! reads and raises cells; a cell charged while the collector frees it is
+//! reads and raises cells (a cluster rule's cells keep counts for it); a
+//! cell's drops raise "limited" events per CPU episode; a cell charged while
+//! the collector frees it is
 //! kept, and its prefix claims nothing while it is being freed; and a cell
-//! an older build left in the sources' table is moved into the array before
-//! the program swap, without losing its state: by the datapath, and end to
-//! end by a daemon started on such pins, with real packets through veth.
+//! an older build left in the sources' table or in its 64-byte cell array
+//! is moved into this build's arrays before the program swap, without
+//! losing its state: by the datapath, and end to end by a daemon started on
+//! such pins, with real packets through veth.
 
 use aya::maps::{HashMap, Map, MapData};
-use rl_common::{Bucket, Key4, KEY_CELL, STAT_FALLBACK, STAT_NEW_CELLS};
+use rl_common::{Bucket, Key4, OldCell, KEY_CELL, STAT_FALLBACK, STAT_NEW_CELLS};
 use rl_control::{
     compile::compile,
     config::Config,
@@ -29,9 +32,24 @@ fn rules() -> String {
     rl_tests::flood_rules(1024).replace("flood_new_keys_per_sec = 2000", "flood_new_keys_per_sec = 0")
 }
 
-/// The cell key of `src` under limit 0 of rule `index` (0 `[default]`, 2 "once").
+/// [`rules`] and "shared", a cluster rule: its cells keep counts for the
+/// sync (no Redis is reached by a datapath alone).
+fn cluster_rules() -> String {
+    rules()
+        + "[cluster]\nredis = [\"redis://127.0.0.1:1\"]\nnode = \"test\"\n\
+           [[rule]]\nname = \"shared\"\nproto = \"udp\"\ndst_ports = [6666]\nrate = 1\nper = \"1h\"\nburst = 1\nscope = \"cluster\"\n"
+}
+
+/// Whether a bucket state word is ahead of now: charged, for a limit of one
+/// per hour.
+fn ahead(tat_ns: u64) -> bool {
+    tat_ns > rl_control::datapath::monotonic_ns()
+}
+
+/// The cell key of `src` under limit 0 of rule `index` (0 `[default]`, 2
+/// "once", 3 "shared" of [`cluster_rules`]).
 fn cell_key(index: usize, src: [u8; 4]) -> Key4 {
-    let compiled = compile(&Config::from_str(&rules(), "<test>").unwrap());
+    let compiled = compile(&Config::from_str(&cluster_rules(), "<test>").unwrap());
     let k = compiled.rules.entries[index].key4(0, u32::from_ne_bytes(src));
     Key4 { rule: k.rule | KEY_CELL, addr: k.addr & u32::from_ne_bytes([255, 255, 255, 0]) }
 }
@@ -65,7 +83,9 @@ fn unseen_keys_share_their_prefix_cell_and_the_collector_frees_it_once_fresh() {
     let c = dp.counters().unwrap();
     assert!(c.get(STAT_FALLBACK) >= 2 && c.get(STAT_NEW_CELLS) == 1, "one cell claimed, both charged to it: {c}");
     let once = cells.find(&cell_key(2, [10, 9, 9, 0])).expect("the cell is in the array");
-    assert_eq!(cells.get(once).bucket.passed, 1);
+    let c = cells.get(once);
+    assert!(ahead(c.bucket.tat_ns), "its hour is used: {c:?}");
+    assert_eq!((c.bucket.passed, c.bucket.dropped), (0, 0), "a rule that is not a cluster rule keeps no counts in its cells");
     // A newcomer of another /24 gets a cell of its own.
     assert_eq!(offer(&dp, &to([10, 9, 10, 1], 9999), 1), (1, 0));
     // Cells under [default] (1,000/s) are fresh again within milliseconds.
@@ -83,15 +103,48 @@ fn unseen_keys_share_their_prefix_cell_and_the_collector_frees_it_once_fresh() {
 }
 
 #[test]
+fn a_cells_drop_raises_a_limited_event_when_its_cpu_saw_no_cell_drop_for_a_second() {
+    require_root();
+    // Cells keep no drop time: the episode is the CPU's (its scratch).
+    rl_tests::lab::pin_to_cpu(0).unwrap();
+    let mut dp = datapath(&rules()).unwrap();
+    let mut ring = dp.take_events().unwrap();
+    let mut read = || {
+        let mut got = Vec::new();
+        while let Some(item) = ring.next() {
+            got.extend(rl_common::Event::read(&item));
+        }
+        got
+    };
+    // Two /24s use their hour ("once") and drop one each.
+    assert_eq!(offer(&dp, &to([10, 8, 1, 1], 9999), 2), (1, 1));
+    assert_eq!(offer(&dp, &to([10, 8, 2, 1], 9999), 2), (1, 1));
+    let first = read();
+    assert_eq!(first.len(), 1, "one event: the second /24's drop is in this CPU's episode: {first:?}");
+    assert_eq!(&first[0].addr[..4], &[10, 8, 1, 1], "it names the source");
+    std::thread::sleep(std::time::Duration::from_nanos(rl_common::LIMITED_GAP_NS + 100_000_000));
+    assert_eq!(offer(&dp, &to([10, 8, 2, 2], 9999), 1), (0, 1));
+    let second = read();
+    assert_eq!(second.len(), 1, "a drop after a quiet second starts a new episode: {second:?}");
+    assert_eq!(&second[0].addr[..4], &[10, 8, 2, 2]);
+    let c = dp.counters().unwrap();
+    assert_eq!(c.get(rl_common::STAT_EVENTS_SUPPRESSED), 0, "none were over the budget: {c}");
+}
+
+#[test]
 fn the_cluster_sync_reads_and_raises_cells() {
     require_root();
-    let dp = datapath(&rules()).unwrap();
-    assert_eq!(offer(&dp, &to([10, 7, 7, 1], 9999), 1), (1, 0));
-    let key = cell_key(2, [10, 7, 7, 0]);
-    let once = key.rule & !KEY_CELL;
+    let dp = datapath(&cluster_rules()).unwrap();
+    // "shared" (a cluster rule, 1 per hour): its cell counts what it passed
+    // and dropped, which the sync reports.
+    assert_eq!(offer(&dp, &to([10, 7, 7, 1], 6666), 3), (1, 2));
+    let key = cell_key(3, [10, 7, 7, 0]);
+    let rule = key.rule & !KEY_CELL;
     let ids = dp.table_ids().unwrap();
-    let shared = scan_shared(ids, |r| r == once).unwrap();
-    assert!(shared.iter().any(|b| b.id == BucketId::V4(key) && b.bucket.passed == 1), "the cell is shared: {shared:?}");
+    let shared = scan_shared(ids, |r| r == rule).unwrap();
+    let cell = shared.iter().find(|b| b.id == BucketId::V4(key)).unwrap_or_else(|| panic!("the cell is shared: {shared:?}"));
+    assert_eq!((cell.bucket.passed, cell.bucket.dropped), (1, 2), "with its counts");
+    assert!(ahead(cell.bucket.tat_ns), "and its state");
     // Another /24's cell, fresh: raised by the cluster to an hour ahead.
     assert_eq!(offer(&dp, &to([10, 7, 8, 1], 9999), 1), (1, 0));
     let fresh = cell_key(2, [10, 7, 8, 0]);
@@ -103,15 +156,25 @@ fn the_cluster_sync_reads_and_raises_cells() {
     assert!(!tables.raise(&BucketId::V4(cell_key(2, [10, 7, 99, 0])), hour_ahead), "no such cell");
 }
 
-#[test]
-fn a_cell_an_older_build_kept_in_the_sources_table_moves_to_the_array_and_keeps_limiting() {
-    use rl_control::datapath::LoadOptions;
+/// A bpffs and a pin directory `name` on it, and [`rules`] compiled.
+fn pin_lab(name: &str) -> (rl_tests::lab::BpfFs, std::path::PathBuf, rl_control::compile::Compiled) {
     require_root();
     let pins = rl_tests::lab::BpfFs::new().unwrap();
-    let dir = pins.path().join("cells");
+    let dir = pins.path().join(name);
     rl_control::datapath::prepare_pins(pins.path(), &dir).unwrap();
-    let compiled = compile(&Config::from_str(&rules(), "<test>").unwrap());
-    let load = || Datapath::load_with(&compiled, LoadOptions { pin: Some(dir.clone()), ..Default::default() }).unwrap();
+    (pins, dir, compile(&Config::from_str(&rules(), "<test>").unwrap()))
+}
+
+/// `compiled`'s datapath pinned in (or adopted from) `dir`.
+fn load_pinned(compiled: &rl_control::compile::Compiled, dir: &std::path::Path) -> Datapath {
+    let opts = rl_control::datapath::LoadOptions { pin: Some(dir.to_path_buf()), ..Default::default() };
+    Datapath::load_with(compiled, opts).unwrap()
+}
+
+#[test]
+fn a_cell_an_older_build_kept_in_the_sources_table_moves_to_the_array_and_keeps_limiting() {
+    let (_pins, dir, compiled) = pin_lab("cells");
+    let load = || load_pinned(&compiled, &dir);
     // As an older build left it: a drained 1-per-hour cell in the sources'
     // table, and no cell arrays pinned.
     let key = cell_key(2, [10, 5, 5, 0]);
@@ -123,7 +186,7 @@ fn a_cell_an_older_build_kept_in_the_sources_table_moves_to_the_array_and_keeps_
             HashMap::try_from(Map::HashMap(MapData::from_id(dp.table_ids().unwrap().tables.0).unwrap())).unwrap();
         table.insert(key, Bucket { tat_ns: drained, passed: 1, ..Bucket::default() }, 0).unwrap();
     }
-    for name in [rl_common::MAP_CELLS_V4, rl_common::MAP_CELLS_V6, rl_common::MAP_CELL_COUNT] {
+    for name in rl_common::CELL_MAPS {
         std::fs::remove_file(dir.join(name)).unwrap();
     }
     // A daemon that stops before it has moved them moves them at its next start.
@@ -159,6 +222,100 @@ fn a_cell_an_older_build_kept_in_the_sources_table_moves_to_the_array_and_keeps_
     assert!(!load().cells_in_tables(), "a restart of this build has its arrays pinned: nothing to move");
 }
 
+/// `bpf(cmd, attr)` for the few commands the old-array test makes itself.
+fn bpf(cmd: i64, attr: &mut [u64; 16]) -> i64 {
+    let r = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr.as_mut_ptr(), std::mem::size_of_val(attr)) };
+    assert!(r >= 0, "bpf({cmd}): {}", std::io::Error::last_os_error());
+    r
+}
+
+/// An fd for the object pinned at `path` (`BPF_OBJ_GET`).
+fn pinned_fd(path: &std::path::Path) -> std::os::fd::OwnedFd {
+    use std::os::fd::FromRawFd;
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    let mut attr = [0u64; 16];
+    attr[0] = c.as_ptr() as u64;
+    unsafe { std::os::fd::OwnedFd::from_raw_fd(bpf(7, &mut attr) as i32) }
+}
+
+/// Writes `cell` to slot `i` of the 64-byte cell array behind `fd`.
+fn write_old_cell(fd: &std::os::fd::OwnedFd, i: u32, cell: &OldCell<Key4>) {
+    use std::os::fd::AsRawFd;
+    let mut attr = [0u64; 16];
+    attr[0] = fd.as_raw_fd() as u64;
+    attr[1] = &i as *const u32 as u64;
+    attr[2] = cell as *const OldCell<Key4> as u64;
+    bpf(2, &mut attr);
+}
+
+/// Pins at `path` an IPv4 cell array as builds before 16-byte cells made
+/// it (`Array<OldCell<Key4>>`, mappable), with `cell` in slot `i`.
+fn pin_old_cell_array(path: &std::path::Path, slots: u32, i: u32, cell: &OldCell<Key4>) {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    let mut attr = [0u64; 16];
+    // map_type ARRAY (2), key 4 bytes; value 64 bytes, `slots` entries;
+    // map_flags BPF_F_MMAPABLE; the name from byte 28.
+    attr[0] = 2 | 4 << 32;
+    attr[1] = 64 | (slots as u64) << 32;
+    attr[2] = 1 << 10;
+    let name = rl_common::MAP_OLD_CELLS_V4.as_bytes();
+    let bytes = unsafe { std::slice::from_raw_parts_mut(attr.as_mut_ptr() as *mut u8, 128) };
+    bytes[28..28 + name.len()].copy_from_slice(name);
+    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(bpf(0, &mut attr) as i32) };
+    write_old_cell(&fd, i, cell);
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    let mut attr = [0u64; 16];
+    attr[0] = c.as_ptr() as u64;
+    attr[1] = fd.as_raw_fd() as u64;
+    bpf(6, &mut attr);
+}
+
+#[test]
+fn a_cell_an_older_build_kept_in_a_64_byte_array_moves_to_the_new_arrays_with_its_late_charges() {
+    use rl_common::KnownKey;
+    let (_pins, dir, compiled) = pin_lab("cells64");
+    let load = || load_pinned(&compiled, &dir);
+    drop(load());
+    // As a build with 64-byte cells left its pins: none of this build's
+    // cell maps, its own array holding a drained 1-per-hour cell.
+    for name in [
+        rl_common::MAP_CELLS_V4,
+        rl_common::MAP_CELLS_V6,
+        rl_common::MAP_CELL_KEYS_V4,
+        rl_common::MAP_CELL_KEYS_V6,
+        rl_common::MAP_CELL_SCRATCH,
+    ] {
+        std::fs::remove_file(dir.join(name)).unwrap();
+    }
+    let key = cell_key(2, [10, 5, 7, 0]);
+    let drained = rl_control::datapath::monotonic_ns() + 3_000_000_000_000;
+    let old = OldCell { claim: key.known_hash() | 1, bucket: Bucket { tat_ns: drained, passed: 1, ..Bucket::default() }, key };
+    let slots = rl_common::cell_slots(compiled.flood_prefixes);
+    let old_path = dir.join(rl_common::MAP_OLD_CELLS_V4);
+    let at = rl_common::cell_set(&key, slots) + 1;
+    pin_old_cell_array(&old_path, slots, at, &old);
+    let mut dp = load();
+    assert!(dp.adopted() && dp.cells_in_old_arrays(), "the daemon must move the cells before its swap");
+    let cells = dp.cells_v4().unwrap();
+    assert!(cells.find(&key).is_none());
+    assert_eq!(dp.move_old_cells().unwrap(), 1, "copied before the swap");
+    let i = cells.find(&key).expect("the new array holds it");
+    assert_eq!(cells.get(i).bucket.tat_ns, drained, "with its state");
+    assert_eq!(cells.get(i).key, key);
+    assert_eq!(offer(&dp, &to([10, 5, 7, 9], 9999), 1), (0, 1), "a newcomer of that /24 is charged to it: the hour is still used");
+    // The old program charged its copy after the copy was taken: merged in
+    // once the swap is done, and the old array is unpinned.
+    let later = drained + 600_000_000_000;
+    write_old_cell(&pinned_fd(&old_path), at, &OldCell { bucket: Bucket { tat_ns: later, passed: 2, ..old.bucket }, ..old });
+    assert!(old_path.exists(), "kept until the swap");
+    assert_eq!(dp.cells_moved().unwrap(), 1);
+    assert!(!old_path.exists(), "unpinned once merged");
+    assert_eq!(cells.get(cells.find(&key).unwrap()).bucket.tat_ns, later, "the old program's last charges are merged in");
+    assert_eq!(offer(&dp, &to([10, 5, 8, 9], 9999), 1), (1, 0), "another /24 is not limited");
+    drop((cells, dp));
+    assert!(!load().cells_in_old_arrays(), "a restart has nothing more to move");
+}
+
 #[test]
 fn a_cell_charged_while_the_collector_frees_it_is_kept_with_its_charges() {
     require_root();
@@ -176,12 +333,17 @@ fn a_cell_charged_while_the_collector_frees_it_is_kept_with_its_charges() {
     assert!(fresh(&seen.bucket), "the collector reads it fresh");
     // The race: newcomers of the /24 drain it after that read, before the
     // collector acts on it.
+    let t0 = rl_control::datapath::monotonic_ns();
     let drained = offer(&dp, &to([10, 6, 6, 2], 5000), 1_010);
     assert!(drained.0 >= 1_000 && drained.1 >= 1, "the burst passed, then drops: {drained:?}");
-    assert!(cells.begin_free(i, &key, seen.claim), "its claim did not change");
+    assert_eq!(cells.get(i).claim, seen.claim, "its claim did not change");
+    assert!(cells.begin_free(i, &key));
     assert!(!cells.finish_free(i, &key, fresh), "charged meanwhile: kept");
     let kept = cells.get(cells.find(&key).expect("the cell is found again"));
-    assert_eq!(kept.bucket.passed, 1 + u64::from(drained.0), "with every charge");
+    // 1,000/s: each pass moved the state 1 ms on from (at most a 4 ms tick
+    // before) the drain's start.
+    let charged = t0 - 10_000_000 + u64::from(drained.0) * 1_000_000;
+    assert!(kept.bucket.tat_ns >= charged, "with every charge: {} < {charged}", kept.bucket.tat_ns);
     assert_eq!(offer(&dp, &to([10, 6, 6, 3], 5000), 1), (0, 1), "the /24 stays limited: no fresh allowance");
 }
 
@@ -189,7 +351,7 @@ fn a_cell_charged_while_the_collector_frees_it_is_kept_with_its_charges() {
 fn while_a_cell_is_being_freed_its_prefix_is_charged_to_the_last_resort_and_claims_nothing() {
     let (dp, cells, key, i) = once_cell([10, 4, 4]);
     let claimed = dp.counters().unwrap().get(STAT_NEW_CELLS);
-    assert!(cells.begin_free(i, &key, cells.get(i).claim));
+    assert!(cells.begin_free(i, &key));
     assert!(cells.find(&key).is_none(), "a dying cell is nobody's");
     // "once" allows 1 per hour: its last resort (fresh) passes one packet;
     // no second cell is made for the /24 in the set's other way.
@@ -199,17 +361,16 @@ fn while_a_cell_is_being_freed_its_prefix_is_charged_to_the_last_resort_and_clai
     // Turned back (it is not fresh): it limits the /24 again, with its state.
     assert!(!cells.finish_free(i, &key, |_| false));
     assert_eq!(cells.find(&key), Some(i));
-    assert_eq!(cells.get(i).bucket.passed, 1);
+    assert!(ahead(cells.get(i).bucket.tat_ns));
     // A daemon that stops between the two steps leaves the cell dying: the
     // next collector pass finishes the free (it is not fresh: kept).
-    assert!(cells.begin_free(i, &key, cells.get(i).claim));
+    assert!(cells.begin_free(i, &key));
     let left = pass(&dp);
     assert_eq!(cells.find(&key), Some(i), "a pass finishes an abandoned free: {left:?}");
-    // Freed for real: the key is cleared, and the next newcomer claims anew.
-    assert!(cells.begin_free(i, &key, cells.get(i).claim));
+    // Freed for real, and the next newcomer claims anew.
+    assert!(cells.begin_free(i, &key));
     assert!(cells.finish_free(i, &key, |_| true));
     assert_eq!(cells.get(i).claim, 0);
-    assert_ne!(cells.get(i).key, key, "a freed slot keeps no key a claimer could match before writing its own");
     offer(&dp, &to([10, 4, 4, 3], 9999), 1);
     assert_eq!(dp.counters().unwrap().get(STAT_NEW_CELLS), claimed + 1);
     assert!(cells.find(&key).is_some());
@@ -262,20 +423,30 @@ fn a_window_bucket_charged_in_its_window_survives_a_collector_pass() {
     assert!(start.elapsed() < std::time::Duration::from_millis(400), "the test outlived the sliding window's reach: rerun");
 }
 
-#[test]
-fn a_pass_clears_the_key_an_older_build_left_in_a_freed_slot() {
-    let (dp, cells, key, i) = once_cell([10, 3, 3]);
-    // As the older build freed slots: the claim back to 0, the key left.
-    assert!(cells.begin_free(i, &key, cells.get(i).claim));
-    assert!(cells.release_abandoned(i, cells.get(i).claim));
-    assert_eq!((cells.get(i).claim, cells.get(i).key), (0, key));
-    pass(&dp);
-    assert_eq!((cells.get(i).claim, cells.get(i).key), (0, Key4::default()), "the pass cleared the stale key");
+/// Where an older build kept its prefix cells.
+#[derive(Clone, Copy, PartialEq)]
+enum OldCells {
+    /// In the sources' tables, without cell arrays.
+    Tables,
+    /// In 64-byte cell arrays (`rl_common::OldCell`).
+    Arrays64,
 }
 
 #[test]
 fn a_daemon_upgrading_pins_with_cells_in_the_tables_moves_them_and_the_limit_holds() {
-    use rl_control::datapath::LoadOptions;
+    daemon_upgrade(OldCells::Tables);
+}
+
+#[test]
+fn a_daemon_upgrading_pins_with_64_byte_cell_arrays_moves_them_unpins_those_and_the_limit_holds() {
+    daemon_upgrade(OldCells::Arrays64);
+}
+
+/// A daemon started on pins an older build left, with the cell of a /24
+/// whose hour is used where that build kept it: it copies the cell before
+/// its swap, finishes the move after it, and the /24 stays limited.
+fn daemon_upgrade(old: OldCells) {
+    use rl_common::KnownKey;
     use rl_tests::{
         daemon::{write, Daemon},
         lab::{BpfFs, Lab, VA, VB},
@@ -298,30 +469,49 @@ fn a_daemon_upgrading_pins_with_cells_in_the_tables_moves_them_and_the_limit_hol
     assert_eq!(send([192, 0, 2, 10]), 1, "the hour's one packet passes");
     let (status, log) = d.stop(libc::SIGTERM).unwrap();
     assert!(status.success(), "{log}");
-    // Turn its pins into an older build's: the cell in the sources' table,
-    // no cell arrays pinned (the attached program keeps its own).
+    // Turn its pins into an older build's (the attached program keeps its
+    // own maps): no cell maps of this build, the cell where that build kept
+    // it.
     let key = cell_key(2, [192, 0, 2, 0]);
-    {
-        let compiled = compile(&Config::from_str(&rules(), "<test>").unwrap());
-        let dp = Datapath::load_with(&compiled, LoadOptions { pin: Some(dir.clone()), ..Default::default() }).unwrap();
+    let compiled = compile(&Config::from_str(&rules(), "<test>").unwrap());
+    let cell = {
+        let dp = load_pinned(&compiled, &dir);
         let cells = dp.cells_v4().unwrap();
         let cell = cells.get(cells.find(&key).expect("this build kept the cell in its array"));
-        let mut table: HashMap<MapData, Key4, Bucket> =
-            HashMap::try_from(Map::HashMap(MapData::from_id(dp.table_ids().unwrap().tables.0).unwrap())).unwrap();
-        table.insert(key, cell.bucket, 0).unwrap();
+        if old == OldCells::Tables {
+            let mut table: HashMap<MapData, Key4, Bucket> =
+                HashMap::try_from(Map::HashMap(MapData::from_id(dp.table_ids().unwrap().tables.0).unwrap())).unwrap();
+            table.insert(key, cell.bucket, 0).unwrap();
+        }
+        cell
+    };
+    for name in rl_common::CELL_MAPS {
+        // Builds with 64-byte arrays had RL_CELLN.
+        if !(old == OldCells::Arrays64 && name == rl_common::MAP_CELL_COUNT) {
+            std::fs::remove_file(dir.join(name)).unwrap();
+        }
     }
-    for name in [rl_common::MAP_CELLS_V4, rl_common::MAP_CELLS_V6, rl_common::MAP_CELL_COUNT] {
-        std::fs::remove_file(dir.join(name)).unwrap();
+    let old_path = dir.join(rl_common::MAP_OLD_CELLS_V4);
+    if old == OldCells::Arrays64 {
+        let slots = rl_common::cell_slots(compiled.flood_prefixes);
+        let at = rl_common::cell_set(&key, slots);
+        pin_old_cell_array(&old_path, slots, at, &OldCell { claim: key.known_hash() | 1, bucket: cell.bucket, key });
     }
-    // The upgrade: the daemon copies the cell before its swap and marks the
-    // move done after it.
+    // The upgrade: the daemon copies the cell before its swap and finishes
+    // the move after it.
     let d = Daemon::pinned(&lab, &cfg, &pins, &[]).unwrap();
     let log = d.log();
     let line = |needle: &str| log.lines().position(|l| l.contains(needle));
     let copied = line("copied the prefix cells an older build kept").expect(&log);
     assert!(log.lines().nth(copied).unwrap().trim_end().ends_with(" cells=1"), "one cell copied: {log}");
-    assert!(copied < line("attached: ").expect(&log), "copied before the program swap: {log}");
+    let attached = line("attached: ").expect(&log);
+    assert!(copied < attached, "copied before the program swap: {log}");
     assert!(dir.join(rl_common::MAP_CELL_COUNT).exists(), "the move is marked done once the program is in");
+    if old == OldCells::Arrays64 {
+        let merged = line("merged what the older build charged since the copy").expect(&log);
+        assert!(copied < merged && merged < attached && log.lines().nth(merged).unwrap().trim_end().ends_with(" cells=1"), "merged after the swap: {log}");
+        assert!(!old_path.exists(), "the old array is unpinned");
+    }
     assert_eq!(send([192, 0, 2, 20]), 0, "a newcomer of that /24 finds the hour used");
     assert_eq!(send([198, 51, 100, 7]), 1, "another /24 has its own");
     let (status, log) = d.stop(libc::SIGTERM).unwrap();

@@ -159,11 +159,11 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     // writes only its differences (a ban, its entries), never the whole set.
     dp.install(&compiled.rules)?;
     let adopted = dp.adopted();
-    if dp.cells_in_tables() {
-        // Before the swap: the new program looks for cells in the arrays only.
+    if dp.cells_in_tables() || dp.cells_in_old_arrays() {
+        // Before the swap: the new program looks for cells in its arrays only.
         let moved = dp.move_old_cells()?;
         if moved > 0 {
-            info!(cells = moved, "copied the prefix cells an older build kept in the sources' tables into the cell arrays");
+            info!(cells = moved, "copied the prefix cells an older build kept in the sources' tables or its 64-byte arrays into the cell arrays");
         }
     }
     let attachments = match dp.attach_all(&ifaces, opts.mode) {
@@ -178,8 +178,12 @@ pub async fn run(opts: RunOptions) -> Result<()> {
             return Err(e.into());
         }
     };
-    // This build's program is in: the older build's cells are in the arrays.
-    dp.cells_moved()?;
+    // This build's program is in: the older build's cells are in the arrays
+    // (and what it charged to its arrays since the copy is merged in).
+    let merged = dp.cells_moved()?;
+    if merged > 0 {
+        info!(cells = merged, "merged what the older build charged since the copy into the cell arrays, and unpinned its 64-byte arrays");
+    }
     if adopted {
         info!(pins = %pins.display(), "adopted the pinned datapath: buckets kept, program replaced atomically");
     }

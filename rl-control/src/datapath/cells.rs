@@ -8,7 +8,9 @@ use std::{
 };
 
 use aya::maps::MapData;
-use rl_common::{cell_claim, cell_dying, cell_set, cell_way, Bucket, Cell, KnownKey, Way, CELL_CLAIM_OFFSET, CELL_TAT_OFFSET, CELL_WAYS};
+use rl_common::{
+    cell_claim, cell_dying, cell_set, cell_way, cell_writing, Bucket, Cell, CellKey, KnownKey, OldCell, Way, CELL_CLAIM_OFFSET, CELL_TAT_OFFSET, CELL_WAYS,
+};
 
 use super::{map_error, DatapathError};
 
@@ -70,38 +72,57 @@ pub(super) fn page_size() -> usize {
     (unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).max(4096) as usize
 }
 
-/// One family's cell array.
+/// What the daemon reads of one slot: the claim word, the bucket (the
+/// state from the hot array, the counts and the key from the key array:
+/// valid while the claim is not 0).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CellView<K> {
+    pub claim: u64,
+    pub key: K,
+    pub bucket: Bucket,
+}
+
+/// One family's cell array and its key array.
 pub struct CellArray<K> {
-    mem: Mapped,
+    hot: Mapped,
+    keys: Mapped,
     _key: std::marker::PhantomData<K>,
 }
 
-const CELL: usize = std::mem::size_of::<Cell<rl_common::Key4>>();
+const CELL: usize = std::mem::size_of::<Cell>();
 
 impl<K: KnownKey + Copy + PartialEq + Default> CellArray<K> {
-    pub(super) fn open(id: u32, name: &'static str) -> Result<CellArray<K>, DatapathError> {
-        let mem = Mapped::open(id, name, CELL)?;
-        if !mem.len.is_power_of_two() || mem.len < CELL_WAYS {
-            return Err(DatapathError::Load(format!("map {name} holds {} cells, not a power of two of at least {CELL_WAYS}", mem.len)));
+    pub(super) fn open(ids: (u32, u32), names: (&'static str, &'static str)) -> Result<CellArray<K>, DatapathError> {
+        let hot = Mapped::open(ids.0, names.0, CELL)?;
+        if !hot.len.is_power_of_two() || hot.len < CELL_WAYS {
+            return Err(DatapathError::Load(format!("map {} holds {} cells, not a power of two of at least {CELL_WAYS}", names.0, hot.len)));
         }
-        Ok(CellArray { mem, _key: std::marker::PhantomData })
+        let keys = Mapped::open(ids.1, names.1, std::mem::size_of::<CellKey<K>>())?;
+        if keys.len != hot.len {
+            return Err(DatapathError::Load(format!("map {} holds {} slots, {} holds {}: rebuild both with `cargo xtask build`", names.1, keys.len, names.0, hot.len)));
+        }
+        Ok(CellArray { hot, keys, _key: std::marker::PhantomData })
     }
 
     pub fn slots(&self) -> u32 {
-        self.mem.len
+        self.hot.len
     }
 
-    /// A copy of slot `i`.
-    pub fn get(&self, i: u32) -> Cell<K> {
-        self.mem.read(i)
+    /// A copy of slot `i`: the claim read first, so that a claimed slot's
+    /// key is the one written before the claim.
+    pub fn get(&self, i: u32) -> CellView<K> {
+        let c: Cell = self.hot.read(i);
+        std::sync::atomic::fence(Ordering::Acquire);
+        let k: CellKey<K> = self.keys.read(i);
+        CellView { claim: c.claim, key: k.key, bucket: Bucket { tat_ns: c.tat_ns, ..k.counts } }
     }
 
     fn claim_word(&self, i: u32) -> &AtomicU64 {
-        self.mem.word(i as usize * CELL + CELL_CLAIM_OFFSET)
+        self.hot.word(i as usize * CELL + CELL_CLAIM_OFFSET)
     }
 
     fn tat_word(&self, i: u32) -> &AtomicU64 {
-        self.mem.word(i as usize * CELL + CELL_TAT_OFFSET)
+        self.hot.word(i as usize * CELL + CELL_TAT_OFFSET)
     }
 
     /// The slot holding `key`, if any.
@@ -112,59 +133,26 @@ impl<K: KnownKey + Copy + PartialEq + Default> CellArray<K> {
 
     /// What slot `i` is to `key` (as the program sees it: `rl_common::cell_way`).
     fn way(&self, i: u32, key: &K) -> Way {
-        let c = self.get(i);
-        cell_way(c.claim, c.claim == cell_claim(key) && c.key == *key, cell_claim(key), cell_dying(key))
+        cell_way(self.claim_word(i).load(Ordering::Acquire), cell_claim(key))
     }
 
-    /// First step of freeing slot `i`, held by `key` with `claim`: from now
-    /// on no program run finds the cell (see `rl_common::cells`). `false`:
-    /// the slot changed since it was read, leave it.
-    pub fn begin_free(&self, i: u32, key: &K, claim: u64) -> bool {
-        self.claim_word(i).compare_exchange(claim, cell_dying(key), Ordering::AcqRel, Ordering::Relaxed).is_ok()
+    /// First step of freeing slot `i`, held by `key`: from now on no
+    /// program run finds the cell (see `rl_common::cells`). `false`: the
+    /// slot changed since it was read, leave it.
+    pub fn begin_free(&self, i: u32, key: &K) -> bool {
+        let claim = cell_claim(key);
+        self.claim_word(i).compare_exchange(claim, cell_dying(claim), Ordering::AcqRel, Ordering::Relaxed).is_ok()
     }
 
     /// Second step, once every program run that could have found the cell
-    /// before [`begin_free`](Self::begin_free) is over: if `fresh` still
-    /// holds for its bucket the slot is freed (the key cleared first, so
-    /// that a run finding the slot claimed again before its new key is
-    /// written sees "busy", never a stale match); otherwise the cell lives
-    /// on with what was charged to it. Returns whether it was freed.
+    /// before [`begin_free`](Self::begin_free) is over (or for a slot a
+    /// stopped daemon left dying): if `fresh` still holds for its bucket
+    /// the slot is freed; otherwise the cell lives on with what was charged
+    /// to it. Returns whether it was freed.
     pub fn finish_free(&self, i: u32, key: &K, fresh: impl Fn(&Bucket) -> bool) -> bool {
-        let dying = cell_dying(key);
-        if fresh(&self.get(i).bucket) {
-            let at = self.slot_ptr(i);
-            unsafe { std::ptr::write_volatile(&raw mut (*at).key, K::default()) };
-            if self.claim_word(i).compare_exchange(dying, 0, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
-                return true;
-            }
-        }
-        // Charged meanwhile (or, impossibly, changed): the cell lives on.
-        unsafe { std::ptr::write_volatile(&raw mut (*self.slot_ptr(i)).key, *key) };
-        let _ = self.claim_word(i).compare_exchange(dying, cell_claim(key), Ordering::AcqRel, Ordering::Relaxed);
-        false
-    }
-
-    /// Clears the key a free slot `i` still holds (`key`, left by a build
-    /// that freed slots without clearing it), holding the slot as dying
-    /// meanwhile so that no program run claims it under the write.
-    pub fn clear_stale_key(&self, i: u32, key: &K) {
-        let dying = cell_dying(key);
-        if self.claim_word(i).compare_exchange(0, dying, Ordering::AcqRel, Ordering::Relaxed).is_ok() {
-            unsafe { std::ptr::write_volatile(&raw mut (*self.slot_ptr(i)).key, K::default()) };
-            let _ = self.claim_word(i).compare_exchange(dying, 0, Ordering::AcqRel, Ordering::Relaxed);
-        }
-    }
-
-    /// Frees slot `i`, left dying (`claim`) with its key already cleared by
-    /// a daemon that stopped between the two stores of
-    /// [`finish_free`](Self::finish_free): it had found the cell fresh.
-    pub fn release_abandoned(&self, i: u32, claim: u64) -> bool {
-        claim & 1 == 0 && self.claim_word(i).compare_exchange(claim, 0, Ordering::AcqRel, Ordering::Relaxed).is_ok()
-    }
-
-    fn slot_ptr(&self, i: u32) -> *mut Cell<K> {
-        assert!(i < self.slots());
-        unsafe { self.mem.base.add(i as usize * CELL) as *mut Cell<K> }
+        let claim = cell_claim(key);
+        let to = if fresh(&self.get(i).bucket) { 0 } else { claim };
+        self.claim_word(i).compare_exchange(cell_dying(claim), to, Ordering::AcqRel, Ordering::Relaxed).is_ok() && to == 0
     }
 
     /// Moves the state word of `key`'s cell up to `tat_ns` if it is
@@ -180,6 +168,7 @@ impl<K: KnownKey + Copy + PartialEq + Default> CellArray<K> {
     /// `merge` (`LimitEntry::merge`: never more allowance than either).
     /// `false`: its set has no room (or its cell is being written or freed).
     pub fn adopt(&self, key: &K, bucket: Bucket, merge: impl Fn(u64, u64) -> u64) -> bool {
+        let claim = cell_claim(key);
         // A few rounds: a program run may be claiming a way of the set this
         // very moment (perhaps for this key: then merge into that cell).
         for _ in 0..8 {
@@ -193,32 +182,43 @@ impl<K: KnownKey + Copy + PartialEq + Default> CellArray<K> {
                 std::thread::yield_now();
                 continue;
             }
-            let Some(i) = (set..set + CELL_WAYS).find(|&i| self.get(i).claim == 0) else {
-                // Full, unless a run just claimed a way for this key.
-                if self.find(key).is_none() && !(set..set + CELL_WAYS).any(|i| self.way(i, key) == Way::Busy) {
-                    return false;
-                }
-                continue;
+            let Some(i) = (set..set + CELL_WAYS).find(|&i| self.claim_word(i).load(Ordering::Acquire) == 0) else {
+                return false;
             };
-            if self.claim_word(i).compare_exchange(0, cell_claim(key), Ordering::AcqRel, Ordering::Relaxed).is_err() {
+            if self.claim_word(i).compare_exchange(0, cell_writing(claim), Ordering::AcqRel, Ordering::Relaxed).is_err() {
                 continue;
             }
-            // As the program does: the bucket first, the key last.
-            let at = self.slot_ptr(i);
-            unsafe {
-                std::ptr::write_volatile(&raw mut (*at).bucket, bucket);
-                std::sync::atomic::fence(Ordering::Release);
-                std::ptr::write_volatile(&raw mut (*at).key, *key);
-            }
+            // As the program does: the state and the key first, the claim last.
+            self.tat_word(i).store(bucket.tat_ns, Ordering::Relaxed);
+            let at = self.key_ptr(i);
+            unsafe { std::ptr::write_volatile(at, CellKey { key: *key, counts: Bucket { tat_ns: 0, ..bucket } }) };
+            self.claim_word(i).store(claim, Ordering::Release);
             return true;
         }
         false
     }
+
+    fn key_ptr(&self, i: u32) -> *mut CellKey<K> {
+        assert!(i < self.slots());
+        unsafe { self.keys.base.add(i as usize * std::mem::size_of::<CellKey<K>>()) as *mut CellKey<K> }
+    }
+}
+
+/// An older build's 64-byte cell array (`rl_common::OldCell`), pinned at
+/// `path`: its live cells, to be moved into this build's arrays.
+pub(super) fn old_cells<K: KnownKey + Copy + PartialEq>(path: &std::path::Path, name: &'static str) -> Result<Vec<(K, Bucket)>, DatapathError> {
+    let map = MapData::from_pin(path).map_err(|e| map_error(name, e))?;
+    let id = map.info().map_err(|e| map_error(name, e))?.id();
+    let mem = Mapped::open(id, name, std::mem::size_of::<OldCell<K>>())?;
+    Ok((0..mem.len).map(|i| mem.read::<OldCell<K>>(i)).filter(|c| c.live()).map(|c| (c.key, c.bucket)).collect())
 }
 
 impl super::Datapath {
     /// This datapath's IPv4 prefix cells, mapped.
     pub fn cells_v4(&self) -> Result<CellArray<rl_common::Key4>, DatapathError> {
-        CellArray::open(self.map_id(rl_common::MAP_CELLS_V4)?, rl_common::MAP_CELLS_V4)
+        CellArray::open(
+            (self.map_id(rl_common::MAP_CELLS_V4)?, self.map_id(rl_common::MAP_CELL_KEYS_V4)?),
+            (rl_common::MAP_CELLS_V4, rl_common::MAP_CELL_KEYS_V4),
+        )
     }
 }

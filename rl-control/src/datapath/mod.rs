@@ -276,6 +276,9 @@ pub struct Datapath {
     /// before it moved that build's cells: they are in the sources' tables
     /// (see [`Datapath::move_old_cells`]).
     cells_from_tables: bool,
+    /// Adopted from a build whose cells were 64 bytes (`rl_common::OldCell`),
+    /// still pinned (see [`Datapath::move_old_cells`]).
+    old_arrays: bool,
     /// The pinned XDP links, held once attached (pinned setups only).
     links: Vec<FdLink>,
     /// The lock on the pin directory (one daemon per pinned datapath).
@@ -334,6 +337,8 @@ impl Datapath {
             (MAP_SOURCES_V6, capacity),
             (rl_common::MAP_CELLS_V4, cell_slots),
             (rl_common::MAP_CELLS_V6, cell_slots),
+            (rl_common::MAP_CELL_KEYS_V4, cell_slots),
+            (rl_common::MAP_CELL_KEYS_V6, cell_slots),
         ];
         let specs = pin::specs(OBJECT, &sized)?;
         let held = opts.pin.as_deref().map(pin::hold).transpose()?;
@@ -344,6 +349,11 @@ impl Datapath {
         // RL_CELLN is pinned only once the cells are in the arrays (see
         // `move_old_cells`): a daemon stopped before that moves them again.
         let cells_from_tables = adopted && opts.pin.as_ref().is_some_and(|d| !d.join(rl_common::MAP_CELL_COUNT).exists());
+        // 64-byte cell arrays: unpinned once moved (see `cells_moved`).
+        let old_arrays = match &opts.pin {
+            Some(d) if adopted => [rl_common::MAP_OLD_CELLS_V4, rl_common::MAP_OLD_CELLS_V6].iter().any(|n| d.join(n).exists()),
+            _ => false,
+        };
         let bench = u32::from(opts.bench_new_sources);
         let mut loader = EbpfLoader::new();
         for (name, n) in sized {
@@ -378,6 +388,7 @@ impl Datapath {
             pins: opts.pin.clone(),
             adopted,
             cells_from_tables,
+            old_arrays,
             links: Vec::new(),
             _held: held,
             failpoint: None,
@@ -556,6 +567,12 @@ impl Datapath {
     /// before this build's program is swapped in.
     pub fn cells_in_tables(&self) -> bool {
         self.cells_from_tables
+    }
+
+    /// Whether the adopted pins hold an older build's 64-byte cell arrays:
+    /// then too [`Datapath::move_old_cells`] must run before the swap.
+    pub fn cells_in_old_arrays(&self) -> bool {
+        self.old_arrays
     }
 
     /// The directory the datapath is pinned in, if it is.

@@ -134,18 +134,20 @@ pub(super) fn hold(dir: &Path) -> Result<std::os::fd::OwnedFd, DatapathError> {
     Ok(fd)
 }
 
-/// Whether `dir` holds a pinned datapath; if it does, checks that every map
-/// matches `specs` and the layout version is this build's. Refuses with
-/// what differs, never adopts a map it would misread.
 /// Maps a setup of this layout version may lack because an older build did
 /// not have them: they are created fresh, which is safe for each (a fresh
 /// known-keys filter is "not valid" until the collector's first walk).
-/// Prefix cells moved to arrays of their own: empty ones are safe (a key
-/// with no cell is charged to its rule's last resort), and the collector
-/// moves the cells it finds in the sources' tables into them.
-const ADDED_SINCE_LAYOUT: &[&str] =
-    &[rl_common::MAP_KNOWN, rl_common::MAP_CELLS_V4, rl_common::MAP_CELLS_V6, rl_common::MAP_CELL_COUNT];
+/// Prefix cells moved to arrays of their own, then to 16-byte ones with a
+/// key array beside: empty ones are safe (a key with no cell is charged to
+/// its rule's last resort), and the daemon moves the cells it finds in the
+/// sources' tables or in the 64-byte arrays into them before its swap.
+fn added_since_layout(name: &str) -> bool {
+    name == rl_common::MAP_KNOWN || rl_common::CELL_MAPS.contains(&name)
+}
 
+/// Whether `dir` holds a pinned datapath; if it does, checks that every map
+/// matches `specs` and the layout version is this build's. Refuses with
+/// what differs, never adopts a map it would misread.
 pub(super) fn check(dir: &Path, specs: &[MapSpec]) -> Result<bool, DatapathError> {
     let present: Vec<&MapSpec> = specs.iter().filter(|s| dir.join(&s.name).exists()).collect();
     if present.is_empty() {
@@ -155,7 +157,7 @@ pub(super) fn check(dir: &Path, specs: &[MapSpec]) -> Result<bool, DatapathError
     for s in specs {
         let path = dir.join(&s.name);
         if !path.exists() {
-            if ADDED_SINCE_LAYOUT.contains(&s.name.as_str()) {
+            if added_since_layout(&s.name) {
                 continue;
             }
             return Err(mismatch(format!("{} is not pinned (an incomplete or older setup)", s.name)));

@@ -11,7 +11,7 @@ use rl_common::*;
 
 use super::{
     batch::delete_batch,
-    cells::{CellArray, Mapped},
+    cells::{old_cells, CellArray, Mapped},
     known::{KnownFilter, RUN_GRACE},
     read::{scan_table_each, BucketKey},
     *,
@@ -21,11 +21,23 @@ use super::{
 #[derive(Clone, Copy, Debug)]
 pub struct TableIds {
     pub tables: (u32, u32),
-    /// The prefix-cell arrays (IPv4, IPv6) and their claimed counts.
+    /// The prefix-cell arrays (IPv4, IPv6), their key arrays and their
+    /// claimed counts.
     pub cells: (u32, u32),
+    pub cell_keys: (u32, u32),
     pub cell_count: u32,
     pub flood: u32,
     pub known: u32,
+}
+
+impl TableIds {
+    /// Both families' cell arrays, mapped.
+    pub fn cell_arrays(&self) -> Result<(CellArray<Key4>, CellArray<Key6>), DatapathError> {
+        Ok((
+            CellArray::open((self.cells.0, self.cell_keys.0), (MAP_CELLS_V4, MAP_CELL_KEYS_V4))?,
+            CellArray::open((self.cells.1, self.cell_keys.1), (MAP_CELLS_V6, MAP_CELL_KEYS_V6))?,
+        ))
+    }
 }
 
 /// A bucket must have been fresh for this long before it is collected, so
@@ -61,6 +73,7 @@ impl Datapath {
         Ok(TableIds {
             tables: self.source_map_ids()?,
             cells: (self.map_id(MAP_CELLS_V4)?, self.map_id(MAP_CELLS_V6)?),
+            cell_keys: (self.map_id(MAP_CELL_KEYS_V4)?, self.map_id(MAP_CELL_KEYS_V6)?),
             cell_count: self.map_id(MAP_CELL_COUNT)?,
             flood: self.map_id(MAP_FLOOD)?,
             known: self.map_id(MAP_KNOWN)?,
@@ -102,8 +115,7 @@ impl Datapath {
 pub fn collect(ids: TableIds, epoch_offset_ns: u64, limits: &LimitsByKey, known: &KnownFilter) -> Result<Pass, DatapathError> {
     let mut pass = Pass::default();
     let half = known.begin();
-    let cells4 = CellArray::<Key4>::open(ids.cells.0, MAP_CELLS_V4)?;
-    let cells6 = CellArray::<Key6>::open(ids.cells.1, MAP_CELLS_V6)?;
+    let (cells4, cells6) = ids.cell_arrays()?;
     let mut walk = Walk { limits, epoch_offset_ns, known, half, own: 0, moved: 0 };
     scan_table_each::<Key4>(ids.tables.0, MAP_SOURCES_V4, |k, b| walk.sweep(ids.tables.0, MAP_SOURCES_V4, &cells4, k, b, &mut pass))?;
     pass.own.0 = std::mem::take(&mut walk.own);
@@ -201,35 +213,23 @@ impl Walk<'_> {
         let mut dying = Vec::new();
         for i in 0..cells.slots() {
             let c = cells.get(i);
-            if c.claim == 0 {
-                if c.key != K::default() {
-                    // Freed by an older build, which left the key: cleared,
-                    // so that a claimer of this key never matches it early.
-                    cells.clear_stale_key(i, &c.key);
-                }
-                continue;
-            }
-            if c.claim & 1 == 0 {
+            match c.claim & 3 {
+                // Free.
+                _ if c.claim == 0 => {}
                 // Dying: a daemon stopped between the two steps of a free.
-                // Finish it (the key was cleared only if it was fresh).
-                if c.key == K::default() {
-                    pass.collected += u64::from(cells.release_abandoned(i, c.claim));
-                } else {
-                    dying.push((i, c.key));
+                2 if c.claim == cell_dying(cell_claim(&c.key)) => dying.push((i, c.key)),
+                // Claimed for its key.
+                1 if c.claim == cell_claim(&c.key) => {
+                    if self.gone(&c.key, &c.bucket) && cells.begin_free(i, &c.key) {
+                        dying.push((i, c.key));
+                    } else {
+                        self.known.mark(self.half, &c.key);
+                        left += 1;
+                    }
                 }
-                continue;
-            }
-            if c.claim != cell_claim(&c.key) {
-                // Being claimed this instant: its key is not written yet
+                // Being claimed this instant: its key may not be written yet
                 // (the program marked it in both halves before claiming).
-                left += 1;
-                continue;
-            }
-            if self.gone(&c.key, &c.bucket) && cells.begin_free(i, &c.key, c.claim) {
-                dying.push((i, c.key));
-            } else {
-                self.known.mark(self.half, &c.key);
-                left += 1;
+                _ => left += 1,
             }
         }
         if dying.is_empty() {
@@ -303,6 +303,27 @@ fn move_old_cell<K: BucketKey + KnownKey + PartialEq>(
     table.insert(last, Bucket { tat_ns, ..l }, 0).map_err(|e| map_error(name, e))
 }
 
+/// Moves the cells an older build kept elsewhere, `found` as (key, state),
+/// into this build's `cells`, each as [`move_old_cell`] does (`id`, `name`:
+/// the family's table, for a cell whose set has no room); returns how many.
+fn move_found<K: BucketKey + KnownKey + PartialEq>(
+    id: u32,
+    name: &'static str,
+    cells: &CellArray<K>,
+    limits: &LimitsByKey,
+    epoch_offset_ns: u64,
+    found: impl IntoIterator<Item = (K, Bucket)>,
+) -> Result<u64, DatapathError> {
+    let mut moved = 0;
+    for (k, b) in found {
+        if let (KeyKind::Cell, Some(l)) = (key_kind(k.rule()), limits.get(&(k.rule() & !KEY_CELL))) {
+            move_old_cell(id, name, cells, &k, &b, l, epoch_offset_ns)?;
+            moved += 1;
+        }
+    }
+    Ok(moved)
+}
+
 /// [`Datapath::move_old_cells`] for one family's table.
 fn move_old_cells_of<K: BucketKey + KnownKey + PartialEq>(
     id: u32,
@@ -313,48 +334,85 @@ fn move_old_cells_of<K: BucketKey + KnownKey + PartialEq>(
 ) -> Result<u64, DatapathError> {
     let mut moved = 0;
     scan_table_each::<K>(id, name, |keys, buckets| {
-        for (k, b) in keys.iter().zip(buckets) {
-            if let (KeyKind::Cell, Some(l)) = (key_kind(k.rule()), limits.get(&(k.rule() & !KEY_CELL))) {
-                move_old_cell(id, name, cells, k, b, l, epoch_offset_ns)?;
-                moved += 1;
-            }
-        }
+        moved += move_found(id, name, cells, limits, epoch_offset_ns, keys.iter().copied().zip(buckets.iter().copied()))?;
         Ok(())
     })?;
     Ok(moved)
 }
 
 impl Datapath {
-    /// On adopting pins from a build that kept prefix cells in the sources'
-    /// tables: copies those cells into the cell arrays before this build's
-    /// program is swapped in, so that no prefix finds its cell missing and
-    /// is charged a copy of its rule's last resort instead (a fresh
-    /// allowance). The old program charges the table's copies until the
-    /// swap; the collector's first pass merges those charges in and deletes
-    /// the copies. [`Datapath::cells_moved`] marks it done after the swap.
+    /// On adopting pins from a build that kept prefix cells elsewhere (in
+    /// the sources' tables, or in 64-byte arrays): copies those cells into
+    /// this build's cell arrays before its program is swapped in, so that
+    /// no prefix finds its cell missing and is charged a copy of its rule's
+    /// last resort instead (a fresh allowance). The old program charges the
+    /// old copies until the swap: the collector's first pass merges the
+    /// tables' in and deletes them, [`Datapath::cells_moved`] the arrays'.
     /// Returns how many cells were copied.
     pub fn move_old_cells(&self) -> Result<u64, DatapathError> {
         let ids = self.table_ids()?;
         let limits = self.limits_by_key()?;
-        let cells4 = CellArray::<Key4>::open(ids.cells.0, MAP_CELLS_V4)?;
-        let cells6 = CellArray::<Key6>::open(ids.cells.1, MAP_CELLS_V6)?;
+        let (cells4, cells6) = ids.cell_arrays()?;
         let offset = self.epoch_offset_ns;
-        Ok(move_old_cells_of(ids.tables.0, MAP_SOURCES_V4, &cells4, &limits, offset)?
-            + move_old_cells_of(ids.tables.1, MAP_SOURCES_V6, &cells6, &limits, offset)?)
+        let mut moved = 0;
+        if self.cells_from_tables {
+            moved += move_old_cells_of(ids.tables.0, MAP_SOURCES_V4, &cells4, &limits, offset)?
+                + move_old_cells_of(ids.tables.1, MAP_SOURCES_V6, &cells6, &limits, offset)?;
+        }
+        Ok(moved + self.move_old_arrays()?)
+    }
+
+    /// The cells of the 64-byte arrays still pinned, if any, into this
+    /// build's arrays; returns how many.
+    fn move_old_arrays(&self) -> Result<u64, DatapathError> {
+        let (true, Some(dir)) = (self.old_arrays, &self.pins) else { return Ok(0) };
+        let ids = self.table_ids()?;
+        let limits = self.limits_by_key()?;
+        let (cells4, cells6) = ids.cell_arrays()?;
+        let offset = self.epoch_offset_ns;
+        // An older build pinned both arrays; a family's may be gone if a
+        // daemon stopped while unpinning them.
+        let old = |name| {
+            let path = dir.join(name);
+            path.exists().then(|| path)
+        };
+        let mut moved = 0;
+        if let Some(path) = old(MAP_OLD_CELLS_V4) {
+            moved += move_found(ids.tables.0, MAP_SOURCES_V4, &cells4, &limits, offset, old_cells::<Key4>(&path, MAP_OLD_CELLS_V4)?)?;
+        }
+        if let Some(path) = old(MAP_OLD_CELLS_V6) {
+            moved += move_found(ids.tables.1, MAP_SOURCES_V6, &cells6, &limits, offset, old_cells::<Key6>(&path, MAP_OLD_CELLS_V6)?)?;
+        }
+        Ok(moved)
     }
 
     /// Marks the move of an older build's cells done, once this build's
-    /// program is attached: pins `RL_CELLN`. Until then a restart moves
-    /// them again (the old program may have kept charging and making cells
-    /// in the tables if the swap failed).
-    pub fn cells_moved(&mut self) -> Result<(), DatapathError> {
+    /// program is attached. Cells from the sources' tables: pins `RL_CELLN`
+    /// (until then a restart moves them again: the old program may have
+    /// kept charging and making cells in the tables if the swap failed).
+    /// Cells from 64-byte arrays: once the old program's last runs are
+    /// over, merges in what it charged since the copy, then unpins the old
+    /// arrays. Returns how many old cells that merge saw.
+    pub fn cells_moved(&mut self) -> Result<u64, DatapathError> {
+        let mut merged = 0;
+        if let (true, Some(dir)) = (self.old_arrays, self.pins.clone()) {
+            std::thread::sleep(RUN_GRACE);
+            merged = self.move_old_arrays()?;
+            for name in [MAP_OLD_CELLS_V4, MAP_OLD_CELLS_V6] {
+                let path = dir.join(name);
+                if path.exists() {
+                    std::fs::remove_file(&path).map_err(|e| DatapathError::Load(format!("unpinning {}: {e}", path.display())))?;
+                }
+            }
+            self.old_arrays = false;
+        }
         if let (true, Some(dir)) = (self.cells_from_tables, &self.pins) {
             let path = dir.join(MAP_CELL_COUNT);
             let map = self.ebpf.map(MAP_CELL_COUNT).ok_or_else(|| DatapathError::Load(format!("map {MAP_CELL_COUNT} is missing")))?;
             map.pin(&path).map_err(|e| DatapathError::Load(format!("pinning {}: {e}", path.display())))?;
         }
         self.cells_from_tables = false;
-        Ok(())
+        Ok(merged)
     }
 }
 

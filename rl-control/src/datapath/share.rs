@@ -88,8 +88,7 @@ impl Tables {
         let (t4, t6) = ids.tables;
         let v4 = HashMap::try_from(aya::maps::Map::HashMap(open(t4, MAP_SOURCES_V4)?)).map_err(|e| map_error(MAP_SOURCES_V4, e))?;
         let v6 = HashMap::try_from(aya::maps::Map::HashMap(open(t6, MAP_SOURCES_V6)?)).map_err(|e| map_error(MAP_SOURCES_V6, e))?;
-        let cells4 = CellArray::open(ids.cells.0, MAP_CELLS_V4)?;
-        let cells6 = CellArray::open(ids.cells.1, MAP_CELLS_V6)?;
+        let (cells4, cells6) = ids.cell_arrays()?;
         Ok(Tables { v4, v6, cells4, cells6 })
     }
 
