@@ -12,12 +12,13 @@
 //! and, for a rule with `scope = "cluster"`, when it is charged. (64-byte
 //! cells, key and counts in the line, cost 1.24× a bare `XDP_PASS` per
 //! frame of a flood over 65,536 /24s on the veth bench; 32-byte ones
-//! 1.18×; these 1.13×, measured side by side.)
+//! 1.18×; these 1.13–1.17×, measured side by side.)
 //!
 //! The array is set-associative: a cell key may sit in either of the
 //! [`CELL_WAYS`] slots of its set. The claim word names the key by its
-//! hash ([`cell_claim`]: 62 bits, so two keys share a cell with odds of
-//! 2⁻⁶² per pair, and then only limit more) and tells the slot's state:
+//! hash ([`cell_claim`]: 62 bits of `KnownKey::cell_hash`, so two keys
+//! share a cell, and its state word, with odds of 2⁻⁶² per pair) and tells
+//! the slot's state:
 //!
 //! | claim word | meaning | a program run |
 //! | --- | --- | --- |
@@ -128,7 +129,8 @@ const _: () = assert!(core::mem::size_of::<OldCell<Key4>>() == 64);
 const _: () = assert!(core::mem::size_of::<OldCell<Key6>>() == 64);
 
 impl<K: KnownKey + PartialEq> OldCell<K> {
-    /// Whether the old build held (or was freeing) this cell for its key.
+    /// Whether the old build held (or was freeing) this cell for its key
+    /// (its claim word came from `known_hash`).
     pub fn live(&self) -> bool {
         self.claim != 0 && self.claim & !3 == self.key.known_hash() & !3
     }
@@ -164,15 +166,15 @@ pub const fn cell_slots(flood_prefixes: u32) -> u32 {
 /// The first slot of `key`'s set in an array of `slots` (a power of two).
 #[inline(always)]
 pub fn cell_set<K: KnownKey>(key: &K, slots: u32) -> u32 {
-    // The high half: the known-keys filter takes its bits from the low one.
-    ((key.known_hash() >> 32) as u32 & (slots - 1)) & !(CELL_WAYS - 1)
+    // The high half: the claim word keeps the low one.
+    ((key.cell_hash() >> 32) as u32 & (slots - 1)) & !(CELL_WAYS - 1)
 }
 
 /// The claim word of a slot holding `key`: its hash's top 62 bits, then
 /// `01`. Never 0.
 #[inline(always)]
 pub fn cell_claim<K: KnownKey>(key: &K) -> u64 {
-    (key.known_hash() & !3) | 1
+    (key.cell_hash() & !3) | 1
 }
 
 /// The claim word of `key`'s slot while the program writes its state.
@@ -288,6 +290,24 @@ mod tests {
             assert_eq!(cell_way(cell_writing(other), c), Way::Other);
         }
         assert!(cell_claim(&Key6::default()) != 0);
+    }
+
+    #[test]
+    fn keys_that_differ_in_the_rule_and_the_address_alike_have_their_own_claims() {
+        // `known_hash` XORs the rule into the address's second word: these
+        // pairs collide there, and must not as cells.
+        let mut claims = std::collections::HashSet::new();
+        for rule in [8u32, 16, 1 << 20] {
+            for which in 0..8u32 {
+                for d in 0..256u32 {
+                    let k = Key6 { rule: (rule | which) | KEY_CELL, addr: [0x2001_0db8, 0x0000_0700 ^ d ^ which, 0, 0] };
+                    assert!(claims.insert(cell_claim(&k)), "{k:?} shares a claim");
+                }
+            }
+        }
+        let (a, b) = (Key6 { rule: 8 | KEY_CELL, addr: [1, 2, 0, 0] }, Key6 { rule: 9 | KEY_CELL, addr: [1, 3, 0, 0] });
+        assert_eq!(a.known_hash(), b.known_hash(), "the filter's hash does collide");
+        assert_ne!(cell_claim(&a), cell_claim(&b));
     }
 
     #[test]

@@ -67,6 +67,13 @@ pub trait KnownKey {
     const FAMILY: u32;
     /// The key's hash: its word is the top bits, its two bits the low 12.
     fn known_hash(&self) -> u64;
+    /// The hash a prefix cell's slot and claim word come from
+    /// (`rl_common::cells`): distinct keys must not share it but by chance,
+    /// since the claim word alone names the cell's key.
+    #[inline(always)]
+    fn cell_hash(&self) -> u64 {
+        self.known_hash()
+    }
 }
 
 impl KnownKey for Key4 {
@@ -83,6 +90,16 @@ impl KnownKey for Key6 {
     fn known_hash(&self) -> u64 {
         let a = &self.addr;
         let x = fmix(self.rule as u64 ^ ((a[0] as u64) << 32 | a[1] as u64));
+        fmix(x ^ ((a[2] as u64) << 32 | a[3] as u64))
+    }
+
+    /// The rule gets a round of its own: in `known_hash` the rule and the
+    /// address's second word are XORed first, so `(r, w)` and `(r ^ d, w ^
+    /// d)` collide (a filter's false "maybe", harmless; a cell's claim, not).
+    #[inline(always)]
+    fn cell_hash(&self) -> u64 {
+        let a = &self.addr;
+        let x = fmix(fmix(self.rule as u64 ^ 0x9e37_79b9_7f4a_7c15) ^ ((a[0] as u64) << 32 | a[1] as u64));
         fmix(x ^ ((a[2] as u64) << 32 | a[3] as u64))
     }
 }

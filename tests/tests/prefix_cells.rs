@@ -222,6 +222,16 @@ fn a_cell_an_older_build_kept_in_the_sources_table_moves_to_the_array_and_keeps_
     assert!(!load().cells_in_tables(), "a restart of this build has its arrays pinned: nothing to move");
 }
 
+#[test]
+fn pins_holding_a_cell_array_without_its_key_array_are_refused() {
+    let (_pins, dir, compiled) = pin_lab("partial");
+    drop(load_pinned(&compiled, &dir));
+    std::fs::remove_file(dir.join(rl_common::MAP_CELL_KEYS_V4)).unwrap();
+    let opts = rl_control::datapath::LoadOptions { pin: Some(dir.clone()), ..Default::default() };
+    let e = Datapath::load_with(&compiled, opts).err().expect("refused").to_string();
+    assert!(e.contains("of the prefix-cell arrays only") && e.contains("rl-control detach"), "{e}");
+}
+
 /// `bpf(cmd, attr)` for the few commands the old-array test makes itself.
 fn bpf(cmd: i64, attr: &mut [u64; 16]) -> i64 {
     let r = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr.as_mut_ptr(), std::mem::size_of_val(attr)) };
@@ -249,8 +259,8 @@ fn write_old_cell(fd: &std::os::fd::OwnedFd, i: u32, cell: &OldCell<Key4>) {
 }
 
 /// Pins at `path` an IPv4 cell array as builds before 16-byte cells made
-/// it (`Array<OldCell<Key4>>`, mappable), with `cell` in slot `i`.
-fn pin_old_cell_array(path: &std::path::Path, slots: u32, i: u32, cell: &OldCell<Key4>) {
+/// it (`Array<OldCell<Key4>>`, mappable), with `cells` (slot, cell).
+fn pin_old_cell_array(path: &std::path::Path, slots: u32, cells: &[(u32, OldCell<Key4>)]) {
     use std::os::fd::{AsRawFd, FromRawFd};
     let mut attr = [0u64; 16];
     // map_type ARRAY (2), key 4 bytes; value 64 bytes, `slots` entries;
@@ -262,7 +272,9 @@ fn pin_old_cell_array(path: &std::path::Path, slots: u32, i: u32, cell: &OldCell
     let bytes = unsafe { std::slice::from_raw_parts_mut(attr.as_mut_ptr() as *mut u8, 128) };
     bytes[28..28 + name.len()].copy_from_slice(name);
     let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(bpf(0, &mut attr) as i32) };
-    write_old_cell(&fd, i, cell);
+    for (i, cell) in cells {
+        write_old_cell(&fd, *i, cell);
+    }
     let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
     let mut attr = [0u64; 16];
     attr[0] = c.as_ptr() as u64;
@@ -293,12 +305,18 @@ fn a_cell_an_older_build_kept_in_a_64_byte_array_moves_to_the_new_arrays_with_it
     let slots = rl_common::cell_slots(compiled.flood_prefixes);
     let old_path = dir.join(rl_common::MAP_OLD_CELLS_V4);
     let at = rl_common::cell_set(&key, slots) + 1;
-    pin_old_cell_array(&old_path, slots, at, &old);
+    // And another /24's, which this build's program will charge further
+    // than the old one did.
+    let key2 = cell_key(2, [10, 5, 9, 0]);
+    let old2 = OldCell { claim: key2.known_hash() | 1, key: key2, ..old };
+    pin_old_cell_array(&old_path, slots, &[(at, old), (rl_common::cell_set(&key2, slots), old2)]);
     let mut dp = load();
     assert!(dp.adopted() && dp.cells_in_old_arrays(), "the daemon must move the cells before its swap");
     let cells = dp.cells_v4().unwrap();
     assert!(cells.find(&key).is_none());
-    assert_eq!(dp.move_old_cells().unwrap(), 1, "copied before the swap");
+    assert_eq!(dp.move_old_cells().unwrap(), 2, "copied before the swap");
+    let further = drained + 1_200_000_000_000;
+    assert!(Tables::open(dp.table_ids().unwrap()).unwrap().raise(&BucketId::V4(key2), further));
     let i = cells.find(&key).expect("the new array holds it");
     assert_eq!(cells.get(i).bucket.tat_ns, drained, "with its state");
     assert_eq!(cells.get(i).key, key);
@@ -308,9 +326,10 @@ fn a_cell_an_older_build_kept_in_a_64_byte_array_moves_to_the_new_arrays_with_it
     let later = drained + 600_000_000_000;
     write_old_cell(&pinned_fd(&old_path), at, &OldCell { bucket: Bucket { tat_ns: later, passed: 2, ..old.bucket }, ..old });
     assert!(old_path.exists(), "kept until the swap");
-    assert_eq!(dp.cells_moved().unwrap(), 1);
+    assert_eq!(dp.cells_moved().unwrap(), 2);
     assert!(!old_path.exists(), "unpinned once merged");
     assert_eq!(cells.get(cells.find(&key).unwrap()).bucket.tat_ns, later, "the old program's last charges are merged in");
+    assert_eq!(cells.get(cells.find(&key2).unwrap()).bucket.tat_ns, further, "a merge never takes a cell's state back");
     assert_eq!(offer(&dp, &to([10, 5, 8, 9], 9999), 1), (1, 0), "another /24 is not limited");
     drop((cells, dp));
     assert!(!load().cells_in_old_arrays(), "a restart has nothing more to move");
@@ -374,6 +393,28 @@ fn while_a_cell_is_being_freed_its_prefix_is_charged_to_the_last_resort_and_clai
     offer(&dp, &to([10, 4, 4, 3], 9999), 1);
     assert_eq!(dp.counters().unwrap().get(STAT_NEW_CELLS), claimed + 1);
     assert!(cells.find(&key).is_some());
+}
+
+#[test]
+fn a_slot_being_written_is_busy_for_its_key_and_a_pass_frees_one_a_stopped_daemon_left() {
+    use std::sync::atomic::Ordering;
+    let (dp, cells, key, i) = once_cell([10, 4, 5]);
+    assert!(cells.begin_free(i, &key) && cells.finish_free(i, &key, |_| true), "freed");
+    // As a run between its claim and its state, or a daemon stopped in the
+    // middle of a move, leaves it: the key's claim word, writing.
+    let writing = rl_common::cell_writing(rl_common::cell_claim(&key));
+    cells.claim_word(i).store(writing, Ordering::Release);
+    let claimed = dp.counters().unwrap().get(STAT_NEW_CELLS);
+    // "once" allows 1 per hour: the fresh last resort passes one packet,
+    // and no cell is made for the /24 in the set's other way.
+    assert_eq!(offer(&dp, &to([10, 4, 5, 2], 9999), 2), (1, 1));
+    assert_eq!(dp.counters().unwrap().get(STAT_NEW_CELLS), claimed, "nothing claimed while the slot is being written");
+    assert!(cells.find(&key).is_none());
+    // Still writing a grace later: the collector frees it.
+    let p = pass(&dp);
+    assert_eq!((cells.get(i).claim, p.collected), (0, 1), "{p:?}");
+    offer(&dp, &to([10, 4, 5, 3], 9999), 1);
+    assert_eq!(dp.counters().unwrap().get(STAT_NEW_CELLS), claimed + 1, "the next newcomer claims anew");
 }
 
 #[test]
@@ -495,7 +536,7 @@ fn daemon_upgrade(old: OldCells) {
     if old == OldCells::Arrays64 {
         let slots = rl_common::cell_slots(compiled.flood_prefixes);
         let at = rl_common::cell_set(&key, slots);
-        pin_old_cell_array(&old_path, slots, at, &OldCell { claim: key.known_hash() | 1, bucket: cell.bucket, key });
+        pin_old_cell_array(&old_path, slots, &[(at, OldCell { claim: key.known_hash() | 1, bucket: cell.bucket, key })]);
     }
     // The upgrade: the daemon copies the cell before its swap and finishes
     // the move after it.
@@ -504,12 +545,13 @@ fn daemon_upgrade(old: OldCells) {
     let line = |needle: &str| log.lines().position(|l| l.contains(needle));
     let copied = line("copied the prefix cells an older build kept").expect(&log);
     assert!(log.lines().nth(copied).unwrap().trim_end().ends_with(" cells=1"), "one cell copied: {log}");
-    let attached = line("attached: ").expect(&log);
-    assert!(copied < attached, "copied before the program swap: {log}");
-    assert!(dir.join(rl_common::MAP_CELL_COUNT).exists(), "the move is marked done once the program is in");
-    if old == OldCells::Arrays64 {
+    let swapped = line("swapped this build's program into the pinned XDP link").expect(&log);
+    assert!(copied < swapped, "copied before the program swap: {log}");
+    if old == OldCells::Tables {
+        assert!(dir.join(rl_common::MAP_CELL_COUNT).exists(), "the move is marked done once the program is in");
+    } else {
         let merged = line("merged what the older build charged since the copy").expect(&log);
-        assert!(copied < merged && merged < attached && log.lines().nth(merged).unwrap().trim_end().ends_with(" cells=1"), "merged after the swap: {log}");
+        assert!(swapped < merged && log.lines().nth(merged).unwrap().trim_end().ends_with(" cells=1"), "merged after the swap: {log}");
         assert!(!old_path.exists(), "the old array is unpinned");
     }
     assert_eq!(send([192, 0, 2, 20]), 0, "a newcomer of that /24 finds the hour used");

@@ -140,6 +140,7 @@ impl Datapath {
         };
         let link = self.xdp(prog)?.take_link(id).map_err(|e| DatapathError::Load(chain(&e)))?;
         self.links.push(FdLink::try_from(link).map_err(|e| DatapathError::Load(chain(&e)))?);
+        tracing::info!(iface, "swapped this build's program into the pinned XDP link");
         let mode = if mode == "skb" { AttachMode::Skb } else { AttachMode::Native };
         Ok(Some(Attachment { iface: iface.to_string(), mode }))
     }

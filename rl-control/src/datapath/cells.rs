@@ -117,7 +117,9 @@ impl<K: KnownKey + Copy + PartialEq + Default> CellArray<K> {
         CellView { claim: c.claim, key: k.key, bucket: Bucket { tat_ns: c.tat_ns, ..k.counts } }
     }
 
-    fn claim_word(&self, i: u32) -> &AtomicU64 {
+    /// The claim word of slot `i` (tests set it to the states a program
+    /// run or a stopped daemon leaves).
+    pub fn claim_word(&self, i: u32) -> &AtomicU64 {
         self.hot.word(i as usize * CELL + CELL_CLAIM_OFFSET)
     }
 
@@ -155,6 +157,15 @@ impl<K: KnownKey + Copy + PartialEq + Default> CellArray<K> {
         self.claim_word(i).compare_exchange(cell_dying(claim), to, Ordering::AcqRel, Ordering::Relaxed).is_ok() && to == 0
     }
 
+    /// Frees slot `i` if its claim word still reads `claim`, a *writing*
+    /// word read at least a grace before: a program run writes a cell in
+    /// microseconds, so only a daemon stopped in the middle of
+    /// [`adopt`](Self::adopt) leaves one for that long. Returns whether it
+    /// was freed.
+    pub fn release_writing(&self, i: u32, claim: u64) -> bool {
+        claim & 3 == 3 && self.claim_word(i).compare_exchange(claim, 0, Ordering::AcqRel, Ordering::Relaxed).is_ok()
+    }
+
     /// Moves the state word of `key`'s cell up to `tat_ns` if it is
     /// earlier (never down): token buckets only (cluster rules are). `None`:
     /// there is no such cell; else whether it moved.
@@ -183,7 +194,13 @@ impl<K: KnownKey + Copy + PartialEq + Default> CellArray<K> {
                 continue;
             }
             let Some(i) = (set..set + CELL_WAYS).find(|&i| self.claim_word(i).load(Ordering::Acquire) == 0) else {
-                return false;
+                // Full, unless a run just claimed a way for this key: then
+                // merge into that cell (the last resort it copied does not
+                // hold `bucket`).
+                if self.find(key).is_none() && !(set..set + CELL_WAYS).any(|i| self.way(i, key) == Way::Busy) {
+                    return false;
+                }
+                continue;
             };
             if self.claim_word(i).compare_exchange(0, cell_writing(claim), Ordering::AcqRel, Ordering::Relaxed).is_err() {
                 continue;

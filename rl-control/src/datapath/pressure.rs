@@ -210,7 +210,7 @@ impl Walk<'_> {
     /// (`rl_common::cells`): a cell charged meanwhile is kept, not lost.
     fn cells<K: BucketKey + KnownKey + PartialEq>(&self, cells: &CellArray<K>, pass: &mut Pass) -> u64 {
         let mut left = 0;
-        let mut dying = Vec::new();
+        let (mut dying, mut writing) = (Vec::new(), Vec::new());
         for i in 0..cells.slots() {
             let c = cells.get(i);
             match c.claim & 3 {
@@ -227,15 +227,26 @@ impl Walk<'_> {
                         left += 1;
                     }
                 }
-                // Being claimed this instant: its key may not be written yet
-                // (the program marked it in both halves before claiming).
+                // Being claimed this instant (the program marked it in both
+                // halves before claiming): only a daemon that stopped in
+                // the middle of a move leaves it so for longer.
+                3 => writing.push((i, c.claim)),
+                // Claimed for a key whose key is not written yet.
                 _ => left += 1,
             }
         }
-        if dying.is_empty() {
+        if dying.is_empty() && writing.is_empty() {
             return left;
         }
         std::thread::sleep(RUN_GRACE);
+        for (i, claim) in writing {
+            // Still the same word a grace later: no program run is writing it.
+            if cells.release_writing(i, claim) {
+                pass.collected += 1;
+            } else {
+                left += 1;
+            }
+        }
         for (i, key) in dying {
             if cells.finish_free(i, &key, |b| self.gone(&key, b)) {
                 pass.collected += 1;
