@@ -16,8 +16,9 @@
 //!
 //! The array is set-associative: a cell key may sit in either of the
 //! [`CELL_WAYS`] slots of its set. The claim word names the key by its
-//! hash ([`cell_claim`]: 62 bits of `KnownKey::cell_hash`, so two keys
-//! share a cell, and its state word, with odds of 2⁻⁶² per pair) and tells
+//! hash ([`cell_claim`]: 62 bits of `KnownKey::cell_hash`, keyed by the
+//! datapath's secret seed, so two keys share a cell, and its state word,
+//! with odds of 2⁻⁶² per pair, and no one can pick such keys) and tells
 //! the slot's state:
 //!
 //! | claim word | meaning | a program run |
@@ -63,10 +64,19 @@ pub const MAP_OLD_CELLS_V4: &str = "RL_CELL4";
 pub const MAP_OLD_CELLS_V6: &str = "RL_CELL6";
 /// Per-CPU scratch of the program (`PerCpuArray<CellScratch>`, one entry).
 pub const MAP_CELL_SCRATCH: &str = "RL_CSCRATCH";
+/// The cell seed (`Array<u64>`, one entry): random, written by the daemon
+/// that creates the arrays before any program runs, pinned with them and
+/// never changed (a cell is found by it). Secret: who knows it can make
+/// keys share a cell or fill a key's set.
+pub const MAP_CELL_SEED: &str = "RL_CELLSEED";
 
 /// The maps of the prefix cells (builds that kept cells in the sources'
 /// tables had none of them).
-pub const CELL_MAPS: [&str; 6] = [MAP_CELLS_V4, MAP_CELLS_V6, MAP_CELL_KEYS_V4, MAP_CELL_KEYS_V6, MAP_CELL_SCRATCH, MAP_CELL_COUNT];
+pub const CELL_MAPS: [&str; 7] =
+    [MAP_CELLS_V4, MAP_CELLS_V6, MAP_CELL_KEYS_V4, MAP_CELL_KEYS_V6, MAP_CELL_SEED, MAP_CELL_SCRATCH, MAP_CELL_COUNT];
+/// The maps of [`CELL_MAPS`] that are pinned together or not at all: the
+/// cells, their keys and the seed that finds them.
+pub const CELL_STATE_MAPS: [&str; 5] = [MAP_CELLS_V4, MAP_CELLS_V6, MAP_CELL_KEYS_V4, MAP_CELL_KEYS_V6, MAP_CELL_SEED];
 
 /// Cells claimed per family (`Array<u64>`, entries 0 IPv4 and 1 IPv6,
 /// mappable): the program adds one per claim, the collector stores the
@@ -163,18 +173,19 @@ pub const fn cell_slots(flood_prefixes: u32) -> u32 {
     }
 }
 
-/// The first slot of `key`'s set in an array of `slots` (a power of two).
+/// The first slot of `key`'s set in an array of `slots` (a power of two),
+/// under the datapath's cell seed ([`MAP_CELL_SEED`]).
 #[inline(always)]
-pub fn cell_set<K: KnownKey>(key: &K, slots: u32) -> u32 {
+pub fn cell_set<K: KnownKey>(key: &K, seed: u64, slots: u32) -> u32 {
     // The high half: the claim word keeps the low one.
-    ((key.cell_hash() >> 32) as u32 & (slots - 1)) & !(CELL_WAYS - 1)
+    ((key.cell_hash(seed) >> 32) as u32 & (slots - 1)) & !(CELL_WAYS - 1)
 }
 
-/// The claim word of a slot holding `key`: its hash's top 62 bits, then
-/// `01`. Never 0.
+/// The claim word of a slot holding `key` under the cell seed: its hash's
+/// top 62 bits, then `01`. Never 0.
 #[inline(always)]
-pub fn cell_claim<K: KnownKey>(key: &K) -> u64 {
-    (key.cell_hash() & !3) | 1
+pub fn cell_claim<K: KnownKey>(key: &K, seed: u64) -> u64 {
+    (key.cell_hash(seed) & !3) | 1
 }
 
 /// The claim word of `key`'s slot while the program writes its state.
@@ -233,6 +244,9 @@ mod tests {
     use super::*;
     use crate::KEY_CELL;
 
+    /// Some cell seed.
+    const SEED: u64 = 0x5eed_0f_ce11;
+
     #[test]
     fn saturation_is_half_the_slots() {
         assert!(!cells_saturated(0, 2) && cells_saturated(1, 2));
@@ -259,7 +273,7 @@ mod tests {
         let mut overflow = 0;
         for i in 0..65_536u32 {
             let k = Key4 { rule: 8 | KEY_CELL, addr: (10 << 24 | i << 8).to_be() };
-            let set = cell_set(&k, slots);
+            let set = cell_set(&k, SEED, slots);
             assert_eq!(set % CELL_WAYS, 0);
             assert!(set < slots);
             let u = &mut used[(set / CELL_WAYS) as usize];
@@ -277,7 +291,7 @@ mod tests {
     fn a_claims_states_are_never_free_nor_another_keys_claim() {
         for i in 0..100_000u32 {
             let k = Key4 { rule: 8 | KEY_CELL, addr: i.wrapping_mul(0x9e37_79b9) };
-            let c = cell_claim(&k);
+            let c = cell_claim(&k, SEED);
             let (w, d) = (cell_writing(c), cell_dying(c));
             assert!(c != 0 && w != 0 && d != 0);
             assert!(c % 4 == 1 && w % 4 == 3 && d % 4 == 2);
@@ -285,29 +299,52 @@ mod tests {
             assert_eq!(cell_way(w, c), Way::Busy, "being written");
             assert_eq!(cell_way(d, c), Way::Busy, "being freed");
             assert_eq!(cell_way(0, c), Way::Free);
-            let other = cell_claim(&Key4 { addr: k.addr ^ 0x100, ..k });
+            let other = cell_claim(&Key4 { addr: k.addr ^ 0x100, ..k }, SEED);
             assert_eq!(cell_way(other, c), Way::Other);
             assert_eq!(cell_way(cell_writing(other), c), Way::Other);
         }
-        assert!(cell_claim(&Key6::default()) != 0);
+        assert!(cell_claim(&Key6::default(), 0) != 0 && cell_claim(&Key4::default(), 0) != 0);
     }
 
     #[test]
-    fn keys_that_differ_in_the_rule_and_the_address_alike_have_their_own_claims() {
-        // `known_hash` XORs the rule into the address's second word: these
-        // pairs collide there, and must not as cells.
+    fn keys_that_collide_in_the_filters_hash_or_in_an_unseeded_chain_have_their_own_claims() {
+        // `known_hash` XORs the rule into the address's second word.
+        let (a, b) = (Key6 { rule: 8 | KEY_CELL, addr: [1, 2, 0, 0] }, Key6 { rule: 9 | KEY_CELL, addr: [1, 3, 0, 0] });
+        assert_eq!(a.known_hash(), b.known_hash(), "the filter's hash does collide");
+        // A seedless chain `fmix(fmix(r ^ c) ^ w1) ^ w2)` collides for
+        // `(r, w1)` and `(r', w1 ^ fmix(r ^ c) ^ fmix(r' ^ c))`, found by a
+        // review: these two keys.
+        let (c, d) = (
+            Key6 { rule: 8 | KEY_CELL, addr: [0x2001_0db8, 0x700, 0, 0] },
+            Key6 { rule: 16 | KEY_CELL, addr: [0x595b_0aab, 0x1c57_4c78, 0, 0] },
+        );
+        for seed in [SEED, 0, u64::MAX, 0x0123_4567_89ab_cdef] {
+            assert_ne!(cell_claim(&a, seed), cell_claim(&b, seed));
+            assert_ne!(cell_claim(&c, seed), cell_claim(&d, seed));
+        }
+        // Structured keys (limits of one rule, prefixes alike) stay apart.
         let mut claims = std::collections::HashSet::new();
         for rule in [8u32, 16, 1 << 20] {
             for which in 0..8u32 {
-                for d in 0..256u32 {
-                    let k = Key6 { rule: (rule | which) | KEY_CELL, addr: [0x2001_0db8, 0x0000_0700 ^ d ^ which, 0, 0] };
-                    assert!(claims.insert(cell_claim(&k)), "{k:?} shares a claim");
+                for x in 0..256u32 {
+                    let k = Key6 { rule: (rule | which) | KEY_CELL, addr: [0x2001_0db8, 0x0000_0700 ^ x ^ which, 0, 0] };
+                    assert!(claims.insert(cell_claim(&k, SEED)), "{k:?} shares a claim");
                 }
             }
         }
-        let (a, b) = (Key6 { rule: 8 | KEY_CELL, addr: [1, 2, 0, 0] }, Key6 { rule: 9 | KEY_CELL, addr: [1, 3, 0, 0] });
-        assert_eq!(a.known_hash(), b.known_hash(), "the filter's hash does collide");
-        assert_ne!(cell_claim(&a), cell_claim(&b));
+    }
+
+    #[test]
+    fn the_seed_moves_every_keys_set() {
+        // Who does not know the seed cannot pick keys that fill a set.
+        let slots = cell_slots(65_536);
+        let moved = (0..1_000u32)
+            .filter(|&i| {
+                let k = Key4 { rule: 8 | KEY_CELL, addr: (10 << 24 | i << 8).to_be() };
+                cell_set(&k, 1, slots) != cell_set(&k, 2, slots)
+            })
+            .count();
+        assert!(moved > 990, "{moved} of 1,000 sets moved with the seed");
     }
 
     #[test]

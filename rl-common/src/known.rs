@@ -68,12 +68,10 @@ pub trait KnownKey {
     /// The key's hash: its word is the top bits, its two bits the low 12.
     fn known_hash(&self) -> u64;
     /// The hash a prefix cell's slot and claim word come from
-    /// (`rl_common::cells`): distinct keys must not share it but by chance,
-    /// since the claim word alone names the cell's key.
-    #[inline(always)]
-    fn cell_hash(&self) -> u64 {
-        self.known_hash()
-    }
+    /// (`rl_common::cells`), keyed by the datapath's secret `seed`: the
+    /// claim word alone names the cell's key, so no one who does not know
+    /// the seed may make two keys share it (or fill a key's set).
+    fn cell_hash(&self, seed: u64) -> u64;
 }
 
 impl KnownKey for Key4 {
@@ -81,6 +79,12 @@ impl KnownKey for Key4 {
     #[inline(always)]
     fn known_hash(&self) -> u64 {
         fmix((self.rule as u64) << 32 | self.addr as u64)
+    }
+
+    /// A bijection of the key for any seed: no two keys share it.
+    #[inline(always)]
+    fn cell_hash(&self, seed: u64) -> u64 {
+        fmix(((self.rule as u64) << 32 | self.addr as u64) ^ seed)
     }
 }
 
@@ -93,14 +97,17 @@ impl KnownKey for Key6 {
         fmix(x ^ ((a[2] as u64) << 32 | a[3] as u64))
     }
 
-    /// The rule gets a round of its own: in `known_hash` the rule and the
-    /// address's second word are XORed first, so `(r, w)` and `(r ^ d, w ^
-    /// d)` collide (a filter's false "maybe", harmless; a cell's claim, not).
+    /// The address through the seeded rounds first, the rule last: in
+    /// `known_hash` the rule and the address's second word are XORed
+    /// first, so `(r, w)` and `(r ^ d, w ^ d)` collide (a filter's false
+    /// "maybe", harmless; a cell's claim, not), and without a secret seed
+    /// any such chain of invertible rounds yields collisions on demand.
     #[inline(always)]
-    fn cell_hash(&self) -> u64 {
+    fn cell_hash(&self, seed: u64) -> u64 {
         let a = &self.addr;
-        let x = fmix(fmix(self.rule as u64 ^ 0x9e37_79b9_7f4a_7c15) ^ ((a[0] as u64) << 32 | a[1] as u64));
-        fmix(x ^ ((a[2] as u64) << 32 | a[3] as u64))
+        let x = fmix(((a[0] as u64) << 32 | a[1] as u64) ^ seed);
+        let x = fmix(x ^ ((a[2] as u64) << 32 | a[3] as u64));
+        fmix(x ^ self.rule as u64 ^ seed.rotate_left(32))
     }
 }
 

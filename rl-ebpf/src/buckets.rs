@@ -47,6 +47,11 @@ static RL_CELLK4: Array<CellKey<Key4>> = Array::with_max_entries(CELL_WAYS, BPF_
 #[map(name = "RL_CELLK6")]
 static RL_CELLK6: Array<CellKey<Key6>> = Array::with_max_entries(CELL_WAYS, BPF_F_MMAPABLE);
 
+/// The cell seed (rl_common::MAP_CELL_SEED), written by the daemon before
+/// the program is attached.
+#[map(name = "RL_CELLSEED")]
+static RL_CELLSEED: Array<u64> = Array::with_max_entries(1, 0);
+
 /// rl_common::MAP_CELL_SCRATCH.
 #[map(name = "RL_CSCRATCH")]
 static RL_CSCRATCH: PerCpuArray<CellScratch> = PerCpuArray::with_max_entries(1, 0);
@@ -223,9 +228,10 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
     // What the key maps to now: its cell, else its rule's last resort
     // (created fresh the first time a rule needs it).
     let cell_key = key.cell(cfg);
-    let claim = cell_claim(&cell_key);
+    let seed = unsafe { core::ptr::read_volatile(RL_CELLSEED.get_ptr(0)?) };
+    let claim = cell_claim(&cell_key, seed);
     let slots = 1 << (cfg.cell_slots_log2 & 31);
-    let set = cell_set(&cell_key, slots);
+    let set = cell_set(&cell_key, seed, slots);
     let claimed = RL_CELLN.get_ptr_mut(K::FAMILY);
     let look = match claimed {
         Some(n) if cells_saturated(unsafe { core::ptr::read_volatile(n) }, slots) => known::maybe(&cell_key),
@@ -298,7 +304,15 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
             core::ptr::write_volatile(&raw mut (*k).counts.dropped, 0);
             core::ptr::write_volatile(&raw mut (*k).counts.last_drop_ns, 0);
         }
-        core::ptr::write_volatile(&raw mut (*c).claim, claim);
+    }
+    // A compare-and-swap, not a store: were this run stalled past the
+    // daemon's grace, which frees a slot left writing, the slot is not
+    // taken back from whoever has it now (this packet goes to the parent).
+    let (_, written) = unsafe {
+        atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(&raw mut (*c).claim, cell_writing(claim), claim)
+    };
+    if !written {
+        return last;
     }
     stats::bump(STAT_NEW_CELLS);
     if let Some(n) = claimed {

@@ -223,13 +223,18 @@ fn a_cell_an_older_build_kept_in_the_sources_table_moves_to_the_array_and_keeps_
 }
 
 #[test]
-fn pins_holding_a_cell_array_without_its_key_array_are_refused() {
-    let (_pins, dir, compiled) = pin_lab("partial");
+fn pins_holding_cells_without_their_key_array_or_their_seed_are_refused() {
+    let (pins, dir, compiled) = pin_lab("partial");
     drop(load_pinned(&compiled, &dir));
-    std::fs::remove_file(dir.join(rl_common::MAP_CELL_KEYS_V4)).unwrap();
-    let opts = rl_control::datapath::LoadOptions { pin: Some(dir.clone()), ..Default::default() };
-    let e = Datapath::load_with(&compiled, opts).err().expect("refused").to_string();
-    assert!(e.contains("of the prefix-cell arrays only") && e.contains("rl-control detach"), "{e}");
+    for (name, is) in [(rl_common::MAP_CELL_KEYS_V4, "a cell array without its key array"), (rl_common::MAP_CELL_SEED, "cells without their seed")] {
+        let kept = pins.path().join("kept");
+        std::fs::rename(dir.join(name), &kept).unwrap();
+        let opts = rl_control::datapath::LoadOptions { pin: Some(dir.clone()), ..Default::default() };
+        let e = Datapath::load_with(&compiled, opts).err().unwrap_or_else(|| panic!("{is} adopted")).to_string();
+        assert!(e.contains("of the prefix cells' maps only") && e.contains("rl-control detach"), "{is}: {e}");
+        std::fs::rename(&kept, dir.join(name)).unwrap();
+    }
+    drop(load_pinned(&compiled, &dir));
 }
 
 /// `bpf(cmd, attr)` for the few commands the old-array test makes itself.
@@ -290,13 +295,7 @@ fn a_cell_an_older_build_kept_in_a_64_byte_array_moves_to_the_new_arrays_with_it
     drop(load());
     // As a build with 64-byte cells left its pins: none of this build's
     // cell maps, its own array holding a drained 1-per-hour cell.
-    for name in [
-        rl_common::MAP_CELLS_V4,
-        rl_common::MAP_CELLS_V6,
-        rl_common::MAP_CELL_KEYS_V4,
-        rl_common::MAP_CELL_KEYS_V6,
-        rl_common::MAP_CELL_SCRATCH,
-    ] {
+    for name in rl_common::CELL_MAPS.into_iter().filter(|n| *n != rl_common::MAP_CELL_COUNT) {
         std::fs::remove_file(dir.join(name)).unwrap();
     }
     let key = cell_key(2, [10, 5, 7, 0]);
@@ -304,12 +303,13 @@ fn a_cell_an_older_build_kept_in_a_64_byte_array_moves_to_the_new_arrays_with_it
     let old = OldCell { claim: key.known_hash() | 1, bucket: Bucket { tat_ns: drained, passed: 1, ..Bucket::default() }, key };
     let slots = rl_common::cell_slots(compiled.flood_prefixes);
     let old_path = dir.join(rl_common::MAP_OLD_CELLS_V4);
-    let at = rl_common::cell_set(&key, slots) + 1;
+    // (Any slot: a move reads them all.)
+    let at = 1;
     // And another /24's, which this build's program will charge further
     // than the old one did.
     let key2 = cell_key(2, [10, 5, 9, 0]);
     let old2 = OldCell { claim: key2.known_hash() | 1, key: key2, ..old };
-    pin_old_cell_array(&old_path, slots, &[(at, old), (rl_common::cell_set(&key2, slots), old2)]);
+    pin_old_cell_array(&old_path, slots, &[(at, old), (2, old2)]);
     let mut dp = load();
     assert!(dp.adopted() && dp.cells_in_old_arrays(), "the daemon must move the cells before its swap");
     let cells = dp.cells_v4().unwrap();
@@ -402,7 +402,7 @@ fn a_slot_being_written_is_busy_for_its_key_and_a_pass_frees_one_a_stopped_daemo
     assert!(cells.begin_free(i, &key) && cells.finish_free(i, &key, |_| true), "freed");
     // As a run between its claim and its state, or a daemon stopped in the
     // middle of a move, leaves it: the key's claim word, writing.
-    let writing = rl_common::cell_writing(rl_common::cell_claim(&key));
+    let writing = rl_common::cell_writing(cells.claim_of(&key));
     cells.claim_word(i).store(writing, Ordering::Release);
     let claimed = dp.counters().unwrap().get(STAT_NEW_CELLS);
     // "once" allows 1 per hour: the fresh last resort passes one packet,
@@ -535,7 +535,7 @@ fn daemon_upgrade(old: OldCells) {
     let old_path = dir.join(rl_common::MAP_OLD_CELLS_V4);
     if old == OldCells::Arrays64 {
         let slots = rl_common::cell_slots(compiled.flood_prefixes);
-        let at = rl_common::cell_set(&key, slots);
+        let at = 0;
         pin_old_cell_array(&old_path, slots, &[(at, OldCell { claim: key.known_hash() | 1, bucket: cell.bucket, key })]);
     }
     // The upgrade: the daemon copies the cell before its swap and finishes

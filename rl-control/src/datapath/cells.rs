@@ -86,13 +86,15 @@ pub struct CellView<K> {
 pub struct CellArray<K> {
     hot: Mapped,
     keys: Mapped,
+    /// The datapath's cell seed (`rl_common::MAP_CELL_SEED`).
+    seed: u64,
     _key: std::marker::PhantomData<K>,
 }
 
 const CELL: usize = std::mem::size_of::<Cell>();
 
 impl<K: KnownKey + Copy + PartialEq + Default> CellArray<K> {
-    pub(super) fn open(ids: (u32, u32), names: (&'static str, &'static str)) -> Result<CellArray<K>, DatapathError> {
+    pub(super) fn open(ids: (u32, u32), names: (&'static str, &'static str), seed: u64) -> Result<CellArray<K>, DatapathError> {
         let hot = Mapped::open(ids.0, names.0, CELL)?;
         if !hot.len.is_power_of_two() || hot.len < CELL_WAYS {
             return Err(DatapathError::Load(format!("map {} holds {} cells, not a power of two of at least {CELL_WAYS}", names.0, hot.len)));
@@ -101,11 +103,20 @@ impl<K: KnownKey + Copy + PartialEq + Default> CellArray<K> {
         if keys.len != hot.len {
             return Err(DatapathError::Load(format!("map {} holds {} slots, {} holds {}: rebuild both with `cargo xtask build`", names.1, keys.len, names.0, hot.len)));
         }
-        Ok(CellArray { hot, keys, _key: std::marker::PhantomData })
+        Ok(CellArray { hot, keys, seed, _key: std::marker::PhantomData })
     }
 
     pub fn slots(&self) -> u32 {
         self.hot.len
+    }
+
+    /// The claim word of a slot holding `key` (`rl_common::cell_claim`).
+    pub fn claim_of(&self, key: &K) -> u64 {
+        cell_claim(key, self.seed)
+    }
+
+    fn set_of(&self, key: &K) -> u32 {
+        cell_set(key, self.seed, self.slots())
     }
 
     /// A copy of slot `i`: the claim read first, so that a claimed slot's
@@ -129,20 +140,20 @@ impl<K: KnownKey + Copy + PartialEq + Default> CellArray<K> {
 
     /// The slot holding `key`, if any.
     pub fn find(&self, key: &K) -> Option<u32> {
-        let set = cell_set(key, self.slots());
+        let set = self.set_of(key);
         (set..set + CELL_WAYS).find(|&i| self.way(i, key) == Way::Holds)
     }
 
     /// What slot `i` is to `key` (as the program sees it: `rl_common::cell_way`).
     fn way(&self, i: u32, key: &K) -> Way {
-        cell_way(self.claim_word(i).load(Ordering::Acquire), cell_claim(key))
+        cell_way(self.claim_word(i).load(Ordering::Acquire), self.claim_of(key))
     }
 
     /// First step of freeing slot `i`, held by `key`: from now on no
     /// program run finds the cell (see `rl_common::cells`). `false`: the
     /// slot changed since it was read, leave it.
     pub fn begin_free(&self, i: u32, key: &K) -> bool {
-        let claim = cell_claim(key);
+        let claim = self.claim_of(key);
         self.claim_word(i).compare_exchange(claim, cell_dying(claim), Ordering::AcqRel, Ordering::Relaxed).is_ok()
     }
 
@@ -152,7 +163,7 @@ impl<K: KnownKey + Copy + PartialEq + Default> CellArray<K> {
     /// the slot is freed; otherwise the cell lives on with what was charged
     /// to it. Returns whether it was freed.
     pub fn finish_free(&self, i: u32, key: &K, fresh: impl Fn(&Bucket) -> bool) -> bool {
-        let claim = cell_claim(key);
+        let claim = self.claim_of(key);
         let to = if fresh(&self.get(i).bucket) { 0 } else { claim };
         self.claim_word(i).compare_exchange(cell_dying(claim), to, Ordering::AcqRel, Ordering::Relaxed).is_ok() && to == 0
     }
@@ -179,29 +190,27 @@ impl<K: KnownKey + Copy + PartialEq + Default> CellArray<K> {
     /// `merge` (`LimitEntry::merge`: never more allowance than either).
     /// `false`: its set has no room (or its cell is being written or freed).
     pub fn adopt(&self, key: &K, bucket: Bucket, merge: impl Fn(u64, u64) -> u64) -> bool {
-        let claim = cell_claim(key);
-        // A few rounds: a program run may be claiming a way of the set this
-        // very moment (perhaps for this key: then merge into that cell).
-        for _ in 0..8 {
-            if let Some(i) = self.find(key) {
+        let claim = self.claim_of(key);
+        let set = self.set_of(key);
+        // A program run may be claiming a way of the set this very moment
+        // (perhaps for this key: then merge into that cell once it is
+        // written); a run writes a cell in microseconds.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_millis(20);
+        while std::time::Instant::now() < deadline {
+            // Each way's word read once, so that one reading decides.
+            let ways: Vec<(u32, Way)> = (set..set + CELL_WAYS).map(|i| (i, cell_way(self.claim_word(i).load(Ordering::Acquire), claim))).collect();
+            if let Some(&(i, _)) = ways.iter().find(|w| w.1 == Way::Holds) {
                 let word = self.tat_word(i);
                 let _ = word.fetch_update(Ordering::AcqRel, Ordering::Acquire, |cur| Some(merge(cur, bucket.tat_ns)));
                 return true;
             }
-            let set = cell_set(key, self.slots());
-            if (set..set + CELL_WAYS).any(|i| self.way(i, key) == Way::Busy) {
+            if ways.iter().any(|w| w.1 == Way::Busy) {
                 std::thread::yield_now();
                 continue;
             }
-            let Some(i) = (set..set + CELL_WAYS).find(|&i| self.claim_word(i).load(Ordering::Acquire) == 0) else {
-                // Full, unless a run just claimed a way for this key: then
-                // merge into that cell (the last resort it copied does not
-                // hold `bucket`).
-                if self.find(key).is_none() && !(set..set + CELL_WAYS).any(|i| self.way(i, key) == Way::Busy) {
-                    return false;
-                }
-                continue;
-            };
+            // No free way: the set is full of other keys' cells (only the
+            // collector, this thread's caller, frees one).
+            let Some(&(i, _)) = ways.iter().find(|w| w.1 == Way::Free) else { return false };
             if self.claim_word(i).compare_exchange(0, cell_writing(claim), Ordering::AcqRel, Ordering::Relaxed).is_err() {
                 continue;
             }
@@ -230,12 +239,37 @@ pub(super) fn old_cells<K: KnownKey + Copy + PartialEq>(path: &std::path::Path, 
     Ok((0..mem.len).map(|i| mem.read::<OldCell<K>>(i)).filter(|c| c.live()).map(|c| (c.key, c.bucket)).collect())
 }
 
+/// The cell seed in the map with kernel id `id`.
+pub(super) fn cell_seed(id: u32) -> Result<u64, DatapathError> {
+    let name = rl_common::MAP_CELL_SEED;
+    let map = MapData::from_id(id).map_err(|e| map_error(name, e))?;
+    let arr: aya::maps::Array<MapData, u64> = aya::maps::Array::try_from(aya::maps::Map::Array(map)).map_err(|e| map_error(name, e))?;
+    arr.get(&0, 0).map_err(|e| map_error(name, e))
+}
+
 impl super::Datapath {
     /// This datapath's IPv4 prefix cells, mapped.
     pub fn cells_v4(&self) -> Result<CellArray<rl_common::Key4>, DatapathError> {
-        CellArray::open(
-            (self.map_id(rl_common::MAP_CELLS_V4)?, self.map_id(rl_common::MAP_CELL_KEYS_V4)?),
-            (rl_common::MAP_CELLS_V4, rl_common::MAP_CELL_KEYS_V4),
-        )
+        Ok(self.table_ids()?.cell_arrays()?.0)
+    }
+
+    /// Gives the cells a random seed if theirs is 0 (just created); a
+    /// pinned one is kept, since the cells are found by it. Before the
+    /// program is attached.
+    pub(super) fn seed_cells(&mut self) -> Result<(), DatapathError> {
+        let name = rl_common::MAP_CELL_SEED;
+        let map = self.ebpf.map_mut(name).ok_or_else(|| DatapathError::Load(format!("map {name} is missing")))?;
+        let mut arr: aya::maps::Array<&mut MapData, u64> = aya::maps::Array::try_from(map).map_err(|e| map_error(name, e))?;
+        if arr.get(&0, 0).map_err(|e| map_error(name, e))? != 0 {
+            return Ok(());
+        }
+        let mut seed = 0u64;
+        while seed == 0 {
+            let n = unsafe { libc::getrandom(&raw mut seed as *mut libc::c_void, 8, 0) };
+            if n != 8 {
+                return Err(DatapathError::Load(format!("cannot draw the cell seed: {}", std::io::Error::last_os_error())));
+            }
+        }
+        arr.set(0, seed, 0).map_err(|e| map_error(name, e))
     }
 }

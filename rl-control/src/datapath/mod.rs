@@ -393,6 +393,7 @@ impl Datapath {
             _held: held,
             failpoint: None,
         };
+        dp.seed_cells()?;
         dp.load_program(PROG_LIMITER)?;
         dp.clock = dp.calibrate_clock()?;
         dp.epoch_offset_ns = epoch_offset_ns();

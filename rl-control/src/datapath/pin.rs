@@ -180,10 +180,13 @@ pub(super) fn check(dir: &Path, specs: &[MapSpec]) -> Result<bool, DatapathError
     // The cell arrays and their key arrays go together: a cell array
     // adopted beside a fresh key array would hold cells the daemon cannot
     // name (never freed, never shared).
-    let arrays = [rl_common::MAP_CELLS_V4, rl_common::MAP_CELLS_V6, rl_common::MAP_CELL_KEYS_V4, rl_common::MAP_CELL_KEYS_V6];
-    let pinned: Vec<&str> = arrays.iter().copied().filter(|n| dir.join(n).exists()).collect();
-    if !pinned.is_empty() && pinned.len() < arrays.len() {
-        return Err(mismatch(format!("of the prefix-cell arrays only {} are pinned (an interrupted setup?)", pinned.join(", "))));
+    let group = rl_common::CELL_STATE_MAPS;
+    let pinned: Vec<&str> = group.iter().copied().filter(|n| dir.join(n).exists()).collect();
+    if !pinned.is_empty() && pinned.len() < group.len() {
+        return Err(mismatch(format!(
+            "of the prefix cells' maps only {} are pinned (an interrupted setup, or a development build's)",
+            pinned.join(", ")
+        )));
     }
     let version = read_layout(dir)?.0;
     if version != LAYOUT_VERSION {

@@ -25,6 +25,7 @@ pub struct TableIds {
     /// claimed counts.
     pub cells: (u32, u32),
     pub cell_keys: (u32, u32),
+    pub cell_seed: u32,
     pub cell_count: u32,
     pub flood: u32,
     pub known: u32,
@@ -33,9 +34,10 @@ pub struct TableIds {
 impl TableIds {
     /// Both families' cell arrays, mapped.
     pub fn cell_arrays(&self) -> Result<(CellArray<Key4>, CellArray<Key6>), DatapathError> {
+        let seed = super::cells::cell_seed(self.cell_seed)?;
         Ok((
-            CellArray::open((self.cells.0, self.cell_keys.0), (MAP_CELLS_V4, MAP_CELL_KEYS_V4))?,
-            CellArray::open((self.cells.1, self.cell_keys.1), (MAP_CELLS_V6, MAP_CELL_KEYS_V6))?,
+            CellArray::open((self.cells.0, self.cell_keys.0), (MAP_CELLS_V4, MAP_CELL_KEYS_V4), seed)?,
+            CellArray::open((self.cells.1, self.cell_keys.1), (MAP_CELLS_V6, MAP_CELL_KEYS_V6), seed)?,
         ))
     }
 }
@@ -74,6 +76,7 @@ impl Datapath {
             tables: self.source_map_ids()?,
             cells: (self.map_id(MAP_CELLS_V4)?, self.map_id(MAP_CELLS_V6)?),
             cell_keys: (self.map_id(MAP_CELL_KEYS_V4)?, self.map_id(MAP_CELL_KEYS_V6)?),
+            cell_seed: self.map_id(MAP_CELL_SEED)?,
             cell_count: self.map_id(MAP_CELL_COUNT)?,
             flood: self.map_id(MAP_FLOOD)?,
             known: self.map_id(MAP_KNOWN)?,
@@ -217,9 +220,9 @@ impl Walk<'_> {
                 // Free.
                 _ if c.claim == 0 => {}
                 // Dying: a daemon stopped between the two steps of a free.
-                2 if c.claim == cell_dying(cell_claim(&c.key)) => dying.push((i, c.key)),
+                2 if c.claim == cell_dying(cells.claim_of(&c.key)) => dying.push((i, c.key)),
                 // Claimed for its key.
-                1 if c.claim == cell_claim(&c.key) => {
+                1 if c.claim == cells.claim_of(&c.key) => {
                     if self.gone(&c.key, &c.bucket) && cells.begin_free(i, &c.key) {
                         dying.push((i, c.key));
                     } else {
