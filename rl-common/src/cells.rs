@@ -23,16 +23,17 @@
 //!
 //! | claim word | meaning | a program run |
 //! | --- | --- | --- |
-//! | `cell_claim(key)` | the key's cell | charges it |
-//! | `cell_writing(key)` | being claimed: its state not written yet | charges the parent, claims nothing |
-//! | `cell_dying(key)` | the key's cell, being freed | charges the parent, claims nothing |
+//! | `c = cell_claim(key, seed)` | the key's cell | charges it |
+//! | `cell_writing(c)` | being claimed: its state not written yet | charges the parent, claims nothing |
+//! | `cell_dying(c)` | the key's cell, being freed | charges the parent, claims nothing |
 //! | 0 | free | may claim it |
 //! | other | another key's cell | looks at the next way |
 //!
 //! The program claims a free slot with a compare-and-swap to
 //! [`cell_writing`], writes the bucket's state (a copy of what the key
 //! mapped to until then: its rule's last resort) and the key's slot in the
-//! key array, then stores [`cell_claim`]. A key whose set is full of other
+//! key array, then turns the writing word into [`cell_claim`] with another
+//! compare-and-swap. A key whose set is full of other
 //! cells is charged to its rule's last resort, as when the cells' room is
 //! spent. The daemon frees slots whose bucket is fresh again (the same rule
 //! as for any bucket), through the array's mapped memory, in two steps so
