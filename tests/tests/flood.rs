@@ -61,7 +61,7 @@ fn single_source_flood(rate: u64, burst: u64, mode: AttachMode, cpus: &[Option<u
     // that passed too few from a receiver that lost some.
     let c = dp.counters().unwrap();
     let ip_passed = c.get(STAT_PASSED_PKTS) - c.get(rl_common::STAT_NON_IP);
-    let what = format!("{rate} pps, burst {burst}, {mode} mode, {} sender(s), XDP passed {ip_passed}", cpus.len());
+    let what = format!("{rate} pps, burst {burst}, {mode} mode, {} sender(s), XDP passed {ip_passed} ({c})", cpus.len());
     assert_accurate(&what, passed, rate, burst, &sent);
     // The datapath's own count agrees with the receiver's.
     assert!(ip_passed >= passed && ip_passed <= passed + 10, "XDP passed {ip_passed} IP packets, receiver got {passed}: {c}");
