@@ -354,6 +354,14 @@ fn move_old_cells_of<K: BucketKey + KnownKey + PartialEq>(
     Ok(moved)
 }
 
+/// The tables, the limits and the cell arrays a move of an older build's
+/// cells writes to.
+struct MoveTargets {
+    ids: TableIds,
+    limits: LimitsByKey,
+    cells: (CellArray<Key4>, CellArray<Key6>),
+}
+
 impl Datapath {
     /// On adopting pins from a build that kept prefix cells elsewhere (in
     /// the sources' tables, or in 64-byte arrays): copies those cells into
@@ -364,26 +372,27 @@ impl Datapath {
     /// tables' in and deletes them, [`Datapath::cells_moved`] the arrays'.
     /// Returns how many cells were copied.
     pub fn move_old_cells(&self) -> Result<u64, DatapathError> {
-        let ids = self.table_ids()?;
-        let limits = self.limits_by_key()?;
-        let (cells4, cells6) = ids.cell_arrays()?;
-        let offset = self.epoch_offset_ns;
+        let to = self.move_targets()?;
+        let (ids, limits, offset) = (&to.ids, &to.limits, self.epoch_offset_ns);
         let mut moved = 0;
         if self.cells_from_tables {
-            moved += move_old_cells_of(ids.tables.0, MAP_SOURCES_V4, &cells4, &limits, offset)?
-                + move_old_cells_of(ids.tables.1, MAP_SOURCES_V6, &cells6, &limits, offset)?;
+            moved += move_old_cells_of(ids.tables.0, MAP_SOURCES_V4, &to.cells.0, limits, offset)?
+                + move_old_cells_of(ids.tables.1, MAP_SOURCES_V6, &to.cells.1, limits, offset)?;
         }
-        Ok(moved + self.move_old_arrays()?)
+        Ok(moved + self.move_old_arrays(&to)?)
+    }
+
+    /// What a move of an older build's cells writes to, opened once.
+    fn move_targets(&self) -> Result<MoveTargets, DatapathError> {
+        let ids = self.table_ids()?;
+        Ok(MoveTargets { limits: self.limits_by_key()?, cells: ids.cell_arrays()?, ids })
     }
 
     /// The cells of the 64-byte arrays still pinned, if any, into this
     /// build's arrays; returns how many.
-    fn move_old_arrays(&self) -> Result<u64, DatapathError> {
+    fn move_old_arrays(&self, to: &MoveTargets) -> Result<u64, DatapathError> {
         let (true, Some(dir)) = (self.old_arrays, &self.pins) else { return Ok(0) };
-        let ids = self.table_ids()?;
-        let limits = self.limits_by_key()?;
-        let (cells4, cells6) = ids.cell_arrays()?;
-        let offset = self.epoch_offset_ns;
+        let (ids, limits, offset) = (&to.ids, &to.limits, self.epoch_offset_ns);
         // An older build pinned both arrays; a family's may be gone if a
         // daemon stopped while unpinning them.
         let old = |name| {
@@ -392,10 +401,10 @@ impl Datapath {
         };
         let mut moved = 0;
         if let Some(path) = old(MAP_OLD_CELLS_V4) {
-            moved += move_found(ids.tables.0, MAP_SOURCES_V4, &cells4, &limits, offset, old_cells::<Key4>(&path, MAP_OLD_CELLS_V4)?)?;
+            moved += move_found(ids.tables.0, MAP_SOURCES_V4, &to.cells.0, limits, offset, old_cells::<Key4>(&path, MAP_OLD_CELLS_V4)?)?;
         }
         if let Some(path) = old(MAP_OLD_CELLS_V6) {
-            moved += move_found(ids.tables.1, MAP_SOURCES_V6, &cells6, &limits, offset, old_cells::<Key6>(&path, MAP_OLD_CELLS_V6)?)?;
+            moved += move_found(ids.tables.1, MAP_SOURCES_V6, &to.cells.1, limits, offset, old_cells::<Key6>(&path, MAP_OLD_CELLS_V6)?)?;
         }
         Ok(moved)
     }
@@ -411,7 +420,7 @@ impl Datapath {
         let mut merged = 0;
         if let (true, Some(dir)) = (self.old_arrays, self.pins.clone()) {
             std::thread::sleep(RUN_GRACE);
-            merged = self.move_old_arrays()?;
+            merged = self.move_old_arrays(&self.move_targets()?)?;
             for name in [MAP_OLD_CELLS_V4, MAP_OLD_CELLS_V6] {
                 let path = dir.join(name);
                 if path.exists() {
