@@ -23,12 +23,20 @@ pub const PORT: u16 = 7777;
 const PAYLOAD: [u8; 32] = [0x5a; 32];
 
 /// What a sender did.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Sent {
     pub packets: u64,
     pub started: Instant,
     pub ended: Instant,
+    /// Gaps of more than [`STALL`] between two sends of a flood (start, end):
+    /// a busy machine that stops the sender for longer than a limit's burst
+    /// lasts costs the flood allowance, which a test must not blame on the
+    /// limiter. Empty for paced senders.
+    pub stalls: Vec<(Instant, Instant)>,
 }
+
+/// The shortest gap between two sends of a flood that [`Sent::stalls`] records.
+pub const STALL: Duration = Duration::from_millis(1);
 
 impl Sent {
     pub fn seconds(&self) -> f64 {
@@ -44,18 +52,23 @@ fn socket(src: IpAddr) -> Result<UdpSocket> {
 /// `duration`; failed sends (ENOBUFS and friends) are not counted.
 fn send_for(duration: Duration, mut send: impl FnMut() -> bool) -> Sent {
     let started = Instant::now();
-    let mut packets = 0u64;
+    let (mut packets, mut last, mut stalls) = (0u64, started, Vec::new());
     loop {
         for _ in 0..64 {
             if send() {
                 packets += 1;
+                let now = Instant::now();
+                if now - last > STALL {
+                    stalls.push((last, now));
+                }
+                last = now;
             }
         }
         if started.elapsed() >= duration {
             break;
         }
     }
-    Sent { packets, started, ended: Instant::now() }
+    Sent { packets, started, ended: Instant::now(), stalls }
 }
 
 /// Sends as fast as one thread can from `src` to `dst` for `duration`,
@@ -100,7 +113,7 @@ pub fn paced_datagrams(ns: &Netns, src: IpAddr, dst: IpAddr, pps: u64, count: u6
             sock.send_to(&payload, to).context("paced send")?;
             packets += 1;
         }
-        Ok(Sent { packets, started, ended: Instant::now() })
+        Ok(Sent { packets, started, ended: Instant::now(), stalls: Vec::new() })
     })
 }
 
@@ -189,7 +202,7 @@ pub fn forged(
                 std::thread::sleep(Duration::from_micros(100));
             }
         }
-        Ok(Sent { packets: count, started, ended: Instant::now() })
+        Ok(Sent { packets: count, started, ended: Instant::now(), stalls: Vec::new() })
     })
 }
 
