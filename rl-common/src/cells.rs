@@ -246,7 +246,7 @@ mod tests {
     use crate::KEY_CELL;
 
     /// Some cell seed.
-    const SEED: u64 = 0x5eed_0f_ce11;
+    const SEED: u64 = 0x005e_ed0f_ce11;
 
     #[test]
     fn saturation_is_half_the_slots() {

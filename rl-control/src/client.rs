@@ -132,7 +132,7 @@ pub fn unix_request(
     let written = writer.join().unwrap_or(Ok(()));
     let cut = |e: &std::io::Error| matches!(e.kind(), std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset);
     match read {
-        Err(e) if !(cut(&e) && !raw.is_empty()) => return Err(e),
+        Err(e) if !cut(&e) || raw.is_empty() => return Err(e),
         _ => {}
     }
     if let Err(e) = written {

@@ -80,7 +80,7 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
         let scale = 10u64.pow(frac.len() as u32);
         let frac: u64 = frac.parse().expect("digits");
         let frac_bytes = (frac as u128 * mult as u128) / scale as u128;
-        if (frac as u128 * mult as u128) % scale as u128 != 0 {
+        if !(frac as u128 * mult as u128).is_multiple_of(scale as u128) {
             return Err(format!("\"{text}\" is not a whole number of bytes"));
         }
         whole.checked_mul(mult).and_then(|w| w.checked_add(frac_bytes as u64))

@@ -269,7 +269,7 @@ impl Receiver {
                 if n <= 0 {
                     return None;
                 }
-                let incoming = sll.sll_pkttype != libc::PACKET_OUTGOING as u8;
+                let incoming = sll.sll_pkttype != libc::PACKET_OUTGOING;
                 Some(incoming.then(|| crate::frames::source_of(&buf[..n as usize])).flatten())
             })
         })

@@ -143,7 +143,7 @@ fn two_daemons_share_one_exact_limit_and_each_failure_mode_does_what_it_says() {
     let mut ok = 0u64;
     let mut i = 0u64;
     while start.elapsed() < Duration::from_secs(2) {
-        if check(if i % 2 == 0 { &l1 } else { &l2 }, "bt", "k", 1).0 == 200 {
+        if check(if i.is_multiple_of(2) { &l1 } else { &l2 }, "bt", "k", 1).0 == 200 {
             ok += 1;
         }
         i += 1;

@@ -510,7 +510,7 @@ impl TopRanker {
                 (drops > 0).then_some((*k, drops, seen - s0))
             })
             .collect();
-        ranked.sort_by(|a, b| b.1.cmp(&a.1));
+        ranked.sort_by_key(|r| std::cmp::Reverse(r.1));
         ranked.truncate(crate::state::TOP_KEPT);
         Some(crate::state::Top {
             interval_secs: secs,

@@ -51,7 +51,7 @@ impl Mapped {
 
     /// The 64-bit word at byte `offset` (8-aligned, inside the mapping).
     pub fn word(&self, offset: usize) -> &AtomicU64 {
-        assert!(offset % 8 == 0 && offset + 8 <= self.bytes);
+        assert!(offset.is_multiple_of(8) && offset + 8 <= self.bytes);
         unsafe { &*(self.base.add(offset) as *const AtomicU64) }
     }
 

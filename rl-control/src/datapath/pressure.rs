@@ -397,7 +397,7 @@ impl Datapath {
         // daemon stopped while unpinning them.
         let old = |name| {
             let path = dir.join(name);
-            path.exists().then(|| path)
+            path.exists().then_some(path)
         };
         let mut moved = 0;
         if let Some(path) = old(MAP_OLD_CELLS_V4) {

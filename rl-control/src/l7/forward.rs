@@ -127,7 +127,7 @@ fn fitted(v: &str) -> String {
 /// last entry is not an address is an error, never a reason to look
 /// elsewhere (the client could then choose its own key).
 fn remote_address(headers: &HeaderMap) -> Result<String, String> {
-    let (raw, from) = match headers.get_all("x-forwarded-for").iter().last() {
+    let (raw, from) = match headers.get_all("x-forwarded-for").iter().next_back() {
         Some(v) => (v.as_bytes().rsplit(|b| *b == b',').map(<[u8]>::trim_ascii).find(|a| !a.is_empty()).unwrap_or(b""), "X-Forwarded-For"),
         None => match headers.get("x-real-ip") {
             Some(v) => (v.as_bytes().trim_ascii(), "X-Real-IP"),

@@ -168,7 +168,7 @@ async fn sync(url: String, redis: &Redis) -> Result<()> {
         let mut sent = 0;
         for round in 1..=rounds {
             for (i, b) in buckets.iter_mut().enumerate() {
-                if hot_every != 0 && i as u32 % hot_every == 0 {
+                if hot_every != 0 && (i as u32).is_multiple_of(hot_every) {
                     b.bucket.passed = 100 * round;
                 }
             }

@@ -52,7 +52,7 @@ fn main() -> Result<()> {
     let (status, log) = daemon.stop(libc::SIGTERM)?;
 
     println!();
-    println!("{:<22} {:>10} {:>10} {:>10} {:>20}  {}", "source", "sent", "passed", "dropped", "expected passed", "");
+    println!("{:<22} {:>10} {:>10} {:>10} {:>20}  ", "source", "sent", "passed", "dropped", "expected passed");
     let mut all_ok = true;
     let mut row = |src: IpAddr, s: &Sent, expected: f64, tol: f64| {
         let passed = got.get(&src).copied().unwrap_or(0);
