@@ -177,10 +177,11 @@ impl Walk<'_> {
                 dead.push(*k);
                 continue;
             }
-            let gone = match self.limits.get(&(k.rule() & !(KEY_CELL | KEY_LAST))) {
-                None => true,
-                Some(_) if key_kind(k.rule()) == KeyKind::LastResort => false,
-                Some(l) => self.idle(l, b, now),
+            // A last resort goes only with its rule: it is the parent of
+            // its rule's every key.
+            let gone = match key_kind(k.rule()) {
+                KeyKind::LastResort => !self.limits.contains_key(&(k.rule() & !(KEY_CELL | KEY_LAST))),
+                _ => self.gone_at(k, b, now),
             };
             if gone {
                 dead.push(*k);
@@ -264,9 +265,15 @@ impl Walk<'_> {
     /// Whether cell `key` holding `b` (read just before) may go: idle and
     /// fresh, or its rule is gone.
     fn gone<K: BucketKey>(&self, key: &K, b: &Bucket) -> bool {
+        self.gone_at(key, b, monotonic_ns())
+    }
+
+    /// Whether bucket `key` holding `b`, read before `now`, may go: idle
+    /// and fresh, or its rule is gone.
+    fn gone_at<K: BucketKey>(&self, key: &K, b: &Bucket, now: u64) -> bool {
         match self.limits.get(&(key.rule() & !(KEY_CELL | KEY_LAST))) {
             None => true,
-            Some(l) => self.idle(l, b, monotonic_ns()),
+            Some(l) => self.idle(l, b, now),
         }
     }
 
