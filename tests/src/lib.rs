@@ -129,57 +129,95 @@ pub fn cpu_ticks() -> Vec<u64> {
 /// idle, by cpuidle's per-state residency (µs). `/proc/stat` counts busy
 /// time by sampling each CPU at every tick (250 Hz here): over a run of a
 /// second, a partly busy CPU's sampling error alone is about 1% of the
-/// figure. Without a cpuidle driver it falls back to those ticks.
+/// figure. Without a cpuidle driver on every online CPU it falls back to
+/// those ticks. Two differences from the ticks: time the hypervisor
+/// steals counts as busy (the benches report steal apart), and on a
+/// halting idle state (haltpoll, ACPI HLT) an interrupt that wakes the CPU
+/// is handled before the state's residency ends, so it counts as idle (the
+/// veth benches do their work on the sender's CPU, in its softirq).
 pub struct BusyClock {
     at: std::time::Instant,
     idle_us: Option<u64>,
     ticks: Vec<u64>,
 }
 
-/// The online CPUs' numbers.
+/// The online CPUs (`/sys/devices/system/cpu/online`, e.g. `0-3,6`).
 fn online_cpus() -> Vec<usize> {
-    (0..libc::CPU_SETSIZE as usize)
-        .filter(|c| std::path::Path::new(&format!("/sys/devices/system/cpu/cpu{c}/cpuidle")).exists())
-        .collect()
+    let list = std::fs::read_to_string("/sys/devices/system/cpu/online").unwrap_or_default();
+    let mut cpus = Vec::new();
+    for part in list.trim().split(',').filter(|p| !p.is_empty()) {
+        let (a, b) = part.split_once('-').unwrap_or((part, part));
+        if let (Ok(a), Ok(b)) = (a.parse::<usize>(), b.parse::<usize>()) {
+            cpus.extend(a..=b);
+        }
+    }
+    cpus
 }
 
-/// All CPUs' idle residency, µs, or `None` without cpuidle. A CPU in the
-/// middle of an idle period has not added that period yet, so the reading
-/// thread visits every CPU first (running there ends its idle period).
+/// Restores the calling thread's CPU affinity when dropped.
+struct Affinity(libc::cpu_set_t);
+
+impl Affinity {
+    fn save() -> Option<Affinity> {
+        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        let ok = unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) } == 0;
+        ok.then_some(Affinity(set))
+    }
+}
+
+impl Drop for Affinity {
+    fn drop(&mut self) {
+        unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &self.0) };
+    }
+}
+
+/// All online CPUs' idle residency, µs, or `None` if one of them has no
+/// cpuidle states or cannot be visited. A CPU in the middle of an idle
+/// period has not added that period yet, so the reading thread runs on
+/// every CPU first (running there ends its idle period).
 fn idle_us() -> Option<u64> {
     let cpus = online_cpus();
     if cpus.is_empty() {
         return None;
     }
-    let mut old: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    let size = std::mem::size_of::<libc::cpu_set_t>();
-    if unsafe { libc::sched_getaffinity(0, size, &mut old) } != 0 {
-        return None;
-    }
+    let _restore = Affinity::save()?;
     let mut total = 0;
     for &cpu in &cpus {
         lab::pin_to_cpu(cpu).ok()?;
-        let states = std::fs::read_dir(format!("/sys/devices/system/cpu/cpu{cpu}/cpuidle")).ok()?;
-        for state in states.flatten() {
-            let time = std::fs::read_to_string(state.path().join("time")).ok()?;
+        let dir = format!("/sys/devices/system/cpu/cpu{cpu}/cpuidle");
+        let mut states = 0;
+        for entry in std::fs::read_dir(&dir).ok()?.flatten() {
+            if !entry.file_name().to_string_lossy().starts_with("state") {
+                continue;
+            }
+            let time = std::fs::read_to_string(entry.path().join("time")).ok()?;
             total += time.trim().parse::<u64>().ok()?;
+            states += 1;
+        }
+        if states == 0 {
+            return None;
         }
     }
-    unsafe { libc::sched_setaffinity(0, size, &old) };
     Some(total)
 }
 
 impl BusyClock {
     pub fn start() -> BusyClock {
-        let idle_us = idle_us();
-        BusyClock { at: std::time::Instant::now(), idle_us, ticks: cpu_ticks() }
+        let at = std::time::Instant::now();
+        BusyClock { at, idle_us: idle_us(), ticks: cpu_ticks() }
     }
 
     /// Busy ns over all CPUs since [`BusyClock::start`].
     pub fn busy_ns(&self) -> f64 {
+        let after = idle_us();
+        // Wall time from before the first reading to after the last: the
+        // readings' own idle time is in both terms.
         let wall = self.at.elapsed().as_nanos() as f64;
-        match (self.idle_us, idle_us()) {
-            (Some(before), Some(after)) => wall * online_cpus().len() as f64 - (after - before) as f64 * 1e3,
+        match (self.idle_us, after) {
+            (Some(before), Some(after)) if after >= before => {
+                wall * online_cpus().len() as f64 - (after - before) as f64 * 1e3
+            }
+            // No cpuidle, or a CPU went offline and back (its counts restart).
             _ => busy_ns_since(&self.ticks),
         }
     }

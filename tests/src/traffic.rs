@@ -28,7 +28,8 @@ pub struct Sent {
     pub packets: u64,
     pub started: Instant,
     pub ended: Instant,
-    /// Gaps of more than [`STALL`] between two sends of a flood (start, end):
+    /// Gaps of more than [`STALL`] between two sends of a flood (start, end;
+    /// a flood's `started` and `ended` are its first and last send):
     /// a busy machine that stops the sender for longer than a limit's burst
     /// lasts costs the flood allowance, which a test must not blame on the
     /// limiter. Empty for paced senders.
@@ -51,24 +52,26 @@ fn socket(src: IpAddr) -> Result<UdpSocket> {
 /// Calls `send` (true when a packet left) as fast as one thread can for
 /// `duration`; failed sends (ENOBUFS and friends) are not counted.
 fn send_for(duration: Duration, mut send: impl FnMut() -> bool) -> Sent {
-    let started = Instant::now();
-    let (mut packets, mut last, mut stalls) = (0u64, started, Vec::new());
+    let began = Instant::now();
+    let (mut packets, mut first, mut last, mut stalls) = (0u64, None, began, Vec::new());
     loop {
         for _ in 0..64 {
             if send() {
                 packets += 1;
                 let now = Instant::now();
-                if now - last > STALL {
+                if first.is_none() {
+                    first = Some(now);
+                } else if now - last > STALL {
                     stalls.push((last, now));
                 }
                 last = now;
             }
         }
-        if started.elapsed() >= duration {
+        if began.elapsed() >= duration {
             break;
         }
     }
-    Sent { packets, started, ended: Instant::now(), stalls }
+    Sent { packets, started: first.unwrap_or(began), ended: last, stalls }
 }
 
 /// Sends as fast as one thread can from `src` to `dst` for `duration`,
