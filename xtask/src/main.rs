@@ -57,7 +57,8 @@ enum Cmd {
         /// Repetitions per measurement (BPF_PROG_TEST_RUN `repeat`).
         #[arg(long, default_value_t = 1_000_000)]
         repeat: u32,
-        /// Frames per veth flood run (5 rounds × 3 filters).
+        /// Frames per phase of each veth flood run (its first frames from empty tables, then as many
+        /// of the same, sustained flood; 5 rounds × 4 filters).
         #[arg(long, default_value_t = 1_000_000)]
         frames: u64,
     },
