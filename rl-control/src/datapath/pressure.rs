@@ -170,10 +170,8 @@ impl Walk<'_> {
             if key_kind(k.rule()) == KeyKind::Cell {
                 // An older build's cell: into the array (merged into the
                 // copy moved before the program swap, see `move_old_cells`).
-                if let Some(l) = self.limits.get(&(k.rule() & !KEY_CELL)) {
-                    move_old_cell(id, name, cells, k, b, l, self.epoch_offset_ns)?;
-                    self.moved += 1;
-                }
+                let to = FamilyMove { table: id, name, cells, limits: self.limits, epoch_offset_ns: self.epoch_offset_ns };
+                self.moved += to.found([(*k, *b)])?;
                 dead.push(*k);
                 continue;
             }
@@ -288,77 +286,70 @@ impl Walk<'_> {
     }
 }
 
-/// Moves cell `k` that an older build kept in the sources' table (`id`,
-/// `name`) with state `b` into the cell array, merged with the cell there
-/// if there is one; if its set has no room, merges it into its rule's last
-/// resort. Never forgotten, never handed a fresh allowance. The table's
-/// copy is left for the collector to delete.
-fn move_old_cell<K: BucketKey + KnownKey + PartialEq>(
-    id: u32,
+/// Where one family's cells from an older build go: its cell array, and,
+/// for a cell whose set has no room, its rule's last resort in the
+/// family's table (`table`, `name`).
+struct FamilyMove<'a, K> {
+    table: u32,
     name: &'static str,
-    cells: &CellArray<K>,
-    k: &K,
-    b: &Bucket,
-    limit: &LimitEntry,
+    cells: &'a CellArray<K>,
+    limits: &'a LimitsByKey,
     epoch_offset_ns: u64,
-) -> Result<(), DatapathError> {
-    // In a window's first tick a datapath on the tick clock may still be in
-    // the window before: merge after it, on a clock read after the words.
-    std::thread::sleep(std::time::Duration::from_nanos(limit.merge_wait_ns(monotonic_ns(), epoch_offset_ns)));
-    let merge = |x, y| limit.merge(x, y, monotonic_ns(), epoch_offset_ns);
-    if cells.adopt(k, *b, merge) {
-        return Ok(());
-    }
-    let data = MapData::from_id(id).map_err(|e| map_error(name, e))?;
-    let mut table: aya::maps::HashMap<MapData, K, Bucket> =
-        aya::maps::HashMap::try_from(Map::HashMap(data)).map_err(|e| map_error(name, e))?;
-    let last = k.last_resort();
-    let l = table.get(&last, 0).unwrap_or_default();
-    let tat_ns = merge(l.tat_ns, b.tat_ns);
-    // Written only if it moves: a plain write may forget a charge the
-    // program makes between the read and it (a hash map's value has no
-    // compare-and-swap from userspace).
-    if tat_ns == l.tat_ns {
-        return Ok(());
-    }
-    table.insert(last, Bucket { tat_ns, ..l }, 0).map_err(|e| map_error(name, e))
 }
 
-/// Moves the cells an older build kept elsewhere, `found` as (key, state),
-/// into this build's `cells`, each as [`move_old_cell`] does (`id`, `name`:
-/// the family's table, for a cell whose set has no room); returns how many.
-fn move_found<K: BucketKey + KnownKey + PartialEq>(
-    id: u32,
-    name: &'static str,
-    cells: &CellArray<K>,
-    limits: &LimitsByKey,
-    epoch_offset_ns: u64,
-    found: impl IntoIterator<Item = (K, Bucket)>,
-) -> Result<u64, DatapathError> {
-    let mut moved = 0;
-    for (k, b) in found {
-        if let (KeyKind::Cell, Some(l)) = (key_kind(k.rule()), limits.get(&(k.rule() & !KEY_CELL))) {
-            move_old_cell(id, name, cells, &k, &b, l, epoch_offset_ns)?;
-            moved += 1;
+impl<K: BucketKey + KnownKey + PartialEq> FamilyMove<'_, K> {
+    /// Moves the cells among `found`, as (key, state), each as
+    /// [`FamilyMove::one`] does (a cell whose rule is gone is left);
+    /// returns how many.
+    fn found(&self, found: impl IntoIterator<Item = (K, Bucket)>) -> Result<u64, DatapathError> {
+        let mut moved = 0;
+        for (k, b) in found {
+            if let (KeyKind::Cell, Some(l)) = (key_kind(k.rule()), self.limits.get(&(k.rule() & !KEY_CELL))) {
+                self.one(&k, &b, l)?;
+                moved += 1;
+            }
         }
+        Ok(moved)
     }
-    Ok(moved)
-}
 
-/// [`Datapath::move_old_cells`] for one family's table.
-fn move_old_cells_of<K: BucketKey + KnownKey + PartialEq>(
-    id: u32,
-    name: &'static str,
-    cells: &CellArray<K>,
-    limits: &LimitsByKey,
-    epoch_offset_ns: u64,
-) -> Result<u64, DatapathError> {
-    let mut moved = 0;
-    scan_table_each::<K>(id, name, |keys, buckets| {
-        moved += move_found(id, name, cells, limits, epoch_offset_ns, keys.iter().copied().zip(buckets.iter().copied()))?;
-        Ok(())
-    })?;
-    Ok(moved)
+    /// The cells an older build kept in the family's table
+    /// ([`Datapath::move_old_cells`]).
+    fn table_cells(&self) -> Result<u64, DatapathError> {
+        let mut moved = 0;
+        scan_table_each::<K>(self.table, self.name, |keys, buckets| {
+            moved += self.found(keys.iter().copied().zip(buckets.iter().copied()))?;
+            Ok(())
+        })?;
+        Ok(moved)
+    }
+
+    /// Moves cell `k` of an older build, with state `b` under `limit`, into
+    /// the cell array, merged with the cell there if there is one; if its
+    /// set has no room, merges it into its rule's last resort. Never
+    /// forgotten, never handed a fresh allowance. The old copy is left for
+    /// its owner to delete.
+    fn one(&self, k: &K, b: &Bucket, limit: &LimitEntry) -> Result<(), DatapathError> {
+        // In a window's first tick a datapath on the tick clock may still be in
+        // the window before: merge after it, on a clock read after the words.
+        std::thread::sleep(std::time::Duration::from_nanos(limit.merge_wait_ns(monotonic_ns(), self.epoch_offset_ns)));
+        let merge = |x, y| limit.merge(x, y, monotonic_ns(), self.epoch_offset_ns);
+        if self.cells.adopt(k, *b, merge) {
+            return Ok(());
+        }
+        let data = MapData::from_id(self.table).map_err(|e| map_error(self.name, e))?;
+        let mut table: aya::maps::HashMap<MapData, K, Bucket> =
+            aya::maps::HashMap::try_from(Map::HashMap(data)).map_err(|e| map_error(self.name, e))?;
+        let last = k.last_resort();
+        let l = table.get(&last, 0).unwrap_or_default();
+        let tat_ns = merge(l.tat_ns, b.tat_ns);
+        // Written only if it moves: a plain write may forget a charge the
+        // program makes between the read and it (a hash map's value has no
+        // compare-and-swap from userspace).
+        if tat_ns == l.tat_ns {
+            return Ok(());
+        }
+        table.insert(last, Bucket { tat_ns, ..l }, 0).map_err(|e| map_error(self.name, e))
+    }
 }
 
 /// The tables, the limits and the cell arrays a move of an older build's
@@ -367,6 +358,18 @@ struct MoveTargets {
     ids: TableIds,
     limits: LimitsByKey,
     cells: (CellArray<Key4>, CellArray<Key6>),
+}
+
+impl MoveTargets {
+    fn v4(&self, epoch_offset_ns: u64) -> FamilyMove<'_, Key4> {
+        let (table, name) = (self.ids.tables.0, MAP_SOURCES_V4);
+        FamilyMove { table, name, cells: &self.cells.0, limits: &self.limits, epoch_offset_ns }
+    }
+
+    fn v6(&self, epoch_offset_ns: u64) -> FamilyMove<'_, Key6> {
+        let (table, name) = (self.ids.tables.1, MAP_SOURCES_V6);
+        FamilyMove { table, name, cells: &self.cells.1, limits: &self.limits, epoch_offset_ns }
+    }
 }
 
 impl Datapath {
@@ -380,11 +383,9 @@ impl Datapath {
     /// Returns how many cells were copied.
     pub fn move_old_cells(&self) -> Result<u64, DatapathError> {
         let to = self.move_targets()?;
-        let (ids, limits, offset) = (&to.ids, &to.limits, self.epoch_offset_ns);
         let mut moved = 0;
         if self.cells_from_tables {
-            moved += move_old_cells_of(ids.tables.0, MAP_SOURCES_V4, &to.cells.0, limits, offset)?
-                + move_old_cells_of(ids.tables.1, MAP_SOURCES_V6, &to.cells.1, limits, offset)?;
+            moved += to.v4(self.epoch_offset_ns).table_cells()? + to.v6(self.epoch_offset_ns).table_cells()?;
         }
         Ok(moved + self.move_old_arrays(&to)?)
     }
@@ -399,7 +400,6 @@ impl Datapath {
     /// build's arrays; returns how many.
     fn move_old_arrays(&self, to: &MoveTargets) -> Result<u64, DatapathError> {
         let (true, Some(dir)) = (self.old_arrays, &self.pins) else { return Ok(0) };
-        let (ids, limits, offset) = (&to.ids, &to.limits, self.epoch_offset_ns);
         // An older build pinned both arrays; a family's may be gone if a
         // daemon stopped while unpinning them.
         let old = |name| {
@@ -408,10 +408,10 @@ impl Datapath {
         };
         let mut moved = 0;
         if let Some(path) = old(MAP_OLD_CELLS_V4) {
-            moved += move_found(ids.tables.0, MAP_SOURCES_V4, &to.cells.0, limits, offset, old_cells::<Key4>(&path, MAP_OLD_CELLS_V4)?)?;
+            moved += to.v4(self.epoch_offset_ns).found(old_cells::<Key4>(&path, MAP_OLD_CELLS_V4)?)?;
         }
         if let Some(path) = old(MAP_OLD_CELLS_V6) {
-            moved += move_found(ids.tables.1, MAP_SOURCES_V6, &to.cells.1, limits, offset, old_cells::<Key6>(&path, MAP_OLD_CELLS_V6)?)?;
+            moved += to.v6(self.epoch_offset_ns).found(old_cells::<Key6>(&path, MAP_OLD_CELLS_V6)?)?;
         }
         Ok(moved)
     }
