@@ -95,7 +95,7 @@ impl Limit {
 
     /// Whole packets a bucket in state `tat` could send at `now`.
     pub const fn available(&self, tat: u64, now: u64) -> u64 {
-        let ahead = if tat > now { tat - now } else { 0 };
+        let ahead = tat.saturating_sub(now);
         if ahead >= self.burst_span_ns || self.interval_ns == 0 {
             return 0;
         }

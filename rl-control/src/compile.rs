@@ -444,8 +444,11 @@ fn l4_ranges(r: &Rule) -> Vec<(u32, u32)> {
     out
 }
 
+/// Decision entries: (L4 slot class, source class) ➜ rule list index.
+type Decisions = Vec<((u16, u16), u32)>;
+
 /// The L4 table and the decision entries.
-fn compile_l4(rules: &[Rule], src_classes: &[BTreeSet<u32>]) -> (Vec<u32>, Vec<((u16, u16), u32)>) {
+fn compile_l4(rules: &[Rule], src_classes: &[BTreeSet<u32>]) -> (Vec<u32>, Decisions) {
     // Elementary intervals: the matching rule list is constant between
     // consecutive range boundaries.
     let ranges: Vec<Vec<(u32, u32)>> = rules.iter().map(l4_ranges).collect();

@@ -9,7 +9,11 @@
 //! of one line instead of a hash-table walk: the cost a random-source flood
 //! pays on every packet.
 
-use core::intrinsics::{atomic_cxchg, atomic_xadd, AtomicOrdering};
+use core::{
+    intrinsics::{atomic_cxchg, atomic_xadd, AtomicOrdering},
+    mem::MaybeUninit,
+    ptr::write_volatile,
+};
 
 use aya_ebpf::{
     bindings::{BPF_F_MMAPABLE, BPF_NOEXIST},
@@ -185,7 +189,7 @@ impl Fallbacks for Key6 {
     }
     #[inline(always)]
     fn last(&self) -> Self {
-        Key6 { rule: self.rule | KEY_LAST, addr: [0; 4] }
+        zero_addr6(self.rule | KEY_LAST)
     }
     #[inline(always)]
     fn slot(i: u32) -> Option<*mut Cell> {
@@ -266,7 +270,7 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
     };
     if flood.see(now, cfg.flood_cap) == Unseen::Insert {
         known::mark(key);
-        match table.insert(key, &copy_of(tat), BPF_NOEXIST as u64) {
+        match table.insert(key, copy_of(&mut MaybeUninit::uninit(), tat), BPF_NOEXIST as u64) {
             Ok(()) => stats::bump(STAT_NEW_SOURCES),
             // Another CPU created it first: charge that one.
             Err(e) if e == -(EEXIST as i32) => {}
@@ -323,13 +327,24 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
 }
 
 /// A new bucket that starts where its parent's state word `tat` is (see
-/// `rl_common::pressure`), its counters at zero. Built only where it is
-/// stored, field by field: `..Bucket::default()` here compiled to a call of
-/// a byte-at-a-time memset on every unseen packet (6 ns of a flood's 112
-/// in the program, measured with `perf record` on the veth bench).
+/// `rl_common::pressure`), its counters at zero. Each field is stored on
+/// its own (volatile): LLVM's BPF backend turns a run of zero stores into
+/// a call of a byte-at-a-time memset, which `..Bucket::default()` here cost
+/// on every unseen packet (6 ns of a flood's 112 in the program, measured
+/// with `perf record` on the veth bench), and plain field stores still
+/// cost on every insert.
+/// The bucket is built in `b`, which the caller keeps, and lent out: a
+/// bucket returned by value is copied, and the copy's zeros are a memset.
 #[inline(always)]
-fn copy_of(tat: u64) -> Bucket {
-    Bucket { tat_ns: tat, passed: 0, dropped: 0, last_drop_ns: 0 }
+fn copy_of(b: &mut MaybeUninit<Bucket>, tat: u64) -> &Bucket {
+    let p = b.as_mut_ptr();
+    unsafe {
+        write_volatile(&raw mut (*p).tat_ns, tat);
+        write_volatile(&raw mut (*p).passed, 0);
+        write_volatile(&raw mut (*p).dropped, 0);
+        write_volatile(&raw mut (*p).last_drop_ns, 0);
+        b.assume_init_ref()
+    }
 }
 
 /// The rule's last resort for `key`, created fresh the first time.
@@ -339,8 +354,25 @@ fn last_resort<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K) -> Option<*mut
     if let Some(l) = table.get_ptr_mut(&last) {
         return Some(l);
     }
-    let _ = table.insert(&last, &Bucket::default(), BPF_NOEXIST as u64);
+    let _ = table.insert(&last, copy_of(&mut MaybeUninit::uninit(), 0), BPF_NOEXIST as u64);
     table.get_ptr_mut(&last)
 }
 
 const EEXIST: u32 = 17;
+
+/// The IPv6 key of `rule` with the address `::` (last resorts, elastic
+/// pools). Its zeros are read back through a volatile load, so the
+/// compiler does not know them: known zero stores become a call of a
+/// byte-at-a-time memset (see [`copy_of`]), even where the key is copied.
+#[inline(always)]
+pub fn zero_addr6(rule: u32) -> Key6 {
+    let z = opaque_zero();
+    Key6 { rule, addr: [z; 4] }
+}
+
+/// 0, which the compiler cannot see through.
+#[inline(always)]
+pub fn opaque_zero() -> u32 {
+    let z = 0u32;
+    unsafe { core::ptr::read_volatile(&z) }
+}

@@ -455,7 +455,7 @@ fn elastic(ctx: &XdpContext, cfg: &DatapathConfig, rule: &RuleEntry, is_v6: bool
     if rule.flags & RULE_ELASTIC == 0 {
         return Verdict::Drop;
     }
-    let Some(h) = buckets::bucket(cfg, rule, POOL_INDEX, is_v6, &[0; 4]) else {
+    let Some(h) = buckets::bucket(cfg, rule, POOL_INDEX, is_v6, &[buckets::opaque_zero(); 4]) else {
         return Verdict::Drop;
     };
     admit(ctx, cfg, &rule.pool, h.tat, cost).0

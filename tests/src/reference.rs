@@ -241,8 +241,11 @@ pub enum Counted {
 pub struct Reference {
     buckets: HashMap<(usize, [u8; 16]), u32>,
     /// (family, src, dst fold, proto, id) ➜ (rule, passed)
-    frags: HashMap<(bool, [u8; 16], u32, u8, u32), (usize, bool)>,
+    frags: HashMap<FragKey, (usize, bool)>,
 }
+
+/// A datagram's fragments: (IPv6, source, destination fold, protocol, id).
+type FragKey = (bool, [u8; 16], u32, u8, u32);
 
 impl Reference {
     pub fn run(&mut self, frame: &[u8]) -> (bool, Counted) {

@@ -191,8 +191,9 @@ pub fn forged(
         let fd = packet_socket(dev)?;
         let started = Instant::now();
         for i in 0..count {
-            if pps > 0 {
-                let due = started + Duration::from_nanos(i * 1_000_000_000 / pps);
+            // pps 0: no pacing.
+            if let Some(offset) = (i * 1_000_000_000).checked_div(pps) {
+                let due = started + Duration::from_nanos(offset);
                 if let Some(wait) = due.checked_duration_since(Instant::now()) {
                     std::thread::sleep(wait);
                 }

@@ -255,6 +255,14 @@ fn soft_and_elastic_modes() {
     // Source A: its own 2, then the pool's 3. Source B: its own 2; the pool is spent.
     assert_eq!(offer(&dp, &udp4_to([192, 0, 2, 1], 2), 8), (5, 3));
     assert_eq!(offer(&dp, &udp4_to([192, 0, 2, 2], 2), 8), (2, 6));
+    // IPv6 has its own pool (the key `::` of the rule's pool index).
+    let udp6_to = |last: u8, port: u16| {
+        let mut src = [0x20, 0x01, 0x0d, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+        src[7] = last;
+        eth(&[], ETH_P_IPV6, &ipv6(src, UDP, &udp(port)))
+    };
+    assert_eq!(offer(&dp, &udp6_to(1, 2), 8), (5, 3), "IPv6: its own 2, then the IPv6 pool's 3");
+    assert_eq!(offer(&dp, &udp6_to(2, 2), 8), (2, 6), "IPv6: the pool is spent");
 }
 
 #[test]

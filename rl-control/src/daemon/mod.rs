@@ -220,7 +220,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         let addr = listener.local_addr().ok();
         let draft_headers = config.l7.draft_headers;
         crate::l7::grpc_threads::serve(listener, threads, || crate::l7::grpc::Service { l7: l7.clone(), draft_headers });
-        info!("Envoy rate-limit service on {} (envoy.service.ratelimit.v3, {} threads)", addr.map(|a| a.to_string()).unwrap_or_default(), threads.len());
+        info!("Envoy rate-limit service on {} (envoy.service.ratelimit.v3, {} threads)", addr.map(|a| a.to_string()).unwrap_or_default(), threads.count());
     }
     let state: Shared = Arc::new(Mutex::new(State {
         l7,
@@ -487,9 +487,12 @@ async fn watch_pressure(state: Shared, ids: TableIds) {
 /// Ranks sources by their drops between two walks.
 #[derive(Default)]
 struct TopRanker {
-    /// (key address, key rule) ➜ (seen, dropped) at the previous ranking.
-    previous: Option<(std::time::Instant, std::collections::HashMap<(IpAddr, u32), (u64, u64)>)>,
+    /// When the previous ranking was made, and its counts.
+    previous: Option<(std::time::Instant, Counts)>,
 }
+
+/// (key address, key rule) ➜ (seen, dropped).
+type Counts = std::collections::HashMap<(IpAddr, u32), (u64, u64)>;
 
 impl TopRanker {
     fn rank(&mut self, buckets: &[crate::datapath::Source], now: std::time::Instant, s: &State) -> Option<crate::state::Top> {

@@ -49,8 +49,8 @@ pub static THREADS: AtomicUsize = AtomicUsize::new(0);
 /// Serves Envoy's rate-limit service on `threads`, with a service from
 /// `make` per thread.
 pub fn serve(listener: TcpListener, threads: &Threads, make: impl Fn() -> grpc::Service) {
-    let services: Vec<Arc<grpc::Service>> = (0..threads.len()).map(|_| Arc::new(make())).collect();
-    THREADS.store(threads.len(), Relaxed);
+    let services: Vec<Arc<grpc::Service>> = (0..threads.count()).map(|_| Arc::new(make())).collect();
+    THREADS.store(threads.count(), Relaxed);
     threads.serve(listener, "gRPC", move |s, i| connection(s, i, services[i].clone()));
 }
 

@@ -58,7 +58,8 @@ impl Threads {
         Ok(Threads { queues })
     }
 
-    pub fn len(&self) -> usize {
+    /// How many threads serve.
+    pub fn count(&self) -> usize {
         self.queues.len()
     }
 
