@@ -19,10 +19,16 @@ fn config(rate: u64, burst: u64, extra: &str) -> String {
     format!("[datapath]\nmax_sources = 4096\n{extra}\n[default]\nrate = {rate}\nburst = {burst}\n")
 }
 
+/// The first and the last send of the flood `sent`.
+fn bounds(sent: &[Sent]) -> (std::time::Instant, std::time::Instant) {
+    let start = sent.iter().map(|s| s.started).min().expect("a flood has senders");
+    let end = sent.iter().map(|s| s.ended).max().expect("a flood has senders");
+    (start, end)
+}
+
 /// Seconds from the first packet of `sent` to the last.
 fn span(sent: &[Sent]) -> f64 {
-    let start = sent.iter().map(|s| s.started).min().unwrap();
-    let end = sent.iter().map(|s| s.ended).max().unwrap();
+    let (start, end) = bounds(sent);
     (end - start).as_secs_f64()
 }
 
@@ -35,8 +41,7 @@ fn idle_beyond_burst(sent: &[Sent], burst_secs: f64) -> f64 {
         burst_secs >= STALL.as_secs_f64(),
         "a burst of {burst_secs} s is shorter than the shortest stall the senders record"
     );
-    let start = sent.iter().map(|s| s.started).min().unwrap();
-    let end = sent.iter().map(|s| s.ended).max().unwrap();
+    let (start, end) = bounds(sent);
     // Each sender's quiet intervals within [start, end], in order, those
     // that touch merged (a burst refills once per gap).
     let quiet = |s: &Sent| {

@@ -115,6 +115,13 @@ impl<K: KnownKey + Copy + PartialEq + Default> CellArray<K> {
         cell_claim(key, self.seed)
     }
 
+    /// Whether copy `c` of a slot is claimed, for the key written in it
+    /// (not free, dying or being written, nor claimed for a key whose key
+    /// is not written yet).
+    pub fn holds_its_key(&self, c: &CellView<K>) -> bool {
+        c.claim == self.claim_of(&c.key)
+    }
+
     fn set_of(&self, key: &K) -> u32 {
         cell_set(key, self.seed, self.slots())
     }

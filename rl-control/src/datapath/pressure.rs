@@ -221,7 +221,7 @@ impl Walk<'_> {
                 // Dying: a daemon stopped between the two steps of a free.
                 2 if c.claim == cell_dying(cells.claim_of(&c.key)) => dying.push((i, c.key)),
                 // Claimed for its key.
-                1 if c.claim == cells.claim_of(&c.key) => {
+                1 if cells.holds_its_key(&c) => {
                     if self.gone(&c.key, &c.bucket) && cells.begin_free(i, &c.key) {
                         dying.push((i, c.key));
                     } else {

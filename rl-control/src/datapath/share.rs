@@ -69,7 +69,7 @@ pub fn scan_shared(ids: TableIds, wanted: impl Fn(u32) -> bool) -> Result<Vec<Sh
 fn cells_of<K: KnownKey + PartialEq + BucketKey>(cells: &CellArray<K>, wanted: impl Fn(u32) -> bool) -> Vec<(K, Bucket)> {
     (0..cells.slots())
         .map(|i| cells.get(i))
-        .filter(|c| c.claim != 0 && c.claim == cells.claim_of(&c.key) && wanted(c.key.rule()))
+        .filter(|c| cells.holds_its_key(c) && wanted(c.key.rule()))
         .map(|c| (c.key, c.bucket))
         .collect()
 }
