@@ -74,6 +74,17 @@ fn malformed_and_truncated_frames_get_defined_verdicts() {
         ("TCP data offset 4", v4(TCP, &tcp_doff), XDP_DROP, false, true),
         ("UDP header cut at 4 bytes", v4(UDP, &udp(53)[..4]), XDP_DROP, false, true),
         ("ICMP header cut at 2 bytes", v4(ICMP, &[8, 0]), XDP_DROP, false, true),
+        // First fragments (offset 0, more to come) too short for the L4
+        // header they claim: malformed, not orphans and not whole packets.
+        ("IPv4 first fragment, UDP header cut at 4 bytes", eth(&[], ETH_P_IP, &ipv4_fragment(src, UDP, 7, 0, true, &udp(53)[..4])), XDP_DROP, false, true),
+        ("IPv4 first fragment, TCP header cut at 12 bytes", eth(&[], ETH_P_IP, &ipv4_fragment(src, TCP, 8, 0, true, &tcp(80, 2)[..12])), XDP_DROP, false, true),
+        (
+            "IPv6 first fragment, UDP header cut at 6 bytes",
+            eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 44, &ipv6_fragment(UDP, 0, true, 9, &udp(53)[..6]))),
+            XDP_DROP,
+            false,
+            true,
+        ),
         ("IPv6 header cut at 30 bytes", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), UDP, &udp(53))[..30]), XDP_DROP, false, true),
         ("IPv6 seven extension headers", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 60, &seven_ext)), XDP_DROP, false, true),
         ("IPv6 extension header cut", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 0, &[17])), XDP_DROP, false, true),
@@ -185,7 +196,7 @@ fn sources_are_aggregated_to_the_configured_prefixes() {
 /// second). A lost update or a token spent twice shows up as more than that.
 #[test]
 fn one_source_on_two_cpus_at_once_spends_each_token_once() {
-    two_cpus_on_one_bucket("token bucket", &config(300_000, ""), true);
+    two_cpus_on_one_bucket("token bucket", &config(300_000, ""), true, [ONE_SOURCE; 2]);
 }
 
 /// Both CPUs charge one `key = "global"` bucket as fast as the program runs,
@@ -232,6 +243,19 @@ fn a_global_key_on_two_cpus_loses_at_most_a_thousandth_to_contention() {
     assert!(contended * 1000 <= passed, "contended drops {contended} exceed 0.1% of {passed} passed");
 }
 
+/// The source both CPUs send from in the one-source races.
+const ONE_SOURCE: [u8; 4] = [198, 18, 0, 1];
+
+/// The same race on a global key whose limit takes effect: each CPU sends
+/// from its own source, and the rule's total stays exactly within its
+/// bound (a contended drop spends no token, so later packets take it).
+#[test]
+fn a_global_key_on_two_cpus_holds_its_limit_exactly() {
+    let toml = "[datapath]\nmax_sources = 4096\n[default]\nrate = 1\n\
+        [[rule]]\nname = \"all\"\nkey = \"global\"\nrate = 1\nburst = 300000\n";
+    two_cpus_on_one_bucket("global key", toml, true, [[198, 18, 0, 1], [198, 18, 0, 2]]);
+}
+
 /// The same race for the window algorithms: a day-long window holds exactly
 /// its cap (a run at midnight UTC could straddle a boundary).
 #[test]
@@ -240,14 +264,16 @@ fn window_counters_on_two_cpus_at_once_are_exact() {
         let toml = format!(
             "[datapath]\nmax_sources = 4096\n[default]\nrate = 1\n[[rule]]\nname = \"w\"\nrate = 300000\nper = \"1d\"\nalgorithm = \"{algorithm}\"\n"
         );
-        two_cpus_on_one_bucket(algorithm, &toml, false);
+        two_cpus_on_one_bucket(algorithm, &toml, false, [ONE_SOURCE; 2]);
     }
 }
 
 /// Two threads pinned to CPUs 0 and 1 run one source's packet through the
 /// program at once; exactly 300,000 may pass (plus the refill of a token
 /// bucket at 1 packet/s).
-fn two_cpus_on_one_bucket(what: &str, toml: &str, refills: bool) {
+/// `sources`: the source each CPU sends from (one bucket all the same:
+/// the same source, or a rule whose key is global).
+fn two_cpus_on_one_bucket(what: &str, toml: &str, refills: bool, sources: [[u8; 4]; 2]) {
     require_root();
     let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     assert!(cpus >= 2, "this test needs at least 2 CPUs to run the program concurrently; found {cpus}");
@@ -255,19 +281,18 @@ fn two_cpus_on_one_bucket(what: &str, toml: &str, refills: bool) {
     const REPEAT: u32 = 1_000_000;
     const ROUNDS: u32 = 3;
     let dp = datapath(toml).unwrap();
-    let frame = udp4([198, 18, 0, 1]);
     let start = Instant::now();
     let barrier = std::sync::Barrier::new(2);
     let spans: Vec<(Instant, Instant)> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..2)
             .map(|cpu| {
-                let (dp, frame, barrier) = (&dp, &frame, &barrier);
+                let (dp, frame, barrier) = (&dp, udp4(sources[cpu]), &barrier);
                 s.spawn(move || {
                     pin_to_cpu(cpu).unwrap();
                     barrier.wait();
                     let t0 = Instant::now();
                     for _ in 0..ROUNDS {
-                        dp.test_run(frame, REPEAT).unwrap();
+                        dp.test_run(&frame, REPEAT).unwrap();
                     }
                     (t0, Instant::now())
                 })
