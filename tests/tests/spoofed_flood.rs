@@ -66,14 +66,16 @@ fn a_spoofed_flood_through_the_daemon_neither_resets_nor_bypasses_a_limit_and_is
 
     // While it lasts, the pressure shows in /metrics, /v1/status and the CLI.
     let (mut metrics_on, mut status_on, mut cli_on) = (false, false, false);
-    let mut fallbacks_seen = 0.0f64;
+    let (mut fallbacks_seen, mut cells_seen) = (0.0f64, (0.0f64, 0u64));
     while !flood.is_finished() {
         std::thread::sleep(Duration::from_millis(250));
         let m = parse_prometheus(&get(&lab.b, "/metrics").body);
-        metrics_on |= m["rl_flood_mode"] == 1.0;
+        metrics_on |= m["rl_flood_mode"] == 1.0 && m["rl_unseen_keys_per_second"] > 2000.0;
         fallbacks_seen = fallbacks_seen.max(m["rl_datapath_events_total{event=\"fallback_packets\"}"]);
+        cells_seen.0 = cells_seen.0.max(m["rl_table_occupancy_ratio{table=\"cells\",family=\"ipv4\"}"]);
         let p = &get(&lab.b, "/v1/status").json()["pressure"];
         status_on |= p["flood_mode"] == true && p["unseen_keys_per_sec"].as_f64().unwrap() > 2000.0;
+        cells_seen.1 = cells_seen.1.max(p["cells_ipv4"].as_u64().unwrap());
         if !cli_on {
             let (_, out) = run_once(Some(&lab.b), &["status"]).unwrap();
             cli_on = out.lines().any(|l| l.starts_with("flood mode:") && l.contains("ON since"));
@@ -106,7 +108,8 @@ fn a_spoofed_flood_through_the_daemon_neither_resets_nor_bypasses_a_limit_and_is
 
     // Reported: flood mode on while it lasted, fallbacks counted, and both
     // events once it ended.
-    assert!(metrics_on, "rl_flood_mode never read 1 during the flood");
+    assert!(metrics_on, "rl_flood_mode never read 1 with rl_unseen_keys_per_second > 2000 during the flood");
+    assert!(cells_seen.0 > 0.0 && cells_seen.1 > 0, "the flood's prefix cells never showed (metrics, status): {cells_seen:?}");
     assert!(status_on, "/v1/status never showed flood mode with > 2000 unseen keys/s");
     assert!(cli_on, "`rl-control status` never said flood mode ON");
     assert!(fallbacks_seen > 0.0, "no packet was charged to a fallback");
@@ -124,6 +127,27 @@ fn a_spoofed_flood_through_the_daemon_neither_resets_nor_bypasses_a_limit_and_is
     assert!(fill > 0.0 && fill < 0.01, "known-keys filter fill {fill}");
     let (_, out) = run_once(Some(&lab.b), &["status"]).unwrap();
     assert!(out.lines().any(|l| l.starts_with("lookup filter:") && !l.contains(" 0.000% of IPv4")), "{out}");
+    // With no traffic left, the three surfaces agree on the counts since load.
+    let p = get(&lab.b, "/v1/status").json()["pressure"].clone();
+    let (fallbacks, refused) = (p["fallback_packets"].as_u64().unwrap(), p["table_full_refusals"].as_u64().unwrap());
+    assert!(fallbacks > 0, "{p}");
+    assert_eq!(m["rl_datapath_events_total{event=\"fallback_packets\"}"], fallbacks as f64, "/metrics and /v1/status: {p}");
+    assert_eq!(m["rl_datapath_events_total{event=\"table_full_refusals\"}"], refused as f64, "/metrics and /v1/status: {p}");
+    let line = format!("fallbacks:       {fallbacks} packets charged to a cell or last resort; {refused} inserts refused (table full)");
+    assert!(out.lines().any(|l| l == line), "`rl-control status` lacks {line:?}:\n{out}");
+    // Occupancy per family and table, in both (IPv6 holds at most the lab's
+    // own link-local chatter).
+    for family in ["ipv4", "ipv6"] {
+        for table in ["sources", "cells"] {
+            let r = m[&format!("rl_table_occupancy_ratio{{table=\"{table}\",family=\"{family}\"}}")];
+            assert!(r.is_finite() && r >= 0.0, "{table} {family}: {r}");
+        }
+    }
+    assert!(m["rl_table_occupancy_ratio{table=\"sources\",family=\"ipv4\"}"] > 0.0);
+    assert!(p["buckets_ipv6"].as_u64().unwrap() < 16 && p["cells_ipv6"].as_u64() == Some(0), "{p}");
+    // (The collector may have taken fresh buckets between the two reads.)
+    let tracked = |l: &str| l.starts_with("sources tracked: IPv4 ") && l.contains(", IPv6 ") && l.ends_with(" of 1024 per family");
+    assert!(out.lines().any(tracked), "{out}");
     let (status, log) = daemon.stop(libc::SIGTERM).unwrap();
     assert!(status.success(), "{log}");
     assert!(log.contains("flood_started") && log.contains("flood_ended"), "the log names both events:\n{log}");
