@@ -26,6 +26,28 @@
 /// Per-CPU flood detector (`PerCpuArray<FloodState>`, one entry).
 pub const MAP_FLOOD: &str = "RL_FLOOD";
 
+/// Sources' own buckets per family, and their cap (`Array<u64>`,
+/// mappable): entries [`OWNED_V4`] and [`OWNED_V6`] count the own buckets
+/// (the program adds one per insert; the collector sets the count right
+/// after each walk), [`OWNED_CAP`] is `datapath.max_sources`, written by
+/// the daemon at load (0: no cap but the table's size). The program makes
+/// no own bucket while its family's count is at the cap, so the rest of
+/// the table (`LAST_RESORT_ROOM` and more) stays free for the rules' last
+/// resorts, which are made the first time a rule needs one.
+pub const MAP_OWNED: &str = "RL_OWNED";
+/// [`MAP_OWNED`]'s entries.
+pub const OWNED_V4: u32 = 0;
+pub const OWNED_V6: u32 = 1;
+pub const OWNED_CAP: u32 = 2;
+pub const OWNED_ENTRIES: u32 = 3;
+
+/// Whether a family holding `owned` own buckets may make another under
+/// `cap` (0: no cap).
+#[inline(always)]
+pub const fn owned_room(owned: u64, cap: u64) -> bool {
+    cap == 0 || owned < cap
+}
+
 /// Rule ids leave these bits free: bucket keys use them to mark the
 /// fallbacks (last resorts share the sources' table; cells have arrays of
 /// their own but keep the bit, which names them to the cluster sync). The

@@ -22,8 +22,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, PerCpuArray},
 };
 use rl_common::{
-    cell_claim, cell_set, cell_way, cell_writing, cells_saturated, Bucket, Cell, CellKey, CellScratch, DatapathConfig, FloodState, Key4, Key6, KnownKey,
-    RuleEntry, Unseen, Way, CELL_WAYS, KEY_CELL, KEY_LAST, NO_CELL, RULE_CLUSTER, STAT_FALLBACK, STAT_NEW_CELLS, STAT_NEW_SOURCES, STAT_TABLE_FULL,
+    cell_claim, cell_set, cell_way, cell_writing, cells_saturated, owned_room, Bucket, Cell, CellKey, CellScratch, DatapathConfig, FloodState, Key4, Key6, KnownKey,
+    RuleEntry, Unseen, Way, CELL_WAYS, KEY_CELL, KEY_LAST, NO_CELL, OWNED_CAP, OWNED_ENTRIES, RULE_CLUSTER, STAT_FALLBACK, STAT_NEW_CELLS, STAT_NEW_SOURCES, STAT_TABLE_FULL,
 };
 
 use crate::{known, stats};
@@ -63,6 +63,10 @@ static RL_CSCRATCH: PerCpuArray<CellScratch> = PerCpuArray::with_max_entries(1, 
 /// Cells claimed per family (rl_common::MAP_CELL_COUNT).
 #[map(name = "RL_CELLN")]
 static RL_CELLN: Array<u64> = Array::with_max_entries(2, BPF_F_MMAPABLE);
+
+/// Own buckets per family and their cap (rl_common::MAP_OWNED).
+#[map(name = "RL_OWNED")]
+static RL_OWNED: Array<u64> = Array::with_max_entries(OWNED_ENTRIES, BPF_F_MMAPABLE);
 
 /// Per-CPU flood detector (rl_common::MAP_FLOOD).
 #[map(name = "RL_FLOOD")]
@@ -269,9 +273,27 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
         }
     };
     if flood.see(now, cfg.flood_cap) == Unseen::Insert {
-        known::mark(key);
-        match table.insert(key, copy_of(&mut MaybeUninit::uninit(), tat), BPF_NOEXIST as u64) {
-            Ok(()) => stats::bump(STAT_NEW_SOURCES),
+        // At `max_sources` own buckets the table is full for them (the rest
+        // is the last resorts' room): as if the insert had failed. Two CPUs
+        // may both pass the check at once: one bucket over, per CPU.
+        let owned = RL_OWNED.get_ptr_mut(K::FAMILY);
+        let room = match (owned, RL_OWNED.get_ptr(OWNED_CAP)) {
+            (Some(n), Some(cap)) => unsafe { owned_room(core::ptr::read_volatile(n), core::ptr::read_volatile(cap)) },
+            _ => true,
+        };
+        let inserted = if room {
+            known::mark(key);
+            table.insert(key, copy_of(&mut MaybeUninit::uninit(), tat), BPF_NOEXIST as u64)
+        } else {
+            Err(-1)
+        };
+        match inserted {
+            Ok(()) => {
+                stats::bump(STAT_NEW_SOURCES);
+                if let Some(n) = owned {
+                    unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(n, 1) };
+                }
+            }
             // Another CPU created it first: charge that one.
             Err(e) if e == -(EEXIST as i32) => {}
             Err(_) => {

@@ -1,5 +1,8 @@
 //! Spoofed-source floods against a small table (TestRun, because the
-//! frames carry forged sources): the README's guarantees (a)–(d) in one run.
+//! frames carry forged sources): the README's guarantees (a)–(d) in one run;
+//! a full table (`max_sources` own buckets) failing closed with room left
+//! for the rules' last resorts; the own buckets' count following the
+//! collector, and adopted from pins that lack it.
 
 use rl_common::{STAT_FALLBACK, STAT_NEW_SOURCES};
 use rl_tests::{datapath, frames::*, lab::require_root, offer, traffic::spoofed_source as spoofed};
@@ -74,8 +77,92 @@ fn a_full_table_fails_closed_and_newcomers_share_their_prefix_cell() {
     assert!(passed <= n, "{passed} of {n}");
     let c = dp.counters().unwrap();
     assert!(c.get(rl_common::STAT_TABLE_FULL) > 0, "inserts were refused once full: {c}");
+    // Full means `max_sources` own buckets: the rest of the table is the
+    // last resorts' room, so a rule first hit now still gets one (and its
+    // newcomers share it), rather than finding no state at all.
+    let own = dp.sources().unwrap().iter().filter(|s| s.addr.is_ipv4()).count();
+    assert_eq!(own, MAX_SOURCES as usize, "own buckets held at max_sources");
+    assert_eq!(offer(&dp, &to([198, 51, 100, 1], 7777), 6), (5, 1), "a rule first hit in a full table: its last resort's 5");
+    assert_eq!(dp.counters().unwrap().get(rl_common::STAT_NO_STATE), 0, "no packet found no state");
     // Two newcomers of one /24 beyond the table share its cell: one passes.
     let (x, y) = ([172, 16, 9, 1], [172, 16, 9, 2]);
     let got = offer(&dp, &to(x, 9999), 1).0 + offer(&dp, &to(y, 9999), 1).0;
     assert!(got <= 1, "newcomers in one /24 share its 1-per-hour cell: {got} passed");
+}
+
+/// The program's count of own buckets (`RL_OWNED`, IPv4): what the cap reads.
+fn owned_v4(dp: &rl_control::datapath::Datapath) -> aya::maps::Array<aya::maps::MapData, u64> {
+    let data = aya::maps::MapData::from_id(dp.table_ids().unwrap().owned).unwrap();
+    aya::maps::Array::try_from(aya::maps::Map::Array(data)).unwrap()
+}
+
+#[test]
+fn the_collector_keeps_the_own_bucket_count_true_so_the_cap_neither_sticks_nor_leaks() {
+    require_root();
+    use rl_control::datapath::{collect, COLLECT_IDLE_NS};
+    const CAP: u32 = 64;
+    // No flood mode: only the cap refuses. [default] (1000/s) buckets are
+    // fresh again a millisecond after their packet.
+    let toml = rl_tests::flood_rules(CAP as u64).replace("flood_new_keys_per_sec = 2000", "flood_new_keys_per_sec = 1000000000");
+    let dp = datapath(&toml).unwrap();
+    let walk = |dp: &rl_control::datapath::Datapath| {
+        let limits = dp.limits_by_key().unwrap();
+        collect(dp.table_ids().unwrap(), dp.epoch_offset_ns(), &limits, &dp.known_filter().unwrap()).unwrap()
+    };
+    let new_sources = |n: u8, from: u8| {
+        for i in 0..n {
+            assert_eq!(offer(&dp, &to([192, 0, from, i], 5000), 1), (1, 0));
+        }
+    };
+    let stat = |i| dp.counters().unwrap().get(i);
+    new_sources(CAP as u8, 1);
+    assert_eq!(owned_v4(&dp).get(&0, 0).unwrap(), CAP as u64);
+    new_sources(1, 2);
+    assert_eq!((stat(STAT_NEW_SOURCES), stat(rl_common::STAT_TABLE_FULL)), (CAP as u64, 1), "the 65th is refused");
+
+    // Collected once fresh and idle: the count goes down with them, and
+    // new sources get buckets of their own again.
+    std::thread::sleep(std::time::Duration::from_nanos(COLLECT_IDLE_NS + 200_000_000));
+    let pass = walk(&dp);
+    assert_eq!(pass.own.0, 0, "{pass:?}");
+    assert_eq!(owned_v4(&dp).get(&0, 0).unwrap(), 0, "the count follows the collector's deletes");
+    new_sources(CAP as u8, 3);
+    assert_eq!(stat(STAT_NEW_SOURCES), 2 * CAP as u64, "a collected table takes new sources again");
+
+    // A count that lost track (pins adopted from a build without it) is
+    // set right by the next walk, and the cap holds again.
+    let mut owned = owned_v4(&dp);
+    owned.set(0, 0, 0).unwrap();
+    let pass = walk(&dp);
+    assert_eq!((pass.own.0, owned.get(&0, 0).unwrap()), (CAP as u64, CAP as u64));
+    let full = stat(rl_common::STAT_TABLE_FULL);
+    new_sources(1, 4);
+    assert_eq!(stat(rl_common::STAT_TABLE_FULL), full + 1, "the cap holds after the walk");
+}
+
+#[test]
+fn pins_of_a_build_without_the_own_bucket_count_are_adopted_and_counted_at_the_first_walk() {
+    require_root();
+    use rl_control::{compile::compile, config::Config, datapath::{collect, Datapath, LoadOptions}};
+    const CAP: u32 = 64;
+    let toml = rl_tests::flood_rules(CAP as u64).replace("flood_new_keys_per_sec = 2000", "flood_new_keys_per_sec = 1000000000");
+    let compiled = compile(&Config::from_str(&toml, "<test>").unwrap());
+    let pins = rl_tests::lab::BpfFs::new().unwrap();
+    let dir = pins.path().join("owned");
+    rl_control::datapath::prepare_pins(pins.path(), &dir).unwrap();
+    let load = || Datapath::load_with(&compiled, LoadOptions { pin: Some(dir.clone()), ..Default::default() }).unwrap();
+    // "calm" (5 per hour): buckets no walk collects.
+    let calm = |dp: &Datapath, from: u8, n: u8| (0..n).map(|i| offer(dp, &to([192, 0, from, i], 7777), 1).0).sum::<u32>();
+    assert_eq!(calm(&load(), 1, CAP as u8), CAP);
+    std::fs::remove_file(dir.join(rl_common::MAP_OWNED)).unwrap();
+    let dp = load();
+    assert!(dp.adopted());
+    assert_eq!(owned_v4(&dp).get(&0, 0).unwrap(), 0, "a fresh count");
+    assert_eq!(calm(&dp, 2, 1), 1, "until the first walk the count is behind: a 65th bucket is made");
+    let limits = dp.limits_by_key().unwrap();
+    let pass = collect(dp.table_ids().unwrap(), dp.epoch_offset_ns(), &limits, &dp.known_filter().unwrap()).unwrap();
+    assert_eq!((pass.own.0, owned_v4(&dp).get(&0, 0).unwrap()), (CAP as u64 + 1, CAP as u64 + 1));
+    let full = dp.counters().unwrap().get(rl_common::STAT_TABLE_FULL);
+    calm(&dp, 3, 1);
+    assert_eq!(dp.counters().unwrap().get(rl_common::STAT_TABLE_FULL), full + 1, "then the cap holds");
 }

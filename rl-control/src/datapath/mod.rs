@@ -406,6 +406,10 @@ impl Datapath {
             dp.slots = [Arc::new(SlotContents { unknown: true, ..Default::default() }), Arc::new(SlotContents { unknown: true, ..Default::default() })];
         }
         dp.install(&compiled.rules)?;
+        // The own buckets' cap, before the program first runs (adopted:
+        // the same, `max_sources` being part of the tables' size).
+        let mut owned: Array<&mut MapData, u64> = map_mut(&mut dp.ebpf, rl_common::MAP_OWNED)?;
+        owned.set(rl_common::OWNED_CAP, u64::from(compiled.max_sources), 0).map_err(|e| map_error(rl_common::MAP_OWNED, e))?;
         if !adopted {
             // Fresh, empty tables: every clear bit is true. Adopted ones
             // wait for the collector's first walk (rl_common::known).

@@ -140,9 +140,12 @@ pub(super) fn hold(dir: &Path) -> Result<std::os::fd::OwnedFd, DatapathError> {
 /// Prefix cells moved to arrays of their own, then to 16-byte ones with a
 /// key array beside: empty ones are safe (a key with no cell is charged to
 /// its rule's last resort), and the daemon moves the cells it finds in the
-/// sources' tables or in the 64-byte arrays into them before its swap.
+/// sources' tables or in the 64-byte arrays into them before its swap. A
+/// fresh own-bucket count reads 0 until the collector's first walk sets it
+/// (until then own buckets may take the last resorts' room, as they could
+/// in the builds without it).
 fn added_since_layout(name: &str) -> bool {
-    name == rl_common::MAP_KNOWN || rl_common::CELL_MAPS.contains(&name)
+    name == rl_common::MAP_KNOWN || name == rl_common::MAP_OWNED || rl_common::CELL_MAPS.contains(&name)
 }
 
 /// Whether `dir` holds a pinned datapath; if it does, checks that every map

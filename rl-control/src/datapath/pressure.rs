@@ -27,6 +27,8 @@ pub struct TableIds {
     pub cell_keys: (u32, u32),
     pub cell_seed: u32,
     pub cell_count: u32,
+    /// The own buckets' counts and cap (`rl_common::MAP_OWNED`).
+    pub owned: u32,
     pub flood: u32,
     pub known: u32,
 }
@@ -78,6 +80,7 @@ impl Datapath {
             cell_keys: (self.map_id(MAP_CELL_KEYS_V4)?, self.map_id(MAP_CELL_KEYS_V6)?),
             cell_seed: self.map_id(MAP_CELL_SEED)?,
             cell_count: self.map_id(MAP_CELL_COUNT)?,
+            owned: self.map_id(MAP_OWNED)?,
             flood: self.map_id(MAP_FLOOD)?,
             known: self.map_id(MAP_KNOWN)?,
         })
@@ -119,11 +122,14 @@ pub fn collect(ids: TableIds, epoch_offset_ns: u64, limits: &LimitsByKey, known:
     let mut pass = Pass::default();
     let half = known.begin();
     let (cells4, cells6) = ids.cell_arrays()?;
+    let owned = Mapped::open(ids.owned, MAP_OWNED, 8)?;
     let mut walk = Walk { limits, epoch_offset_ns, known, half, own: 0, moved: 0 };
+    let before = walk.owned_before(&owned, OWNED_V4);
     scan_table_each::<Key4>(ids.tables.0, MAP_SOURCES_V4, |k, b| walk.sweep(ids.tables.0, MAP_SOURCES_V4, &cells4, k, b, &mut pass))?;
-    pass.own.0 = std::mem::take(&mut walk.own);
+    pass.own.0 = walk.owned_after(&owned, OWNED_V4, before);
+    let before = walk.owned_before(&owned, OWNED_V6);
     scan_table_each::<Key6>(ids.tables.1, MAP_SOURCES_V6, |k, b| walk.sweep(ids.tables.1, MAP_SOURCES_V6, &cells6, k, b, &mut pass))?;
-    pass.own.1 = std::mem::take(&mut walk.own);
+    pass.own.1 = walk.owned_after(&owned, OWNED_V6, before);
     pass.cells = (walk.cells(&cells4, &mut pass), walk.cells(&cells6, &mut pass));
     known.finish(half);
     pass.known_fill = (known.fill(0), known.fill(1));
@@ -143,12 +149,32 @@ struct Walk<'a> {
     known: &'a KnownFilter,
     /// The filter half being rebuilt.
     half: u32,
+    /// Own buckets the sweep of one family kept.
     own: u64,
     /// Cells found in the sources' tables (left by an older build) and moved.
     moved: u64,
 }
 
 impl Walk<'_> {
+    /// The program's count of a family's own buckets (`MAP_OWNED` entry
+    /// `family`) as its sweep starts.
+    fn owned_before(&mut self, owned: &Mapped, family: u32) -> u64 {
+        self.own = 0;
+        owned.word(family as usize * 8).load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// After a family's sweep: sets the program's count to the own
+    /// buckets the sweep kept plus those inserted since it started (the
+    /// program's count moved by them meanwhile), so it follows the
+    /// sweep's deletes and mends any drift (pins adopted from a build
+    /// without the count). An insert the sweep also saw stays counted
+    /// twice until the next walk: the safe side, the cap bites early by
+    /// that many. Returns the own buckets kept.
+    fn owned_after(&mut self, owned: &Mapped, family: u32, before: u64) -> u64 {
+        owned.word(family as usize * 8).fetch_add(self.own.wrapping_sub(before), std::sync::atomic::Ordering::AcqRel);
+        self.own
+    }
+
     /// Deletes the fresh (or orphaned) buckets of one chunk of a table;
     /// counts the rest, marks them in the filter and keeps the sources
     /// among them that have dropped packets.
