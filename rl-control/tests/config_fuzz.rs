@@ -72,11 +72,23 @@ const BASE: &str = "[datapath]\nmax_sources = 4096\n[default]\nrate = 100\n\
     [[rule]]\nname = \"api\"\nlimits = [{ rate = 200, per = \"10s\" }, { bytes = \"1MB\", per = \"1h\" }]\nmode = \"elastic\"\npool_rate = 1000\n\
     [[allow]]\ncidr = \"192.0.2.0/24\"\n";
 
-/// Parses and, if valid, compiles; neither may panic or take long.
+/// Parses and, if valid, compiles; neither may panic or take long. On a
+/// thread of its own, so that a hang fails the case (within 2 s) instead
+/// of stalling the run.
 fn check(text: &str) {
     let started = Instant::now();
-    if let Ok(config) = Config::from_str(text, "fuzz") {
-        let _ = compile(&config);
+    let (done, finished) = std::sync::mpsc::channel();
+    let input = text.to_string();
+    std::thread::spawn(move || {
+        if let Ok(config) = Config::from_str(&input, "fuzz") {
+            let _ = compile(&config);
+        }
+        let _ = done.send(());
+    });
+    match finished.recv_timeout(Duration::from_secs(2)) {
+        Ok(()) => {}
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => panic!("no answer within 2 s on {text:?}"),
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => panic!("panicked on {text:?}"),
     }
     assert!(started.elapsed() < Duration::from_secs(2), "took {:?} on {text:?}", started.elapsed());
 }

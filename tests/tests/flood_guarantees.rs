@@ -166,3 +166,45 @@ fn pins_of_a_build_without_the_own_bucket_count_are_adopted_and_counted_at_the_f
     calm(&dp, 3, 1);
     assert_eq!(dp.counters().unwrap().get(rl_common::STAT_TABLE_FULL), full + 1, "then the cap holds");
 }
+
+#[test]
+fn an_ipv6_spoofed_flood_neither_resets_nor_bypasses_a_limit_nor_touches_others() {
+    require_root();
+    let dp = datapath(&config()).unwrap();
+    // Sources are keyed by /64 (cells by /48): each forged source its own /64.
+    let v6 = |a: u16, b: u16, c: u16| {
+        let mut s = [0x20, 0x01, 0x0d, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1];
+        s[4..6].copy_from_slice(&a.to_be_bytes());
+        s[6..8].copy_from_slice(&b.to_be_bytes());
+        s[15] = c as u8;
+        s
+    };
+    let to6 = |src: [u8; 16], port: u16| eth(&[], ETH_P_IPV6, &ipv6(src, UDP, &udp(port)));
+    let (known, limited, other) = (v6(0xffff, 1, 1), v6(0xffff, 2, 1), v6(0xffff, 3, 1));
+    assert_eq!(offer(&dp, &to6(known, 5000), 10), (10, 0));
+    assert_eq!(offer(&dp, &to6(limited, 9999), 3), (1, 2));
+    assert_eq!(offer(&dp, &to6(other, 7777), 2), (2, 0));
+    let n = 10 * MAX_SOURCES;
+    let mut seed = 0x2545_f491u32;
+    let sources: Vec<[u8; 16]> = (0..n)
+        .map(|_| {
+            let s = spoofed(&mut seed);
+            v6(u16::from_be_bytes([s[1], s[2]]) & 0x7fff, u16::from(s[3]), 1)
+        })
+        .collect();
+    let distinct = sources.iter().collect::<std::collections::HashSet<_>>().len() as u32;
+    let mut passed = 0;
+    for round in 0..2 {
+        for s in &sources {
+            passed += offer(&dp, &to6(*s, 9999), 1).0;
+        }
+        assert!(passed <= distinct, "round {round}: {passed} passed from {distinct} /64s allowed 1 each");
+    }
+    let c = dp.counters().unwrap();
+    assert!(c.get(STAT_FALLBACK) > 0, "the flood was charged to fallbacks: {c}");
+    assert!(c.get(STAT_NEW_SOURCES) < 2 * MAX_SOURCES as u64, "flood mode stopped creating buckets: {c}");
+    assert_eq!(offer(&dp, &to6(limited, 9999), 3), (0, 3), "a limited /64 stays limited through the flood");
+    assert_eq!(offer(&dp, &to6(known, 5000), 10), (10, 0), "the known /64 keeps passing");
+    assert_eq!(offer(&dp, &to6(other, 7777), 3), (3, 0), "another rule's /64: 2 before + 3 now of 5");
+    assert_eq!(offer(&dp, &to6(other, 7777), 1), (0, 1));
+}

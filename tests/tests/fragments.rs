@@ -170,3 +170,33 @@ fn real_fragmented_datagrams_through_veth_are_held_to_the_limit() {
     }
     assert_eq!(dp.counters().unwrap().get(STAT_FRAG_ORPHANS), 0);
 }
+
+/// A later fragment follows only its own datagram: same source and id but
+/// another destination (IPv4 and IPv6) or another protocol (IPv4; IPv6
+/// ids are unique per source and destination) is another datagram, whose
+/// first fragment was not seen: an orphan, dropped by default.
+#[test]
+fn a_datagram_is_its_source_destination_protocol_and_id() {
+    require_root();
+    for v6 in [false, true] {
+        let family = if v6 { "IPv6" } else { "IPv4" };
+        let dp = datapath(&format!("[datapath]\nmax_sources = 1024\n{RULES}")).unwrap();
+        let frames = if v6 { datagram6(1, 9, 53, 1) } else { datagram4(SRC, 9, 53, 1) };
+        let (first, later) = (&frames[0], &frames[1]);
+        assert_eq!(offer(&dp, first, 1), (1, 0), "{family}: the first fragment passes");
+        // Another destination: the destination address's last byte.
+        let dst_last = if v6 { 14 + 39 } else { 14 + 19 };
+        let mut elsewhere = later.clone();
+        elsewhere[dst_last] ^= 1;
+        assert_eq!(offer(&dp, &elsewhere, 1), (0, 1), "{family}: same id to another destination");
+        let mut cases = 1;
+        if !v6 {
+            let mut tcp = later.clone();
+            tcp[14 + 9] = TCP;
+            assert_eq!(offer(&dp, &tcp, 1), (0, 1), "{family}: same id, another protocol");
+            cases += 1;
+        }
+        assert_eq!(dp.counters().unwrap().get(STAT_FRAG_ORPHANS), cases, "{family}: counted as orphans");
+        assert_eq!(offer(&dp, later, 1), (1, 0), "{family}: its own later fragment still follows it");
+    }
+}
