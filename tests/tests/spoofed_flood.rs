@@ -76,6 +76,9 @@ fn a_spoofed_flood_through_the_daemon_neither_resets_nor_bypasses_a_limit_and_is
         let p = &get(&lab.b, "/v1/status").json()["pressure"];
         status_on |= p["flood_mode"] == true && p["unseen_keys_per_sec"].as_f64().unwrap() > 2000.0;
         cells_seen.1 = cells_seen.1.max(p["cells_ipv4"].as_u64().unwrap());
+        // Own buckets stop at max_sources (one over per CPU racing for the last).
+        let (own, cpus) = (p["buckets_ipv4"].as_u64().unwrap(), std::thread::available_parallelism().map_or(1, |n| n.get() as u64));
+        assert!(own <= MAX_SOURCES + cpus, "{own} sources tracked of {MAX_SOURCES}");
         if !cli_on {
             let (_, out) = run_once(Some(&lab.b), &["status"]).unwrap();
             cli_on = out.lines().any(|l| l.starts_with("flood mode:") && l.contains("ON since"));
