@@ -35,6 +35,7 @@ mod batch;
 mod cells;
 mod install;
 mod known;
+mod load;
 mod pin;
 mod read;
 pub mod share;
@@ -44,6 +45,7 @@ mod pressure;
 pub use install::Plan;
 pub use cells::CellArray;
 pub use known::KnownFilter;
+pub use load::{table_capacity, LoadOptions, LAST_RESORT_ROOM};
 pub use pressure::{collect, flood_mode, FloodReading, LimitsByKey, Pass, TableIds, COLLECT_IDLE_NS};
 pub use pin::{detach as detach_pinned, dirs_with as pin_dirs_with, group_name as pin_group, prepare as prepare_pins};
 pub use read::{scan_buckets, Source};
@@ -211,31 +213,6 @@ where
     M::try_from(map).map_err(|e| map_error(name, e))
 }
 
-/// Unix-epoch time minus `CLOCK_MONOTONIC` (the clock `bpf_ktime_get_ns`
-/// reads), in ns, modulo 2⁶⁴.
-fn epoch_offset_ns() -> u64 {
-    let mono = monotonic_ns();
-    let real = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64);
-    real.wrapping_sub(mono)
-}
-
-/// Load-time knobs of the XDP object.
-#[derive(Clone, Debug, Default)]
-pub struct LoadOptions {
-    /// Benchmarks only: treat every packet as coming from a new source, to
-    /// time the LRU insert path with one repeated frame.
-    pub bench_new_sources: bool,
-    /// Pin the maps (and, once attached, the link) in this directory on a
-    /// bpffs (`<pin_dir>/<iface>`, see [`prepare_pins`]); adopt what is
-    /// pinned there already. `None`: nothing outlives the `Datapath`.
-    pub pin: Option<std::path::PathBuf>,
-}
-
-const GLOBAL_BENCH_NEW_SOURCES: &str = "RL_BENCH_NEW_SOURCES";
-
-
 /// Where the limiter is attached.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Attachment {
@@ -264,9 +241,9 @@ pub struct Datapath {
     generation: u64,
     /// Counters of rule names from slots since rewritten.
     retired: StdHashMap<String, RuleStats>,
-    /// Possible CPUs (the per-CPU maps' width).
     /// Log₂ of each cell array's slots (sized at load).
     cell_slots_log2: u16,
+    /// Possible CPUs (the per-CPU maps' width).
     cpus: usize,
     /// The pin directory, if pinned.
     pins: Option<std::path::PathBuf>,
@@ -305,146 +282,11 @@ pub(super) struct SlotContents {
     decide: Vec<(u64, u32)>,
 }
 
-/// Room in each family's bucket table for last resorts: both slots' rules,
-/// four limits and a pool each.
-pub const LAST_RESORT_ROOM: u32 = 2 * RULE_SLOTS * 5;
-
-/// Entries of each family's bucket table: the sources' own buckets and the
-/// last resorts share it (see `rl_common::pressure`). It keeps the room of
-/// `flood_prefixes` too: the prefix cells lived here before they had arrays
-/// of their own (`rl_common::cells`), and tables pinned then stay adoptable.
-pub fn table_capacity(c: &Compiled) -> u32 {
-    c.max_sources.saturating_add(c.flood_prefixes).saturating_add(LAST_RESORT_ROOM)
-}
-
 /// XDP programs finish within microseconds; waiting this long after a flip
 /// before rewriting the old slot leaves a wide margin.
 const SLOT_GRACE: Duration = Duration::from_millis(20);
 
 impl Datapath {
-    /// Loads the object, sizes the source map and writes the configuration.
-    /// Nothing is attached yet.
-    pub fn load(compiled: &Compiled) -> Result<Datapath, DatapathError> {
-        Datapath::load_with(compiled, LoadOptions::default())
-    }
-
-    /// [`Datapath::load`] with load-time knobs.
-    pub fn load_with(compiled: &Compiled, opts: LoadOptions) -> Result<Datapath, DatapathError> {
-        let capacity = table_capacity(compiled);
-        let cell_slots = rl_common::cell_slots(compiled.flood_prefixes);
-        let sized = [
-            (MAP_SOURCES_V4, capacity),
-            (MAP_SOURCES_V6, capacity),
-            (rl_common::MAP_CELLS_V4, cell_slots),
-            (rl_common::MAP_CELLS_V6, cell_slots),
-            (rl_common::MAP_CELL_KEYS_V4, cell_slots),
-            (rl_common::MAP_CELL_KEYS_V6, cell_slots),
-        ];
-        let specs = pin::specs(OBJECT, &sized)?;
-        let held = opts.pin.as_deref().map(pin::hold).transpose()?;
-        let adopted = match &opts.pin {
-            Some(dir) => pin::check(dir, &specs)?,
-            None => false,
-        };
-        // RL_CELLN is pinned only once the cells are in the arrays (see
-        // `move_old_cells`): a daemon stopped before that moves them again.
-        let cells_from_tables = adopted && opts.pin.as_ref().is_some_and(|d| !d.join(rl_common::MAP_CELL_COUNT).exists());
-        // 64-byte cell arrays: unpinned once moved (see `cells_moved`).
-        let old_arrays = match &opts.pin {
-            Some(d) if adopted => [rl_common::MAP_OLD_CELLS_V4, rl_common::MAP_OLD_CELLS_V6].iter().any(|n| d.join(n).exists()),
-            _ => false,
-        };
-        let bench = u32::from(opts.bench_new_sources);
-        let mut loader = EbpfLoader::new();
-        for (name, n) in sized {
-            loader.map_max_entries(name, n);
-        }
-        loader.override_global(GLOBAL_BENCH_NEW_SOURCES, &bench, true);
-        if let Some(dir) = &opts.pin {
-            for s in &specs {
-                if !(cells_from_tables && s.name == rl_common::MAP_CELL_COUNT) {
-                    loader.map_pin_path(s.name.as_str(), dir.join(&s.name));
-                }
-            }
-        }
-        let ebpf = loader
-            .load(OBJECT)
-            .map_err(|e| {
-                classify("loading the XDP object", &e)
-                    .unwrap_or_else(|| DatapathError::Load(chain(&e)))
-            })?;
-        let mut dp = Datapath {
-            ebpf,
-            attachments: Vec::new(),
-            clock: TickClock::default(),
-            epoch_offset_ns: 0,
-            active: None,
-            flipped_at: Instant::now(),
-            slots: Default::default(),
-            generation: 0,
-            retired: StdHashMap::new(),
-            cell_slots_log2: cell_slots.trailing_zeros() as u16,
-            cpus: aya::util::nr_cpus().map_err(|(_, e)| DatapathError::Load(format!("cannot count the CPUs: {e}")))?,
-            pins: opts.pin.clone(),
-            adopted,
-            cells_from_tables,
-            old_arrays,
-            links: Vec::new(),
-            _held: held,
-            failpoint: None,
-        };
-        dp.seed_cells()?;
-        dp.load_program(PROG_LIMITER)?;
-        dp.clock = dp.calibrate_clock()?;
-        dp.epoch_offset_ns = epoch_offset_ns();
-        if adopted {
-            // The running program reads the active slot; what either slot
-            // holds is not known here, so the install clears before writing.
-            let config: Array<&MapData, DatapathConfig> = map_ref(&dp.ebpf, MAP_CONFIG)?;
-            let cfg = config.get(&0, 0).map_err(|e| map_error(MAP_CONFIG, e))?;
-            dp.active = (cfg.enabled != 0).then_some(cfg.slot_flags().0);
-            dp.slots = [Arc::new(SlotContents { unknown: true, ..Default::default() }), Arc::new(SlotContents { unknown: true, ..Default::default() })];
-        }
-        dp.install(&compiled.rules)?;
-        // The own buckets' cap, before the program first runs (adopted:
-        // the same, `max_sources` being part of the tables' size).
-        let mut owned: Array<&mut MapData, u64> = map_mut(&mut dp.ebpf, rl_common::MAP_OWNED)?;
-        owned.set(rl_common::OWNED_CAP, u64::from(compiled.max_sources), 0).map_err(|e| map_error(rl_common::MAP_OWNED, e))?;
-        if !adopted {
-            // Fresh, empty tables: every clear bit is true. Adopted ones
-            // wait for the collector's first walk (rl_common::known).
-            let mut known: Array<&mut MapData, u64> = map_mut(&mut dp.ebpf, MAP_KNOWN)?;
-            known.set(0, KNOWN_VALID, 0).map_err(|e| map_error(MAP_KNOWN, e))?;
-        }
-        if opts.pin.is_some() {
-            let mut layout: Array<&mut MapData, u32> = map_mut(&mut dp.ebpf, MAP_LAYOUT)?;
-            layout.set(0, LAYOUT_VERSION, 0).map_err(|e| map_error(MAP_LAYOUT, e))?;
-        }
-        // Fail now, not later, if the object's maps do not match rl-common.
-        dp.counters()?;
-        dp.sources()?;
-        Ok(dp)
-    }
-
-    fn load_program(&mut self, name: &'static str) -> Result<(), DatapathError> {
-        let prog: &mut Xdp = self
-            .ebpf
-            .program_mut(name)
-            .ok_or_else(|| DatapathError::Load(format!("program {name} is missing")))?
-            .try_into()
-            .map_err(|e: ProgramError| DatapathError::Load(chain(&e)))?;
-        prog.load().map_err(|e| {
-            // The verifier rejects unsafe programs with EACCES: that is a
-            // bug in the program, not missing privileges, and its log says why.
-            let text = chain(&e);
-            if text.contains("erifier") && unsafe { libc::geteuid() } == 0 {
-                return DatapathError::Load(format!("program {name}: {text}"));
-            }
-            classify("loading the XDP program", &e)
-                .unwrap_or_else(|| DatapathError::Load(format!("program {name}: {text}")))
-        })
-    }
-
     /// How many instructions the verifier walked to accept the limiter
     /// (of its 1,000,000 limit): the headroom left for new datapath code.
     pub fn verified_instructions(&self) -> Option<u32> {
@@ -502,58 +344,6 @@ impl Datapath {
     pub fn clock(&self) -> TickClock {
         self.clock
     }
-
-    /// Measures the kernel tick against ktime with the `rl_clock` program:
-    /// the (jiffies, ktime) pairs read just after two ticks ~40 ms apart give
-    /// `1e9 / HZ` and the offset between the clocks. Takes about 50 ms. If the
-    /// tick cannot be measured, every limit uses ktime (slower, still exact).
-    fn calibrate_clock(&mut self) -> Result<TickClock, DatapathError> {
-        self.load_program(PROG_CLOCK)?;
-        let prog = self.program(PROG_CLOCK)?;
-        let sample = || -> Result<(u64, u64), DatapathError> {
-            let frame = [0u8; 64];
-            let mut out = [0u8; 64];
-            prog.test_run(TestRunOptions {
-                data_in: Some(&frame),
-                data_out: Some(&mut out),
-                ..TestRunOptions::new()
-            })
-            .map_err(|e| {
-                classify("measuring the kernel tick", &e).unwrap_or_else(|| DatapathError::TestRun {
-                    program: PROG_CLOCK,
-                    cause: chain(&e),
-                })
-            })?;
-            let word = |i: usize| u64::from_ne_bytes(out[i..i + 8].try_into().expect("8 bytes"));
-            Ok((word(0), word(8)))
-        };
-        // The first reading after jiffies change: within a few µs of the tick.
-        let edge = || -> Result<Option<(u64, u64)>, DatapathError> {
-            let start = Instant::now();
-            let (j0, _) = sample()?;
-            while start.elapsed() < Duration::from_millis(200) {
-                let s = sample()?;
-                if s.0 != j0 {
-                    return Ok(Some(s));
-                }
-            }
-            Ok(None)
-        };
-        let first = edge()?;
-        std::thread::sleep(Duration::from_millis(40));
-        let second = edge()?;
-        match first.zip(second).and_then(|(a, b)| TickClock::from_edges(a, b)) {
-            Some(clock) => {
-                tracing::debug!(tick_ns = clock.tick_ns, "kernel tick measured");
-                Ok(clock)
-            }
-            None => {
-                warn!("could not measure the kernel tick; every limit reads bpf_ktime_get_ns (exact, a little slower)");
-                Ok(TickClock::default())
-            }
-        }
-    }
-
 
     /// When the next install may rewrite the inactive slot without waiting
     /// (packets that read it before the last flip are surely done): a
