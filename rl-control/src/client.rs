@@ -232,6 +232,10 @@ pub fn status(v: &Value) -> String {
     } else {
         "off".to_string()
     };
+    let table = match p["table_full"] == true {
+        true => format!("sources table:   FULL at {} own buckets: new sources share their prefix cells\n", s(&p["bucket_capacity"])),
+        false => String::new(),
+    };
     let on: Vec<String> = v["interfaces"]
         .as_array()
         .map(|a| a.iter().map(|i| format!("{} (XDP {})", s(&i["iface"]), s(&i["xdp_mode"]))).collect())
@@ -261,7 +265,7 @@ pub fn status(v: &Value) -> String {
          sources tracked: IPv4 {}, IPv6 {} of {} per family\nprefix cells:    IPv4 {}, IPv6 {} of {} per family\n\
          unseen keys:     {:.0}/s; buckets created {:.0}/s, collected {} since start\n\
          lookup filter:   {:.3}% of IPv4 bits, {:.3}% of IPv6 bits set (an unseen key pays a table lookup that often)\n\
-         flood mode:      {flood}\nfallbacks:       {} packets charged to a cell or last resort; {} inserts refused (table full)\n\
+         flood mode:      {flood}\nfallbacks:       {} packets charged to a cell or last resort; {} inserts refused (table full)\n{table}\
          config file:     {}\nlast change:     {reload}\n{cluster}",
         s(&v["uptime_secs"]), s(&v["rules"]),
         s(&v["allow_cidrs"]), s(&v["deny_cidrs"]), s(&v["active_bans"]),

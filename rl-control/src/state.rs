@@ -118,6 +118,10 @@ pub struct Pressure {
     pub new_buckets_per_sec: f64,
     /// Since load: inserts refused because a table was full.
     pub table_full_refusals: u64,
+    /// Inserts were refused since the last pass and the table has had no
+    /// room since (`max_sources` own buckets): new sources share their
+    /// prefix cells. Events `table_full` and `table_room` mark the changes.
+    pub table_full: bool,
     /// Since load: packets charged to a prefix cell or a last resort.
     pub fallback_packets: u64,
     /// Since load: buckets the collector deleted because they were fresh.

@@ -155,3 +155,45 @@ fn a_spoofed_flood_through_the_daemon_neither_resets_nor_bypasses_a_limit_and_is
     assert!(status.success(), "{log}");
     assert!(log.contains("flood_started") && log.contains("flood_ended"), "the log names both events:\n{log}");
 }
+
+/// Waits up to `secs` for `n` events of `kind`.
+fn wait_events(lab: &Lab, kind: &str, n: usize, secs: u64) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while events(lab, kind) < n && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    events(lab, kind) >= n
+}
+
+#[test]
+fn a_full_sources_table_is_reported_and_so_is_its_room_again() {
+    let lab = Lab::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    // No flood mode: only the table's size stops inserts. [default]
+    // buckets are fresh a millisecond after their packet.
+    let cfg = write(&dir, "rl.toml", "[datapath]\nmax_sources = 64\nflood_new_keys_per_sec = 1000000000\n[default]\nrate = 1000\nburst = 1000\n");
+    let daemon = Daemon::serving(&lab, &cfg, &[]).unwrap();
+    let mut seed = 0x1234_5678u32;
+    let list: Vec<[u8; 4]> = (0..200).map(|_| spoofed_source(&mut seed)).collect();
+    let frame = eth(&[], ETH_P_IP, &ipv4([0; 4], UDP, &[], &udp(5000)));
+    join(forged(&lab.a, VA, frame, 200, 1000, None, move |i| list[i as usize])).unwrap();
+
+    assert!(wait_events(&lab, "table_full", 1, 5), "no table_full event after 136 sources beyond max_sources");
+    let p = get(&lab.b, "/v1/status").json()["pressure"].clone();
+    // One insert refused per CPU and window: the rest go to their cells.
+    assert!(p["table_full"] == true && p["table_full_refusals"].as_u64().unwrap() >= 1, "{p}");
+    assert!(p["fallback_packets"].as_u64().unwrap() >= 100 && p["buckets_ipv4"].as_u64() == Some(64), "{p}");
+    assert_eq!(parse_prometheus(&get(&lab.b, "/metrics").body)["rl_table_full"], 1.0);
+    let (_, out) = run_once(Some(&lab.b), &["status"]).unwrap();
+    assert!(out.contains("sources table:   FULL at 64 own buckets"), "{out}");
+
+    // Idle for a second, the buckets are collected: room again.
+    assert!(wait_events(&lab, "table_room", 1, 8), "no table_room event once the buckets were collected");
+    assert_eq!(parse_prometheus(&get(&lab.b, "/metrics").body)["rl_table_full"], 0.0);
+    let (_, out) = run_once(Some(&lab.b), &["status"]).unwrap();
+    assert!(!out.contains("sources table:"), "{out}");
+    assert_eq!(events(&lab, "table_full"), 1, "one episode, one event");
+    let (status, log) = daemon.stop(libc::SIGTERM).unwrap();
+    assert!(status.success(), "{log}");
+    assert!(log.contains("the sources' table is full") && log.contains("has room again"), "the log says both:\n{log}");
+}

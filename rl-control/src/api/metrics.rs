@@ -62,6 +62,8 @@ pub(super) async fn metrics(AxState(api): AxState<Api>) -> ApiResult<Response> {
     let _ = writeln!(out, "rl_new_buckets_per_second {}", p.new_buckets_per_sec);
     family(&mut out, "rl_flood_mode", "gauge", "1 while unseen sources are charged to their prefix cells (flood mode).");
     let _ = writeln!(out, "rl_flood_mode {}", u8::from(p.flood_mode));
+    family(&mut out, "rl_table_full", "gauge", "1 while the sources' table is full (datapath.max_sources own buckets): new sources share their prefix cells.");
+    let _ = writeln!(out, "rl_table_full {}", u8::from(p.table_full));
     family(&mut out, "rl_collected_buckets_total", "counter", "Buckets deleted by the collector because their state was fresh again.");
     let _ = writeln!(out, "rl_collected_buckets_total {}", p.collected_buckets);
     family(&mut out, "rl_active_bans", "gauge", "Bans in force.");

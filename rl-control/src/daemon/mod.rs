@@ -442,6 +442,7 @@ async fn watch_pressure(state: Shared, ids: TableIds) {
         let mut s = lock(&state);
         let counters = s.dp.counters().unwrap_or_default();
         let created = counters.get(rl_common::STAT_NEW_SOURCES);
+        let max_sources = s.config.datapath.max_sources;
         let p = &mut s.pressure;
         if let Some(pass) = &pass {
             p.buckets_ipv4 = pass.own.0;
@@ -451,7 +452,8 @@ async fn watch_pressure(state: Shared, ids: TableIds) {
             (p.known_filter_fill_ipv4, p.known_filter_fill_ipv6) = pass.known_fill;
             p.collected_buckets += pass.collected;
         }
-        p.table_full_refusals = counters.get(rl_common::STAT_TABLE_FULL);
+        let refused_before = std::mem::replace(&mut p.table_full_refusals, counters.get(rl_common::STAT_TABLE_FULL));
+        let full = table_full(p, refused_before, max_sources);
         p.fallback_packets = counters.get(rl_common::STAT_FALLBACK);
         p.unseen_keys_per_sec = flood.unseen_last_window as f64 * 1e9 / (1u64 << rl_common::FLOOD_WINDOW_SHIFT) as f64;
         if let Some((then, before)) = last {
@@ -475,12 +477,42 @@ async fn watch_pressure(state: Shared, ids: TableIds) {
                 source: String::new(),
             });
         }
+        if let Some(full) = full {
+            s.pressure.table_full = full;
+            let event = if full { "table_full" } else { "table_room" };
+            if full {
+                warn!(event, max_sources, "the sources' table is full: new sources are charged to their prefix cells until the collector frees room (raise datapath.max_sources if this is not a flood)");
+            } else {
+                info!(event, "the sources' table has room again: new sources get buckets of their own");
+            }
+            s.push_event(crate::state::EventView {
+                at_unix_ms: unix_now() * 1000,
+                event: event.into(),
+                rule: String::new(),
+                limit_index: 0,
+                source: String::new(),
+            });
+        }
         pass_no += 1;
         if let Some(pass) = pass.as_ref().filter(|_| pass_no % TOP_EVERY == 1) {
             if let Some(t) = top.rank(&pass.sources, now, &s) {
                 s.top = t;
             }
         }
+    }
+}
+
+/// Whether the sources' table turned full (`Some(true)`: inserts were
+/// refused since the last pass) or has room again (`Some(false)`: none
+/// refused, and both families under `max_sources` own buckets), or
+/// neither (`None`).
+fn table_full(p: &crate::state::Pressure, refused_before: u64, max_sources: u32) -> Option<bool> {
+    let refused = p.table_full_refusals > refused_before;
+    let room = !refused && p.buckets_ipv4.max(p.buckets_ipv6) < u64::from(max_sources);
+    match p.table_full {
+        false if refused => Some(true),
+        true if room => Some(false),
+        _ => None,
     }
 }
 
