@@ -88,9 +88,8 @@ fn check(text: &str) {
     match finished.recv_timeout(Duration::from_secs(2)) {
         Ok(()) => {}
         Err(std::sync::mpsc::RecvTimeoutError::Timeout) => panic!("no answer within 2 s on {text:?}"),
-        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => panic!("panicked on {text:?}"),
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => panic!("panicked on {text:?} (after {:?})", started.elapsed()),
     }
-    assert!(started.elapsed() < Duration::from_secs(2), "took {:?} on {text:?}", started.elapsed());
 }
 
 proptest! {

@@ -8,12 +8,13 @@
 
 use rl_tests::{datapath, frames::*, lab::require_root, offer};
 
-/// Flood mode always on; "web" allows each source 10 at once, 10/s.
+/// Flood mode always on; "web" allows each source 10 at once, 10 a minute
+/// (slow enough that no drained cell refills while the test runs).
 fn config(flood_prefixes: u32) -> String {
     format!(
         "[datapath]\nmax_sources = 1024\nflood_new_keys_per_sec = 0\nflood_prefixes = {flood_prefixes}\n\
          [default]\nrate = 1000\nburst = 1000\n\
-         [[rule]]\nname = \"web\"\nproto = \"udp\"\ndst_ports = [8080]\nrate = 10\nburst = 10\n"
+         [[rule]]\nname = \"web\"\nproto = \"udp\"\ndst_ports = [8080]\nrate = 10\nper = \"1m\"\nburst = 10\n"
     )
 }
 

@@ -385,6 +385,11 @@ async fn watch_pressure(state: Shared, ids: TableIds) {
     // Buckets the last walk left, and the datapath's inserts before it.
     let mut left = u64::MAX;
     let mut inserted_at_walk = 0u64;
+    // The refusals at the last good reading (the counters are pinned and
+    // count across restarts: the first reading is a baseline, no event),
+    // and when the last new one was seen.
+    let mut refusals: Option<u64> = None;
+    let mut refused_at: Option<std::time::Instant> = None;
     let known = match crate::datapath::KnownFilter::open(ids.known) {
         Ok(k) => std::sync::Arc::new(k),
         Err(e) => {
@@ -440,7 +445,8 @@ async fn watch_pressure(state: Shared, ids: TableIds) {
         }
         let now = std::time::Instant::now();
         let mut s = lock(&state);
-        let counters = s.dp.counters().unwrap_or_default();
+        let read = s.dp.counters();
+        let counters = read.as_ref().map_or_else(|_| Default::default(), |c| *c);
         let created = counters.get(rl_common::STAT_NEW_SOURCES);
         let max_sources = s.config.datapath.max_sources;
         let p = &mut s.pressure;
@@ -452,8 +458,19 @@ async fn watch_pressure(state: Shared, ids: TableIds) {
             (p.known_filter_fill_ipv4, p.known_filter_fill_ipv6) = pass.known_fill;
             p.collected_buckets += pass.collected;
         }
-        let refused_before = std::mem::replace(&mut p.table_full_refusals, counters.get(rl_common::STAT_TABLE_FULL));
-        let full = table_full(p, refused_before, max_sources);
+        p.table_full_refusals = counters.get(rl_common::STAT_TABLE_FULL);
+        let full = match (&read, refusals) {
+            (Ok(_), Some(before)) => {
+                if p.table_full_refusals > before {
+                    refused_at = Some(now);
+                }
+                table_full(p, refused_at, now, max_sources)
+            }
+            _ => None,
+        };
+        if read.is_ok() {
+            refusals = Some(p.table_full_refusals);
+        }
         p.fallback_packets = counters.get(rl_common::STAT_FALLBACK);
         p.unseen_keys_per_sec = flood.unseen_last_window as f64 * 1e9 / (1u64 << rl_common::FLOOD_WINDOW_SHIFT) as f64;
         if let Some((then, before)) = last {
@@ -502,15 +519,17 @@ async fn watch_pressure(state: Shared, ids: TableIds) {
     }
 }
 
-/// Whether the sources' table turned full (`Some(true)`: inserts were
+/// Whether the sources' table turned full (`Some(true)`: an insert was
 /// refused since the last pass) or has room again (`Some(false)`: none
-/// refused, and both families under `max_sources` own buckets), or
-/// neither (`None`).
-fn table_full(p: &crate::state::Pressure, refused_before: u64, max_sources: u32) -> Option<bool> {
-    let refused = p.table_full_refusals > refused_before;
-    let room = !refused && p.buckets_ipv4.max(p.buckets_ipv6) < u64::from(max_sources);
+/// refused for two flood windows, as a CPU that found the table full
+/// tries no insert for the rest of its window, and both families under
+/// `max_sources` own buckets at the last walk), or neither (`None`).
+fn table_full(p: &crate::state::Pressure, refused_at: Option<std::time::Instant>, now: std::time::Instant, max_sources: u32) -> Option<bool> {
+    let quiet = std::time::Duration::from_nanos(2 << rl_common::FLOOD_WINDOW_SHIFT);
+    let refused_now = refused_at == Some(now);
+    let room = refused_at.is_none_or(|t| now - t > quiet) && p.buckets_ipv4.max(p.buckets_ipv6) < u64::from(max_sources);
     match p.table_full {
-        false if refused => Some(true),
+        false if refused_now => Some(true),
         true if room => Some(false),
         _ => None,
     }
