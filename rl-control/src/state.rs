@@ -181,6 +181,12 @@ impl State {
         }
         self.events.push_back(event);
     }
+
+    /// Records a host-wide event (flood mode, a full table) at `at_unix_ms`:
+    /// no rule, no source.
+    pub fn push_host_event(&mut self, event: &str, at_unix_ms: u64) {
+        self.push_event(EventView { at_unix_ms, event: event.into(), rule: String::new(), limit_index: 0, source: String::new() });
+    }
 }
 
 pub type Shared = Arc<Mutex<State>>;

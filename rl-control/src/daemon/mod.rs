@@ -486,13 +486,7 @@ async fn watch_pressure(state: Shared, ids: TableIds) {
             } else {
                 info!(event, "flood mode ended: new sources get buckets of their own again");
             }
-            s.push_event(crate::state::EventView {
-                at_unix_ms: unix_now() * 1000,
-                event: event.into(),
-                rule: String::new(),
-                limit_index: 0,
-                source: String::new(),
-            });
+            s.push_host_event(event, unix_now() * 1000);
         }
         if let Some(full) = full {
             s.pressure.table_full = full;
@@ -502,13 +496,7 @@ async fn watch_pressure(state: Shared, ids: TableIds) {
             } else {
                 info!(event, "the sources' table has room again: new sources get buckets of their own");
             }
-            s.push_event(crate::state::EventView {
-                at_unix_ms: unix_now() * 1000,
-                event: event.into(),
-                rule: String::new(),
-                limit_index: 0,
-                source: String::new(),
-            });
+            s.push_host_event(event, unix_now() * 1000);
         }
         pass_no += 1;
         if let Some(pass) = pass.as_ref().filter(|_| pass_no % TOP_EVERY == 1) {
