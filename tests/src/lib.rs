@@ -30,6 +30,14 @@ pub fn datapath(toml: &str) -> Result<Datapath> {
     Datapath::load(&compile(&config)).context("loading the datapath")
 }
 
+/// One pass of the daemon's collector over `dp`'s tables, as the daemon
+/// runs it every second.
+pub fn collector_pass(dp: &Datapath) -> rl_control::datapath::Pass {
+    let limits = dp.limits_by_key().expect("the limits of both slots");
+    rl_control::datapath::collect(dp.table_ids().expect("table ids"), dp.epoch_offset_ns(), &limits, &dp.known_filter().expect("the known-keys filter"))
+        .expect("a collector pass")
+}
+
 /// Loads the limiter with `toml` and attaches it to the lab's protected
 /// interface in `mode`.
 pub fn attach(

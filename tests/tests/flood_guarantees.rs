@@ -13,6 +13,12 @@ fn config() -> String {
     rl_tests::flood_rules(MAX_SOURCES as u64)
 }
 
+/// [`config`]'s rules for a table of `max_sources`, flood mode never on:
+/// only a full table stops inserts.
+fn no_flood_mode(max_sources: u32) -> String {
+    rl_tests::flood_rules(max_sources as u64).replace("flood_new_keys_per_sec = 2000", "flood_new_keys_per_sec = 1000000000")
+}
+
 fn to(src: [u8; 4], port: u16) -> Vec<u8> {
     eth(&[], ETH_P_IP, &ipv4(src, UDP, &[], &udp(port)))
 }
@@ -65,7 +71,7 @@ fn a_spoofed_flood_neither_resets_nor_bypasses_a_limit_nor_touches_others() {
 fn a_full_table_fails_closed_and_newcomers_share_their_prefix_cell() {
     require_root();
     // Flood mode never trips: the table itself fills.
-    let dp = datapath(&config().replace("flood_new_keys_per_sec = 2000", "flood_new_keys_per_sec = 1000000000")).unwrap();
+    let dp = datapath(&no_flood_mode(MAX_SOURCES)).unwrap();
     let mut seed = 0x1234_5678u32;
     let mut passed = 0;
     // More keys than the whole table holds (own buckets, cells and the
@@ -99,16 +105,12 @@ fn owned_v4(dp: &rl_control::datapath::Datapath) -> aya::maps::Array<aya::maps::
 #[test]
 fn the_collector_keeps_the_own_bucket_count_true_so_the_cap_neither_sticks_nor_leaks() {
     require_root();
-    use rl_control::datapath::{collect, COLLECT_IDLE_NS};
+    use rl_control::datapath::COLLECT_IDLE_NS;
     const CAP: u32 = 64;
-    // No flood mode: only the cap refuses. [default] (1000/s) buckets are
-    // fresh again a millisecond after their packet.
-    let toml = rl_tests::flood_rules(CAP as u64).replace("flood_new_keys_per_sec = 2000", "flood_new_keys_per_sec = 1000000000");
-    let dp = datapath(&toml).unwrap();
-    let walk = |dp: &rl_control::datapath::Datapath| {
-        let limits = dp.limits_by_key().unwrap();
-        collect(dp.table_ids().unwrap(), dp.epoch_offset_ns(), &limits, &dp.known_filter().unwrap()).unwrap()
-    };
+    // Only the cap refuses. [default] (1000/s) buckets are fresh again a
+    // millisecond after their packet.
+    let dp = datapath(&no_flood_mode(CAP)).unwrap();
+    let walk = rl_tests::collector_pass;
     let new_sources = |n: u8, from: u8| {
         for i in 0..n {
             assert_eq!(offer(&dp, &to([192, 0, from, i], 5000), 1), (1, 0));
@@ -143,10 +145,9 @@ fn the_collector_keeps_the_own_bucket_count_true_so_the_cap_neither_sticks_nor_l
 #[test]
 fn pins_of_a_build_without_the_own_bucket_count_are_adopted_and_counted_at_the_first_walk() {
     require_root();
-    use rl_control::{compile::compile, config::Config, datapath::{collect, Datapath, LoadOptions}};
+    use rl_control::{compile::compile, config::Config, datapath::{Datapath, LoadOptions}};
     const CAP: u32 = 64;
-    let toml = rl_tests::flood_rules(CAP as u64).replace("flood_new_keys_per_sec = 2000", "flood_new_keys_per_sec = 1000000000");
-    let compiled = compile(&Config::from_str(&toml, "<test>").unwrap());
+    let compiled = compile(&Config::from_str(&no_flood_mode(CAP), "<test>").unwrap());
     let pins = rl_tests::lab::BpfFs::new().unwrap();
     let dir = pins.path().join("owned");
     rl_control::datapath::prepare_pins(pins.path(), &dir).unwrap();
@@ -159,8 +160,7 @@ fn pins_of_a_build_without_the_own_bucket_count_are_adopted_and_counted_at_the_f
     assert!(dp.adopted());
     assert_eq!(owned_v4(&dp).get(&0, 0).unwrap(), 0, "a fresh count");
     assert_eq!(calm(&dp, 2, 1), 1, "until the first walk the count is behind: a 65th bucket is made");
-    let limits = dp.limits_by_key().unwrap();
-    let pass = collect(dp.table_ids().unwrap(), dp.epoch_offset_ns(), &limits, &dp.known_filter().unwrap()).unwrap();
+    let pass = rl_tests::collector_pass(&dp);
     assert_eq!((pass.own.0, owned_v4(&dp).get(&0, 0).unwrap()), (CAP as u64 + 1, CAP as u64 + 1));
     let full = dp.counters().unwrap().get(rl_common::STAT_TABLE_FULL);
     calm(&dp, 3, 1);

@@ -16,7 +16,6 @@ use rl_control::{
     compile::compile,
     config::Config,
     datapath::{
-        collect,
         share::{scan_shared, BucketId, Tables},
         CellArray, Datapath, Pass, COLLECT_IDLE_NS,
     },
@@ -68,8 +67,7 @@ fn once_cell(prefix: [u8; 3]) -> (Datapath, CellArray<Key4>, Key4, u32) {
 }
 
 fn pass(dp: &Datapath) -> Pass {
-    let limits = dp.limits_by_key().unwrap();
-    collect(dp.table_ids().unwrap(), dp.epoch_offset_ns(), &limits, &dp.known_filter().unwrap()).expect("a collector pass")
+    rl_tests::collector_pass(dp)
 }
 
 #[test]
