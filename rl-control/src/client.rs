@@ -232,9 +232,10 @@ pub fn status(v: &Value) -> String {
     } else {
         "off".to_string()
     };
-    let table = match p["table_full"] == true {
-        true => format!("sources table:   FULL at {} own buckets: new sources share their prefix cells\n", s(&p["bucket_capacity"])),
-        false => String::new(),
+    let table = if p["table_full"] == true {
+        format!("sources table:   FULL at {} own buckets: new sources share their prefix cells\n", s(&p["bucket_capacity"]))
+    } else {
+        String::new()
     };
     let on: Vec<String> = v["interfaces"]
         .as_array()

@@ -355,6 +355,7 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
 /// on every unseen packet (6 ns of a flood's 112 in the program, measured
 /// with `perf record` on the veth bench), and plain field stores still
 /// cost on every insert.
+///
 /// The bucket is built in `b`, which the caller keeps, and lent out: a
 /// bucket returned by value is copied, and the copy's zeros are a memset.
 #[inline(always)]
@@ -387,7 +388,7 @@ const EEXIST: u32 = 17;
 /// compiler does not know them: known zero stores become a call of a
 /// byte-at-a-time memset (see [`copy_of`]), even where the key is copied.
 #[inline(always)]
-pub fn zero_addr6(rule: u32) -> Key6 {
+fn zero_addr6(rule: u32) -> Key6 {
     let z = opaque_zero();
     Key6 { rule, addr: [z; 4] }
 }
