@@ -170,7 +170,7 @@ pub struct DatapathConfig {
     /// older build reads as one slot, which holds one cell, until the
     /// daemon rewrites it.)
     pub cell_slots_log2: u16,
-    /// Unseen keys one CPU may see per flood window (~1.07 s) before it
+    /// Unseen keys one CPU may see per flood window (~67 ms) before it
     /// enters flood mode (see [`crate::pressure`]); `u32::MAX`: never.
     pub flood_cap: u32,
     /// The active slot (bit 0) and the `CFG_*` bits of its rule set (high

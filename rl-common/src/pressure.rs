@@ -77,8 +77,11 @@ pub enum KeyKind {
     LastResort,
 }
 
-/// Log₂ of the flood window in ns: about 1.07 s.
-pub const FLOOD_WINDOW_SHIFT: u32 = 30;
+/// Log₂ of the flood window in ns: about 67 ms. The detector measures the
+/// rate of unseen keys over windows this short so that a flood trips it
+/// after a few thousand new buckets per CPU, not tens of thousands: each is
+/// a junk bucket the collector must later find, and costs an insert.
+pub const FLOOD_WINDOW_SHIFT: u32 = 26;
 
 /// One CPU's count of keys it found no bucket for.
 #[repr(C)]

@@ -373,12 +373,13 @@ where
 }
 
 /// One CPU's share of the host-wide unseen-key rate, per flood window
-/// (2³⁰ ns, a little over a second), rounded up; 0 stays 0 (always flood).
+/// (2²⁶ ns, about 67 ms), rounded up and at least 1; 0 stays 0 (always
+/// flood).
 pub(super) fn flood_cap_per_cpu(per_sec: u32, cpus: usize) -> u32 {
     if per_sec == 0 {
         return 0;
     }
-    let per_window = per_sec as u64 * (1u64 << FLOOD_WINDOW_SHIFT) / 1_000_000_000;
+    let per_window = (per_sec as u64 * (1u64 << FLOOD_WINDOW_SHIFT)).div_ceil(1_000_000_000);
     per_window.div_ceil(cpus.max(1) as u64).min(u32::MAX as u64) as u32
 }
 
@@ -398,9 +399,13 @@ mod tests {
     #[test]
     fn the_flood_rate_is_shared_among_cpus_per_window() {
         assert_eq!(flood_cap_per_cpu(0, 2), 0);
-        // 100,000/s over a 1.0737 s window on 2 CPUs.
-        assert_eq!(flood_cap_per_cpu(100_000, 2), 53_687);
+        // 100,000/s over a 67.1 ms window on 2 CPUs: 6,711 per window.
+        assert_eq!(flood_cap_per_cpu(100_000, 2), 3_356);
+        // A rate under one key per window still leaves every CPU one: 0
+        // would mean "always flood".
         assert_eq!(flood_cap_per_cpu(1, 64), 1);
-        assert_eq!(flood_cap_per_cpu(u32::MAX, 1), u32::MAX, "saturates");
+        assert_eq!(flood_cap_per_cpu(10, 1), 1);
+        // The largest rate does not overflow: 2³² − 1 keys/s × 2²⁶ ns.
+        assert_eq!(flood_cap_per_cpu(u32::MAX, 1), 288_230_377);
     }
 }

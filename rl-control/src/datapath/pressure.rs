@@ -476,12 +476,17 @@ impl Datapath {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FloodReading {
     /// Some CPU charged an unseen key to a fallback in flood mode within
-    /// the last flood window (and a little).
+    /// the last [`FLOOD_REPORT_HOLD_NS`].
     pub on: bool,
     /// Keys the CPUs found no bucket for in the last whole flood window
-    /// (about a second), summed.
+    /// (about 67 ms), summed.
     pub unseen_last_window: u64,
 }
+
+/// How long flood mode is still reported after the last key charged to a
+/// fallback in flood mode: a second, so that a flood with short lulls (the
+/// detector's windows are 67 ms) is one episode, not a flapping signal.
+pub const FLOOD_REPORT_HOLD_NS: u64 = 1_000_000_000;
 
 /// Reads the flood detectors.
 pub fn flood_mode(ids: TableIds) -> Result<FloodReading, DatapathError> {
@@ -490,11 +495,10 @@ pub fn flood_mode(ids: TableIds) -> Result<FloodReading, DatapathError> {
         PerCpuArray::try_from(Map::PerCpuArray(data)).map_err(|e| map_error(MAP_FLOOD, e))?;
     let per_cpu = arr.get(&0, 0).map_err(|e| map_error(MAP_FLOOD, e))?;
     let now = coarse_monotonic_ns();
-    let window = 1u64 << FLOOD_WINDOW_SHIFT;
     let current = now >> FLOOD_WINDOW_SHIFT;
     let mut r = FloodReading::default();
     for s in per_cpu.iter() {
-        r.on |= s.flooding(now, window + window / 4);
+        r.on |= s.flooding(now, FLOOD_REPORT_HOLD_NS);
         // The last whole window: `unseen` if the CPU has not moved on since,
         // else `prev_unseen` if it moved on just now.
         r.unseen_last_window += if s.window + 1 == current {
