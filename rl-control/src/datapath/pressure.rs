@@ -494,22 +494,28 @@ pub fn flood_mode(ids: TableIds) -> Result<FloodReading, DatapathError> {
     let arr: PerCpuArray<MapData, FloodState> =
         PerCpuArray::try_from(Map::PerCpuArray(data)).map_err(|e| map_error(MAP_FLOOD, e))?;
     let per_cpu = arr.get(&0, 0).map_err(|e| map_error(MAP_FLOOD, e))?;
-    let now = coarse_monotonic_ns();
-    let current = now >> FLOOD_WINDOW_SHIFT;
-    let mut r = FloodReading::default();
-    for s in per_cpu.iter() {
-        r.on |= s.flooding(now, FLOOD_REPORT_HOLD_NS);
-        // The last whole window: `unseen` if the CPU has not moved on since,
-        // else `prev_unseen` if it moved on just now.
-        r.unseen_last_window += if s.window + 1 == current {
-            s.unseen
-        } else if s.window == current {
-            s.prev_unseen
-        } else {
-            0
-        };
+    Ok(FloodReading::of(per_cpu.iter(), coarse_monotonic_ns()))
+}
+
+impl FloodReading {
+    /// What the CPUs' detectors say at `now` (ns on their clock).
+    fn of<'a>(per_cpu: impl Iterator<Item = &'a FloodState>, now: u64) -> Self {
+        let current = now >> FLOOD_WINDOW_SHIFT;
+        let mut r = FloodReading::default();
+        for s in per_cpu {
+            r.on |= s.flooding(now, FLOOD_REPORT_HOLD_NS);
+            // The last whole window: `unseen` if the CPU has not moved on
+            // since, else `prev_unseen` if it moved on just now.
+            r.unseen_last_window += if s.window + 1 == current {
+                s.unseen
+            } else if s.window == current {
+                s.prev_unseen
+            } else {
+                0
+            };
+        }
+        r
     }
-    Ok(r)
 }
 
 /// `CLOCK_MONOTONIC_COARSE` in ns: within a tick of the clock the flood
@@ -520,3 +526,37 @@ fn coarse_monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const W: u64 = 1 << FLOOD_WINDOW_SHIFT;
+
+    fn cpu(last_flood_ns: u64, window: u64, unseen: u64, prev_unseen: u64) -> FloodState {
+        FloodState { window, unseen, prev_unseen, full_window: 0, last_flood_ns }
+    }
+
+    #[test]
+    fn flood_mode_is_held_a_second_past_the_detectors_short_windows() {
+        let now = 1000 * W + 5;
+        // 0.9 s since the last flood-mode charge: over a dozen windows, but
+        // one episode still.
+        let lull = [cpu(now - 900_000_000, 986, 0, 0), cpu(0, 0, 0, 0)];
+        assert!(FloodReading::of(lull.iter(), now).on);
+        let ended = [cpu(now - 1_100_000_000, 983, 0, 0), cpu(0, 0, 0, 0)];
+        assert!(!FloodReading::of(ended.iter(), now).on, "a second and more after: ended");
+        assert!(!FloodReading::of([cpu(0, 1000, 5, 5)].iter(), now).on, "never flooded");
+    }
+
+    #[test]
+    fn the_unseen_rate_sums_each_cpus_last_whole_window() {
+        let now = 1000 * W + 5;
+        let cpus = [
+            cpu(0, 999, 300, 7),  // not moved on since: its current count
+            cpu(0, 1000, 9, 200), // moved on just now: the one before
+            cpu(0, 990, 50, 50),  // idle since: nothing
+        ];
+        assert_eq!(FloodReading::of(cpus.iter(), now).unseen_last_window, 500);
+    }
+}
