@@ -111,8 +111,9 @@ pub struct Pressure {
     /// "Floods"; rebuilt by each collector walk).
     pub known_filter_fill_ipv4: f64,
     pub known_filter_fill_ipv6: f64,
-    /// Keys the datapath found no bucket for, per second (the last flood
-    /// window): new sources, and in flood mode every packet of an unseen one.
+    /// Keys the datapath found no bucket for, per second (the last whole
+    /// flood window, 67 ms): new sources, and in flood mode every packet of
+    /// an unseen one.
     pub unseen_keys_per_sec: f64,
     /// Buckets created per second over the last pass.
     pub new_buckets_per_sec: f64,
@@ -126,7 +127,8 @@ pub struct Pressure {
     pub fallback_packets: u64,
     /// Since load: buckets the collector deleted because they were fresh.
     pub collected_buckets: u64,
-    /// Flood mode: unseen keys are charged to their prefix cells.
+    /// Flood mode: unseen keys are charged to their prefix cells (held for
+    /// a second after the last such charge, so a flood with lulls is one).
     pub flood_mode: bool,
     /// When the current flood mode started (Unix ms), if it is on.
     pub flood_since_unix_ms: Option<u64>,

@@ -56,11 +56,11 @@ pub(super) async fn metrics(AxState(api): AxState<Api>) -> ApiResult<Response> {
     let _ = writeln!(out, "rl_prefix_cells{{family=\"ipv4\"}} {}\nrl_prefix_cells{{family=\"ipv6\"}} {}", p.cells_ipv4, p.cells_ipv6);
     family(&mut out, "rl_known_filter_fill_ratio", "gauge", "Share of the known-keys filter's bits set: how often a key without a bucket still pays a table lookup.");
     let _ = writeln!(out, "rl_known_filter_fill_ratio{{family=\"ipv4\"}} {}\nrl_known_filter_fill_ratio{{family=\"ipv6\"}} {}", p.known_filter_fill_ipv4, p.known_filter_fill_ipv6);
-    family(&mut out, "rl_unseen_keys_per_second", "gauge", "Keys the datapath found no bucket for, per second.");
+    family(&mut out, "rl_unseen_keys_per_second", "gauge", "Keys the datapath found no bucket for, per second (from the flood detectors' last whole 67 ms window).");
     let _ = writeln!(out, "rl_unseen_keys_per_second {}", p.unseen_keys_per_sec);
     family(&mut out, "rl_new_buckets_per_second", "gauge", "Per-source buckets created per second.");
     let _ = writeln!(out, "rl_new_buckets_per_second {}", p.new_buckets_per_sec);
-    family(&mut out, "rl_flood_mode", "gauge", "1 while unseen sources are charged to their prefix cells (flood mode).");
+    family(&mut out, "rl_flood_mode", "gauge", "1 while unseen sources are charged to their prefix cells (flood mode), and for a second after the last.");
     let _ = writeln!(out, "rl_flood_mode {}", u8::from(p.flood_mode));
     family(&mut out, "rl_table_full", "gauge", "1 while the sources' table is full (datapath.max_sources own buckets): new sources share their prefix cells.");
     let _ = writeln!(out, "rl_table_full {}", u8::from(p.table_full));
