@@ -2,7 +2,8 @@
 //! frames carry forged sources): the README's guarantees (a)–(d) in one run;
 //! a full table (`max_sources` own buckets) failing closed with room left
 //! for the rules' last resorts; the own buckets' count following the
-//! collector, and adopted from pins that lack it.
+//! collector, and adopted from pins that lack it; the flood detector's
+//! 67 ms window.
 
 use rl_common::{STAT_FALLBACK, STAT_NEW_SOURCES};
 use rl_tests::{datapath, frames::*, lab::require_root, offer, traffic::spoofed_source as spoofed};
@@ -207,4 +208,36 @@ fn an_ipv6_spoofed_flood_neither_resets_nor_bypasses_a_limit_nor_touches_others(
     assert_eq!(offer(&dp, &to6(known, 5000), 10), (10, 0), "the known /64 keeps passing");
     assert_eq!(offer(&dp, &to6(other, 7777), 3), (3, 0), "another rule's /64: 2 before + 3 now of 5");
     assert_eq!(offer(&dp, &to6(other, 7777), 1), (0, 1));
+}
+
+/// The detector measures the unseen-key rate over 67 ms windows: a flood
+/// trips it after a CPU's share of one window (not of a second), and the
+/// CPU makes buckets of its own again within two windows of the flood's
+/// end (not two seconds). 954 keys/s is 65 a window host-wide, 1,024 a
+/// ~1.07 s window.
+#[test]
+fn the_flood_detector_trips_within_a_67_ms_window_and_lets_go_within_two() {
+    require_root();
+    rl_tests::lab::pin_to_cpu(0).unwrap();
+    let cfg = config().replace("flood_new_keys_per_sec = 2000", "flood_new_keys_per_sec = 954");
+    let dp = datapath(&cfg).unwrap();
+    let cpus = aya::util::nr_cpus().unwrap() as u64;
+    let share = 65u64.div_ceil(cpus);
+    let src = |i: u32| [10, 9, (i >> 8) as u8, i as u8];
+    // 400 unseen sources on one CPU within a few ms: at most its share of
+    // this window and of the next, should the flood straddle a boundary.
+    for i in 0..400 {
+        offer(&dp, &to(src(i), 5000), 1);
+    }
+    let c = dp.counters().unwrap();
+    let made = c.get(STAT_NEW_SOURCES);
+    assert!(
+        (share..=2 * share).contains(&made),
+        "{made} own buckets for 400 unseen sources: expected one or two windows' share ({share} on each of {cpus} CPUs)"
+    );
+    assert!(c.get(STAT_FALLBACK) >= 400 - made, "the rest were charged to their cells: {c}");
+    // Two windows after the flood's last packet the CPU is calm again.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    offer(&dp, &to(src(1000), 5000), 1);
+    assert_eq!(dp.counters().unwrap().get(STAT_NEW_SOURCES), made + 1, "a newcomer 300 ms after the flood owns a bucket");
 }
