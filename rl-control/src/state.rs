@@ -128,7 +128,7 @@ pub struct Pressure {
     /// Since load: buckets the collector deleted because they were fresh.
     pub collected_buckets: u64,
     /// Flood mode: unseen keys are charged to their prefix cells (held for
-    /// a second after the last such charge, so a flood with lulls is one).
+    /// two seconds after the last such charge, so a flood with lulls is one).
     pub flood_mode: bool,
     /// When the current flood mode started (Unix ms), if it is on.
     pub flood_since_unix_ms: Option<u64>,

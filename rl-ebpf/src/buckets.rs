@@ -17,7 +17,7 @@ use core::{
 
 use aya_ebpf::{
     bindings::{BPF_F_MMAPABLE, BPF_NOEXIST},
-    helpers::bpf_jiffies64,
+    helpers::{bpf_jiffies64, bpf_ktime_get_ns},
     macros::map,
     maps::{Array, HashMap, PerCpuArray},
 };
@@ -230,9 +230,15 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
     scratch.cell = NO_CELL;
     let flood = unsafe { &mut *RL_FLOOD.get_ptr_mut(0)? };
     // The tick clock: one inlined load, no helper call (each call and
-    // return is dear with this CPU's return-stack mitigation), and a window
-    // of ~1 s needs no finer time.
-    let now = cfg.clock.at(unsafe { bpf_jiffies64() });
+    // return is dear with this CPU's return-stack mitigation); a window of
+    // 67 ms is 6.7 ticks at the coarsest kernel tick (HZ = 100), so its
+    // edges are seen at most a tick late. Without a measured tick (the
+    // daemon warned at load) the tick clock stands still: ktime then.
+    let now = if cfg.clock.tick_ns != 0 {
+        cfg.clock.at(unsafe { bpf_jiffies64() })
+    } else {
+        unsafe { bpf_ktime_get_ns() }
+    };
     // What the key maps to now: its cell, else its rule's last resort
     // (created fresh the first time a rule needs it).
     let cell_key = key.cell(cfg);

@@ -5,7 +5,7 @@
 //! progress keeps them) and that the collector's rebuild keeps the bits of
 //! every bucket it keeps and drops the bits of those it deletes.
 
-use rl_common::{Key4, KNOWN_HALF, KNOWN_VALID, STAT_FALLBACK};
+use rl_common::{Key4, KNOWN_HALF, KNOWN_VALID, STAT_FALLBACK, STAT_NEW_SOURCES};
 use rl_control::{compile::compile, config::Config};
 use rl_control::datapath::{collect, Datapath, KnownFilter, COLLECT_IDLE_NS};
 use rl_tests::{datapath, frames::*, lab::require_root, offer, traffic::spoofed_source as spoofed};
@@ -80,6 +80,13 @@ fn a_limited_key_stays_limited_in_flood_mode_across_rebuilds() {
     // A newcomer to the once-rule in flood mode: its fresh last resort
     // passes it once, which is what the check above would have shown.
     assert_eq!(offer(&dp, &to([198, 51, 100, 9], 9999), 2), (1, 1));
+    // Still flood mode after the checks, so it was during them (its
+    // windows are 67 ms): one more unseen key goes to a fallback.
+    let c = dp.counters().unwrap();
+    offer(&dp, &to(spoofed(&mut seed), 5000), 1);
+    let after = dp.counters().unwrap();
+    assert_eq!(after.get(STAT_NEW_SOURCES), c.get(STAT_NEW_SOURCES), "flood mode ended before the checks were done");
+    assert_eq!(after.get(STAT_FALLBACK), c.get(STAT_FALLBACK) + 1);
 }
 
 #[test]

@@ -190,7 +190,7 @@ fn a_full_sources_table_is_reported_and_so_is_its_room_again() {
     let (_, out) = run_once(Some(&lab.b), &["status"]).unwrap();
     assert!(out.contains("sources table:   FULL at 64 own buckets"), "{out}");
 
-    // Collected once idle, and no refusal for two flood windows: room again.
+    // Collected once idle, and no refusal for two seconds: room again.
     assert!(wait_events(&lab, "table_room", 1, 10), "no table_room event once the buckets were collected");
     assert_eq!(parse_prometheus(&get(&lab.b, "/metrics").body)["rl_table_full"], 0.0);
     let (_, out) = run_once(Some(&lab.b), &["status"]).unwrap();

@@ -60,7 +60,7 @@ pub(super) async fn metrics(AxState(api): AxState<Api>) -> ApiResult<Response> {
     let _ = writeln!(out, "rl_unseen_keys_per_second {}", p.unseen_keys_per_sec);
     family(&mut out, "rl_new_buckets_per_second", "gauge", "Per-source buckets created per second.");
     let _ = writeln!(out, "rl_new_buckets_per_second {}", p.new_buckets_per_sec);
-    family(&mut out, "rl_flood_mode", "gauge", "1 while unseen sources are charged to their prefix cells (flood mode), and for a second after the last.");
+    family(&mut out, "rl_flood_mode", "gauge", "1 while unseen sources are charged to their prefix cells (flood mode), and for two seconds after the last.");
     let _ = writeln!(out, "rl_flood_mode {}", u8::from(p.flood_mode));
     family(&mut out, "rl_table_full", "gauge", "1 while the sources' table is full (datapath.max_sources own buckets): new sources share their prefix cells.");
     let _ = writeln!(out, "rl_table_full {}", u8::from(p.table_full));

@@ -507,13 +507,19 @@ async fn watch_pressure(state: Shared, ids: TableIds) {
     }
 }
 
+/// How long no insert may have been refused before a full table is said to
+/// have room again: longer than a CPU that found the table full waits to
+/// try again (the rest of its 67 ms flood window), and two of the
+/// daemon's passes, so that refusals now and then are one spell, not
+/// `table_full` and `table_room` by turns.
+const TABLE_ROOM_QUIET: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Whether the sources' table turned full (`Some(true)`: an insert was
 /// refused since the last pass) or has room again (`Some(false)`: none
-/// refused for two flood windows, as a CPU that found the table full
-/// tries no insert for the rest of its window, and both families under
-/// `max_sources` own buckets at the last walk), or neither (`None`).
+/// refused for [`TABLE_ROOM_QUIET`] and both families under `max_sources`
+/// own buckets at the last walk), or neither (`None`).
 fn table_full(p: &crate::state::Pressure, refused_at: Option<std::time::Instant>, now: std::time::Instant, max_sources: u32) -> Option<bool> {
-    let quiet = std::time::Duration::from_nanos(2 << rl_common::FLOOD_WINDOW_SHIFT);
+    let quiet = TABLE_ROOM_QUIET;
     let refused_now = refused_at == Some(now);
     let room = refused_at.is_none_or(|t| now - t > quiet) && p.buckets_ipv4.max(p.buckets_ipv6) < u64::from(max_sources);
     match p.table_full {
@@ -631,5 +637,23 @@ async fn forward_kernel_logs(logger: aya_log::EbpfLogger<&'static dyn log::Log>)
         };
         guard.get_inner_mut().flush();
         guard.clear_ready();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::table_full;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn a_full_table_has_room_again_only_after_two_quiet_seconds() {
+        let t0 = Instant::now();
+        let mut p = crate::state::Pressure::default();
+        assert_eq!(table_full(&p, Some(t0), t0, 64), Some(true), "an insert refused since the last pass");
+        (p.table_full, p.buckets_ipv4) = (true, 10);
+        assert_eq!(table_full(&p, Some(t0), t0 + Duration::from_secs(1), 64), None, "one quiet pass: the same spell");
+        assert_eq!(table_full(&p, Some(t0), t0 + Duration::from_millis(2100), 64), Some(false), "two quiet seconds");
+        p.buckets_ipv4 = 64;
+        assert_eq!(table_full(&p, Some(t0), t0 + Duration::from_secs(3), 64), None, "still max_sources own buckets");
     }
 }

@@ -36,6 +36,7 @@ pub struct Basis {
     clock: TickClock,
     epoch_offset_ns: u64,
     cell_slots_log2: u16,
+    /// Online CPUs, among which the flood rate is shared.
     cpus: usize,
 }
 
@@ -56,7 +57,11 @@ impl Datapath {
         self.execute(plan)
     }
 
-    /// A snapshot to make a [`Plan`] from (cheap: no map is read).
+    /// A snapshot to make a [`Plan`] from (cheap: no map is read). The
+    /// online CPUs are counted now, so a reload follows CPUs brought online
+    /// since (the per-CPU maps are sized for every possible CPU, which a VM
+    /// may declare by the hundred: sharing the flood rate among those would
+    /// leave each a sliver).
     pub fn basis(&self) -> Basis {
         let slot = self.active.map_or(0, |s| s ^ 1);
         Basis {
@@ -66,7 +71,7 @@ impl Datapath {
             clock: self.clock,
             epoch_offset_ns: self.epoch_offset_ns,
             cell_slots_log2: self.cell_slots_log2,
-            cpus: self.cpus,
+            cpus: aya::util::online_cpus().map_or(self.cpus, |c| c.len().max(1)),
         }
     }
 

@@ -484,9 +484,11 @@ pub struct FloodReading {
 }
 
 /// How long flood mode is still reported after the last key charged to a
-/// fallback in flood mode: a second, so that a flood with short lulls (the
-/// detector's windows are 67 ms) is one episode, not a flapping signal.
-pub const FLOOD_REPORT_HOLD_NS: u64 = 1_000_000_000;
+/// fallback in flood mode: two seconds, so that a flood with short lulls
+/// (the detector's windows are 67 ms) is one episode, not a flapping
+/// signal, and a flood-mode spell between two of the daemon's readings (a
+/// second apart, give or take a walk) is still seen by the next one.
+pub const FLOOD_REPORT_HOLD_NS: u64 = 2_000_000_000;
 
 /// Reads the flood detectors.
 pub fn flood_mode(ids: TableIds) -> Result<FloodReading, DatapathError> {
@@ -538,14 +540,14 @@ mod tests {
     }
 
     #[test]
-    fn flood_mode_is_held_a_second_past_the_detectors_short_windows() {
+    fn flood_mode_is_held_two_seconds_past_the_detectors_short_windows() {
         let now = 1000 * W + 5;
-        // 0.9 s since the last flood-mode charge: over a dozen windows, but
-        // one episode still.
-        let lull = [cpu(now - 900_000_000, 986, 0, 0), cpu(0, 0, 0, 0)];
+        // 1.9 s since the last flood-mode charge: over two dozen windows,
+        // but one episode still.
+        let lull = [cpu(now - 1_900_000_000, 972, 0, 0), cpu(0, 0, 0, 0)];
         assert!(FloodReading::of(lull.iter(), now).on);
-        let ended = [cpu(now - 1_100_000_000, 983, 0, 0), cpu(0, 0, 0, 0)];
-        assert!(!FloodReading::of(ended.iter(), now).on, "a second and more after: ended");
+        let ended = [cpu(now - 2_100_000_000, 969, 0, 0), cpu(0, 0, 0, 0)];
+        assert!(!FloodReading::of(ended.iter(), now).on, "two seconds and more after: ended");
         assert!(!FloodReading::of([cpu(0, 1000, 5, 5)].iter(), now).on, "never flooded");
     }
 

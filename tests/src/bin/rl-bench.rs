@@ -95,8 +95,9 @@ fn main() -> Result<()> {
     // Drop path: a known source whose bucket is empty.
     let drop_dp = load(1, 1, 1024, false)?;
     drop_dp.test_run(&frame, 1)?;
-    // Unseen-source path: every packet a new source. Past the first
-    // ~50,000 (the per-CPU flood threshold) flood mode is on and unseen
+    // Unseen-source path: every packet a new source. Past the CPU's share
+    // of the flood threshold in one 67 ms window (3,356 with the defaults
+    // on 2 CPUs) flood mode is on and unseen
     // sources are charged to their prefix cells, then, with the cells'
     // room spent, to the rule's last resort: the steady state of a
     // random-source flood. The limit is generous, so they pass.
