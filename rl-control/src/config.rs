@@ -103,7 +103,8 @@ pub struct Datapath {
     pub ipv6_prefix: u8,
     /// Host-wide rate of unseen keys (per second) above which the datapath
     /// stops creating per-source buckets and charges unseen keys to their
-    /// prefix cells (flood mode). 0: always.
+    /// prefix cells (flood mode). Each online CPU measures its share over
+    /// 67 ms windows. 0: always.
     pub flood_new_keys_per_sec: u32,
     /// The prefix cells' lengths.
     pub flood_prefix_v4: u8,
