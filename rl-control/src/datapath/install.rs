@@ -36,7 +36,7 @@ pub struct Basis {
     clock: TickClock,
     epoch_offset_ns: u64,
     cell_slots_log2: u16,
-    /// Online CPUs, among which the flood rate is shared.
+    /// Possible CPUs (the per-CPU maps' width).
     cpus: usize,
 }
 
@@ -57,11 +57,7 @@ impl Datapath {
         self.execute(plan)
     }
 
-    /// A snapshot to make a [`Plan`] from (cheap: no map is read). The
-    /// online CPUs are counted now, so a reload follows CPUs brought online
-    /// since (the per-CPU maps are sized for every possible CPU, which a VM
-    /// may declare by the hundred: sharing the flood rate among those would
-    /// leave each a sliver).
+    /// A snapshot to make a [`Plan`] from (cheap: no map is read).
     pub fn basis(&self) -> Basis {
         let slot = self.active.map_or(0, |s| s ^ 1);
         Basis {
@@ -71,7 +67,7 @@ impl Datapath {
             clock: self.clock,
             epoch_offset_ns: self.epoch_offset_ns,
             cell_slots_log2: self.cell_slots_log2,
-            cpus: aya::util::online_cpus().map_or(self.cpus, |c| c.len().max(1)),
+            cpus: self.cpus,
         }
     }
 
@@ -238,7 +234,7 @@ impl Plan {
             enabled: 1,
             cell_slots_log2: basis.cell_slots_log2,
             slot_flags: DatapathConfig::pack_slot_flags(slot, rules.flags),
-            flood_cap: flood_cap_per_cpu(t.flood_new_keys_per_sec, basis.cpus),
+            flood_cap: flood_cap_per_cpu(t.flood_new_keys_per_sec, online_cpus(basis.cpus)),
             cell_mask4: t.cell_mask4,
             frag_ttl_ms: t.fragment_ttl_ms,
             frag_orphans: t.fragment_orphans,
@@ -375,6 +371,15 @@ where
         None => trie.remove(&key),
     }
     .map_err(|e| map_error(name, e))
+}
+
+/// The online CPUs, among which the flood rate is shared: counted by every
+/// plan (outside the state lock), so a reload follows CPUs brought online
+/// since. Not the possible CPUs (`possible`, the per-CPU maps' width, and
+/// the answer should sysfs not give one), which a VM may declare by the
+/// hundred: sharing the rate among those would leave each a sliver.
+fn online_cpus(possible: usize) -> usize {
+    aya::util::online_cpus().map_or(possible, |c| c.len().max(1))
 }
 
 /// One CPU's share of the host-wide unseen-key rate, per flood window
