@@ -24,6 +24,25 @@ fn to(src: [u8; 4], port: u16) -> Vec<u8> {
     eth(&[], ETH_P_IP, &ipv4(src, UDP, &[], &udp(port)))
 }
 
+/// Offers each of `sources` twice (a second round after all) to the
+/// 1-per-hour rule through `frame`, and checks (a) after each round: the
+/// rule never passes more than one packet per distinct key (`what` names
+/// them); then that the flood went to fallbacks and flood mode stopped
+/// creating buckets.
+fn flood_twice<S: Copy + Eq + std::hash::Hash>(dp: &rl_control::datapath::Datapath, sources: &[S], frame: impl Fn(S) -> Vec<u8>, what: &str) {
+    let distinct = sources.iter().collect::<std::collections::HashSet<_>>().len() as u32;
+    let mut passed = 0;
+    for round in 0..2 {
+        for s in sources {
+            passed += offer(dp, &frame(*s), 1).0;
+        }
+        assert!(passed <= distinct, "round {round}: {passed} passed from {distinct} {what} allowed 1 each");
+    }
+    let c = dp.counters().unwrap();
+    assert!(c.get(STAT_FALLBACK) > 0, "the flood was charged to fallbacks: {c}");
+    assert!(c.get(STAT_NEW_SOURCES) < 2 * MAX_SOURCES as u64, "flood mode stopped creating buckets: {c}");
+}
+
 #[test]
 fn a_spoofed_flood_neither_resets_nor_bypasses_a_limit_nor_touches_others() {
     require_root();
@@ -40,22 +59,7 @@ fn a_spoofed_flood_neither_resets_nor_bypasses_a_limit_nor_touches_others() {
     let n = 10 * MAX_SOURCES;
     let mut seed = 0x9e37_79b9u32;
     let sources: Vec<[u8; 4]> = (0..n).map(|_| spoofed(&mut seed)).collect();
-    let distinct = sources.iter().collect::<std::collections::HashSet<_>>().len() as u32;
-    let mut passed = 0;
-    for round in 0..2 {
-        for s in &sources {
-            passed += offer(&dp, &to(*s, 9999), 1).0;
-        }
-        // (a) the rule never passes more than one packet per distinct key.
-        assert!(passed <= distinct, "round {round}: {passed} passed from {distinct} keys allowed 1 each");
-    }
-    let c = dp.counters().unwrap();
-    assert!(c.get(STAT_FALLBACK) > 0, "the flood was charged to fallbacks: {c}");
-    assert!(
-        c.get(STAT_NEW_SOURCES) < 2 * MAX_SOURCES as u64,
-        "flood mode stopped creating buckets: {} created",
-        c.get(STAT_NEW_SOURCES)
-    );
+    flood_twice(&dp, &sources, |s| to(s, 9999), "keys");
 
     // (b) the limited source got nothing back.
     assert_eq!(offer(&dp, &to(limited, 9999), 3), (0, 3), "a limited key stays limited through the flood");
@@ -193,17 +197,7 @@ fn an_ipv6_spoofed_flood_neither_resets_nor_bypasses_a_limit_nor_touches_others(
             v6(u16::from_be_bytes([s[1], s[2]]) & 0x7fff, u16::from(s[3]), 1)
         })
         .collect();
-    let distinct = sources.iter().collect::<std::collections::HashSet<_>>().len() as u32;
-    let mut passed = 0;
-    for round in 0..2 {
-        for s in &sources {
-            passed += offer(&dp, &to6(*s, 9999), 1).0;
-        }
-        assert!(passed <= distinct, "round {round}: {passed} passed from {distinct} /64s allowed 1 each");
-    }
-    let c = dp.counters().unwrap();
-    assert!(c.get(STAT_FALLBACK) > 0, "the flood was charged to fallbacks: {c}");
-    assert!(c.get(STAT_NEW_SOURCES) < 2 * MAX_SOURCES as u64, "flood mode stopped creating buckets: {c}");
+    flood_twice(&dp, &sources, |s| to6(s, 9999), "/64s");
     assert_eq!(offer(&dp, &to6(limited, 9999), 3), (0, 3), "a limited /64 stays limited through the flood");
     assert_eq!(offer(&dp, &to6(known, 5000), 10), (10, 0), "the known /64 keeps passing");
     assert_eq!(offer(&dp, &to6(other, 7777), 3), (3, 0), "another rule's /64: 2 before + 3 now of 5");
