@@ -519,9 +519,8 @@ const TABLE_ROOM_QUIET: std::time::Duration = std::time::Duration::from_secs(2);
 /// refused for [`TABLE_ROOM_QUIET`] and both families under `max_sources`
 /// own buckets at the last walk), or neither (`None`).
 fn table_full(p: &crate::state::Pressure, refused_at: Option<std::time::Instant>, now: std::time::Instant, max_sources: u32) -> Option<bool> {
-    let quiet = TABLE_ROOM_QUIET;
     let refused_now = refused_at == Some(now);
-    let room = refused_at.is_none_or(|t| now - t > quiet) && p.buckets_ipv4.max(p.buckets_ipv6) < u64::from(max_sources);
+    let room = refused_at.is_none_or(|t| now - t > TABLE_ROOM_QUIET) && p.buckets_ipv4.max(p.buckets_ipv6) < u64::from(max_sources);
     match p.table_full {
         false if refused_now => Some(true),
         true if room => Some(false),

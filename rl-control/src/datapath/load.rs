@@ -186,12 +186,7 @@ impl Datapath {
                 data_out: Some(&mut out),
                 ..TestRunOptions::new()
             })
-            .map_err(|e| {
-                classify("measuring the kernel tick", &e).unwrap_or_else(|| DatapathError::TestRun {
-                    program: PROG_CLOCK,
-                    cause: chain(&e),
-                })
-            })?;
+            .map_err(|e| test_run_error("measuring the kernel tick", PROG_CLOCK, e))?;
             let word = |i: usize| u64::from_ne_bytes(out[i..i + 8].try_into().expect("8 bytes"));
             Ok((word(0), word(8)))
         };

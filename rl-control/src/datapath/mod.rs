@@ -146,6 +146,11 @@ fn classify(doing: &'static str, e: &(dyn StdError + 'static)) -> Option<Datapat
         .then_some(DatapathError::NoPrivilege { doing })
 }
 
+/// A `BPF_PROG_TEST_RUN` of `program` that failed while `doing`.
+fn test_run_error(doing: &'static str, program: &'static str, e: impl StdError + 'static) -> DatapathError {
+    classify(doing, &e).unwrap_or_else(|| DatapathError::TestRun { program, cause: chain(&e) })
+}
+
 fn map_error(map: &'static str, e: impl StdError + 'static) -> DatapathError {
     classify("using a BPF map", &e).unwrap_or_else(|| DatapathError::Map {
         map,
@@ -409,12 +414,7 @@ fn run(prog: &Xdp, name: &'static str, frame: &[u8], repeat: u32) -> Result<(u32
             repeat,
             ..TestRunOptions::new()
         })
-        .map_err(|e| {
-            classify("running a test packet", &e).unwrap_or_else(|| DatapathError::TestRun {
-                program: name,
-                cause: chain(&e),
-            })
-        })?;
+        .map_err(|e| test_run_error("running a test packet", name, e))?;
     Ok((r.return_value, r.duration))
 }
 
