@@ -2,9 +2,10 @@
 //! SIGINT/SIGTERM.
 
 pub mod cluster;
+mod collect;
 
 use std::{
-    net::{IpAddr, SocketAddr},
+    net::SocketAddr,
     path::PathBuf,
     sync::{Arc, Mutex},
     time::Duration,
@@ -20,8 +21,8 @@ use tracing::{info, warn};
 use crate::{
     api,
     compile::compile,
-    config::{unix_now, Config, EMBEDDED_DEFAULT},
-    datapath::{interface_index, AttachMode, Datapath, LoadOptions, TableIds},
+    config::{Config, EMBEDDED_DEFAULT},
+    datapath::{interface_index, AttachMode, Datapath, LoadOptions},
     state::{file_stamp, lock, Shared, State},
     units::bytes_to_addr,
 };
@@ -86,6 +87,19 @@ pub fn signal_reload(pid_file: &std::path::Path) -> Result<()> {
 /// Removes the pid file when the daemon exits, however it exits.
 struct PidFile(PathBuf);
 
+impl PidFile {
+    /// Writes this process's id to `path`; a failure is only warned about.
+    fn write(path: &std::path::Path) -> Option<Self> {
+        match std::fs::write(path, format!("{}\n", std::process::id())) {
+            Ok(()) => Some(PidFile(path.to_path_buf())),
+            Err(e) => {
+                warn!("cannot write the pid file {}: {e}; `rl-control reload --pid-file` will not find this daemon (SIGHUP and the API still work)", path.display());
+                None
+            }
+        }
+    }
+}
+
 impl Drop for PidFile {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.0);
@@ -122,9 +136,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     // Handlers first: a signal that arrives while starting (a SIGHUP right
     // after "attached", say) must be handled, not kill the process with
     // the program attached. They are acted on once the loop runs.
-    let mut sigint = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
-    let mut sigterm = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
-    let mut sighup = signal(SignalKind::hangup()).context("installing the SIGHUP handler")?;
+    let signals = Signals::install()?;
     // The file's stamp is taken before it is read: a change after this
     // point, even during start-up, triggers a reload.
     let watched = opts.config.clone().filter(|_| opts.watch);
@@ -150,43 +162,9 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         interface_index(iface)?;
     }
     let cluster = cluster::join(&config).await?;
-    let compiled = compile(&config);
     let pin_dir = opts.pin_dir.clone().unwrap_or_else(|| config.datapath.pin_dir.clone());
     let pins = pin_dir.join(crate::datapath::pin_group(&ifaces));
-    crate::datapath::prepare_pins(&pin_dir, &pins)?;
-    let mut dp = Datapath::load_with(&compiled, LoadOptions { pin: Some(pins.clone()), ..Default::default() })?;
-    // The same rules into the other slot too: from now on every change
-    // writes only its differences (a ban, its entries), never the whole set.
-    dp.install(&compiled.rules)?;
-    let adopted = dp.adopted();
-    if dp.cells_in_tables() || dp.cells_in_old_arrays() {
-        // Before the swap: the new program looks for cells in its arrays only.
-        let moved = dp.move_old_cells()?;
-        if moved > 0 {
-            info!(cells = moved, "copied the prefix cells an older build kept in the sources' tables or its 64-byte arrays into the cell arrays");
-        }
-    }
-    let attachments = match dp.attach_all(&ifaces, opts.mode) {
-        Ok(a) => a,
-        Err(e) => {
-            // Nothing attached stays; a datapath pinned just now goes too
-            // (an adopted one keeps enforcing as it was).
-            if !adopted {
-                drop(dp);
-                let _ = crate::datapath::detach_pinned(&pins);
-            }
-            return Err(e.into());
-        }
-    };
-    // This build's program is in: the older build's cells are in the arrays
-    // (and what it charged to its arrays since the copy is merged in).
-    let merged = dp.cells_moved()?;
-    if merged > 0 {
-        info!(cells = merged, "merged what the older build charged since the copy into the cell arrays, and unpinned its 64-byte arrays");
-    }
-    if adopted {
-        info!(pins = %pins.display(), "adopted the pinned datapath: buckets kept, program replaced atomically");
-    }
+    let (mut dp, attachments) = enforce(&config, &ifaces, opts.mode, &pin_dir, &pins)?;
     let on: Vec<String> = attachments.iter().map(|a| format!("{} ({})", a.iface, a.mode)).collect();
     let on = on.join(", ");
     info!(
@@ -206,22 +184,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     let events = dp.take_events();
     let l7: crate::l7::http::Shared =
         Arc::new(std::sync::RwLock::new(Arc::new(crate::l7::engine::Engine::new(&config.l7, dp.epoch_offset_ns(), None).with_cluster(cluster.clone()))));
-    // Both l7 listeners are served thread per core, on the same threads.
-    let threads = match l7_listener.is_some() || grpc_listener.is_some() {
-        true => Some(crate::l7::threads::Threads::start(crate::l7::threads::thread_count(config.l7.grpc_threads))?),
-        false => None,
-    };
-    if let (Some(listener), Some(threads)) = (l7_listener, &threads) {
-        let addr = listener.local_addr().ok();
-        crate::l7::http::serve(listener, threads, l7.clone());
-        info!("request check on http://{} (POST /v1/check, forward auth on /v1/forward-auth/{{domain}}; {} l7 rules)", addr.map(|a| a.to_string()).unwrap_or_default(), config.l7.rules.len());
-    }
-    if let (Some(listener), Some(threads)) = (grpc_listener, &threads) {
-        let addr = listener.local_addr().ok();
-        let draft_headers = config.l7.draft_headers;
-        crate::l7::grpc_threads::serve(listener, threads, || crate::l7::grpc::Service { l7: l7.clone(), draft_headers });
-        info!("Envoy rate-limit service on {} (envoy.service.ratelimit.v3, {} threads)", addr.map(|a| a.to_string()).unwrap_or_default(), threads.count());
-    }
+    let _threads = serve_requests(&config, &l7, l7_listener, grpc_listener)?;
     let state: Shared = Arc::new(Mutex::new(State {
         l7,
         cluster: cluster.clone(),
@@ -243,14 +206,23 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         events: Default::default(),
     }));
     let (servers, _socket_file) = api::listen::serve(listeners, state.clone());
-    let counter = match map_ids {
-        Ok(ids) => Some(tokio::spawn(watch_pressure(state.clone(), ids))),
-        Err(e) => {
-            warn!("the bucket collector cannot start ({e}): buckets are never collected, so the tables fill and new sources share their prefix cells");
-            None
-        }
-    };
-    tokio::spawn(sweep_requests(lock(&state).l7.clone()));
+    let counter = spawn_jobs(&state, map_ids, events, cluster);
+    let _pid_file = opts.pid_file.as_ref().and_then(|p| PidFile::write(p));
+    until_stopped(&state, signals, watched, opts.stats_interval).await?;
+    let stopping = Stopping { servers, counter, pins, detach: opts.detach_on_exit, on, first: attachments[0].iface.clone() };
+    stopping.stop(state).await
+}
+
+/// Starts the daemon's background jobs: the tables' collector (returned:
+/// it is stopped before the datapath is let go), the request store's
+/// sweep, the cluster's links, and the "limited" events' feed.
+fn spawn_jobs(
+    state: &Shared,
+    map_ids: Result<crate::datapath::TableIds, crate::datapath::DatapathError>,
+    events: Result<aya::maps::RingBuf<aya::maps::MapData>, crate::datapath::DatapathError>,
+    cluster: Option<Arc<crate::cluster::Cluster>>,
+) -> Option<tokio::task::JoinHandle<()>> {
+    tokio::spawn(collect::sweep_requests(lock(state).l7.clone()));
     if let Some(c) = cluster {
         tokio::spawn(cluster::keep_in_touch(state.clone(), c.clone()));
         tokio::spawn(cluster::sync_packets(state.clone(), c.clone()));
@@ -262,27 +234,167 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         }
         Err(e) => warn!("\"limited\" events are unavailable: {e}"),
     }
+    match map_ids {
+        Ok(ids) => Some(tokio::spawn(collect::watch_pressure(state.clone(), ids))),
+        Err(e) => {
+            warn!("the bucket collector cannot start ({e}): buckets are never collected, so the tables fill and new sources share their prefix cells");
+            None
+        }
+    }
+}
 
-    let _pid_file = match &opts.pid_file {
-        Some(p) => match std::fs::write(p, format!("{}\n", std::process::id())) {
-            Ok(()) => Some(PidFile(p.clone())),
-            Err(e) => {
-                warn!("cannot write the pid file {}: {e}; `rl-control reload --pid-file` will not find this daemon (SIGHUP and the API still work)", p.display());
-                None
+/// What the daemon stops when it is told to.
+struct Stopping {
+    servers: Vec<tokio::task::JoinHandle<()>>,
+    counter: Option<tokio::task::JoinHandle<()>>,
+    pins: PathBuf,
+    detach: bool,
+    /// The interfaces, for the last log line.
+    on: String,
+    first: String,
+}
+
+impl Stopping {
+    /// Stops serving, then detaches and unpins (`--detach-on-exit`) or
+    /// leaves the pinned datapath enforcing.
+    async fn stop(self, state: Shared) -> Result<()> {
+        // Stop serving first: the API's handlers hold the state (and with it
+        // the datapath) only while a request runs.
+        for server in self.servers {
+            server.abort();
+            let _ = server.await;
+        }
+        if let Some(c) = self.counter {
+            c.abort();
+            let _ = c.await;
+        }
+        let totals = lock(&state).dp.counters()?;
+        if self.detach {
+            // Detaches at once, whoever still holds the link.
+            crate::datapath::detach_pinned(&self.pins)?;
+        }
+        // The maps and program are freed with the last reference; pinned, the
+        // link keeps the program attached.
+        drop(state);
+        if self.detach {
+            info!(ifaces = %self.on, "detached and unpinned; final counters: {totals}");
+        } else {
+            info!(
+                ifaces = %self.on,
+                pins = %self.pins.display(),
+                "left attached and enforcing the last rule set (`rl-control detach --iface {}` removes it); final counters: {totals}",
+                self.first
+            );
+        }
+        Ok(())
+    }
+}
+
+/// The signals the daemon acts on.
+struct Signals {
+    int: tokio::signal::unix::Signal,
+    term: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> Result<Self> {
+        Ok(Signals {
+            int: signal(SignalKind::interrupt()).context("installing the SIGINT handler")?,
+            term: signal(SignalKind::terminate()).context("installing the SIGTERM handler")?,
+            hup: signal(SignalKind::hangup()).context("installing the SIGHUP handler")?,
+        })
+    }
+}
+
+/// Puts `config`'s rules in force on `ifaces`: loads (or adopts) the
+/// datapath pinned in `pins`, fills both rule slots, moves an older build's
+/// prefix cells, and attaches. On failure nothing stays attached, and a
+/// datapath pinned just now is unpinned (an adopted one keeps enforcing as
+/// it was).
+fn enforce(
+    config: &Config,
+    ifaces: &[String],
+    mode: AttachMode,
+    pin_dir: &std::path::Path,
+    pins: &std::path::Path,
+) -> Result<(Datapath, Vec<crate::datapath::Attachment>)> {
+    let compiled = compile(config);
+    crate::datapath::prepare_pins(pin_dir, pins)?;
+    let mut dp = Datapath::load_with(&compiled, LoadOptions { pin: Some(pins.to_path_buf()), ..Default::default() })?;
+    // The same rules into the other slot too: from now on every change
+    // writes only its differences (a ban, its entries), never the whole set.
+    dp.install(&compiled.rules)?;
+    let adopted = dp.adopted();
+    if dp.cells_in_tables() || dp.cells_in_old_arrays() {
+        // Before the swap: the new program looks for cells in its arrays only.
+        let moved = dp.move_old_cells()?;
+        if moved > 0 {
+            info!(cells = moved, "copied the prefix cells an older build kept in the sources' tables or its 64-byte arrays into the cell arrays");
+        }
+    }
+    let attachments = match dp.attach_all(ifaces, mode) {
+        Ok(a) => a,
+        Err(e) => {
+            if !adopted {
+                drop(dp);
+                let _ = crate::datapath::detach_pinned(pins);
             }
-        },
-        None => None,
+            return Err(e.into());
+        }
     };
+    // This build's program is in: the older build's cells are in the arrays
+    // (and what it charged to its arrays since the copy is merged in).
+    let merged = dp.cells_moved()?;
+    if merged > 0 {
+        info!(cells = merged, "merged what the older build charged since the copy into the cell arrays, and unpinned its 64-byte arrays");
+    }
+    if adopted {
+        info!(pins = %pins.display(), "adopted the pinned datapath: buckets kept, program replaced atomically");
+    }
+    Ok((dp, attachments))
+}
 
-    let mut tick = tokio::time::interval(opts.stats_interval);
+/// Serves request decisions (the HTTP check and Envoy's rate-limit
+/// service), thread per core, both on the same threads, if either listens;
+/// returns the threads, kept for the daemon's life.
+fn serve_requests(
+    config: &Config,
+    l7: &crate::l7::http::Shared,
+    http: Option<tokio::net::TcpListener>,
+    grpc: Option<tokio::net::TcpListener>,
+) -> Result<Option<crate::l7::threads::Threads>> {
+    if http.is_none() && grpc.is_none() {
+        return Ok(None);
+    }
+    let threads = crate::l7::threads::Threads::start(crate::l7::threads::thread_count(config.l7.grpc_threads))?;
+    if let Some(listener) = http {
+        let addr = listener.local_addr().ok();
+        crate::l7::http::serve(listener, &threads, l7.clone());
+        info!("request check on http://{} (POST /v1/check, forward auth on /v1/forward-auth/{{domain}}; {} l7 rules)", addr.map(|a| a.to_string()).unwrap_or_default(), config.l7.rules.len());
+    }
+    if let Some(listener) = grpc {
+        let addr = listener.local_addr().ok();
+        let draft_headers = config.l7.draft_headers;
+        crate::l7::grpc_threads::serve(listener, &threads, || crate::l7::grpc::Service { l7: l7.clone(), draft_headers });
+        info!("Envoy rate-limit service on {} (envoy.service.ratelimit.v3, {} threads)", addr.map(|a| a.to_string()).unwrap_or_default(), threads.count());
+    }
+    Ok(Some(threads))
+}
+
+/// The daemon's loop until SIGINT or SIGTERM: reloads on SIGHUP and when
+/// the `watched` file changes, expires bans, and logs the traffic every
+/// `stats_interval`.
+async fn until_stopped(state: &Shared, mut signals: Signals, watched: Option<PathBuf>, stats_interval: Duration) -> Result<()> {
+    let mut tick = tokio::time::interval(stats_interval);
     tick.tick().await;
-    let mut last = lock(&state).dp.counters()?;
+    let mut last = lock(state).dp.counters()?;
     let mut watch = tokio::time::interval(WATCH_INTERVAL);
     loop {
         tokio::select! {
-            _ = sigint.recv() => { info!("SIGINT received: stopping"); break; }
-            _ = sigterm.recv() => { info!("SIGTERM received: stopping"); break; }
-            _ = sighup.recv() => {
+            _ = signals.int.recv() => { info!("SIGINT received: stopping"); return Ok(()); }
+            _ = signals.term.recv() => { info!("SIGTERM received: stopping"); return Ok(()); }
+            _ = signals.hup.recv() => {
                 info!("SIGHUP received: reloading");
                 let st = state.clone();
                 let _ = tokio::task::spawn_blocking(move || crate::apply::reload_file(&st, "SIGHUP")).await;
@@ -300,9 +412,9 @@ pub async fn run(opts: RunOptions) -> Result<()> {
                 }).await;
             }
             _ = tick.tick() => {
-                let now = lock(&state).dp.counters()?;
+                let now = lock(state).dp.counters()?;
                 let d = now.since(&last);
-                let secs = opts.stats_interval.as_secs_f64();
+                let secs = stats_interval.as_secs_f64();
                 info!(
                     "last {:.0}s: passed {:.0} pkt/s, dropped {:.0} pkt/s; totals: {now}",
                     secs,
@@ -312,266 +424,6 @@ pub async fn run(opts: RunOptions) -> Result<()> {
                 last = now;
             }
         }
-    }
-    // Stop serving first: the API's handlers hold the state (and with it
-    // the datapath) only while a request runs.
-    for server in servers {
-        server.abort();
-        let _ = server.await;
-    }
-    if let Some(c) = counter {
-        c.abort();
-        let _ = c.await;
-    }
-    let totals = lock(&state).dp.counters()?;
-    if opts.detach_on_exit {
-        // Detaches at once, whoever still holds the link.
-        crate::datapath::detach_pinned(&pins)?;
-    }
-    // The maps and program are freed with the last reference; pinned, the
-    // link keeps the program attached.
-    drop(state);
-    if opts.detach_on_exit {
-        info!(ifaces = %on, "detached and unpinned; final counters: {totals}");
-    } else {
-        info!(
-            ifaces = %on,
-            pins = %pins.display(),
-            "left attached and enforcing the last rule set (`rl-control detach --iface {}` removes it); final counters: {totals}",
-            attachments[0].iface
-        );
-    }
-    Ok(())
-}
-
-/// How often the collector walks the bucket tables.
-const COLLECT_INTERVAL: Duration = Duration::from_secs(1);
-/// How often the top-sources list is ranked (every this many passes).
-const TOP_EVERY: u32 = 5;
-
-/// Sweeps the request-bucket store's shards in turn, one every
-/// `COLLECT_INTERVAL / SHARDS`: every key is looked at once per interval,
-/// and no sweep takes a CPU or a shard lock for long (a million keys in one
-/// go took ~20 ms of a CPU, which showed as a tail in the answers).
-async fn sweep_requests(l7: crate::l7::http::Shared) {
-    let shards = crate::l7::engine::Engine::SHARDS;
-    let mut every = tokio::time::interval(COLLECT_INTERVAL / shards as u32);
-    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    for i in (0..shards).cycle() {
-        every.tick().await;
-        let l7 = l7.clone();
-        let _ = tokio::task::spawn_blocking(move || {
-            // The rules in force for the whole sweep: a bucket of a rule
-            // that a change just added is unknown to the engine before it,
-            // and would be dropped as if its rule were gone.
-            let _changes = crate::apply::hold_changes();
-            let engine = l7.read().unwrap_or_else(|e| e.into_inner()).clone();
-            engine.collect_shard(i)
-        })
-        .await;
-    }
-}
-
-/// Walks the bucket tables every second (every TOP_EVERY seconds while they
-/// are under 1% full, never while empty) through handles of its own, so a
-/// walk of a million buckets never holds the state lock: deletes buckets
-/// that are fresh again, records the pressure on the tables, raises flood
-/// events, and every few passes ranks sources by their drops.
-async fn watch_pressure(state: Shared, ids: TableIds) {
-    let mut every = tokio::time::interval(COLLECT_INTERVAL);
-    let mut top = TopRanker::default();
-    let mut last: Option<(std::time::Instant, u64)> = None;
-    let mut pass_no = 0u32;
-    // Buckets the last walk left, and the datapath's inserts before it.
-    let mut left = u64::MAX;
-    let mut inserted_at_walk = 0u64;
-    // The refusals at the last good reading (the counters are pinned and
-    // count across restarts: the first reading is a baseline, no event),
-    // and when the last new one was seen.
-    let mut refusals: Option<u64> = None;
-    let mut refused_at: Option<std::time::Instant> = None;
-    let known = match crate::datapath::KnownFilter::open(ids.known) {
-        Ok(k) => std::sync::Arc::new(k),
-        Err(e) => {
-            warn!("the bucket collector cannot start: {e}; buckets are not collected, so the tables fill and new sources share their prefix cells");
-            return;
-        }
-    };
-    loop {
-        every.tick().await;
-        let st = state.clone();
-        let filter = known.clone();
-        let (offset, inserted, capacity) = {
-            let s = lock(&state);
-            let c = s.dp.counters().unwrap_or_default();
-            let inserted = c.get(rl_common::STAT_NEW_SOURCES) + c.get(rl_common::STAT_NEW_CELLS);
-            (s.dp.epoch_offset_ns(), inserted, 2 * u64::from(s.config.datapath.max_sources))
-        };
-        // A walk visits every bucket of the tables' capacity: milliseconds
-        // of CPU for a million, in one system call, even when they are
-        // empty. Empty with nothing inserted since: nothing to walk. Under
-        // 1% full: only when the top sources are ranked (every TOP_EVERY
-        // passes); the few fresh buckets can wait, the room is there.
-        let new = inserted.saturating_sub(inserted_at_walk);
-        let empty = left == 0 && new == 0;
-        let low = left.saturating_add(new) < capacity / 100;
-        let ranking = (pass_no + 1) % TOP_EVERY == 1;
-        let walk = !empty && (!low || ranking);
-        if walk {
-            inserted_at_walk = inserted;
-        }
-        let walked = tokio::task::spawn_blocking(move || {
-            // No rule change during the walk: its limits stay exact.
-            let _changes = crate::apply::hold_changes();
-            let pass = if walk {
-                let limits = lock(&st).dp.limits_by_key()?;
-                Some(crate::datapath::collect(ids, offset, &limits, &filter)?)
-            } else {
-                None
-            };
-            Ok::<_, crate::datapath::DatapathError>((pass, crate::datapath::flood_mode(ids)?))
-        })
-        .await;
-        let (pass, flood) = match walked {
-            Ok(Ok(x)) => x,
-            Ok(Err(e)) => {
-                warn!("the bucket collector stopped: {e}; buckets are no longer collected, so the tables fill and new sources share their prefix cells");
-                return;
-            }
-            Err(_) => return,
-        };
-        if let Some(pass) = &pass {
-            left = pass.own.0 + pass.own.1 + pass.cells.0 + pass.cells.1;
-        }
-        let now = std::time::Instant::now();
-        let mut s = lock(&state);
-        let read = s.dp.counters();
-        let counters = read.as_ref().map_or_else(|_| Default::default(), |c| *c);
-        let created = counters.get(rl_common::STAT_NEW_SOURCES);
-        let max_sources = s.config.datapath.max_sources;
-        let p = &mut s.pressure;
-        if let Some(pass) = &pass {
-            p.buckets_ipv4 = pass.own.0;
-            p.buckets_ipv6 = pass.own.1;
-            p.cells_ipv4 = pass.cells.0;
-            p.cells_ipv6 = pass.cells.1;
-            (p.known_filter_fill_ipv4, p.known_filter_fill_ipv6) = pass.known_fill;
-            p.collected_buckets += pass.collected;
-        }
-        p.table_full_refusals = counters.get(rl_common::STAT_TABLE_FULL);
-        let full = match (&read, refusals) {
-            (Ok(_), Some(before)) => {
-                if p.table_full_refusals > before {
-                    refused_at = Some(now);
-                }
-                table_full(p, refused_at, now, max_sources)
-            }
-            _ => None,
-        };
-        if read.is_ok() {
-            refusals = Some(p.table_full_refusals);
-        }
-        p.fallback_packets = counters.get(rl_common::STAT_FALLBACK);
-        p.unseen_keys_per_sec = flood.unseen_last_window as f64 * 1e9 / (1u64 << rl_common::FLOOD_WINDOW_SHIFT) as f64;
-        if let Some((then, before)) = last {
-            p.new_buckets_per_sec = created.saturating_sub(before) as f64 / (now - then).as_secs_f64().max(1e-3);
-        }
-        last = Some((now, created));
-        if flood.on != p.flood_mode {
-            p.flood_mode = flood.on;
-            p.flood_since_unix_ms = flood.on.then(|| unix_now() * 1000);
-            let (event, unseen) = (if flood.on { "flood_started" } else { "flood_ended" }, p.unseen_keys_per_sec);
-            if flood.on {
-                warn!(event, unseen_keys_per_sec = unseen, "flood mode: unseen sources are charged to their prefix cells");
-            } else {
-                info!(event, "flood mode ended: new sources get buckets of their own again");
-            }
-            s.push_host_event(event, unix_now() * 1000);
-        }
-        if let Some(full) = full {
-            s.pressure.table_full = full;
-            let event = if full { "table_full" } else { "table_room" };
-            if full {
-                warn!(event, max_sources, "the sources' table is full: new sources are charged to their prefix cells until the collector frees room (raise datapath.max_sources if this is not a flood)");
-            } else {
-                info!(event, "the sources' table has room again: new sources get buckets of their own");
-            }
-            s.push_host_event(event, unix_now() * 1000);
-        }
-        pass_no += 1;
-        if let Some(pass) = pass.as_ref().filter(|_| pass_no % TOP_EVERY == 1) {
-            if let Some(t) = top.rank(&pass.sources, now, &s) {
-                s.top = t;
-            }
-        }
-    }
-}
-
-/// How long no insert may have been refused before a full table is said to
-/// have room again: longer than a CPU that found the table full waits to
-/// try again (the rest of its 67 ms flood window), and two of the
-/// daemon's passes, so that refusals now and then are one spell, not
-/// `table_full` and `table_room` by turns.
-const TABLE_ROOM_QUIET: std::time::Duration = std::time::Duration::from_secs(2);
-
-/// Whether the sources' table turned full (`Some(true)`: an insert was
-/// refused since the last pass) or has room again (`Some(false)`: none
-/// refused for [`TABLE_ROOM_QUIET`] and both families under `max_sources`
-/// own buckets at the last walk), or neither (`None`).
-fn table_full(p: &crate::state::Pressure, refused_at: Option<std::time::Instant>, now: std::time::Instant, max_sources: u32) -> Option<bool> {
-    let refused_now = refused_at == Some(now);
-    let room = refused_at.is_none_or(|t| now - t > TABLE_ROOM_QUIET) && p.buckets_ipv4.max(p.buckets_ipv6) < u64::from(max_sources);
-    match p.table_full {
-        false if refused_now => Some(true),
-        true if room => Some(false),
-        _ => None,
-    }
-}
-
-/// Ranks sources by their drops between two walks.
-#[derive(Default)]
-struct TopRanker {
-    /// When the previous ranking was made, and its counts.
-    previous: Option<(std::time::Instant, Counts)>,
-}
-
-/// (key address, key rule) ➜ (seen, dropped).
-type Counts = std::collections::HashMap<(IpAddr, u32), (u64, u64)>;
-
-impl TopRanker {
-    fn rank(&mut self, buckets: &[crate::datapath::Source], now: std::time::Instant, s: &State) -> Option<crate::state::Top> {
-        let counts: std::collections::HashMap<(IpAddr, u32), (u64, u64)> = buckets
-            .iter()
-            .map(|b| ((b.addr, b.rule), (b.bucket.passed + b.bucket.dropped, b.bucket.dropped)))
-            .collect();
-        let previous = self.previous.replace((now, counts));
-        let (then, before) = previous?;
-        let counts = &self.previous.as_ref()?.1;
-        let secs = (now - then).as_secs_f64().max(1e-3);
-        let mut ranked: Vec<((IpAddr, u32), u64, u64)> = counts
-            .iter()
-            .filter_map(|(k, &(seen, dropped))| {
-                // A bucket collected and created again starts from 0.
-                let (s0, d0) = before.get(k).copied().filter(|&(s0, _)| s0 <= seen).unwrap_or((0, 0));
-                let drops = dropped.saturating_sub(d0);
-                (drops > 0).then_some((*k, drops, seen - s0))
-            })
-            .collect();
-        ranked.sort_by_key(|r| std::cmp::Reverse(r.1));
-        ranked.truncate(crate::state::TOP_KEPT);
-        Some(crate::state::Top {
-            interval_secs: secs,
-            sources: ranked
-                .into_iter()
-                .map(|((addr, rule), drops, seen)| crate::state::TopSource {
-                    source: addr.to_string(),
-                    rule: s.dp.rule_name_of_key(rule).unwrap_or("(replaced rule)").to_string(),
-                    drops,
-                    drops_per_sec: drops as f64 / secs,
-                    rate_seen_pps: seen as f64 / secs,
-                })
-                .collect(),
-        })
     }
 }
 
@@ -636,23 +488,5 @@ async fn forward_kernel_logs(logger: aya_log::EbpfLogger<&'static dyn log::Log>)
         };
         guard.get_inner_mut().flush();
         guard.clear_ready();
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::table_full;
-    use std::time::{Duration, Instant};
-
-    #[test]
-    fn a_full_table_has_room_again_only_after_two_quiet_seconds() {
-        let t0 = Instant::now();
-        let mut p = crate::state::Pressure::default();
-        assert_eq!(table_full(&p, Some(t0), t0, 64), Some(true), "an insert refused since the last pass");
-        (p.table_full, p.buckets_ipv4) = (true, 10);
-        assert_eq!(table_full(&p, Some(t0), t0 + Duration::from_secs(1), 64), None, "one quiet pass: the same spell");
-        assert_eq!(table_full(&p, Some(t0), t0 + Duration::from_millis(2100), 64), Some(false), "two quiet seconds");
-        p.buckets_ipv4 = 64;
-        assert_eq!(table_full(&p, Some(t0), t0 + Duration::from_secs(3), 64), None, "still max_sources own buckets");
     }
 }

@@ -1,0 +1,316 @@
+//! The collectors: every second they free what is fresh again (buckets in
+//! the datapath's tables, keys in the request store), and the tables' walk
+//! records the pressure on them, raises the flood and full-table events
+//! and ranks the top sources.
+
+use std::{
+    net::IpAddr,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use tracing::{info, warn};
+
+use crate::{
+    config::unix_now,
+    datapath::{DatapathError, FloodReading, KnownFilter, Pass, TableIds},
+    state::{lock, Pressure, Shared, State},
+};
+
+/// How often the collector walks the bucket tables.
+const COLLECT_INTERVAL: Duration = Duration::from_secs(1);
+/// How often the top-sources list is ranked (every this many passes).
+const TOP_EVERY: u32 = 5;
+
+/// Sweeps the request-bucket store's shards in turn, one every
+/// `COLLECT_INTERVAL / SHARDS`: every key is looked at once per interval,
+/// and no sweep takes a CPU or a shard lock for long (a million keys in one
+/// go took ~20 ms of a CPU, which showed as a tail in the answers).
+pub(super) async fn sweep_requests(l7: crate::l7::http::Shared) {
+    let shards = crate::l7::engine::Engine::SHARDS;
+    let mut every = tokio::time::interval(COLLECT_INTERVAL / shards as u32);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    for i in (0..shards).cycle() {
+        every.tick().await;
+        let l7 = l7.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            // The rules in force for the whole sweep: a bucket of a rule
+            // that a change just added is unknown to the engine before it,
+            // and would be dropped as if its rule were gone.
+            let _changes = crate::apply::hold_changes();
+            let engine = l7.read().unwrap_or_else(|e| e.into_inner()).clone();
+            engine.collect_shard(i)
+        })
+        .await;
+    }
+}
+
+/// Walks the bucket tables every second (every TOP_EVERY seconds while they
+/// are under 1% full, never while empty) through handles of its own, so a
+/// walk of a million buckets never holds the state lock: deletes buckets
+/// that are fresh again, records the pressure on the tables, raises flood
+/// events, and every few passes ranks sources by their drops.
+pub(super) async fn watch_pressure(state: Shared, ids: TableIds) {
+    let known = match KnownFilter::open(ids.known) {
+        Ok(k) => Arc::new(k),
+        Err(e) => {
+            warn!("the bucket collector cannot start: {e}; buckets are not collected, so the tables fill and new sources share their prefix cells");
+            return;
+        }
+    };
+    let mut every = tokio::time::interval(COLLECT_INTERVAL);
+    let mut collector = Collector::default();
+    loop {
+        every.tick().await;
+        let walk = collector.plan(&state);
+        let (st, filter) = (state.clone(), known.clone());
+        let walked = tokio::task::spawn_blocking(move || {
+            // No rule change during the walk: its limits stay exact.
+            let _changes = crate::apply::hold_changes();
+            let pass = match walk {
+                Some(offset) => {
+                    let limits = lock(&st).dp.limits_by_key()?;
+                    Some(crate::datapath::collect(ids, offset, &limits, &filter)?)
+                }
+                None => None,
+            };
+            Ok::<_, DatapathError>((pass, crate::datapath::flood_mode(ids)?))
+        })
+        .await;
+        match walked {
+            Ok(Ok((pass, flood))) => collector.record(&mut lock(&state), pass, flood),
+            Ok(Err(e)) => {
+                warn!("the bucket collector stopped: {e}; buckets are no longer collected, so the tables fill and new sources share their prefix cells");
+                return;
+            }
+            Err(_) => return,
+        }
+    }
+}
+
+/// What the tables' collector keeps from one pass to the next.
+struct Collector {
+    top: TopRanker,
+    /// When the last pass was recorded, and the buckets created by then.
+    last: Option<(Instant, u64)>,
+    passes: u32,
+    /// Buckets the last walk left, and the datapath's inserts before it.
+    left: u64,
+    inserted_at_walk: u64,
+    /// The refusals at the last good reading (the counters are pinned and
+    /// count across restarts: the first reading is a baseline, no event),
+    /// and when the last new one was seen.
+    refusals: Option<u64>,
+    refused_at: Option<Instant>,
+}
+
+impl Default for Collector {
+    fn default() -> Self {
+        Collector {
+            top: TopRanker::default(),
+            last: None,
+            passes: 0,
+            left: u64::MAX,
+            inserted_at_walk: 0,
+            refusals: None,
+            refused_at: None,
+        }
+    }
+}
+
+impl Collector {
+    /// Whether this pass walks the tables: `Some(epoch offset)` to walk.
+    ///
+    /// A walk visits every bucket of the tables' capacity: milliseconds of
+    /// CPU for a million, in one system call, even when they are empty.
+    /// Empty with nothing inserted since: nothing to walk. Under 1% full:
+    /// only when the top sources are ranked (every TOP_EVERY passes); the
+    /// few fresh buckets can wait, the room is there.
+    fn plan(&mut self, state: &Shared) -> Option<u64> {
+        let (offset, inserted, capacity) = {
+            let s = lock(state);
+            let c = s.dp.counters().unwrap_or_default();
+            let inserted = c.get(rl_common::STAT_NEW_SOURCES) + c.get(rl_common::STAT_NEW_CELLS);
+            (s.dp.epoch_offset_ns(), inserted, 2 * u64::from(s.config.datapath.max_sources))
+        };
+        let new = inserted.saturating_sub(self.inserted_at_walk);
+        let empty = self.left == 0 && new == 0;
+        let low = self.left.saturating_add(new) < capacity / 100;
+        let ranking = (self.passes + 1) % TOP_EVERY == 1;
+        let walk = !empty && (!low || ranking);
+        if walk {
+            self.inserted_at_walk = inserted;
+        }
+        walk.then_some(offset)
+    }
+
+    /// Records a pass (`pass` if the tables were walked) and the flood
+    /// detector's reading: the pressure figures, the events of what
+    /// changed, and every TOP_EVERY passes the top sources.
+    fn record(&mut self, s: &mut State, pass: Option<Pass>, flood: FloodReading) {
+        let now = Instant::now();
+        if let Some(pass) = &pass {
+            self.left = pass.own.0 + pass.own.1 + pass.cells.0 + pass.cells.1;
+        }
+        let full = self.figures(&mut s.pressure, s.dp.counters().ok(), pass.as_ref(), &flood, now, s.config.datapath.max_sources);
+        if flood.on != s.pressure.flood_mode {
+            let p = &mut s.pressure;
+            p.flood_mode = flood.on;
+            p.flood_since_unix_ms = flood.on.then(|| unix_now() * 1000);
+            let (event, unseen) = (if flood.on { "flood_started" } else { "flood_ended" }, p.unseen_keys_per_sec);
+            if flood.on {
+                warn!(event, unseen_keys_per_sec = unseen, "flood mode: unseen sources are charged to their prefix cells");
+            } else {
+                info!(event, "flood mode ended: new sources get buckets of their own again");
+            }
+            s.push_host_event(event, unix_now() * 1000);
+        }
+        if let Some(full) = full {
+            s.pressure.table_full = full;
+            let event = if full { "table_full" } else { "table_room" };
+            if full {
+                let max_sources = s.config.datapath.max_sources;
+                warn!(event, max_sources, "the sources' table is full: new sources are charged to their prefix cells until the collector frees room (raise datapath.max_sources if this is not a flood)");
+            } else {
+                info!(event, "the sources' table has room again: new sources get buckets of their own");
+            }
+            s.push_host_event(event, unix_now() * 1000);
+        }
+        self.passes += 1;
+        if let Some(pass) = pass.as_ref().filter(|_| self.passes % TOP_EVERY == 1) {
+            if let Some(t) = self.top.rank(&pass.sources, now, s) {
+                s.top = t;
+            }
+        }
+    }
+
+    /// Updates the pressure figures from the walk, the datapath's counters
+    /// (`None`: unreadable this pass) and the flood reading; returns
+    /// whether the table turned full or has room again ([`table_full`]).
+    fn figures(
+        &mut self,
+        p: &mut Pressure,
+        read: Option<crate::datapath::Counters>,
+        pass: Option<&Pass>,
+        flood: &FloodReading,
+        now: Instant,
+        max_sources: u32,
+    ) -> Option<bool> {
+        let counters = read.unwrap_or_default();
+        let created = counters.get(rl_common::STAT_NEW_SOURCES);
+        if let Some(pass) = pass {
+            p.buckets_ipv4 = pass.own.0;
+            p.buckets_ipv6 = pass.own.1;
+            p.cells_ipv4 = pass.cells.0;
+            p.cells_ipv6 = pass.cells.1;
+            (p.known_filter_fill_ipv4, p.known_filter_fill_ipv6) = pass.known_fill;
+            p.collected_buckets += pass.collected;
+        }
+        p.table_full_refusals = counters.get(rl_common::STAT_TABLE_FULL);
+        let full = match (read, self.refusals) {
+            (Some(_), Some(before)) => {
+                if p.table_full_refusals > before {
+                    self.refused_at = Some(now);
+                }
+                table_full(p, self.refused_at, now, max_sources)
+            }
+            _ => None,
+        };
+        if read.is_some() {
+            self.refusals = Some(p.table_full_refusals);
+        }
+        p.fallback_packets = counters.get(rl_common::STAT_FALLBACK);
+        p.unseen_keys_per_sec = flood.unseen_last_window as f64 * 1e9 / (1u64 << rl_common::FLOOD_WINDOW_SHIFT) as f64;
+        if let Some((then, before)) = self.last {
+            p.new_buckets_per_sec = created.saturating_sub(before) as f64 / (now - then).as_secs_f64().max(1e-3);
+        }
+        self.last = Some((now, created));
+        full
+    }
+}
+
+/// How long no insert may have been refused before a full table is said to
+/// have room again: longer than a CPU that found the table full waits to
+/// try again (the rest of its 67 ms flood window), and two of the
+/// daemon's passes, so that refusals now and then are one spell, not
+/// `table_full` and `table_room` by turns.
+const TABLE_ROOM_QUIET: Duration = Duration::from_secs(2);
+
+/// Whether the sources' table turned full (`Some(true)`: an insert was
+/// refused since the last pass) or has room again (`Some(false)`: none
+/// refused for [`TABLE_ROOM_QUIET`] and both families under `max_sources`
+/// own buckets at the last walk), or neither (`None`).
+fn table_full(p: &Pressure, refused_at: Option<Instant>, now: Instant, max_sources: u32) -> Option<bool> {
+    let refused_now = refused_at == Some(now);
+    let room = refused_at.is_none_or(|t| now - t > TABLE_ROOM_QUIET) && p.buckets_ipv4.max(p.buckets_ipv6) < u64::from(max_sources);
+    match p.table_full {
+        false if refused_now => Some(true),
+        true if room => Some(false),
+        _ => None,
+    }
+}
+
+/// Ranks sources by their drops between two walks.
+#[derive(Default)]
+struct TopRanker {
+    /// When the previous ranking was made, and its counts.
+    previous: Option<(Instant, Counts)>,
+}
+
+/// (key address, key rule) ➜ (seen, dropped).
+type Counts = std::collections::HashMap<(IpAddr, u32), (u64, u64)>;
+
+impl TopRanker {
+    fn rank(&mut self, buckets: &[crate::datapath::Source], now: Instant, s: &State) -> Option<crate::state::Top> {
+        let counts: Counts = buckets
+            .iter()
+            .map(|b| ((b.addr, b.rule), (b.bucket.passed + b.bucket.dropped, b.bucket.dropped)))
+            .collect();
+        let previous = self.previous.replace((now, counts));
+        let (then, before) = previous?;
+        let counts = &self.previous.as_ref()?.1;
+        let secs = (now - then).as_secs_f64().max(1e-3);
+        let mut ranked: Vec<((IpAddr, u32), u64, u64)> = counts
+            .iter()
+            .filter_map(|(k, &(seen, dropped))| {
+                // A bucket collected and created again starts from 0.
+                let (s0, d0) = before.get(k).copied().filter(|&(s0, _)| s0 <= seen).unwrap_or((0, 0));
+                let drops = dropped.saturating_sub(d0);
+                (drops > 0).then_some((*k, drops, seen - s0))
+            })
+            .collect();
+        ranked.sort_by_key(|r| std::cmp::Reverse(r.1));
+        ranked.truncate(crate::state::TOP_KEPT);
+        Some(crate::state::Top {
+            interval_secs: secs,
+            sources: ranked
+                .into_iter()
+                .map(|((addr, rule), drops, seen)| crate::state::TopSource {
+                    source: addr.to_string(),
+                    rule: s.dp.rule_name_of_key(rule).unwrap_or("(replaced rule)").to_string(),
+                    drops,
+                    drops_per_sec: drops as f64 / secs,
+                    rate_seen_pps: seen as f64 / secs,
+                })
+                .collect(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::table_full;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn a_full_table_has_room_again_only_after_two_quiet_seconds() {
+        let t0 = Instant::now();
+        let mut p = crate::state::Pressure::default();
+        assert_eq!(table_full(&p, Some(t0), t0, 64), Some(true), "an insert refused since the last pass");
+        (p.table_full, p.buckets_ipv4) = (true, 10);
+        assert_eq!(table_full(&p, Some(t0), t0 + Duration::from_secs(1), 64), None, "one quiet pass: the same spell");
+        assert_eq!(table_full(&p, Some(t0), t0 + Duration::from_millis(2100), 64), Some(false), "two quiet seconds");
+        p.buckets_ipv4 = 64;
+        assert_eq!(table_full(&p, Some(t0), t0 + Duration::from_secs(3), 64), None, "still max_sources own buckets");
+    }
+}
