@@ -412,14 +412,32 @@ const _: () = assert!(size_of::<FragKey>() == 28);
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FragVerdict {
-    /// Coarse ktime after which the verdict no longer applies.
+    /// Coarse ktime after which the verdict no longer applies: the first
+    /// fragment's time plus `fragment_ttl_ms`, which later fragments never
+    /// extend.
     pub expires_ns: u64,
     /// The entry it was counted under (`slot × RULE_SLOTS + i`).
     pub entry: u32,
-    /// [`FRAG_PASSED`], [`FRAG_DROPPED`] or [`FRAG_SHADOW`].
+    /// Low byte ([`FRAG_VERDICT_MASK`]): [`FRAG_PASSED`], [`FRAG_DROPPED`]
+    /// or [`FRAG_SHADOW`]. Above it ([`FRAG_DATA_SHIFT`]): the bytes of
+    /// data the datagram's later fragments brought so far (added
+    /// atomically), see [`FRAG_DATA_MAX`]. (Builds before the count wrote
+    /// the verdict alone: their entries read as no data yet.)
     pub counted: u32,
 }
 const _: () = assert!(size_of::<FragVerdict>() == 16);
+
+/// [`FragVerdict::counted`]: the verdict's bits.
+pub const FRAG_VERDICT_MASK: u32 = 0xff;
+/// [`FragVerdict::counted`]: where the later fragments' data count starts.
+pub const FRAG_DATA_SHIFT: u32 = 8;
+/// The data a passed datagram's later fragments may bring: an IP datagram
+/// holds at most 65,535 bytes, so a real one's later fragments hold less.
+/// Past it, its later fragments are dropped: without the bound, one
+/// passed first fragment would open its datagram to an endless stream of
+/// later fragments (same id, repeated offsets), which packet limits count
+/// as the one datagram.
+pub const FRAG_DATA_MAX: u32 = 65_535;
 
 pub const FRAG_PASSED: u32 = 0;
 pub const FRAG_DROPPED: u32 = 1;

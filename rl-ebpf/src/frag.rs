@@ -6,10 +6,16 @@
 //! - passed ➜ passed, and charged to the rule's byte limits (packet limits
 //!   counted the datagram once, at its first fragment); a fragment a byte
 //!   limit drops breaks its datagram, so the verdict becomes "dropped" and
-//!   the rest of it no longer spends the limit;
+//!   the rest of it no longer spends the limit. A datagram's later
+//!   fragments may bring at most `FRAG_DATA_MAX` bytes of data, what an IP
+//!   datagram can hold; past that they are dropped;
 //! - none seen (reordered, expired, or a flood of bare later fragments) ➜ an
 //!   orphan: dropped, or limited by source like a packet of its own, per
-//!   `datapath.fragment_orphans`.
+//!   `datapath.fragment_orphans`. Each orphan is charged on its own.
+//!
+//! Only a first fragment sets its datagram's verdict and expiry: later
+//! fragments never extend it, so a stream of them cannot keep a passed
+//! datagram open.
 //!
 //! The functions are out of line, and a first fragment's key waits in a
 //! per-CPU scratch slot while the packet is charged: the main path pays a
@@ -21,9 +27,11 @@ use aya_ebpf::{
     macros::map,
     maps::{LruHashMap, PerCpuArray},
 };
+use core::intrinsics::{atomic_cxchg, atomic_or, AtomicOrdering};
+
 use rl_common::{
-    DatapathConfig, FragKey, FragVerdict, FRAG_DROPPED, FRAG_ORPHANS_SOURCE, FRAG_SHADOW, FRAG_TABLE_LEN,
-    STAT_FRAG_ORPHANS,
+    DatapathConfig, FragKey, FragVerdict, FRAG_DATA_MAX, FRAG_DATA_SHIFT, FRAG_DROPPED, FRAG_ORPHANS_SOURCE, FRAG_SHADOW,
+    FRAG_TABLE_LEN, FRAG_VERDICT_MASK, STAT_FRAG_ORPHANS,
 };
 
 use crate::{
@@ -42,8 +50,15 @@ static RL_FRAG_NOW: PerCpuArray<Pending> = PerCpuArray::with_max_entries(1, 0);
 #[repr(C)]
 struct Pending {
     key: FragKey,
+    /// 0, [`FIRST`] or [`LATER`].
     pending: u32,
 }
+
+/// A first fragment: its verdict is remembered for its datagram.
+pub const FIRST: u32 = 1;
+/// A later fragment charged under its datagram's verdict: if dropped (by
+/// a byte limit), it breaks the datagram.
+pub const LATER: u32 = 2;
 
 /// What a later fragment gets.
 pub enum Later {
@@ -71,18 +86,20 @@ fn key(pkt: &Packet) -> FragKey {
     }
 }
 
-/// Sets a fragment's key aside until it is [`settled`].
+/// Sets a fragment's key aside until it is [`settled`]: `what` is
+/// [`FIRST`] or [`LATER`].
 #[inline(never)]
-pub fn stash(pkt: &Packet) {
+pub fn stash(pkt: &Packet, what: u32) {
     if let Some(p) = RL_FRAG_NOW.get_ptr_mut(0) {
-        unsafe { *p = Pending { key: key(pkt), pending: 1 } };
+        unsafe { *p = Pending { key: key(pkt), pending: what } };
     }
 }
 
 /// Called with every charged packet's verdict: if it is a [`stash`]ed
-/// fragment, remembers the verdict for the datagram's later fragments. (A flag
-/// in a map, not one on the stack: a bit carried through the charging code
-/// would double the verifier's work there.)
+/// fragment, remembers a first fragment's verdict for the datagram's later
+/// fragments, or breaks the datagram of a later one that was dropped. (A
+/// flag in a map, not one on the stack: a bit carried through the charging
+/// code would double the verifier's work there.)
 #[inline(always)]
 pub fn settled(cfg: &DatapathConfig, entry: u32, counted: Counted) {
     if let Some(p) = RL_FRAG_NOW.get_ptr_mut(0) {
@@ -94,13 +111,21 @@ pub fn settled(cfg: &DatapathConfig, entry: u32, counted: Counted) {
 
 #[inline(never)]
 fn remember(cfg: &DatapathConfig, p: *mut Pending, entry: u32, counted: u32) {
-    let now = unsafe { bpf_ktime_get_coarse_ns() };
-    let v = FragVerdict { expires_ns: now + cfg.frag_ttl_ms as u64 * 1_000_000, entry, counted };
-    unsafe {
-        (*p).pending = 0;
+    let what = unsafe { (*p).pending };
+    unsafe { (*p).pending = 0 };
+    let key = unsafe { &(*p).key };
+    if what == FIRST {
+        let now = unsafe { bpf_ktime_get_coarse_ns() };
+        let v = FragVerdict { expires_ns: now + cfg.frag_ttl_ms as u64 * 1_000_000, entry, counted };
         // Full: the LRU evicts the oldest datagram, whose later fragments
         // then become orphans.
-        let _ = RL_FRAGS.insert(&(*p).key, &v, 0);
+        let _ = RL_FRAGS.insert(key, &v, 0);
+    } else if counted == FRAG_DROPPED {
+        // Passed until now (only a passed datagram's fragments are
+        // charged): dropped from now on, its expiry and data count kept.
+        if let Some(v) = RL_FRAGS.get_ptr_mut(key) {
+            unsafe { atomic_or::<u32, u32, { AtomicOrdering::Relaxed }>(&raw mut (*v).counted, FRAG_DROPPED) };
+        }
     }
 }
 
@@ -109,18 +134,27 @@ fn remember(cfg: &DatapathConfig, p: *mut Pending, entry: u32, counted: u32) {
 #[inline(never)]
 pub fn later(cfg: &DatapathConfig, pkt: &Packet, entry: u32, len: u64) -> Later {
     let now = unsafe { bpf_ktime_get_coarse_ns() };
-    match unsafe { RL_FRAGS.get(&key(pkt)) } {
-        Some(v) if v.expires_ns > now => match v.counted {
-            FRAG_DROPPED => {
-                count(v.entry, len, Counted::Dropped);
-                Later::Drop
+    let found = RL_FRAGS.get_ptr_mut(&key(pkt)).filter(|v| unsafe { (**v).expires_ns } > now);
+    match found {
+        Some(v) => {
+            let entry = unsafe { (*v).entry };
+            let word = unsafe { core::ptr::read_volatile(&raw const (*v).counted) };
+            match word & FRAG_VERDICT_MASK {
+                FRAG_DROPPED => {
+                    count(entry, len, Counted::Dropped);
+                    Later::Drop
+                }
+                FRAG_SHADOW => {
+                    count(entry, len, Counted::Shadow);
+                    Later::Pass
+                }
+                _ if !brings(v, word, pkt.frag_data) => {
+                    count(entry, len, Counted::Dropped);
+                    Later::Drop
+                }
+                _ => Later::Charge { entry, packets: 0 },
             }
-            FRAG_SHADOW => {
-                count(v.entry, len, Counted::Shadow);
-                Later::Pass
-            }
-            _ => Later::Charge { entry: v.entry, packets: 0 },
-        },
+        }
         _ if cfg.frag_orphans == FRAG_ORPHANS_SOURCE => {
             stats::bump(STAT_FRAG_ORPHANS);
             Later::Charge { entry, packets: 1 }
@@ -130,4 +164,31 @@ pub fn later(cfg: &DatapathConfig, pkt: &Packet, entry: u32, len: u64) -> Later 
             Later::Drop
         }
     }
+}
+
+/// Adds a later fragment's `data` bytes to its datagram's count (`word`:
+/// the count as just read); false if the datagram already holds, or would
+/// now hold, more than an IP datagram can (`FRAG_DATA_MAX`). The count is
+/// added even then, so it stays over; nothing is added once over, so it
+/// cannot wrap. A compare-and-swap, not a fetch-and-add: LLVM's BPF backend
+/// emits a 32-bit fetch-and-add whose result is not the old value. Lost
+/// too often to other CPUs' fragments of the same datagram, the fragment
+/// is dropped: it fails closed.
+#[inline(always)]
+fn brings(v: *mut FragVerdict, word: u32, data: u32) -> bool {
+    let mut seen = word;
+    for _ in 0..4 {
+        if seen >> FRAG_DATA_SHIFT > FRAG_DATA_MAX || data > FRAG_DATA_MAX {
+            return false;
+        }
+        let new = seen + (data << FRAG_DATA_SHIFT);
+        let (now, ok) = unsafe {
+            atomic_cxchg::<u32, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(&raw mut (*v).counted, seen, new)
+        };
+        if ok {
+            return new >> FRAG_DATA_SHIFT <= FRAG_DATA_MAX;
+        }
+        seen = now;
+    }
+    false
 }

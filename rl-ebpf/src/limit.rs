@@ -136,9 +136,13 @@ pub fn limit(ctx: &XdpContext, pkt: &Packet, len: u64) -> Verdict {
                 return Verdict::Pass;
             };
             // Set aside only now: every fragment that gets this far is
-            // charged, and `settled` then takes the key.
-            if pkt.frag != Frag::No {
-                frag::stash(pkt);
+            // charged, and `settled` then takes the key. A first fragment
+            // sets its datagram's verdict; a later one charged under it
+            // (not an orphan, charged as a packet) may break it.
+            match pkt.frag {
+                Frag::First => frag::stash(pkt, frag::FIRST),
+                Frag::Later if cost.packets == 0 => frag::stash(pkt, frag::LATER),
+                _ => {}
             }
             let counted = settle(ctx, cfg, rule, entry, pkt.is_v6, &src, cost);
             frag::settled(cfg, entry, counted);

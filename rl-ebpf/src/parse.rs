@@ -77,6 +77,9 @@ pub struct Packet {
     /// `rl_common::FragKey`) and the fragment id, which name the datagram.
     pub dst: u32,
     pub frag_id: u32,
+    /// Later fragments only (0 otherwise): the bytes of data it brings to
+    /// its datagram, by its IP header's length (see `frag`).
+    pub frag_data: u32,
 }
 
 pub enum Parsed {
@@ -163,18 +166,20 @@ fn parse_ipv4(ctx: &XdpContext, off: usize) -> Parsed {
         frag: Frag::No,
         dst: 0,
         frag_id: 0,
+        frag_data: 0,
     };
     if frag_field & (IPV4_MF | IPV4_OFFSET) == 0 {
         return parse_l4(ctx, off + ihl, pkt);
     }
     pkt.dst = u32::from_ne_bytes([hdr[16], hdr[17], hdr[18], hdr[19]]);
     pkt.frag_id = u16::from_be_bytes([hdr[4], hdr[5]]) as u32;
+    let total = u16::from_be_bytes([hdr[2], hdr[3]]) as usize;
     if frag_field & IPV4_OFFSET != 0 {
         pkt.frag = Frag::Later;
+        pkt.frag_data = total.saturating_sub(ihl) as u32;
         return Parsed::Ip(pkt);
     }
     pkt.frag = Frag::First;
-    let total = u16::from_be_bytes([hdr[2], hdr[3]]) as usize;
     if ihl + l4_min_len(pkt.proto) > total {
         return Parsed::Malformed;
     }
@@ -214,6 +219,7 @@ fn parse_ipv6(ctx: &XdpContext, off: usize) -> Parsed {
         frag: Frag::No,
         dst: 0,
         frag_id: 0,
+        frag_data: 0,
     };
     // Where the IPv6 payload ends by its header: a first fragment must hold
     // its L4 header before it.
@@ -249,6 +255,7 @@ fn parse_ipv6(ctx: &XdpContext, off: usize) -> Parsed {
                     if field & IPV6_OFFSET != 0 {
                         // A non-first fragment: no L4 header follows.
                         pkt.frag = Frag::Later;
+                        pkt.frag_data = ip_end.saturating_sub(off) as u32;
                         return Parsed::Ip(pkt);
                     }
                     pkt.frag = Frag::First;

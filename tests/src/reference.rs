@@ -22,6 +22,8 @@ pub struct Packet {
     pub port: u16,
     pub flags: u8,
     pub frag: Frag,
+    /// A later fragment's data bytes, by its IP header's lengths.
+    pub data: u32,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,12 +75,13 @@ fn ipv4(f: &[u8], off: usize) -> Parsed {
     }
     let mut src = [0u8; 16];
     src[12..].copy_from_slice(&h[12..16]);
-    let mut p = Packet { v6: false, src, proto: h[9], port: 0, flags: 0, frag: Frag::No };
+    let mut p = Packet { v6: false, src, proto: h[9], port: 0, flags: 0, frag: Frag::No, data: 0 };
     let field = u16::from_be_bytes([h[6], h[7]]);
     let dst = u32::from_ne_bytes([h[16], h[17], h[18], h[19]]);
     let id = u16::from_be_bytes([h[4], h[5]]) as u32;
     if field & 0x1fff != 0 {
         p.frag = Frag::Later(dst, id);
+        p.data = (u16::from_be_bytes([h[2], h[3]]) as usize).saturating_sub(ihl) as u32;
         return Parsed::Ip(p);
     }
     if field & 0x2000 != 0 {
@@ -97,7 +100,7 @@ fn ipv6(f: &[u8], off: usize) -> Parsed {
     }
     let mut src = [0u8; 16];
     src.copy_from_slice(&h[8..24]);
-    let mut p = Packet { v6: true, src, proto: h[6], port: 0, flags: 0, frag: Frag::No };
+    let mut p = Packet { v6: true, src, proto: h[6], port: 0, flags: 0, frag: Frag::No, data: 0 };
     let ip_end = off + 40 + u16::from_be_bytes([h[4], h[5]]) as usize;
     let w = |i: usize| u32::from_ne_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]);
     let dst = w(24) ^ w(28) ^ w(32) ^ w(36);
@@ -123,6 +126,7 @@ fn ipv6(f: &[u8], off: usize) -> Parsed {
                 at += 8;
                 if field & 0xfff8 != 0 {
                     p.frag = Frag::Later(dst, id);
+                    p.data = ip_end.saturating_sub(at) as u32;
                     return Parsed::Ip(p);
                 }
                 if field & 1 != 0 {
@@ -240,8 +244,8 @@ pub enum Counted {
 #[derive(Default)]
 pub struct Reference {
     buckets: HashMap<(usize, [u8; 16]), u32>,
-    /// (family, src, dst fold, proto, id) ➜ (rule, passed)
-    frags: HashMap<FragKey, (usize, bool)>,
+    /// (family, src, dst fold, proto, id) ➜ (rule, passed, later data)
+    frags: HashMap<FragKey, (usize, bool, u32)>,
 }
 
 /// A datagram's fragments: (IPv6, source, destination fold, protocol, id).
@@ -275,9 +279,20 @@ impl Reference {
             Frag::No => None,
         };
         if let (Frag::Later(..), Some(dg)) = (p.frag, datagram) {
-            match self.frags.get(&dg) {
-                Some(&(r, false)) => return (false, Counted::Rule(r)),
-                Some(&(r, true)) => (rule, packets) = (r, 0),
+            match self.frags.get_mut(&dg) {
+                Some(&mut (r, false, _)) => return (false, Counted::Rule(r)),
+                // A datagram holds at most 65,535 bytes: later fragments
+                // past that are dropped (and no more is counted once over).
+                Some((r, true, data)) => {
+                    if *data > 65_535 {
+                        return (false, Counted::Rule(*r));
+                    }
+                    *data += p.data;
+                    if *data > 65_535 {
+                        return (false, Counted::Rule(*r));
+                    }
+                    (rule, packets) = (*r, 0);
+                }
                 None => return (false, Counted::Orphan),
             }
         }
@@ -286,8 +301,17 @@ impl Reference {
         if pass {
             *used += packets;
         }
-        if let Some(dg) = datagram {
-            self.frags.insert(dg, (rule, pass));
+        match (p.frag, datagram) {
+            // Only a first fragment sets its datagram's verdict.
+            (Frag::First(..), Some(dg)) => {
+                self.frags.insert(dg, (rule, pass, 0));
+            }
+            (Frag::Later(..), Some(dg)) if !pass => {
+                if let Some(v) = self.frags.get_mut(&dg) {
+                    v.1 = false;
+                }
+            }
+            _ => {}
         }
         (pass, Counted::Rule(rule))
     }

@@ -200,3 +200,80 @@ fn a_datagram_is_its_source_destination_protocol_and_id() {
         assert_eq!(offer(&dp, later, 1), (1, 0), "{family}: its own later fragment still follows it");
     }
 }
+
+/// A datagram's later fragments bring at most what an IP datagram holds
+/// (65,535 bytes of data): past that, a stream of them (here the same
+/// 600-byte fragment again and again) is dropped, however few packets the
+/// one datagram was charged. Without the bound, one passed first fragment
+/// opened its datagram to later fragments without end.
+#[test]
+fn a_datagrams_later_fragments_stop_where_an_ip_datagram_ends() {
+    require_root();
+    for v6 in [false, true] {
+        let family = if v6 { "IPv6" } else { "IPv4" };
+        let dp = datapath(&format!("[datapath]\nmax_sources = 1024\nfragment_ttl_ms = 60000\n{RULES}")).unwrap();
+        let frames = if v6 { datagram6(1, 20, 53, 1) } else { datagram4(SRC, 20, 53, 1) };
+        assert_eq!(offer(&dp, &frames[0], 1), (1, 0), "{family}: the first fragment");
+        // 600 bytes of data each: 109 fit in 65,535 bytes.
+        assert_eq!(offer(&dp, &frames[1], 120), (109, 11), "{family}: later fragments past 65,535 bytes");
+        assert_eq!(offer(&dp, &frames[1], 5), (0, 5), "{family}: and every one after");
+        let s = stats(&dp, "pkts");
+        assert_eq!((s.passed_pkts, s.dropped_pkts), (110, 16), "{family}: counted under the datagram's rule");
+        // A new first fragment with the same id is a new datagram, charged
+        // as one (the rule allows 2 per hour).
+        assert_eq!(offer(&dp, &frames[0], 1), (1, 0), "{family}: the id's next datagram");
+        assert_eq!(offer(&dp, &frames[1], 1), (1, 0), "{family}: its later fragment");
+    }
+}
+
+/// Only a first fragment sets how long its datagram's verdict lasts: later
+/// fragments arriving every 40 ms do not keep it open past
+/// `fragment_ttl_ms` (200 ms here); after it they are orphans, dropped.
+#[test]
+fn later_fragments_do_not_keep_their_datagrams_verdict_alive() {
+    require_root();
+    for v6 in [false, true] {
+        let family = if v6 { "IPv6" } else { "IPv4" };
+        let dp = datapath(&format!("[datapath]\nmax_sources = 1024\nfragment_ttl_ms = 200\n{RULES}")).unwrap();
+        let frames = if v6 { datagram6(1, 21, 53, 1) } else { datagram4(SRC, 21, 53, 1) };
+        let start = std::time::Instant::now();
+        assert_eq!(offer(&dp, &frames[0], 1), (1, 0), "{family}: the first fragment");
+        let (mut early, mut late) = (0, 0);
+        for _ in 0..12 {
+            std::thread::sleep(Duration::from_millis(40));
+            // The verdict's clock is the kernel's coarse one: a tick (up
+            // to 10 ms) either way of the 200 ms is left out.
+            let at = start.elapsed();
+            let got = offer(&dp, &frames[1], 1);
+            if at < Duration::from_millis(180) {
+                assert_eq!(got, (1, 0), "{family}: a later fragment {at:?} after its first");
+                early += 1;
+            } else if at > Duration::from_millis(230) {
+                assert_eq!(got, (0, 1), "{family}: a later fragment {at:?} after its first, past the 200 ms");
+                late += 1;
+            }
+        }
+        assert!(early >= 2 && late >= 4, "{family}: the test's timing: {early} fragments early, {late} late");
+        assert!(dp.counters().unwrap().get(STAT_FRAG_ORPHANS) >= late, "{family}: the late ones are orphans");
+    }
+}
+
+/// With `fragment_orphans = "source"`, every orphan is charged as a packet
+/// of its own, however many share a fragment id: 3 of 6 pass a limit of 3.
+#[test]
+fn orphans_limited_by_source_are_each_charged() {
+    require_root();
+    for v6 in [false, true] {
+        let family = if v6 { "IPv6" } else { "IPv4" };
+        let dp = datapath(&format!(
+            "[datapath]\nmax_sources = 1024\nfragment_orphans = \"source\"\n{RULES}\
+             [[rule]]\nname = \"udp\"\nproto = \"udp\"\nrate = 3\nper = \"1h\"\n"
+        ))
+        .unwrap();
+        let frames = if v6 { datagram6(1, 22, 53, 1) } else { datagram4(SRC, 22, 53, 1) };
+        assert_eq!(offer(&dp, &frames[1], 6), (3, 3), "{family}: six orphans of one datagram");
+        let s = stats(&dp, "udp");
+        assert_eq!((s.passed_pkts, s.dropped_pkts), (3, 3), "{family}: under the rule for UDP without ports");
+        assert_eq!(dp.counters().unwrap().get(STAT_FRAG_ORPHANS), 6, "{family}");
+    }
+}
