@@ -213,20 +213,29 @@ fn a_global_key_on_two_cpus_loses_at_most_a_thousandth_to_contention() {
     const REPEAT: u32 = 1_000_000;
     const ROUNDS: u32 = 3;
     let barrier = std::sync::Barrier::new(2);
-    std::thread::scope(|s| {
-        for cpu in 0..2 {
-            let (dp, barrier) = (&dp, &barrier);
-            s.spawn(move || {
-                pin_to_cpu(cpu).unwrap();
-                // Each CPU its own source: the key is global all the same.
-                let frame = udp4([198, 18, 0, 1 + cpu as u8]);
-                barrier.wait();
-                for _ in 0..ROUNDS {
-                    dp.test_run(&frame, REPEAT).unwrap();
-                }
-            });
-        }
+    let spans: Vec<(Instant, Instant)> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|cpu| {
+                let (dp, barrier) = (&dp, &barrier);
+                s.spawn(move || {
+                    pin_to_cpu(cpu).unwrap();
+                    // Each CPU its own source: the key is global all the same.
+                    let frame = udp4([198, 18, 0, 1 + cpu as u8]);
+                    barrier.wait();
+                    let t0 = Instant::now();
+                    for _ in 0..ROUNDS {
+                        dp.test_run(&frame, REPEAT).unwrap();
+                    }
+                    (t0, Instant::now())
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
+    // The figure means something only if the CPUs raced for most of it.
+    let overlap = spans[0].1.min(spans[1].1).saturating_duration_since(spans[0].0.max(spans[1].0));
+    let shorter = (spans[0].1 - spans[0].0).min(spans[1].1 - spans[1].0);
+    assert!(overlap * 2 >= shorter, "the two CPUs ran together for {overlap:?} of {shorter:?}: too little to measure contention");
     let per_cpu = dp.counters_per_cpu().unwrap();
     let c = dp.counters().unwrap();
     let (passed, contended) = (c.get(STAT_PASSED_PKTS), c.get(STAT_CONTENDED));
