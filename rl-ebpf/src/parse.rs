@@ -10,7 +10,7 @@
 //!   limit by cutting its headers.
 //! - Fragments ([`Frag`]): a first fragment is classified like a whole
 //!   packet, and is malformed if its IP length cannot hold the TCP, UDP or
-//!   ICMP header it claims. Non-first fragments carry no L4 header: they
+//!   ICMP header it claims (a TCP header's options included). Non-first fragments carry no L4 header: they
 //!   follow their first fragment (see `frag`). Other L4 protocols are
 //!   limited by source.
 
@@ -169,7 +169,7 @@ fn parse_ipv4(ctx: &XdpContext, off: usize) -> Parsed {
         frag_data: 0,
     };
     if frag_field & (IPV4_MF | IPV4_OFFSET) == 0 {
-        return parse_l4(ctx, off + ihl, pkt);
+        return parse_l4(ctx, off + ihl, 0, pkt);
     }
     pkt.dst = u32::from_ne_bytes([hdr[16], hdr[17], hdr[18], hdr[19]]);
     pkt.frag_id = u16::from_be_bytes([hdr[4], hdr[5]]) as u32;
@@ -183,7 +183,7 @@ fn parse_ipv4(ctx: &XdpContext, off: usize) -> Parsed {
     if ihl + l4_min_len(pkt.proto) > total {
         return Parsed::Malformed;
     }
-    parse_l4(ctx, off + ihl, pkt)
+    parse_l4(ctx, off + ihl, off + total, pkt)
 }
 
 /// IPv4 flags and fragment offset (bytes 6-7): "more fragments" and the offset.
@@ -284,17 +284,22 @@ fn parse_l4_checked(ctx: &XdpContext, off: usize, ip_end: usize, pkt: Packet) ->
     if pkt.frag == Frag::First && off + l4_min_len(pkt.proto) > ip_end {
         return Parsed::Malformed;
     }
-    parse_l4(ctx, off, pkt)
+    parse_l4(ctx, off, if pkt.frag == Frag::First { ip_end } else { 0 }, pkt)
 }
 
+/// The L4 header at `off`. `first_end`: for a first fragment, where its IP
+/// payload ends, which must hold the whole TCP header its data offset
+/// claims (options included: RFC 1858's tiny fragments, whose header runs
+/// on into the next fragment); 0 for a whole packet.
 #[inline(always)]
-fn parse_l4(ctx: &XdpContext, off: usize, mut pkt: Packet) -> Parsed {
+fn parse_l4(ctx: &XdpContext, off: usize, first_end: usize, mut pkt: Packet) -> Parsed {
     match pkt.proto {
         IPPROTO_TCP => {
             let Some(tcp) = read::<[u8; TCP_MIN_HLEN]>(ctx, off) else {
                 return Parsed::Malformed;
             };
-            if (tcp[12] >> 4) < 5 {
+            let doff = (tcp[12] >> 4) as usize;
+            if doff < 5 || (first_end != 0 && off + doff * 4 > first_end) {
                 return Parsed::Malformed;
             }
             pkt.dst_port = u16::from_be_bytes([tcp[2], tcp[3]]);

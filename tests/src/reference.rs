@@ -84,13 +84,16 @@ fn ipv4(f: &[u8], off: usize) -> Parsed {
         p.data = (u16::from_be_bytes([h[2], h[3]]) as usize).saturating_sub(ihl) as u32;
         return Parsed::Ip(p);
     }
+    let mut first_end = 0;
     if field & 0x2000 != 0 {
         p.frag = Frag::First(dst, id);
-        if ihl + l4_min(p.proto) > u16::from_be_bytes([h[2], h[3]]) as usize {
+        let total = u16::from_be_bytes([h[2], h[3]]) as usize;
+        if ihl + l4_min(p.proto) > total {
             return Parsed::Malformed;
         }
+        first_end = off + total;
     }
-    l4(f, off + ihl, p)
+    l4(f, off + ihl, first_end, p)
 }
 
 fn ipv6(f: &[u8], off: usize) -> Parsed {
@@ -139,17 +142,21 @@ fn ipv6(f: &[u8], off: usize) -> Parsed {
     if matches!(p.proto, 0 | 43 | 60 | 51 | 44) {
         return Parsed::Malformed;
     }
-    if matches!(p.frag, Frag::First(..)) && at + l4_min(p.proto) > ip_end {
+    let first = matches!(p.frag, Frag::First(..));
+    if first && at + l4_min(p.proto) > ip_end {
         return Parsed::Malformed;
     }
-    l4(f, at, p)
+    l4(f, at, if first { ip_end } else { 0 }, p)
 }
 
-fn l4(f: &[u8], at: usize, mut p: Packet) -> Parsed {
+/// `first_end`: a first fragment's IP end, which must hold its whole TCP
+/// header (data offset); 0 otherwise.
+fn l4(f: &[u8], at: usize, first_end: usize, mut p: Packet) -> Parsed {
     match p.proto {
         6 => {
             let Some(t) = f.get(at..at + 20) else { return Parsed::Malformed };
-            if t[12] >> 4 < 5 {
+            let doff = (t[12] >> 4) as usize;
+            if doff < 5 || (first_end != 0 && at + doff * 4 > first_end) {
                 return Parsed::Malformed;
             }
             p.port = u16::from_be_bytes([t[2], t[3]]);

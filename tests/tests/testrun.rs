@@ -40,6 +40,9 @@ fn malformed_and_truncated_frames_get_defined_verdicts() {
     short_ihl[0] = 0x44;
     let mut tcp_doff = tcp(80, 0x02);
     tcp_doff[12] = 4 << 4;
+    let mut tcp_options_past_end = tcp(80, 0x02);
+    tcp_options_past_end[12] = 10 << 4;
+    tcp_options_past_end.extend_from_slice(&[1, 1, 1, 1]);
     // Seven destination-options headers before UDP: one more than the bound.
     let seven_ext = (0..7).fold(udp(53), |inner, i| ipv6_ext(if i == 0 { UDP } else { 60 }, &inner));
     let six_ext = (0..6).fold(udp(53), |inner, i| ipv6_ext(if i == 0 { UDP } else { 60 }, &inner));
@@ -78,6 +81,18 @@ fn malformed_and_truncated_frames_get_defined_verdicts() {
         // header they claim: malformed, not orphans and not whole packets.
         ("IPv4 first fragment, UDP header cut at 4 bytes", eth(&[], ETH_P_IP, &ipv4_fragment(src, UDP, 7, 0, true, &udp(53)[..4])), XDP_DROP, false, true),
         ("IPv4 first fragment, TCP header cut at 12 bytes", eth(&[], ETH_P_IP, &ipv4_fragment(src, TCP, 8, 0, true, &tcp(80, 2)[..12])), XDP_DROP, false, true),
+        // A TCP header whose data offset claims options past the first
+        // fragment (RFC 1858's tiny fragment): 40 bytes claimed, 24 held.
+        ("IPv4 first fragment, TCP options past its end", eth(&[], ETH_P_IP, &ipv4_fragment(src, TCP, 10, 0, true, &tcp_options_past_end)), XDP_DROP, false, true),
+        (
+            "IPv6 first fragment, TCP options past its end",
+            eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 44, &ipv6_fragment(TCP, 0, true, 11, &tcp_options_past_end))),
+            XDP_DROP,
+            false,
+            true,
+        ),
+        // The same header whole (not a fragment): the kernel judges it.
+        ("TCP options past the packet's end, not a fragment", v4(TCP, &tcp_options_past_end), XDP_PASS, false, false),
         (
             "IPv6 first fragment, UDP header cut at 6 bytes",
             eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 44, &ipv6_fragment(UDP, 0, true, 9, &udp(53)[..6]))),
