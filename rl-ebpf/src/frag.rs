@@ -139,20 +139,15 @@ pub fn later(cfg: &DatapathConfig, pkt: &Packet, entry: u32, len: u64) -> Later 
         Some(v) => {
             let entry = unsafe { (*v).entry };
             let word = unsafe { core::ptr::read_volatile(&raw const (*v).counted) };
-            match word & FRAG_VERDICT_MASK {
-                FRAG_DROPPED => {
-                    count(entry, len, Counted::Dropped);
-                    Later::Drop
-                }
-                FRAG_SHADOW => {
-                    count(entry, len, Counted::Shadow);
-                    Later::Pass
-                }
-                _ if !brings(v, word, pkt.frag_data) => {
-                    count(entry, len, Counted::Dropped);
-                    Later::Drop
-                }
-                _ => Later::Charge { entry, packets: 0 },
+            let verdict = word & FRAG_VERDICT_MASK;
+            if verdict == FRAG_SHADOW {
+                count(entry, len, Counted::Shadow);
+                Later::Pass
+            } else if verdict == FRAG_DROPPED || !brings(v, word, pkt.frag_data) {
+                count(entry, len, Counted::Dropped);
+                Later::Drop
+            } else {
+                Later::Charge { entry, packets: 0 }
             }
         }
         _ if cfg.frag_orphans == FRAG_ORPHANS_SOURCE => {

@@ -227,26 +227,8 @@ fn a_global_key_on_two_cpus_loses_at_most_a_thousandth_to_contention() {
     let dp = datapath(toml).unwrap();
     const REPEAT: u32 = 1_000_000;
     const ROUNDS: u32 = 3;
-    let barrier = std::sync::Barrier::new(2);
-    let spans: Vec<(Instant, Instant)> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..2)
-            .map(|cpu| {
-                let (dp, barrier) = (&dp, &barrier);
-                s.spawn(move || {
-                    pin_to_cpu(cpu).unwrap();
-                    // Each CPU its own source: the key is global all the same.
-                    let frame = udp4([198, 18, 0, 1 + cpu as u8]);
-                    barrier.wait();
-                    let t0 = Instant::now();
-                    for _ in 0..ROUNDS {
-                        dp.test_run(&frame, REPEAT).unwrap();
-                    }
-                    (t0, Instant::now())
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    // Each CPU its own source: the key is global all the same.
+    let spans = race(&dp, [[198, 18, 0, 1], [198, 18, 0, 2]], REPEAT, ROUNDS);
     // The figure means something only if the CPUs raced for most of it.
     let overlap = spans[0].1.min(spans[1].1).saturating_duration_since(spans[0].0.max(spans[1].0));
     let shorter = (spans[0].1 - spans[0].0).min(spans[1].1 - spans[1].0);
@@ -306,24 +288,7 @@ fn two_cpus_on_one_bucket(what: &str, toml: &str, refills: bool, sources: [[u8; 
     const ROUNDS: u32 = 3;
     let dp = datapath(toml).unwrap();
     let start = Instant::now();
-    let barrier = std::sync::Barrier::new(2);
-    let spans: Vec<(Instant, Instant)> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..2)
-            .map(|cpu| {
-                let (dp, frame, barrier) = (&dp, udp4(sources[cpu]), &barrier);
-                s.spawn(move || {
-                    pin_to_cpu(cpu).unwrap();
-                    barrier.wait();
-                    let t0 = Instant::now();
-                    for _ in 0..ROUNDS {
-                        dp.test_run(&frame, REPEAT).unwrap();
-                    }
-                    (t0, Instant::now())
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    let spans = race(&dp, sources, REPEAT, ROUNDS);
     let elapsed = start.elapsed().as_secs_f64();
     let per_cpu = dp.counters_per_cpu().unwrap();
     let passed_on = |cpu: usize| per_cpu[cpu].get(STAT_PASSED_PKTS);
@@ -346,4 +311,28 @@ fn two_cpus_on_one_bucket(what: &str, toml: &str, refills: bool, sources: [[u8; 
         BURST + refill,
         c.get(STAT_CONTENDED)
     );
+}
+
+/// Threads pinned to CPUs 0 and 1 each run a UDP frame from their source
+/// through the program `rounds` × `repeat` times, started together; when
+/// each ran, as (start, end).
+fn race(dp: &rl_control::datapath::Datapath, sources: [[u8; 4]; 2], repeat: u32, rounds: u32) -> Vec<(Instant, Instant)> {
+    let barrier = std::sync::Barrier::new(2);
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|cpu| {
+                let (frame, barrier) = (udp4(sources[cpu]), &barrier);
+                s.spawn(move || {
+                    pin_to_cpu(cpu).unwrap();
+                    barrier.wait();
+                    let t0 = Instant::now();
+                    for _ in 0..rounds {
+                        dp.test_run(&frame, repeat).unwrap();
+                    }
+                    (t0, Instant::now())
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
 }
