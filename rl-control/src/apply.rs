@@ -146,6 +146,18 @@ fn install(
     if new.datapath.max_sources != max_sources {
         warn!("datapath.max_sources changes only on restart; keeping {max_sources}");
     }
+    let (v4, v6) = {
+        let running = &lock(shared).config.datapath;
+        (running.flood_prefix_v4, running.flood_prefix_v6)
+    };
+    if (new.datapath.flood_prefix_v4, new.datapath.flood_prefix_v6) != (v4, v6) {
+        return Err(ApplyError::Invalid(format!(
+            "datapath.flood_prefix_v4/v6 = {}/{} differ from the running {v4}/{v6}: a source limited in its \
+             prefix cell would find a fresh cell under the new length, so they change only with a fresh \
+             datapath: restore them (or drop all limiter state with `rl-control detach` and start again)",
+            new.datapath.flood_prefix_v4, new.datapath.flood_prefix_v6
+        )));
+    }
     if new.cluster != lock(shared).config.cluster {
         return Err(ApplyError::Invalid(
             "[cluster] differs from the running daemon's, and it changes only on restart: \

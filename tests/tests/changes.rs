@@ -125,3 +125,26 @@ fn write_back_follows_a_symlink_and_keeps_the_file_mode() {
     let (status, log) = d.stop(libc::SIGTERM).unwrap();
     assert!(status.success(), "{log}");
 }
+
+/// The prefix cells' lengths change only with a fresh datapath: a reload
+/// that changes them is refused with what to do (a source limited in its
+/// /24 cell would find a fresh /16 one), and the rules stay in force.
+#[test]
+fn a_reload_that_changes_the_prefix_cells_is_refused() {
+    let lab = Lab::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write(&dir, "rl.toml", "[default]\nrate = 100\n");
+    let d = Daemon::serving(&lab, &cfg, &[]).unwrap(); // --no-watch
+    std::fs::write(&cfg, "[datapath]\nflood_prefix_v4 = 16\n[default]\nrate = 100\n").unwrap();
+    let (status, out) = run_once(Some(&lab.b), &["reload"]).unwrap();
+    assert!(!status.success(), "{out}");
+    assert!(out.contains("datapath.flood_prefix_v4/v6 = 16/48 differ from the running 24/48"), "{out}");
+    let r = request(&lab.b, "POST", "/v1/reload", None, None).unwrap();
+    assert_eq!(r.status, 422, "{}", r.body);
+    // Restored, the file reloads.
+    std::fs::write(&cfg, "[default]\nrate = 100\n").unwrap();
+    let (status, out) = run_once(Some(&lab.b), &["reload"]).unwrap();
+    assert!(status.success(), "{out}");
+    let (status, log) = d.stop(libc::SIGTERM).unwrap();
+    assert!(status.success(), "{log}");
+}

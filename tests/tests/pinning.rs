@@ -197,6 +197,15 @@ fn an_incompatible_pinned_layout_is_refused_with_what_differs() {
     assert!(line.contains(&format!("rl-control detach --iface {VB} --pin-dir {}", pins.arg())), "{line}");
     assert_eq!(lab.xdp_prog_ids().unwrap(), vec![prog], "the refused daemon changed the interface");
 
+    // Other prefix cells: refused (a source limited in its /24 cell would
+    // find a fresh /16 one).
+    let coarse = write(&dir, "coarse.toml", &config(1024).replace("[datapath]\n", "[datapath]\nflood_prefix_v4 = 16\n"));
+    let (status, out) = run_once(Some(&lab.b), &["run", "--iface", VB, "--config", coarse.to_str().unwrap(), "--pin-dir", pins.arg()]).unwrap();
+    assert_eq!(status.code(), Some(1), "{out}");
+    let line = out.lines().find(|l| l.starts_with("error:")).unwrap_or_default().to_string();
+    assert!(line.contains("its prefix cells are IPv4 /24 and IPv6 /48 (datapath.flood_prefix_v4/v6), this configuration's /16 and /48"), "{line}");
+    assert_eq!(lab.xdp_prog_ids().unwrap(), vec![prog]);
+
     // Another layout version (as a future build would pin): refused too.
     set_layout_version(&pins.path().join(VB), 999);
     let (status, out) = run_once(Some(&lab.b), &["run", "--iface", VB, "--config", small.to_str().unwrap(), "--pin-dir", pins.arg()]).unwrap();
@@ -210,4 +219,39 @@ fn set_layout_version(dir: &std::path::Path, v: u32) {
     let data = MapData::from_pin(dir.join(rl_common::MAP_LAYOUT)).unwrap();
     let mut arr: Array<MapData, u32> = Array::try_from(Map::Array(data)).unwrap();
     arr.set(0, v, 0).unwrap();
+}
+
+/// A restart keeps the wall-clock offset the pinned window counts were
+/// made with: were the clock stepped (here: as if it had read an hour
+/// behind when the datapath was made), a re-measured offset would move
+/// every window, and a fixed window would read as a new one, its cap
+/// fresh again.
+#[test]
+fn an_adopted_datapath_keeps_the_clock_its_windows_were_counted_by() {
+    use aya::maps::{Array, Map, MapData};
+    use rl_control::{compile::compile, config::Config, datapath::{prepare_pins, Datapath, LoadOptions}};
+    use rl_tests::frames::*;
+    rl_tests::lab::require_root();
+    let toml = "[datapath]\nmax_sources = 1024\n[default]\nrate = 1000\n\
+        [[rule]]\nname = \"w\"\nproto = \"udp\"\ndst_ports = [53]\nrate = 3\nper = \"1h\"\nalgorithm = \"fixed_window\"\n";
+    let compiled = compile(&Config::from_str(toml, "<test>").unwrap());
+    let pins = BpfFs::new().unwrap();
+    let dir = pins.path().join("clock");
+    prepare_pins(pins.path(), &dir).unwrap();
+    let load = || Datapath::load_with(&compiled, LoadOptions { pin: Some(dir.clone()), ..Default::default() }).unwrap();
+    let frame = eth(&[], ETH_P_IP, &ipv4([192, 0, 2, 1], UDP, &[], &udp(53)));
+    let dp = load();
+    let config = || -> Array<MapData, rl_common::DatapathConfig> {
+        Array::try_from(Map::Array(MapData::from_pin(dir.join(rl_common::MAP_CONFIG)).unwrap())).unwrap()
+    };
+    let mut cfg = config().get(&0, 0).unwrap();
+    let behind = cfg.epoch_offset_ns.wrapping_sub(3_600_000_000_000);
+    cfg.epoch_offset_ns = behind;
+    config().set(0, cfg, 0).unwrap();
+    assert_eq!(rl_tests::offer(&dp, &frame, 5), (3, 2), "3 an hour");
+    drop(dp);
+    let dp = load();
+    assert!(dp.adopted());
+    assert_eq!(dp.epoch_offset_ns(), behind, "the pinned offset is kept");
+    assert_eq!(rl_tests::offer(&dp, &frame, 2), (0, 2), "the window the key spent is still the one it is in");
 }

@@ -129,6 +129,14 @@ impl Datapath {
             let config: Array<&MapData, DatapathConfig> = map_ref(&dp.ebpf, MAP_CONFIG)?;
             let cfg = config.get(&0, 0).map_err(|e| map_error(MAP_CONFIG, e))?;
             dp.active = (cfg.enabled != 0).then_some(cfg.slot_flags().0);
+            if cfg.enabled != 0 {
+                let dir = opts.pin.clone().unwrap_or_default();
+                cells_fit(&cfg, &compiled.rules.tuning).map_err(|what| DatapathError::Layout { dir, what })?;
+                // Window limits count in windows of the wall clock as this
+                // offset placed them: a clock stepped since would move
+                // every window (a fixed one would read as a new one).
+                dp.epoch_offset_ns = cfg.epoch_offset_ns;
+            }
             dp.slots = [Arc::new(SlotContents { unknown: true, ..Default::default() }), Arc::new(SlotContents { unknown: true, ..Default::default() })];
         }
         dp.install(&compiled.rules)?;
@@ -216,4 +224,21 @@ impl Datapath {
             }
         }
     }
+}
+
+/// Whether the pinned datapath's prefix cells (`pinned`'s masks) are the
+/// ones `tuning` asks for; if not, what differs. Cells keyed by another
+/// length would not be found: a source limited in its cell would get a
+/// fresh one.
+fn cells_fit(pinned: &DatapathConfig, tuning: &crate::compile::Tuning) -> Result<(), String> {
+    let bits6 = |m: &[u32; 4]| m.iter().map(|w| w.count_ones()).sum::<u32>();
+    let (was, want) = ((pinned.cell_mask4.count_ones(), bits6(&pinned.cell_mask6)), (tuning.cell_mask4.count_ones(), bits6(&tuning.cell_mask6)));
+    if was == want {
+        return Ok(());
+    }
+    Err(format!(
+        "its prefix cells are IPv4 /{} and IPv6 /{} (datapath.flood_prefix_v4/v6), this configuration's /{} and /{}: \
+         a source limited in its cell would find a fresh one",
+        was.0, was.1, want.0, want.1
+    ))
 }
