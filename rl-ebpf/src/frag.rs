@@ -30,7 +30,7 @@ use aya_ebpf::{
 use core::intrinsics::{atomic_cxchg, atomic_or, AtomicOrdering};
 
 use rl_common::{
-    DatapathConfig, FragKey, FragVerdict, FRAG_DATA_MAX, FRAG_DATA_SHIFT, FRAG_DROPPED, FRAG_ORPHANS_SOURCE, FRAG_SHADOW,
+    DatapathConfig, FragKey, FragVerdict, FRAG_DATA_MAX, FRAG_DATA_SHIFT, FRAG_DROPPED, FRAG_MIN_CHARGE, FRAG_ORPHANS_SOURCE, FRAG_SHADOW,
     FRAG_TABLE_LEN, FRAG_VERDICT_MASK, STAT_FRAG_ORPHANS,
 };
 
@@ -120,11 +120,12 @@ fn remember(cfg: &DatapathConfig, p: *mut Pending, entry: u32, counted: u32) {
         // Full: the LRU evicts the oldest datagram, whose later fragments
         // then become orphans.
         let _ = RL_FRAGS.insert(key, &v, 0);
-    } else if counted == FRAG_DROPPED {
+    } else if counted == FRAG_DROPPED || counted == FRAG_SHADOW {
         // Passed until now (only a passed datagram's fragments are
-        // charged): dropped from now on, its expiry and data count kept.
+        // charged): dropped (or, under a shadow rule, shadow-dropped) from
+        // now on, its expiry and data count kept.
         if let Some(v) = RL_FRAGS.get_ptr_mut(key) {
-            unsafe { atomic_or::<u32, u32, { AtomicOrdering::Relaxed }>(&raw mut (*v).counted, FRAG_DROPPED) };
+            unsafe { atomic_or::<u32, u32, { AtomicOrdering::Relaxed }>(&raw mut (*v).counted, counted) };
         }
     }
 }
@@ -161,7 +162,8 @@ pub fn later(cfg: &DatapathConfig, pkt: &Packet, entry: u32, len: u64) -> Later 
     }
 }
 
-/// Adds a later fragment's `data` bytes to its datagram's count (`word`:
+/// Adds a later fragment's `data` bytes (at least `FRAG_MIN_CHARGE`) to
+/// its datagram's count (`word`:
 /// the count as just read); false if the datagram already holds, or would
 /// now hold, more than an IP datagram can (`FRAG_DATA_MAX`). The count is
 /// added even then, so it stays over; nothing is added once over, so it
@@ -171,6 +173,7 @@ pub fn later(cfg: &DatapathConfig, pkt: &Packet, entry: u32, len: u64) -> Later 
 /// is dropped: it fails closed.
 #[inline(always)]
 fn brings(v: *mut FragVerdict, word: u32, data: u32) -> bool {
+    let data = if data < FRAG_MIN_CHARGE { FRAG_MIN_CHARGE } else { data };
     let mut seen = word;
     for _ in 0..4 {
         if seen >> FRAG_DATA_SHIFT > FRAG_DATA_MAX || data > FRAG_DATA_MAX {

@@ -294,7 +294,8 @@ impl Reference {
                     if *data > 65_535 {
                         return (false, Counted::Rule(*r));
                     }
-                    *data += p.data;
+                    // Each counts as at least 512 bytes.
+                    *data += p.data.max(512);
                     if *data > 65_535 {
                         return (false, Counted::Rule(*r));
                     }

@@ -192,6 +192,9 @@ fn random_and_mutated_frames_match_the_reference() {
     let mut r = Rng(seed | 1);
     let mut done = 0;
     while done < total {
+        // The reference never expires a datagram: a batch must end well
+        // within FUZZ_RULES' fragment_ttl_ms (60 s), as it does by far.
+        let batch_start = std::time::Instant::now();
         let dp = datapath(FUZZ_RULES).unwrap();
         let mut reference = Reference::default();
         let mut want = Tally::default();
@@ -203,8 +206,9 @@ fn random_and_mutated_frames_match_the_reference() {
             assert_eq!(
                 got,
                 expect,
-                "frame {} (seed {seed}): verdict {got}, reference {expect} ({counted:?}): {:02x?}",
+                "frame {} (seed {seed}, {:?} into its batch): verdict {got}, reference {expect} ({counted:?}): {:02x?}",
                 done + i,
+                batch_start.elapsed(),
                 f
             );
             let len = f.len() as u64;
@@ -221,6 +225,8 @@ fn random_and_mutated_frames_match_the_reference() {
             }
         }
         assert_eq!(observed(&dp), want, "counters after frames {done}.. (seed {seed})");
+        let took = batch_start.elapsed();
+        assert!(took < std::time::Duration::from_secs(50), "a batch took {took:?}: too close to the 60 s fragment TTL the reference ignores");
         if done == 0 {
             eprintln!("packet fuzz, first batch: {want:?}");
         }

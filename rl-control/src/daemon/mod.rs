@@ -309,9 +309,9 @@ impl Signals {
 
 /// Puts `config`'s rules in force on `ifaces`: loads (or adopts) the
 /// datapath pinned in `pins`, fills both rule slots, moves an older build's
-/// prefix cells, and attaches. On failure nothing stays attached, and a
-/// datapath pinned just now is unpinned (an adopted one keeps enforcing as
-/// it was).
+/// prefix cells, and attaches. If attaching fails, nothing stays attached,
+/// and a datapath pinned just now is unpinned (an adopted one keeps
+/// enforcing as it was).
 fn enforce(
     config: &Config,
     ifaces: &[String],

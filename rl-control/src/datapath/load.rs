@@ -70,6 +70,15 @@ impl Datapath {
             Some(dir) => pin::check(dir, &specs)?,
             None => false,
         };
+        // The pinned rule set's config: checked before anything is loaded
+        // or pinned beside it, so a refusal leaves the pins as they were.
+        let pinned = match &opts.pin {
+            Some(dir) if adopted => pin::config(dir)?.filter(|c| c.enabled != 0),
+            _ => None,
+        };
+        if let (Some(cfg), Some(dir)) = (&pinned, &opts.pin) {
+            cells_fit(cfg, &compiled.rules.tuning).map_err(|what| DatapathError::Layout { dir: dir.clone(), what })?;
+        }
         // RL_CELLN is pinned only once the cells are in the arrays (see
         // `move_old_cells`): a daemon stopped before that moves them again.
         let cells_from_tables = adopted && opts.pin.as_ref().is_some_and(|d| !d.join(rl_common::MAP_CELL_COUNT).exists());
@@ -129,13 +138,11 @@ impl Datapath {
             let config: Array<&MapData, DatapathConfig> = map_ref(&dp.ebpf, MAP_CONFIG)?;
             let cfg = config.get(&0, 0).map_err(|e| map_error(MAP_CONFIG, e))?;
             dp.active = (cfg.enabled != 0).then_some(cfg.slot_flags().0);
-            if cfg.enabled != 0 {
-                let dir = opts.pin.clone().unwrap_or_default();
-                cells_fit(&cfg, &compiled.rules.tuning).map_err(|what| DatapathError::Layout { dir, what })?;
+            if let Some(p) = &pinned {
                 // Window limits count in windows of the wall clock as this
                 // offset placed them: a clock stepped since would move
                 // every window (a fixed one would read as a new one).
-                dp.epoch_offset_ns = cfg.epoch_offset_ns;
+                dp.epoch_offset_ns = p.epoch_offset_ns;
             }
             dp.slots = [Arc::new(SlotContents { unknown: true, ..Default::default() }), Arc::new(SlotContents { unknown: true, ..Default::default() })];
         }

@@ -203,6 +203,18 @@ fn info_type(info: &MapInfo) -> u32 {
     info.map_type().map_or(u32::MAX, |t| t as u32)
 }
 
+/// The configuration pinned in `dir` (`None`: none is pinned).
+pub(super) fn config(dir: &Path) -> Result<Option<rl_common::DatapathConfig>, DatapathError> {
+    let path = dir.join(rl_common::MAP_CONFIG);
+    if !path.exists() {
+        return Ok(None);
+    }
+    let bad = |cause: String| DatapathError::Layout { dir: dir.to_path_buf(), what: format!("{}: {cause}", rl_common::MAP_CONFIG) };
+    let data = MapData::from_pin(&path).map_err(|e| bad(chain(&e)))?;
+    let arr: Array<MapData, rl_common::DatapathConfig> = Array::try_from(Map::Array(data)).map_err(|e| bad(chain(&e)))?;
+    arr.get(&0, 0).map(Some).map_err(|e| bad(chain(&e)))
+}
+
 /// The pinned `(layout version, XDP mode)`.
 pub(super) fn read_layout(dir: &Path) -> Result<(u32, u32), DatapathError> {
     let path = dir.join(MAP_LAYOUT);
