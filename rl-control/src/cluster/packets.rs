@@ -174,8 +174,17 @@ impl Ledger {
                 dropped: b.dropped,
             });
         }
+        // A tracked bucket of a shared rule that is not in the tables was
+        // collected: made again, it counts from zero in the kernel. Told
+        // only by its count going down, one that passed its old count again
+        // before the next round would leave that many packets unreported.
         let forget = self.forget_after_ns;
-        self.tracked.retain(|_, t| now.saturating_sub(t.seen_ns.max(t.at_ns)) < forget);
+        self.tracked.retain(|id, t| {
+            if t.seen_ns != now && shares.contains_key(&(id.rule() & !(rl_common::KEY_CELL | rl_common::KEY_LAST))) {
+                (t.passed, t.dropped) = (0, 0);
+            }
+            now.saturating_sub(t.seen_ns.max(t.at_ns)) < forget
+        });
         self.stats.buckets = seen;
         self.stats.hot = out.len() as u64;
         out
@@ -234,4 +243,32 @@ pub async fn exchange(cluster: &Cluster, reporter: &str, lines: &[&Line], keep_m
         calls += 1;
     }
     (answers, None, calls)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rl_common::{Bucket, Key4};
+
+    /// A bucket reported, collected (absent from a round's scan) and made
+    /// again reports all it passed since, even when that is more than it
+    /// had passed before: its count going down is not the only sign.
+    #[test]
+    fn a_bucket_collected_and_made_again_reports_from_zero() {
+        let id = BucketId::V4(Key4 { rule: 0x100, addr: 1 });
+        let shares: Shares = [(0x100, Share { rule: "r".into(), definition: 1, which: 0, ns_per_packet: 1_000_000, burst_ns: 1_000_000_000_000 })].into();
+        let bucket = |passed| SharedBucket { id, bucket: Bucket { passed, ..Default::default() } };
+        let interval = 100_000_000;
+        let mut ledger = Ledger::new("n", 10_000);
+        let r = ledger.reports(&[bucket(40)], &shares, interval, interval);
+        assert_eq!(r.len(), 1);
+        assert_eq!(r[0].line.delta, 40);
+        ledger.acknowledge(&r[0], interval);
+        // Collected: not in this round's tables.
+        assert!(ledger.reports(&[], &shares, interval, 2 * interval).is_empty());
+        // Made again, it passed 45 before the next round.
+        let r = ledger.reports(&[bucket(45)], &shares, interval, 3 * interval);
+        assert_eq!(r.len(), 1, "a hot bucket (45 unreported, threshold 25)");
+        assert_eq!((r[0].line.delta, r[0].line.cum), (45, 85), "all 45 reported, on top of the 40 Redis holds");
+    }
 }
