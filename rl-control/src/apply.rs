@@ -146,10 +146,8 @@ fn install(
     if new.datapath.max_sources != max_sources {
         warn!("datapath.max_sources changes only on restart; keeping {max_sources}");
     }
-    let (v4, v6) = {
-        let running = &lock(shared).config.datapath;
-        (running.flood_prefix_v4, running.flood_prefix_v6)
-    };
+    let running = lock(shared).config.clone();
+    let (v4, v6) = (running.datapath.flood_prefix_v4, running.datapath.flood_prefix_v6);
     if (new.datapath.flood_prefix_v4, new.datapath.flood_prefix_v6) != (v4, v6) {
         return Err(ApplyError::Invalid(format!(
             "datapath.flood_prefix_v4/v6 = {}/{} differ from the running {v4}/{v6}: a source limited in its \
@@ -158,7 +156,7 @@ fn install(
             new.datapath.flood_prefix_v4, new.datapath.flood_prefix_v6
         )));
     }
-    if new.cluster != lock(shared).config.cluster {
+    if new.cluster != running.cluster {
         return Err(ApplyError::Invalid(
             "[cluster] differs from the running daemon's, and it changes only on restart: \
              restore it in the file (or restart the daemon to join another Redis)"

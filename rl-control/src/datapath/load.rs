@@ -131,19 +131,14 @@ impl Datapath {
         if !opts.without_tick {
             dp.clock = dp.calibrate_clock()?;
         }
-        dp.epoch_offset_ns = epoch_offset_ns();
+        // Adopted, window limits count in windows of the wall clock as the
+        // pinned offset placed them: a clock stepped since would move every
+        // window (a fixed one would read as a new one).
+        dp.epoch_offset_ns = pinned.as_ref().map_or_else(epoch_offset_ns, |p| p.epoch_offset_ns);
         if adopted {
             // The running program reads the active slot; what either slot
             // holds is not known here, so the install clears before writing.
-            let config: Array<&MapData, DatapathConfig> = map_ref(&dp.ebpf, MAP_CONFIG)?;
-            let cfg = config.get(&0, 0).map_err(|e| map_error(MAP_CONFIG, e))?;
-            dp.active = (cfg.enabled != 0).then_some(cfg.slot_flags().0);
-            if let Some(p) = &pinned {
-                // Window limits count in windows of the wall clock as this
-                // offset placed them: a clock stepped since would move
-                // every window (a fixed one would read as a new one).
-                dp.epoch_offset_ns = p.epoch_offset_ns;
-            }
+            dp.active = pinned.as_ref().map(|p| p.slot_flags().0);
             dp.slots = [Arc::new(SlotContents { unknown: true, ..Default::default() }), Arc::new(SlotContents { unknown: true, ..Default::default() })];
         }
         dp.install(&compiled.rules)?;

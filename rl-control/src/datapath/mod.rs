@@ -21,7 +21,7 @@ use aya::{
 use aya_log::EbpfLogger;
 use aya::maps::Array;
 use rl_common::{
-    DatapathConfig, KNOWN_VALID, LAYOUT_VERSION, MAP_CONFIG, MAP_KNOWN, MAP_LAYOUT,
+    DatapathConfig, KNOWN_VALID, LAYOUT_VERSION, MAP_KNOWN, MAP_LAYOUT,
     RuleStats, RULE_SLOTS, TickClock, MAP_EVENTS, MAP_SOURCES_V4, MAP_SOURCES_V6, PROG_CLOCK, PROG_FLOOR, PROG_LIMITER, STAT_COUNT,
     STAT_NAMES,
 };
