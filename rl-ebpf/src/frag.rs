@@ -163,20 +163,22 @@ pub fn later(cfg: &DatapathConfig, pkt: &Packet, entry: u32, len: u64) -> Later 
 }
 
 /// Adds a later fragment's `data` bytes (at least `FRAG_MIN_CHARGE`) to
-/// its datagram's count (`word`:
-/// the count as just read); false if the datagram already holds, or would
-/// now hold, more than an IP datagram can (`FRAG_DATA_MAX`). The count is
-/// added even then, so it stays over; nothing is added once over, so it
-/// cannot wrap. A compare-and-swap, not a fetch-and-add: LLVM's BPF backend
-/// emits a 32-bit fetch-and-add whose result is not the old value. Lost
-/// too often to other CPUs' fragments of the same datagram, the fragment
-/// is dropped: it fails closed.
+/// its datagram's count (`word`: the count as just read); false if the
+/// datagram already holds, or would now hold, more than an IP datagram can
+/// (`FRAG_DATA_MAX`). The count is added even then, so it stays over;
+/// nothing is added once over, so it cannot wrap. A compare-and-swap, not
+/// a fetch-and-add: LLVM's BPF backend emits a 32-bit fetch-and-add whose
+/// result is not the old value. Lost too often to other CPUs' fragments of
+/// the same datagram, the fragment is dropped: it fails closed.
 #[inline(always)]
 fn brings(v: *mut FragVerdict, word: u32, data: u32) -> bool {
     let data = if data < FRAG_MIN_CHARGE { FRAG_MIN_CHARGE } else { data };
+    if data > FRAG_DATA_MAX {
+        return false;
+    }
     let mut seen = word;
     for _ in 0..4 {
-        if seen >> FRAG_DATA_SHIFT > FRAG_DATA_MAX || data > FRAG_DATA_MAX {
+        if seen >> FRAG_DATA_SHIFT > FRAG_DATA_MAX {
             return false;
         }
         let new = seen + (data << FRAG_DATA_SHIFT);

@@ -10,9 +10,9 @@
 //!   limit by cutting its headers.
 //! - Fragments ([`Frag`]): a first fragment is classified like a whole
 //!   packet, and is malformed if its IP length cannot hold the TCP, UDP or
-//!   ICMP header it claims (a TCP header's options included). Non-first fragments carry no L4 header: they
-//!   follow their first fragment (see `frag`). Other L4 protocols are
-//!   limited by source.
+//!   ICMP header it claims (a TCP header's options included). Non-first
+//!   fragments carry no L4 header: they follow their first fragment (see
+//!   `frag`). Other L4 protocols are limited by source.
 
 use core::mem::size_of;
 
@@ -180,9 +180,6 @@ fn parse_ipv4(ctx: &XdpContext, off: usize) -> Parsed {
         return Parsed::Ip(pkt);
     }
     pkt.frag = Frag::First;
-    if ihl + l4_min_len(pkt.proto) > total {
-        return Parsed::Malformed;
-    }
     parse_l4(ctx, off + ihl, off + total, pkt)
 }
 
@@ -277,22 +274,22 @@ fn parse_ipv6(ctx: &XdpContext, off: usize) -> Parsed {
 const IPV6_OFFSET: u16 = 0xfff8;
 const IPV6_M: u16 = 0x0001;
 
-/// [`parse_l4`] after checking that a first fragment's L4 header ends
-/// within the IP payload (`ip_end`).
+/// [`parse_l4`] for an IPv6 payload ending at `ip_end`: a first
+/// fragment's must hold its L4 header.
 #[inline(always)]
 fn parse_l4_checked(ctx: &XdpContext, off: usize, ip_end: usize, pkt: Packet) -> Parsed {
-    if pkt.frag == Frag::First && off + l4_min_len(pkt.proto) > ip_end {
-        return Parsed::Malformed;
-    }
     parse_l4(ctx, off, if pkt.frag == Frag::First { ip_end } else { 0 }, pkt)
 }
 
 /// The L4 header at `off`. `first_end`: for a first fragment, where its IP
-/// payload ends, which must hold the whole TCP header its data offset
-/// claims (options included: RFC 1858's tiny fragments, whose header runs
-/// on into the next fragment); 0 for a whole packet.
+/// payload ends, which must hold the whole L4 header it claims (for TCP,
+/// the options its data offset claims too: RFC 1858's tiny fragments,
+/// whose header runs on into the next fragment); 0 for a whole packet.
 #[inline(always)]
 fn parse_l4(ctx: &XdpContext, off: usize, first_end: usize, mut pkt: Packet) -> Parsed {
+    if first_end != 0 && off + l4_min_len(pkt.proto) > first_end {
+        return Parsed::Malformed;
+    }
     match pkt.proto {
         IPPROTO_TCP => {
             let Some(tcp) = read::<[u8; TCP_MIN_HLEN]>(ctx, off) else {

@@ -87,11 +87,7 @@ fn ipv4(f: &[u8], off: usize) -> Parsed {
     let mut first_end = 0;
     if field & 0x2000 != 0 {
         p.frag = Frag::First(dst, id);
-        let total = u16::from_be_bytes([h[2], h[3]]) as usize;
-        if ihl + l4_min(p.proto) > total {
-            return Parsed::Malformed;
-        }
-        first_end = off + total;
+        first_end = off + u16::from_be_bytes([h[2], h[3]]) as usize;
     }
     l4(f, off + ihl, first_end, p)
 }
@@ -143,15 +139,15 @@ fn ipv6(f: &[u8], off: usize) -> Parsed {
         return Parsed::Malformed;
     }
     let first = matches!(p.frag, Frag::First(..));
-    if first && at + l4_min(p.proto) > ip_end {
-        return Parsed::Malformed;
-    }
     l4(f, at, if first { ip_end } else { 0 }, p)
 }
 
-/// `first_end`: a first fragment's IP end, which must hold its whole TCP
-/// header (data offset); 0 otherwise.
+/// `first_end`: a first fragment's IP end, which must hold its whole L4
+/// header (for TCP, by its data offset); 0 otherwise.
 fn l4(f: &[u8], at: usize, first_end: usize, mut p: Packet) -> Parsed {
+    if first_end != 0 && at + l4_min(p.proto) > first_end {
+        return Parsed::Malformed;
+    }
     match p.proto {
         6 => {
             let Some(t) = f.get(at..at + 20) else { return Parsed::Malformed };
