@@ -10,14 +10,21 @@
 //! program may skip the table lookup of a key whose bit is clear, and must
 //! look up the rest. The promise is kept by:
 //!
-//! - the XDP program setting the key's bit, in both halves, *before* it
-//!   inserts a bucket; the daemon never inserts buckets;
+//! - the XDP program setting the key's bit *before* it inserts a bucket
+//!   (the daemon never inserts buckets): in the half it reads, and while a
+//!   rebuild is under way ([`KNOWN_REBUILDING`]) in the other half too;
 //! - the daemon rebuilding the half the program does not read, during the
-//!   collector's walk: it zeroes that half, waits out every program run in
-//!   flight, sets the bit of every bucket the walk keeps, then flips the
-//!   halves. A bucket inserted during the walk has its bit set by the
-//!   program in the half being rebuilt; one present before is found by the
-//!   walk. Deleted buckets' bits go away with the rebuild.
+//!   collector's walk: it sets [`KNOWN_REBUILDING`], zeroes that half,
+//!   waits out every program run in flight, sets the bit of every bucket
+//!   the walk keeps, then flips the halves (which clears the flag). A
+//!   bucket inserted during the walk has its bit set by the program in the
+//!   half being rebuilt; one present before is found by the walk, and so is
+//!   one whose run read the control word before the flag (it ended within
+//!   the wait). Deleted buckets' bits go away with the rebuild. Outside a
+//!   rebuild the other half is never read and is zeroed before it is built,
+//!   so the program leaves it alone: an insert or a cell's claim touches
+//!   one line of the filter, not two (in a flood's first second, about
+//!   60,000 claims, each of whose second line was a miss in memory).
 //! - a control word that starts at 0 ("not valid": look everything up) in a
 //!   fresh map, until the daemon's first complete walk.
 //!
@@ -48,6 +55,20 @@ pub const KNOWN_ENTRIES: u32 = 1 + 4 * KNOWN_WORDS;
 pub const KNOWN_VALID: u64 = 2;
 /// Control-word bit: the half the program reads.
 pub const KNOWN_HALF: u64 = 1;
+/// Control-word bit: the daemon is rebuilding the other half, so the
+/// program sets a new key's bits in both halves.
+pub const KNOWN_REBUILDING: u64 = 4;
+
+/// The halves the program sets a new key's bits in, under control word
+/// `ctl`: the one it reads, and the other one during a rebuild.
+#[inline(always)]
+pub const fn known_marked_halves(ctl: u64) -> u32 {
+    if ctl & KNOWN_REBUILDING != 0 {
+        2
+    } else {
+        1
+    }
+}
 
 /// MurmurHash3's 64-bit finalizer: every input bit moves every output bit,
 /// whatever the keys' structure (multiplicative hashing alone collided on

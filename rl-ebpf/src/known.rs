@@ -5,7 +5,7 @@
 use core::intrinsics::{atomic_or, AtomicOrdering};
 
 use aya_ebpf::{bindings::BPF_F_MMAPABLE, macros::map, maps::Array};
-use rl_common::{known_holds, known_mask, known_word, KnownKey, KNOWN_ENTRIES, KNOWN_HALF, KNOWN_VALID};
+use rl_common::{known_holds, known_marked_halves, known_mask, known_word, KnownKey, KNOWN_ENTRIES, KNOWN_HALF, KNOWN_VALID};
 
 /// rl_common::MAP_KNOWN. Mappable: the daemon rebuilds it with atomic ORs.
 #[map(name = "RL_KNOWN")]
@@ -27,11 +27,18 @@ pub fn maybe<K: KnownKey>(key: &K) -> bool {
     }
 }
 
-/// Sets `key`'s bits in both halves: call before inserting its bucket.
+/// Sets `key`'s bits in the half the program reads, and during a rebuild
+/// in the other half too: call before inserting its bucket.
 #[inline(always)]
 pub fn mark<K: KnownKey>(key: &K) {
     let hash = key.known_hash();
-    for half in 0..2 {
+    let Some(ctl) = RL_KNOWN.get_ptr(0) else { return };
+    let ctl = unsafe { core::ptr::read_volatile(ctl) };
+    for i in 0..2 {
+        if i >= known_marked_halves(ctl) {
+            break;
+        }
+        let half = (ctl & KNOWN_HALF) as u32 ^ i;
         if let Some(w) = RL_KNOWN.get_ptr_mut(known_word(K::FAMILY, half, hash)) {
             unsafe { atomic_or::<u64, u64, { AtomicOrdering::Relaxed }>(w, known_mask(hash)) };
         }

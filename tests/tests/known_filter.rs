@@ -1,11 +1,12 @@
 //! The known-keys filter (`rl_common::known`) lets a key without a bucket
 //! skip its table lookup. A clear bit for a key that owns a bucket would
 //! hand it a fresh allowance in flood mode, so these check that the XDP
-//! program sets bits before it inserts (in both halves, so a rebuild in
-//! progress keeps them) and that the collector's rebuild keeps the bits of
-//! every bucket it keeps and drops the bits of those it deletes.
+//! program sets bits before it inserts (in both halves while a rebuild is
+//! in progress, so that the rebuild keeps them) and that the collector's
+//! rebuild keeps the bits of every bucket it keeps and drops the bits of
+//! those it deletes.
 
-use rl_common::{Key4, KNOWN_HALF, KNOWN_VALID, STAT_FALLBACK, STAT_NEW_SOURCES};
+use rl_common::{Key4, KNOWN_HALF, KNOWN_REBUILDING, KNOWN_VALID, STAT_FALLBACK, STAT_NEW_SOURCES};
 use rl_control::{compile::compile, config::Config};
 use rl_control::datapath::{collect, Datapath, KnownFilter, COLLECT_IDLE_NS};
 use rl_tests::{datapath, frames::*, lab::require_root, offer, traffic::spoofed_source as spoofed};
@@ -41,14 +42,25 @@ fn the_program_marks_a_new_bucket_in_both_halves_before_a_rebuild_can_miss_it() 
     let key = default_key(&toml, [192, 0, 2, 44]);
     let known = filter(&dp);
     assert_eq!(known.control() & KNOWN_VALID, KNOWN_VALID, "a fresh table's filter is valid from the start");
+    // Outside a rebuild only the half the program reads is marked (the
+    // other is zeroed before it is built).
+    let calm = default_key(&toml, [192, 0, 2, 43]);
+    assert_eq!(offer(&dp, &to([192, 0, 2, 43], 5000), 1), (1, 0));
+    let read = active(&known);
+    assert!(known.has(read, &calm), "the half being read has a new bucket's bit");
+    assert!(!known.has(read ^ 1, &calm), "outside a rebuild the other half is left alone");
     let src = [192, 0, 2, 44];
     let half = known.begin();
+    assert_eq!(half, read ^ 1);
+    assert_eq!(known.control() & KNOWN_REBUILDING, KNOWN_REBUILDING, "a rebuild tells the program so");
     assert!(!known.has(half, &key) && !known.has(half ^ 1, &key));
     // Inserted while the half is being rebuilt: the program's own mark is
     // what keeps it, whatever the walk saw.
     assert_eq!(offer(&dp, &to(src, 5000), 1), (1, 0));
     assert!(known.has(half, &key), "the half being rebuilt has the new bucket's bit");
     assert!(known.has(half ^ 1, &key), "the half being read has it too");
+    known.finish(half);
+    assert_eq!(known.control(), KNOWN_VALID | u64::from(half), "finishing flips the halves and ends the rebuild");
 }
 
 #[test]

@@ -8,7 +8,9 @@ use std::{
     time::Duration,
 };
 
-use rl_common::{known_holds, known_mask, known_region, known_word, KnownKey, KNOWN_ENTRIES, KNOWN_HALF, KNOWN_VALID, KNOWN_WORDS, MAP_KNOWN};
+use rl_common::{
+    known_holds, known_mask, known_region, known_word, KnownKey, KNOWN_ENTRIES, KNOWN_HALF, KNOWN_REBUILDING, KNOWN_VALID, KNOWN_WORDS, MAP_KNOWN,
+};
 
 use super::{cells::Mapped, DatapathError};
 
@@ -39,15 +41,20 @@ impl KnownFilter {
         self.mem.word(i as usize * 8)
     }
 
-    /// The control word: [`KNOWN_VALID`] | the half the program reads.
+    /// The control word: [`KNOWN_VALID`] | the half the program reads |
+    /// [`KNOWN_REBUILDING`] during a rebuild.
     pub fn control(&self) -> u64 {
         self.word(0).load(Ordering::Acquire)
     }
 
-    /// Starts a rebuild: zeroes the half the program does not read (both
-    /// families) and waits out the program runs in flight. Returns that half.
+    /// Starts a rebuild: tells the program to mark new keys in both halves
+    /// ([`KNOWN_REBUILDING`], cleared by [`finish`](Self::finish)), zeroes
+    /// the half it does not read (both families) and waits out the program
+    /// runs in flight. Returns that half. A rebuild that never finishes
+    /// leaves the flag set: the program then marks both halves, as it
+    /// must for the next one.
     pub fn begin(&self) -> u32 {
-        let half = ((self.control() & KNOWN_HALF) ^ 1) as u32;
+        let half = ((self.word(0).fetch_or(KNOWN_REBUILDING, Ordering::SeqCst) & KNOWN_HALF) ^ 1) as u32;
         for family in 0..2 {
             let first = known_region(family, half);
             for i in first..first + KNOWN_WORDS {
@@ -73,7 +80,8 @@ impl KnownFilter {
     }
 
     /// Ends a rebuild that marked every bucket a complete walk kept: the
-    /// program reads `half` from now on, and trusts its clear bits.
+    /// program reads `half` from now on, trusts its clear bits, and marks
+    /// new keys in it alone.
     pub fn finish(&self, half: u32) {
         self.word(0).store(KNOWN_VALID | u64::from(half & 1), Ordering::Release);
     }
