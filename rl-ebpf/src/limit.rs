@@ -101,7 +101,7 @@ pub fn limit(ctx: &XdpContext, pkt: &Packet, len: u64) -> Verdict {
         stats::passed(len, None);
         return Verdict::Pass;
     };
-    let (slot, flags) = cfg.slot_flags();
+    let (slot, flags, gen) = cfg.slot_flags();
     let mut src = pkt.src;
     if RL_BENCH_NEW_SOURCES.load() != 0 {
         if let Some(salt) = RL_BENCH.get_ptr_mut(0) {
@@ -140,8 +140,8 @@ pub fn limit(ctx: &XdpContext, pkt: &Packet, len: u64) -> Verdict {
             // sets its datagram's verdict; a later one charged under it
             // (not an orphan, charged as a packet) may break it.
             match pkt.frag {
-                Frag::First => frag::stash(pkt, frag::FIRST),
-                Frag::Later if cost.packets == 0 => frag::stash(pkt, frag::LATER),
+                Frag::First => frag::stash(pkt, frag::FIRST, gen),
+                Frag::Later if cost.packets == 0 => frag::stash(pkt, frag::LATER, gen),
                 _ => {}
             }
             let counted = settle(ctx, cfg, rule, entry, pkt.is_v6, &src, cost);

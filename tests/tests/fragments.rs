@@ -316,3 +316,52 @@ fn orphans_limited_by_source_are_each_charged() {
         assert_eq!(dp.counters().unwrap().get(STAT_FRAG_ORPHANS), 6, "{family}");
     }
 }
+
+/// A verdict names its rule by its place in one of the two rule slots. One
+/// rule change leaves that slot as it was; a second rewrites it (and a
+/// failed change may have rewritten part of it), so the rest of the
+/// datagram would be counted, and charged, under whatever rule now sits
+/// there. Such verdicts are forgotten: the later fragments are orphans.
+#[test]
+fn a_verdict_lasts_one_rule_change_and_not_the_rewrite_of_its_slot() {
+    require_root();
+    let head = "[datapath]\nmax_sources = 1024\nfragment_ttl_ms = 60000\n[default]\nrate = 1000\n";
+    let rule = |name: &str, port: u16, limit: &str| format!("[[rule]]\nname = \"{name}\"\nproto = \"udp\"\ndst_ports = [{port}]\n{limit}\n");
+    let install = |dp: &mut Datapath, rules: &str| {
+        let compiled = rl_control::compile::compile(&rl_control::config::Config::from_str(&format!("{head}{rules}"), "<test>").unwrap());
+        dp.install(&compiled.rules)
+    };
+    let tight = "rate = 2\nper = \"1h\"";
+    for v6 in [false, true] {
+        let family = if v6 { "IPv6" } else { "IPv4" };
+        let dgram = |id: u16| if v6 { datagram6(1, id as u32, 53, 3) } else { datagram4(SRC, id, 53, 3) };
+        let (a, b) = (dgram(1), dgram(2));
+        // Rule sets 1 to 4 alternate between the slots; each has its rule
+        // at entry 1. Were a forgotten verdict read through "other" or
+        // "other2" (generous), its fragment would pass, counted there.
+        let mut dp = datapath(&format!("{head}{}", rule("a", 53, tight))).unwrap();
+        assert_eq!(offer_all(&dp, &a[..2]), (2, 0), "{family}");
+        install(&mut dp, &rule("b", 53, tight)).unwrap();
+        assert_eq!(offer_all(&dp, &b[..2]), (2, 0), "{family}");
+        assert_eq!(offer_all(&dp, &a[2..3]), (1, 0), "{family}: one change later, a's rule is still in its slot");
+        assert_eq!((stats(&dp, "a").passed_pkts, stats(&dp, "b").passed_pkts), (3, 2), "{family}");
+        install(&mut dp, &rule("other", 99, "rate = 1000")).unwrap();
+        let orphans = dp.counters().unwrap().get(STAT_FRAG_ORPHANS);
+        assert_eq!(offer_all(&dp, &a[3..]), (0, 1), "{family}: a's slot rewritten, its last fragment is an orphan");
+        assert_eq!(dp.counters().unwrap().get(STAT_FRAG_ORPHANS), orphans + 1, "{family}");
+        assert_eq!(stats(&dp, "other").passed_pkts, 0, "{family}: nothing under the rule now in its place");
+        assert_eq!(offer_all(&dp, &b[2..3]), (1, 0), "{family}: b's rule is in the inactive slot");
+        assert_eq!(stats(&dp, "b").passed_pkts, 3, "{family}");
+        // A change that fails after rewriting b's slot's rules.
+        dp.fail_next_install_at("rules");
+        assert!(install(&mut dp, &rule("other2", 99, "rate = 1000")).is_err());
+        assert_eq!(offer_all(&dp, &b[3..]), (0, 1), "{family}: b's slot was being rewritten, its last fragment is an orphan");
+        assert_eq!(dp.counters().unwrap().get(STAT_FRAG_ORPHANS), orphans + 2, "{family}");
+        assert_eq!(stats(&dp, "b").passed_pkts, 3, "{family}");
+        // The datapath still works after the failed change.
+        install(&mut dp, &rule("c", 53, tight)).unwrap();
+        let c = dgram(3);
+        assert_eq!(offer_all(&dp, &c), (4, 0), "{family}");
+        assert_eq!(stats(&dp, "c").passed_pkts, 4, "{family}");
+    }
+}
