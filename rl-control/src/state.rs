@@ -63,6 +63,8 @@ pub struct State {
     pub l7: crate::l7::http::Shared,
     /// The shared Redis of `scope = "cluster"` rules (`[cluster]`).
     pub cluster: Option<Arc<crate::cluster::Cluster>>,
+    /// The collector's deletes of cluster rules' buckets, for the sync.
+    pub collected: Arc<crate::datapath::share::Collected>,
     /// The `on_failure` variant of the packet rules installed while the
     /// cluster is degraded (`None`: the rules as written).
     pub failure_mode: Option<crate::cluster::OnFailure>,

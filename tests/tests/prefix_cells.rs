@@ -562,3 +562,43 @@ fn daemon_upgrade(old: OldCells) {
     let (status, out) = rl_tests::daemon::run_once(Some(&lab.b), &["detach", "--iface", VB, "--pin-dir", pins.arg()]).unwrap();
     assert!(status.success(), "{out}");
 }
+
+/// The collector hands the cluster sync every bucket and cell of a shared
+/// limit it deletes, with its last counts (a bucket made again counts from
+/// zero in the kernel: the sync must know), and nothing of other limits.
+#[test]
+fn the_collector_records_the_deletes_of_shared_limits_for_the_cluster_sync() {
+    require_root();
+    let fast = "[cluster]\nredis = [\"redis://127.0.0.1:1\"]\nnode = \"test\"\n\
+        [[rule]]\nname = \"fast\"\nproto = \"udp\"\ndst_ports = [7788]\nrate = 1000\nscope = \"cluster\"\n";
+    // Flood mode always on (a cell), then never (an own bucket).
+    for (toml, kind) in [(rules() + fast, "cell"), (rl_tests::flood_rules(1024) + fast, "own bucket")] {
+        let dp = datapath(&toml).unwrap();
+        let compiled = compile(&Config::from_str(&toml, "<test>").unwrap());
+        let fast_index = compiled.rules.names.iter().position(|n| n == "fast").unwrap();
+        let own = compiled.rules.entries[fast_index].key4(0, u32::from_ne_bytes([10, 5, 5, 1]));
+        let id = if kind == "cell" {
+            BucketId::V4(Key4 { rule: own.rule | KEY_CELL, addr: own.addr & u32::from_ne_bytes([255, 255, 255, 0]) })
+        } else {
+            BucketId::V4(own)
+        };
+        assert_eq!(offer(&dp, &to([10, 5, 5, 1], 7788), 3), (3, 0), "{kind}");
+        assert_eq!(offer(&dp, &to([10, 6, 6, 1], 5000), 2), (2, 0), "{kind}: [default], not shared");
+        let handoff = rl_control::datapath::share::Collected::default();
+        handoff.lock().limits.insert(own.rule);
+        let collect = |dp: &Datapath| {
+            let limits = dp.limits_by_key().unwrap();
+            let known = dp.known_filter().unwrap();
+            rl_control::datapath::collect_handing(dp.table_ids().unwrap(), dp.epoch_offset_ns(), &limits, &known, Some(&handoff)).unwrap()
+        };
+        collect(&dp);
+        assert!(handoff.lock().deleted.is_empty(), "{kind}: nothing fresh for a second yet");
+        std::thread::sleep(std::time::Duration::from_nanos(COLLECT_IDLE_NS + 200_000_000));
+        let pass = collect(&dp);
+        assert!(pass.collected >= 2, "{kind}: both collected: {pass:?}");
+        let records = std::mem::take(&mut handoff.lock().deleted);
+        assert_eq!(records.len(), 1, "{kind}: only the shared limit's delete is recorded: {records:?}");
+        assert_eq!(records[0].id, id, "{kind}");
+        assert_eq!((records[0].bucket.passed, records[0].bucket.dropped), (3, 0), "{kind}: with its last counts");
+    }
+}

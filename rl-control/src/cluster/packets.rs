@@ -56,6 +56,9 @@ struct Tracked {
     at_ns: u64,
     /// When the bucket was last in the tables.
     seen_ns: u64,
+    /// Packets its collected incarnations passed past what was reported:
+    /// they travel with its next report.
+    carry: u64,
 }
 
 /// One bucket's line in a report to Redis (packet and batched request
@@ -105,6 +108,10 @@ pub struct Ledger {
     /// datapath made again counts from zero in the kernel, never here).
     tracked: HashMap<BucketId, Tracked>,
     forget_after_ns: u64,
+    /// Whether the collector's records of the last round were complete
+    /// (see [`Ledger::collected`]); until the first, and after records
+    /// were dropped, a bucket missing from a round is taken as collected.
+    complete: bool,
     pub stats: SyncStats,
 }
 
@@ -115,72 +122,67 @@ impl Ledger {
     /// report (this side keeps its counts twice as long).
     pub fn new(node: &str, keep_ms: u64) -> Ledger {
         let boot = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
-        Ledger { reporter: format!("{node}:{boot}"), tracked: HashMap::new(), forget_after_ns: 2 * keep_ms * 1_000_000, stats: SyncStats::default() }
+        Ledger {
+            reporter: format!("{node}:{boot}"),
+            tracked: HashMap::new(),
+            forget_after_ns: 2 * keep_ms * 1_000_000,
+            complete: false,
+            stats: SyncStats::default(),
+        }
+    }
+
+    /// Takes the collector's records of deleted buckets (see
+    /// [`Collected`](crate::datapath::share::Collected)), made under the
+    /// lock this round's scan of the tables was made under: a tracked one
+    /// counts from zero from now on, and what it passed past its last
+    /// report travels with the next one. `complete`: no record was dropped
+    /// since the last round.
+    pub fn collected(&mut self, records: &[SharedBucket], complete: bool) {
+        for r in records {
+            if let Some(t) = self.tracked.get_mut(&r.id) {
+                t.carry += r.bucket.passed.saturating_sub(t.passed);
+                (t.passed, t.dropped) = (0, 0);
+            }
+        }
+        self.complete = complete;
     }
 
     /// The buckets that travel this round: those whose unreported packets
-    /// reach `θ`, or that dropped since the last report. A report is capped
-    /// at what the bucket could pass in two intervals (`2·R·T + B`): usage
-    /// during an outage (`on_failure = "open"`, say) is not charged in full
-    /// when Redis is back.
+    /// reach `θ`, that dropped since the last report, or that were
+    /// collected with packets unreported. A report is capped at what the
+    /// bucket could pass in two intervals (`2·R·T + B`): usage during an
+    /// outage (`on_failure = "open"`, say) is not charged in full when
+    /// Redis is back.
     pub fn reports(&mut self, buckets: &[SharedBucket], shares: &Shares, interval_ns: u64, now: u64) -> Vec<Report> {
         let mut out = Vec::new();
         let mut seen = 0;
         for sb in buckets {
-            let Some(share) = shares.get(&(sb.id.rule() & !(rl_common::KEY_CELL | rl_common::KEY_LAST))) else { continue };
+            let Some(share) = shares.get(&limit_of(&sb.id)) else { continue };
             seen += 1;
-            let b = sb.bucket;
-            // Only reported buckets are tracked: the rest have reported
-            // nothing, so all they passed is unreported.
             let t = self.tracked.get_mut(&sb.id).map(|t| {
                 t.seen_ns = now;
                 *t
             });
-            let (passed0, dropped0, cum0) = match t {
-                Some(t) if b.passed >= t.passed => (t.passed, t.dropped, t.cum),
-                // A bucket collected and made again counts from zero in the
-                // kernel; its reports go on from the count Redis holds.
-                Some(t) => (0, 0, t.cum),
-                None => (0, 0, 0),
-            };
-            let mut delta = b.passed - passed0;
-            let theta = (interval_ns / share.ns_per_packet.max(1) / 4).max(1);
-            if delta < theta && b.dropped <= dropped0 {
-                continue;
-            }
-            // What the bucket could pass in (at most) two intervals: a
-            // report after an outage charges no more.
-            let span = t.map_or(2 * interval_ns, |t| now.saturating_sub(t.at_ns).min(2 * interval_ns));
-            delta = delta.min((span + share.burst_ns) / share.ns_per_packet.max(1) + 1);
-            let addr = sb.id.addr_bytes();
-            let shard = crate::compile::stable_hash(&addr, 0) % SHARDS;
-            let mut hex: String = addr.iter().map(|b| format!("{b:02x}")).collect();
-            if rl_common::key_kind(sb.id.rule()) == rl_common::KeyKind::Cell {
-                // A prefix cell and a source's own bucket may share an address.
-                hex.push_str("/cell");
-            }
-            let slot = format!("{}:{:016x}:{}:{shard}", share.rule, share.definition, share.which);
-            out.push(Report {
-                id: sb.id,
-                line: Line {
-                    key: format!("rl:p:{{{slot}}}:{hex}"),
-                    slot,
-                    cum: cum0 + delta,
-                    delta,
-                    ns_per_unit: share.ns_per_packet,
-                    interval_ns,
-                },
-                passed: b.passed,
-                dropped: b.dropped,
-            });
+            out.extend(report(sb.id, &sb.bucket, t, share, interval_ns, now));
         }
-        // A tracked bucket of a shared rule that is not in the tables was
-        // collected: made again, it counts from zero in the kernel. Told
-        // only by its count going down, one that passed its old count again
-        // before the next round would leave that many packets unreported.
-        let forget = self.forget_after_ns;
+        // Collected with packets unreported, and not made again (yet).
+        let absent: Vec<(BucketId, Tracked)> =
+            self.tracked.iter().filter(|(_, t)| t.carry > 0 && t.seen_ns != now).map(|(id, t)| (*id, *t)).collect();
+        for (id, t) in absent {
+            if let Some(share) = shares.get(&limit_of(&id)) {
+                out.extend(report(id, &rl_common::Bucket::default(), Some(t), share, interval_ns, now));
+            }
+        }
+        // Without complete records, a tracked bucket of a shared rule that
+        // is not in the tables is taken as collected: made again, it counts
+        // from zero in the kernel. (Told only by its count going down, one
+        // that passed its old count again before the next round would leave
+        // that many packets unreported.) With them this is not needed, and
+        // would be wrong for a prefix cell the collector is freeing: out of
+        // the scans for a moment, it may live on with its count.
+        let (forget, complete) = (self.forget_after_ns, self.complete);
         self.tracked.retain(|id, t| {
-            if t.seen_ns != now && shares.contains_key(&(id.rule() & !(rl_common::KEY_CELL | rl_common::KEY_LAST))) {
+            if !complete && t.seen_ns != now && shares.contains_key(&limit_of(id)) {
                 (t.passed, t.dropped) = (0, 0);
             }
             now.saturating_sub(t.seen_ns.max(t.at_ns)) < forget
@@ -200,9 +202,51 @@ impl Ledger {
 
     /// Records that Redis holds `r`.
     pub fn acknowledge(&mut self, r: &Report, now: u64) {
-        self.tracked.insert(r.id, Tracked { passed: r.passed, dropped: r.dropped, cum: r.line.cum, at_ns: now, seen_ns: now });
+        self.tracked.insert(r.id, Tracked { passed: r.passed, dropped: r.dropped, cum: r.line.cum, at_ns: now, seen_ns: now, carry: 0 });
         self.stats.reported_keys += 1;
     }
+}
+
+/// A bucket's limit (`RuleEntry::id | index`, the kind bits cleared).
+fn limit_of(id: &BucketId) -> u32 {
+    id.rule() & !(rl_common::KEY_CELL | rl_common::KEY_LAST)
+}
+
+/// The report of bucket `id` holding `b` (tracked as `t`), if it travels
+/// this round.
+fn report(id: BucketId, b: &rl_common::Bucket, t: Option<Tracked>, share: &Share, interval_ns: u64, now: u64) -> Option<Report> {
+    // Only reported buckets are tracked: the rest have reported nothing,
+    // so all they passed is unreported.
+    let (passed0, dropped0, cum0, carry) = match t {
+        Some(t) if b.passed >= t.passed => (t.passed, t.dropped, t.cum, t.carry),
+        // A bucket collected and made again counts from zero in the
+        // kernel; its reports go on from the count Redis holds.
+        Some(t) => (0, 0, t.cum, t.carry),
+        None => (0, 0, 0, 0),
+    };
+    let mut delta = b.passed - passed0 + carry;
+    let theta = (interval_ns / share.ns_per_packet.max(1) / 4).max(1);
+    if delta < theta && b.dropped <= dropped0 && carry == 0 {
+        return None;
+    }
+    // What the bucket could pass in (at most) two intervals: a report
+    // after an outage charges no more.
+    let span = t.map_or(2 * interval_ns, |t| now.saturating_sub(t.at_ns).min(2 * interval_ns));
+    delta = delta.min((span + share.burst_ns) / share.ns_per_packet.max(1) + 1);
+    let addr = id.addr_bytes();
+    let shard = crate::compile::stable_hash(&addr, 0) % SHARDS;
+    let mut hex: String = addr.iter().map(|b| format!("{b:02x}")).collect();
+    if rl_common::key_kind(id.rule()) == rl_common::KeyKind::Cell {
+        // A prefix cell and a source's own bucket may share an address.
+        hex.push_str("/cell");
+    }
+    let slot = format!("{}:{:016x}:{}:{shard}", share.rule, share.definition, share.which);
+    Some(Report {
+        id,
+        line: Line { key: format!("rl:p:{{{slot}}}:{hex}"), slot, cum: cum0 + delta, delta, ns_per_unit: share.ns_per_packet, interval_ns },
+        passed: b.passed,
+        dropped: b.dropped,
+    })
 }
 
 /// Most buckets in one script call: Redis runs a script alone, so a call
@@ -270,5 +314,60 @@ mod tests {
         let r = ledger.reports(&[bucket(45)], &shares, interval, 3 * interval);
         assert_eq!(r.len(), 1, "a hot bucket (45 unreported, threshold 25)");
         assert_eq!((r[0].line.delta, r[0].line.cum), (45, 85), "all 45 reported, on top of the 40 Redis holds");
+    }
+
+    /// The collector's record of a delete re-bases a tracked bucket: made
+    /// again within the round and past its old count before it, it still
+    /// reports all of both incarnations' unreported packets (told by its
+    /// count alone, it reported 45 − 40 = 5 of them).
+    #[test]
+    fn a_bucket_collected_and_made_again_within_a_round_reports_both_lives() {
+        let id = BucketId::V4(Key4 { rule: 0x100, addr: 1 });
+        let shares: Shares = [(0x100, Share { rule: "r".into(), definition: 1, which: 0, ns_per_packet: 1_000_000, burst_ns: 1_000_000_000_000 })].into();
+        let bucket = |passed| SharedBucket { id, bucket: Bucket { passed, ..Default::default() } };
+        let interval = 100_000_000;
+        let mut ledger = Ledger::new("n", 10_000);
+        ledger.collected(&[], true);
+        let r = ledger.reports(&[bucket(40)], &shares, interval, interval);
+        ledger.acknowledge(&r[0], interval);
+        // Deleted at 42 (2 unreported), made again, 45 by the next round.
+        ledger.collected(&[bucket(42)], true);
+        let r = ledger.reports(&[bucket(45)], &shares, interval, 2 * interval);
+        assert_eq!(r.len(), 1);
+        assert_eq!((r[0].line.delta, r[0].line.cum), (47, 87), "2 from its first life, 45 from its second");
+        ledger.acknowledge(&r[0], 2 * interval);
+        // Deleted at 50 (5 unreported, under θ = 25) and not made again:
+        // the 5 travel alone, once.
+        ledger.collected(&[bucket(50)], true);
+        let r = ledger.reports(&[], &shares, interval, 3 * interval);
+        assert_eq!(r.len(), 1, "a collected bucket's last packets travel");
+        assert_eq!((r[0].line.delta, r[0].line.cum, r[0].id), (5, 92, id));
+        ledger.acknowledge(&r[0], 3 * interval);
+        ledger.collected(&[], true);
+        assert!(ledger.reports(&[], &shares, interval, 4 * interval).is_empty());
+        // Made again: counts from zero.
+        let r = ledger.reports(&[bucket(30)], &shares, interval, 5 * interval);
+        assert_eq!((r[0].line.delta, r[0].line.cum), (30, 122));
+    }
+
+    /// With complete records, a bucket missing from one round was not
+    /// collected (a prefix cell the collector was freeing, then kept): back
+    /// with its count, it reports only what is new.
+    #[test]
+    fn with_complete_records_a_bucket_missing_for_a_round_keeps_its_count() {
+        let id = BucketId::V4(Key4 { rule: 0x100 | rl_common::KEY_CELL, addr: 1 });
+        let shares: Shares = [(0x100, Share { rule: "r".into(), definition: 1, which: 0, ns_per_packet: 1_000_000, burst_ns: 1_000_000_000_000 })].into();
+        let bucket = |passed| SharedBucket { id, bucket: Bucket { passed, ..Default::default() } };
+        let interval = 100_000_000;
+        let mut ledger = Ledger::new("n", 10_000);
+        ledger.collected(&[], true);
+        let r = ledger.reports(&[bucket(40)], &shares, interval, interval);
+        ledger.acknowledge(&r[0], interval);
+        ledger.collected(&[], true);
+        assert!(ledger.reports(&[], &shares, interval, 2 * interval).is_empty());
+        ledger.collected(&[], true);
+        assert!(ledger.reports(&[bucket(41)], &shares, interval, 3 * interval).is_empty(), "1 new packet, under θ");
+        let r = ledger.reports(&[bucket(70)], &shares, interval, 4 * interval);
+        assert_eq!((r[0].line.delta, r[0].line.cum), (30, 70));
     }
 }

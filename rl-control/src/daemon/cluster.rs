@@ -12,7 +12,7 @@ use crate::{
         packets::{Ledger, Share, Shares},
         Cluster,
     },
-    datapath::share::{scan_shared, Tables},
+    datapath::share::{scan_shared, CollectedRecords, SharedBucket, Tables},
     compile::stable_hash,
     config::Config,
     rules::Scope,
@@ -131,6 +131,7 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
     };
     // The shares of the config in force, worked out again when it changes.
     let mut shares_for: Option<(Arc<Config>, Arc<Shares>)> = None;
+    let collected = lock(&state).collected.clone();
     let mut every = tokio::time::interval(interval);
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -143,6 +144,10 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
             (s.config.clone(), s.failure_mode.is_some())
         };
         if cluster.is_degraded() || variant {
+            // The collector's records are taken all the same (they are
+            // bounded, and a bucket made again meanwhile counts from 0).
+            let (records, complete) = take_records(&mut collected.lock());
+            ledger.collected(&records, complete);
             continue;
         }
         let shares = match &shares_for {
@@ -154,16 +159,31 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
             }
         };
         if shares.is_empty() {
+            collected.lock().limits.clear();
             continue;
         }
         let wanted: std::collections::HashSet<u32> = shares.keys().copied().collect();
-        let buckets = match tokio::task::spawn_blocking(move || scan_shared(ids, |r| wanted.contains(&r))).await {
-            Ok(Ok(b)) => b,
-            Ok(Err(e)) => {
+        let handoff = collected.clone();
+        // The records and the scan under one lock (see `Collected`).
+        let scanned = tokio::task::spawn_blocking(move || {
+            let mut records = handoff.lock();
+            records.limits.clone_from(&wanted);
+            let taken = take_records(&mut records);
+            (taken, scan_shared(ids, |r| wanted.contains(&r)))
+        });
+        let buckets = match scanned.await {
+            Ok(((records, complete), scan)) => {
+                ledger.collected(&records, complete);
+                scan
+            }
+            Err(_) => continue,
+        };
+        let buckets = match buckets {
+            Ok(b) => b,
+            Err(e) => {
                 warn!("cluster sync: reading the bucket tables failed: {e}");
                 continue;
             }
-            Err(_) => continue,
         };
         let now = crate::datapath::monotonic_ns();
         let reports = ledger.reports(&buckets, &shares, interval_ns, now);
@@ -189,6 +209,12 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
         ledger.stats.rounds += 1;
         *cluster.sync.lock().unwrap_or_else(|e| e.into_inner()) = ledger.stats;
     }
+}
+
+/// The collector's records since the last round, and whether none was
+/// dropped.
+fn take_records(r: &mut CollectedRecords) -> (Vec<SharedBucket>, bool) {
+    (std::mem::take(&mut r.deleted), std::mem::take(&mut r.dropped) == 0)
 }
 
 /// Installs the packet rules' `on_failure` variant while the cluster is

@@ -69,8 +69,11 @@ pub(super) async fn watch_pressure(state: Shared, ids: TableIds) {
             let _changes = crate::apply::hold_changes();
             let pass = match walk {
                 Some(offset) => {
-                    let limits = lock(&st).dp.limits_by_key()?;
-                    Some(crate::datapath::collect(ids, offset, &limits, &filter)?)
+                    let (limits, collected) = {
+                        let s = lock(&st);
+                        (s.dp.limits_by_key()?, s.collected.clone())
+                    };
+                    Some(crate::datapath::collect_handing(ids, offset, &limits, &filter, Some(&collected))?)
                 }
                 None => None,
             };

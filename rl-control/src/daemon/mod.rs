@@ -188,6 +188,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     let state: Shared = Arc::new(Mutex::new(State {
         l7,
         cluster: cluster.clone(),
+        collected: Default::default(),
         failure_mode: None,
         program_id: dp.program_id(),
         dp,

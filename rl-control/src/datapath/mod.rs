@@ -46,7 +46,7 @@ pub use install::Plan;
 pub use cells::CellArray;
 pub use known::KnownFilter;
 pub use load::{table_capacity, LoadOptions, LAST_RESORT_ROOM};
-pub use pressure::{collect, flood_mode, FloodReading, LimitsByKey, Pass, TableIds, COLLECT_IDLE_NS};
+pub use pressure::{collect, collect_handing, flood_mode, FloodReading, LimitsByKey, Pass, TableIds, COLLECT_IDLE_NS};
 pub use pin::{detach as detach_pinned, dirs_with as pin_dirs_with, group_name as pin_group, prepare as prepare_pins};
 pub use read::{scan_buckets, Source};
 

@@ -119,11 +119,23 @@ impl Datapath {
 /// lookups, never verdicts). Then it frees the prefix cells that are fresh
 /// (or whose rule is gone) in the cell arrays.
 pub fn collect(ids: TableIds, epoch_offset_ns: u64, limits: &LimitsByKey, known: &KnownFilter) -> Result<Pass, DatapathError> {
+    collect_handing(ids, epoch_offset_ns, limits, known, None)
+}
+
+/// [`collect`], recording in `handoff` the deletes of the limits it names
+/// (the cluster rules': see [`Collected`](super::share::Collected)).
+pub fn collect_handing(
+    ids: TableIds,
+    epoch_offset_ns: u64,
+    limits: &LimitsByKey,
+    known: &KnownFilter,
+    handoff: Option<&super::share::Collected>,
+) -> Result<Pass, DatapathError> {
     let mut pass = Pass::default();
     let half = known.begin();
     let (cells4, cells6) = ids.cell_arrays()?;
     let owned = Mapped::open(ids.owned, MAP_OWNED, 8)?;
-    let mut walk = Walk { limits, epoch_offset_ns, known, half, own: 0, moved: 0 };
+    let mut walk = Walk { limits, epoch_offset_ns, known, half, own: 0, moved: 0, handoff };
     let before = walk.owned_before(&owned, OWNED_V4);
     scan_table_each::<Key4>(ids.tables.0, MAP_SOURCES_V4, |k, b| walk.sweep(ids.tables.0, MAP_SOURCES_V4, &cells4, k, b, &mut pass))?;
     pass.own.0 = walk.owned_after(&owned, OWNED_V4, before);
@@ -153,6 +165,8 @@ struct Walk<'a> {
     own: u64,
     /// Cells found in the sources' tables (left by an older build) and moved.
     moved: u64,
+    /// Where deletes of cluster rules' buckets are recorded.
+    handoff: Option<&'a super::share::Collected>,
 }
 
 impl Walk<'_> {
@@ -189,7 +203,7 @@ impl Walk<'_> {
         pass: &mut Pass,
     ) -> Result<(), DatapathError> {
         use std::os::fd::{AsFd, AsRawFd};
-        let mut dead = Vec::new();
+        let (mut dead, mut last) = (Vec::new(), Vec::new());
         // Read after the chunk: no word in it is of a later window.
         let now = monotonic_ns();
         for (k, b) in keys.iter().zip(buckets) {
@@ -209,6 +223,7 @@ impl Walk<'_> {
             };
             if gone {
                 dead.push(*k);
+                last.push(*b);
                 continue;
             }
             match key_kind(k.rule()) {
@@ -224,7 +239,14 @@ impl Walk<'_> {
         }
         if !dead.is_empty() {
             let data = MapData::from_id(id).map_err(|e| map_error(name, e))?;
+            // Held from the delete until the records are in.
+            let mut records = self.handoff.map(super::share::Collected::lock);
             delete_batch(data.fd().as_fd().as_raw_fd(), &dead).map_err(|e| map_error(name, e))?;
+            if let Some(r) = records.as_mut() {
+                for (k, b) in dead.iter().zip(&last).filter(|(k, _)| key_kind(k.rule()) == KeyKind::Own) {
+                    r.record(k.id(), b);
+                }
+            }
             pass.collected += dead.len() as u64;
         }
         Ok(())
@@ -275,8 +297,15 @@ impl Walk<'_> {
                 left += 1;
             }
         }
+        // Held from each free until its record is in (a dying cell is in
+        // no scan: it is gone for the sync from its first step).
+        let mut records = self.handoff.map(super::share::Collected::lock);
         for (i, key) in dying {
+            let counts = cells.get(i).bucket;
             if cells.finish_free(i, &key, |b| self.gone(&key, b)) {
+                if let Some(r) = records.as_mut() {
+                    r.record(key.id(), &counts);
+                }
                 pass.collected += 1;
             } else {
                 self.known.mark(self.half, &key);

@@ -240,6 +240,8 @@ pub(super) trait BucketKey: aya::Pod + Default {
     fn addr(&self) -> IpAddr;
     /// The key of the last resort of this key's limit.
     fn last_resort(&self) -> Self;
+    /// The key as either table's.
+    fn id(&self) -> super::share::BucketId;
 }
 
 impl BucketKey for Key4 {
@@ -248,6 +250,9 @@ impl BucketKey for Key4 {
     }
     fn last_resort(&self) -> Self {
         Key4 { rule: (self.rule & !KEY_CELL) | KEY_LAST, addr: 0 }
+    }
+    fn id(&self) -> super::share::BucketId {
+        super::share::BucketId::V4(*self)
     }
     fn addr(&self) -> IpAddr {
         IpAddr::from(self.addr_bytes())
@@ -260,6 +265,9 @@ impl BucketKey for Key6 {
     }
     fn last_resort(&self) -> Self {
         Key6 { rule: (self.rule & !KEY_CELL) | KEY_LAST, addr: [0; 4] }
+    }
+    fn id(&self) -> super::share::BucketId {
+        super::share::BucketId::V6(*self)
     }
     fn addr(&self) -> IpAddr {
         IpAddr::from(self.addr_bytes())

@@ -44,6 +44,57 @@ pub struct SharedBucket {
     pub bucket: Bucket,
 }
 
+/// The buckets and cells of cluster rules the collector deletes, handed
+/// to the cluster sync with their last counts: a bucket made again counts
+/// from zero in the kernel, and without the record the sync could tell its
+/// new count from its old one only when the new one is lower.
+///
+/// One lock for both sides. The collector holds it from a delete until its
+/// record is in; the sync from taking the records through its scan of the
+/// tables. So a bucket is either missing from (or made again in) a scan and
+/// recorded for that round, or in the scan as it was and recorded for a
+/// later round: never read as made again without its record.
+#[derive(Default)]
+pub struct Collected(std::sync::Mutex<CollectedRecords>);
+
+/// What [`Collected`] guards.
+#[derive(Default)]
+pub struct CollectedRecords {
+    /// The limits whose deletes are recorded (`RuleEntry::id | index`),
+    /// as the sync last set them (none: nothing is recorded).
+    pub limits: std::collections::HashSet<u32>,
+    /// The deletes since the sync last took them, with the counts read
+    /// just before.
+    pub deleted: Vec<SharedBucket>,
+    /// Deletes not recorded because [`COLLECTED_MAX`] were waiting.
+    pub dropped: u64,
+}
+
+/// Most records waiting for the sync (a sync stopped for long, say):
+/// past them the sync falls back to telling a bucket made again by its
+/// count.
+pub const COLLECTED_MAX: usize = 1 << 20;
+
+impl Collected {
+    pub fn lock(&self) -> std::sync::MutexGuard<'_, CollectedRecords> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl CollectedRecords {
+    /// Records `id`'s delete if its limit is shared.
+    pub fn record(&mut self, id: BucketId, bucket: &Bucket) {
+        if !self.limits.contains(&(id.rule() & !(KEY_CELL | KEY_LAST))) {
+            return;
+        }
+        if self.deleted.len() >= COLLECTED_MAX {
+            self.dropped += 1;
+            return;
+        }
+        self.deleted.push(SharedBucket { id, bucket: *bucket });
+    }
+}
+
 /// Every own bucket and prefix cell whose limit `wanted` accepts (by
 /// `RuleEntry::id | index`, kind bits cleared), IPv4 then IPv6, a chunk at
 /// a time, then the cells.
