@@ -173,11 +173,9 @@ pub struct DatapathConfig {
     /// Unseen keys one CPU may see per flood window (~67 ms) before it
     /// enters flood mode (see [`crate::pressure`]); `u32::MAX`: never.
     pub flood_cap: u32,
-    /// The active slot (bit 0), the rule-set generation (bits 1 to 7, see
-    /// [`RULES_GEN_MASK`]), [`SLOT_REWRITING`] (bit 8) and the `CFG_*`
-    /// bits of its rule set (high half), in one word the program reads with
-    /// one load: no packet sees one slot with the other's flags. See
-    /// [`DatapathConfig::slot_flags`].
+    /// The active slot (bit 0) and the `CFG_*` bits of its rule set (high
+    /// half), in one word the program reads with one load: no packet sees
+    /// one slot with the other's flags. See [`DatapathConfig::slot_flags`].
     pub slot_flags: u64,
     /// Prefix-cell masks (network order): a key's cell is its bucket key
     /// masked further to `flood_prefix_v4` / `flood_prefix_v6`.
@@ -193,62 +191,16 @@ const _: () = assert!(size_of::<DatapathConfig>() == 64);
 const _: () = assert!(core::mem::offset_of!(DatapathConfig, slot_flags) % 8 == 0);
 
 impl DatapathConfig {
-    /// The word for `slot`, holding generation `gen` of the rule sets, and
-    /// its rule set's `CFG_*` `flags`; `rewriting`: [`SLOT_REWRITING`].
-    pub const fn pack_slot_flags(slot: u32, gen: u32, rewriting: bool, flags: u32) -> u64 {
-        (slot & 1) as u64
-            | ((gen & RULES_GEN_MASK) as u64) << RULES_GEN_SHIFT
-            | if rewriting { SLOT_REWRITING } else { 0 }
-            | (flags as u64) << 32
+    /// The word for `slot` and its rule set's `CFG_*` `flags`.
+    pub const fn pack_slot_flags(slot: u32, flags: u32) -> u64 {
+        (slot & 1) as u64 | (flags as u64) << 32
     }
 
-    /// The word (volatile: one load).
+    /// `(slot, flags)` from one read of the word (volatile: one load).
     #[inline(always)]
-    pub fn slot_word(&self) -> u64 {
-        unsafe { core::ptr::read_volatile(&raw const self.slot_flags) }
-    }
-
-    /// `(slot, flags, generation)` from one read of the word.
-    #[inline(always)]
-    pub fn slot_flags(&self) -> (u32, u32, u32) {
-        let w = self.slot_word();
-        ((w & 1) as u32, (w >> 32) as u32, rules_gen(w))
-    }
-}
-
-/// Where [`DatapathConfig::slot_flags`] keeps the rule-set generation:
-/// the daemon adds one at every flip (modulo [`RULES_GEN_MASK`] + 1), so a
-/// remembered rule-table entry (a fragment verdict's) can tell whether the
-/// slot it names still holds the rule set it was read from. (Builds before
-/// it left these bits 0.)
-pub const RULES_GEN_SHIFT: u32 = 1;
-/// Generations are counted modulo 128: an entry remembered for at most
-/// `fragment_ttl_ms` (60 s at most) is misread only if exactly a multiple of
-/// 128 flips happen in its lifetime.
-pub const RULES_GEN_MASK: u32 = 0x7f;
-/// [`DatapathConfig::slot_flags`] bit: the daemon is rewriting the
-/// inactive slot, so the previous generation's entries no longer say what
-/// they said. Set (with a wait for program runs in flight) before the
-/// first write of an install, cleared by its flip; a failed install leaves
-/// it set.
-pub const SLOT_REWRITING: u64 = 1 << 8;
-
-/// The generation in a [`DatapathConfig::slot_flags`] word.
-#[inline(always)]
-pub const fn rules_gen(word: u64) -> u32 {
-    (word >> RULES_GEN_SHIFT) as u32 & RULES_GEN_MASK
-}
-
-/// Whether a rule-table entry read under generation `gen` still names the
-/// same rule under the `slot_flags` word `now`: it was read from the active
-/// slot, or from the inactive one (the previous generation) while no
-/// install is rewriting it.
-#[inline(always)]
-pub const fn entry_still_valid(gen: u32, now: u64) -> bool {
-    match rules_gen(now).wrapping_sub(gen) & RULES_GEN_MASK {
-        0 => true,
-        1 => now & SLOT_REWRITING == 0,
-        _ => false,
+    pub fn slot_flags(&self) -> (u32, u32) {
+        let w = unsafe { core::ptr::read_volatile(&raw const self.slot_flags) };
+        ((w & 1) as u32, (w >> 32) as u32)
     }
 }
 
@@ -464,41 +416,41 @@ pub struct FragVerdict {
     /// fragment's time plus `fragment_ttl_ms`, which later fragments never
     /// extend.
     pub expires_ns: u64,
-    /// The entry it was counted under (`slot × RULE_SLOTS + i`).
+    /// The entry it was counted under (`slot × RULE_SLOTS + i`, below
+    /// [`FRAG_TAG_SHIFT`]), and above it the [`rule_tag`] of the rule that
+    /// entry held: a later fragment takes the verdict only while the entry
+    /// still holds that rule. (Builds before the tag wrote 0 there: their
+    /// verdicts read as another rule's, and their datagrams' later
+    /// fragments as orphans.)
     pub entry: u32,
     /// Low byte ([`FRAG_VERDICT_MASK`]): [`FRAG_PASSED`], [`FRAG_DROPPED`]
-    /// or [`FRAG_SHADOW`]. Above it ([`FRAG_DATA_SHIFT`], 17 bits): the
-    /// bytes of data the datagram's later fragments brought so far (added
-    /// atomically), see [`FRAG_DATA_MAX`]. The top 7 bits
-    /// ([`FRAG_GEN_SHIFT`]): the rule-set generation `entry` was read
-    /// under (see [`entry_still_valid`]). (Builds before the count wrote
-    /// the verdict alone: their entries read as no data yet, and as
-    /// generation 0.)
+    /// or [`FRAG_SHADOW`]. Above it ([`FRAG_DATA_SHIFT`]): the bytes of
+    /// data the datagram's later fragments brought so far (added
+    /// atomically), see [`FRAG_DATA_MAX`]. (Builds before the count wrote
+    /// the verdict alone: their entries read as no data yet.)
     pub counted: u32,
 }
 const _: () = assert!(size_of::<FragVerdict>() == 16);
+
+/// [`FragVerdict::entry`]: where the rule's tag starts (entries are under
+/// `2 × RULE_SLOTS`).
+pub const FRAG_TAG_SHIFT: u32 = 16;
+const _: () = assert!(2 * RULE_SLOTS <= 1 << FRAG_TAG_SHIFT);
+
+/// 16 bits of a rule's id (`RuleEntry::id`, a hash of its definition whose
+/// low 3 bits are 0): a verdict names its rule by its entry in one of the
+/// two rule slots, which the next but one change rewrites (a failed change
+/// may rewrite part of one), and by this, so that it is never read through
+/// another rule. One rule's tag is another's by chance for 1 pair in 65,536.
+#[inline(always)]
+pub const fn rule_tag(id: u32) -> u32 {
+    (id >> 3) & 0xffff
+}
 
 /// [`FragVerdict::counted`]: the verdict's bits.
 pub const FRAG_VERDICT_MASK: u32 = 0xff;
 /// [`FragVerdict::counted`]: where the later fragments' data count starts.
 pub const FRAG_DATA_SHIFT: u32 = 8;
-/// [`FragVerdict::counted`]: where the generation starts. The data count
-/// below it stops growing once past [`FRAG_DATA_MAX`], after adding at
-/// most another `FRAG_DATA_MAX`: under 2¹⁷, so it never reaches it.
-pub const FRAG_GEN_SHIFT: u32 = 25;
-const _: () = assert!(2 * FRAG_DATA_MAX < 1 << (FRAG_GEN_SHIFT - FRAG_DATA_SHIFT));
-
-/// The data count of a [`FragVerdict::counted`] word.
-#[inline(always)]
-pub const fn frag_data(counted: u32) -> u32 {
-    (counted >> FRAG_DATA_SHIFT) & ((1 << (FRAG_GEN_SHIFT - FRAG_DATA_SHIFT)) - 1)
-}
-
-/// The rule-set generation of a [`FragVerdict::counted`] word.
-#[inline(always)]
-pub const fn frag_gen(counted: u32) -> u32 {
-    counted >> FRAG_GEN_SHIFT
-}
 /// The data a passed datagram's later fragments may bring: an IP datagram
 /// holds at most 65,535 bytes, so a real one's later fragments hold less.
 /// Past it, its later fragments are dropped: without the bound, one
@@ -626,28 +578,5 @@ mod tests {
         let k = Key6 { rule: 0, addr: [u32::from_ne_bytes([0xfd, 0, 0, 1]), 0, 0, u32::from_ne_bytes([0, 0, 0, 9])] };
         assert_eq!(k.addr_bytes()[0], 0xfd);
         assert_eq!(k.addr_bytes()[15], 9);
-    }
-
-    #[test]
-    fn a_remembered_entry_holds_for_its_generation_and_the_next_until_a_rewrite() {
-        let word = |gen, rewriting| DatapathConfig::pack_slot_flags(gen & 1, gen, rewriting, CFG_RULES);
-        assert_eq!(DatapathConfig { slot_flags: word(5, false), ..Default::default() }.slot_flags(), (1, CFG_RULES, 5));
-        assert!(entry_still_valid(5, word(5, false)));
-        assert!(entry_still_valid(5, word(5, true)), "the active slot is never rewritten");
-        assert!(entry_still_valid(5, word(6, false)), "the inactive slot still holds it");
-        assert!(!entry_still_valid(5, word(6, true)), "the inactive slot is being rewritten");
-        assert!(!entry_still_valid(5, word(7, false)));
-        assert!(!entry_still_valid(6, word(5, false)), "a generation from the future is no better");
-        // Across the wrap.
-        assert!(entry_still_valid(RULES_GEN_MASK, word(RULES_GEN_MASK + 1, false)));
-        assert!(!entry_still_valid(RULES_GEN_MASK, word(RULES_GEN_MASK + 2, false)));
-        assert_eq!(rules_gen(word(RULES_GEN_MASK + 1, true)), 0);
-    }
-
-    #[test]
-    fn a_verdicts_data_count_and_generation_do_not_overlap() {
-        let most = FRAG_DATA_MAX + FRAG_DATA_MAX;
-        let w = FRAG_SHADOW | most << FRAG_DATA_SHIFT | RULES_GEN_MASK << FRAG_GEN_SHIFT;
-        assert_eq!((w & FRAG_VERDICT_MASK, frag_data(w), frag_gen(w)), (FRAG_SHADOW, most, RULES_GEN_MASK));
     }
 }

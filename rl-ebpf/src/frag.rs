@@ -30,12 +30,12 @@ use aya_ebpf::{
 use core::intrinsics::{atomic_cxchg, atomic_or, AtomicOrdering};
 
 use rl_common::{
-    entry_still_valid, frag_data, frag_gen, DatapathConfig, FragKey, FragVerdict, FRAG_DATA_MAX, FRAG_DATA_SHIFT, FRAG_DROPPED, FRAG_GEN_SHIFT,
-    FRAG_MIN_CHARGE, FRAG_ORPHANS_SOURCE, FRAG_SHADOW, FRAG_TABLE_LEN, FRAG_VERDICT_MASK, STAT_FRAG_ORPHANS,
+    rule_tag, DatapathConfig, FragKey, FragVerdict, RuleEntry, FRAG_DATA_MAX, FRAG_DATA_SHIFT, FRAG_DROPPED, FRAG_MIN_CHARGE,
+    FRAG_ORPHANS_SOURCE, FRAG_SHADOW, FRAG_TABLE_LEN, FRAG_TAG_SHIFT, FRAG_VERDICT_MASK, STAT_FRAG_ORPHANS,
 };
 
 use crate::{
-    limit::{count, Counted},
+    limit::{count, Counted, RL_RULES},
     parse::Packet,
     stats,
 };
@@ -50,12 +50,9 @@ static RL_FRAG_NOW: PerCpuArray<Pending> = PerCpuArray::with_max_entries(1, 0);
 #[repr(C)]
 struct Pending {
     key: FragKey,
-    /// 0, [`FIRST`] or [`LATER`], with the rule-set generation the packet
-    /// was classified under above [`PENDING_GEN_SHIFT`].
+    /// 0, [`FIRST`] or [`LATER`].
     pending: u32,
 }
-
-const PENDING_GEN_SHIFT: u32 = 8;
 
 /// A first fragment: its verdict is remembered for its datagram.
 pub const FIRST: u32 = 1;
@@ -90,38 +87,36 @@ fn key(pkt: &Packet) -> FragKey {
 }
 
 /// Sets a fragment's key aside until it is [`settled`]: `what` is
-/// [`FIRST`] or [`LATER`]; `gen`: the rule-set generation its entry was
-/// read under.
+/// [`FIRST`] or [`LATER`].
 #[inline(never)]
-pub fn stash(pkt: &Packet, what: u32, gen: u32) {
+pub fn stash(pkt: &Packet, what: u32) {
     if let Some(p) = RL_FRAG_NOW.get_ptr_mut(0) {
-        unsafe { *p = Pending { key: key(pkt), pending: what | gen << PENDING_GEN_SHIFT } };
+        unsafe { *p = Pending { key: key(pkt), pending: what } };
     }
 }
 
-/// Called with every charged packet's verdict: if it is a [`stash`]ed
-/// fragment, remembers a first fragment's verdict for the datagram's later
-/// fragments, or breaks the datagram of a later one that was dropped. (A
-/// flag in a map, not one on the stack: a bit carried through the charging
-/// code would double the verifier's work there.)
+/// Called with every charged packet's verdict (`rule`: the rule at
+/// `entry`): if it is a [`stash`]ed fragment, remembers a first fragment's
+/// verdict for the datagram's later fragments, or breaks the datagram of a
+/// later one that was dropped. (A flag in a map, not one on the stack: a
+/// bit carried through the charging code would double the verifier's work
+/// there.)
 #[inline(always)]
-pub fn settled(cfg: &DatapathConfig, entry: u32, counted: Counted) {
+pub fn settled(cfg: &DatapathConfig, rule: &RuleEntry, entry: u32, counted: Counted) {
     if let Some(p) = RL_FRAG_NOW.get_ptr_mut(0) {
         if unsafe { (*p).pending } != 0 {
-            remember(cfg, p, entry, counted as u32);
+            remember(cfg, p, entry | rule_tag(rule.id) << FRAG_TAG_SHIFT, counted as u32);
         }
     }
 }
 
 #[inline(never)]
 fn remember(cfg: &DatapathConfig, p: *mut Pending, entry: u32, counted: u32) {
-    let pending = unsafe { (*p).pending };
-    let what = pending & ((1 << PENDING_GEN_SHIFT) - 1);
+    let what = unsafe { (*p).pending };
     unsafe { (*p).pending = 0 };
     let key = unsafe { &(*p).key };
     if what == FIRST {
         let now = unsafe { bpf_ktime_get_coarse_ns() };
-        let counted = counted | (pending >> PENDING_GEN_SHIFT) << FRAG_GEN_SHIFT;
         let v = FragVerdict { expires_ns: now + cfg.frag_ttl_ms as u64 * 1_000_000, entry, counted };
         // Full: the LRU evicts the oldest datagram, whose later fragments
         // then become orphans.
@@ -138,20 +133,20 @@ fn remember(cfg: &DatapathConfig, p: *mut Pending, entry: u32, counted: u32) {
 
 /// Decides a later fragment by its first fragment's verdict; `entry` is
 /// what it classified as on its own (port 0), for an orphan limited by source.
-/// A verdict whose entry no longer names its rule (two rule changes since,
-/// or one being written: [`entry_still_valid`]) is forgotten: the
-/// fragment is an orphan.
+/// A verdict whose entry no longer holds its rule (rewritten by a later
+/// rule change) is forgotten: the fragment is an orphan.
 #[inline(never)]
 pub fn later(cfg: &DatapathConfig, pkt: &Packet, entry: u32, len: u64) -> Later {
     let now = unsafe { bpf_ktime_get_coarse_ns() };
     let found = RL_FRAGS
         .get_ptr_mut(&key(pkt))
         .filter(|v| unsafe { (**v).expires_ns } > now)
-        .map(|v| (v, unsafe { core::ptr::read_volatile(&raw const (*v).counted) }))
-        .filter(|(_, word)| entry_still_valid(frag_gen(*word), cfg.slot_word()));
+        .map(|v| (v, unsafe { (*v).entry }))
+        .filter(|(_, e)| holds(*e));
     match found {
-        Some((v, word)) => {
-            let entry = unsafe { (*v).entry };
+        Some((v, tagged)) => {
+            let entry = tagged & ((1 << FRAG_TAG_SHIFT) - 1);
+            let word = unsafe { core::ptr::read_volatile(&raw const (*v).counted) };
             let verdict = word & FRAG_VERDICT_MASK;
             if verdict == FRAG_SHADOW {
                 count(entry, len, Counted::Shadow);
@@ -174,6 +169,16 @@ pub fn later(cfg: &DatapathConfig, pkt: &Packet, entry: u32, len: u64) -> Later 
     }
 }
 
+/// Whether a verdict's tagged entry still holds the rule it was counted
+/// under.
+#[inline(always)]
+fn holds(tagged: u32) -> bool {
+    match RL_RULES.get(tagged & ((1 << FRAG_TAG_SHIFT) - 1)) {
+        Some(r) => rule_tag(r.id) == tagged >> FRAG_TAG_SHIFT,
+        None => false,
+    }
+}
+
 /// Adds a later fragment's `data` bytes (at least `FRAG_MIN_CHARGE`) to
 /// its datagram's count (`word`: the count as just read); false if the
 /// datagram already holds, or would now hold, more than an IP datagram can
@@ -190,7 +195,7 @@ fn brings(v: *mut FragVerdict, word: u32, data: u32) -> bool {
     }
     let mut seen = word;
     for _ in 0..4 {
-        if frag_data(seen) > FRAG_DATA_MAX {
+        if seen >> FRAG_DATA_SHIFT > FRAG_DATA_MAX {
             return false;
         }
         let new = seen + (data << FRAG_DATA_SHIFT);
@@ -198,7 +203,7 @@ fn brings(v: *mut FragVerdict, word: u32, data: u32) -> bool {
             atomic_cxchg::<u32, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(&raw mut (*v).counted, seen, new)
         };
         if ok {
-            return frag_data(new) <= FRAG_DATA_MAX;
+            return new >> FRAG_DATA_SHIFT <= FRAG_DATA_MAX;
         }
         seen = now;
     }

@@ -37,7 +37,7 @@ use crate::{
 static RL_CONFIG: Array<DatapathConfig> = Array::with_max_entries(1, 0);
 
 #[map(name = "RL_RULES")]
-static RL_RULES: Array<RuleEntry> = Array::with_max_entries(2 * RULE_SLOTS, 0);
+pub static RL_RULES: Array<RuleEntry> = Array::with_max_entries(2 * RULE_SLOTS, 0);
 
 #[map(name = "RL_L4")]
 static RL_L4: Array<u32> = Array::with_max_entries(2 * L4_SLOT_LEN, 0);
@@ -101,7 +101,7 @@ pub fn limit(ctx: &XdpContext, pkt: &Packet, len: u64) -> Verdict {
         stats::passed(len, None);
         return Verdict::Pass;
     };
-    let (slot, flags, gen) = cfg.slot_flags();
+    let (slot, flags) = cfg.slot_flags();
     let mut src = pkt.src;
     if RL_BENCH_NEW_SOURCES.load() != 0 {
         if let Some(salt) = RL_BENCH.get_ptr_mut(0) {
@@ -140,12 +140,12 @@ pub fn limit(ctx: &XdpContext, pkt: &Packet, len: u64) -> Verdict {
             // sets its datagram's verdict; a later one charged under it
             // (not an orphan, charged as a packet) may break it.
             match pkt.frag {
-                Frag::First => frag::stash(pkt, frag::FIRST, gen),
-                Frag::Later if cost.packets == 0 => frag::stash(pkt, frag::LATER, gen),
+                Frag::First => frag::stash(pkt, frag::FIRST),
+                Frag::Later if cost.packets == 0 => frag::stash(pkt, frag::LATER),
                 _ => {}
             }
             let counted = settle(ctx, cfg, rule, entry, pkt.is_v6, &src, cost);
-            frag::settled(cfg, entry, counted);
+            frag::settled(cfg, rule, entry, counted);
             match counted {
                 Counted::Dropped => Verdict::Drop,
                 _ => Verdict::Pass,

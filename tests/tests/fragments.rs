@@ -321,9 +321,11 @@ fn orphans_limited_by_source_are_each_charged() {
 /// rule change leaves that slot as it was; a second rewrites it (and a
 /// failed change may have rewritten part of it), so the rest of the
 /// datagram would be counted, and charged, under whatever rule now sits
-/// there. Such verdicts are forgotten: the later fragments are orphans.
+/// there. The verdict also holds its rule's tag: while the place holds
+/// that rule (rewritten unchanged, as by a restarted daemon) it stands;
+/// else it is forgotten and the later fragments are orphans.
 #[test]
-fn a_verdict_lasts_one_rule_change_and_not_the_rewrite_of_its_slot() {
+fn a_verdict_lasts_while_its_place_holds_its_rule() {
     require_root();
     let head = "[datapath]\nmax_sources = 1024\nfragment_ttl_ms = 60000\n[default]\nrate = 1000\n";
     let rule = |name: &str, port: u16, limit: &str| format!("[[rule]]\nname = \"{name}\"\nproto = \"udp\"\ndst_ports = [{port}]\n{limit}\n");
@@ -361,7 +363,13 @@ fn a_verdict_lasts_one_rule_change_and_not_the_rewrite_of_its_slot() {
         // The datapath still works after the failed change.
         install(&mut dp, &rule("c", 53, tight)).unwrap();
         let c = dgram(3);
-        assert_eq!(offer_all(&dp, &c), (4, 0), "{family}");
+        assert_eq!(offer_all(&dp, &c[..2]), (2, 0), "{family}");
+        // The same rules written into both slots again (as a restarted
+        // daemon does): the verdict still names its rule.
+        install(&mut dp, &rule("c", 53, tight)).unwrap();
+        install(&mut dp, &rule("c", 53, tight)).unwrap();
+        assert_eq!(offer_all(&dp, &c[2..]), (2, 0), "{family}: the same rule rewritten in place");
         assert_eq!(stats(&dp, "c").passed_pkts, 4, "{family}");
+        assert_eq!(dp.counters().unwrap().get(STAT_FRAG_ORPHANS), orphans + 2, "{family}: no orphan");
     }
 }

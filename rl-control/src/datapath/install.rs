@@ -32,8 +32,6 @@ pub struct Plan {
 pub struct Basis {
     slot: u32,
     generation: u64,
-    /// The rule-set generation the plan's flip writes.
-    rules_gen: u32,
     old: Arc<SlotContents>,
     clock: TickClock,
     epoch_offset_ns: u64,
@@ -65,7 +63,6 @@ impl Datapath {
         Basis {
             slot,
             generation: self.generation,
-            rules_gen: self.rules_gen.wrapping_add(1) & RULES_GEN_MASK,
             old: self.slots[slot as usize].clone(),
             clock: self.clock,
             epoch_offset_ns: self.epoch_offset_ns,
@@ -80,9 +77,10 @@ impl Datapath {
         if plan.generation != self.generation {
             return Err(DatapathError::Load("a stale install plan (another install ran since it was made)".into()));
         }
-        self.mark_rewriting()?;
         let since = self.flipped_at.elapsed();
-        std::thread::sleep(SLOT_GRACE.saturating_sub(since).max(super::known::RUN_GRACE));
+        if since < SLOT_GRACE {
+            std::thread::sleep(SLOT_GRACE - since);
+        }
         let slot = plan.slot;
         let base = slot * RULE_SLOTS;
         self.generation += 1;
@@ -118,27 +116,8 @@ impl Datapath {
         let mut config: Array<&mut MapData, DatapathConfig> = map_mut(&mut self.ebpf, MAP_CONFIG)?;
         config.set(0, plan.config, 0).map_err(|e| map_error(MAP_CONFIG, e))?;
         self.active = Some(slot);
-        self.rules_gen = rules_gen(plan.config.slot_flags);
         self.flipped_at = Instant::now();
         self.slots[slot as usize] = Arc::new(plan.next);
-        Ok(())
-    }
-
-    /// Tells the program that the inactive slot is about to be rewritten
-    /// (`rl_common::SLOT_REWRITING`): from then on a fragment verdict
-    /// remembered from it no longer names its rule, and its datagram's
-    /// later fragments are orphans. The caller waits out the program runs
-    /// that read the word before, and the flip clears the bit.
-    fn mark_rewriting(&mut self) -> Result<(), DatapathError> {
-        if self.active.is_none() {
-            return Ok(());
-        }
-        let mut config: Array<&mut MapData, DatapathConfig> = map_mut(&mut self.ebpf, MAP_CONFIG)?;
-        let mut c = config.get(&0, 0).map_err(|e| map_error(MAP_CONFIG, e))?;
-        if c.slot_flags & SLOT_REWRITING == 0 {
-            c.slot_flags |= SLOT_REWRITING;
-            config.set(0, c, 0).map_err(|e| map_error(MAP_CONFIG, e))?;
-        }
         Ok(())
     }
 
@@ -254,7 +233,7 @@ impl Plan {
             epoch_offset_ns: basis.epoch_offset_ns,
             enabled: 1,
             cell_slots_log2: basis.cell_slots_log2,
-            slot_flags: DatapathConfig::pack_slot_flags(slot, basis.rules_gen, false, rules.flags),
+            slot_flags: DatapathConfig::pack_slot_flags(slot, rules.flags),
             flood_cap: flood_cap_per_cpu(t.flood_new_keys_per_sec, online_cpus(basis.cpus)),
             cell_mask4: t.cell_mask4,
             frag_ttl_ms: t.fragment_ttl_ms,

@@ -115,7 +115,6 @@ impl Datapath {
             flipped_at: Instant::now(),
             slots: Default::default(),
             generation: 0,
-            rules_gen: 0,
             retired: StdHashMap::new(),
             cell_slots_log2: cell_slots.trailing_zeros() as u16,
             cpus: aya::util::nr_cpus().map_err(|(_, e)| DatapathError::Load(format!("cannot count the CPUs: {e}")))?,
@@ -140,7 +139,6 @@ impl Datapath {
             // The running program reads the active slot; what either slot
             // holds is not known here, so the install clears before writing.
             dp.active = pinned.as_ref().map(|p| p.slot_flags().0);
-            dp.rules_gen = pinned.as_ref().map_or(0, |p| p.slot_flags().2);
             dp.slots = [Arc::new(SlotContents { unknown: true, ..Default::default() }), Arc::new(SlotContents { unknown: true, ..Default::default() })];
         }
         dp.install(&compiled.rules)?;

@@ -244,10 +244,6 @@ pub struct Datapath {
     slots: [Arc<SlotContents>; 2],
     /// Bumped by every install: a [`Plan`] made against another one is stale.
     generation: u64,
-    /// The rule-set generation of the active slot, as written into the
-    /// config (`rl_common::rules_gen`): one more at every flip, kept from
-    /// the pinned config when adopted.
-    rules_gen: u32,
     /// Counters of rule names from slots since rewritten.
     retired: StdHashMap<String, RuleStats>,
     /// Log₂ of each cell array's slots (sized at load).
