@@ -108,10 +108,10 @@ pub struct Ledger {
     /// datapath made again counts from zero in the kernel, never here).
     tracked: HashMap<BucketId, Tracked>,
     forget_after_ns: u64,
-    /// Whether the collector's records of the last round were complete
-    /// (see [`Ledger::collected`]); until the first, and after records
-    /// were dropped, a bucket missing from a round is taken as collected.
-    complete: bool,
+    /// Whether the collector's records since the last round's reports are
+    /// complete (see [`Ledger::collected`]); `None` until the first. Without
+    /// them a bucket missing from a round is taken as collected.
+    complete: Option<bool>,
     pub stats: SyncStats,
 }
 
@@ -126,7 +126,7 @@ impl Ledger {
             reporter: format!("{node}:{boot}"),
             tracked: HashMap::new(),
             forget_after_ns: 2 * keep_ms * 1_000_000,
-            complete: false,
+            complete: None,
             stats: SyncStats::default(),
         }
     }
@@ -135,21 +135,31 @@ impl Ledger {
     /// [`Collected`](crate::datapath::share::Collected)), made under the
     /// lock this round's scan of the tables was made under: a tracked one
     /// counts from zero from now on, and what it passed past its last
-    /// report travels with the next one. `complete`: no record was dropped
-    /// since the last round.
-    pub fn collected(&mut self, records: &[SharedBucket], complete: bool) {
+    /// report is carried to its next one. A bucket never reported is
+    /// tracked from its record (up to [`TRACKED_FROM_RECORDS`] buckets),
+    /// so that what its lives pass under `θ` each still adds up to a
+    /// report. `complete`: no record was dropped before these.
+    pub fn collected(&mut self, records: &[SharedBucket], complete: bool, now: u64) {
         for r in records {
-            if let Some(t) = self.tracked.get_mut(&r.id) {
-                t.carry += r.bucket.passed.saturating_sub(t.passed);
-                (t.passed, t.dropped) = (0, 0);
+            let passed = r.bucket.passed;
+            let room = self.tracked.len() < TRACKED_FROM_RECORDS;
+            match self.tracked.get_mut(&r.id) {
+                Some(t) => {
+                    t.carry += passed.saturating_sub(t.passed);
+                    (t.passed, t.dropped) = (0, 0);
+                }
+                None if passed > 0 && room => {
+                    self.tracked.insert(r.id, Tracked { passed: 0, dropped: 0, cum: 0, at_ns: 0, seen_ns: now, carry: passed });
+                }
+                None => {}
             }
         }
-        self.complete = complete;
+        self.complete = Some(self.complete.unwrap_or(true) && complete);
     }
 
     /// The buckets that travel this round: those whose unreported packets
-    /// reach `θ`, that dropped since the last report, or that were
-    /// collected with packets unreported. A report is capped at what the
+    /// (carried ones included, for a bucket not made again too) reach `θ`,
+    /// or that dropped since the last report. A report is capped at what the
     /// bucket could pass in two intervals (`2·R·T + B`): usage during an
     /// outage (`on_failure = "open"`, say) is not charged in full when
     /// Redis is back.
@@ -165,7 +175,8 @@ impl Ledger {
             });
             out.extend(report(sb.id, &sb.bucket, t, share, interval_ns, now));
         }
-        // Collected with packets unreported, and not made again (yet).
+        // Collected with packets unreported, and not made again (yet): they
+        // travel once they reach θ, as a live bucket's.
         let absent: Vec<(BucketId, Tracked)> =
             self.tracked.iter().filter(|(_, t)| t.carry > 0 && t.seen_ns != now).map(|(id, t)| (*id, *t)).collect();
         for (id, t) in absent {
@@ -180,7 +191,8 @@ impl Ledger {
         // that many packets unreported.) With them this is not needed, and
         // would be wrong for a prefix cell the collector is freeing: out of
         // the scans for a moment, it may live on with its count.
-        let (forget, complete) = (self.forget_after_ns, self.complete);
+        let (forget, complete) = (self.forget_after_ns, self.complete == Some(true));
+        self.complete = self.complete.map(|_| true);
         self.tracked.retain(|id, t| {
             if !complete && t.seen_ns != now && shares.contains_key(&limit_of(id)) {
                 (t.passed, t.dropped) = (0, 0);
@@ -207,6 +219,11 @@ impl Ledger {
     }
 }
 
+/// Most buckets tracked when a record of a bucket never reported would
+/// add one (a spoofed flood on a cluster rule makes and collects a bucket
+/// per source): past it such records are let go, as before records.
+pub const TRACKED_FROM_RECORDS: usize = 1 << 18;
+
 /// A bucket's limit (`RuleEntry::id | index`, the kind bits cleared).
 fn limit_of(id: &BucketId) -> u32 {
     id.rule() & !(rl_common::KEY_CELL | rl_common::KEY_LAST)
@@ -226,7 +243,7 @@ fn report(id: BucketId, b: &rl_common::Bucket, t: Option<Tracked>, share: &Share
     };
     let mut delta = b.passed - passed0 + carry;
     let theta = (interval_ns / share.ns_per_packet.max(1) / 4).max(1);
-    if delta < theta && b.dropped <= dropped0 && carry == 0 {
+    if delta < theta && b.dropped <= dropped0 {
         return None;
     }
     // What the bucket could pass in (at most) two intervals: a report
@@ -294,16 +311,24 @@ mod tests {
     use super::*;
     use rl_common::{Bucket, Key4};
 
+    const INTERVAL: u64 = 100_000_000;
+
+    /// A ledger, one limit shared at 1,000 packets/s (θ = 25 a round), and
+    /// the bucket `rule`/1 of that limit holding a count.
+    fn one_bucket(rule: u32) -> (BucketId, Shares, impl Fn(u64) -> SharedBucket, Ledger) {
+        let id = BucketId::V4(Key4 { rule, addr: 1 });
+        let shares: Shares = [(0x100, Share { rule: "r".into(), definition: 1, which: 0, ns_per_packet: 1_000_000, burst_ns: 1_000_000_000_000 })].into();
+        let bucket = move |passed| SharedBucket { id, bucket: Bucket { passed, ..Default::default() } };
+        (id, shares, bucket, Ledger::new("n", 10_000))
+    }
+
     /// A bucket reported, collected (absent from a round's scan) and made
     /// again reports all it passed since, even when that is more than it
     /// had passed before: its count going down is not the only sign.
     #[test]
     fn a_bucket_collected_and_made_again_reports_from_zero() {
-        let id = BucketId::V4(Key4 { rule: 0x100, addr: 1 });
-        let shares: Shares = [(0x100, Share { rule: "r".into(), definition: 1, which: 0, ns_per_packet: 1_000_000, burst_ns: 1_000_000_000_000 })].into();
-        let bucket = |passed| SharedBucket { id, bucket: Bucket { passed, ..Default::default() } };
-        let interval = 100_000_000;
-        let mut ledger = Ledger::new("n", 10_000);
+        let (_, shares, bucket, mut ledger) = one_bucket(0x100);
+        let interval = INTERVAL;
         let r = ledger.reports(&[bucket(40)], &shares, interval, interval);
         assert_eq!(r.len(), 1);
         assert_eq!(r[0].line.delta, 40);
@@ -322,32 +347,63 @@ mod tests {
     /// count alone, it reported 45 − 40 = 5 of them).
     #[test]
     fn a_bucket_collected_and_made_again_within_a_round_reports_both_lives() {
-        let id = BucketId::V4(Key4 { rule: 0x100, addr: 1 });
-        let shares: Shares = [(0x100, Share { rule: "r".into(), definition: 1, which: 0, ns_per_packet: 1_000_000, burst_ns: 1_000_000_000_000 })].into();
-        let bucket = |passed| SharedBucket { id, bucket: Bucket { passed, ..Default::default() } };
-        let interval = 100_000_000;
-        let mut ledger = Ledger::new("n", 10_000);
-        ledger.collected(&[], true);
+        let (id, shares, bucket, mut ledger) = one_bucket(0x100);
+        let interval = INTERVAL;
+        ledger.collected(&[], true, 0);
         let r = ledger.reports(&[bucket(40)], &shares, interval, interval);
         ledger.acknowledge(&r[0], interval);
         // Deleted at 42 (2 unreported), made again, 45 by the next round.
-        ledger.collected(&[bucket(42)], true);
+        ledger.collected(&[bucket(42)], true, 2 * interval);
         let r = ledger.reports(&[bucket(45)], &shares, interval, 2 * interval);
         assert_eq!(r.len(), 1);
         assert_eq!((r[0].line.delta, r[0].line.cum), (47, 87), "2 from its first life, 45 from its second");
         ledger.acknowledge(&r[0], 2 * interval);
-        // Deleted at 50 (5 unreported, under θ = 25) and not made again:
-        // the 5 travel alone, once.
-        ledger.collected(&[bucket(50)], true);
-        let r = ledger.reports(&[], &shares, interval, 3 * interval);
+        // Deleted at 60 (15 unreported, under θ = 25) and not made again:
+        // carried; made again and deleted at 20, the 35 travel alone.
+        ledger.collected(&[bucket(60)], true, 3 * interval);
+        assert!(ledger.reports(&[], &shares, interval, 3 * interval).is_empty(), "15 wait, as a live bucket's would");
+        ledger.collected(&[bucket(20)], true, 4 * interval);
+        let r = ledger.reports(&[], &shares, interval, 4 * interval);
         assert_eq!(r.len(), 1, "a collected bucket's last packets travel");
-        assert_eq!((r[0].line.delta, r[0].line.cum, r[0].id), (5, 92, id));
-        ledger.acknowledge(&r[0], 3 * interval);
-        ledger.collected(&[], true);
-        assert!(ledger.reports(&[], &shares, interval, 4 * interval).is_empty());
+        assert_eq!((r[0].line.delta, r[0].line.cum, r[0].id), (35, 122, id));
+        ledger.acknowledge(&r[0], 4 * interval);
+        ledger.collected(&[], true, 5 * interval);
+        assert!(ledger.reports(&[], &shares, interval, 5 * interval).is_empty());
         // Made again: counts from zero.
-        let r = ledger.reports(&[bucket(30)], &shares, interval, 5 * interval);
-        assert_eq!((r[0].line.delta, r[0].line.cum), (30, 122));
+        let r = ledger.reports(&[bucket(30)], &shares, interval, 6 * interval);
+        assert_eq!((r[0].line.delta, r[0].line.cum), (30, 152));
+    }
+
+    /// A bucket never reported, collected with fewer than θ packets in each
+    /// of its lives: the records add them up, and they travel once they
+    /// reach θ (before records, each life's were lost).
+    #[test]
+    fn lives_under_the_threshold_add_up_to_a_report() {
+        let (id, shares, bucket, mut ledger) = one_bucket(0x100);
+        for life in 1..=3 {
+            ledger.collected(&[bucket(10)], true, life * INTERVAL);
+            let r = ledger.reports(&[], &shares, INTERVAL, life * INTERVAL);
+            if life < 3 {
+                assert!(r.is_empty(), "life {life}: {} packets, under θ = 25", 10 * life);
+            } else {
+                assert_eq!((r.len(), r[0].id, r[0].line.delta, r[0].line.cum), (1, id, 30, 30));
+            }
+        }
+    }
+
+    /// Records dropped in a round without reports (degraded) still make
+    /// the next reports take a missing bucket as collected.
+    #[test]
+    fn dropped_records_are_remembered_until_the_next_reports() {
+        let (_, shares, bucket, mut ledger) = one_bucket(0x100);
+        let r = ledger.reports(&[bucket(40)], &shares, INTERVAL, INTERVAL);
+        ledger.acknowledge(&r[0], INTERVAL);
+        ledger.collected(&[], false, 2 * INTERVAL);
+        ledger.collected(&[], true, 3 * INTERVAL);
+        assert!(ledger.reports(&[], &shares, INTERVAL, 3 * INTERVAL).is_empty());
+        ledger.collected(&[], true, 4 * INTERVAL);
+        let r = ledger.reports(&[bucket(45)], &shares, INTERVAL, 4 * INTERVAL);
+        assert_eq!((r[0].line.delta, r[0].line.cum), (45, 85), "taken as collected and made again");
     }
 
     /// With complete records, a bucket missing from one round was not
@@ -355,17 +411,14 @@ mod tests {
     /// with its count, it reports only what is new.
     #[test]
     fn with_complete_records_a_bucket_missing_for_a_round_keeps_its_count() {
-        let id = BucketId::V4(Key4 { rule: 0x100 | rl_common::KEY_CELL, addr: 1 });
-        let shares: Shares = [(0x100, Share { rule: "r".into(), definition: 1, which: 0, ns_per_packet: 1_000_000, burst_ns: 1_000_000_000_000 })].into();
-        let bucket = |passed| SharedBucket { id, bucket: Bucket { passed, ..Default::default() } };
-        let interval = 100_000_000;
-        let mut ledger = Ledger::new("n", 10_000);
-        ledger.collected(&[], true);
+        let (_, shares, bucket, mut ledger) = one_bucket(0x100 | rl_common::KEY_CELL);
+        let interval = INTERVAL;
+        ledger.collected(&[], true, 0);
         let r = ledger.reports(&[bucket(40)], &shares, interval, interval);
         ledger.acknowledge(&r[0], interval);
-        ledger.collected(&[], true);
+        ledger.collected(&[], true, 0);
         assert!(ledger.reports(&[], &shares, interval, 2 * interval).is_empty());
-        ledger.collected(&[], true);
+        ledger.collected(&[], true, 0);
         assert!(ledger.reports(&[bucket(41)], &shares, interval, 3 * interval).is_empty(), "1 new packet, under θ");
         let r = ledger.reports(&[bucket(70)], &shares, interval, 4 * interval);
         assert_eq!((r[0].line.delta, r[0].line.cum), (30, 70));

@@ -147,7 +147,7 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
             // The collector's records are taken all the same (they are
             // bounded, and a bucket made again meanwhile counts from 0).
             let (records, complete) = take_records(&mut collected.lock());
-            ledger.collected(&records, complete);
+            ledger.collected(&records, complete, crate::datapath::monotonic_ns());
             continue;
         }
         let shares = match &shares_for {
@@ -173,7 +173,7 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
         });
         let buckets = match scanned.await {
             Ok(((records, complete), scan)) => {
-                ledger.collected(&records, complete);
+                ledger.collected(&records, complete, crate::datapath::monotonic_ns());
                 scan
             }
             Err(_) => continue,

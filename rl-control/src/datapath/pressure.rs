@@ -135,7 +135,8 @@ pub fn collect_handing(
     let half = known.begin();
     let (cells4, cells6) = ids.cell_arrays()?;
     let owned = Mapped::open(ids.owned, MAP_OWNED, 8)?;
-    let mut walk = Walk { limits, epoch_offset_ns, known, half, own: 0, moved: 0, handoff };
+    let shared = handoff.map(|h| h.lock().limits.clone()).unwrap_or_default();
+    let mut walk = Walk { limits, epoch_offset_ns, known, half, own: 0, moved: 0, handoff, shared };
     let before = walk.owned_before(&owned, OWNED_V4);
     scan_table_each::<Key4>(ids.tables.0, MAP_SOURCES_V4, |k, b| walk.sweep(ids.tables.0, MAP_SOURCES_V4, &cells4, k, b, &mut pass))?;
     pass.own.0 = walk.owned_after(&owned, OWNED_V4, before);
@@ -165,8 +166,10 @@ struct Walk<'a> {
     own: u64,
     /// Cells found in the sources' tables (left by an older build) and moved.
     moved: u64,
-    /// Where deletes of cluster rules' buckets are recorded.
+    /// Where deletes of cluster rules' buckets are recorded, and the
+    /// limits it records (as the walk started).
     handoff: Option<&'a super::share::Collected>,
+    shared: std::collections::HashSet<u32>,
 }
 
 impl Walk<'_> {
@@ -203,7 +206,7 @@ impl Walk<'_> {
         pass: &mut Pass,
     ) -> Result<(), DatapathError> {
         use std::os::fd::{AsFd, AsRawFd};
-        let (mut dead, mut last) = (Vec::new(), Vec::new());
+        let mut dead = Vec::new();
         // Read after the chunk: no word in it is of a later window.
         let now = monotonic_ns();
         for (k, b) in keys.iter().zip(buckets) {
@@ -223,7 +226,6 @@ impl Walk<'_> {
             };
             if gone {
                 dead.push(*k);
-                last.push(*b);
                 continue;
             }
             match key_kind(k.rule()) {
@@ -237,19 +239,38 @@ impl Walk<'_> {
                 KeyKind::Cell | KeyKind::LastResort => {}
             }
         }
-        if !dead.is_empty() {
-            let data = MapData::from_id(id).map_err(|e| map_error(name, e))?;
-            // Held from the delete until the records are in.
-            let mut records = self.handoff.map(super::share::Collected::lock);
-            delete_batch(data.fd().as_fd().as_raw_fd(), &dead).map_err(|e| map_error(name, e))?;
-            if let Some(r) = records.as_mut() {
-                for (k, b) in dead.iter().zip(&last).filter(|(k, _)| key_kind(k.rule()) == KeyKind::Own) {
-                    r.record(k.id(), b);
-                }
+        let (shared, plain): (Vec<K>, Vec<K>) = dead.into_iter().partition(|k| self.is_shared(k));
+        let data = MapData::from_id(id).map_err(|e| map_error(name, e))?;
+        if !plain.is_empty() {
+            delete_batch(data.fd().as_fd().as_raw_fd(), &plain).map_err(|e| map_error(name, e))?;
+            pass.collected += plain.len() as u64;
+        }
+        if let (Some(handoff), false) = (self.handoff, shared.is_empty()) {
+            // Under the lock from the decision to the records (see
+            // `Collected`), decided again there: taking it may have waited
+            // out a sync's walk, and a bucket charged meanwhile stays.
+            let mut records = handoff.lock();
+            let table: aya::maps::HashMap<MapData, K, Bucket> =
+                aya::maps::HashMap::try_from(aya::maps::Map::HashMap(MapData::from_id(id).map_err(|e| map_error(name, e))?))
+                    .map_err(|e| map_error(name, e))?;
+            let now = monotonic_ns();
+            let still: Vec<(K, Bucket)> = shared.iter().filter_map(|k| table.get(k, 0).ok().filter(|b| self.gone_at(k, b, now)).map(|b| (*k, b))).collect();
+            let keys: Vec<K> = still.iter().map(|(k, _)| *k).collect();
+            if !keys.is_empty() {
+                delete_batch(data.fd().as_fd().as_raw_fd(), &keys).map_err(|e| map_error(name, e))?;
             }
-            pass.collected += dead.len() as u64;
+            for (k, b) in &still {
+                records.record(k.id(), b);
+            }
+            pass.collected += keys.len() as u64;
         }
         Ok(())
+    }
+
+    /// Whether `k` is a source's own bucket of a limit the cluster sync
+    /// shares (its deletes are recorded).
+    fn is_shared<K: BucketKey>(&self, k: &K) -> bool {
+        key_kind(k.rule()) == KeyKind::Own && self.shared.contains(&(k.rule() & !(KEY_CELL | KEY_LAST)))
     }
 }
 
@@ -259,6 +280,10 @@ impl Walk<'_> {
     /// many are left. Freeing takes two steps with a grace between them
     /// (`rl_common::cells`): a cell charged meanwhile is kept, not lost.
     fn cells<K: BucketKey + KnownKey + PartialEq>(&self, cells: &CellArray<K>, pass: &mut Pass) -> u64 {
+        // Held from the first step of each free until its record is in (a
+        // dying cell is in no walk of the sync: gone for it from then on),
+        // when the sync shares some limit.
+        let mut records = self.handoff.filter(|_| !self.shared.is_empty()).map(super::share::Collected::lock);
         let mut left = 0;
         let (mut dying, mut writing) = (Vec::new(), Vec::new());
         for i in 0..cells.slots() {
@@ -277,9 +302,10 @@ impl Walk<'_> {
                         left += 1;
                     }
                 }
-                // Being claimed this instant (the program marked it in both
-                // halves before claiming): only a daemon that stopped in
-                // the middle of a move leaves it so for longer.
+                // Being claimed this instant (the program marked it before
+                // claiming, in both halves: its run began after the
+                // rebuild's flag, `KnownFilter::begin`): only a daemon that
+                // stopped in the middle of a move leaves it so for longer.
                 3 => writing.push((i, c.claim)),
                 // Claimed for a key whose key is not written yet.
                 _ => left += 1,
@@ -297,9 +323,6 @@ impl Walk<'_> {
                 left += 1;
             }
         }
-        // Held from each free until its record is in (a dying cell is in
-        // no scan: it is gone for the sync from its first step).
-        let mut records = self.handoff.map(super::share::Collected::lock);
         for (i, key) in dying {
             let counts = cells.get(i).bucket;
             if cells.finish_free(i, &key, |b| self.gone(&key, b)) {
