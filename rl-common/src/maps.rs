@@ -447,6 +447,18 @@ pub const fn rule_tag(id: u32) -> u32 {
     (id >> 3) & 0xffff
 }
 
+/// `RuleEntry::id` of an entry that holds no rule: the daemon writes it over
+/// an entry of the inactive slot before that entry's rule changes (or goes),
+/// so that no verdict is ever read through another rule.
+pub const NO_RULE_ID: u32 = u32::MAX;
+
+/// Whether `id` is a rule's (not [`NO_RULE_ID`], nor the 0 of an entry never
+/// written).
+#[inline(always)]
+pub const fn is_rule_id(id: u32) -> bool {
+    id != 0 && id & !crate::RULE_ID_MASK == 0
+}
+
 /// [`FragVerdict::counted`]: the verdict's bits.
 pub const FRAG_VERDICT_MASK: u32 = 0xff;
 /// [`FragVerdict::counted`]: where the later fragments' data count starts.

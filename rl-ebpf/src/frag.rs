@@ -30,7 +30,7 @@ use aya_ebpf::{
 use core::intrinsics::{atomic_cxchg, atomic_or, AtomicOrdering};
 
 use rl_common::{
-    rule_tag, DatapathConfig, FragKey, FragVerdict, RuleEntry, FRAG_DATA_MAX, FRAG_DATA_SHIFT, FRAG_DROPPED, FRAG_MIN_CHARGE,
+    is_rule_id, rule_tag, DatapathConfig, FragKey, FragVerdict, RuleEntry, FRAG_DATA_MAX, FRAG_DATA_SHIFT, FRAG_DROPPED, FRAG_MIN_CHARGE,
     FRAG_ORPHANS_SOURCE, FRAG_SHADOW, FRAG_TABLE_LEN, FRAG_TAG_SHIFT, FRAG_VERDICT_MASK, STAT_FRAG_ORPHANS,
 };
 
@@ -174,7 +174,7 @@ pub fn later(cfg: &DatapathConfig, pkt: &Packet, entry: u32, len: u64) -> Later 
 #[inline(always)]
 fn holds(tagged: u32) -> bool {
     match RL_RULES.get(tagged & ((1 << FRAG_TAG_SHIFT) - 1)) {
-        Some(r) => rule_tag(r.id) == tagged >> FRAG_TAG_SHIFT,
+        Some(r) => is_rule_id(r.id) && rule_tag(r.id) == tagged >> FRAG_TAG_SHIFT,
         None => false,
     }
 }

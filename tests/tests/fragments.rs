@@ -371,5 +371,15 @@ fn a_verdict_lasts_while_its_place_holds_its_rule() {
         assert_eq!(offer_all(&dp, &c[2..]), (2, 0), "{family}: the same rule rewritten in place");
         assert_eq!(stats(&dp, "c").passed_pkts, 4, "{family}");
         assert_eq!(dp.counters().unwrap().get(STAT_FRAG_ORPHANS), orphans + 2, "{family}: no orphan");
+        // A rule set that ends before the verdict's place: after two
+        // changes that place holds no rule, whatever was left there.
+        let three = format!("{}{}{}", rule("x", 60, tight), rule("y", 61, tight), rule("z", 53, tight));
+        install(&mut dp, &three).unwrap();
+        let z = dgram(4);
+        assert_eq!(offer_all(&dp, &z[..2]), (2, 0), "{family}: z is entry 3");
+        install(&mut dp, &rule("x", 60, tight)).unwrap();
+        install(&mut dp, &rule("x", 60, tight)).unwrap();
+        assert_eq!(offer_all(&dp, &z[2..]), (0, 2), "{family}: z's place is past the rules: its fragments are orphans");
+        assert_eq!(dp.counters().unwrap().get(STAT_FRAG_ORPHANS), orphans + 4, "{family}");
     }
 }

@@ -17,6 +17,8 @@ pub struct Plan {
     /// The slot's contents are unknown: clear it whole first.
     clear: bool,
     old_names: Vec<String>,
+    /// The rule ids the slot holds (`None`: not known, read from the map).
+    old_ids: Option<Vec<u32>>,
     entries: Vec<RuleEntry>,
     l4: (Vec<u32>, Vec<u32>),
     dir16: (Vec<u32>, Vec<u32>),
@@ -85,6 +87,7 @@ impl Datapath {
         let base = slot * RULE_SLOTS;
         self.generation += 1;
         self.slots[slot as usize] = Arc::new(SlotContents { unknown: true, ..Default::default() });
+        self.unname_changed_rules(slot, plan.old_ids.as_deref(), &plan.entries)?;
         if plan.clear {
             self.clear_slot(slot)?;
         }
@@ -118,6 +121,37 @@ impl Datapath {
         self.active = Some(slot);
         self.flipped_at = Instant::now();
         self.slots[slot as usize] = Arc::new(plan.next);
+        Ok(())
+    }
+
+    /// Before anything of the inactive `slot` is rewritten: the entries
+    /// whose rule changes or goes (`old_ids` is what they hold, if known)
+    /// are marked [`NO_RULE_ID`], then the program runs in flight are waited
+    /// out. A fragment verdict remembered from such an entry (through one
+    /// rule change, see `rl_common::rule_tag`) is then an orphan, never
+    /// counted under the entry's next rule nor read half-written; one from
+    /// an entry that keeps its rule stands.
+    fn unname_changed_rules(&mut self, slot: u32, old_ids: Option<&[u32]>, entries: &[RuleEntry]) -> Result<(), DatapathError> {
+        let base = slot * RULE_SLOTS;
+        let held: Vec<u32> = match old_ids {
+            Some(ids) => ids.to_vec(),
+            None => {
+                let rules: Array<&MapData, RuleEntry> = map_ref(&self.ebpf, MAP_RULES)?;
+                (0..RULE_SLOTS).map(|i| rules.get(&(base + i), 0).map(|r| r.id)).collect::<Result<_, _>>().map_err(|e| map_error(MAP_RULES, e))?
+            }
+        };
+        let changed: Vec<u32> = held
+            .iter()
+            .enumerate()
+            .filter(|&(i, &id)| is_rule_id(id) && entries.get(i).is_none_or(|e| e.id != id))
+            .map(|(i, _)| base + i as u32)
+            .collect();
+        if changed.is_empty() {
+            return Ok(());
+        }
+        let none = vec![RuleEntry { id: NO_RULE_ID, ..Default::default() }; changed.len()];
+        update_batch(self.array_fd(MAP_RULES)?, &changed, &none).map_err(|e| map_error(MAP_RULES, e))?;
+        std::thread::sleep(super::known::RUN_GRACE);
         Ok(())
     }
 
@@ -245,6 +279,7 @@ impl Plan {
             generation: basis.generation,
             clear: basis.old.unknown,
             old_names: old.names.clone(),
+            old_ids: (!basis.old.unknown).then(|| old.ids.clone()),
             entries,
             l4: u32_diff(slot * L4_SLOT_LEN, &old.l4, &rules.l4),
             dir16: u32_diff(slot * DIR16_LEN, &old.dir16, &rules.dir16),
