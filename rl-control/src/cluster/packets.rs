@@ -59,6 +59,9 @@ struct Tracked {
     /// Packets its collected incarnations passed past what was reported:
     /// they travel with its next report.
     carry: u64,
+    /// When the collector last recorded its delete: it lived, so it is
+    /// kept as long as a bucket seen then.
+    recorded_ns: u64,
 }
 
 /// One bucket's line in a report to Redis (packet and batched request
@@ -146,10 +149,10 @@ impl Ledger {
             match self.tracked.get_mut(&r.id) {
                 Some(t) => {
                     t.carry += passed.saturating_sub(t.passed);
-                    (t.passed, t.dropped) = (0, 0);
+                    (t.passed, t.dropped, t.recorded_ns) = (0, 0, now);
                 }
                 None if passed > 0 && room => {
-                    self.tracked.insert(r.id, Tracked { passed: 0, dropped: 0, cum: 0, at_ns: 0, seen_ns: now, carry: passed });
+                    self.tracked.insert(r.id, Tracked { passed: 0, dropped: 0, cum: 0, at_ns: 0, seen_ns: 0, carry: passed, recorded_ns: now });
                 }
                 None => {}
             }
@@ -197,7 +200,7 @@ impl Ledger {
             if !complete && t.seen_ns != now && shares.contains_key(&limit_of(id)) {
                 (t.passed, t.dropped) = (0, 0);
             }
-            now.saturating_sub(t.seen_ns.max(t.at_ns)) < forget
+            now.saturating_sub(t.seen_ns.max(t.at_ns).max(t.recorded_ns)) < forget
         });
         self.stats.buckets = seen;
         self.stats.hot = out.len() as u64;
@@ -214,7 +217,7 @@ impl Ledger {
 
     /// Records that Redis holds `r`.
     pub fn acknowledge(&mut self, r: &Report, now: u64) {
-        self.tracked.insert(r.id, Tracked { passed: r.passed, dropped: r.dropped, cum: r.line.cum, at_ns: now, seen_ns: now, carry: 0 });
+        self.tracked.insert(r.id, Tracked { passed: r.passed, dropped: r.dropped, cum: r.line.cum, at_ns: now, seen_ns: now, carry: 0, recorded_ns: 0 });
         self.stats.reported_keys += 1;
     }
 }
@@ -375,14 +378,17 @@ mod tests {
     }
 
     /// A bucket never reported, collected with fewer than θ packets in each
-    /// of its lives: the records add them up, and they travel once they
-    /// reach θ (before records, each life's were lost).
+    /// of its lives, 25 s apart (longer than the ledger keeps an idle
+    /// bucket, 20 s here, unless a record says it lived): the records add
+    /// them up, and they travel once they reach θ (before records, each
+    /// life's were lost).
     #[test]
     fn lives_under_the_threshold_add_up_to_a_report() {
         let (id, shares, bucket, mut ledger) = one_bucket(0x100);
         for life in 1..=3 {
-            ledger.collected(&[bucket(10)], true, life * INTERVAL);
-            let r = ledger.reports(&[], &shares, INTERVAL, life * INTERVAL);
+            let at = life * 25_000_000_000;
+            ledger.collected(&[bucket(10)], true, at);
+            let r = ledger.reports(&[], &shares, INTERVAL, at);
             if life < 3 {
                 assert!(r.is_empty(), "life {life}: {} packets, under θ = 25", 10 * life);
             } else {

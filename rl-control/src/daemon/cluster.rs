@@ -146,8 +146,11 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
         if cluster.is_degraded() || variant {
             // The collector's records are taken all the same (they are
             // bounded, and a bucket made again meanwhile counts from 0).
-            let (records, complete) = take_records(&mut collected.lock());
-            ledger.collected(&records, complete, crate::datapath::monotonic_ns());
+            if let Some(mut r) = collected.try_lock() {
+                let (records, complete) = take_records(&mut r);
+                drop(r);
+                ledger.collected(&records, complete, crate::datapath::monotonic_ns());
+            }
             continue;
         }
         let shares = match &shares_for {
@@ -159,7 +162,9 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
             }
         };
         if shares.is_empty() {
-            collected.lock().limits.clear();
+            if let Some(mut r) = collected.try_lock() {
+                r.limits.clear();
+            }
             continue;
         }
         let wanted: std::collections::HashSet<u32> = shares.keys().copied().collect();

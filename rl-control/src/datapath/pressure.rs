@@ -135,8 +135,7 @@ pub fn collect_handing(
     let half = known.begin();
     let (cells4, cells6) = ids.cell_arrays()?;
     let owned = Mapped::open(ids.owned, MAP_OWNED, 8)?;
-    let shared = handoff.map(|h| h.lock().limits.clone()).unwrap_or_default();
-    let mut walk = Walk { limits, epoch_offset_ns, known, half, own: 0, moved: 0, handoff, shared };
+    let mut walk = Walk { limits, epoch_offset_ns, known, half, own: 0, moved: 0, handoff };
     let before = walk.owned_before(&owned, OWNED_V4);
     scan_table_each::<Key4>(ids.tables.0, MAP_SOURCES_V4, |k, b| walk.sweep(ids.tables.0, MAP_SOURCES_V4, &cells4, k, b, &mut pass))?;
     pass.own.0 = walk.owned_after(&owned, OWNED_V4, before);
@@ -166,10 +165,8 @@ struct Walk<'a> {
     own: u64,
     /// Cells found in the sources' tables (left by an older build) and moved.
     moved: u64,
-    /// Where deletes of cluster rules' buckets are recorded, and the
-    /// limits it records (as the walk started).
+    /// Where deletes of cluster rules' buckets are recorded.
     handoff: Option<&'a super::share::Collected>,
-    shared: std::collections::HashSet<u32>,
 }
 
 impl Walk<'_> {
@@ -215,7 +212,7 @@ impl Walk<'_> {
                 // copy moved before the program swap, see `move_old_cells`).
                 let to = FamilyMove { table: id, name, cells, limits: self.limits, epoch_offset_ns: self.epoch_offset_ns };
                 self.moved += to.found([(*k, *b)])?;
-                dead.push(*k);
+                dead.push((*k, *b));
                 continue;
             }
             // A last resort goes only with its rule: it is the parent of
@@ -225,54 +222,69 @@ impl Walk<'_> {
                 _ => self.gone_at(k, b, now),
             };
             if gone {
-                dead.push(*k);
-                continue;
-            }
-            match key_kind(k.rule()) {
-                KeyKind::Own => {
-                    self.own += 1;
-                    self.known.mark(self.half, k);
-                    if b.dropped > 0 {
-                        pass.sources.push(Source::of(k, *b));
-                    }
-                }
-                KeyKind::Cell | KeyKind::LastResort => {}
+                dead.push((*k, *b));
+            } else if key_kind(k.rule()) == KeyKind::Own {
+                self.keep_own(k, b, pass);
             }
         }
-        let (shared, plain): (Vec<K>, Vec<K>) = dead.into_iter().partition(|k| self.is_shared(k));
+        if dead.is_empty() {
+            return Ok(());
+        }
         let data = MapData::from_id(id).map_err(|e| map_error(name, e))?;
-        if !plain.is_empty() {
-            delete_batch(data.fd().as_fd().as_raw_fd(), &plain).map_err(|e| map_error(name, e))?;
-            pass.collected += plain.len() as u64;
-        }
-        if let (Some(handoff), false) = (self.handoff, shared.is_empty()) {
-            // Under the lock from the decision to the records (see
-            // `Collected`), decided again there: taking it may have waited
-            // out a sync's walk, and a bucket charged meanwhile stays.
-            let mut records = handoff.lock();
+        let fd = data.fd().as_fd().as_raw_fd();
+        let Some(handoff) = self.handoff else {
+            let keys: Vec<K> = dead.iter().map(|(k, _)| *k).collect();
+            delete_batch(fd, &keys).map_err(|e| map_error(name, e))?;
+            pass.collected += keys.len() as u64;
+            return Ok(());
+        };
+        // Under the lock from the decision to the records (see
+        // `Collected`); if taking it waited out a sync's walk, the sources'
+        // buckets are decided again: one charged meanwhile stays.
+        let (mut records, waited) = handoff.lock_noting_wait();
+        if waited {
             let table: aya::maps::HashMap<MapData, K, Bucket> =
                 aya::maps::HashMap::try_from(aya::maps::Map::HashMap(MapData::from_id(id).map_err(|e| map_error(name, e))?))
                     .map_err(|e| map_error(name, e))?;
             let now = monotonic_ns();
-            let still: Vec<(K, Bucket)> = shared.iter().filter_map(|k| table.get(k, 0).ok().filter(|b| self.gone_at(k, b, now)).map(|b| (*k, b))).collect();
-            let keys: Vec<K> = still.iter().map(|(k, _)| *k).collect();
-            if !keys.is_empty() {
-                delete_batch(data.fd().as_fd().as_raw_fd(), &keys).map_err(|e| map_error(name, e))?;
+            let mut still = Vec::with_capacity(dead.len());
+            for (k, b) in dead {
+                if key_kind(k.rule()) != KeyKind::Own {
+                    still.push((k, b));
+                    continue;
+                }
+                match table.get(&k, 0) {
+                    Ok(b) if self.gone_at(&k, &b, now) => still.push((k, b)),
+                    Ok(b) => self.keep_own(&k, &b, pass),
+                    Err(_) => {}
+                }
             }
-            for (k, b) in &still {
-                records.record(k.id(), b);
-            }
-            pass.collected += keys.len() as u64;
+            dead = still;
         }
+        let keys: Vec<K> = dead.iter().map(|(k, _)| *k).collect();
+        if let Err(e) = delete_batch(fd, &keys) {
+            // Some may be gone unrecorded: the sync falls back for a round.
+            records.dropped += keys.len() as u64;
+            return Err(map_error(name, e));
+        }
+        for (k, b) in dead.iter().filter(|(k, _)| key_kind(k.rule()) == KeyKind::Own) {
+            records.record(k.id(), b);
+        }
+        pass.collected += keys.len() as u64;
         Ok(())
     }
 
-    /// Whether `k` is a source's own bucket of a limit the cluster sync
-    /// shares (its deletes are recorded).
-    fn is_shared<K: BucketKey>(&self, k: &K) -> bool {
-        key_kind(k.rule()) == KeyKind::Own && self.shared.contains(&(k.rule() & !(KEY_CELL | KEY_LAST)))
+    /// Counts a source's own bucket the sweep keeps, marks it in the
+    /// filter half being rebuilt and keeps it among the sources with drops.
+    fn keep_own<K: BucketKey + KnownKey>(&mut self, k: &K, b: &Bucket, pass: &mut Pass) {
+        self.own += 1;
+        self.known.mark(self.half, k);
+        if b.dropped > 0 {
+            pass.sources.push(Source::of(k, *b));
+        }
     }
 }
+
 
 impl Walk<'_> {
     /// Frees the cells of one array that are fresh (or whose rule is gone)
@@ -283,7 +295,7 @@ impl Walk<'_> {
         // Held from the first step of each free until its record is in (a
         // dying cell is in no walk of the sync: gone for it from then on),
         // when the sync shares some limit.
-        let mut records = self.handoff.filter(|_| !self.shared.is_empty()).map(super::share::Collected::lock);
+        let mut records = self.handoff.map(super::share::Collected::lock).filter(|r| !r.limits.is_empty());
         let mut left = 0;
         let (mut dying, mut writing) = (Vec::new(), Vec::new());
         for i in 0..cells.slots() {

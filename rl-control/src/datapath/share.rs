@@ -79,6 +79,24 @@ impl Collected {
     pub fn lock(&self) -> std::sync::MutexGuard<'_, CollectedRecords> {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
+
+    /// The lock, and whether taking it had to wait.
+    pub fn lock_noting_wait(&self) -> (std::sync::MutexGuard<'_, CollectedRecords>, bool) {
+        match self.try_lock() {
+            Some(g) => (g, false),
+            None => (self.lock(), true),
+        }
+    }
+
+    /// The lock if it is free now (for async code, which must not wait
+    /// out a walk).
+    pub fn try_lock(&self) -> Option<std::sync::MutexGuard<'_, CollectedRecords>> {
+        match self.0.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
 }
 
 impl CollectedRecords {
