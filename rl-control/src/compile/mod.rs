@@ -176,7 +176,8 @@ fn compile_rules(config: &Config) -> RuleSet {
     let mut used = BTreeSet::new();
     for e in entries.iter_mut() {
         while !used.insert(e.id) {
-            e.id = e.id.wrapping_add(8);
+            // Within the id bits: the key-kind bits above stay clear.
+            e.id = e.id.wrapping_add(8) & rl_common::RULE_ID_MASK;
         }
     }
 

@@ -195,7 +195,11 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
         let (answers, _failure) = ledger.exchange(&cluster, &reports, keep_ms).await;
         let raises: Vec<_> = answers.iter().filter(|(_, ahead)| *ahead > 0).map(|&(i, ahead_us)| (reports[i].id, ahead_us)).collect();
         if !raises.is_empty() {
+            let handoff = collected.clone();
             let raised = tokio::task::spawn_blocking(move || -> Result<u64, crate::datapath::DatapathError> {
+                // Under the collector's lock: it decides a delete again
+                // under it, so it never deletes a bucket just raised.
+                let _records = handoff.lock();
                 let mut tables = Tables::open(ids)?;
                 let now = crate::datapath::monotonic_ns();
                 Ok(raises.into_iter().filter(|(id, ahead_us)| tables.raise(id, now + ahead_us * 1000)).count() as u64)

@@ -239,17 +239,20 @@ impl Walk<'_> {
             return Ok(());
         };
         // Under the lock from the decision to the records (see
-        // `Collected`); if taking it waited out a sync's walk, the sources'
-        // buckets are decided again: one charged meanwhile stays.
+        // `Collected`): the buckets of shared limits are decided again
+        // (the sync may have raised one since the chunk was read), and if
+        // taking the lock waited out a sync's walk, every source's bucket
+        // is: one charged meanwhile stays.
         let (mut records, waited) = handoff.lock_noting_wait();
-        if waited {
+        let again = |k: &K| key_kind(k.rule()) == KeyKind::Own && (waited || records.limits.contains(&(k.rule() & !(KEY_CELL | KEY_LAST))));
+        if dead.iter().any(|(k, _)| again(k)) {
             let table: aya::maps::HashMap<MapData, K, Bucket> =
                 aya::maps::HashMap::try_from(aya::maps::Map::HashMap(MapData::from_id(id).map_err(|e| map_error(name, e))?))
                     .map_err(|e| map_error(name, e))?;
             let now = monotonic_ns();
             let mut still = Vec::with_capacity(dead.len());
             for (k, b) in dead {
-                if key_kind(k.rule()) != KeyKind::Own {
+                if !again(&k) {
                     still.push((k, b));
                     continue;
                 }
