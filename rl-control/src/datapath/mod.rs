@@ -36,6 +36,7 @@ mod cells;
 mod install;
 mod known;
 mod load;
+mod moves;
 mod pin;
 mod read;
 pub mod share;
