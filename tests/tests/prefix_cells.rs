@@ -602,3 +602,44 @@ fn the_collector_records_the_deletes_of_shared_limits_for_the_cluster_sync() {
         assert_eq!((records[0].bucket.passed, records[0].bucket.dropped), (3, 0), "{kind}: with its last counts");
     }
 }
+
+/// A delete the collector decided from its read of a chunk is decided
+/// again once it holds the records' lock: a bucket charged (or raised by
+/// the sync) while it waited for the lock stays, unrecorded.
+#[test]
+fn a_bucket_charged_while_the_collector_waits_for_the_records_lock_stays() {
+    require_root();
+    let fast = "[cluster]\nredis = [\"redis://127.0.0.1:1\"]\nnode = \"test\"\n\
+        [[rule]]\nname = \"fast\"\nproto = \"udp\"\ndst_ports = [7788]\nrate = 1000\nscope = \"cluster\"\n";
+    let toml = rl_tests::flood_rules(1024) + fast;
+    let dp = std::sync::Arc::new(datapath(&toml).unwrap());
+    let compiled = compile(&Config::from_str(&toml, "<test>").unwrap());
+    let index = compiled.rules.names.iter().position(|n| n == "fast").unwrap();
+    let own = compiled.rules.entries[index].key4(0, u32::from_ne_bytes([10, 5, 5, 1]));
+    assert_eq!(offer(&dp, &to([10, 5, 5, 1], 7788), 3), (3, 0));
+    std::thread::sleep(std::time::Duration::from_nanos(COLLECT_IDLE_NS + 200_000_000));
+    let handoff = std::sync::Arc::new(rl_control::datapath::share::Collected::default());
+    let held = handoff.lock();
+    let walker = {
+        let (dp, handoff) = (dp.clone(), handoff.clone());
+        std::thread::spawn(move || {
+            let limits = dp.limits_by_key().unwrap();
+            let known = dp.known_filter().unwrap();
+            rl_control::datapath::collect_handing(dp.table_ids().unwrap(), dp.epoch_offset_ns(), &limits, &known, Some(&handoff)).unwrap()
+        })
+    };
+    // The walk found the idle bucket and now waits for the lock (its only
+    // wait): the bucket is charged meanwhile.
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert!(!walker.is_finished(), "the walk waits for the records' lock");
+    assert_eq!(offer(&dp, &to([10, 5, 5, 1], 7788), 1), (1, 0));
+    let mut held = held;
+    held.limits.insert(own.rule);
+    drop(held);
+    let pass = walker.join().unwrap();
+    assert_eq!(pass.collected, 0, "nothing was fresh any more: {pass:?}");
+    assert!(handoff.lock().deleted.is_empty(), "nothing recorded");
+    let shared = scan_shared(dp.table_ids().unwrap(), |r| r == own.rule).unwrap();
+    let b = shared.iter().find(|b| b.id == BucketId::V4(own)).expect("the charged bucket stays");
+    assert_eq!(b.bucket.passed, 4);
+}
