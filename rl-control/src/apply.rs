@@ -118,10 +118,10 @@ pub fn set_failure_mode(shared: &Shared, mode: Option<crate::cluster::OnFailure>
     };
     let compiled = compiled_for(&config, mode);
     let failed = |e: &dyn std::fmt::Display| ApplyError::Failed(format!("installing the on_failure rules: {e}"));
-    let plan = Plan::new(basis, &compiled.rules).map_err(|e| failed(&e))?;
-    if let Some(wait) = ready.checked_duration_since(Instant::now()) {
-        std::thread::sleep(wait);
-    }
+    let mut plan = Plan::new(basis, &compiled.rules).map_err(|e| failed(&e))?;
+    wait_until(ready);
+    let unnamed = lock(shared).dp.prepare(&mut plan).map_err(|e| failed(&e))?;
+    wait_until(unnamed);
     let mut s = lock(shared);
     s.dp.execute(plan).map_err(|e| failed(&e))?;
     s.failure_mode = mode;
@@ -130,6 +130,13 @@ pub fn set_failure_mode(shared: &Shared, mode: Option<crate::cluster::OnFailure>
         None => info!("cluster healthy: cluster packet rules enforce their limits again"),
     }
     Ok(())
+}
+
+/// Sleeps until `t` (no lock held).
+fn wait_until(t: Instant) {
+    if let Some(wait) = t.checked_duration_since(Instant::now()) {
+        std::thread::sleep(wait);
+    }
 }
 
 /// Validates, compiles (no lock), installs (the state lock held for the
@@ -183,11 +190,13 @@ fn install(
         let s = lock(shared);
         (s.dp.basis(), s.dp.ready_at())
     };
-    let plan = Plan::new(basis, &compiled.rules).map_err(|e| failed("installing the rules", &e))?;
+    let mut plan = Plan::new(basis, &compiled.rules).map_err(|e| failed("installing the rules", &e))?;
     let t1 = Instant::now();
-    if let Some(wait) = ready.checked_duration_since(Instant::now()) {
-        std::thread::sleep(wait);
-    }
+    // The waits without the lock: the old slot's grace, then that of the
+    // rule entries marked as changing (see `Datapath::prepare`).
+    wait_until(ready);
+    let unnamed = lock(shared).dp.prepare(&mut plan).map_err(|e| failed("installing the rules", &e))?;
+    wait_until(unnamed);
     lock(shared).dp.execute(plan).map_err(|e| failed("installing the rules", &e))?;
     let t2 = Instant::now();
     if change.persist {

@@ -14,6 +14,9 @@ use super::{batch::update_batch, read::add_stats, *};
 pub struct Plan {
     slot: u32,
     generation: u64,
+    /// When [`Datapath::prepare`] marked the entries whose rule changes:
+    /// no program run in flight reads them as before after this.
+    unnamed_until: Option<Instant>,
     /// The slot's contents are unknown: clear it whole first.
     clear: bool,
     old_names: Vec<String>,
@@ -87,7 +90,13 @@ impl Datapath {
         let base = slot * RULE_SLOTS;
         self.generation += 1;
         self.slots[slot as usize] = Arc::new(SlotContents { unknown: true, ..Default::default() });
-        self.unname_changed_rules(slot, plan.old_ids.as_deref(), &plan.entries)?;
+        let until = match plan.unnamed_until {
+            Some(t) => t,
+            None => self.unname_changed_rules(slot, plan.old_ids.as_deref(), &plan.entries)?,
+        };
+        if let Some(wait) = until.checked_duration_since(Instant::now()) {
+            std::thread::sleep(wait);
+        }
         if plan.clear {
             self.clear_slot(slot)?;
         }
@@ -124,14 +133,30 @@ impl Datapath {
         Ok(())
     }
 
+    /// The first step of `plan`, made apart so that a caller can wait out
+    /// its grace without holding a lock: marks the entries whose rule
+    /// changes (see [`Datapath::unname_changed_rules`]); returns when the
+    /// program runs that read them before are surely over. [`execute`]
+    /// waits for that time itself, and makes this step if it was not.
+    ///
+    /// [`execute`]: Datapath::execute
+    pub fn prepare(&mut self, plan: &mut Plan) -> Result<Instant, DatapathError> {
+        if plan.generation != self.generation {
+            return Err(DatapathError::Load("a stale install plan (another install ran since it was made)".into()));
+        }
+        let until = self.unname_changed_rules(plan.slot, plan.old_ids.as_deref(), &plan.entries)?;
+        plan.unnamed_until = Some(until);
+        Ok(until)
+    }
+
     /// Before anything of the inactive `slot` is rewritten: the entries
     /// whose rule changes or goes (`old_ids` is what they hold, if known)
-    /// are marked [`NO_RULE_ID`], then the program runs in flight are waited
-    /// out. A fragment verdict remembered from such an entry (through one
+    /// are marked [`NO_RULE_ID`]; returns when the program runs in flight
+    /// that read them before are over (now if none changed). A fragment verdict remembered from such an entry (through one
     /// rule change, see `rl_common::rule_tag`) is then an orphan, never
     /// counted under the entry's next rule nor read half-written; one from
     /// an entry that keeps its rule stands.
-    fn unname_changed_rules(&mut self, slot: u32, old_ids: Option<&[u32]>, entries: &[RuleEntry]) -> Result<(), DatapathError> {
+    fn unname_changed_rules(&mut self, slot: u32, old_ids: Option<&[u32]>, entries: &[RuleEntry]) -> Result<Instant, DatapathError> {
         let base = slot * RULE_SLOTS;
         let held: Vec<u32> = match old_ids {
             Some(ids) => ids.to_vec(),
@@ -147,12 +172,11 @@ impl Datapath {
             .map(|(i, _)| base + i as u32)
             .collect();
         if changed.is_empty() {
-            return Ok(());
+            return Ok(Instant::now());
         }
         let none = vec![RuleEntry { id: NO_RULE_ID, ..Default::default() }; changed.len()];
         update_batch(self.array_fd(MAP_RULES)?, &changed, &none).map_err(|e| map_error(MAP_RULES, e))?;
-        std::thread::sleep(super::known::RUN_GRACE);
-        Ok(())
+        Ok(Instant::now() + super::known::RUN_GRACE)
     }
 
     /// Counters of the rules a slot held go to their names' totals.
@@ -277,6 +301,7 @@ impl Plan {
         Ok(Plan {
             slot,
             generation: basis.generation,
+            unnamed_until: None,
             clear: basis.old.unknown,
             old_names: old.names.clone(),
             old_ids: (!basis.old.unknown).then(|| old.ids.clone()),
