@@ -144,6 +144,11 @@ impl Datapath {
         if plan.generation != self.generation {
             return Err(DatapathError::Load("a stale install plan (another install ran since it was made)".into()));
         }
+        // Not before runs that read the slot as the active one are over
+        // (callers wait for `ready_at` first, so this is no wait).
+        if let Some(wait) = self.ready_at().checked_duration_since(Instant::now()) {
+            std::thread::sleep(wait);
+        }
         let until = self.unname_changed_rules(plan.slot, plan.old_ids.as_deref(), &plan.entries)?;
         plan.unnamed_until = Some(until);
         Ok(until)

@@ -62,6 +62,9 @@ pub struct Pass {
     /// Buckets deleted by this pass because they were fresh (or their
     /// rule is gone from both slots).
     pub collected: u64,
+    /// Sources' buckets the pass found fresh, then kept when it decided
+    /// again under the cluster records' lock (charged or raised meanwhile).
+    pub kept_on_second_look: u64,
     /// The share of the known-keys filter's bits set after the pass's
     /// rebuild, per family (see `rl_common::known`).
     pub known_fill: (f64, f64),
@@ -259,7 +262,10 @@ impl Walk<'_> {
                 }
                 match table.get(&k, 0) {
                     Ok(b) if self.gone_at(&k, &b, now) => still.push((k, b)),
-                    Ok(b) => self.keep_own(&k, &b, pass),
+                    Ok(b) => {
+                        self.keep_own(&k, &b, pass);
+                        pass.kept_on_second_look += 1;
+                    }
                     Err(_) => {}
                 }
             }
