@@ -447,6 +447,25 @@ pub const fn rule_tag(id: u32) -> u32 {
     (id >> 3) & 0xffff
 }
 
+/// A verdict's [`FragVerdict::entry`]: rule-table `entry` tagged with
+/// the [`rule_tag`] of `rule_id`, the rule it holds.
+#[inline(always)]
+pub const fn tagged_entry(entry: u32, rule_id: u32) -> u32 {
+    entry | rule_tag(rule_id) << FRAG_TAG_SHIFT
+}
+
+/// The rule-table entry of a tagged [`FragVerdict::entry`].
+#[inline(always)]
+pub const fn untagged_entry(tagged: u32) -> u32 {
+    tagged & ((1 << FRAG_TAG_SHIFT) - 1)
+}
+
+/// Whether the tagged [`FragVerdict::entry`] names the rule with `id`.
+#[inline(always)]
+pub const fn tag_names(tagged: u32, id: u32) -> bool {
+    is_rule_id(id) && rule_tag(id) == tagged >> FRAG_TAG_SHIFT
+}
+
 /// `RuleEntry::id` of an entry that holds no rule: the daemon writes it over
 /// an entry of the inactive slot before that entry's rule changes (or goes),
 /// so that no verdict is ever read through another rule.

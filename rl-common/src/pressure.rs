@@ -59,6 +59,13 @@ pub const KEY_CELL: u32 = 1 << 31;
 /// `Key4::rule` / `Key6::rule` bit of a rule's last resort (address 0).
 pub const KEY_LAST: u32 = 1 << 30;
 
+/// The limit a bucket key's `rule` names (`RuleEntry::id | index`): its
+/// key-kind bits cleared.
+#[inline(always)]
+pub const fn limit_of_key(rule: u32) -> u32 {
+    rule & !(KEY_CELL | KEY_LAST)
+}
+
 /// What kind of bucket a key names.
 pub fn key_kind(rule: u32) -> KeyKind {
     if rule & KEY_LAST != 0 {

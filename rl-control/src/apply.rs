@@ -21,7 +21,7 @@ use tracing::{error, info, warn};
 use crate::{
     compile::compile,
     config::{unix_now, Config},
-    datapath::Plan,
+    datapath::{sleep_until, Plan},
     state::{file_stamp, lock, ApplyError, ReloadRecord, Running, Shared},
 };
 
@@ -119,9 +119,9 @@ pub fn set_failure_mode(shared: &Shared, mode: Option<crate::cluster::OnFailure>
     let compiled = compiled_for(&config, mode);
     let failed = |e: &dyn std::fmt::Display| ApplyError::Failed(format!("installing the on_failure rules: {e}"));
     let mut plan = Plan::new(basis, &compiled.rules).map_err(|e| failed(&e))?;
-    wait_until(ready);
+    sleep_until(ready);
     let unnamed = lock(shared).dp.prepare(&mut plan).map_err(|e| failed(&e))?;
-    wait_until(unnamed);
+    sleep_until(unnamed);
     let mut s = lock(shared);
     s.dp.execute(plan).map_err(|e| failed(&e))?;
     s.failure_mode = mode;
@@ -130,13 +130,6 @@ pub fn set_failure_mode(shared: &Shared, mode: Option<crate::cluster::OnFailure>
         None => info!("cluster healthy: cluster packet rules enforce their limits again"),
     }
     Ok(())
-}
-
-/// Sleeps until `t` (no lock held).
-fn wait_until(t: Instant) {
-    if let Some(wait) = t.checked_duration_since(Instant::now()) {
-        std::thread::sleep(wait);
-    }
 }
 
 /// Validates, compiles (no lock), installs (the state lock held for the
@@ -194,9 +187,9 @@ fn install(
     let t1 = Instant::now();
     // The waits without the lock: the old slot's grace, then that of the
     // rule entries marked as changing (see `Datapath::prepare`).
-    wait_until(ready);
+    sleep_until(ready);
     let unnamed = lock(shared).dp.prepare(&mut plan).map_err(|e| failed("installing the rules", &e))?;
-    wait_until(unnamed);
+    sleep_until(unnamed);
     lock(shared).dp.execute(plan).map_err(|e| failed("installing the rules", &e))?;
     let t2 = Instant::now();
     if change.persist {

@@ -30,8 +30,8 @@ use aya_ebpf::{
 use core::intrinsics::{atomic_cxchg, atomic_or, AtomicOrdering};
 
 use rl_common::{
-    is_rule_id, rule_tag, DatapathConfig, FragKey, FragVerdict, RuleEntry, FRAG_DATA_MAX, FRAG_DATA_SHIFT, FRAG_DROPPED, FRAG_MIN_CHARGE,
-    FRAG_ORPHANS_SOURCE, FRAG_SHADOW, FRAG_TABLE_LEN, FRAG_TAG_SHIFT, FRAG_VERDICT_MASK, STAT_FRAG_ORPHANS,
+    tag_names, tagged_entry, untagged_entry, DatapathConfig, FragKey, FragVerdict, RuleEntry, FRAG_DATA_MAX, FRAG_DATA_SHIFT,
+    FRAG_DROPPED, FRAG_MIN_CHARGE, FRAG_ORPHANS_SOURCE, FRAG_SHADOW, FRAG_TABLE_LEN, FRAG_VERDICT_MASK, STAT_FRAG_ORPHANS,
 };
 
 use crate::{
@@ -105,7 +105,7 @@ pub fn stash(pkt: &Packet, what: u32) {
 pub fn settled(cfg: &DatapathConfig, rule: &RuleEntry, entry: u32, counted: Counted) {
     if let Some(p) = RL_FRAG_NOW.get_ptr_mut(0) {
         if unsafe { (*p).pending } != 0 {
-            remember(cfg, p, entry | rule_tag(rule.id) << FRAG_TAG_SHIFT, counted as u32);
+            remember(cfg, p, tagged_entry(entry, rule.id), counted as u32);
         }
     }
 }
@@ -145,7 +145,7 @@ pub fn later(cfg: &DatapathConfig, pkt: &Packet, entry: u32, len: u64) -> Later 
         .filter(|(_, e)| holds(*e));
     match found {
         Some((v, tagged)) => {
-            let entry = tagged & ((1 << FRAG_TAG_SHIFT) - 1);
+            let entry = untagged_entry(tagged);
             let word = unsafe { core::ptr::read_volatile(&raw const (*v).counted) };
             let verdict = word & FRAG_VERDICT_MASK;
             if verdict == FRAG_SHADOW {
@@ -173,10 +173,7 @@ pub fn later(cfg: &DatapathConfig, pkt: &Packet, entry: u32, len: u64) -> Later 
 /// under.
 #[inline(always)]
 fn holds(tagged: u32) -> bool {
-    match RL_RULES.get(tagged & ((1 << FRAG_TAG_SHIFT) - 1)) {
-        Some(r) => is_rule_id(r.id) && rule_tag(r.id) == tagged >> FRAG_TAG_SHIFT,
-        None => false,
-    }
+    RL_RULES.get(untagged_entry(tagged)).is_some_and(|r| tag_names(tagged, r.id))
 }
 
 /// Adds a later fragment's `data` bytes (at least `FRAG_MIN_CHARGE`) to

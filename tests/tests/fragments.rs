@@ -42,6 +42,24 @@ fn datagram6(last: u8, id: u32, port: u16, later: u16) -> Vec<Vec<u8>> {
     out
 }
 
+/// A datagram from [`SRC`] (IPv4) or fd00::1 (IPv6) to `port`: its first
+/// fragment and `later` more.
+fn datagram(v6: bool, id: u16, port: u16, later: u16) -> Vec<Vec<u8>> {
+    if v6 {
+        datagram6(1, id as u32, port, later)
+    } else {
+        datagram4(SRC, id, port, later)
+    }
+}
+
+fn family(v6: bool) -> &'static str {
+    if v6 {
+        "IPv6"
+    } else {
+        "IPv4"
+    }
+}
+
 /// Offers each frame once; the verdicts, as (passed, dropped).
 fn offer_all(dp: &Datapath, frames: &[Vec<u8>]) -> (u32, u32) {
     frames.iter().map(|f| offer(dp, f, 1)).fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
@@ -55,11 +73,9 @@ const RULES: &str = "[default]\nrate = 1000\n\
 fn later_fragments_take_their_first_fragments_rule_and_verdict() {
     require_root();
     for v6 in [false, true] {
-        let family = if v6 { "IPv6" } else { "IPv4" };
+        let family = family(v6);
         let dp = datapath(&format!("[datapath]\nmax_sources = 1024\n{RULES}")).unwrap();
-        let dgram = |id: u16, port: u16, later: u16| {
-            if v6 { datagram6(1, id as u32, port, later) } else { datagram4(SRC, id, port, later) }
-        };
+        let dgram = |id: u16, port: u16, later: u16| datagram(v6, id, port, later);
         // The packet limit counts datagrams: two of them pass whole, with
         // all their later fragments (no ports: they would fall to
         // [default] on their own); the third is dropped whole.
@@ -179,9 +195,9 @@ fn real_fragmented_datagrams_through_veth_are_held_to_the_limit() {
 fn a_datagram_is_its_source_destination_protocol_and_id() {
     require_root();
     for v6 in [false, true] {
-        let family = if v6 { "IPv6" } else { "IPv4" };
+        let family = family(v6);
         let dp = datapath(&format!("[datapath]\nmax_sources = 1024\n{RULES}")).unwrap();
-        let frames = if v6 { datagram6(1, 9, 53, 1) } else { datagram4(SRC, 9, 53, 1) };
+        let frames = datagram(v6, 9, 53, 1);
         let (first, later) = (&frames[0], &frames[1]);
         assert_eq!(offer(&dp, first, 1), (1, 0), "{family}: the first fragment passes");
         // Another destination: the destination address's last byte.
@@ -210,9 +226,9 @@ fn a_datagram_is_its_source_destination_protocol_and_id() {
 fn a_datagrams_later_fragments_stop_where_an_ip_datagram_ends() {
     require_root();
     for v6 in [false, true] {
-        let family = if v6 { "IPv6" } else { "IPv4" };
+        let family = family(v6);
         let dp = datapath(&format!("[datapath]\nmax_sources = 1024\nfragment_ttl_ms = 60000\n{RULES}")).unwrap();
-        let frames = if v6 { datagram6(1, 20, 53, 1) } else { datagram4(SRC, 20, 53, 1) };
+        let frames = datagram(v6, 20, 53, 1);
         assert_eq!(offer(&dp, &frames[0], 1), (1, 0), "{family}: the first fragment");
         // 600 bytes of data each: 109 fit in 65,535 bytes.
         assert_eq!(offer(&dp, &frames[1], 120), (109, 11), "{family}: later fragments past 65,535 bytes");
@@ -252,9 +268,9 @@ fn a_datagrams_later_fragments_stop_where_an_ip_datagram_ends() {
 fn later_fragments_do_not_keep_their_datagrams_verdict_alive() {
     require_root();
     for v6 in [false, true] {
-        let family = if v6 { "IPv6" } else { "IPv4" };
+        let family = family(v6);
         let dp = datapath(&format!("[datapath]\nmax_sources = 1024\nfragment_ttl_ms = 200\n{RULES}")).unwrap();
-        let frames = if v6 { datagram6(1, 21, 53, 1) } else { datagram4(SRC, 21, 53, 1) };
+        let frames = datagram(v6, 21, 53, 1);
         let start = std::time::Instant::now();
         assert_eq!(offer(&dp, &frames[0], 1), (1, 0), "{family}: the first fragment");
         let first_done = start.elapsed();
@@ -303,13 +319,13 @@ fn a_shadow_rules_broken_datagram_stays_shadow_dropped() {
 fn orphans_limited_by_source_are_each_charged() {
     require_root();
     for v6 in [false, true] {
-        let family = if v6 { "IPv6" } else { "IPv4" };
+        let family = family(v6);
         let dp = datapath(&format!(
             "[datapath]\nmax_sources = 1024\nfragment_orphans = \"source\"\n{RULES}\
              [[rule]]\nname = \"udp\"\nproto = \"udp\"\nrate = 3\nper = \"1h\"\n"
         ))
         .unwrap();
-        let frames = if v6 { datagram6(1, 22, 53, 1) } else { datagram4(SRC, 22, 53, 1) };
+        let frames = datagram(v6, 22, 53, 1);
         assert_eq!(offer(&dp, &frames[1], 6), (3, 3), "{family}: six orphans of one datagram");
         let s = stats(&dp, "udp");
         assert_eq!((s.passed_pkts, s.dropped_pkts), (3, 3), "{family}: under the rule for UDP without ports");
@@ -335,8 +351,8 @@ fn a_verdict_lasts_while_its_place_holds_its_rule() {
     };
     let tight = "rate = 2\nper = \"1h\"";
     for v6 in [false, true] {
-        let family = if v6 { "IPv6" } else { "IPv4" };
-        let dgram = |id: u16| if v6 { datagram6(1, id as u32, 53, 3) } else { datagram4(SRC, id, 53, 3) };
+        let family = family(v6);
+        let dgram = |id: u16| datagram(v6, id, 53, 3);
         let (a, b) = (dgram(1), dgram(2));
         // Rule sets 1 to 4 alternate between the slots; each has its rule
         // at entry 1. Were a forgotten verdict read through "other" or

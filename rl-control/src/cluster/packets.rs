@@ -170,7 +170,7 @@ impl Ledger {
         let mut out = Vec::new();
         let mut seen = 0;
         for sb in buckets {
-            let Some(share) = shares.get(&limit_of(&sb.id)) else { continue };
+            let Some(share) = shares.get(&sb.id.limit()) else { continue };
             seen += 1;
             let t = self.tracked.get_mut(&sb.id).map(|t| {
                 t.seen_ns = now;
@@ -183,7 +183,7 @@ impl Ledger {
         let absent: Vec<(BucketId, Tracked)> =
             self.tracked.iter().filter(|(_, t)| t.carry > 0 && t.seen_ns != now).map(|(id, t)| (*id, *t)).collect();
         for (id, t) in absent {
-            if let Some(share) = shares.get(&limit_of(&id)) {
+            if let Some(share) = shares.get(&id.limit()) {
                 out.extend(report(id, &rl_common::Bucket::default(), Some(t), share, interval_ns, now));
             }
         }
@@ -197,7 +197,7 @@ impl Ledger {
         let (forget, complete) = (self.forget_after_ns, self.complete == Some(true));
         self.complete = self.complete.map(|_| true);
         self.tracked.retain(|id, t| {
-            if !complete && t.seen_ns != now && shares.contains_key(&limit_of(id)) {
+            if !complete && t.seen_ns != now && shares.contains_key(&id.limit()) {
                 (t.passed, t.dropped) = (0, 0);
             }
             now.saturating_sub(t.seen_ns.max(t.at_ns).max(t.recorded_ns)) < forget
@@ -226,11 +226,6 @@ impl Ledger {
 /// add one (a spoofed flood on a cluster rule makes and collects a bucket
 /// per source): past it such records are let go, as before records.
 pub const TRACKED_FROM_RECORDS: usize = 1 << 18;
-
-/// A bucket's limit (`RuleEntry::id | index`, the kind bits cleared).
-fn limit_of(id: &BucketId) -> u32 {
-    id.rule() & !(rl_common::KEY_CELL | rl_common::KEY_LAST)
-}
 
 /// The report of bucket `id` holding `b` (tracked as `t`), if it travels
 /// this round.

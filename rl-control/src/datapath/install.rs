@@ -78,25 +78,16 @@ impl Datapath {
 
     /// Writes `plan` and flips to it. A plan made before another install
     /// is recomputed here.
-    pub fn execute(&mut self, plan: Plan) -> Result<(), DatapathError> {
-        if plan.generation != self.generation {
-            return Err(DatapathError::Load("a stale install plan (another install ran since it was made)".into()));
-        }
-        let since = self.flipped_at.elapsed();
-        if since < SLOT_GRACE {
-            std::thread::sleep(SLOT_GRACE - since);
-        }
+    pub fn execute(&mut self, mut plan: Plan) -> Result<(), DatapathError> {
+        let until = match plan.unnamed_until.filter(|_| plan.generation == self.generation) {
+            Some(t) => t,
+            None => self.prepare(&mut plan)?,
+        };
+        sleep_until(until);
         let slot = plan.slot;
         let base = slot * RULE_SLOTS;
         self.generation += 1;
         self.slots[slot as usize] = Arc::new(SlotContents { unknown: true, ..Default::default() });
-        let until = match plan.unnamed_until {
-            Some(t) => t,
-            None => self.unname_changed_rules(slot, plan.old_ids.as_deref(), &plan.entries)?,
-        };
-        if let Some(wait) = until.checked_duration_since(Instant::now()) {
-            std::thread::sleep(wait);
-        }
         if plan.clear {
             self.clear_slot(slot)?;
         }
@@ -134,21 +125,20 @@ impl Datapath {
     }
 
     /// The first step of `plan`, made apart so that a caller can wait out
-    /// its grace without holding a lock: marks the entries whose rule
-    /// changes (see [`Datapath::unname_changed_rules`]); returns when the
+    /// its grace without holding a lock: refuses a stale plan, waits until
+    /// the slot is no longer read as the active one ([`ready_at`]: no wait
+    /// for a caller that waited for it), marks the entries whose rule
+    /// changes (see [`Datapath::unname_changed_rules`]) and returns when the
     /// program runs that read them before are surely over. [`execute`]
     /// waits for that time itself, and makes this step if it was not.
     ///
     /// [`execute`]: Datapath::execute
+    /// [`ready_at`]: Datapath::ready_at
     pub fn prepare(&mut self, plan: &mut Plan) -> Result<Instant, DatapathError> {
         if plan.generation != self.generation {
             return Err(DatapathError::Load("a stale install plan (another install ran since it was made)".into()));
         }
-        // Not before runs that read the slot as the active one are over
-        // (callers wait for `ready_at` first, so this is no wait).
-        if let Some(wait) = self.ready_at().checked_duration_since(Instant::now()) {
-            std::thread::sleep(wait);
-        }
+        sleep_until(self.ready_at());
         let until = self.unname_changed_rules(plan.slot, plan.old_ids.as_deref(), &plan.entries)?;
         plan.unnamed_until = Some(until);
         Ok(until)

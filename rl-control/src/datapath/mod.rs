@@ -292,6 +292,14 @@ pub(super) struct SlotContents {
 /// before rewriting the old slot leaves a wide margin.
 const SLOT_GRACE: Duration = Duration::from_millis(20);
 
+/// Sleeps until `t` (at once if it is past): the waits of an install,
+/// which its callers make without holding a lock.
+pub fn sleep_until(t: Instant) {
+    if let Some(wait) = t.checked_duration_since(Instant::now()) {
+        std::thread::sleep(wait);
+    }
+}
+
 impl Datapath {
     /// How many instructions the verifier walked to accept the limiter
     /// (of its 1,000,000 limit): the headroom left for new datapath code.

@@ -222,7 +222,7 @@ impl Walk<'_> {
             // A last resort goes only with its rule: it is the parent of
             // its rule's every key.
             let gone = match key_kind(k.rule()) {
-                KeyKind::LastResort => !self.limits.contains_key(&(k.rule() & !(KEY_CELL | KEY_LAST))),
+                KeyKind::LastResort => !self.limits.contains_key(&limit_of_key(k.rule())),
                 _ => self.gone_at(k, b, now),
             };
             if gone {
@@ -248,7 +248,7 @@ impl Walk<'_> {
         // taking the lock waited out a sync's walk, every source's bucket
         // is: one charged meanwhile stays.
         let (mut records, waited) = handoff.lock_noting_wait();
-        let again = |k: &K| key_kind(k.rule()) == KeyKind::Own && (waited || records.limits.contains(&(k.rule() & !(KEY_CELL | KEY_LAST))));
+        let again = |k: &K| key_kind(k.rule()) == KeyKind::Own && (waited || records.limits.contains(&limit_of_key(k.rule())));
         if dead.iter().any(|(k, _)| again(k)) {
             let table: aya::maps::HashMap<MapData, K, Bucket> =
                 aya::maps::HashMap::try_from(aya::maps::Map::HashMap(MapData::from_id(id).map_err(|e| map_error(name, e))?))
@@ -369,7 +369,7 @@ impl Walk<'_> {
     /// Whether bucket `key` holding `b`, read before `now`, may go: idle
     /// and fresh, or its rule is gone.
     fn gone_at<K: BucketKey>(&self, key: &K, b: &Bucket, now: u64) -> bool {
-        match self.limits.get(&(key.rule() & !(KEY_CELL | KEY_LAST))) {
+        match self.limits.get(&limit_of_key(key.rule())) {
             None => true,
             Some(l) => self.idle(l, b, now),
         }

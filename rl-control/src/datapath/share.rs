@@ -27,6 +27,11 @@ impl BucketId {
         }
     }
 
+    /// Its limit (`RuleEntry::id | index`).
+    pub fn limit(&self) -> u32 {
+        limit_of_key(self.rule())
+    }
+
     /// The bytes every host computes alike for this bucket (the rule id
     /// part excluded: hosts may number rules differently).
     pub fn addr_bytes(&self) -> Vec<u8> {
@@ -102,7 +107,7 @@ impl Collected {
 impl CollectedRecords {
     /// Records `id`'s delete if its limit is shared.
     pub fn record(&mut self, id: BucketId, bucket: &Bucket) {
-        if !self.limits.contains(&(id.rule() & !(KEY_CELL | KEY_LAST))) {
+        if !self.limits.contains(&id.limit()) {
             return;
         }
         if self.deleted.len() >= COLLECTED_MAX {
