@@ -326,6 +326,12 @@ pub const RULE_ELASTIC: u32 = 2;
 /// `scope = "cluster"`: its prefix cells keep counts (`rl_common::CellKey`)
 /// for the cluster sync to report.
 pub const RULE_CLUSTER: u32 = 4;
+/// Set by the daemon on an entry of the inactive slot that it is about to
+/// rewrite with another rule, or with its rule changed: the entry still
+/// holds its rule whole (id, limits), so a program run already charging a
+/// fragment under it charges the rule it checked, but no fragment verdict
+/// takes it any more ([`RuleEntry::names`]). The rewrite clears it.
+pub const RULE_UNNAMED: u32 = 1 << 31;
 
 /// One rule (or `[default]`) as the datapath applies it.
 #[repr(C)]
@@ -349,6 +355,21 @@ pub struct RuleEntry {
 const _: () = assert!(size_of::<RuleEntry>() == 152);
 
 impl RuleEntry {
+    /// Whether it holds a rule that verdicts may still take: one was
+    /// written ([`is_rule_id`]) and is not about to be rewritten
+    /// ([`RULE_UNNAMED`]).
+    #[inline(always)]
+    pub const fn holds_rule(&self) -> bool {
+        is_rule_id(self.id) && self.flags & RULE_UNNAMED == 0
+    }
+
+    /// Whether a fragment verdict's tagged entry ([`tagged_entry`]) may be
+    /// taken through this entry: it holds the rule the verdict names.
+    #[inline(always)]
+    pub const fn names(&self, tagged: u32) -> bool {
+        self.flags & RULE_UNNAMED == 0 && tag_names(tagged, self.id)
+    }
+
     /// The IPv4 bucket key of limit `which` for a source (network-order
     /// word as read from the packet): masked to the rule's key scope.
     #[inline(always)]
@@ -466,9 +487,9 @@ pub const fn tag_names(tagged: u32, id: u32) -> bool {
     is_rule_id(id) && rule_tag(id) == tagged >> FRAG_TAG_SHIFT
 }
 
-/// `RuleEntry::id` of an entry that holds no rule: the daemon writes it over
-/// an entry of the inactive slot before that entry's rule changes (or goes),
-/// so that no verdict is ever read through another rule.
+/// `RuleEntry::id` of an entry that holds no rule: builds before
+/// [`RULE_UNNAMED`] wrote it (with the rest of the entry zeroed) over an
+/// entry of the inactive slot before that entry's rule changed or went.
 pub const NO_RULE_ID: u32 = u32::MAX;
 
 /// Whether `id` is a rule's (not [`NO_RULE_ID`], nor the 0 of an entry never

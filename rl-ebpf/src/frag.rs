@@ -30,7 +30,7 @@ use aya_ebpf::{
 use core::intrinsics::{atomic_cxchg, atomic_or, AtomicOrdering};
 
 use rl_common::{
-    tag_names, tagged_entry, untagged_entry, DatapathConfig, FragKey, FragVerdict, RuleEntry, FRAG_DATA_MAX, FRAG_DATA_SHIFT,
+    tagged_entry, untagged_entry, DatapathConfig, FragKey, FragVerdict, RuleEntry, FRAG_DATA_MAX, FRAG_DATA_SHIFT,
     FRAG_DROPPED, FRAG_MIN_CHARGE, FRAG_ORPHANS_SOURCE, FRAG_SHADOW, FRAG_TABLE_LEN, FRAG_VERDICT_MASK, STAT_FRAG_ORPHANS,
 };
 
@@ -170,10 +170,12 @@ pub fn later(cfg: &DatapathConfig, pkt: &Packet, entry: u32, len: u64) -> Later 
 }
 
 /// Whether a verdict's tagged entry still holds the rule it was counted
-/// under.
+/// under, and is not about to be rewritten (`rl_common::RULE_UNNAMED`:
+/// then it still holds that rule whole until this run is over, so the
+/// entry read again to charge the fragment is the one checked here).
 #[inline(always)]
 fn holds(tagged: u32) -> bool {
-    RL_RULES.get(untagged_entry(tagged)).is_some_and(|r| tag_names(tagged, r.id))
+    RL_RULES.get(untagged_entry(tagged)).is_some_and(|r| r.names(tagged))
 }
 
 /// Adds a later fragment's `data` bytes (at least `FRAG_MIN_CHARGE`) to

@@ -4,7 +4,7 @@
 
 use std::{net::IpAddr, time::Duration};
 
-use rl_common::{STAT_DROPPED_PKTS, STAT_FRAG_ORPHANS, STAT_PASSED_PKTS};
+use rl_common::{RuleEntry, RULE_SHADOW, RULE_SLOTS, RULE_UNNAMED, STAT_DROPPED_PKTS, STAT_FRAG_ORPHANS, STAT_PASSED_PKTS};
 use rl_control::datapath::{AttachMode, Datapath};
 use rl_tests::{
     attach, datapath, expected_passed,
@@ -397,5 +397,46 @@ fn a_verdict_lasts_while_its_place_holds_its_rule() {
         install(&mut dp, &rule("x", 60, tight)).unwrap();
         assert_eq!(offer_all(&dp, &z[2..]), (0, 2), "{family}: z's place is past the rules: its fragments are orphans");
         assert_eq!(dp.counters().unwrap().get(STAT_FRAG_ORPHANS), orphans + 4, "{family}");
+    }
+}
+
+/// A rule changed in place keeps its id (a failure mode of the cluster
+/// changes rules so). Its entry is marked before the rewrite, so that no
+/// verdict is read through it half-written, and the mark leaves the rule
+/// whole, so that a run that took the verdict just before charges the rule
+/// it checked. Rewritten, the entry names its rule again.
+#[test]
+fn a_rule_changed_in_place_is_unnamed_whole_before_its_rewrite() {
+    require_root();
+    let conf = "[datapath]\nmax_sources = 1024\nfragment_ttl_ms = 60000\n[default]\nrate = 1000\n\
+                [[rule]]\nname = \"a\"\nproto = \"udp\"\ndst_ports = [53]\nrate = 2\nper = \"1h\"\n";
+    let rules = rl_control::compile::compile(&rl_control::config::Config::from_str(conf, "<test>").unwrap()).rules;
+    // As `compile::with_failure_mode` changes a cluster rule: same id.
+    let mut changed = rules.clone();
+    changed.entries[1].flags |= RULE_SHADOW;
+    for v6 in [false, true] {
+        let family = family(v6);
+        let a = datagram(v6, 1, 53, 4);
+        let mut dp = datapath(conf).unwrap();
+        let entry = dp.active_slot().unwrap() * RULE_SLOTS + 1;
+        let (whole, default) = (dp.rule_table_entry(entry).unwrap(), dp.rule_table_entry(entry - 1).unwrap());
+        assert_eq!(whole.id, rules.entries[1].id, "{family}");
+        assert_eq!(offer_all(&dp, &a[..2]), (2, 0), "{family}");
+        // Written into the other slot: the verdict's place is untouched.
+        dp.install(&changed).unwrap();
+        assert_eq!(offer_all(&dp, &a[2..3]), (1, 0), "{family}: its place still holds the rule as it was");
+        // Into the verdict's slot, stopped right after the marking.
+        dp.fail_next_install_at("unnamed");
+        assert!(dp.install(&changed).is_err());
+        let marked = dp.rule_table_entry(entry).unwrap();
+        assert_eq!(marked, RuleEntry { flags: whole.flags | RULE_UNNAMED, ..whole }, "{family}: marked, the rule kept whole");
+        assert_eq!(dp.rule_table_entry(entry - 1).unwrap(), default, "{family}: [default], unchanged, is not marked");
+        let orphans = dp.counters().unwrap().get(STAT_FRAG_ORPHANS);
+        assert_eq!(offer_all(&dp, &a[3..4]), (0, 1), "{family}: while its place is marked, a fragment is an orphan");
+        assert_eq!(dp.counters().unwrap().get(STAT_FRAG_ORPHANS), orphans + 1, "{family}");
+        dp.install(&changed).unwrap();
+        assert_eq!(dp.rule_table_entry(entry).unwrap(), RuleEntry { flags: whole.flags | RULE_SHADOW, ..whole }, "{family}: rewritten, unmarked");
+        assert_eq!(offer_all(&dp, &a[4..]), (1, 0), "{family}: the same rule again: the verdict stands");
+        assert_eq!(dp.counters().unwrap().get(STAT_FRAG_ORPHANS), orphans + 1, "{family}");
     }
 }

@@ -20,8 +20,8 @@ pub struct Plan {
     /// The slot's contents are unknown: clear it whole first.
     clear: bool,
     old_names: Vec<String>,
-    /// The rule ids the slot holds (`None`: not known, read from the map).
-    old_ids: Option<Vec<u32>>,
+    /// The rule entries the slot holds (`None`: not known, read from the map).
+    old_entries: Option<Vec<RuleEntry>>,
     entries: Vec<RuleEntry>,
     l4: (Vec<u32>, Vec<u32>),
     dir16: (Vec<u32>, Vec<u32>),
@@ -139,38 +139,42 @@ impl Datapath {
             return Err(DatapathError::Load("a stale install plan (another install ran since it was made)".into()));
         }
         sleep_until(self.ready_at());
-        let until = self.unname_changed_rules(plan.slot, plan.old_ids.as_deref(), &plan.entries)?;
+        let until = self.unname_changed_rules(plan.slot, plan.old_entries.as_deref(), &plan.entries)?;
+        self.failpoint("unnamed")?;
         plan.unnamed_until = Some(until);
         Ok(until)
     }
 
     /// Before anything of the inactive `slot` is rewritten: the entries
-    /// whose rule changes or goes (`old_ids` is what they hold, if known)
-    /// are marked [`NO_RULE_ID`]; returns when the program runs in flight
-    /// that read them before are over (now if none changed). A fragment verdict remembered from such an entry (through one
-    /// rule change, see `rl_common::rule_tag`) is then an orphan, never
-    /// counted under the entry's next rule nor read half-written; one from
-    /// an entry that keeps its rule stands.
-    fn unname_changed_rules(&mut self, slot: u32, old_ids: Option<&[u32]>, entries: &[RuleEntry]) -> Result<Instant, DatapathError> {
+    /// whose rule changes (another rule, or the same rule changed: a
+    /// failure mode of the cluster keeps ids) or goes (`old` is what they
+    /// hold, if known) are marked [`RULE_UNNAMED`], the rest of each entry
+    /// kept; returns when the program runs in flight that read them before
+    /// are over (now if none changed). A fragment verdict remembered from
+    /// such an entry (through one rule change, see `rl_common::rule_tag`)
+    /// is then an orphan, never counted under the entry's next contents
+    /// nor read half-written; a run that took it before the mark charges
+    /// the whole rule it checked. One from an entry that keeps its rule
+    /// unchanged stands.
+    fn unname_changed_rules(&mut self, slot: u32, old: Option<&[RuleEntry]>, entries: &[RuleEntry]) -> Result<Instant, DatapathError> {
         let base = slot * RULE_SLOTS;
-        let held: Vec<u32> = match old_ids {
-            Some(ids) => ids.to_vec(),
+        let held: Vec<RuleEntry> = match old {
+            Some(old) => old.to_vec(),
             None => {
                 let rules: Array<&MapData, RuleEntry> = map_ref(&self.ebpf, MAP_RULES)?;
-                (0..RULE_SLOTS).map(|i| rules.get(&(base + i), 0).map(|r| r.id)).collect::<Result<_, _>>().map_err(|e| map_error(MAP_RULES, e))?
+                (0..RULE_SLOTS).map(|i| rules.get(&(base + i), 0)).collect::<Result<_, _>>().map_err(|e| map_error(MAP_RULES, e))?
             }
         };
-        let changed: Vec<u32> = held
+        let (keys, marked): (Vec<u32>, Vec<RuleEntry>) = held
             .iter()
             .enumerate()
-            .filter(|&(i, &id)| is_rule_id(id) && entries.get(i).is_none_or(|e| e.id != id))
-            .map(|(i, _)| base + i as u32)
-            .collect();
-        if changed.is_empty() {
+            .filter(|&(i, e)| e.holds_rule() && entries.get(i) != Some(e))
+            .map(|(i, e)| (base + i as u32, RuleEntry { flags: e.flags | RULE_UNNAMED, ..*e }))
+            .unzip();
+        if keys.is_empty() {
             return Ok(Instant::now());
         }
-        let none = vec![RuleEntry { id: NO_RULE_ID, ..Default::default() }; changed.len()];
-        update_batch(self.array_fd(MAP_RULES)?, &changed, &none).map_err(|e| map_error(MAP_RULES, e))?;
+        update_batch(self.array_fd(MAP_RULES)?, &keys, &marked).map_err(|e| map_error(MAP_RULES, e))?;
         Ok(Instant::now() + super::known::RUN_GRACE)
     }
 
@@ -196,8 +200,9 @@ impl Datapath {
         update_batch(self.array_fd(name)?, keys, values).map_err(|e| map_error(name, e))
     }
 
-    /// Tests only: makes the next install fail after `step` ("rules", "l4",
-    /// "lpm", "decide"), as a failed map write there would.
+    /// Tests only: makes the next install fail after `step` ("unnamed":
+    /// the marking of changed rule entries, "rules", "l4", "lpm",
+    /// "decide"), as a failed map write there would.
     #[doc(hidden)]
     pub fn fail_next_install_at(&mut self, step: &'static str) {
         self.failpoint = Some(step);
@@ -299,8 +304,8 @@ impl Plan {
             unnamed_until: None,
             clear: basis.old.unknown,
             old_names: old.names.clone(),
-            old_ids: (!basis.old.unknown).then(|| old.ids.clone()),
-            entries,
+            old_entries: (!basis.old.unknown).then(|| old.entries.clone()),
+            entries: entries.clone(),
             l4: u32_diff(slot * L4_SLOT_LEN, &old.l4, &rules.l4),
             dir16: u32_diff(slot * DIR16_LEN, &old.dir16, &rules.dir16),
             lpm_remove,
@@ -311,7 +316,7 @@ impl Plan {
             next: SlotContents {
                 unknown: false,
                 names: rules.names.clone(),
-                ids: rules.entries.iter().map(|e| e.id).collect(),
+                entries,
                 l4: rules.l4.clone(),
                 lpm,
                 dir16: rules.dir16.clone(),

@@ -278,8 +278,8 @@ pub struct Datapath {
 pub(super) struct SlotContents {
     unknown: bool,
     names: Vec<String>,
-    /// `RuleEntry::id` of each rule, indexed like `names`.
-    ids: Vec<u32>,
+    /// The rule entries as written, indexed like `names`.
+    entries: Vec<rl_common::RuleEntry>,
     l4: Vec<u32>,
     /// Sorted by CIDR.
     lpm: Vec<(crate::units::Cidr, u32)>,
@@ -345,7 +345,7 @@ impl Datapath {
         let active = self.active.unwrap_or(0) as usize;
         [active, active ^ 1].into_iter().find_map(|slot| {
             let c = &self.slots[slot];
-            c.ids.iter().position(|&i| i == id).and_then(|i| c.names.get(i)).map(String::as_str)
+            c.entries.iter().position(|e| e.id == id).and_then(|i| c.names.get(i)).map(String::as_str)
         })
     }
 

@@ -95,7 +95,7 @@ impl Datapath {
         let arr: aya::maps::Array<&MapData, RuleEntry> = map_ref(&self.ebpf, MAP_RULES)?;
         let mut out = LimitsByKey::new();
         for slot in 0..2u32 {
-            for i in 0..self.slots[slot as usize].ids.len() as u32 {
+            for i in 0..self.slots[slot as usize].entries.len() as u32 {
                 let r = arr.get(&(slot * RULE_SLOTS + i), 0).map_err(|e| map_error(MAP_RULES, e))?;
                 for which in 0..r.n_limits.min(MAX_LIMITS as u32) {
                     out.insert(r.id | which, r.limits[which as usize]);

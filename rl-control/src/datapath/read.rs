@@ -31,9 +31,18 @@ impl Datapath {
     /// Rule `index` (0 = `[default]`) of the active rule set, as the
     /// datapath reads it.
     pub fn active_rule(&self, index: u32) -> Result<RuleEntry, DatapathError> {
+        self.rule_table_entry(self.active.unwrap_or(0) * RULE_SLOTS + index)
+    }
+
+    /// Entry `entry` of the rule table (both slots), as the datapath reads it.
+    pub fn rule_table_entry(&self, entry: u32) -> Result<RuleEntry, DatapathError> {
         let arr: Array<&MapData, RuleEntry> = map_ref(&self.ebpf, MAP_RULES)?;
-        arr.get(&(self.active.unwrap_or(0) * RULE_SLOTS + index), 0)
-            .map_err(|e| map_error(MAP_RULES, e))
+        arr.get(&entry, 0).map_err(|e| map_error(MAP_RULES, e))
+    }
+
+    /// The slot the datapath reads (`None` before the first install).
+    pub fn active_slot(&self) -> Option<u32> {
+        self.active
     }
 
     /// The configuration the datapath is reading now.
