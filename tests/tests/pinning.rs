@@ -255,3 +255,39 @@ fn an_adopted_datapath_keeps_the_clock_its_windows_were_counted_by() {
     assert_eq!(dp.epoch_offset_ns(), behind, "the pinned offset is kept");
     assert_eq!(rl_tests::offer(&dp, &frame, 2), (0, 2), "the window the key spent is still the one it is in");
 }
+
+/// The rules' counters live in the pinned maps: a restarted daemon, which
+/// finds both rule tables unknown and writes its rules into both (as
+/// `enforce` does), goes on from the counts it finds under the rules'
+/// ids, instead of clearing them.
+#[test]
+fn an_adopted_datapath_keeps_its_rules_counts() {
+    use rl_control::{compile::compile, config::Config, datapath::{prepare_pins, Datapath, LoadOptions}};
+    use rl_tests::frames::*;
+    rl_tests::lab::require_root();
+    let toml = "[datapath]\nmax_sources = 1024\n[default]\nrate = 1000\n\
+        [[rule]]\nname = \"w\"\nproto = \"udp\"\ndst_ports = [53]\nrate = 3\nper = \"1h\"\n";
+    let compiled = compile(&Config::from_str(toml, "<test>").unwrap());
+    let pins = BpfFs::new().unwrap();
+    let dir = pins.path().join("counts");
+    prepare_pins(pins.path(), &dir).unwrap();
+    let start = || {
+        let mut dp = Datapath::load_with(&compiled, LoadOptions { pin: Some(dir.clone()), ..Default::default() }).unwrap();
+        dp.install(&compiled.rules).unwrap();
+        dp
+    };
+    let (w, other) = (eth(&[], ETH_P_IP, &ipv4([192, 0, 2, 1], UDP, &[], &udp(53))), eth(&[], ETH_P_IP, &ipv4([192, 0, 2, 1], UDP, &[], &udp(99))));
+    let dp = start();
+    assert_eq!(rl_tests::offer(&dp, &w, 5), (3, 2), "3 an hour");
+    assert_eq!(rl_tests::offer(&dp, &other, 4), (4, 0), "[default]");
+    let before = dp.rule_stats().unwrap();
+    assert_eq!((before["w"].passed_pkts, before["w"].dropped_pkts, before["default"].passed_pkts), (3, 2, 4));
+    drop(dp);
+    let dp = start();
+    assert!(dp.adopted());
+    let after = dp.rule_stats().unwrap();
+    assert_eq!(after["w"], before["w"], "w's counts go on across the restart");
+    assert_eq!(after["default"], before["default"], "[default]'s too");
+    assert_eq!(rl_tests::offer(&dp, &w, 1), (0, 1), "and its bucket is kept");
+    assert_eq!(dp.rule_stats().unwrap()["w"].dropped_pkts, 3);
+}

@@ -89,6 +89,7 @@ impl Datapath {
         self.generation += 1;
         self.slots[slot as usize] = Arc::new(SlotContents { unknown: true, ..Default::default() });
         if plan.clear {
+            self.retire_found_stats(slot, &plan.entries, &plan.next.names)?;
             self.clear_slot(slot)?;
         }
         self.retire_stats(base, &plan.old_names)?;
@@ -176,6 +177,38 @@ impl Datapath {
         }
         update_batch(self.array_fd(MAP_RULES)?, &keys, &marked).map_err(|e| map_error(MAP_RULES, e))?;
         Ok(Instant::now() + super::known::RUN_GRACE)
+    }
+
+    /// Before a slot whose contents are unknown is cleared (adopted from a
+    /// daemon that stopped, or left by a failed install): the counters of
+    /// each entry that holds a rule with the id of one of `entries` go to
+    /// that rule's name (`names`), instead of being lost. The rules a
+    /// restarted daemon installs are mostly the ones it finds (a rule's id
+    /// is a hash of its definition), so their counts go on across the
+    /// restart. (The totals of rule sets retired before it are lost with
+    /// the process that kept them.)
+    fn retire_found_stats(&mut self, slot: u32, entries: &[RuleEntry], names: &[String]) -> Result<(), DatapathError> {
+        let base = slot * RULE_SLOTS;
+        let mut found = Vec::new();
+        {
+            let rules: Array<&MapData, RuleEntry> = map_ref(&self.ebpf, MAP_RULES)?;
+            for i in 0..RULE_SLOTS {
+                let held = rules.get(&(base + i), 0).map_err(|e| map_error(MAP_RULES, e))?;
+                if held.id == 0 {
+                    // Entries are written from the first on: none past this one.
+                    break;
+                }
+                if let Some(name) = entries.iter().zip(names).find(|(e, _)| is_rule_id(held.id) && e.id == held.id).map(|(_, n)| n) {
+                    found.push((base + i, name.clone()));
+                }
+            }
+        }
+        let stats: PerCpuArray<&MapData, RuleStats> = map_ref(&self.ebpf, MAP_RULE_STATS)?;
+        for (idx, name) in found {
+            let per_cpu = stats.get(&idx, 0).map_err(|e| map_error(MAP_RULE_STATS, e))?;
+            add_stats(self.retired.entry(name).or_default(), per_cpu.iter());
+        }
+        Ok(())
     }
 
     /// Counters of the rules a slot held go to their names' totals.
