@@ -330,7 +330,10 @@ pub const RULE_CLUSTER: u32 = 4;
 /// rewrite with another rule, or with its rule changed: the entry still
 /// holds its rule whole (id, limits), so a program run already charging a
 /// fragment under it charges the rule it checked, but no fragment verdict
-/// takes it any more ([`RuleEntry::names`]). The rewrite clears it.
+/// takes it any more ([`RuleEntry::names`]). The daemon then writes the new
+/// rule with the flag still on, and lifts it with a last write (one flag
+/// changes), so that no run reads the entry half-written; an entry past
+/// the end of the new rules is emptied ([`NO_RULE_ID`]) instead.
 pub const RULE_UNNAMED: u32 = 1 << 31;
 
 /// One rule (or `[default]`) as the datapath applies it.
@@ -487,9 +490,10 @@ pub const fn tag_names(tagged: u32, id: u32) -> bool {
     is_rule_id(id) && rule_tag(id) == tagged >> FRAG_TAG_SHIFT
 }
 
-/// `RuleEntry::id` of an entry that holds no rule: builds before
-/// [`RULE_UNNAMED`] wrote it (with the rest of the entry zeroed) over an
-/// entry of the inactive slot before that entry's rule changed or went.
+/// `RuleEntry::id` of an entry that holds no rule (the rest zeroed): the
+/// daemon empties entries past the end of a shorter rule set so, once no
+/// run reads them; builds before [`RULE_UNNAMED`] marked every changing
+/// entry so.
 pub const NO_RULE_ID: u32 = u32::MAX;
 
 /// Whether `id` is a rule's (not [`NO_RULE_ID`], nor the 0 of an entry never

@@ -4,7 +4,7 @@
 
 use std::{net::IpAddr, time::Duration};
 
-use rl_common::{RuleEntry, RULE_SHADOW, RULE_SLOTS, RULE_UNNAMED, STAT_DROPPED_PKTS, STAT_FRAG_ORPHANS, STAT_PASSED_PKTS};
+use rl_common::{RuleEntry, NO_RULE_ID, RULE_SHADOW, RULE_SLOTS, RULE_UNNAMED, STAT_DROPPED_PKTS, STAT_FRAG_ORPHANS, STAT_PASSED_PKTS};
 use rl_control::datapath::{AttachMode, Datapath};
 use rl_tests::{
     attach, datapath, expected_passed,
@@ -397,6 +397,8 @@ fn a_verdict_lasts_while_its_place_holds_its_rule() {
         install(&mut dp, &rule("x", 60, tight)).unwrap();
         assert_eq!(offer_all(&dp, &z[2..]), (0, 2), "{family}: z's place is past the rules: its fragments are orphans");
         assert_eq!(dp.counters().unwrap().get(STAT_FRAG_ORPHANS), orphans + 4, "{family}");
+        let past = dp.rule_table_entry(dp.active_slot().unwrap() * RULE_SLOTS + 3).unwrap();
+        assert_eq!(past, RuleEntry { id: NO_RULE_ID, ..Default::default() }, "{family}: emptied, as older builds read it");
     }
 }
 
@@ -404,7 +406,9 @@ fn a_verdict_lasts_while_its_place_holds_its_rule() {
 /// changes rules so). Its entry is marked before the rewrite, so that no
 /// verdict is read through it half-written, and the mark leaves the rule
 /// whole, so that a run that took the verdict just before charges the rule
-/// it checked. Rewritten, the entry names its rule again.
+/// it checked. The new contents are written under the mark, which a last
+/// write lifts: the entry then holds its rule's new version, and the
+/// verdict stands under it.
 #[test]
 fn a_rule_changed_in_place_is_unnamed_whole_before_its_rewrite() {
     require_root();
@@ -416,7 +420,7 @@ fn a_rule_changed_in_place_is_unnamed_whole_before_its_rewrite() {
     changed.entries[1].flags |= RULE_SHADOW;
     for v6 in [false, true] {
         let family = family(v6);
-        let a = datagram(v6, 1, 53, 4);
+        let a = datagram(v6, 1, 53, 5);
         let mut dp = datapath(conf).unwrap();
         let entry = dp.active_slot().unwrap() * RULE_SLOTS + 1;
         let (whole, default) = (dp.rule_table_entry(entry).unwrap(), dp.rule_table_entry(entry - 1).unwrap());
@@ -434,9 +438,16 @@ fn a_rule_changed_in_place_is_unnamed_whole_before_its_rewrite() {
         let orphans = dp.counters().unwrap().get(STAT_FRAG_ORPHANS);
         assert_eq!(offer_all(&dp, &a[3..4]), (0, 1), "{family}: while its place is marked, a fragment is an orphan");
         assert_eq!(dp.counters().unwrap().get(STAT_FRAG_ORPHANS), orphans + 1, "{family}");
+        let new = RuleEntry { flags: whole.flags | RULE_SHADOW, ..whole };
+        // Stopped after the new contents went in under the mark.
+        dp.fail_next_install_at("rewritten");
+        assert!(dp.install(&changed).is_err());
+        assert_eq!(dp.rule_table_entry(entry).unwrap(), RuleEntry { flags: new.flags | RULE_UNNAMED, ..new }, "{family}: new, still marked");
+        assert_eq!(offer_all(&dp, &a[4..5]), (0, 1), "{family}: still an orphan");
+        assert_eq!(dp.counters().unwrap().get(STAT_FRAG_ORPHANS), orphans + 2, "{family}");
         dp.install(&changed).unwrap();
-        assert_eq!(dp.rule_table_entry(entry).unwrap(), RuleEntry { flags: whole.flags | RULE_SHADOW, ..whole }, "{family}: rewritten, unmarked");
-        assert_eq!(offer_all(&dp, &a[4..]), (1, 0), "{family}: the same rule again: the verdict stands");
-        assert_eq!(dp.counters().unwrap().get(STAT_FRAG_ORPHANS), orphans + 1, "{family}");
+        assert_eq!(dp.rule_table_entry(entry).unwrap(), new, "{family}: rewritten, unmarked");
+        assert_eq!(offer_all(&dp, &a[5..]), (1, 0), "{family}: the rule's new version: the verdict stands under it");
+        assert_eq!(dp.counters().unwrap().get(STAT_FRAG_ORPHANS), orphans + 2, "{family}");
     }
 }

@@ -17,6 +17,8 @@ pub struct Plan {
     /// When [`Datapath::prepare`] marked the entries whose rule changes:
     /// no program run in flight reads them as before after this.
     unnamed_until: Option<Instant>,
+    /// The entries it marked (indices within the slot).
+    unnamed: Vec<u32>,
     /// The slot's contents are unknown: clear it whole first.
     clear: bool,
     old_names: Vec<String>,
@@ -94,6 +96,7 @@ impl Datapath {
         }
         self.retire_stats(base, &plan.old_names)?;
 
+        self.rewrite_unnamed(slot, &plan.unnamed, &plan.entries)?;
         let keys: Vec<u32> = (0..plan.entries.len() as u32).map(|i| base + i).collect();
         update_batch(self.array_fd(MAP_RULES)?, &keys, &plan.entries).map_err(|e| map_error(MAP_RULES, e))?;
         self.failpoint("rules")?;
@@ -140,9 +143,9 @@ impl Datapath {
             return Err(DatapathError::Load("a stale install plan (another install ran since it was made)".into()));
         }
         sleep_until(self.ready_at());
-        let until = self.unname_changed_rules(plan.slot, plan.old_entries.as_deref(), &plan.entries)?;
+        let (until, unnamed) = self.unname_changed_rules(plan.slot, plan.old_entries.as_deref(), &plan.entries)?;
         self.failpoint("unnamed")?;
-        plan.unnamed_until = Some(until);
+        (plan.unnamed_until, plan.unnamed) = (Some(until), unnamed);
         Ok(until)
     }
 
@@ -153,11 +156,14 @@ impl Datapath {
     /// kept; returns when the program runs in flight that read them before
     /// are over (now if none changed). A fragment verdict remembered from
     /// such an entry (through one rule change, see `rl_common::rule_tag`)
-    /// is then an orphan, never counted under the entry's next contents
-    /// nor read half-written; a run that took it before the mark charges
-    /// the whole rule it checked. One from an entry that keeps its rule
-    /// unchanged stands.
-    fn unname_changed_rules(&mut self, slot: u32, old: Option<&[RuleEntry]>, entries: &[RuleEntry]) -> Result<Instant, DatapathError> {
+    /// is then an orphan until the entry holds its rule again (the same
+    /// id: see [`Datapath::rewrite_unnamed`]), never counted under another
+    /// rule nor read half-written; a run that took it before the mark
+    /// charges the whole rule it checked. One from an entry that keeps its
+    /// rule unchanged stands. Also returns the entries marked, and those
+    /// found marked by an install that stopped half-way whose contents
+    /// change now.
+    fn unname_changed_rules(&mut self, slot: u32, old: Option<&[RuleEntry]>, entries: &[RuleEntry]) -> Result<(Instant, Vec<u32>), DatapathError> {
         let base = slot * RULE_SLOTS;
         let held: Vec<RuleEntry> = match old {
             Some(old) => old.to_vec(),
@@ -166,17 +172,45 @@ impl Datapath {
                 (0..RULE_SLOTS).map(|i| rules.get(&(base + i), 0)).collect::<Result<_, _>>().map_err(|e| map_error(MAP_RULES, e))?
             }
         };
-        let (keys, marked): (Vec<u32>, Vec<RuleEntry>) = held
-            .iter()
-            .enumerate()
-            .filter(|&(i, e)| e.holds_rule() && entries.get(i) != Some(e))
-            .map(|(i, e)| (base + i as u32, RuleEntry { flags: e.flags | RULE_UNNAMED, ..*e }))
-            .unzip();
-        if keys.is_empty() {
-            return Ok(Instant::now());
+        // A rule's entry (marked or not) whose contents change.
+        let unnamed: Vec<u32> = (0..held.len() as u32)
+            .filter(|&i| {
+                let e = &held[i as usize];
+                is_rule_id(e.id) && entries.get(i as usize) != Some(&RuleEntry { flags: e.flags & !RULE_UNNAMED, ..*e })
+            })
+            .collect();
+        if unnamed.is_empty() {
+            return Ok((Instant::now(), unnamed));
         }
+        let (keys, marked): (Vec<u32>, Vec<RuleEntry>) =
+            unnamed.iter().map(|&i| (base + i, RuleEntry { flags: held[i as usize].flags | RULE_UNNAMED, ..held[i as usize] })).unzip();
         update_batch(self.array_fd(MAP_RULES)?, &keys, &marked).map_err(|e| map_error(MAP_RULES, e))?;
-        Ok(Instant::now() + super::known::RUN_GRACE)
+        Ok((Instant::now() + super::known::RUN_GRACE, unnamed))
+    }
+
+    /// After the grace of [`Datapath::unname_changed_rules`], before the
+    /// slot's rules are written: each marked entry past the end of the new
+    /// rules is emptied (`NO_RULE_ID`, the mark of older builds, which
+    /// they heed too), and each within gets its new rule with the mark
+    /// still on, so that the write of the rules, which lifts the mark,
+    /// changes one flag only: no run reads an entry half-written, taken for
+    /// a rule it does not hold whole.
+    fn rewrite_unnamed(&mut self, slot: u32, unnamed: &[u32], entries: &[RuleEntry]) -> Result<(), DatapathError> {
+        if unnamed.is_empty() {
+            return Ok(());
+        }
+        let (keys, values): (Vec<u32>, Vec<RuleEntry>) = unnamed
+            .iter()
+            .map(|&i| {
+                let value = match entries.get(i as usize) {
+                    Some(e) => RuleEntry { flags: e.flags | RULE_UNNAMED, ..*e },
+                    None => RuleEntry { id: NO_RULE_ID, ..Default::default() },
+                };
+                (slot * RULE_SLOTS + i, value)
+            })
+            .unzip();
+        update_batch(self.array_fd(MAP_RULES)?, &keys, &values).map_err(|e| map_error(MAP_RULES, e))?;
+        self.failpoint("rewritten")
     }
 
     /// Before a slot whose contents are unknown is cleared (adopted from a
@@ -234,8 +268,9 @@ impl Datapath {
     }
 
     /// Tests only: makes the next install fail after `step` ("unnamed":
-    /// the marking of changed rule entries, "rules", "l4", "lpm",
-    /// "decide"), as a failed map write there would.
+    /// the marking of changed rule entries, "rewritten": their new
+    /// contents under the mark, "rules", "l4", "lpm", "decide"), as a
+    /// failed map write there would.
     #[doc(hidden)]
     pub fn fail_next_install_at(&mut self, step: &'static str) {
         self.failpoint = Some(step);
@@ -335,6 +370,7 @@ impl Plan {
             slot,
             generation: basis.generation,
             unnamed_until: None,
+            unnamed: Vec::new(),
             clear: basis.old.unknown,
             old_names: old.names.clone(),
             old_entries: (!basis.old.unknown).then(|| old.entries.clone()),
