@@ -490,10 +490,10 @@ pub const fn tag_names(tagged: u32, id: u32) -> bool {
     is_rule_id(id) && rule_tag(id) == tagged >> FRAG_TAG_SHIFT
 }
 
-/// `RuleEntry::id` of an entry that holds no rule (the rest zeroed): the
-/// daemon empties entries past the end of a shorter rule set so, once no
-/// run reads them; builds before [`RULE_UNNAMED`] marked every changing
-/// entry so.
+/// `RuleEntry::id` of an entry that holds no rule (the rest zeroed, but
+/// for [`RULE_UNNAMED`]): the daemon empties entries past the end of a
+/// shorter rule set so, once no run reads them; builds before
+/// [`RULE_UNNAMED`] marked every changing entry so.
 pub const NO_RULE_ID: u32 = u32::MAX;
 
 /// Whether `id` is a rule's (not [`NO_RULE_ID`], nor the 0 of an entry never

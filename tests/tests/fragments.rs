@@ -398,7 +398,16 @@ fn a_verdict_lasts_while_its_place_holds_its_rule() {
         assert_eq!(offer_all(&dp, &z[2..]), (0, 2), "{family}: z's place is past the rules: its fragments are orphans");
         assert_eq!(dp.counters().unwrap().get(STAT_FRAG_ORPHANS), orphans + 4, "{family}");
         let past = dp.rule_table_entry(dp.active_slot().unwrap() * RULE_SLOTS + 3).unwrap();
-        assert_eq!(past, RuleEntry { id: NO_RULE_ID, ..Default::default() }, "{family}: emptied, as older builds read it");
+        assert_eq!(past, RuleEntry { id: NO_RULE_ID, flags: RULE_UNNAMED, ..Default::default() }, "{family}: emptied, as older builds read it too");
+        // Filled again (into the other slot, then into this one, stopped
+        // before the mark is lifted): under the mark first, like a
+        // changed entry.
+        let emptied = dp.active_slot().unwrap() * RULE_SLOTS + 3;
+        install(&mut dp, &three).unwrap();
+        let z_rule = dp.active_rule(3).unwrap();
+        dp.fail_next_install_at("rewritten");
+        assert!(install(&mut dp, &three).is_err());
+        assert_eq!(dp.rule_table_entry(emptied).unwrap(), RuleEntry { flags: z_rule.flags | RULE_UNNAMED, ..z_rule }, "{family}: filled under the mark");
     }
 }
 
@@ -445,6 +454,11 @@ fn a_rule_changed_in_place_is_unnamed_whole_before_its_rewrite() {
         assert_eq!(dp.rule_table_entry(entry).unwrap(), RuleEntry { flags: new.flags | RULE_UNNAMED, ..new }, "{family}: new, still marked");
         assert_eq!(offer_all(&dp, &a[4..5]), (0, 1), "{family}: still an orphan");
         assert_eq!(dp.counters().unwrap().get(STAT_FRAG_ORPHANS), orphans + 2, "{family}");
+        // Found marked, and changed again (back to the first version): under
+        // the mark too.
+        dp.fail_next_install_at("rewritten");
+        assert!(dp.install(&rules).is_err());
+        assert_eq!(dp.rule_table_entry(entry).unwrap(), marked, "{family}: the first version, marked");
         dp.install(&changed).unwrap();
         assert_eq!(dp.rule_table_entry(entry).unwrap(), new, "{family}: rewritten, unmarked");
         assert_eq!(offer_all(&dp, &a[5..]), (1, 0), "{family}: the rule's new version: the verdict stands under it");

@@ -29,7 +29,7 @@ fn a_failed_install_changes_nothing_and_the_next_install_is_exact() {
     let b = config("203.0.113.0/24", 54, "192.0.2.0/24");
     // C has lists and rules of its own, so the datapath consults its tables.
     let c = config("100.64.0.0/24", 55, "192.0.2.0/24");
-    for step in ["rules", "l4", "lpm", "decide"] {
+    for step in ["unnamed", "rewritten", "rules", "l4", "lpm", "decide"] {
         let mut dp = datapath(&a).unwrap();
         dp.fail_next_install_at(step);
         let e = install(&mut dp, &b).expect_err("the injected failure");

@@ -283,11 +283,25 @@ fn an_adopted_datapath_keeps_its_rules_counts() {
     let before = dp.rule_stats().unwrap();
     assert_eq!((before["w"].passed_pkts, before["w"].dropped_pkts, before["default"].passed_pkts), (3, 2, 4));
     drop(dp);
+    // Two restarts: the counts stay in the pinned tables with their rules.
+    drop(start());
     let dp = start();
     assert!(dp.adopted());
     let after = dp.rule_stats().unwrap();
-    assert_eq!(after["w"], before["w"], "w's counts go on across the restart");
+    assert_eq!(after["w"], before["w"], "w's counts go on across restarts");
     assert_eq!(after["default"], before["default"], "[default]'s too");
     assert_eq!(rl_tests::offer(&dp, &w, 1), (0, 1), "and its bucket is kept");
     assert_eq!(dp.rule_stats().unwrap()["w"].dropped_pkts, 3);
+    let before = dp.rule_stats().unwrap();
+    // Restarted again with a rule put before w: w's counts move to this
+    // process's totals. The second install fails right after it took
+    // them; the next one does not count them twice.
+    drop(dp);
+    let moved = compile(&Config::from_str(&toml.replace("[[rule]]", "[[rule]]\nname = \"v\"\nproto = \"udp\"\ndst_ports = [54]\nrate = 5\n[[rule]]"), "<test>").unwrap());
+    assert_eq!(moved.rules.names[2], "w");
+    let mut dp = Datapath::load_with(&moved, LoadOptions { pin: Some(dir.clone()), ..Default::default() }).unwrap();
+    dp.fail_next_install_at("found");
+    assert!(dp.install(&moved.rules).is_err());
+    dp.install(&moved.rules).unwrap();
+    assert_eq!(dp.rule_stats().unwrap()["w"], before["w"], "w's counts, moved with it, counted once");
 }

@@ -91,10 +91,10 @@ impl Datapath {
         self.generation += 1;
         self.slots[slot as usize] = Arc::new(SlotContents { unknown: true, ..Default::default() });
         if plan.clear {
-            self.retire_found_stats(slot, &plan.entries, &plan.next.names)?;
-            self.clear_slot(slot)?;
+            let kept = self.retire_found_stats(slot, &plan.entries, &plan.next.names)?;
+            self.clear_slot(slot, &kept)?;
         }
-        self.retire_stats(base, &plan.old_names)?;
+        self.retire_stats(base, &plan.old_names, plan.old_entries.as_deref(), &plan.entries)?;
 
         self.rewrite_unnamed(slot, &plan.unnamed, &plan.entries)?;
         let keys: Vec<u32> = (0..plan.entries.len() as u32).map(|i| base + i).collect();
@@ -160,9 +160,10 @@ impl Datapath {
     /// id: see [`Datapath::rewrite_unnamed`]), never counted under another
     /// rule nor read half-written; a run that took it before the mark
     /// charges the whole rule it checked. One from an entry that keeps its
-    /// rule unchanged stands. Also returns the entries marked, and those
+    /// rule unchanged stands. Also returns the entries to write under the
+    /// mark ([`Datapath::rewrite_unnamed`]): those marked (among them any
     /// found marked by an install that stopped half-way whose contents
-    /// change now.
+    /// change now) and those that held no rule and get one.
     fn unname_changed_rules(&mut self, slot: u32, old: Option<&[RuleEntry]>, entries: &[RuleEntry]) -> Result<(Instant, Vec<u32>), DatapathError> {
         let base = slot * RULE_SLOTS;
         let held: Vec<RuleEntry> = match old {
@@ -172,39 +173,45 @@ impl Datapath {
                 (0..RULE_SLOTS).map(|i| rules.get(&(base + i), 0)).collect::<Result<_, _>>().map_err(|e| map_error(MAP_RULES, e))?
             }
         };
-        // A rule's entry (marked or not) whose contents change.
-        let unnamed: Vec<u32> = (0..held.len() as u32)
+        // A rule's entry (marked or not) whose contents change: marked.
+        let changing: Vec<u32> = (0..held.len() as u32)
             .filter(|&i| {
                 let e = &held[i as usize];
                 is_rule_id(e.id) && entries.get(i as usize) != Some(&RuleEntry { flags: e.flags & !RULE_UNNAMED, ..*e })
             })
             .collect();
-        if unnamed.is_empty() {
+        // An entry that holds no rule (emptied, or never written) and gets
+        // one: written under the mark too, so that no run reads it taken
+        // for its new rule before it holds it whole.
+        let filled = (0..entries.len() as u32).filter(|&i| held.get(i as usize).is_none_or(|e| !is_rule_id(e.id)));
+        let mut unnamed: Vec<u32> = changing.iter().copied().chain(filled).collect();
+        unnamed.sort_unstable();
+        if changing.is_empty() {
             return Ok((Instant::now(), unnamed));
         }
         let (keys, marked): (Vec<u32>, Vec<RuleEntry>) =
-            unnamed.iter().map(|&i| (base + i, RuleEntry { flags: held[i as usize].flags | RULE_UNNAMED, ..held[i as usize] })).unzip();
+            changing.iter().map(|&i| (base + i, RuleEntry { flags: held[i as usize].flags | RULE_UNNAMED, ..held[i as usize] })).unzip();
         update_batch(self.array_fd(MAP_RULES)?, &keys, &marked).map_err(|e| map_error(MAP_RULES, e))?;
         Ok((Instant::now() + super::known::RUN_GRACE, unnamed))
     }
 
     /// After the grace of [`Datapath::unname_changed_rules`], before the
     /// slot's rules are written: each marked entry past the end of the new
-    /// rules is emptied (`NO_RULE_ID`, the mark of older builds, which
-    /// they heed too), and each within gets its new rule with the mark
-    /// still on, so that the write of the rules, which lifts the mark,
-    /// changes one flag only: no run reads an entry half-written, taken for
-    /// a rule it does not hold whole.
+    /// rules is emptied (`NO_RULE_ID`, which older builds heed too, with
+    /// the mark on), and each within (or one that held no rule) gets its
+    /// new rule with the mark on, so that the write of the rules, which
+    /// lifts the mark, changes one flag only: no run reads an entry
+    /// half-written, taken for a rule it does not hold whole.
     fn rewrite_unnamed(&mut self, slot: u32, unnamed: &[u32], entries: &[RuleEntry]) -> Result<(), DatapathError> {
         if unnamed.is_empty() {
-            return Ok(());
+            return self.failpoint("rewritten");
         }
         let (keys, values): (Vec<u32>, Vec<RuleEntry>) = unnamed
             .iter()
             .map(|&i| {
                 let value = match entries.get(i as usize) {
                     Some(e) => RuleEntry { flags: e.flags | RULE_UNNAMED, ..*e },
-                    None => RuleEntry { id: NO_RULE_ID, ..Default::default() },
+                    None => RuleEntry { id: NO_RULE_ID, flags: RULE_UNNAMED, ..Default::default() },
                 };
                 (slot * RULE_SLOTS + i, value)
             })
@@ -214,16 +221,17 @@ impl Datapath {
     }
 
     /// Before a slot whose contents are unknown is cleared (adopted from a
-    /// daemon that stopped, or left by a failed install): the counters of
-    /// each entry that holds a rule with the id of one of `entries` go to
-    /// that rule's name (`names`), instead of being lost. The rules a
-    /// restarted daemon installs are mostly the ones it finds (a rule's id
-    /// is a hash of its definition), so their counts go on across the
-    /// restart. (The totals of rule sets retired before it are lost with
-    /// the process that kept them.)
-    fn retire_found_stats(&mut self, slot: u32, entries: &[RuleEntry], names: &[String]) -> Result<(), DatapathError> {
+    /// daemon that stopped, or left by a failed install), for each entry
+    /// that holds a rule with the id of one of `entries` (a rule's id is a
+    /// hash of its definition, its name included): where that rule stays
+    /// in place, its counters stay with it (returned: the entries whose
+    /// counters the clearing keeps), so they go on in the pinned tables
+    /// across any number of restarts; elsewhere they go to its name
+    /// (`names`) in this process's totals. Other counters are lost, as
+    /// are the totals the process before kept of rule sets it retired.
+    fn retire_found_stats(&mut self, slot: u32, entries: &[RuleEntry], names: &[String]) -> Result<Vec<u32>, DatapathError> {
         let base = slot * RULE_SLOTS;
-        let mut found = Vec::new();
+        let (mut found, mut kept) = (Vec::new(), Vec::new());
         {
             let rules: Array<&MapData, RuleEntry> = map_ref(&self.ebpf, MAP_RULES)?;
             for i in 0..RULE_SLOTS {
@@ -232,30 +240,47 @@ impl Datapath {
                     // Entries are written from the first on: none past this one.
                     break;
                 }
-                if let Some(name) = entries.iter().zip(names).find(|(e, _)| is_rule_id(held.id) && e.id == held.id).map(|(_, n)| n) {
+                if !is_rule_id(held.id) {
+                    continue;
+                }
+                if entries.get(i as usize).is_some_and(|e| e.id == held.id) {
+                    kept.push(base + i);
+                } else if let Some((_, name)) = entries.iter().zip(names).find(|(e, _)| e.id == held.id) {
                     found.push((base + i, name.clone()));
                 }
             }
         }
-        let stats: PerCpuArray<&MapData, RuleStats> = map_ref(&self.ebpf, MAP_RULE_STATS)?;
         for (idx, name) in found {
-            let per_cpu = stats.get(&idx, 0).map_err(|e| map_error(MAP_RULE_STATS, e))?;
-            add_stats(self.retired.entry(name).or_default(), per_cpu.iter());
+            self.retire_counters(idx, name)?;
+        }
+        self.failpoint("found")?;
+        Ok(kept)
+    }
+
+    /// Counters of the rules a slot held (`names`, `old` if known) go to
+    /// their names' totals, but for a rule that stays in place (the same id
+    /// in `entries`): its counters stay with it.
+    fn retire_stats(&mut self, base: u32, names: &[String], old: Option<&[RuleEntry]>, entries: &[RuleEntry]) -> Result<(), DatapathError> {
+        for (i, name) in names.iter().enumerate() {
+            let stays = old.and_then(|o| o.get(i)).zip(entries.get(i)).is_some_and(|(o, e)| o.id == e.id);
+            if !stays {
+                self.retire_counters(base + i as u32, name.clone())?;
+            }
         }
         Ok(())
     }
 
-    /// Counters of the rules a slot held go to their names' totals.
-    fn retire_stats(&mut self, base: u32, names: &[String]) -> Result<(), DatapathError> {
+    /// The counters of rule-table entry `idx` go to `name`'s totals: read,
+    /// zeroed, then added, so that a failure on the way loses them rather
+    /// than have the next install (whose slot is then unknown) count them
+    /// twice.
+    fn retire_counters(&mut self, idx: u32, name: String) -> Result<(), DatapathError> {
         let cpus = self.cpus;
         let mut stats: PerCpuArray<&mut MapData, RuleStats> = map_mut(&mut self.ebpf, MAP_RULE_STATS)?;
-        for (i, name) in names.iter().enumerate() {
-            let idx = base + i as u32;
-            let per_cpu = stats.get(&idx, 0).map_err(|e| map_error(MAP_RULE_STATS, e))?;
-            add_stats(self.retired.entry(name.clone()).or_default(), per_cpu.iter());
-            let zero = aya::maps::PerCpuValues::try_from(vec![RuleStats::default(); cpus]).map_err(|e| map_error(MAP_RULE_STATS, e))?;
-            stats.set(idx, zero, 0).map_err(|e| map_error(MAP_RULE_STATS, e))?;
-        }
+        let per_cpu = stats.get(&idx, 0).map_err(|e| map_error(MAP_RULE_STATS, e))?;
+        let zero = aya::maps::PerCpuValues::try_from(vec![RuleStats::default(); cpus]).map_err(|e| map_error(MAP_RULE_STATS, e))?;
+        stats.set(idx, zero, 0).map_err(|e| map_error(MAP_RULE_STATS, e))?;
+        add_stats(self.retired.entry(name).or_default(), per_cpu.iter());
         Ok(())
     }
 
@@ -268,7 +293,8 @@ impl Datapath {
     }
 
     /// Tests only: makes the next install fail after `step` ("unnamed":
-    /// the marking of changed rule entries, "rewritten": their new
+    /// the marking of changed rule entries, "found": the retiring of an
+    /// unknown slot's counters, "rewritten": the changed entries' new
     /// contents under the mark, "rules", "l4", "lpm", "decide"), as a
     /// failed map write there would.
     #[doc(hidden)]
@@ -285,9 +311,10 @@ impl Datapath {
     }
 
     /// Empties every table of `slot` whose contents are unknown: the L4 and
-    /// first-level arrays, its trie and decision entries, its rule counters.
-    /// (Rule entries are left: nothing points at them any more.)
-    pub(super) fn clear_slot(&mut self, slot: u32) -> Result<(), DatapathError> {
+    /// first-level arrays, its trie and decision entries, its rule counters
+    /// but those of the entries `kept`. (Rule entries are left: nothing
+    /// points at them any more.)
+    pub(super) fn clear_slot(&mut self, slot: u32, kept: &[u32]) -> Result<(), DatapathError> {
         let zeros = |n: u32| vec![0u32; n as usize];
         let l4_keys: Vec<u32> = (slot * L4_SLOT_LEN..(slot + 1) * L4_SLOT_LEN).collect();
         update_batch(self.array_fd(MAP_L4)?, &l4_keys, &zeros(L4_SLOT_LEN)).map_err(|e| map_error(MAP_L4, e))?;
@@ -301,7 +328,7 @@ impl Datapath {
             decide.remove(&k).map_err(|e| map_error(MAP_DECIDE, e))?;
         }
         let mut stats: PerCpuArray<&mut MapData, RuleStats> = map_mut(&mut self.ebpf, MAP_RULE_STATS)?;
-        for idx in slot * RULE_SLOTS..(slot + 1) * RULE_SLOTS {
+        for idx in (slot * RULE_SLOTS..(slot + 1) * RULE_SLOTS).filter(|i| !kept.contains(i)) {
             let zero = aya::maps::PerCpuValues::try_from(vec![RuleStats::default(); self.cpus])
                 .map_err(|e| map_error(MAP_RULE_STATS, e))?;
             stats.set(idx, zero, 0).map_err(|e| map_error(MAP_RULE_STATS, e))?;

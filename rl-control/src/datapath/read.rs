@@ -9,7 +9,9 @@ use super::*;
 
 impl Datapath {
     /// Packets and bytes per rule name (plus `allow` and `deny`), summed
-    /// over CPUs and over every rule set the name has been in since load.
+    /// over CPUs and over every rule set the name has been in since load,
+    /// and with what the pinned tables held for the rules that stayed in
+    /// place when they were adopted.
     pub fn rule_stats(&self) -> Result<std::collections::BTreeMap<String, RuleStats>, DatapathError> {
         let stats: PerCpuArray<&MapData, RuleStats> = map_ref(&self.ebpf, MAP_RULE_STATS)?;
         let mut out: std::collections::BTreeMap<String, RuleStats> =
