@@ -67,3 +67,32 @@ fn a_rule_set_too_large_for_its_tables_is_refused_before_anything_is_written() {
     assert_eq!(offer(&dp, &to([198, 51, 100, 1], 9), 5), (5, 0), "the old rule set still enforces");
     assert_eq!(offer(&dp, &to([192, 0, 2, 1], 53), 5), (5, 0));
 }
+
+/// A rule that stays in its place keeps its counters there across an
+/// install; one that fails half-way hands them to the totals, so that
+/// they are neither hidden (the slot's names are unknown after a failure)
+/// nor lost when that slot is cleared for a rule set without the rule.
+#[test]
+fn the_counters_of_rules_that_stay_are_never_hidden_nor_lost() {
+    require_root();
+    let a = config("198.51.100.0/24", 53, "192.0.2.0/24");
+    // The same rules with another allow CIDR: "open" and [default] stay.
+    let a2 = config("203.0.113.0/24", 53, "192.0.2.0/24");
+    // "open" for another port: another rule.
+    let b = config("198.51.100.0/24", 54, "192.0.2.0/24");
+    let open = |dp: &Datapath| dp.rule_stats().unwrap()["open"].passed_pkts;
+    for step in ["rewritten", "rules", "l4", "lpm", "decide"] {
+        let mut dp = datapath(&a).unwrap();
+        install(&mut dp, &a).unwrap();
+        assert_eq!(offer(&dp, &to([192, 0, 2, 1], 53), 5), (5, 0));
+        install(&mut dp, &a2).unwrap();
+        assert_eq!(open(&dp), 5, "{step}: counted where it stays");
+        // Into the slot that holds the 5, failing.
+        dp.fail_next_install_at(step);
+        install(&mut dp, &a2).expect_err("the injected failure");
+        assert_eq!(open(&dp), 5, "after a failure at {step}: not hidden");
+        install(&mut dp, &b).unwrap();
+        install(&mut dp, &b).unwrap();
+        assert_eq!(open(&dp), 5, "after a failure at {step}: not lost with the slot");
+    }
+}

@@ -292,7 +292,8 @@ fn rule_counters(s: &State) -> ApiResult<std::collections::BTreeMap<String, Rule
 }
 
 /// Per rule and for allow, deny and default: packets and bytes passed,
-/// dropped and shadow-dropped, since the daemon started.
+/// dropped and shadow-dropped, since the daemon started (and, for rules
+/// that stayed in place, what the pinned datapath had counted before).
 #[utoipa::path(get, path = "/v1/stats", responses((status = 200, body = Stats)))]
 async fn stats(AxState(api): AxState<Api>) -> ApiResult<Json<Stats>> {
     Ok(Json(Stats { rules: rule_counters(&lock(&api.state))? }))

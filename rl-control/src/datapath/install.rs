@@ -87,14 +87,40 @@ impl Datapath {
         };
         sleep_until(until);
         let slot = plan.slot;
-        let base = slot * RULE_SLOTS;
         self.generation += 1;
         self.slots[slot as usize] = Arc::new(SlotContents { unknown: true, ..Default::default() });
+        let mut stayed = Vec::new();
+        let written = self.write_slot(&plan, &mut stayed).and_then(|()| {
+            // The flip.
+            let mut config: Array<&mut MapData, DatapathConfig> = map_mut(&mut self.ebpf, MAP_CONFIG)?;
+            config.set(0, plan.config, 0).map_err(|e| map_error(MAP_CONFIG, e))
+        });
+        if written.is_err() {
+            // The slot is unknown now, and its names with it: counters left
+            // in place for the rules that stay would be read by no one, and
+            // lost at the next clearing. They go to the totals.
+            for (idx, name) in stayed {
+                let _ = self.retire_counters(idx, name);
+            }
+        }
+        written?;
+        self.active = Some(slot);
+        self.flipped_at = Instant::now();
+        self.slots[slot as usize] = Arc::new(plan.next);
+        Ok(())
+    }
+
+    /// Writes every table of `plan`'s slot (all but the flip), noting in
+    /// `stayed` the counters it leaves in place for the rules that stay.
+    fn write_slot(&mut self, plan: &Plan, stayed: &mut Vec<(u32, String)>) -> Result<(), DatapathError> {
+        let slot = plan.slot;
+        let base = slot * RULE_SLOTS;
         if plan.clear {
             let kept = self.retire_found_stats(slot, &plan.entries, &plan.next.names)?;
+            stayed.extend(kept.iter().map(|&idx| (idx, plan.next.names[(idx - base) as usize].clone())));
             self.clear_slot(slot, &kept)?;
         }
-        self.retire_stats(base, &plan.old_names, plan.old_entries.as_deref(), &plan.entries)?;
+        stayed.extend(self.retire_stats(base, &plan.old_names, plan.old_entries.as_deref(), &plan.entries, &plan.next.names)?);
 
         self.rewrite_unnamed(slot, &plan.unnamed, &plan.entries)?;
         let keys: Vec<u32> = (0..plan.entries.len() as u32).map(|i| base + i).collect();
@@ -120,11 +146,6 @@ impl Datapath {
         }
         self.failpoint("decide")?;
 
-        let mut config: Array<&mut MapData, DatapathConfig> = map_mut(&mut self.ebpf, MAP_CONFIG)?;
-        config.set(0, plan.config, 0).map_err(|e| map_error(MAP_CONFIG, e))?;
-        self.active = Some(slot);
-        self.flipped_at = Instant::now();
-        self.slots[slot as usize] = Arc::new(plan.next);
         Ok(())
     }
 
@@ -259,15 +280,26 @@ impl Datapath {
 
     /// Counters of the rules a slot held (`names`, `old` if known) go to
     /// their names' totals, but for a rule that stays in place (the same id
-    /// in `entries`): its counters stay with it.
-    fn retire_stats(&mut self, base: u32, names: &[String], old: Option<&[RuleEntry]>, entries: &[RuleEntry]) -> Result<(), DatapathError> {
+    /// and name in `entries`, `new_names`): its counters stay with it
+    /// (returned).
+    fn retire_stats(
+        &mut self,
+        base: u32,
+        names: &[String],
+        old: Option<&[RuleEntry]>,
+        entries: &[RuleEntry],
+        new_names: &[String],
+    ) -> Result<Vec<(u32, String)>, DatapathError> {
+        let mut stayed = Vec::new();
         for (i, name) in names.iter().enumerate() {
-            let stays = old.and_then(|o| o.get(i)).zip(entries.get(i)).is_some_and(|(o, e)| o.id == e.id);
-            if !stays {
+            let same_id = old.and_then(|o| o.get(i)).zip(entries.get(i)).is_some_and(|(o, e)| o.id == e.id);
+            if same_id && new_names.get(i) == Some(name) {
+                stayed.push((base + i as u32, name.clone()));
+            } else {
                 self.retire_counters(base + i as u32, name.clone())?;
             }
         }
-        Ok(())
+        Ok(stayed)
     }
 
     /// The counters of rule-table entry `idx` go to `name`'s totals: read,

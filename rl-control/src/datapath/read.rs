@@ -75,8 +75,9 @@ impl Datapath {
         let mut out: Vec<Counters> = values.iter().map(|s| Counters(s.0)).collect();
         // IP packets are counted once, in their rule's entry: add them all.
         let rules: PerCpuArray<&MapData, RuleStats> = map_ref(&self.ebpf, MAP_RULE_STATS)?;
-        // Entries in use (the others are zero: `install` retires and
-        // clears a slot's counters before rewriting it).
+        // Entries in use (the others are zero: `install` retires a slot's
+        // counters before rewriting it, but for the rules that stay in
+        // place, which it also retires when it fails).
         let used = (0..2u32)
             .flat_map(|slot| (0..self.slots[slot as usize].names.len() as u32).map(move |i| slot * RULE_SLOTS + i))
             .chain([RSTAT_ALLOW, RSTAT_DENY]);
