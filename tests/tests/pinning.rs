@@ -221,6 +221,28 @@ fn set_layout_version(dir: &std::path::Path, v: u32) {
     arr.set(0, v, 0).unwrap();
 }
 
+/// A rule set with rule "w" (UDP 53, 3 an hour, `algorithm` appended)
+/// compiled, and a pin directory `name` on a fresh bpffs, prepared.
+fn pinned_w(algorithm: &str, name: &str) -> (rl_control::compile::Compiled, BpfFs, std::path::PathBuf) {
+    use rl_control::{compile::compile, config::Config, datapath::prepare_pins};
+    rl_tests::lab::require_root();
+    let toml = format!(
+        "[datapath]\nmax_sources = 1024\n[default]\nrate = 1000\n\
+         [[rule]]\nname = \"w\"\nproto = \"udp\"\ndst_ports = [53]\nrate = 3\nper = \"1h\"\n{algorithm}"
+    );
+    let compiled = compile(&Config::from_str(&toml, "<test>").unwrap());
+    let pins = BpfFs::new().unwrap();
+    let dir = pins.path().join(name);
+    prepare_pins(pins.path(), &dir).unwrap();
+    (compiled, pins, dir)
+}
+
+/// Loads the datapath pinned in `dir`, or adopts it.
+fn load_pinned(compiled: &rl_control::compile::Compiled, dir: &std::path::Path) -> rl_control::datapath::Datapath {
+    use rl_control::datapath::{Datapath, LoadOptions};
+    Datapath::load_with(compiled, LoadOptions { pin: Some(dir.to_path_buf()), ..Default::default() }).unwrap()
+}
+
 /// A restart keeps the wall-clock offset the pinned window counts were
 /// made with: were the clock stepped (here: as if it had read an hour
 /// behind when the datapath was made), a re-measured offset would move
@@ -229,16 +251,9 @@ fn set_layout_version(dir: &std::path::Path, v: u32) {
 #[test]
 fn an_adopted_datapath_keeps_the_clock_its_windows_were_counted_by() {
     use aya::maps::{Array, Map, MapData};
-    use rl_control::{compile::compile, config::Config, datapath::{prepare_pins, Datapath, LoadOptions}};
     use rl_tests::frames::*;
-    rl_tests::lab::require_root();
-    let toml = "[datapath]\nmax_sources = 1024\n[default]\nrate = 1000\n\
-        [[rule]]\nname = \"w\"\nproto = \"udp\"\ndst_ports = [53]\nrate = 3\nper = \"1h\"\nalgorithm = \"fixed_window\"\n";
-    let compiled = compile(&Config::from_str(toml, "<test>").unwrap());
-    let pins = BpfFs::new().unwrap();
-    let dir = pins.path().join("clock");
-    prepare_pins(pins.path(), &dir).unwrap();
-    let load = || Datapath::load_with(&compiled, LoadOptions { pin: Some(dir.clone()), ..Default::default() }).unwrap();
+    let (compiled, _pins, dir) = pinned_w("algorithm = \"fixed_window\"\n", "clock");
+    let load = || load_pinned(&compiled, &dir);
     let frame = eth(&[], ETH_P_IP, &ipv4([192, 0, 2, 1], UDP, &[], &udp(53)));
     let dp = load();
     let config = || -> Array<MapData, rl_common::DatapathConfig> {
@@ -262,17 +277,11 @@ fn an_adopted_datapath_keeps_the_clock_its_windows_were_counted_by() {
 /// ids, instead of clearing them.
 #[test]
 fn an_adopted_datapath_keeps_its_rules_counts() {
-    use rl_control::{compile::compile, config::Config, datapath::{prepare_pins, Datapath, LoadOptions}};
+    use rl_control::{compile::compile, config::Config};
     use rl_tests::frames::*;
-    rl_tests::lab::require_root();
-    let toml = "[datapath]\nmax_sources = 1024\n[default]\nrate = 1000\n\
-        [[rule]]\nname = \"w\"\nproto = \"udp\"\ndst_ports = [53]\nrate = 3\nper = \"1h\"\n";
-    let compiled = compile(&Config::from_str(toml, "<test>").unwrap());
-    let pins = BpfFs::new().unwrap();
-    let dir = pins.path().join("counts");
-    prepare_pins(pins.path(), &dir).unwrap();
+    let (compiled, _pins, dir) = pinned_w("", "counts");
     let start = || {
-        let mut dp = Datapath::load_with(&compiled, LoadOptions { pin: Some(dir.clone()), ..Default::default() }).unwrap();
+        let mut dp = load_pinned(&compiled, &dir);
         dp.install(&compiled.rules).unwrap();
         dp
     };
@@ -297,9 +306,12 @@ fn an_adopted_datapath_keeps_its_rules_counts() {
     // process's totals. The second install fails right after it took
     // them; the next one does not count them twice.
     drop(dp);
-    let moved = compile(&Config::from_str(&toml.replace("[[rule]]", "[[rule]]\nname = \"v\"\nproto = \"udp\"\ndst_ports = [54]\nrate = 5\n[[rule]]"), "<test>").unwrap());
+    let moved = "[datapath]\nmax_sources = 1024\n[default]\nrate = 1000\n[[rule]]\nname = \"v\"\nproto = \"udp\"\ndst_ports = [54]\nrate = 5\n\
+        [[rule]]\nname = \"w\"\nproto = \"udp\"\ndst_ports = [53]\nrate = 3\nper = \"1h\"\n";
+    let moved = compile(&Config::from_str(moved, "<test>").unwrap());
+    assert_eq!(moved.rules.entries[2].id, compiled.rules.entries[1].id, "w, unchanged, one place on");
     assert_eq!(moved.rules.names[2], "w");
-    let mut dp = Datapath::load_with(&moved, LoadOptions { pin: Some(dir.clone()), ..Default::default() }).unwrap();
+    let mut dp = load_pinned(&moved, &dir);
     dp.fail_next_install_at("found");
     assert!(dp.install(&moved.rules).is_err());
     dp.install(&moved.rules).unwrap();
