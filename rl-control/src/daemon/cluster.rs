@@ -146,9 +146,7 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
         if cluster.is_degraded() || variant {
             // The collector's records are taken all the same (they are
             // bounded, and a bucket made again meanwhile counts from 0).
-            if let Some(mut r) = collected.try_lock() {
-                let (records, complete) = take_records(&mut r);
-                drop(r);
+            if let Some((records, complete)) = under_records(&collected, take_records).await {
                 ledger.collected(&records, complete, crate::datapath::monotonic_ns());
             }
             continue;
@@ -162,26 +160,21 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
             }
         };
         if shares.is_empty() {
-            if let Some(mut r) = collected.try_lock() {
-                r.limits.clear();
-            }
+            under_records(&collected, |r| r.limits.clear()).await;
             continue;
         }
         let wanted: std::collections::HashSet<u32> = shares.keys().copied().collect();
-        let handoff = collected.clone();
         // The records and the scan under one lock (see `Collected`).
-        let scanned = tokio::task::spawn_blocking(move || {
-            let mut records = handoff.lock();
+        let scanned = under_records(&collected, move |records| {
             records.limits.clone_from(&wanted);
-            let taken = take_records(&mut records);
-            (taken, scan_shared(ids, |r| wanted.contains(&r)))
+            (take_records(records), scan_shared(ids, |r| wanted.contains(&r)))
         });
         let buckets = match scanned.await {
-            Ok(((records, complete), scan)) => {
+            Some(((records, complete), scan)) => {
                 ledger.collected(&records, complete, crate::datapath::monotonic_ns());
                 scan
             }
-            Err(_) => continue,
+            None => continue,
         };
         let buckets = match buckets {
             Ok(b) => b,
@@ -195,20 +188,18 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
         let (answers, _failure) = ledger.exchange(&cluster, &reports, keep_ms).await;
         let raises: Vec<_> = answers.iter().filter(|(_, ahead)| *ahead > 0).map(|&(i, ahead_us)| (reports[i].id, ahead_us)).collect();
         if !raises.is_empty() {
-            let handoff = collected.clone();
-            let raised = tokio::task::spawn_blocking(move || -> Result<u64, crate::datapath::DatapathError> {
-                // Under the collector's lock: it decides a delete again
-                // under it, so it never deletes a bucket just raised.
-                let _records = handoff.lock();
+            // Under the collector's lock: it decides a delete again under
+            // it, so it never deletes a bucket just raised.
+            let raised = under_records(&collected, move |_| -> Result<u64, crate::datapath::DatapathError> {
                 let mut tables = Tables::open(ids)?;
                 let now = crate::datapath::monotonic_ns();
                 Ok(raises.into_iter().filter(|(id, ahead_us)| tables.raise(id, now + ahead_us * 1000)).count() as u64)
             })
             .await;
             match raised {
-                Ok(Ok(n)) => ledger.stats.raised += n,
-                Ok(Err(e)) => warn!("cluster sync: moving buckets up to the cluster's failed: {e}"),
-                Err(_) => {}
+                Some(Ok(n)) => ledger.stats.raised += n,
+                Some(Err(e)) => warn!("cluster sync: moving buckets up to the cluster's failed: {e}"),
+                None => {}
             }
         }
         for (i, _) in answers {
@@ -218,6 +209,17 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
         ledger.stats.rounds += 1;
         *cluster.sync.lock().unwrap_or_else(|e| e.into_inner()) = ledger.stats;
     }
+}
+
+/// Runs `f` on the collector's records under their lock, off the async
+/// threads (taking it waits for a collector pass that holds it); `None`
+/// if the blocking task failed.
+async fn under_records<T: Send + 'static>(
+    collected: &Arc<crate::datapath::share::Collected>,
+    f: impl FnOnce(&mut CollectedRecords) -> T + Send + 'static,
+) -> Option<T> {
+    let handoff = collected.clone();
+    tokio::task::spawn_blocking(move || f(&mut handoff.lock())).await.ok()
 }
 
 /// The collector's records since the last round, and whether none was
