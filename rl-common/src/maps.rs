@@ -358,14 +358,6 @@ pub struct RuleEntry {
 const _: () = assert!(size_of::<RuleEntry>() == 152);
 
 impl RuleEntry {
-    /// Whether it holds a rule that verdicts may still take: one was
-    /// written ([`is_rule_id`]) and is not about to be rewritten
-    /// ([`RULE_UNNAMED`]).
-    #[inline(always)]
-    pub const fn holds_rule(&self) -> bool {
-        is_rule_id(self.id) && self.flags & RULE_UNNAMED == 0
-    }
-
     /// Whether a fragment verdict's tagged entry ([`tagged_entry`]) may be
     /// taken through this entry: it holds the rule the verdict names.
     #[inline(always)]
@@ -491,9 +483,9 @@ pub const fn tag_names(tagged: u32, id: u32) -> bool {
 }
 
 /// `RuleEntry::id` of an entry that holds no rule (the rest zeroed, but
-/// for [`RULE_UNNAMED`]): the daemon empties entries past the end of a
-/// shorter rule set so, once no run reads them; builds before
-/// [`RULE_UNNAMED`] marked every changing entry so.
+/// for [`RULE_UNNAMED`]). The daemon writes it over the entries past the
+/// end of a shorter rule set, once no program run reads them. Builds
+/// before [`RULE_UNNAMED`] wrote it over every entry whose rule changed.
 pub const NO_RULE_ID: u32 = u32::MAX;
 
 /// Whether `id` is a rule's (not [`NO_RULE_ID`], nor the 0 of an entry never

@@ -133,8 +133,9 @@ fn remember(cfg: &DatapathConfig, p: *mut Pending, entry: u32, counted: u32) {
 
 /// Decides a later fragment by its first fragment's verdict; `entry` is
 /// what it classified as on its own (port 0), for an orphan limited by source.
-/// A verdict whose entry no longer holds its rule (rewritten by a later
-/// rule change) is forgotten: the fragment is an orphan.
+/// A verdict whose entry does not hold its rule now (rewritten by a later
+/// rule change, or marked about to be) is not taken: the fragment is an
+/// orphan (the verdict stands again if the entry gets its rule back).
 #[inline(never)]
 pub fn later(cfg: &DatapathConfig, pkt: &Packet, entry: u32, len: u64) -> Later {
     let now = unsafe { bpf_ktime_get_coarse_ns() };

@@ -95,4 +95,17 @@ fn the_counters_of_rules_that_stay_are_never_hidden_nor_lost() {
         install(&mut dp, &b).unwrap();
         assert_eq!(open(&dp), 5, "after a failure at {step}: not lost with the slot");
     }
+    // A failure while the counters of a rule that does not stay go to the
+    // totals, after "open" stayed: its counters are handed over too.
+    let x = |rate: u32| format!("{a}[[rule]]\nname = \"x\"\nproto = \"udp\"\ndst_ports = [60]\nrate = {rate}\n");
+    let mut dp = datapath(&x(5)).unwrap();
+    install(&mut dp, &x(5)).unwrap();
+    assert_eq!(offer(&dp, &to([192, 0, 2, 1], 53), 5), (5, 0));
+    install(&mut dp, &x(5)).unwrap();
+    dp.fail_next_install_at("retiring");
+    install(&mut dp, &x(6)).expect_err("the injected failure");
+    assert_eq!(open(&dp), 5, "after a failure while retiring x: open's counts not hidden");
+    install(&mut dp, &b).unwrap();
+    install(&mut dp, &b).unwrap();
+    assert_eq!(open(&dp), 5, "nor lost");
 }

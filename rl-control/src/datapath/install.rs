@@ -2,10 +2,11 @@
 
 use std::net::IpAddr;
 
-use aya::maps::{Array, HashMap, MapData, PerCpuArray};
+use aya::maps::{Array, HashMap, MapData};
+use tracing::warn;
 use rl_common::*;
 
-use super::{batch::update_batch, read::add_stats, *};
+use super::{batch::update_batch, *};
 
 /// An install worked out against one state of the datapath: the
 /// differences to write into the inactive slot. Making it needs only a
@@ -100,7 +101,9 @@ impl Datapath {
             // in place for the rules that stay would be read by no one, and
             // lost at the next clearing. They go to the totals.
             for (idx, name) in stayed {
-                let _ = self.retire_counters(idx, name);
+                if let Err(e) = self.retire_counters(idx, name.clone()) {
+                    warn!(rule = %name, "a failed install could not move this rule's counters to the daemon's totals ({e}): they stay uncounted until an install succeeds");
+                }
             }
         }
         written?;
@@ -120,7 +123,7 @@ impl Datapath {
             stayed.extend(kept.iter().map(|&idx| (idx, plan.next.names[(idx - base) as usize].clone())));
             self.clear_slot(slot, &kept)?;
         }
-        stayed.extend(self.retire_stats(base, &plan.old_names, plan.old_entries.as_deref(), &plan.entries, &plan.next.names)?);
+        self.retire_stats(base, (&plan.old_names, plan.old_entries.as_deref()), (&plan.entries, &plan.next.names), stayed)?;
 
         self.rewrite_unnamed(slot, &plan.unnamed, &plan.entries)?;
         let keys: Vec<u32> = (0..plan.entries.len() as u32).map(|i| base + i).collect();
@@ -241,81 +244,6 @@ impl Datapath {
         self.failpoint("rewritten")
     }
 
-    /// Before a slot whose contents are unknown is cleared (adopted from a
-    /// daemon that stopped, or left by a failed install), for each entry
-    /// that holds a rule with the id of one of `entries` (a rule's id is a
-    /// hash of its definition, its name included): where that rule stays
-    /// in place, its counters stay with it (returned: the entries whose
-    /// counters the clearing keeps), so they go on in the pinned tables
-    /// across any number of restarts; elsewhere they go to its name
-    /// (`names`) in this process's totals. Other counters are lost, as
-    /// are the totals the process before kept of rule sets it retired.
-    fn retire_found_stats(&mut self, slot: u32, entries: &[RuleEntry], names: &[String]) -> Result<Vec<u32>, DatapathError> {
-        let base = slot * RULE_SLOTS;
-        let (mut found, mut kept) = (Vec::new(), Vec::new());
-        {
-            let rules: Array<&MapData, RuleEntry> = map_ref(&self.ebpf, MAP_RULES)?;
-            for i in 0..RULE_SLOTS {
-                let held = rules.get(&(base + i), 0).map_err(|e| map_error(MAP_RULES, e))?;
-                if held.id == 0 {
-                    // Entries are written from the first on: none past this one.
-                    break;
-                }
-                if !is_rule_id(held.id) {
-                    continue;
-                }
-                if entries.get(i as usize).is_some_and(|e| e.id == held.id) {
-                    kept.push(base + i);
-                } else if let Some((_, name)) = entries.iter().zip(names).find(|(e, _)| e.id == held.id) {
-                    found.push((base + i, name.clone()));
-                }
-            }
-        }
-        for (idx, name) in found {
-            self.retire_counters(idx, name)?;
-        }
-        self.failpoint("found")?;
-        Ok(kept)
-    }
-
-    /// Counters of the rules a slot held (`names`, `old` if known) go to
-    /// their names' totals, but for a rule that stays in place (the same id
-    /// and name in `entries`, `new_names`): its counters stay with it
-    /// (returned).
-    fn retire_stats(
-        &mut self,
-        base: u32,
-        names: &[String],
-        old: Option<&[RuleEntry]>,
-        entries: &[RuleEntry],
-        new_names: &[String],
-    ) -> Result<Vec<(u32, String)>, DatapathError> {
-        let mut stayed = Vec::new();
-        for (i, name) in names.iter().enumerate() {
-            let same_id = old.and_then(|o| o.get(i)).zip(entries.get(i)).is_some_and(|(o, e)| o.id == e.id);
-            if same_id && new_names.get(i) == Some(name) {
-                stayed.push((base + i as u32, name.clone()));
-            } else {
-                self.retire_counters(base + i as u32, name.clone())?;
-            }
-        }
-        Ok(stayed)
-    }
-
-    /// The counters of rule-table entry `idx` go to `name`'s totals: read,
-    /// zeroed, then added, so that a failure on the way loses them rather
-    /// than have the next install (whose slot is then unknown) count them
-    /// twice.
-    fn retire_counters(&mut self, idx: u32, name: String) -> Result<(), DatapathError> {
-        let cpus = self.cpus;
-        let mut stats: PerCpuArray<&mut MapData, RuleStats> = map_mut(&mut self.ebpf, MAP_RULE_STATS)?;
-        let per_cpu = stats.get(&idx, 0).map_err(|e| map_error(MAP_RULE_STATS, e))?;
-        let zero = aya::maps::PerCpuValues::try_from(vec![RuleStats::default(); cpus]).map_err(|e| map_error(MAP_RULE_STATS, e))?;
-        stats.set(idx, zero, 0).map_err(|e| map_error(MAP_RULE_STATS, e))?;
-        add_stats(self.retired.entry(name).or_default(), per_cpu.iter());
-        Ok(())
-    }
-
     /// Writes `(keys, values)` of a `u32` array in one batched syscall.
     fn write_u32s(&mut self, name: &'static str, (keys, values): &(Vec<u32>, Vec<u32>)) -> Result<(), DatapathError> {
         if keys.is_empty() {
@@ -326,7 +254,9 @@ impl Datapath {
 
     /// Tests only: makes the next install fail after `step` ("unnamed":
     /// the marking of changed rule entries, "found": the retiring of an
-    /// unknown slot's counters, "rewritten": the changed entries' new
+    /// unknown slot's counters, "retiring": before the first counters of a
+    /// rule that does not stay go to the totals, "rewritten": the changed
+    /// entries' new
     /// contents under the mark, "rules", "l4", "lpm", "decide"), as a
     /// failed map write there would.
     #[doc(hidden)]
@@ -334,10 +264,10 @@ impl Datapath {
         self.failpoint = Some(step);
     }
 
-    fn failpoint(&mut self, step: &'static str) -> Result<(), DatapathError> {
+    pub(super) fn failpoint(&mut self, step: &'static str) -> Result<(), DatapathError> {
         if self.failpoint == Some(step) {
             self.failpoint = None;
-            return Err(DatapathError::Map { map: "failpoint", cause: format!("injected failure after writing {step}") });
+            return Err(DatapathError::Map { map: "failpoint", cause: format!("injected failure after step {step}") });
         }
         Ok(())
     }
@@ -359,13 +289,7 @@ impl Datapath {
         for k in stale {
             decide.remove(&k).map_err(|e| map_error(MAP_DECIDE, e))?;
         }
-        let mut stats: PerCpuArray<&mut MapData, RuleStats> = map_mut(&mut self.ebpf, MAP_RULE_STATS)?;
-        for idx in (slot * RULE_SLOTS..(slot + 1) * RULE_SLOTS).filter(|i| !kept.contains(i)) {
-            let zero = aya::maps::PerCpuValues::try_from(vec![RuleStats::default(); self.cpus])
-                .map_err(|e| map_error(MAP_RULE_STATS, e))?;
-            stats.set(idx, zero, 0).map_err(|e| map_error(MAP_RULE_STATS, e))?;
-        }
-        Ok(())
+        self.clear_counters(slot, kept)
     }
 
     /// The fd of the array map `name`, for batched writes.

@@ -33,6 +33,7 @@ use crate::compile::{Compiled, RuleSet};
 mod attach;
 mod batch;
 mod cells;
+mod counters;
 mod install;
 mod known;
 mod load;

@@ -93,9 +93,8 @@ impl Collected {
         }
     }
 
-    /// The lock if it is free now (for async code, which must not wait
-    /// out a walk).
-    pub fn try_lock(&self) -> Option<std::sync::MutexGuard<'_, CollectedRecords>> {
+    /// The lock if it is free now.
+    fn try_lock(&self) -> Option<std::sync::MutexGuard<'_, CollectedRecords>> {
         match self.0.try_lock() {
             Ok(g) => Some(g),
             Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),

@@ -220,13 +220,13 @@ fn main() -> Result<()> {
     for (phase, name) in PHASES.iter().enumerate() {
         let ns = &ns[phase];
         println!("{name} {frames} frames:");
-        println!("  {:<24} {:>10} {:>10} {:>16} {:>14}", "filter", "best ns", "median ns", "× XDP_PASS (med)", "rounds' range");
+        println!("  {:<24} {:>10} {:>10} {:>16} {:>13}", "filter", "best ns", "median ns", "× XDP_PASS (med)", "rounds' range");
         for (i, f) in filters.iter().enumerate() {
             // Each round's case against that round's baseline.
             let rounds: Vec<f64> = ns[i].iter().zip(&ns[0]).map(|(n, p)| n / p).collect();
             let (lo, hi) = rounds.iter().fold((f64::INFINITY, 0f64), |(lo, hi), r| (lo.min(*r), hi.max(*r)));
             let best = ns[i].iter().cloned().fold(f64::INFINITY, f64::min);
-            println!("  {:<24} {:>10.0} {:>10.0} {:>16.3} {:>6.3}–{:.3}", f.name(), best, median(ns[i].clone()), median(rounds), lo, hi);
+            println!("  {:<24} {:>10.0} {:>10.0} {:>16.3} {:>7.3}–{:.3}", f.name(), best, median(ns[i].clone()), median(rounds), lo, hi);
         }
         if filters.len() < 4 {
             continue;
