@@ -35,7 +35,9 @@
 //! `RL_BENCH_PREFIXES=16384` narrows the flood to that many /24 prefixes
 //! (fewer prefix cells: what the cells' working set costs).
 //! `RL_BENCH_ONLY=rl` (or `rlunfiltered`, `nft`) measures that case beside
-//! the baseline alone, e.g. under `perf record -a`.
+//! the baseline alone, e.g. under `perf record -a`. `RL_BENCH_ROUNDS=N`
+//! runs N interleaved rounds instead of 5 (single rounds' ratios range
+//! over about 0.1× on a shared VM; more rounds steady the medians).
 
 use std::time::Instant;
 
@@ -48,7 +50,19 @@ use rl_tests::{
     traffic::{forged, join, spoofed_source},
 };
 
+/// Interleaved rounds (`RL_BENCH_ROUNDS` overrides): each case's ratio is
+/// the median of its rounds' ratios to that round's baseline.
 const ROUNDS: usize = 5;
+
+fn rounds() -> Result<usize> {
+    match std::env::var("RL_BENCH_ROUNDS") {
+        Err(_) => Ok(ROUNDS),
+        Ok(v) => match v.parse::<usize>() {
+            Ok(n) if (1..=100).contains(&n) => Ok(n),
+            _ => bail!("RL_BENCH_ROUNDS={v}: expected a count of rounds from 1 to 100"),
+        },
+    }
+}
 
 const RL_CONFIG: &str = "[default]\nrate = 100000000\nburst = 1000000000\n";
 
@@ -187,13 +201,14 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn main() -> Result<()> {
     let frames: u64 = std::env::args().nth(1).map(|s| s.parse()).transpose()?.unwrap_or(1_000_000);
+    let rounds = rounds()?;
     let lab = Lab::new()?;
     let dir = tempfile::tempdir()?;
     let rules = dir.path().join("rlbench.nft");
     std::fs::write(&rules, nft_ruleset())?;
     println!(
         "veth random-source flood: {frames} forged UDP/IPv4 frames per phase (first, sustained) from one sender \
-         pinned to CPU 0, {ROUNDS} interleaved rounds; busy CPU ns per frame over all CPUs (sender included), \
+         pinned to CPU 0, {rounds} interleaved rounds; busy CPU ns per frame over all CPUs (sender included), \
          by {}",
         BusyClock::source()
     );
@@ -208,7 +223,7 @@ fn main() -> Result<()> {
     let started = Instant::now();
     // A warm-up run, not counted: first-touch costs land on no case.
     one_run(&lab, Filter::Pass, frames / 10, &rules, false)?;
-    for round in 0..ROUNDS {
+    for round in 0..rounds {
         for (i, f) in filters.iter().enumerate() {
             let per_phase = one_run(&lab, *f, frames, &rules, round == 0)?;
             for (phase, v) in per_phase.into_iter().enumerate() {
