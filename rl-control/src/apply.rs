@@ -104,6 +104,16 @@ fn compiled_for(config: &Config, mode: Option<crate::cluster::OnFailure>) -> cra
     compiled
 }
 
+/// The first step of an install, its waits made without the state lock:
+/// the old slot's grace (until `ready`), then that of the rule entries
+/// [`crate::datapath::Datapath::prepare`] marks as changing.
+fn prepare_unlocked(shared: &Shared, plan: &mut Plan, ready: Instant) -> Result<(), crate::datapath::DatapathError> {
+    sleep_until(ready);
+    let unnamed = lock(shared).dp.prepare(plan)?;
+    sleep_until(unnamed);
+    Ok(())
+}
+
 /// Installs the running rules as they stand while the cluster is degraded
 /// with `mode` (see [`crate::compile::with_failure_mode`]), or as written
 /// (`None`), unless they stand so already.
@@ -119,9 +129,7 @@ pub fn set_failure_mode(shared: &Shared, mode: Option<crate::cluster::OnFailure>
     let compiled = compiled_for(&config, mode);
     let failed = |e: &dyn std::fmt::Display| ApplyError::Failed(format!("installing the on_failure rules: {e}"));
     let mut plan = Plan::new(basis, &compiled.rules).map_err(|e| failed(&e))?;
-    sleep_until(ready);
-    let unnamed = lock(shared).dp.prepare(&mut plan).map_err(|e| failed(&e))?;
-    sleep_until(unnamed);
+    prepare_unlocked(shared, &mut plan, ready).map_err(|e| failed(&e))?;
     let mut s = lock(shared);
     s.dp.execute(plan).map_err(|e| failed(&e))?;
     s.failure_mode = mode;
@@ -185,11 +193,7 @@ fn install(
     };
     let mut plan = Plan::new(basis, &compiled.rules).map_err(|e| failed("installing the rules", &e))?;
     let t1 = Instant::now();
-    // The waits without the lock: the old slot's grace, then that of the
-    // rule entries marked as changing (see `Datapath::prepare`).
-    sleep_until(ready);
-    let unnamed = lock(shared).dp.prepare(&mut plan).map_err(|e| failed("installing the rules", &e))?;
-    sleep_until(unnamed);
+    prepare_unlocked(shared, &mut plan, ready).map_err(|e| failed("installing the rules", &e))?;
     lock(shared).dp.execute(plan).map_err(|e| failed("installing the rules", &e))?;
     let t2 = Instant::now();
     if change.persist {

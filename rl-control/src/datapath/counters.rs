@@ -4,7 +4,7 @@
 //! name before the entry is rewritten, or, for a slot whose contents are
 //! unknown (adopted, or left by a failed install), by the id found there.
 
-use aya::maps::{Array, MapData, PerCpuArray};
+use aya::maps::{MapData, PerCpuArray};
 use rl_common::*;
 
 use super::{read::add_stats, *};
@@ -12,39 +12,35 @@ use super::{read::add_stats, *};
 impl Datapath {
     /// Before a slot whose contents are unknown is cleared (adopted from a
     /// daemon that stopped, or left by a failed install), for each entry
-    /// that holds a rule with the id of one of `entries` (a rule's id is a
-    /// hash of its definition, its name included): where that rule stays
-    /// in place, its counters stay with it (returned: the entries whose
-    /// counters the clearing keeps), so they go on in the pinned tables
-    /// across any number of restarts; elsewhere they go to its name
-    /// (`names`) in this process's totals. Other counters are lost, as
-    /// are the totals the process before kept of rule sets it retired.
-    pub(super) fn retire_found_stats(&mut self, slot: u32, entries: &[RuleEntry], names: &[String]) -> Result<Vec<u32>, DatapathError> {
+    /// it `held` (read from the map) with the id of a rule of `entries` (a
+    /// rule's id is a hash of its definition, its name included): where
+    /// that rule stays in place, its counters stay with it (noted in
+    /// `stayed`, with its name: the clearing keeps them), so they go on in
+    /// the pinned tables across any number of restarts; elsewhere they go
+    /// to its name (`names`) in this process's totals. Other counters are
+    /// lost, as are the totals the process before kept of rule sets it
+    /// retired.
+    pub(super) fn retire_found_stats(
+        &mut self,
+        slot: u32,
+        held: &[RuleEntry],
+        (entries, names): (&[RuleEntry], &[String]),
+        stayed: &mut Vec<(u32, String)>,
+    ) -> Result<(), DatapathError> {
         let base = slot * RULE_SLOTS;
-        let (mut found, mut kept) = (Vec::new(), Vec::new());
-        {
-            let rules: Array<&MapData, RuleEntry> = map_ref(&self.ebpf, MAP_RULES)?;
-            for i in 0..RULE_SLOTS {
-                let held = rules.get(&(base + i), 0).map_err(|e| map_error(MAP_RULES, e))?;
-                if held.id == 0 {
-                    // Entries are written from the first on: none past this one.
-                    break;
-                }
-                if !is_rule_id(held.id) {
-                    continue;
-                }
-                if entries.get(i as usize).is_some_and(|e| e.id == held.id) {
-                    kept.push(base + i);
-                } else if let Some((_, name)) = entries.iter().zip(names).find(|(e, _)| e.id == held.id) {
-                    found.push((base + i, name.clone()));
-                }
+        // Entries are written from the first on: none past one never written.
+        for (i, held) in held.iter().enumerate().take_while(|(_, e)| e.id != 0) {
+            if !is_rule_id(held.id) {
+                continue;
+            }
+            let idx = base + i as u32;
+            if let Some(name) = entries.get(i).filter(|e| e.id == held.id).and(names.get(i)) {
+                stayed.push((idx, name.clone()));
+            } else if let Some((_, name)) = entries.iter().zip(names).find(|(e, _)| e.id == held.id) {
+                self.retire_counters(idx, name.clone())?;
             }
         }
-        for (idx, name) in found {
-            self.retire_counters(idx, name)?;
-        }
-        self.failpoint("found")?;
-        Ok(kept)
+        self.failpoint("found")
     }
 
     /// Counters of the rules a slot held (`names`, `old` if known) go to
@@ -76,10 +72,9 @@ impl Datapath {
     /// than have the next install (whose slot is then unknown) count them
     /// twice.
     pub(super) fn retire_counters(&mut self, idx: u32, name: String) -> Result<(), DatapathError> {
-        let cpus = self.cpus;
+        let zero = self.zero_counters()?;
         let mut stats: PerCpuArray<&mut MapData, RuleStats> = map_mut(&mut self.ebpf, MAP_RULE_STATS)?;
         let per_cpu = stats.get(&idx, 0).map_err(|e| map_error(MAP_RULE_STATS, e))?;
-        let zero = aya::maps::PerCpuValues::try_from(vec![RuleStats::default(); cpus]).map_err(|e| map_error(MAP_RULE_STATS, e))?;
         stats.set(idx, zero, 0).map_err(|e| map_error(MAP_RULE_STATS, e))?;
         add_stats(self.retired.entry(name).or_default(), per_cpu.iter());
         Ok(())
@@ -87,12 +82,16 @@ impl Datapath {
 
     /// Zeroes the counters of `slot`'s entries but those `kept`.
     pub(super) fn clear_counters(&mut self, slot: u32, kept: &[u32]) -> Result<(), DatapathError> {
-        let mut stats: PerCpuArray<&mut MapData, RuleStats> = map_mut(&mut self.ebpf, MAP_RULE_STATS)?;
         for idx in (slot * RULE_SLOTS..(slot + 1) * RULE_SLOTS).filter(|i| !kept.contains(i)) {
-            let zero = aya::maps::PerCpuValues::try_from(vec![RuleStats::default(); self.cpus])
-                .map_err(|e| map_error(MAP_RULE_STATS, e))?;
+            let zero = self.zero_counters()?;
+            let mut stats: PerCpuArray<&mut MapData, RuleStats> = map_mut(&mut self.ebpf, MAP_RULE_STATS)?;
             stats.set(idx, zero, 0).map_err(|e| map_error(MAP_RULE_STATS, e))?;
         }
         Ok(())
+    }
+
+    /// One entry's counters at zero on every CPU.
+    fn zero_counters(&self) -> Result<aya::maps::PerCpuValues<RuleStats>, DatapathError> {
+        aya::maps::PerCpuValues::try_from(vec![RuleStats::default(); self.cpus]).map_err(|e| map_error(MAP_RULE_STATS, e))
     }
 }

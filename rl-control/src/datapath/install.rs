@@ -23,7 +23,9 @@ pub struct Plan {
     /// The slot's contents are unknown: clear it whole first.
     clear: bool,
     old_names: Vec<String>,
-    /// The rule entries the slot holds (`None`: not known, read from the map).
+    /// The rule entries the slot holds: its record's, or, if its contents
+    /// are not known, read from the map by [`Datapath::prepare`] (`None`
+    /// until then).
     old_entries: Option<Vec<RuleEntry>>,
     entries: Vec<RuleEntry>,
     l4: (Vec<u32>, Vec<u32>),
@@ -119,8 +121,8 @@ impl Datapath {
         let slot = plan.slot;
         let base = slot * RULE_SLOTS;
         if plan.clear {
-            let kept = self.retire_found_stats(slot, &plan.entries, &plan.next.names)?;
-            stayed.extend(kept.iter().map(|&idx| (idx, plan.next.names[(idx - base) as usize].clone())));
+            self.retire_found_stats(slot, plan.old_entries.as_deref().unwrap_or_default(), (&plan.entries, &plan.next.names), stayed)?;
+            let kept: Vec<u32> = stayed.iter().map(|&(idx, _)| idx).collect();
             self.clear_slot(slot, &kept)?;
         }
         self.retire_stats(base, (&plan.old_names, plan.old_entries.as_deref()), (&plan.entries, &plan.next.names), stayed)?;
@@ -167,7 +169,16 @@ impl Datapath {
             return Err(DatapathError::Load("a stale install plan (another install ran since it was made)".into()));
         }
         sleep_until(self.ready_at());
-        let (until, unnamed) = self.unname_changed_rules(plan.slot, plan.old_entries.as_deref(), &plan.entries)?;
+        let old = match plan.old_entries.take() {
+            Some(old) => old,
+            None => {
+                let base = plan.slot * RULE_SLOTS;
+                let rules: Array<&MapData, RuleEntry> = map_ref(&self.ebpf, MAP_RULES)?;
+                (0..RULE_SLOTS).map(|i| rules.get(&(base + i), 0)).collect::<Result<_, _>>().map_err(|e| map_error(MAP_RULES, e))?
+            }
+        };
+        let (until, unnamed) = self.unname_changed_rules(plan.slot, &old, &plan.entries)?;
+        plan.old_entries = Some(old);
         self.failpoint("unnamed")?;
         (plan.unnamed_until, plan.unnamed) = (Some(until), unnamed);
         Ok(until)
@@ -175,8 +186,8 @@ impl Datapath {
 
     /// Before anything of the inactive `slot` is rewritten: the entries
     /// whose rule changes (another rule, or the same rule changed: a
-    /// failure mode of the cluster keeps ids) or goes (`old` is what they
-    /// hold, if known) are marked [`RULE_UNNAMED`], the rest of each entry
+    /// failure mode of the cluster keeps ids) or goes (`held` is what they
+    /// hold) are marked [`RULE_UNNAMED`], the rest of each entry
     /// kept; returns when the program runs in flight that read them before
     /// are over (now if none changed). A fragment verdict remembered from
     /// such an entry (through one rule change, see `rl_common::rule_tag`)
@@ -188,15 +199,8 @@ impl Datapath {
     /// mark ([`Datapath::rewrite_unnamed`]): those marked (among them any
     /// found marked by an install that stopped half-way whose contents
     /// change now) and those that held no rule and get one.
-    fn unname_changed_rules(&mut self, slot: u32, old: Option<&[RuleEntry]>, entries: &[RuleEntry]) -> Result<(Instant, Vec<u32>), DatapathError> {
+    fn unname_changed_rules(&mut self, slot: u32, held: &[RuleEntry], entries: &[RuleEntry]) -> Result<(Instant, Vec<u32>), DatapathError> {
         let base = slot * RULE_SLOTS;
-        let held: Vec<RuleEntry> = match old {
-            Some(old) => old.to_vec(),
-            None => {
-                let rules: Array<&MapData, RuleEntry> = map_ref(&self.ebpf, MAP_RULES)?;
-                (0..RULE_SLOTS).map(|i| rules.get(&(base + i), 0)).collect::<Result<_, _>>().map_err(|e| map_error(MAP_RULES, e))?
-            }
-        };
         // A rule's entry (marked or not) whose contents change: marked.
         let changing: Vec<u32> = (0..held.len() as u32)
             .filter(|&i| {
