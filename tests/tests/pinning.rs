@@ -273,15 +273,17 @@ fn an_adopted_datapath_keeps_the_clock_its_windows_were_counted_by() {
 
 /// The rules' counters live in the pinned maps: a restarted daemon, which
 /// finds both rule tables unknown and writes its rules into both (as
-/// `enforce` does), goes on from the counts it finds under the rules'
+/// `Datapath::take_over` does), goes on from the counts it finds under the rules'
 /// ids, instead of clearing them.
 #[test]
 fn an_adopted_datapath_keeps_its_rules_counts() {
     use rl_control::{compile::compile, config::Config};
     use rl_tests::frames::*;
     let (compiled, _pins, dir) = pinned_w("", "counts");
+    // As `Datapath::take_over` does (after its swap): both slots written.
     let start = || {
         let mut dp = load_pinned(&compiled, &dir);
+        dp.install(&compiled.rules).unwrap();
         dp.install(&compiled.rules).unwrap();
         dp
     };
@@ -315,5 +317,91 @@ fn an_adopted_datapath_keeps_its_rules_counts() {
     dp.fail_next_install_at("found");
     assert!(dp.install(&moved.rules).is_err());
     dp.install(&moved.rules).unwrap();
+    dp.install(&moved.rules).unwrap();
     assert_eq!(dp.rule_stats().unwrap()["w"], before["w"], "w's counts, moved with it, counted once");
+}
+
+/// An adopted datapath's rules are written only once this build's program
+/// has replaced the pinned one, so the pinned program never reads a table
+/// that a daemon of another build is changing (it would not heed this
+/// build's marks). The failure injected at the first write of the rules
+/// finds this build's program already attached, enforcing the pinned
+/// rules, unchanged; had the rules been written before the swap, it would
+/// find the pinned program. The next start puts the new rules in force.
+#[test]
+fn an_adopted_datapath_swaps_its_program_in_before_it_writes_a_rule() {
+    use rl_control::{compile::{compile, Compiled}, config::Config, datapath::{AttachMode, Datapath, DatapathError}};
+    use rl_tests::frames::*;
+    let lab = Lab::new().unwrap();
+    let (compiled, _pins, dir) = pinned_w("", VB);
+    // Loads or adopts the pins with `c`, fails its next install at `fail`,
+    // and takes VB over.
+    let take_over = |c: Compiled, fail: Option<&'static str>| -> (Datapath, Result<(), DatapathError>) {
+        let mut dp = load_pinned(&c, &dir);
+        if let Some(step) = fail {
+            dp.fail_next_install_at(step);
+        }
+        lab.b.run(move || {
+            let taken = dp.take_over(&c.rules, &[VB.to_string()], AttachMode::Native).map(|_| ());
+            Ok((dp, taken))
+        }).unwrap()
+    };
+    let w = eth(&[], ETH_P_IP, &ipv4([192, 0, 2, 1], UDP, &[], &udp(53)));
+    let (dp, taken) = take_over(compiled, None);
+    taken.unwrap();
+    assert!(!dp.adopted());
+    let first = lab.xdp_prog_ids().unwrap();
+    assert_eq!(rl_tests::offer(&dp, &w, 4), (3, 1), "w: 3 an hour");
+    drop(dp);
+
+    let changed = || {
+        let toml = "[datapath]\nmax_sources = 1024\n[default]\nrate = 1000\n\
+            [[rule]]\nname = \"w\"\nproto = \"udp\"\ndst_ports = [53]\nrate = 5\nper = \"1h\"\n";
+        compile(&Config::from_str(toml, "<test>").unwrap())
+    };
+    let (dp, taken) = take_over(changed(), Some("unnamed"));
+    assert!(dp.adopted());
+    let err = taken.expect_err("the injected failure");
+    assert!(matches!(err, DatapathError::AfterSwap(_)), "the rules were written before the swap: {err}");
+    assert!(err.to_string().contains("enforces the rule set that was pinned"), "{err}");
+    let now = lab.xdp_prog_ids().unwrap();
+    assert_eq!(now.len(), 1, "exactly one program on the interface: {now:?}");
+    assert_ne!(now, first, "this build's program was swapped in before the first write of a rule");
+    assert_eq!(rl_tests::offer(&dp, &w, 2), (0, 2), "the pinned rule, and its bucket, still in force");
+    drop(dp);
+
+    let (dp, taken) = take_over(changed(), None);
+    taken.unwrap();
+    assert_eq!(lab.xdp_prog_ids().unwrap().len(), 1);
+    assert_eq!(rl_tests::offer(&dp, &w, 6), (5, 1), "the new rule in force (a changed rule starts afresh)");
+}
+
+/// An entry that an older build emptied (its mark was `NO_RULE_ID` alone,
+/// the flag clear) and that this build fills is marked before it is
+/// filled, as a rule's entry that changes is: filled in one write, its id
+/// and flags would change at once, and a fragment whose verdict names the
+/// rule coming back could read it half-written.
+#[test]
+fn an_entry_an_older_build_emptied_is_marked_before_it_is_filled() {
+    use aya::maps::{Array, Map, MapData};
+    use rl_common::{RuleEntry, NO_RULE_ID, RULE_SLOTS, RULE_UNNAMED};
+    let (compiled, _pins, dir) = pinned_w("", "emptied");
+    let mut dp = load_pinned(&compiled, &dir);
+    dp.install(&compiled.rules).unwrap();
+    drop(dp);
+    // w's entry (1), in both slots, as an older build empties a place.
+    let mut rules: Array<MapData, RuleEntry> = Array::try_from(Map::Array(MapData::from_pin(dir.join(rl_common::MAP_RULES)).unwrap())).unwrap();
+    for slot in 0..2 {
+        rules.set(slot * RULE_SLOTS + 1, RuleEntry { id: NO_RULE_ID, ..Default::default() }, 0).unwrap();
+    }
+    let mut dp = load_pinned(&compiled, &dir);
+    assert!(dp.adopted());
+    let entry = (dp.active_slot().expect("the pinned slot") ^ 1) * RULE_SLOTS + 1;
+    dp.fail_next_install_at("unnamed");
+    assert!(dp.install(&compiled.rules).is_err());
+    let marked = dp.rule_table_entry(entry).unwrap();
+    assert_eq!(marked, RuleEntry { id: NO_RULE_ID, flags: RULE_UNNAMED, ..Default::default() }, "marked, and nothing else written, before the fill");
+    dp.install(&compiled.rules).unwrap();
+    let filled = dp.rule_table_entry(entry).unwrap();
+    assert_eq!((filled.id, filled.flags & RULE_UNNAMED), (compiled.rules.entries[1].id, 0), "filled, the mark lifted");
 }

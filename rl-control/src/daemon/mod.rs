@@ -309,10 +309,11 @@ impl Signals {
 }
 
 /// Puts `config`'s rules in force on `ifaces`: loads (or adopts) the
-/// datapath pinned in `pins`, fills both rule slots, moves an older build's
-/// prefix cells, and attaches. If attaching fails, nothing stays attached,
-/// and a datapath pinned just now is unpinned (an adopted one keeps
-/// enforcing as it was).
+/// datapath pinned in `pins` and takes the interfaces over with this
+/// build's program (see [`Datapath::take_over`]: an adopted datapath's
+/// rules are written only after the swap). If attaching fails, nothing
+/// stays attached, and a datapath pinned just now is unpinned (an adopted
+/// one keeps enforcing as it was).
 fn enforce(
     config: &Config,
     ifaces: &[String],
@@ -323,18 +324,8 @@ fn enforce(
     let compiled = compile(config);
     crate::datapath::prepare_pins(pin_dir, pins)?;
     let mut dp = Datapath::load_with(&compiled, LoadOptions { pin: Some(pins.to_path_buf()), ..Default::default() })?;
-    // The same rules into the other slot too: from now on every change
-    // writes only its differences (a ban, its entries), never the whole set.
-    dp.install(&compiled.rules)?;
     let adopted = dp.adopted();
-    if dp.cells_in_tables() || dp.cells_in_old_arrays() {
-        // Before the swap: the new program looks for cells in its arrays only.
-        let moved = dp.move_old_cells()?;
-        if moved > 0 {
-            info!(cells = moved, "copied the prefix cells an older build kept in the sources' tables or its 64-byte arrays into the cell arrays");
-        }
-    }
-    let attachments = match dp.attach_all(ifaces, mode) {
+    let attachments = match dp.take_over(&compiled.rules, ifaces, mode) {
         Ok(a) => a,
         Err(e) => {
             if !adopted {
@@ -344,14 +335,8 @@ fn enforce(
             return Err(e.into());
         }
     };
-    // This build's program is in: the older build's cells are in the arrays
-    // (and what it charged to its arrays since the copy is merged in).
-    let merged = dp.cells_moved()?;
-    if merged > 0 {
-        info!(cells = merged, "merged what the older build charged since the copy into the cell arrays, and unpinned its 64-byte arrays");
-    }
     if adopted {
-        info!(pins = %pins.display(), "adopted the pinned datapath: buckets kept, program replaced atomically");
+        info!(pins = %pins.display(), "adopted the pinned datapath: buckets kept, program replaced atomically, then the rules written");
     }
     Ok((dp, attachments))
 }

@@ -4,9 +4,10 @@
 
 use aya::programs::{links::FdLink, xdp::{XdpLink, XdpLinkId}, ProgramError, Xdp, XdpMode};
 use rl_common::{PROG_LIMITER, PROG_PASS};
-use tracing::warn;
+use tracing::{info, warn};
 
 use super::{chain, errno, interface_index, pin, AttachMode, Attachment, Datapath, DatapathError};
+use crate::compile::RuleSet;
 
 /// How to undo an attachment made by this process.
 enum Fresh {
@@ -40,6 +41,41 @@ impl Datapath {
             }
         }
         Ok(made.into_iter().map(|(a, _)| a).collect())
+    }
+
+    /// Puts `rules` in force on `ifaces` with this build's program. Fresh,
+    /// both rule slots are written before the program first runs. Adopted,
+    /// the pinned program goes on enforcing the pinned rules until this
+    /// build's replaces it (an older build's cells moved first: this program
+    /// looks for cells in its arrays only), and the rules are written only
+    /// then: no program reads a table that another build's daemon is
+    /// changing (the mark of a changing rule, `RULE_UNNAMED`, is heeded by
+    /// this build's program only). If attaching fails, nothing attached
+    /// here stays attached; if writing the rules fails after the swap, this
+    /// build's program enforces the pinned rules ([`DatapathError::AfterSwap`]).
+    pub fn take_over(&mut self, rules: &RuleSet, ifaces: &[String], mode: AttachMode) -> Result<Vec<Attachment>, DatapathError> {
+        if !self.pinned_rules {
+            // The same rules into the other slot too: from now on every
+            // change writes only its differences, never the whole set.
+            self.install(rules)?;
+        }
+        if self.cells_in_tables() || self.cells_in_old_arrays() {
+            let moved = self.move_old_cells()?;
+            if moved > 0 {
+                info!(cells = moved, "copied the prefix cells an older build kept in the sources' tables or its 64-byte arrays into the cell arrays");
+            }
+        }
+        let attachments = self.attach_all(ifaces, mode)?;
+        // This build's program is in: what the older build charged to its
+        // cells since the copy is merged in.
+        let merged = self.cells_moved()?;
+        if merged > 0 {
+            info!(cells = merged, "merged what the older build charged since the copy into the cell arrays, and unpinned its 64-byte arrays");
+        }
+        if std::mem::take(&mut self.pinned_rules) {
+            self.install(rules).and_then(|()| self.install(rules)).map_err(|e| DatapathError::AfterSwap(Box::new(e)))?;
+        }
+        Ok(attachments)
     }
 
     /// [`Datapath::attach_all`] for one interface.

@@ -171,11 +171,7 @@ impl Datapath {
         sleep_until(self.ready_at());
         let old = match plan.old_entries.take() {
             Some(old) => old,
-            None => {
-                let base = plan.slot * RULE_SLOTS;
-                let rules: Array<&MapData, RuleEntry> = map_ref(&self.ebpf, MAP_RULES)?;
-                (0..RULE_SLOTS).map(|i| rules.get(&(base + i), 0)).collect::<Result<_, _>>().map_err(|e| map_error(MAP_RULES, e))?
-            }
+            None => self.slot_entries(plan.slot)?,
         };
         let (until, unnamed) = self.unname_changed_rules(plan.slot, &old, &plan.entries)?;
         plan.old_entries = Some(old);
@@ -202,10 +198,17 @@ impl Datapath {
     fn unname_changed_rules(&mut self, slot: u32, held: &[RuleEntry], entries: &[RuleEntry]) -> Result<(Instant, Vec<u32>), DatapathError> {
         let base = slot * RULE_SLOTS;
         // A rule's entry (marked or not) whose contents change: marked.
+        // So is an emptied entry without the mark (emptied by an older
+        // build, whose mark was the id alone) that gets a rule: filling it
+        // in one write would change its id and flags at once.
         let changing: Vec<u32> = (0..held.len() as u32)
             .filter(|&i| {
                 let e = &held[i as usize];
-                is_rule_id(e.id) && entries.get(i as usize) != Some(&RuleEntry { flags: e.flags & !RULE_UNNAMED, ..*e })
+                let next = entries.get(i as usize);
+                match e.id {
+                    NO_RULE_ID => e.flags & RULE_UNNAMED == 0 && next.is_some(),
+                    id => is_rule_id(id) && next != Some(&RuleEntry { flags: e.flags & !RULE_UNNAMED, ..*e }),
+                }
             })
             .collect();
         // An entry that holds no rule (emptied, or never written) and gets
@@ -214,6 +217,7 @@ impl Datapath {
         let filled = (0..entries.len() as u32).filter(|&i| held.get(i as usize).is_none_or(|e| !is_rule_id(e.id)));
         let mut unnamed: Vec<u32> = changing.iter().copied().chain(filled).collect();
         unnamed.sort_unstable();
+        unnamed.dedup();
         if changing.is_empty() {
             return Ok((Instant::now(), unnamed));
         }
@@ -268,6 +272,14 @@ impl Datapath {
         self.failpoint = Some(step);
     }
 
+    /// The rule entries `slot` holds, read from the map (one system call
+    /// each): for a slot whose contents are unknown.
+    pub(super) fn slot_entries(&self, slot: u32) -> Result<Vec<RuleEntry>, DatapathError> {
+        let base = slot * RULE_SLOTS;
+        let rules: Array<&MapData, RuleEntry> = map_ref(&self.ebpf, MAP_RULES)?;
+        (0..RULE_SLOTS).map(|i| rules.get(&(base + i), 0)).collect::<Result<_, _>>().map_err(|e| map_error(MAP_RULES, e))
+    }
+
     pub(super) fn failpoint(&mut self, step: &'static str) -> Result<(), DatapathError> {
         if self.failpoint == Some(step) {
             self.failpoint = None;
@@ -314,6 +326,26 @@ impl Datapath {
     }
 }
 
+impl Basis {
+    /// The config entry of this process's settings (`tuning`, its clock,
+    /// offset and cell arrays) with the active slot and its flags
+    /// `slot_flags`.
+    pub(super) fn config(&self, t: &crate::compile::Tuning, slot_flags: u64) -> DatapathConfig {
+        DatapathConfig {
+            clock: self.clock,
+            epoch_offset_ns: self.epoch_offset_ns,
+            enabled: 1,
+            cell_slots_log2: self.cell_slots_log2,
+            slot_flags,
+            flood_cap: flood_cap_per_cpu(t.flood_new_keys_per_sec, online_cpus(self.cpus)),
+            cell_mask4: t.cell_mask4,
+            frag_ttl_ms: t.fragment_ttl_ms,
+            frag_orphans: t.fragment_orphans,
+            cell_mask6: t.cell_mask6,
+        }
+    }
+}
+
 impl Plan {
     /// The differences between what `basis`'s slot holds and `rules`.
     pub fn new(basis: Basis, rules: &RuleSet) -> Result<Plan, DatapathError> {
@@ -340,19 +372,7 @@ impl Plan {
             rules.decide.iter().map(|((l4c, srcc), rule)| (rl_common::decide_key(slot, *l4c, *srcc), *rule)).collect();
         decide.sort_unstable();
         let (decide_remove, decide_insert) = sorted_diff(&old.decide, &decide);
-        let t = &rules.tuning;
-        let config = DatapathConfig {
-            clock: basis.clock,
-            epoch_offset_ns: basis.epoch_offset_ns,
-            enabled: 1,
-            cell_slots_log2: basis.cell_slots_log2,
-            slot_flags: DatapathConfig::pack_slot_flags(slot, rules.flags),
-            flood_cap: flood_cap_per_cpu(t.flood_new_keys_per_sec, online_cpus(basis.cpus)),
-            cell_mask4: t.cell_mask4,
-            frag_ttl_ms: t.fragment_ttl_ms,
-            frag_orphans: t.fragment_orphans,
-            cell_mask6: t.cell_mask6,
-        };
+        let config = basis.config(&rules.tuning, DatapathConfig::pack_slot_flags(slot, rules.flags));
         Ok(Plan {
             slot,
             generation: basis.generation,

@@ -120,6 +120,7 @@ impl Datapath {
             cpus: aya::util::nr_cpus().map_err(|(_, e)| DatapathError::Load(format!("cannot count the CPUs: {e}")))?,
             pins: opts.pin.clone(),
             adopted,
+            pinned_rules: pinned.is_some(),
             cells_from_tables,
             old_arrays,
             links: Vec::new(),
@@ -141,7 +142,13 @@ impl Datapath {
             dp.active = pinned.as_ref().map(|p| p.slot_flags().0);
             dp.slots = [Arc::new(SlotContents { unknown: true, ..Default::default() }), Arc::new(SlotContents { unknown: true, ..Default::default() })];
         }
-        dp.install(&compiled.rules)?;
+        match &pinned {
+            // The pinned program reads the pinned rules until this build's
+            // replaces it: no table is written before then
+            // (`Datapath::take_over`).
+            Some(p) => dp.refresh_config(p, &compiled.rules.tuning)?,
+            None => dp.install(&compiled.rules)?,
+        }
         // The own buckets' cap, before the program first runs (adopted:
         // the same, `max_sources` being part of the tables' size).
         let mut owned: Array<&mut MapData, u64> = map_mut(&mut dp.ebpf, rl_common::MAP_OWNED)?;
@@ -160,6 +167,17 @@ impl Datapath {
         dp.counters()?;
         dp.sources()?;
         Ok(dp)
+    }
+
+    /// Adopted: this process's settings in the pinned config entry, its
+    /// slot, flags and clock kept (the pinned rules' limits were set for
+    /// that clock), before this build's program first reads it. An older
+    /// build's entry may lack fields (the cell arrays' size was carved from
+    /// its `enabled`) or count its flood cap over another window.
+    fn refresh_config(&mut self, pinned: &DatapathConfig, tuning: &crate::compile::Tuning) -> Result<(), DatapathError> {
+        let config = DatapathConfig { clock: pinned.clock, ..self.basis().config(tuning, pinned.slot_flags) };
+        let mut map: Array<&mut MapData, DatapathConfig> = map_mut(&mut self.ebpf, rl_common::MAP_CONFIG)?;
+        map.set(0, config, 0).map_err(|e| map_error(rl_common::MAP_CONFIG, e))
     }
 
     pub(super) fn load_program(&mut self, name: &'static str) -> Result<(), DatapathError> {

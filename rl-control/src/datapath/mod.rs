@@ -115,6 +115,11 @@ pub enum DatapathError {
     TooLarge { what: &'static str, needed: usize, capacity: u32, hint: &'static str },
     #[error("test run of program {program} failed: {cause}")]
     TestRun { program: &'static str, cause: String },
+    #[error(
+        "writing the rules failed after this build's program took the pinned XDP link over: it enforces the \
+         rule set that was pinned, buckets kept; fix the cause and start rl-control again ({0})"
+    )]
+    AfterSwap(Box<DatapathError>),
 }
 
 /// The OS error number anywhere in an error's chain, if there is one.
@@ -256,6 +261,11 @@ pub struct Datapath {
     pins: Option<std::path::PathBuf>,
     /// Whether the maps were adopted from an earlier process.
     adopted: bool,
+    /// Adopted with a rule set in force that this process has not written
+    /// over yet: the pinned program goes on enforcing it until this build's
+    /// replaces it, and only then are the rules written (see
+    /// [`Datapath::take_over`]).
+    pinned_rules: bool,
     /// Adopted from a build without cell arrays, or from a daemon stopped
     /// before it moved that build's cells: they are in the sources' tables
     /// (see [`Datapath::move_old_cells`]).

@@ -92,11 +92,13 @@ impl Datapath {
 
     /// Every limit of both slots by bucket key.
     pub fn limits_by_key(&self) -> Result<LimitsByKey, DatapathError> {
-        let arr: aya::maps::Array<&MapData, RuleEntry> = map_ref(&self.ebpf, MAP_RULES)?;
         let mut out = LimitsByKey::new();
         for slot in 0..2u32 {
-            for i in 0..self.slots[slot as usize].entries.len() as u32 {
-                let r = arr.get(&(slot * RULE_SLOTS + i), 0).map_err(|e| map_error(MAP_RULES, e))?;
+            let contents = &self.slots[slot as usize];
+            // Unknown (adopted, before this process's first installs; or
+            // left by a failed install): as the map holds it.
+            let entries = if contents.unknown { self.slot_entries(slot)? } else { contents.entries.clone() };
+            for r in entries.iter().filter(|r| is_rule_id(r.id)) {
                 for which in 0..r.n_limits.min(MAX_LIMITS as u32) {
                     out.insert(r.id | which, r.limits[which as usize]);
                 }
