@@ -108,4 +108,15 @@ fn the_counters_of_rules_that_stay_are_never_hidden_nor_lost() {
     install(&mut dp, &b).unwrap();
     install(&mut dp, &b).unwrap();
     assert_eq!(open(&dp), 5, "nor lost");
+    // Counters that go to the totals are zeroed before they are added: a
+    // failure of the zeroing adds nothing, and the next install that keeps
+    // the rule in place finds them where they were, counted once.
+    let mut dp = datapath(&x(5)).unwrap();
+    install(&mut dp, &x(5)).unwrap();
+    assert_eq!(offer(&dp, &to([192, 0, 2, 1], 60), 3), (3, 0));
+    install(&mut dp, &x(5)).unwrap();
+    dp.fail_next_install_at("zeroing");
+    install(&mut dp, &x(6)).expect_err("the injected failure");
+    install(&mut dp, &x(5)).unwrap();
+    assert_eq!(dp.rule_stats().unwrap()["x"].passed_pkts, 3, "x's counts after a failed zeroing: counted once");
 }

@@ -73,8 +73,13 @@ impl Datapath {
     /// twice.
     pub(super) fn retire_counters(&mut self, idx: u32, name: String) -> Result<(), DatapathError> {
         let zero = self.zero_counters()?;
+        let per_cpu = {
+            let stats: PerCpuArray<&MapData, RuleStats> = map_ref(&self.ebpf, MAP_RULE_STATS)?;
+            stats.get(&idx, 0).map_err(|e| map_error(MAP_RULE_STATS, e))?
+        };
+        // As if the zeroing write failed.
+        self.failpoint("zeroing")?;
         let mut stats: PerCpuArray<&mut MapData, RuleStats> = map_mut(&mut self.ebpf, MAP_RULE_STATS)?;
-        let per_cpu = stats.get(&idx, 0).map_err(|e| map_error(MAP_RULE_STATS, e))?;
         stats.set(idx, zero, 0).map_err(|e| map_error(MAP_RULE_STATS, e))?;
         add_stats(self.retired.entry(name).or_default(), per_cpu.iter());
         Ok(())
