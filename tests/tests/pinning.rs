@@ -374,6 +374,17 @@ fn an_adopted_datapath_swaps_its_program_in_before_it_writes_a_rule() {
     taken.unwrap();
     assert_eq!(lab.xdp_prog_ids().unwrap().len(), 1);
     assert_eq!(rl_tests::offer(&dp, &w, 6), (5, 1), "the new rule in force (a changed rule starts afresh)");
+    drop(dp);
+
+    // Pins whose link is gone (its pin removed: the program detached): the
+    // adopting daemon attaches afresh, and a failure writing the rules
+    // then detaches it again, leaving the interface as it found it.
+    std::fs::remove_file(dir.join(format!("link-native-{VB}"))).unwrap();
+    assert!(!lab.xdp_attached().unwrap());
+    let (dp, taken) = take_over(changed(), Some("unnamed"));
+    assert!(matches!(taken, Err(DatapathError::AfterSwap(_))), "{:?}", taken.err());
+    assert!(!lab.xdp_attached().unwrap(), "a program attached afresh is detached again");
+    drop(dp);
 }
 
 /// An entry that an older build emptied (its mark was `NO_RULE_ID` alone,
@@ -389,19 +400,72 @@ fn an_entry_an_older_build_emptied_is_marked_before_it_is_filled() {
     let mut dp = load_pinned(&compiled, &dir);
     dp.install(&compiled.rules).unwrap();
     drop(dp);
-    // w's entry (1), in both slots, as an older build empties a place.
+    // w's entry (1) and the one past the rules (2), in both slots, as an
+    // older build empties a place.
     let mut rules: Array<MapData, RuleEntry> = Array::try_from(Map::Array(MapData::from_pin(dir.join(rl_common::MAP_RULES)).unwrap())).unwrap();
+    let emptied = RuleEntry { id: NO_RULE_ID, ..Default::default() };
     for slot in 0..2 {
-        rules.set(slot * RULE_SLOTS + 1, RuleEntry { id: NO_RULE_ID, ..Default::default() }, 0).unwrap();
+        rules.set(slot * RULE_SLOTS + 1, emptied, 0).unwrap();
+        rules.set(slot * RULE_SLOTS + 2, emptied, 0).unwrap();
     }
     let mut dp = load_pinned(&compiled, &dir);
     assert!(dp.adopted());
     let entry = (dp.active_slot().expect("the pinned slot") ^ 1) * RULE_SLOTS + 1;
     dp.fail_next_install_at("unnamed");
     assert!(dp.install(&compiled.rules).is_err());
-    let marked = dp.rule_table_entry(entry).unwrap();
-    assert_eq!(marked, RuleEntry { id: NO_RULE_ID, flags: RULE_UNNAMED, ..Default::default() }, "marked, and nothing else written, before the fill");
+    let marked = RuleEntry { id: NO_RULE_ID, flags: RULE_UNNAMED, ..Default::default() };
+    assert_eq!(dp.rule_table_entry(entry).unwrap(), marked, "marked, and nothing else written, before the fill");
     dp.install(&compiled.rules).unwrap();
     let filled = dp.rule_table_entry(entry).unwrap();
     assert_eq!((filled.id, filled.flags & RULE_UNNAMED), (compiled.rules.entries[1].id, 0), "filled, the mark lifted");
+    // Past the rules: marked now, so that a later change that fills it
+    // (this process knows only the entries it wrote) need not.
+    assert_eq!(dp.rule_table_entry(entry + 1).unwrap(), marked, "the place past the rules, marked at the first install");
+}
+
+/// Adopting writes this build's settings into the pinned config entry (an
+/// older build's may lack some: the cell arrays' size was carved from its
+/// `enabled`), keeping its slot, flags and clock, which the pinned rules'
+/// limits were set for. A start that fails before its swap (here, a rule
+/// set too large, refused before anything else changes) puts the entry
+/// back as it was found and leaves the pinned program in place.
+#[test]
+fn adopting_writes_this_builds_settings_and_a_failed_start_puts_them_back() {
+    use aya::maps::{Array, Map, MapData};
+    use rl_control::datapath::AttachMode;
+    use rl_common::DatapathConfig;
+    let lab = Lab::new().unwrap();
+    let (compiled, _pins, dir) = pinned_w("", VB);
+    let mut dp = load_pinned(&compiled, &dir);
+    let rules = compiled.rules.clone();
+    drop(lab.b.run(move || dp.take_over(&rules, &[VB.to_string()], AttachMode::Native).map(|_| dp).map_err(Into::into)).unwrap());
+    let pinned_program = lab.xdp_prog_ids().unwrap();
+    let entry = || -> Array<MapData, DatapathConfig> {
+        Array::try_from(Map::Array(MapData::from_pin(dir.join(rl_common::MAP_CONFIG)).unwrap())).unwrap()
+    };
+    // As an older build could have left it.
+    let mut old = entry().get(&0, 0).unwrap();
+    (old.cell_slots_log2, old.flood_cap, old.clock.tick_ns) = (0, 7, old.clock.tick_ns + 1);
+    entry().set(0, old, 0).unwrap();
+
+    let dp = load_pinned(&compiled, &dir);
+    assert!(dp.adopted());
+    let now = dp.config().unwrap();
+    let slots_log2 = rl_common::cell_slots(compiled.flood_prefixes).trailing_zeros() as u16;
+    assert_eq!((now.cell_slots_log2, now.enabled), (slots_log2, 1), "this build's cell arrays");
+    assert_ne!(now.flood_cap, 7, "this build's flood cap");
+    assert_eq!((now.clock, now.slot_flags, now.epoch_offset_ns), (old.clock, old.slot_flags, old.epoch_offset_ns), "the pinned slot, flags and clock");
+
+    let mut too_large = compiled.rules.clone();
+    too_large.decide = (0..=rl_common::DECIDE_SLOT_LEN).map(|i| ((1 + (i >> 16) as u16, i as u16), 0)).collect();
+    let (dp, taken) = lab.b.run(move || {
+        let mut dp = dp;
+        let taken = dp.take_over(&too_large, &[VB.to_string()], AttachMode::Native).map(|_| ());
+        Ok((dp, taken))
+    }).unwrap();
+    let err = taken.expect_err("a rule set too large");
+    assert!(err.to_string().contains("rule decision entries, more than the"), "{err}");
+    assert_eq!(entry().get(&0, 0).unwrap(), old, "the config entry put back as it was found");
+    assert_eq!(lab.xdp_prog_ids().unwrap(), pinned_program, "the pinned program stays");
+    drop(dp);
 }

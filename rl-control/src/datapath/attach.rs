@@ -17,30 +17,43 @@ enum Fresh {
     Pinned(std::path::PathBuf),
 }
 
+/// An attachment made by this process, with how to undo it (`None`: a
+/// pinned link taken over, which stays).
+type Made = (Attachment, Option<Fresh>);
+
 impl Datapath {
     /// Attaches the limiter to every interface of `ifaces`: one program, one
     /// rule set and one set of buckets for all, so a source's limit is per
     /// host. All or nothing: if one interface fails, the ones attached by
     /// this call are detached again and the error names the interface.
     pub fn attach_all(&mut self, ifaces: &[String], mode: AttachMode) -> Result<Vec<Attachment>, DatapathError> {
+        let made = self.attach_made(ifaces, mode).map_err(|(e, _)| e)?;
+        Ok(made.into_iter().map(|(a, _)| a).collect())
+    }
+
+    /// [`Datapath::attach_all`], each attachment with how to undo it
+    /// (`None`: a pinned link taken over). On failure, also whether a
+    /// pinned link was taken over before it (that one stays).
+    fn attach_made(&mut self, ifaces: &[String], mode: AttachMode) -> Result<Vec<Made>, (DatapathError, bool)> {
         for iface in ifaces {
-            interface_index(iface)?;
+            interface_index(iface).map_err(|e| (e, false))?;
         }
-        let mut made = Vec::new();
+        let mut made: Vec<Made> = Vec::new();
         for iface in ifaces {
             match self.attach_one(iface, mode) {
-                Ok((a, fresh)) => made.push((a, fresh)),
+                Ok(one) => made.push(one),
                 Err(e) => {
+                    let swapped = made.iter().any(|(_, fresh)| fresh.is_none());
                     for (a, fresh) in made.into_iter().rev() {
                         if let Some(fresh) = fresh {
                             self.undo(&a, fresh);
                         }
                     }
-                    return Err(e);
+                    return Err((e, swapped));
                 }
             }
         }
-        Ok(made.into_iter().map(|(a, _)| a).collect())
+        Ok(made)
     }
 
     /// Puts `rules` in force on `ifaces` with this build's program. Fresh,
@@ -50,32 +63,64 @@ impl Datapath {
     /// looks for cells in its arrays only), and the rules are written only
     /// then: no program reads a table that another build's daemon is
     /// changing (the mark of a changing rule, `RULE_UNNAMED`, is heeded by
-    /// this build's program only). If attaching fails, nothing attached
-    /// here stays attached; if writing the rules fails after the swap, this
-    /// build's program enforces the pinned rules ([`DatapathError::AfterSwap`]).
+    /// this build's program only). A rule set too large is refused first.
+    ///
+    /// On failure nothing attached afresh here stays attached. Adopted: if
+    /// no pinned link was taken over yet, the config entry is put back as
+    /// it was found; if writing the rules fails after the swap, this
+    /// build's program enforces the pinned rules where it took a pinned
+    /// link over ([`DatapathError::AfterSwap`]). The second table's write
+    /// failing only warns: the rules are in force, and that table is
+    /// written whole at the next change.
     pub fn take_over(&mut self, rules: &RuleSet, ifaces: &[String], mode: AttachMode) -> Result<Vec<Attachment>, DatapathError> {
-        if !self.pinned_rules {
-            // The same rules into the other slot too: from now on every
-            // change writes only its differences, never the whole set.
+        let Some(pinned) = self.pinned_config else {
+            // The same rules into the other slot too (from now on every
+            // change writes only its differences), then the program.
             self.install(rules)?;
+            return self.attach_all(ifaces, mode);
+        };
+        let moved = super::install::fits(rules).and_then(|()| self.move_cells_before_swap());
+        let made = moved.map_err(|e| (e, false)).and_then(|()| self.attach_made(ifaces, mode));
+        let made = match made {
+            Ok(made) => made,
+            Err((e, swapped)) => {
+                if !swapped {
+                    self.put_back_config(pinned);
+                }
+                return Err(e);
+            }
+        };
+        self.pinned_config = None;
+        let first = self.cells_moved().and_then(|merged| {
+            if merged > 0 {
+                info!(cells = merged, "merged what the older build charged since the copy into the cell arrays, and unpinned its 64-byte arrays");
+            }
+            self.install(rules)
+        });
+        if let Err(e) = first {
+            for (a, fresh) in made.into_iter().rev() {
+                if let Some(fresh) = fresh {
+                    self.undo(&a, fresh);
+                }
+            }
+            return Err(DatapathError::AfterSwap(Box::new(e)));
         }
+        if let Err(e) = self.install(rules) {
+            warn!("writing the rules into the second rule table failed ({e}): the rules are in force, and that table is written whole at the next change");
+        }
+        Ok(made.into_iter().map(|(a, _)| a).collect())
+    }
+
+    /// An older build's cells into this build's arrays, if the pins hold
+    /// any: before the swap (see [`Datapath::move_old_cells`]).
+    fn move_cells_before_swap(&mut self) -> Result<(), DatapathError> {
         if self.cells_in_tables() || self.cells_in_old_arrays() {
             let moved = self.move_old_cells()?;
             if moved > 0 {
                 info!(cells = moved, "copied the prefix cells an older build kept in the sources' tables or its 64-byte arrays into the cell arrays");
             }
         }
-        let attachments = self.attach_all(ifaces, mode)?;
-        // This build's program is in: what the older build charged to its
-        // cells since the copy is merged in.
-        let merged = self.cells_moved()?;
-        if merged > 0 {
-            info!(cells = merged, "merged what the older build charged since the copy into the cell arrays, and unpinned its 64-byte arrays");
-        }
-        if std::mem::take(&mut self.pinned_rules) {
-            self.install(rules).and_then(|()| self.install(rules)).map_err(|e| DatapathError::AfterSwap(Box::new(e)))?;
-        }
-        Ok(attachments)
+        Ok(())
     }
 
     /// [`Datapath::attach_all`] for one interface.
@@ -91,7 +136,7 @@ impl Datapath {
     /// goes unfiltered), in the mode it was created in; else the new link is
     /// pinned, so the program stays attached when this process exits or
     /// dies. Returns how to undo a fresh attachment (`None` if adopted).
-    fn attach_one(&mut self, iface: &str, mode: AttachMode) -> Result<(Attachment, Option<Fresh>), DatapathError> {
+    fn attach_one(&mut self, iface: &str, mode: AttachMode) -> Result<Made, DatapathError> {
         if let Some(dir) = self.pins.clone() {
             if let Some(a) = self.adopt_link(&dir, iface, PROG_LIMITER)? {
                 self.attachments.push(a.clone());

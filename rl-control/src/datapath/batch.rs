@@ -56,6 +56,33 @@ pub(super) fn lookup_batch_each<K: aya::Pod + Default, V: aya::Pod + Default, E:
     }
 }
 
+/// `BPF_MAP_LOOKUP_BATCH` of `count` entries of an array from index
+/// `start` on, in one system call.
+pub(super) fn lookup_array<V: aya::Pod + Default>(fd: std::os::fd::RawFd, start: u32, count: u32) -> std::io::Result<Vec<V>> {
+    const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+    let (mut keys, mut values) = (vec![0u32; count as usize], vec![V::default(); count as usize]);
+    // The batch goes on after the key it is given.
+    let (before, mut next) = (start.wrapping_sub(1), 0u32);
+    let mut attr = BatchAttr {
+        in_batch: if start == 0 { 0 } else { &before as *const u32 as u64 },
+        out_batch: &mut next as *mut u32 as u64,
+        keys: keys.as_mut_ptr() as u64,
+        values: values.as_mut_ptr() as u64,
+        count,
+        map_fd: fd as u32,
+        ..Default::default()
+    };
+    match bpf_batch(BPF_MAP_LOOKUP_BATCH, &mut attr) {
+        Ok(()) => {}
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+        Err(e) => return Err(e),
+    }
+    if attr.count != count || keys.first().is_some_and(|&k| k != start) {
+        return Err(std::io::Error::other(format!("a batch lookup of {count} entries from {start} returned {} from {:?}", attr.count, keys.first())));
+    }
+    Ok(values)
+}
+
 /// `BPF_MAP_UPDATE_BATCH` of an array's `u32` keys and their values (aya
 /// 0.14 has no batch API). Arrays accept batches since Linux 5.6.
 pub(super) fn update_batch<V: aya::Pod>(fd: std::os::fd::RawFd, keys: &[u32], values: &[V]) -> std::io::Result<()> {

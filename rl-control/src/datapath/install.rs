@@ -199,15 +199,15 @@ impl Datapath {
         let base = slot * RULE_SLOTS;
         // A rule's entry (marked or not) whose contents change: marked.
         // So is an emptied entry without the mark (emptied by an older
-        // build, whose mark was the id alone) that gets a rule: filling it
-        // in one write would change its id and flags at once.
+        // build, whose mark was the id alone), found in a slot whose every
+        // entry was read: filled in one write, now or by a later change,
+        // its id and flags would change at once.
         let changing: Vec<u32> = (0..held.len() as u32)
             .filter(|&i| {
                 let e = &held[i as usize];
-                let next = entries.get(i as usize);
                 match e.id {
-                    NO_RULE_ID => e.flags & RULE_UNNAMED == 0 && next.is_some(),
-                    id => is_rule_id(id) && next != Some(&RuleEntry { flags: e.flags & !RULE_UNNAMED, ..*e }),
+                    NO_RULE_ID => e.flags & RULE_UNNAMED == 0,
+                    id => is_rule_id(id) && entries.get(i as usize) != Some(&RuleEntry { flags: e.flags & !RULE_UNNAMED, ..*e }),
                 }
             })
             .collect();
@@ -272,12 +272,10 @@ impl Datapath {
         self.failpoint = Some(step);
     }
 
-    /// The rule entries `slot` holds, read from the map (one system call
-    /// each): for a slot whose contents are unknown.
+    /// The rule entries `slot` holds, read from the map in one batch: for
+    /// a slot whose contents are unknown.
     pub(super) fn slot_entries(&self, slot: u32) -> Result<Vec<RuleEntry>, DatapathError> {
-        let base = slot * RULE_SLOTS;
-        let rules: Array<&MapData, RuleEntry> = map_ref(&self.ebpf, MAP_RULES)?;
-        (0..RULE_SLOTS).map(|i| rules.get(&(base + i), 0)).collect::<Result<_, _>>().map_err(|e| map_error(MAP_RULES, e))
+        super::batch::lookup_array(self.array_fd(MAP_RULES)?, slot * RULE_SLOTS, RULE_SLOTS).map_err(|e| map_error(MAP_RULES, e))
     }
 
     pub(super) fn failpoint(&mut self, step: &'static str) -> Result<(), DatapathError> {
@@ -450,7 +448,7 @@ fn sorted_diff<K: Ord + Copy, V: PartialEq + Copy>(old: &[(K, V)], new: &[(K, V)
 }
 
 /// Refuses a rule set the slot's tables cannot hold, before anything is written.
-fn fits(rules: &RuleSet) -> Result<(), DatapathError> {
+pub(super) fn fits(rules: &RuleSet) -> Result<(), DatapathError> {
     let v4 = rules.lpm.iter().filter(|(c, _)| c.addr.is_ipv4()).count();
     let v6 = rules.lpm.len() - v4;
     let hint = "list fewer CIDRs (merge them into shorter prefixes)";

@@ -52,7 +52,11 @@ impl Datapath {
         Datapath::load_with(compiled, LoadOptions::default())
     }
 
-    /// [`Datapath::load`] with load-time knobs.
+    /// [`Datapath::load`] with load-time knobs. Pins that hold a rule set
+    /// in force are adopted without writing a rule: only this process's
+    /// settings go into their config entry, and the pinned rules stay in
+    /// force until an install ([`Datapath::take_over`] makes it after its
+    /// swap).
     pub fn load_with(compiled: &Compiled, opts: LoadOptions) -> Result<Datapath, DatapathError> {
         let capacity = table_capacity(compiled);
         let cell_slots = rl_common::cell_slots(compiled.flood_prefixes);
@@ -120,7 +124,7 @@ impl Datapath {
             cpus: aya::util::nr_cpus().map_err(|(_, e)| DatapathError::Load(format!("cannot count the CPUs: {e}")))?,
             pins: opts.pin.clone(),
             adopted,
-            pinned_rules: pinned.is_some(),
+            pinned_config: None,
             cells_from_tables,
             old_arrays,
             links: Vec::new(),
@@ -142,12 +146,8 @@ impl Datapath {
             dp.active = pinned.as_ref().map(|p| p.slot_flags().0);
             dp.slots = [Arc::new(SlotContents { unknown: true, ..Default::default() }), Arc::new(SlotContents { unknown: true, ..Default::default() })];
         }
-        match &pinned {
-            // The pinned program reads the pinned rules until this build's
-            // replaces it: no table is written before then
-            // (`Datapath::take_over`).
-            Some(p) => dp.refresh_config(p, &compiled.rules.tuning)?,
-            None => dp.install(&compiled.rules)?,
+        if pinned.is_none() {
+            dp.install(&compiled.rules)?;
         }
         // The own buckets' cap, before the program first runs (adopted:
         // the same, `max_sources` being part of the tables' size).
@@ -166,7 +166,25 @@ impl Datapath {
         // Fail now, not later, if the object's maps do not match rl-common.
         dp.counters()?;
         dp.sources()?;
+        if let Some(p) = pinned {
+            // The pinned program reads the pinned rules until this build's
+            // replaces it: no rule is written before then
+            // (`Datapath::take_over`). Last: a failure above leaves the
+            // config entry as it was.
+            dp.refresh_config(&p, &compiled.rules.tuning)?;
+            dp.pinned_config = Some(p);
+        }
         Ok(dp)
+    }
+
+    /// Writes `config` back into the config entry (a start that failed
+    /// before its swap leaves the pinned program's as it was).
+    pub(super) fn put_back_config(&mut self, config: DatapathConfig) {
+        let written = map_mut::<Array<&mut MapData, DatapathConfig>>(&mut self.ebpf, rl_common::MAP_CONFIG)
+            .and_then(|mut map| map.set(0, config, 0).map_err(|e| map_error(rl_common::MAP_CONFIG, e)));
+        if let Err(e) = written {
+            warn!("could not put the pinned config entry back after a failed start ({e}): the pinned program runs with this build's settings");
+        }
     }
 
     /// Adopted: this process's settings in the pinned config entry, its

@@ -116,8 +116,9 @@ pub enum DatapathError {
     #[error("test run of program {program} failed: {cause}")]
     TestRun { program: &'static str, cause: String },
     #[error(
-        "writing the rules failed after this build's program took the pinned XDP link over: it enforces the \
-         rule set that was pinned, buckets kept; fix the cause and start rl-control again ({0})"
+        "writing the rules failed after this build's program was attached ({0}): where it took a pinned XDP \
+         link over it enforces the rule set that was pinned, buckets kept, and where it was attached afresh it \
+         was detached again; fix the cause and start rl-control again"
     )]
     AfterSwap(Box<DatapathError>),
 }
@@ -262,10 +263,10 @@ pub struct Datapath {
     /// Whether the maps were adopted from an earlier process.
     adopted: bool,
     /// Adopted with a rule set in force that this process has not written
-    /// over yet: the pinned program goes on enforcing it until this build's
-    /// replaces it, and only then are the rules written (see
-    /// [`Datapath::take_over`]).
-    pinned_rules: bool,
+    /// over yet: the config entry as it was found. The pinned program goes
+    /// on enforcing those rules until this build's replaces it, and only
+    /// then are the rules written (see [`Datapath::take_over`]).
+    pinned_config: Option<DatapathConfig>,
     /// Adopted from a build without cell arrays, or from a daemon stopped
     /// before it moved that build's cells: they are in the sources' tables
     /// (see [`Datapath::move_old_cells`]).
