@@ -98,12 +98,18 @@ fn the_counters_of_rules_that_stay_are_never_hidden_nor_lost() {
     // A failure while the counters of a rule that does not stay go to the
     // totals, after "open" stayed: its counters are handed over too.
     let x = |rate: u32| format!("{a}[[rule]]\nname = \"x\"\nproto = \"udp\"\ndst_ports = [60]\nrate = {rate}\n");
-    let mut dp = datapath(&x(5)).unwrap();
-    install(&mut dp, &x(5)).unwrap();
-    assert_eq!(offer(&dp, &to([192, 0, 2, 1], 53), 5), (5, 0));
-    install(&mut dp, &x(5)).unwrap();
-    dp.fail_next_install_at("retiring");
-    install(&mut dp, &x(6)).expect_err("the injected failure");
+    // x(5) in both slots, `n` packets to `port` counted in the inactive one,
+    // and the next install failing at `step` into it.
+    let failed_into_counts = |port: u16, n: u32, step: &'static str| {
+        let mut dp = datapath(&x(5)).unwrap();
+        install(&mut dp, &x(5)).unwrap();
+        assert_eq!(offer(&dp, &to([192, 0, 2, 1], port), n), (n, 0));
+        install(&mut dp, &x(5)).unwrap();
+        dp.fail_next_install_at(step);
+        install(&mut dp, &x(6)).expect_err("the injected failure");
+        dp
+    };
+    let mut dp = failed_into_counts(53, 5, "retiring");
     assert_eq!(open(&dp), 5, "after a failure while retiring x: open's counts not hidden");
     install(&mut dp, &b).unwrap();
     install(&mut dp, &b).unwrap();
@@ -111,12 +117,7 @@ fn the_counters_of_rules_that_stay_are_never_hidden_nor_lost() {
     // Counters that go to the totals are zeroed before they are added: a
     // failure of the zeroing adds nothing, and the next install that keeps
     // the rule in place finds them where they were, counted once.
-    let mut dp = datapath(&x(5)).unwrap();
-    install(&mut dp, &x(5)).unwrap();
-    assert_eq!(offer(&dp, &to([192, 0, 2, 1], 60), 3), (3, 0));
-    install(&mut dp, &x(5)).unwrap();
-    dp.fail_next_install_at("zeroing");
-    install(&mut dp, &x(6)).expect_err("the injected failure");
+    let mut dp = failed_into_counts(60, 3, "zeroing");
     install(&mut dp, &x(5)).unwrap();
     assert_eq!(dp.rule_stats().unwrap()["x"].passed_pkts, 3, "x's counts after a failed zeroing: counted once");
 }
