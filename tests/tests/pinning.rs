@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use rl_tests::{
     daemon::{run_once, write, Daemon},
     http::get,
-    lab::{BpfFs, Lab, VB},
+    lab::{BpfFs, Lab, VA, VB},
     traffic::{flood, join, paced, Receiver},
 };
 
@@ -359,6 +359,15 @@ fn an_adopted_datapath_swaps_its_program_in_before_it_writes_a_rule() {
             [[rule]]\nname = \"w\"\nproto = \"udp\"\ndst_ports = [53]\nrate = 5\nper = \"1h\"\n";
         compile(&Config::from_str(toml, "<test>").unwrap())
     };
+    // The pinned config entry as an older build could leave it: after the
+    // swap it must stay this build's, whatever fails.
+    let entry = || -> aya::maps::Array<aya::maps::MapData, rl_common::DatapathConfig> {
+        aya::maps::Array::try_from(aya::maps::Map::Array(aya::maps::MapData::from_pin(dir.join(rl_common::MAP_CONFIG)).unwrap())).unwrap()
+    };
+    let mut old = entry().get(&0, 0).unwrap();
+    let ours = old.cell_slots_log2;
+    old.cell_slots_log2 = 0;
+    entry().set(0, old, 0).unwrap();
     let (dp, taken) = take_over(changed(), Some("unnamed"));
     assert!(dp.adopted());
     let err = taken.expect_err("the injected failure");
@@ -367,6 +376,7 @@ fn an_adopted_datapath_swaps_its_program_in_before_it_writes_a_rule() {
     let now = lab.xdp_prog_ids().unwrap();
     assert_eq!(now.len(), 1, "exactly one program on the interface: {now:?}");
     assert_ne!(now, first, "this build's program was swapped in before the first write of a rule");
+    assert_eq!(entry().get(&0, 0).unwrap().cell_slots_log2, ours, "this build's settings stay once its program is in");
     assert_eq!(rl_tests::offer(&dp, &w, 2), (0, 2), "the pinned rule, and its bucket, still in force");
     drop(dp);
 
@@ -385,6 +395,20 @@ fn an_adopted_datapath_swaps_its_program_in_before_it_writes_a_rule() {
     assert!(matches!(taken, Err(DatapathError::AfterSwap(_))), "{:?}", taken.err());
     assert!(!lab.xdp_attached().unwrap(), "a program attached afresh is detached again");
     drop(dp);
+
+    // A pinned link whose interface was deleted and made again under the
+    // same name is defunct (the kernel answers ENOLINK): attached afresh.
+    // Any other failure to swap keeps the pinned link and its program.
+    take_over(changed(), None).1.unwrap();
+    lab.b.ip(&["link", "del", VB]).unwrap();
+    lab.a.ip(&["link", "add", VA, "type", "veth", "peer", "name", VB]).unwrap();
+    lab.a.ip(&["link", "set", VB, "netns", &lab.b.name]).unwrap();
+    lab.b.ip(&["link", "set", VB, "up"]).unwrap();
+    assert!(!lab.xdp_attached().unwrap());
+    let (dp, taken) = take_over(changed(), None);
+    taken.expect("a defunct pinned link is replaced");
+    assert_eq!(lab.xdp_prog_ids().unwrap().len(), 1, "attached afresh");
+    assert_eq!(rl_tests::offer(&dp, &w, 1), (0, 1), "with the buckets kept");
 }
 
 /// An entry that an older build emptied (its mark was `NO_RULE_ID` alone,
@@ -418,9 +442,10 @@ fn an_entry_an_older_build_emptied_is_marked_before_it_is_filled() {
     dp.install(&compiled.rules).unwrap();
     let filled = dp.rule_table_entry(entry).unwrap();
     assert_eq!((filled.id, filled.flags & RULE_UNNAMED), (compiled.rules.entries[1].id, 0), "filled, the mark lifted");
-    // Past the rules: marked now, so that a later change that fills it
-    // (this process knows only the entries it wrote) need not.
-    assert_eq!(dp.rule_table_entry(entry + 1).unwrap(), marked, "the place past the rules, marked at the first install");
+    // Past the rules: marked by the installs into the slot read whole, so
+    // that a later change that fills it (this process knows only the
+    // entries it wrote) need not.
+    assert_eq!(dp.rule_table_entry(entry + 1).unwrap(), marked, "the place past the rules, marked too");
 }
 
 /// Adopting writes this build's settings into the pinned config entry (an
@@ -468,4 +493,48 @@ fn adopting_writes_this_builds_settings_and_a_failed_start_puts_them_back() {
     assert_eq!(entry().get(&0, 0).unwrap(), old, "the config entry put back as it was found");
     assert_eq!(lab.xdp_prog_ids().unwrap(), pinned_program, "the pinned program stays");
     drop(dp);
+}
+
+/// On two interfaces: the first's pinned link is taken over, the second
+/// refuses (another program holds it). The start fails, naming it; the
+/// first keeps this build's program, which reads this build's settings
+/// (the config entry is not put back once a link was taken over), and
+/// the pinned rule stays in force.
+#[test]
+fn a_start_that_fails_on_a_second_interface_after_a_swap_keeps_this_builds_settings() {
+    use rl_control::datapath::{AttachMode, DatapathError};
+    use rl_tests::{frames::*, lab::VB2};
+    let lab = Lab::new().unwrap();
+    lab.second_pair().unwrap();
+    let (compiled, _pins, dir) = pinned_w("", "two");
+    let mut dp = load_pinned(&compiled, &dir);
+    let rules = compiled.rules.clone();
+    drop(lab.b.run(move || dp.take_over(&rules, &[VB.to_string()], AttachMode::Native).map(|_| dp).map_err(Into::into)).unwrap());
+    let pinned_program = lab.xdp_prog_ids().unwrap();
+    // Another program on the second interface, held while the start runs.
+    let mut other = rl_tests::datapath("[default]\nrate = 1\n").unwrap();
+    let other = lab.b.run(move || other.attach_baseline(VB2).map(|()| other).map_err(Into::into)).unwrap();
+    let entry = || -> aya::maps::Array<aya::maps::MapData, rl_common::DatapathConfig> {
+        aya::maps::Array::try_from(aya::maps::Map::Array(aya::maps::MapData::from_pin(dir.join(rl_common::MAP_CONFIG)).unwrap())).unwrap()
+    };
+    let mut old = entry().get(&0, 0).unwrap();
+    let ours = old.cell_slots_log2;
+    old.cell_slots_log2 = 0;
+    entry().set(0, old, 0).unwrap();
+
+    let dp = load_pinned(&compiled, &dir);
+    let rules = compiled.rules.clone();
+    let (dp, taken) = lab.b.run(move || {
+        let mut dp = dp;
+        let taken = dp.take_over(&rules, &[VB.to_string(), VB2.to_string()], AttachMode::Native).map(|_| ());
+        Ok((dp, taken))
+    }).unwrap();
+    assert!(matches!(taken, Err(DatapathError::InterfaceBusy(ref i)) if i == VB2), "{:?}", taken.err());
+    let now = lab.xdp_prog_ids().unwrap();
+    assert_eq!(now.len(), 1);
+    assert_ne!(now, pinned_program, "the first interface's pinned link was taken over");
+    assert_eq!(entry().get(&0, 0).unwrap().cell_slots_log2, ours, "this build's settings, which its program needs, stay");
+    let w = eth(&[], ETH_P_IP, &ipv4([192, 0, 2, 1], UDP, &[], &udp(53)));
+    assert_eq!(rl_tests::offer(&dp, &w, 4), (3, 1), "the pinned rule in force");
+    drop((dp, other));
 }

@@ -313,7 +313,7 @@ impl Signals {
 /// build's program (see [`Datapath::take_over`]: an adopted datapath's
 /// rules are written only after the swap). If attaching fails, nothing
 /// stays attached, and a datapath pinned just now is unpinned (an adopted
-/// one keeps enforcing as it was).
+/// one keeps enforcing its pinned rules: see [`Datapath::take_over`]).
 fn enforce(
     config: &Config,
     ifaces: &[String],

@@ -27,29 +27,27 @@ impl Datapath {
     /// host. All or nothing: if one interface fails, the ones attached by
     /// this call are detached again and the error names the interface.
     pub fn attach_all(&mut self, ifaces: &[String], mode: AttachMode) -> Result<Vec<Attachment>, DatapathError> {
-        let made = self.attach_made(ifaces, mode).map_err(|(e, _)| e)?;
+        let made = self.attach_made(ifaces, mode)?;
         Ok(made.into_iter().map(|(a, _)| a).collect())
     }
 
     /// [`Datapath::attach_all`], each attachment with how to undo it
-    /// (`None`: a pinned link taken over). On failure, also whether a
-    /// pinned link was taken over before it (that one stays).
-    fn attach_made(&mut self, ifaces: &[String], mode: AttachMode) -> Result<Vec<Made>, (DatapathError, bool)> {
+    /// (`None`: a pinned link taken over, which stays).
+    fn attach_made(&mut self, ifaces: &[String], mode: AttachMode) -> Result<Vec<Made>, DatapathError> {
         for iface in ifaces {
-            interface_index(iface).map_err(|e| (e, false))?;
+            interface_index(iface)?;
         }
         let mut made: Vec<Made> = Vec::new();
         for iface in ifaces {
             match self.attach_one(iface, mode) {
                 Ok(one) => made.push(one),
                 Err(e) => {
-                    let swapped = made.iter().any(|(_, fresh)| fresh.is_none());
                     for (a, fresh) in made.into_iter().rev() {
                         if let Some(fresh) = fresh {
                             self.undo(&a, fresh);
                         }
                     }
-                    return Err((e, swapped));
+                    return Err(e);
                 }
             }
         }
@@ -79,12 +77,13 @@ impl Datapath {
             self.install(rules)?;
             return self.attach_all(ifaces, mode);
         };
-        let moved = super::install::fits(rules).and_then(|()| self.move_cells_before_swap());
-        let made = moved.map_err(|e| (e, false)).and_then(|()| self.attach_made(ifaces, mode));
+        // (Again, if an earlier call failed and put the entry back.)
+        let ready = self.refresh_config(&pinned, &rules.tuning).and_then(|()| super::install::fits(rules));
+        let made = ready.and_then(|()| self.move_cells_before_swap()).and_then(|()| self.attach_made(ifaces, mode));
         let made = match made {
             Ok(made) => made,
-            Err((e, swapped)) => {
-                if !swapped {
+            Err(e) => {
+                if !self.took_over {
                     self.put_back_config(pinned);
                 }
                 return Err(e);
@@ -207,22 +206,29 @@ impl Datapath {
     /// pin, left by an interface that was deleted, is removed).
     fn adopt_link(&mut self, dir: &std::path::Path, iface: &str, prog: &'static str) -> Result<Option<Attachment>, DatapathError> {
         let Some((pinned, mode, path)) = pin::pinned_link(dir, iface) else { return Ok(None) };
+        let mode = if mode == "skb" { AttachMode::Skb } else { AttachMode::Native };
         let fd: FdLink = pinned.into();
-        let swapped = XdpLink::try_from(fd)
-            .map_err(|e| chain(&e))
-            .and_then(|link| self.xdp(prog).map_err(|e| e.to_string())?.attach_to_link(link).map_err(|e| chain(&e)));
-        let id = match swapped {
+        let failed = |cause: String| DatapathError::Attach {
+            iface: iface.into(),
+            mode,
+            cause: format!("replacing the program of the XDP link pinned at {} failed ({cause}); it keeps its program", path.display()),
+        };
+        let link = XdpLink::try_from(fd).map_err(|e| failed(chain(&e)))?;
+        let id = match self.xdp(prog)?.attach_to_link(link) {
             Ok(id) => id,
-            Err(e) => {
-                warn!(iface, "the pinned XDP link is defunct ({e}); attaching afresh");
-                let _ = std::fs::remove_file(path);
+            // The link's interface is gone (deleted, perhaps made again
+            // under the same name): its pin is all that is left of it.
+            Err(e) if errno(&e) == Some(libc::ENOLINK) => {
+                warn!(iface, "the pinned XDP link is defunct ({}); attaching afresh", chain(&e));
+                let _ = std::fs::remove_file(&path);
                 return Ok(None);
             }
+            Err(e) => return Err(failed(chain(&e))),
         };
+        self.took_over = true;
         let link = self.xdp(prog)?.take_link(id).map_err(|e| DatapathError::Load(chain(&e)))?;
         self.links.push(FdLink::try_from(link).map_err(|e| DatapathError::Load(chain(&e)))?);
         tracing::info!(iface, "swapped this build's program into the pinned XDP link");
-        let mode = if mode == "skb" { AttachMode::Skb } else { AttachMode::Native };
         Ok(Some(Attachment { iface: iface.to_string(), mode }))
     }
 

@@ -125,6 +125,7 @@ impl Datapath {
             pins: opts.pin.clone(),
             adopted,
             pinned_config: None,
+            took_over: false,
             cells_from_tables,
             old_arrays,
             links: Vec::new(),
@@ -192,7 +193,7 @@ impl Datapath {
     /// that clock), before this build's program first reads it. An older
     /// build's entry may lack fields (the cell arrays' size was carved from
     /// its `enabled`) or count its flood cap over another window.
-    fn refresh_config(&mut self, pinned: &DatapathConfig, tuning: &crate::compile::Tuning) -> Result<(), DatapathError> {
+    pub(super) fn refresh_config(&mut self, pinned: &DatapathConfig, tuning: &crate::compile::Tuning) -> Result<(), DatapathError> {
         let config = DatapathConfig { clock: pinned.clock, ..self.basis().config(tuning, pinned.slot_flags) };
         let mut map: Array<&mut MapData, DatapathConfig> = map_mut(&mut self.ebpf, rl_common::MAP_CONFIG)?;
         map.set(0, config, 0).map_err(|e| map_error(rl_common::MAP_CONFIG, e))

@@ -267,6 +267,8 @@ pub struct Datapath {
     /// on enforcing those rules until this build's replaces it, and only
     /// then are the rules written (see [`Datapath::take_over`]).
     pinned_config: Option<DatapathConfig>,
+    /// This process has swapped its program into a pinned link.
+    took_over: bool,
     /// Adopted from a build without cell arrays, or from a daemon stopped
     /// before it moved that build's cells: they are in the sources' tables
     /// (see [`Datapath::move_old_cells`]).
