@@ -237,6 +237,22 @@ fn pinned_w(algorithm: &str, name: &str) -> (rl_control::compile::Compiled, BpfF
     (compiled, pins, dir)
 }
 
+/// The config entry pinned in `dir`.
+fn config_entry(dir: &std::path::Path) -> aya::maps::Array<aya::maps::MapData, rl_common::DatapathConfig> {
+    use aya::maps::{Array, Map, MapData};
+    Array::try_from(Map::Array(MapData::from_pin(dir.join(rl_common::MAP_CONFIG)).unwrap())).unwrap()
+}
+
+/// Zeroes the cell arrays' size in the config entry pinned in `dir`, as a
+/// build older than that field leaves it; returns this build's.
+fn as_an_older_build_left_it(dir: &std::path::Path) -> u16 {
+    let mut c = config_entry(dir).get(&0, 0).unwrap();
+    let ours = c.cell_slots_log2;
+    c.cell_slots_log2 = 0;
+    config_entry(dir).set(0, c, 0).unwrap();
+    ours
+}
+
 /// Loads the datapath pinned in `dir`, or adopts it.
 fn load_pinned(compiled: &rl_control::compile::Compiled, dir: &std::path::Path) -> rl_control::datapath::Datapath {
     use rl_control::datapath::{Datapath, LoadOptions};
@@ -361,13 +377,7 @@ fn an_adopted_datapath_swaps_its_program_in_before_it_writes_a_rule() {
     };
     // The pinned config entry as an older build could leave it: after the
     // swap it must stay this build's, whatever fails.
-    let entry = || -> aya::maps::Array<aya::maps::MapData, rl_common::DatapathConfig> {
-        aya::maps::Array::try_from(aya::maps::Map::Array(aya::maps::MapData::from_pin(dir.join(rl_common::MAP_CONFIG)).unwrap())).unwrap()
-    };
-    let mut old = entry().get(&0, 0).unwrap();
-    let ours = old.cell_slots_log2;
-    old.cell_slots_log2 = 0;
-    entry().set(0, old, 0).unwrap();
+    let ours = as_an_older_build_left_it(&dir);
     let (dp, taken) = take_over(changed(), Some("unnamed"));
     assert!(dp.adopted());
     let err = taken.expect_err("the injected failure");
@@ -376,7 +386,7 @@ fn an_adopted_datapath_swaps_its_program_in_before_it_writes_a_rule() {
     let now = lab.xdp_prog_ids().unwrap();
     assert_eq!(now.len(), 1, "exactly one program on the interface: {now:?}");
     assert_ne!(now, first, "this build's program was swapped in before the first write of a rule");
-    assert_eq!(entry().get(&0, 0).unwrap().cell_slots_log2, ours, "this build's settings stay once its program is in");
+    assert_eq!(config_entry(&dir).get(&0, 0).unwrap().cell_slots_log2, ours, "this build's settings stay once its program is in");
     assert_eq!(rl_tests::offer(&dp, &w, 2), (0, 2), "the pinned rule, and its bucket, still in force");
     drop(dp);
 
@@ -456,18 +466,14 @@ fn an_entry_an_older_build_emptied_is_marked_before_it_is_filled() {
 /// back as it was found and leaves the pinned program in place.
 #[test]
 fn adopting_writes_this_builds_settings_and_a_failed_start_puts_them_back() {
-    use aya::maps::{Array, Map, MapData};
     use rl_control::datapath::AttachMode;
-    use rl_common::DatapathConfig;
     let lab = Lab::new().unwrap();
     let (compiled, _pins, dir) = pinned_w("", VB);
     let mut dp = load_pinned(&compiled, &dir);
     let rules = compiled.rules.clone();
     drop(lab.b.run(move || dp.take_over(&rules, &[VB.to_string()], AttachMode::Native).map(|_| dp).map_err(Into::into)).unwrap());
     let pinned_program = lab.xdp_prog_ids().unwrap();
-    let entry = || -> Array<MapData, DatapathConfig> {
-        Array::try_from(Map::Array(MapData::from_pin(dir.join(rl_common::MAP_CONFIG)).unwrap())).unwrap()
-    };
+    let entry = || config_entry(&dir);
     // As an older build could have left it.
     let mut old = entry().get(&0, 0).unwrap();
     (old.cell_slots_log2, old.flood_cap, old.clock.tick_ns) = (0, 7, old.clock.tick_ns + 1);
@@ -514,13 +520,7 @@ fn a_start_that_fails_on_a_second_interface_after_a_swap_keeps_this_builds_setti
     // Another program on the second interface, held while the start runs.
     let mut other = rl_tests::datapath("[default]\nrate = 1\n").unwrap();
     let other = lab.b.run(move || other.attach_baseline(VB2).map(|()| other).map_err(Into::into)).unwrap();
-    let entry = || -> aya::maps::Array<aya::maps::MapData, rl_common::DatapathConfig> {
-        aya::maps::Array::try_from(aya::maps::Map::Array(aya::maps::MapData::from_pin(dir.join(rl_common::MAP_CONFIG)).unwrap())).unwrap()
-    };
-    let mut old = entry().get(&0, 0).unwrap();
-    let ours = old.cell_slots_log2;
-    old.cell_slots_log2 = 0;
-    entry().set(0, old, 0).unwrap();
+    let ours = as_an_older_build_left_it(&dir);
 
     let dp = load_pinned(&compiled, &dir);
     let rules = compiled.rules.clone();
@@ -533,7 +533,7 @@ fn a_start_that_fails_on_a_second_interface_after_a_swap_keeps_this_builds_setti
     let now = lab.xdp_prog_ids().unwrap();
     assert_eq!(now.len(), 1);
     assert_ne!(now, pinned_program, "the first interface's pinned link was taken over");
-    assert_eq!(entry().get(&0, 0).unwrap().cell_slots_log2, ours, "this build's settings, which its program needs, stay");
+    assert_eq!(config_entry(&dir).get(&0, 0).unwrap().cell_slots_log2, ours, "this build's settings, which its program needs, stay");
     let w = eth(&[], ETH_P_IP, &ipv4([192, 0, 2, 1], UDP, &[], &udp(53)));
     assert_eq!(rl_tests::offer(&dp, &w, 4), (3, 1), "the pinned rule in force");
     drop((dp, other));
