@@ -312,8 +312,10 @@ impl Signals {
 /// datapath pinned in `pins` and takes the interfaces over with this
 /// build's program (see [`Datapath::take_over`]: an adopted datapath's
 /// rules are written only after the swap). If attaching fails, nothing
-/// stays attached, and a datapath pinned just now is unpinned (an adopted
-/// one keeps enforcing its pinned rules: see [`Datapath::take_over`]).
+/// attached afresh stays attached, and a datapath pinned just now is
+/// unpinned; an adopted one keeps enforcing its pinned rules, under this
+/// build's program where a pinned link was taken over (see
+/// [`Datapath::take_over`]).
 fn enforce(
     config: &Config,
     ifaces: &[String],

@@ -211,7 +211,11 @@ impl Datapath {
         let failed = |cause: String| DatapathError::Attach {
             iface: iface.into(),
             mode,
-            cause: format!("replacing the program of the XDP link pinned at {} failed ({cause}); it keeps its program", path.display()),
+            cause: format!(
+                "replacing the program of the XDP link pinned at {} failed ({cause}); it keeps its program: \
+                 `rl-control detach --iface {iface}` removes it, and the buckets with it",
+                path.display()
+            ),
         };
         let link = XdpLink::try_from(fd).map_err(|e| failed(chain(&e)))?;
         let id = match self.xdp(prog)?.attach_to_link(link) {
