@@ -538,3 +538,35 @@ fn a_start_that_fails_on_a_second_interface_after_a_swap_keeps_this_builds_setti
     assert_eq!(rl_tests::offer(&dp, &w, 4), (3, 1), "the pinned rule in force");
     drop((dp, other));
 }
+
+/// Once an adopting daemon's rules are in force, a failure writing them
+/// into the second table only warns: the start succeeds, and the next
+/// change writes that table whole.
+#[test]
+fn a_take_over_whose_second_table_fails_still_puts_the_rules_in_force() {
+    use rl_control::{compile::compile, config::Config, datapath::AttachMode};
+    use rl_tests::frames::*;
+    let lab = Lab::new().unwrap();
+    let (compiled, _pins, dir) = pinned_w("", VB);
+    let w_at = |rate: u32| {
+        let toml = format!("[datapath]\nmax_sources = 1024\n[default]\nrate = 1000\n[[rule]]\nname = \"w\"\nproto = \"udp\"\ndst_ports = [53]\nrate = {rate}\nper = \"1h\"\n");
+        compile(&Config::from_str(&toml, "<test>").unwrap())
+    };
+    let take_over = move |c: rl_control::compile::Compiled, dp: rl_control::datapath::Datapath| {
+        lab.b.run(move || {
+            let mut dp = dp;
+            dp.take_over(&c.rules, &[VB.to_string()], AttachMode::Native)?;
+            Ok(dp)
+        })
+    };
+    drop(take_over(compiled.clone(), load_pinned(&compiled, &dir)).unwrap());
+    let five = w_at(5);
+    let mut dp = load_pinned(&five, &dir);
+    // Each install passes "unnamed" once: the second one fails there.
+    dp.fail_install_at("unnamed", 1);
+    let mut dp = take_over(five, dp).expect("the start succeeds");
+    let w = eth(&[], ETH_P_IP, &ipv4([192, 0, 2, 1], UDP, &[], &udp(53)));
+    assert_eq!(rl_tests::offer(&dp, &w, 6), (5, 1), "the new rule in force");
+    dp.install(&w_at(7).rules).unwrap();
+    assert_eq!(rl_tests::offer(&dp, &w, 8), (7, 1), "the next change, into the table whose write failed, in force");
+}

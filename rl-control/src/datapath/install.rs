@@ -263,13 +263,20 @@ impl Datapath {
     /// Tests only: makes the next install fail after `step` ("unnamed":
     /// the marking of changed rule entries, "found": the retiring of an
     /// unknown slot's counters, "retiring": before the first counters of a
-    /// rule that does not stay go to the totals, "rewritten": the changed
-    /// entries' new
-    /// contents under the mark, "rules", "l4", "lpm", "decide"), as a
-    /// failed map write there would.
+    /// rule that does not stay go to the totals, "zeroing": between reading
+    /// a rule's counters and zeroing them, "rewritten": the changed
+    /// entries' new contents under the mark, "rules", "l4", "lpm",
+    /// "decide"), as a failed map write there would.
     #[doc(hidden)]
     pub fn fail_next_install_at(&mut self, step: &'static str) {
-        self.failpoint = Some(step);
+        self.fail_install_at(step, 0);
+    }
+
+    /// Tests only: [`Datapath::fail_next_install_at`], passing `step`
+    /// `skip` times first.
+    #[doc(hidden)]
+    pub fn fail_install_at(&mut self, step: &'static str, skip: u32) {
+        self.failpoint = Some((step, skip));
     }
 
     /// The rule entries `slot` holds, read from the map in one batch: for
@@ -279,9 +286,13 @@ impl Datapath {
     }
 
     pub(super) fn failpoint(&mut self, step: &'static str) -> Result<(), DatapathError> {
-        if self.failpoint == Some(step) {
-            self.failpoint = None;
-            return Err(DatapathError::Map { map: "failpoint", cause: format!("injected failure after step {step}") });
+        match &mut self.failpoint {
+            Some((at, 0)) if *at == step => {
+                self.failpoint = None;
+                return Err(DatapathError::Map { map: "failpoint", cause: format!("injected failure after step {step}") });
+            }
+            Some((at, skip)) if *at == step => *skip -= 1,
+            _ => {}
         }
         Ok(())
     }

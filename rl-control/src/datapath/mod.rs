@@ -280,9 +280,9 @@ pub struct Datapath {
     links: Vec<FdLink>,
     /// The lock on the pin directory (one daemon per pinned datapath).
     _held: Option<std::os::fd::OwnedFd>,
-    /// Tests only: the install step that fails next (see
-    /// [`Datapath::fail_next_install_at`]).
-    failpoint: Option<&'static str>,
+    /// Tests only: the install step that fails next, after passing it
+    /// this many times (see [`Datapath::fail_install_at`]).
+    failpoint: Option<(&'static str, u32)>,
 }
 
 /// A slot's tables as last written. `unknown`: what the slot holds is not
