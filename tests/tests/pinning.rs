@@ -570,3 +570,34 @@ fn a_take_over_whose_second_table_fails_still_puts_the_rules_in_force() {
     dp.install(&w_at(7).rules).unwrap();
     assert_eq!(rl_tests::offer(&dp, &w, 8), (7, 1), "the next change, into the table whose write failed, in force");
 }
+
+/// A pinned link whose interface was moved to another network namespace,
+/// another interface taking its name here, is refused, naming the pin:
+/// swapping it would leave the interface here without a program while
+/// reporting one. The moved interface keeps its program.
+#[test]
+fn a_pinned_link_on_an_interface_moved_away_is_refused() {
+    use rl_control::datapath::{AttachMode, DatapathError};
+    let lab = Lab::new().unwrap();
+    let away = rl_tests::lab::Netns::new(format!("rl-lab{}-c", lab.id)).unwrap();
+    let (compiled, _pins, dir) = pinned_w("", VB);
+    let take_over = |dp: rl_control::datapath::Datapath| {
+        let rules = compiled.rules.clone();
+        lab.b.run(move || {
+            let mut dp = dp;
+            let taken = dp.take_over(&rules, &[VB.to_string()], AttachMode::Native).map(|_| ());
+            Ok((dp, taken))
+        }).unwrap()
+    };
+    take_over(load_pinned(&compiled, &dir)).1.unwrap();
+    lab.b.ip(&["link", "set", VB, "netns", &away.name]).unwrap();
+    lab.b.ip(&["link", "add", VB, "type", "veth", "peer", "name", "vbx"]).unwrap();
+    lab.b.ip(&["link", "set", VB, "up"]).unwrap();
+    let (dp, taken) = take_over(load_pinned(&compiled, &dir));
+    let err = taken.expect_err("a link on another interface");
+    assert!(matches!(err, DatapathError::Attach { .. }), "{err}");
+    assert!(err.to_string().contains("moved to another network namespace") && err.to_string().contains("rl-control detach"), "{err}");
+    assert!(!lab.xdp_attached().unwrap(), "the interface here gets no program it would not have");
+    assert!(away.ip(&["-d", "link", "show", VB]).unwrap().contains("prog/xdp"), "the moved interface keeps its program");
+    drop(dp);
+}

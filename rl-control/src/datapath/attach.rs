@@ -217,6 +217,21 @@ impl Datapath {
                 path.display()
             ),
         };
+        // A link on another device: `iface` here is not the interface it
+        // was made for (that one was moved to another network namespace,
+        // or renamed, and this is another): swapping would leave `iface`
+        // without a program while saying it has one.
+        let here = interface_index(iface)?;
+        match pin::pinned_link_ifindex(&path) {
+            Ok(on) if on != 0 && on != here => {
+                return Err(failed(format!(
+                    "the link is on the interface of index {on}, and `{iface}` here is index {here}: its interface was \
+                     moved to another network namespace or renamed"
+                )))
+            }
+            Ok(_) => {}
+            Err(e) => warn!(iface, "could not read which interface the pinned XDP link is on ({e}); swapping all the same"),
+        }
         let link = XdpLink::try_from(fd).map_err(|e| failed(chain(&e)))?;
         let id = match self.xdp(prog)?.attach_to_link(link) {
             Ok(id) => id,
