@@ -224,10 +224,17 @@ impl Datapath {
         let here = interface_index(iface)?;
         match pin::pinned_link_ifindex(&path) {
             Ok(on) if on != 0 && on != here => {
-                return Err(failed(format!(
-                    "the link is on the interface of index {on}, and `{iface}` here is index {here}: its interface was \
-                     moved to another network namespace or renamed"
-                )))
+                return Err(DatapathError::Attach {
+                    iface: iface.into(),
+                    mode,
+                    cause: format!(
+                        "the XDP link pinned at {} is on the interface of index {on}, and `{iface}` here is index \
+                         {here}: its interface was moved to another network namespace or renamed; move it back, or \
+                         `rl-control detach --iface {iface}` removes the pins (the program goes off the moved \
+                         interface, and the buckets with it)",
+                        path.display()
+                    ),
+                })
             }
             Ok(_) => {}
             Err(e) => warn!(iface, "could not read which interface the pinned XDP link is on ({e}); swapping all the same"),

@@ -236,36 +236,19 @@ pub(super) fn pinned_link(dir: &Path, iface: &str) -> Option<(PinnedLink, &'stat
 /// The index of the interface that the XDP link pinned at `path` is
 /// attached to; 0 if none (the link is defunct).
 pub(super) fn pinned_link_ifindex(path: &Path) -> std::io::Result<u32> {
-    use std::os::{fd::{AsRawFd, FromRawFd, OwnedFd}, unix::ffi::OsStrExt};
-    const BPF_OBJ_GET: libc::c_long = 7;
+    use std::os::fd::AsRawFd;
     const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
-    #[repr(C)]
-    struct ObjGet {
-        pathname: u64,
-        bpf_fd: u32,
-        file_flags: u32,
-        path_fd: i32,
-        _pad: u32,
-    }
-    #[repr(C)]
-    struct GetInfo {
-        bpf_fd: u32,
-        info_len: u32,
-        info: u64,
-    }
-    let bpf = |cmd: libc::c_long, attr: *const u8, size: usize| {
-        let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr, size as u32) };
-        if rc < 0 { Err(std::io::Error::last_os_error()) } else { Ok(rc) }
-    };
-    let name = std::ffi::CString::new(path.as_os_str().as_bytes())?;
-    let get = ObjGet { pathname: name.as_ptr() as u64, bpf_fd: 0, file_flags: 0, path_fd: 0, _pad: 0 };
-    let fd = bpf(BPF_OBJ_GET, (&raw const get).cast(), std::mem::size_of::<ObjGet>())?;
-    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let fd = obj_get(path)?;
     // `struct bpf_link_info`: type, id, prog_id, then (8-aligned) the
     // XDP link's ifindex.
     let mut info = [0u32; 32];
-    let get = GetInfo { bpf_fd: fd.as_raw_fd() as u32, info_len: std::mem::size_of_val(&info) as u32, info: info.as_mut_ptr() as u64 };
-    bpf(BPF_OBJ_GET_INFO_BY_FD, (&raw const get).cast(), std::mem::size_of::<GetInfo>())?;
+    let mut attr = [0u64; 16];
+    attr[0] = fd.as_raw_fd() as u32 as u64 | (std::mem::size_of_val(&info) as u64) << 32;
+    attr[1] = info.as_mut_ptr() as u64;
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_GET_INFO_BY_FD, attr.as_mut_ptr(), std::mem::size_of_val(&attr)) };
+    if rc < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
     Ok(info[4])
 }
 
