@@ -237,6 +237,24 @@ fn pinned_w(algorithm: &str, name: &str) -> (rl_control::compile::Compiled, BpfF
     (compiled, pins, dir)
 }
 
+/// Takes `ifaces` over with `dp` and `rules` (as the daemon starts),
+/// inside the lab's protected namespace; returns the datapath and what
+/// the take-over said.
+fn take_over_in(
+    lab: &Lab,
+    mut dp: rl_control::datapath::Datapath,
+    rules: &rl_control::compile::RuleSet,
+    ifaces: &[&str],
+) -> (rl_control::datapath::Datapath, Result<(), rl_control::datapath::DatapathError>) {
+    let (rules, ifaces): (_, Vec<String>) = (rules.clone(), ifaces.iter().map(|i| i.to_string()).collect());
+    lab.b
+        .run(move || {
+            let taken = dp.take_over(&rules, &ifaces, rl_control::datapath::AttachMode::Native).map(|_| ());
+            Ok((dp, taken))
+        })
+        .unwrap()
+}
+
 /// The config entry pinned in `dir`.
 fn config_entry(dir: &std::path::Path) -> aya::maps::Array<aya::maps::MapData, rl_common::DatapathConfig> {
     use aya::maps::{Array, Map, MapData};
@@ -346,7 +364,7 @@ fn an_adopted_datapath_keeps_its_rules_counts() {
 /// find the pinned program. The next start puts the new rules in force.
 #[test]
 fn an_adopted_datapath_swaps_its_program_in_before_it_writes_a_rule() {
-    use rl_control::{compile::{compile, Compiled}, config::Config, datapath::{AttachMode, Datapath, DatapathError}};
+    use rl_control::{compile::{compile, Compiled}, config::Config, datapath::{Datapath, DatapathError}};
     use rl_tests::frames::*;
     let lab = Lab::new().unwrap();
     let (compiled, _pins, dir) = pinned_w("", VB);
@@ -357,10 +375,7 @@ fn an_adopted_datapath_swaps_its_program_in_before_it_writes_a_rule() {
         if let Some(step) = fail {
             dp.fail_next_install_at(step);
         }
-        lab.b.run(move || {
-            let taken = dp.take_over(&c.rules, &[VB.to_string()], AttachMode::Native).map(|_| ());
-            Ok((dp, taken))
-        }).unwrap()
+        take_over_in(&lab, dp, &c.rules, &[VB])
     };
     let w = eth(&[], ETH_P_IP, &ipv4([192, 0, 2, 1], UDP, &[], &udp(53)));
     let (dp, taken) = take_over(compiled, None);
@@ -466,12 +481,9 @@ fn an_entry_an_older_build_emptied_is_marked_before_it_is_filled() {
 /// back as it was found and leaves the pinned program in place.
 #[test]
 fn adopting_writes_this_builds_settings_and_a_failed_start_puts_them_back() {
-    use rl_control::datapath::AttachMode;
     let lab = Lab::new().unwrap();
     let (compiled, _pins, dir) = pinned_w("", VB);
-    let mut dp = load_pinned(&compiled, &dir);
-    let rules = compiled.rules.clone();
-    drop(lab.b.run(move || dp.take_over(&rules, &[VB.to_string()], AttachMode::Native).map(|_| dp).map_err(Into::into)).unwrap());
+    take_over_in(&lab, load_pinned(&compiled, &dir), &compiled.rules, &[VB]).1.unwrap();
     let pinned_program = lab.xdp_prog_ids().unwrap();
     let entry = || config_entry(&dir);
     // As an older build could have left it.
@@ -489,11 +501,7 @@ fn adopting_writes_this_builds_settings_and_a_failed_start_puts_them_back() {
 
     let mut too_large = compiled.rules.clone();
     too_large.decide = (0..=rl_common::DECIDE_SLOT_LEN).map(|i| ((1 + (i >> 16) as u16, i as u16), 0)).collect();
-    let (dp, taken) = lab.b.run(move || {
-        let mut dp = dp;
-        let taken = dp.take_over(&too_large, &[VB.to_string()], AttachMode::Native).map(|_| ());
-        Ok((dp, taken))
-    }).unwrap();
+    let (dp, taken) = take_over_in(&lab, dp, &too_large, &[VB]);
     let err = taken.expect_err("a rule set too large");
     assert!(err.to_string().contains("rule decision entries, more than the"), "{err}");
     assert_eq!(entry().get(&0, 0).unwrap(), old, "the config entry put back as it was found");
@@ -508,27 +516,19 @@ fn adopting_writes_this_builds_settings_and_a_failed_start_puts_them_back() {
 /// the pinned rule stays in force.
 #[test]
 fn a_start_that_fails_on_a_second_interface_after_a_swap_keeps_this_builds_settings() {
-    use rl_control::datapath::{AttachMode, DatapathError};
+    use rl_control::datapath::DatapathError;
     use rl_tests::{frames::*, lab::VB2};
     let lab = Lab::new().unwrap();
     lab.second_pair().unwrap();
     let (compiled, _pins, dir) = pinned_w("", "two");
-    let mut dp = load_pinned(&compiled, &dir);
-    let rules = compiled.rules.clone();
-    drop(lab.b.run(move || dp.take_over(&rules, &[VB.to_string()], AttachMode::Native).map(|_| dp).map_err(Into::into)).unwrap());
+    take_over_in(&lab, load_pinned(&compiled, &dir), &compiled.rules, &[VB]).1.unwrap();
     let pinned_program = lab.xdp_prog_ids().unwrap();
     // Another program on the second interface, held while the start runs.
     let mut other = rl_tests::datapath("[default]\nrate = 1\n").unwrap();
     let other = lab.b.run(move || other.attach_baseline(VB2).map(|()| other).map_err(Into::into)).unwrap();
     let ours = as_an_older_build_left_it(&dir);
 
-    let dp = load_pinned(&compiled, &dir);
-    let rules = compiled.rules.clone();
-    let (dp, taken) = lab.b.run(move || {
-        let mut dp = dp;
-        let taken = dp.take_over(&rules, &[VB.to_string(), VB2.to_string()], AttachMode::Native).map(|_| ());
-        Ok((dp, taken))
-    }).unwrap();
+    let (dp, taken) = take_over_in(&lab, load_pinned(&compiled, &dir), &compiled.rules, &[VB, VB2]);
     assert!(matches!(taken, Err(DatapathError::InterfaceBusy(ref i)) if i == VB2), "{:?}", taken.err());
     let now = lab.xdp_prog_ids().unwrap();
     assert_eq!(now.len(), 1);
@@ -544,7 +544,7 @@ fn a_start_that_fails_on_a_second_interface_after_a_swap_keeps_this_builds_setti
 /// change writes that table whole.
 #[test]
 fn a_take_over_whose_second_table_fails_still_puts_the_rules_in_force() {
-    use rl_control::{compile::compile, config::Config, datapath::AttachMode};
+    use rl_control::{compile::compile, config::Config};
     use rl_tests::frames::*;
     let lab = Lab::new().unwrap();
     let (compiled, _pins, dir) = pinned_w("", VB);
@@ -552,19 +552,13 @@ fn a_take_over_whose_second_table_fails_still_puts_the_rules_in_force() {
         let toml = format!("[datapath]\nmax_sources = 1024\n[default]\nrate = 1000\n[[rule]]\nname = \"w\"\nproto = \"udp\"\ndst_ports = [53]\nrate = {rate}\nper = \"1h\"\n");
         compile(&Config::from_str(&toml, "<test>").unwrap())
     };
-    let take_over = move |c: rl_control::compile::Compiled, dp: rl_control::datapath::Datapath| {
-        lab.b.run(move || {
-            let mut dp = dp;
-            dp.take_over(&c.rules, &[VB.to_string()], AttachMode::Native)?;
-            Ok(dp)
-        })
-    };
-    drop(take_over(compiled.clone(), load_pinned(&compiled, &dir)).unwrap());
+    take_over_in(&lab, load_pinned(&compiled, &dir), &compiled.rules, &[VB]).1.unwrap();
     let five = w_at(5);
     let mut dp = load_pinned(&five, &dir);
     // Each install passes "unnamed" once: the second one fails there.
     dp.fail_install_at("unnamed", 1);
-    let mut dp = take_over(five, dp).expect("the start succeeds");
+    let (mut dp, taken) = take_over_in(&lab, dp, &five.rules, &[VB]);
+    taken.expect("the start succeeds");
     let w = eth(&[], ETH_P_IP, &ipv4([192, 0, 2, 1], UDP, &[], &udp(53)));
     assert_eq!(rl_tests::offer(&dp, &w, 6), (5, 1), "the new rule in force");
     dp.install(&w_at(7).rules).unwrap();
@@ -577,18 +571,11 @@ fn a_take_over_whose_second_table_fails_still_puts_the_rules_in_force() {
 /// reporting one. The moved interface keeps its program.
 #[test]
 fn a_pinned_link_on_an_interface_moved_away_is_refused() {
-    use rl_control::datapath::{AttachMode, DatapathError};
+    use rl_control::datapath::DatapathError;
     let lab = Lab::new().unwrap();
     let away = rl_tests::lab::Netns::new(format!("rl-lab{}-c", lab.id)).unwrap();
     let (compiled, _pins, dir) = pinned_w("", VB);
-    let take_over = |dp: rl_control::datapath::Datapath| {
-        let rules = compiled.rules.clone();
-        lab.b.run(move || {
-            let mut dp = dp;
-            let taken = dp.take_over(&rules, &[VB.to_string()], AttachMode::Native).map(|_| ());
-            Ok((dp, taken))
-        }).unwrap()
-    };
+    let take_over = |dp| take_over_in(&lab, dp, &compiled.rules, &[VB]);
     take_over(load_pinned(&compiled, &dir)).1.unwrap();
     lab.b.ip(&["link", "set", VB, "netns", &away.name]).unwrap();
     lab.b.ip(&["link", "add", VB, "type", "veth", "peer", "name", "vbx"]).unwrap();
