@@ -42,11 +42,7 @@ impl Datapath {
             match self.attach_one(iface, mode) {
                 Ok(one) => made.push(one),
                 Err(e) => {
-                    for (a, fresh) in made.into_iter().rev() {
-                        if let Some(fresh) = fresh {
-                            self.undo(&a, fresh);
-                        }
-                    }
+                    self.undo_fresh(made);
                     return Err(e);
                 }
             }
@@ -97,11 +93,7 @@ impl Datapath {
             self.install(rules)
         });
         if let Err(e) = first {
-            for (a, fresh) in made.into_iter().rev() {
-                if let Some(fresh) = fresh {
-                    self.undo(&a, fresh);
-                }
-            }
+            self.undo_fresh(made);
             return Err(DatapathError::AfterSwap(Box::new(e)));
         }
         if let Err(e) = self.install(rules) {
@@ -177,6 +169,16 @@ impl Datapath {
     }
 
     /// Detaches a fresh attachment again (a later interface failed).
+    /// Detaches what `made` attached afresh, last first (pinned links taken
+    /// over stay).
+    fn undo_fresh(&mut self, made: Vec<Made>) {
+        for (a, fresh) in made.into_iter().rev() {
+            if let Some(fresh) = fresh {
+                self.undo(&a, fresh);
+            }
+        }
+    }
+
     fn undo(&mut self, a: &Attachment, fresh: Fresh) {
         self.attachments.retain(|x| x != a);
         match fresh {
@@ -208,14 +210,13 @@ impl Datapath {
         let Some((pinned, mode, path)) = pin::pinned_link(dir, iface) else { return Ok(None) };
         let mode = if mode == "skb" { AttachMode::Skb } else { AttachMode::Native };
         let fd: FdLink = pinned.into();
-        let failed = |cause: String| DatapathError::Attach {
-            iface: iface.into(),
-            mode,
-            cause: format!(
+        let refused = |cause: String| DatapathError::Attach { iface: iface.into(), mode, cause };
+        let failed = |cause: String| {
+            refused(format!(
                 "replacing the program of the XDP link pinned at {} failed ({cause}); it keeps its program: \
                  `rl-control detach --iface {iface}` removes it, and the buckets with it",
                 path.display()
-            ),
+            ))
         };
         // A link on another device: `iface` here is not the interface it
         // was made for (that one was moved to another network namespace,
@@ -224,17 +225,13 @@ impl Datapath {
         let here = interface_index(iface)?;
         match pin::pinned_link_ifindex(&path) {
             Ok(on) if on != 0 && on != here => {
-                return Err(DatapathError::Attach {
-                    iface: iface.into(),
-                    mode,
-                    cause: format!(
-                        "the XDP link pinned at {} is on the interface of index {on}, and `{iface}` here is index \
-                         {here}: its interface was moved to another network namespace or renamed; move it back, or \
-                         `rl-control detach --iface {iface}` removes the pins (the program goes off the moved \
-                         interface, and the buckets with it)",
-                        path.display()
-                    ),
-                })
+                return Err(refused(format!(
+                    "the XDP link pinned at {} is on the interface of index {on}, and `{iface}` here is index \
+                     {here}: its interface was moved to another network namespace or renamed; move it back, or \
+                     `rl-control detach --iface {iface}` removes the pins (the program goes off the moved \
+                     interface, and the buckets with it)",
+                    path.display()
+                )))
             }
             Ok(_) => {}
             Err(e) => warn!(iface, "could not read which interface the pinned XDP link is on ({e}); swapping all the same"),

@@ -72,15 +72,13 @@ impl Datapath {
     /// than have the next install (whose slot is then unknown) count them
     /// twice.
     pub(super) fn retire_counters(&mut self, idx: u32, name: String) -> Result<(), DatapathError> {
-        let zero = self.zero_counters()?;
         let per_cpu = {
             let stats: PerCpuArray<&MapData, RuleStats> = map_ref(&self.ebpf, MAP_RULE_STATS)?;
             stats.get(&idx, 0).map_err(|e| map_error(MAP_RULE_STATS, e))?
         };
         // As if the zeroing write failed.
         self.failpoint("zeroing")?;
-        let mut stats: PerCpuArray<&mut MapData, RuleStats> = map_mut(&mut self.ebpf, MAP_RULE_STATS)?;
-        stats.set(idx, zero, 0).map_err(|e| map_error(MAP_RULE_STATS, e))?;
+        self.zero_counters(idx)?;
         add_stats(self.retired.entry(name).or_default(), per_cpu.iter());
         Ok(())
     }
@@ -88,15 +86,15 @@ impl Datapath {
     /// Zeroes the counters of `slot`'s entries but those `kept`.
     pub(super) fn clear_counters(&mut self, slot: u32, kept: &[u32]) -> Result<(), DatapathError> {
         for idx in (slot * RULE_SLOTS..(slot + 1) * RULE_SLOTS).filter(|i| !kept.contains(i)) {
-            let zero = self.zero_counters()?;
-            let mut stats: PerCpuArray<&mut MapData, RuleStats> = map_mut(&mut self.ebpf, MAP_RULE_STATS)?;
-            stats.set(idx, zero, 0).map_err(|e| map_error(MAP_RULE_STATS, e))?;
+            self.zero_counters(idx)?;
         }
         Ok(())
     }
 
-    /// One entry's counters at zero on every CPU.
-    fn zero_counters(&self) -> Result<aya::maps::PerCpuValues<RuleStats>, DatapathError> {
-        aya::maps::PerCpuValues::try_from(vec![RuleStats::default(); self.cpus]).map_err(|e| map_error(MAP_RULE_STATS, e))
+    /// Zeroes entry `idx`'s counters on every CPU.
+    fn zero_counters(&mut self, idx: u32) -> Result<(), DatapathError> {
+        let zero = aya::maps::PerCpuValues::try_from(vec![RuleStats::default(); self.cpus]).map_err(|e| map_error(MAP_RULE_STATS, e))?;
+        let mut stats: PerCpuArray<&mut MapData, RuleStats> = map_mut(&mut self.ebpf, MAP_RULE_STATS)?;
+        stats.set(idx, zero, 0).map_err(|e| map_error(MAP_RULE_STATS, e))
     }
 }

@@ -93,11 +93,8 @@ impl Datapath {
         self.generation += 1;
         self.slots[slot as usize] = Arc::new(SlotContents { unknown: true, ..Default::default() });
         let mut stayed = Vec::new();
-        let written = self.write_slot(&plan, &mut stayed).and_then(|()| {
-            // The flip.
-            let mut config: Array<&mut MapData, DatapathConfig> = map_mut(&mut self.ebpf, MAP_CONFIG)?;
-            config.set(0, plan.config, 0).map_err(|e| map_error(MAP_CONFIG, e))
-        });
+        // Then the flip.
+        let written = self.write_slot(&plan, &mut stayed).and_then(|()| self.write_config(plan.config));
         if written.is_err() {
             // The slot is unknown now, and its names with it: counters left
             // in place for the rules that stay would be read by no one, and
@@ -277,6 +274,12 @@ impl Datapath {
     #[doc(hidden)]
     pub fn fail_install_at(&mut self, step: &'static str, skip: u32) {
         self.failpoint = Some((step, skip));
+    }
+
+    /// Writes the config entry (the program reads it whole per packet).
+    pub(super) fn write_config(&mut self, config: DatapathConfig) -> Result<(), DatapathError> {
+        let mut map: Array<&mut MapData, DatapathConfig> = map_mut(&mut self.ebpf, MAP_CONFIG)?;
+        map.set(0, config, 0).map_err(|e| map_error(MAP_CONFIG, e))
     }
 
     /// The rule entries `slot` holds, read from the map in one batch: for

@@ -181,9 +181,7 @@ impl Datapath {
     /// Writes `config` back into the config entry (a start that failed
     /// before its swap leaves the pinned program's as it was).
     pub(super) fn put_back_config(&mut self, config: DatapathConfig) {
-        let written = map_mut::<Array<&mut MapData, DatapathConfig>>(&mut self.ebpf, rl_common::MAP_CONFIG)
-            .and_then(|mut map| map.set(0, config, 0).map_err(|e| map_error(rl_common::MAP_CONFIG, e)));
-        if let Err(e) = written {
+        if let Err(e) = self.write_config(config) {
             warn!("could not put the pinned config entry back after a failed start ({e}): the pinned program runs with this build's settings");
         }
     }
@@ -194,9 +192,7 @@ impl Datapath {
     /// build's entry may lack fields (the cell arrays' size was carved from
     /// its `enabled`) or count its flood cap over another window.
     pub(super) fn refresh_config(&mut self, pinned: &DatapathConfig, tuning: &crate::compile::Tuning) -> Result<(), DatapathError> {
-        let config = DatapathConfig { clock: pinned.clock, ..self.basis().config(tuning, pinned.slot_flags) };
-        let mut map: Array<&mut MapData, DatapathConfig> = map_mut(&mut self.ebpf, rl_common::MAP_CONFIG)?;
-        map.set(0, config, 0).map_err(|e| map_error(rl_common::MAP_CONFIG, e))
+        self.write_config(DatapathConfig { clock: pinned.clock, ..self.basis().config(tuning, pinned.slot_flags) })
     }
 
     pub(super) fn load_program(&mut self, name: &'static str) -> Result<(), DatapathError> {

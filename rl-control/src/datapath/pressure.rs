@@ -97,7 +97,13 @@ impl Datapath {
             let contents = &self.slots[slot as usize];
             // Unknown (adopted, before this process's first installs; or
             // left by a failed install): as the map holds it.
-            let entries = if contents.unknown { self.slot_entries(slot)? } else { contents.entries.clone() };
+            let read;
+            let entries = if contents.unknown {
+                read = self.slot_entries(slot)?;
+                &read
+            } else {
+                &contents.entries
+            };
             for r in entries.iter().filter(|r| is_rule_id(r.id)) {
                 for which in 0..r.n_limits.min(MAX_LIMITS as u32) {
                     out.insert(r.id | which, r.limits[which as usize]);
