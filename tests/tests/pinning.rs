@@ -571,15 +571,48 @@ fn a_take_over_whose_second_table_fails_still_puts_the_rules_in_force() {
 /// reporting one. The moved interface keeps its program.
 #[test]
 fn a_pinned_link_on_an_interface_moved_away_is_refused() {
+    moved_away(false);
+}
+
+/// The kernel keeps a moved interface's index where it is free there, and
+/// a new interface may get that index here (`ip link add … index N`, or
+/// the cyclic allocator coming round): the index alone cannot tell the two
+/// apart, the program attached here can.
+#[test]
+fn a_pinned_link_on_an_interface_moved_away_is_refused_under_the_same_index() {
+    moved_away(true);
+}
+
+/// Moves the pinned link's interface to a third namespace and makes a new
+/// veth of its name here (`same_index`: under its index too); a start must
+/// refuse the pinned link and leave both interfaces as they are.
+fn moved_away(same_index: bool) {
     use rl_control::datapath::DatapathError;
     let lab = Lab::new().unwrap();
     let away = rl_tests::lab::Netns::new(format!("rl-lab{}-c", lab.id)).unwrap();
     let (compiled, _pins, dir) = pinned_w("", VB);
     let take_over = |dp| take_over_in(&lab, dp, &compiled.rules, &[VB]);
     take_over(load_pinned(&compiled, &dir)).1.unwrap();
+    let index = |ns: &rl_tests::lab::Netns| -> String {
+        let out = ns.ip(&["-o", "link", "show", VB]).unwrap();
+        out.split(':').next().unwrap().trim().to_string()
+    };
+    let was = index(&lab.b);
     lab.b.ip(&["link", "set", VB, "netns", &away.name]).unwrap();
-    lab.b.ip(&["link", "add", VB, "type", "veth", "peer", "name", "vbx"]).unwrap();
+    assert_eq!(index(&away), was, "the moved interface keeps its index");
+    // With an index asked for, the peer needs one of its own too: veth
+    // would give it the same.
+    let mut add = vec!["link", "add", VB];
+    if same_index {
+        add.extend(["index", was.as_str()]);
+    }
+    add.extend(["type", "veth", "peer", "name", "vbx"]);
+    if same_index {
+        add.extend(["index", "4000"]);
+    }
+    lab.b.ip(&add).unwrap();
     lab.b.ip(&["link", "set", VB, "up"]).unwrap();
+    assert_eq!(index(&lab.b) == was, same_index);
     let (dp, taken) = take_over(load_pinned(&compiled, &dir));
     let err = taken.expect_err("a link on another interface");
     assert!(matches!(err, DatapathError::Attach { .. }), "{err}");

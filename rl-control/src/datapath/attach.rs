@@ -6,7 +6,7 @@ use aya::programs::{links::FdLink, xdp::{XdpLink, XdpLinkId}, ProgramError, Xdp,
 use rl_common::{PROG_LIMITER, PROG_PASS};
 use tracing::{info, warn};
 
-use super::{chain, errno, interface_index, pin, AttachMode, Attachment, Datapath, DatapathError};
+use super::{chain, errno, interface_index, netlink, pin, AttachMode, Attachment, Datapath, DatapathError};
 use crate::compile::RuleSet;
 
 /// How to undo an attachment made by this process.
@@ -218,23 +218,8 @@ impl Datapath {
                 path.display()
             ))
         };
-        // A link on another device: `iface` here is not the interface it
-        // was made for (that one was moved to another network namespace,
-        // or renamed, and this is another): swapping would leave `iface`
-        // without a program while saying it has one.
-        let here = interface_index(iface)?;
-        match pin::pinned_link_ifindex(&path) {
-            Ok(on) if on != 0 && on != here => {
-                return Err(refused(format!(
-                    "the XDP link pinned at {} is on the interface of index {on}, and `{iface}` here is index \
-                     {here}: its interface was moved to another network namespace or renamed; move it back, or \
-                     `rl-control detach --iface {iface}` removes the pins (the program goes off the moved \
-                     interface, and the buckets with it)",
-                    path.display()
-                )))
-            }
-            Ok(_) => {}
-            Err(e) => warn!(iface, "could not read which interface the pinned XDP link is on ({e}); swapping all the same"),
+        if let Some(cause) = elsewhere(&path, iface, interface_index(iface)?) {
+            return Err(refused(cause));
         }
         let link = XdpLink::try_from(fd).map_err(|e| failed(chain(&e)))?;
         let id = match self.xdp(prog)?.attach_to_link(link) {
@@ -299,4 +284,44 @@ impl Datapath {
             },
         })
     }
+}
+
+/// Why the XDP link pinned at `path` is not on `iface` (index `here`) of
+/// this network namespace, if it is not: its interface was moved to
+/// another namespace or renamed, and `iface` here is another interface,
+/// perhaps under the same index (a moved interface keeps its index where
+/// it is free, and the allocator may hand it out again here). Swapping the
+/// link's program would leave `iface` without one while reporting one.
+fn elsewhere(path: &std::path::Path, iface: &str, here: u32) -> Option<String> {
+    let link = match pin::pinned_link_info(path) {
+        Ok(link) if link.ifindex != 0 => link,
+        // Defunct: the swap answers ENOLINK, and it is replaced.
+        Ok(_) => return None,
+        Err(e) => {
+            warn!(iface, "could not read which interface the pinned XDP link is on ({e}); swapping all the same");
+            return None;
+        }
+    };
+    let seen = if link.ifindex != here {
+        format!("is on the interface of index {}, and `{iface}` here is index {here}", link.ifindex)
+    } else {
+        match netlink::xdp_programs(here) {
+            Ok(ids) if ids.contains(&link.prog_id) => return None,
+            Ok(ids) => format!(
+                "runs program {}, and `{iface}` here (index {here}, the link's too) runs {}",
+                link.prog_id,
+                if ids.is_empty() { "none".to_string() } else { format!("{ids:?}") }
+            ),
+            Err(e) => {
+                warn!(iface, "could not ask rtnetlink which XDP programs `{iface}` runs ({e}); swapping all the same");
+                return None;
+            }
+        }
+    };
+    Some(format!(
+        "the XDP link pinned at {} {seen}: its interface was moved to another network namespace or renamed; \
+         move it back, or `rl-control detach --iface {iface}` removes the pins (the program goes off the moved \
+         interface, and the buckets with it)",
+        path.display()
+    ))
 }

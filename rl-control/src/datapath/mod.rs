@@ -38,6 +38,7 @@ mod install;
 mod known;
 mod load;
 mod moves;
+mod netlink;
 mod pin;
 mod read;
 pub mod share;

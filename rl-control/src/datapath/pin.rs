@@ -233,9 +233,16 @@ pub(super) fn pinned_link(dir: &Path, iface: &str) -> Option<(PinnedLink, &'stat
     })
 }
 
-/// The index of the interface that the XDP link pinned at `path` is
-/// attached to; 0 if none (the link is defunct).
-pub(super) fn pinned_link_ifindex(path: &Path) -> std::io::Result<u32> {
+/// What the kernel says of the XDP link pinned at `path`.
+pub(super) struct LinkInfo {
+    /// The program the link runs.
+    pub prog_id: u32,
+    /// The index of the interface it is attached to; 0 if none (the link
+    /// is defunct).
+    pub ifindex: u32,
+}
+
+pub(super) fn pinned_link_info(path: &Path) -> std::io::Result<LinkInfo> {
     use std::os::fd::AsRawFd;
     const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
     let fd = obj_get(path)?;
@@ -249,7 +256,7 @@ pub(super) fn pinned_link_ifindex(path: &Path) -> std::io::Result<u32> {
     if rc < 0 {
         return Err(std::io::Error::last_os_error());
     }
-    Ok(info[4])
+    Ok(LinkInfo { prog_id: info[2], ifindex: info[4] })
 }
 
 /// Pins `link` (attached to `iface` in `mode`) in `dir`; returns the link
