@@ -597,6 +597,10 @@ fn moved_away(same_index: bool) {
         let out = ns.ip(&["-o", "link", "show", VB]).unwrap();
         out.split(':').next().unwrap().trim().to_string()
     };
+    // The pinned program's settings, as an older build left them: a
+    // refusal before any link was swapped must put them back.
+    as_an_older_build_left_it(&dir);
+    let settings = config_entry(&dir).get(&0, 0).unwrap();
     let was = index(&lab.b);
     lab.b.ip(&["link", "set", VB, "netns", &away.name]).unwrap();
     assert_eq!(index(&away), was, "the moved interface keeps its index");
@@ -619,5 +623,6 @@ fn moved_away(same_index: bool) {
     assert!(err.to_string().contains("moved to another network namespace") && err.to_string().contains("rl-control detach"), "{err}");
     assert!(!lab.xdp_attached().unwrap(), "the interface here gets no program it would not have");
     assert!(away.ip(&["-d", "link", "show", VB]).unwrap().contains("prog/xdp"), "the moved interface keeps its program");
+    assert_eq!(config_entry(&dir).get(&0, 0).unwrap(), settings, "its settings put back as they were found");
     drop(dp);
 }

@@ -75,7 +75,11 @@ fn answer(msg: &[u8]) -> Result<Vec<u32>> {
     match u16_at(msg, 4)? {
         NLMSG_ERROR => {
             let code = msg.get(NLMSG_HDR..NLMSG_HDR + 4).ok_or_else(bad)?;
-            return Err(Error::from_raw_os_error(-i32::from_ne_bytes([code[0], code[1], code[2], code[3]])));
+            return match i32::from_ne_bytes([code[0], code[1], code[2], code[3]]).wrapping_neg() {
+                // An acknowledgement (never asked for): no answer.
+                0 => Err(bad()),
+                errno => Err(Error::from_raw_os_error(errno)),
+            };
         }
         RTM_NEWLINK => {}
         _ => return Err(bad()),
