@@ -36,11 +36,16 @@ pub(super) fn xdp_programs(ifindex: u32) -> Result<Vec<u32>> {
         return Err(Error::last_os_error());
     }
     let mut buf = vec![0u8; 64 * 1024];
-    let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
-    if n < 0 {
-        return Err(Error::last_os_error());
+    loop {
+        let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+        if n >= 0 {
+            return answer(&buf[..n as usize]);
+        }
+        let e = Error::last_os_error();
+        if e.kind() != ErrorKind::Interrupted {
+            return Err(e);
+        }
     }
-    answer(&buf[..n as usize])
 }
 
 fn socket() -> Result<OwnedFd> {
