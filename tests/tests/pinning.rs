@@ -423,8 +423,20 @@ fn an_adopted_datapath_swaps_its_program_in_before_it_writes_a_rule() {
 
     // A pinned link whose interface was deleted and made again under the
     // same name is defunct (the kernel answers ENOLINK): attached afresh.
-    // Any other failure to swap keeps the pinned link and its program.
+    // Any other failure to swap (one injected just before: EPERM) keeps
+    // the pinned link, its pin and its program, and fails the start.
     take_over(changed(), None).1.unwrap();
+    let pinned_program = lab.xdp_prog_ids().unwrap();
+    as_an_older_build_left_it(&dir);
+    let settings = config_entry(&dir).get(&0, 0).unwrap();
+    let (dp, taken) = take_over(changed(), Some("swap"));
+    let err = taken.expect_err("the swap refused");
+    assert!(err.to_string().contains("keeps its program") && err.to_string().contains("rl-control detach"), "{err}");
+    assert_eq!(lab.xdp_prog_ids().unwrap(), pinned_program, "the pinned link keeps its program");
+    assert!(dir.join(format!("link-native-{VB}")).exists(), "and its pin");
+    assert_eq!(config_entry(&dir).get(&0, 0).unwrap(), settings, "the settings put back");
+    assert_eq!(rl_tests::offer(&dp, &w, 1), (0, 1), "the pinned rule still in force");
+    drop(dp);
     lab.b.ip(&["link", "del", VB]).unwrap();
     lab.a.ip(&["link", "add", VA, "type", "veth", "peer", "name", VB]).unwrap();
     lab.a.ip(&["link", "set", VB, "netns", &lab.b.name]).unwrap();

@@ -222,7 +222,16 @@ impl Datapath {
             return Err(refused(cause));
         }
         let link = XdpLink::try_from(fd).map_err(|e| failed(chain(&e)))?;
-        let id = match self.xdp(prog)?.attach_to_link(link) {
+        let swapped = match self.failpoint("swap") {
+            // Tests: the kernel refuses the update for another reason than
+            // a defunct link (the lab has no way to make it).
+            Err(_) => Err(ProgramError::SyscallError(aya::sys::SyscallError {
+                call: "bpf_link_update",
+                io_error: std::io::Error::from_raw_os_error(libc::EPERM),
+            })),
+            Ok(()) => self.xdp(prog)?.attach_to_link(link),
+        };
+        let id = match swapped {
             Ok(id) => id,
             // The link's interface is gone (deleted, perhaps made again
             // under the same name): its pin is all that is left of it.

@@ -263,7 +263,9 @@ impl Datapath {
     /// rule that does not stay go to the totals, "zeroing": between reading
     /// a rule's counters and zeroing them, "rewritten": the changed
     /// entries' new contents under the mark, "rules", "l4", "lpm",
-    /// "decide"), as a failed map write there would.
+    /// "decide"), as a failed map write there would; or, at "swap", the
+    /// next swap of a pinned link's program, as if the kernel refused it
+    /// (`EPERM`).
     #[doc(hidden)]
     pub fn fail_next_install_at(&mut self, step: &'static str) {
         self.fail_install_at(step, 0);
