@@ -113,12 +113,14 @@ fn later_fragments_take_their_first_fragments_rule_and_verdict() {
 fn a_first_fragments_verdict_expires_and_orphans_can_be_limited_by_source() {
     require_root();
     let dp = datapath(&format!(
-        "[datapath]\nmax_sources = 1024\nfragment_ttl_ms = 30\nfragment_orphans = \"source\"\n{RULES}"
+        "[datapath]\nmax_sources = 1024\nfragment_ttl_ms = 200\nfragment_orphans = \"source\"\n{RULES}"
     ))
     .unwrap();
+    // A TTL long enough that the second fragment, offered right after the
+    // first, is never late on a busy runner; short enough to wait out.
     let d = datagram4(SRC, 7, 53, 2);
     assert_eq!(offer_all(&dp, &d[..2]), (2, 0));
-    std::thread::sleep(Duration::from_millis(100));
+    std::thread::sleep(Duration::from_millis(400));
     // Expired: an orphan, limited by source under [default] (rate 1000).
     assert_eq!(offer_all(&dp, &d[2..]), (1, 0));
     assert_eq!(stats(&dp, "default").passed_pkts, 1);

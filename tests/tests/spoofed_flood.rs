@@ -170,10 +170,16 @@ fn wait_events(lab: &Lab, kind: &str, n: usize, secs: u64) -> bool {
 fn a_full_sources_table_is_reported_and_so_is_its_room_again() {
     let lab = Lab::new().unwrap();
     let dir = tempfile::tempdir().unwrap();
-    // No flood mode: only the table's size stops inserts. [default]
-    // buckets are fresh half a second after their packet, collectable a
-    // second later: after the pass that finds the table full.
-    let cfg = write(&dir, "rl.toml", "[datapath]\nmax_sources = 64\nflood_new_keys_per_sec = 1000000000\n[default]\nrate = 2\nburst = 10\n");
+    // No flood mode: only the table's size stops inserts. The flood's
+    // buckets are fresh two seconds after their packet, collectable a
+    // second later: well after the pass that finds the table full, and
+    // the reads of it below.
+    let cfg = write(
+        &dir,
+        "rl.toml",
+        "[datapath]\nmax_sources = 64\nflood_new_keys_per_sec = 1000000000\n[default]\nrate = 1000\n\
+         [[rule]]\nname = \"flood\"\nproto = \"udp\"\ndst_ports = [5000]\nrate = 2\nper = \"4s\"\nburst = 10\n",
+    );
     let pins = rl_tests::lab::BpfFs::new().unwrap();
     let daemon = Daemon::pinned(&lab, &cfg, &pins, &[]).unwrap();
     let mut seed = 0x1234_5678u32;
@@ -191,7 +197,7 @@ fn a_full_sources_table_is_reported_and_so_is_its_room_again() {
     assert!(out.contains("sources table:   FULL at 64 own buckets"), "{out}");
 
     // Collected once idle, and no refusal for two seconds: room again.
-    assert!(wait_events(&lab, "table_room", 1, 10), "no table_room event once the buckets were collected");
+    assert!(wait_events(&lab, "table_room", 1, 14), "no table_room event once the buckets were collected");
     assert_eq!(parse_prometheus(&get(&lab.b, "/metrics").body)["rl_table_full"], 0.0);
     let (_, out) = run_once(Some(&lab.b), &["status"]).unwrap();
     assert!(!out.contains("sources table:"), "{out}");
