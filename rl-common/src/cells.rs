@@ -161,6 +161,15 @@ pub struct CellScratch {
 /// [`CellScratch::cell`] when the key went to no cell.
 pub const NO_CELL: u32 = u32::MAX;
 
+/// Cells per family that `datapath.flood_prefixes` makes room for: half
+/// the slots, at least `flood_prefixes`. Once a family holds this many,
+/// its array is saturated ([`cells_saturated`]): a prefix without a cell
+/// is charged to its rule's last resort instead of claiming one. What
+/// `/v1/status` and `/metrics` report the cells against.
+pub const fn cell_room(flood_prefixes: u32) -> u32 {
+    cell_slots(flood_prefixes) / 2
+}
+
 /// Slots per family for `datapath.flood_prefixes`: twice that, rounded up to
 /// a power of two, so that sets rarely overflow while the cells in use stay
 /// within `flood_prefixes`.
@@ -253,6 +262,15 @@ mod tests {
         assert!(!cells_saturated(0, 2) && cells_saturated(1, 2));
         assert!(!cells_saturated(65_535, 131_072) && cells_saturated(65_536, 131_072));
         assert!(cells_saturated(u64::MAX, u32::MAX));
+    }
+
+    #[test]
+    fn the_room_reported_is_where_the_array_saturates() {
+        for n in [1, 256, 1_000, 65_536, 100_000, 16_777_216] {
+            let (room, slots) = (cell_room(n), cell_slots(n));
+            assert!(room >= n, "{n}: room {room}");
+            assert!(cells_saturated(room as u64, slots) && !cells_saturated(room as u64 - 1, slots), "{n}");
+        }
     }
 
     #[test]

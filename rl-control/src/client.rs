@@ -232,11 +232,23 @@ pub fn status(v: &Value) -> String {
     } else {
         "off".to_string()
     };
-    let table = if p["table_full"] == true {
+    let mut table = if p["table_full"] == true {
         format!("sources table:   FULL at {} own buckets: new sources share their prefix cells\n", s(&p["bucket_capacity"]))
     } else {
         String::new()
     };
+    let room = p["cell_capacity"].as_u64().unwrap_or(u64::MAX);
+    let full: Vec<&str> = [("IPv4", "cells_ipv4"), ("IPv6", "cells_ipv6")]
+        .into_iter()
+        .filter(|(_, k)| p[*k].as_u64().is_some_and(|n| n >= room))
+        .map(|(f, _)| f)
+        .collect();
+    if !full.is_empty() {
+        table += &format!(
+            "prefix cells:    FULL ({}) at {room}: a prefix without a cell shares its rule's last resort (datapath.flood_prefixes)\n",
+            full.join(", ")
+        );
+    }
     let on: Vec<String> = v["interfaces"]
         .as_array()
         .map(|a| a.iter().map(|i| format!("{} (XDP {})", s(&i["iface"]), s(&i["xdp_mode"]))).collect())

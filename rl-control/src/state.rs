@@ -105,8 +105,9 @@ pub struct Pressure {
     /// Prefix cells held, per family.
     pub cells_ipv4: u64,
     pub cells_ipv6: u64,
-    /// Slots of each family's cell array (`rl_common::cell_slots` of
-    /// `datapath.flood_prefixes`).
+    /// Cells each family's array takes before it is full
+    /// (`rl_common::cell_room` of `datapath.flood_prefixes`): from then on,
+    /// a prefix without a cell shares its rule's last resort.
     pub cell_capacity: u32,
     /// Share of the known-keys filter's bits set, per family: how often a
     /// key that owns no bucket still pays a table lookup (see README,

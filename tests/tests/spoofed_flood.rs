@@ -131,6 +131,13 @@ fn a_spoofed_flood_through_the_daemon_neither_resets_nor_bypasses_a_limit_and_is
     assert!(fill > 0.0 && fill < 0.01, "known-keys filter fill {fill}");
     let (_, out) = run_once(Some(&lab.b), &["status"]).unwrap();
     assert!(out.lines().any(|l| l.starts_with("lookup filter:") && !l.contains(" 0.000% of IPv4")), "{out}");
+    // The flood spanned far more /24s than `flood_prefixes = 256` make room
+    // for (its cells, charged for the hour, stay): full, and said to be,
+    // so that an operator does not read half the slots as room left.
+    let cells = m["rl_table_occupancy_ratio{table=\"cells\",family=\"ipv4\"}"];
+    assert!(cells >= 1.0, "IPv4 cells occupancy {cells} after a flood over thousands of /24s");
+    let full = "prefix cells:    FULL (IPv4) at 256: a prefix without a cell shares its rule's last resort (datapath.flood_prefixes)";
+    assert!(out.lines().any(|l| l == full), "`rl-control status` lacks {full:?}:\n{out}");
     // With no traffic left, the three surfaces agree on the counts since load.
     let p = get(&lab.b, "/v1/status").json()["pressure"].clone();
     let (fallbacks, refused) = (p["fallback_packets"].as_u64().unwrap(), p["table_full_refusals"].as_u64().unwrap());
@@ -149,6 +156,7 @@ fn a_spoofed_flood_through_the_daemon_neither_resets_nor_bypasses_a_limit_and_is
     }
     assert!(m["rl_table_occupancy_ratio{table=\"sources\",family=\"ipv4\"}"] > 0.0);
     assert!(p["buckets_ipv6"].as_u64().unwrap() < 16 && p["cells_ipv6"].as_u64() == Some(0), "{p}");
+    assert!(p["cell_capacity"] == 256 && p["cells_ipv4"].as_u64().unwrap() >= 256, "{p}");
     // (The collector may have taken fresh buckets between the two reads.)
     let tracked = |l: &str| l.starts_with("sources tracked: IPv4 ") && l.contains(", IPv6 ") && l.ends_with(" of 1024 per family");
     assert!(out.lines().any(tracked), "{out}");

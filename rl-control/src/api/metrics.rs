@@ -43,16 +43,21 @@ pub(super) async fn metrics(AxState(api): AxState<Api>) -> ApiResult<Response> {
     let _ = writeln!(out, "rl_tracked_sources{{family=\"ipv4\"}} {}\nrl_tracked_sources{{family=\"ipv6\"}} {}", p.buckets_ipv4, p.buckets_ipv6);
     family(&mut out, "rl_source_capacity", "gauge", "Capacity of each family's source map (datapath.max_sources).");
     let _ = writeln!(out, "rl_source_capacity {}", s.config.datapath.max_sources);
-    family(&mut out, "rl_table_occupancy_ratio", "gauge", "Entries held over capacity, per table and family.");
+    family(
+        &mut out,
+        "rl_table_occupancy_ratio",
+        "gauge",
+        "Entries held over capacity, per table and family (cells: over the cells an array takes before it is full, half its slots; at 1, a prefix without a cell shares its rule's last resort).",
+    );
     for (table, family_, held, cap) in [
         ("sources", "ipv4", p.buckets_ipv4, s.config.datapath.max_sources),
         ("sources", "ipv6", p.buckets_ipv6, s.config.datapath.max_sources),
-        ("cells", "ipv4", p.cells_ipv4, rl_common::cell_slots(s.config.datapath.flood_prefixes)),
-        ("cells", "ipv6", p.cells_ipv6, rl_common::cell_slots(s.config.datapath.flood_prefixes)),
+        ("cells", "ipv4", p.cells_ipv4, rl_common::cell_room(s.config.datapath.flood_prefixes)),
+        ("cells", "ipv6", p.cells_ipv6, rl_common::cell_room(s.config.datapath.flood_prefixes)),
     ] {
         let _ = writeln!(out, "rl_table_occupancy_ratio{{table=\"{table}\",family=\"{family_}\"}} {}", held as f64 / cap.max(1) as f64);
     }
-    family(&mut out, "rl_prefix_cells", "gauge", "Prefix cells held (each family's array has 2 × datapath.flood_prefixes slots, two per set).");
+    family(&mut out, "rl_prefix_cells", "gauge", "Prefix cells held (each family's array takes datapath.flood_prefixes rounded up to a power of two, in twice as many slots, two per set).");
     let _ = writeln!(out, "rl_prefix_cells{{family=\"ipv4\"}} {}\nrl_prefix_cells{{family=\"ipv6\"}} {}", p.cells_ipv4, p.cells_ipv6);
     family(&mut out, "rl_known_filter_fill_ratio", "gauge", "Share of the known-keys filter's bits set: how often a key without a bucket still pays a table lookup.");
     let _ = writeln!(out, "rl_known_filter_fill_ratio{{family=\"ipv4\"}} {}\nrl_known_filter_fill_ratio{{family=\"ipv6\"}} {}", p.known_filter_fill_ipv4, p.known_filter_fill_ipv6);

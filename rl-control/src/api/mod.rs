@@ -178,7 +178,7 @@ async fn status(AxState(api): AxState<Api>) -> Json<Status> {
         source_capacity: s.config.datapath.max_sources,
         pressure: crate::state::Pressure {
             bucket_capacity: s.config.datapath.max_sources,
-            cell_capacity: rl_common::cell_slots(s.config.datapath.flood_prefixes),
+            cell_capacity: rl_common::cell_room(s.config.datapath.flood_prefixes),
             ..s.pressure.clone()
         },
         config_file: s.path.as_ref().map(|p| p.display().to_string()),
