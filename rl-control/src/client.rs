@@ -237,16 +237,10 @@ pub fn status(v: &Value) -> String {
     } else {
         String::new()
     };
-    let room = p["cell_capacity"].as_u64().unwrap_or(u64::MAX);
-    let full: Vec<&str> = [("IPv4", "cells_ipv4"), ("IPv6", "cells_ipv6")]
-        .into_iter()
-        .filter(|(_, k)| p[*k].as_u64().is_some_and(|n| n >= room))
-        .map(|(f, _)| f)
-        .collect();
-    if !full.is_empty() {
+    if p["cells_full"] == true {
         table += &format!(
-            "prefix cells:    FULL ({}) at {room}: a prefix without a cell shares its rule's last resort (datapath.flood_prefixes)\n",
-            full.join(", ")
+            "prefix cells:    FULL at {}: a prefix without a cell shares its rule's last resort (datapath.flood_prefixes)\n",
+            s(&p["cell_capacity"])
         );
     }
     let on: Vec<String> = v["interfaces"]

@@ -126,6 +126,11 @@ pub struct Pressure {
     /// room since (`max_sources` own buckets): new sources share their
     /// prefix cells. Events `table_full` and `table_room` mark the changes.
     pub table_full: bool,
+    /// A family's cells reached `cell_capacity` at a walk, and have not
+    /// fallen back below 15/16 of it since: a prefix without a cell shares
+    /// its rule's last resort. Events `cells_full` and `cells_room` mark
+    /// the changes.
+    pub cells_full: bool,
     /// Since load: packets charged to a prefix cell or a last resort.
     pub fallback_packets: u64,
     /// Since load: buckets the collector deleted because they were fresh.

@@ -136,8 +136,10 @@ fn a_spoofed_flood_through_the_daemon_neither_resets_nor_bypasses_a_limit_and_is
     // so that an operator does not read half the slots as room left.
     let cells = m["rl_table_occupancy_ratio{table=\"cells\",family=\"ipv4\"}"];
     assert!(cells >= 1.0, "IPv4 cells occupancy {cells} after a flood over thousands of /24s");
-    let full = "prefix cells:    FULL (IPv4) at 256: a prefix without a cell shares its rule's last resort (datapath.flood_prefixes)";
+    let full = "prefix cells:    FULL at 256: a prefix without a cell shares its rule's last resort (datapath.flood_prefixes)";
     assert!(out.lines().any(|l| l == full), "`rl-control status` lacks {full:?}:\n{out}");
+    assert_eq!(m["rl_cells_full"], 1.0);
+    assert_eq!(events(&lab, "cells_full"), 1, "one cells_full event");
     // With no traffic left, the three surfaces agree on the counts since load.
     let p = get(&lab.b, "/v1/status").json()["pressure"].clone();
     let (fallbacks, refused) = (p["fallback_packets"].as_u64().unwrap(), p["table_full_refusals"].as_u64().unwrap());

@@ -69,6 +69,8 @@ pub(super) async fn metrics(AxState(api): AxState<Api>) -> ApiResult<Response> {
     let _ = writeln!(out, "rl_flood_mode {}", u8::from(p.flood_mode));
     family(&mut out, "rl_table_full", "gauge", "1 while the sources' table is full (datapath.max_sources own buckets): new sources share their prefix cells.");
     let _ = writeln!(out, "rl_table_full {}", u8::from(p.table_full));
+    family(&mut out, "rl_cells_full", "gauge", "1 while a family's prefix cells are full (datapath.flood_prefixes): a prefix without a cell shares its rule's last resort.");
+    let _ = writeln!(out, "rl_cells_full {}", u8::from(p.cells_full));
     family(&mut out, "rl_collected_buckets_total", "counter", "Buckets deleted by the collector because their state was fresh again.");
     let _ = writeln!(out, "rl_collected_buckets_total {}", p.collected_buckets);
     family(&mut out, "rl_active_bans", "gauge", "Bans in force.");

@@ -179,6 +179,17 @@ impl Collector {
             }
             s.push_host_event(event, unix_now() * 1000);
         }
+        let room = rl_common::cell_room(s.config.datapath.flood_prefixes);
+        if let Some(full) = pass.as_ref().and_then(|pass| cells_full(s.pressure.cells_full, pass.cells, room)) {
+            s.pressure.cells_full = full;
+            let event = if full { "cells_full" } else { "cells_room" };
+            if full {
+                warn!(event, room, "the prefix cells are full: a prefix without a cell shares its rule's last resort until the collector frees cells (raise datapath.flood_prefixes if floods span more prefixes)");
+            } else {
+                info!(event, "the prefix cells have room again: new prefixes get cells of their own");
+            }
+            s.push_host_event(event, unix_now() * 1000);
+        }
         self.passes += 1;
         if let Some(pass) = pass.as_ref().filter(|_| self.passes % TOP_EVERY == 1) {
             if let Some(t) = self.top.rank(&pass.sources, now, s) {
@@ -253,6 +264,19 @@ fn table_full(p: &Pressure, refused_at: Option<Instant>, now: Instant, max_sourc
     }
 }
 
+/// Whether a walk that found `cells` (IPv4, IPv6) turns the cells full
+/// (`Some(true)`: a family at `room`, where the program stops claiming) or
+/// gives them room again (`Some(false)`: both families under 15/16 of it,
+/// so that cells freed and claimed at the edge are one spell), or neither.
+fn cells_full(was: bool, cells: (u64, u64), room: u32) -> Option<bool> {
+    let held = cells.0.max(cells.1);
+    match was {
+        false if held >= u64::from(room) => Some(true),
+        true if held * 16 < u64::from(room) * 15 => Some(false),
+        _ => None,
+    }
+}
+
 /// Ranks sources by their drops between two walks.
 #[derive(Default)]
 struct TopRanker {
@@ -302,7 +326,17 @@ impl TopRanker {
 
 #[cfg(test)]
 mod tests {
-    use super::table_full;
+    use super::{cells_full, table_full};
+
+    #[test]
+    fn cells_turn_full_at_their_room_and_have_room_again_below_fifteen_sixteenths() {
+        assert_eq!(cells_full(false, (255, 3), 256), None);
+        assert_eq!(cells_full(false, (12, 256), 256), Some(true), "either family");
+        assert_eq!(cells_full(true, (250, 0), 256), None, "freed at the edge: the same spell");
+        assert_eq!(cells_full(true, (240, 0), 256), None, "15/16 exactly");
+        assert_eq!(cells_full(true, (239, 239), 256), Some(false));
+        assert_eq!(cells_full(false, (239, 0), 256), None);
+    }
     use std::time::{Duration, Instant};
 
     #[test]
