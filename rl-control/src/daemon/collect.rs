@@ -327,16 +327,6 @@ impl TopRanker {
 #[cfg(test)]
 mod tests {
     use super::{cells_full, table_full};
-
-    #[test]
-    fn cells_turn_full_at_their_room_and_have_room_again_below_fifteen_sixteenths() {
-        assert_eq!(cells_full(false, (255, 3), 256), None);
-        assert_eq!(cells_full(false, (12, 256), 256), Some(true), "either family");
-        assert_eq!(cells_full(true, (250, 0), 256), None, "freed at the edge: the same spell");
-        assert_eq!(cells_full(true, (240, 0), 256), None, "15/16 exactly");
-        assert_eq!(cells_full(true, (239, 239), 256), Some(false));
-        assert_eq!(cells_full(false, (239, 0), 256), None);
-    }
     use std::time::{Duration, Instant};
 
     #[test]
@@ -349,5 +339,15 @@ mod tests {
         assert_eq!(table_full(&p, Some(t0), t0 + Duration::from_millis(2100), 64), Some(false), "two quiet seconds");
         p.buckets_ipv4 = 64;
         assert_eq!(table_full(&p, Some(t0), t0 + Duration::from_secs(3), 64), None, "still max_sources own buckets");
+    }
+
+    #[test]
+    fn cells_turn_full_at_their_room_and_have_room_again_below_fifteen_sixteenths() {
+        assert_eq!(cells_full(false, (255, 3), 256), None);
+        assert_eq!(cells_full(false, (12, 256), 256), Some(true), "either family");
+        assert_eq!(cells_full(true, (250, 0), 256), None, "freed at the edge: the same spell");
+        assert_eq!(cells_full(true, (240, 0), 256), None, "15/16 exactly");
+        assert_eq!(cells_full(true, (239, 239), 256), Some(false));
+        assert_eq!(cells_full(false, (239, 0), 256), None);
     }
 }

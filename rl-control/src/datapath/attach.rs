@@ -168,7 +168,6 @@ impl Datapath {
         Ok((a, Some(fresh)))
     }
 
-    /// Detaches a fresh attachment again (a later interface failed).
     /// Detaches what `made` attached afresh, last first (pinned links taken
     /// over stay).
     fn undo_fresh(&mut self, made: Vec<Made>) {
@@ -179,6 +178,7 @@ impl Datapath {
         }
     }
 
+    /// Detaches a fresh attachment again (a later interface failed).
     fn undo(&mut self, a: &Attachment, fresh: Fresh) {
         self.attachments.retain(|x| x != a);
         match fresh {
