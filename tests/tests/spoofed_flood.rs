@@ -177,17 +177,18 @@ fn wait_events(lab: &Lab, kind: &str, n: usize, secs: u64) -> bool {
 }
 
 #[test]
-fn a_full_sources_table_is_reported_and_so_is_its_room_again() {
+fn a_full_sources_table_and_full_prefix_cells_are_reported_and_so_is_their_room_again() {
     let lab = Lab::new().unwrap();
     let dir = tempfile::tempdir().unwrap();
-    // No flood mode: only the table's size stops inserts. The flood's
-    // buckets are fresh two seconds after their packet, collectable a
-    // second later: well after the pass that finds the table full, and
-    // the reads of it below.
+    // No flood mode: only the table's size stops inserts, and the 136
+    // sources it refuses go to their /24s' cells, of which there is room
+    // for 16. The flood's buckets and cells are fresh two seconds after
+    // their packet, collectable a second later: well after the pass that
+    // finds the table and the cells full, and the reads of them below.
     let cfg = write(
         &dir,
         "rl.toml",
-        "[datapath]\nmax_sources = 64\nflood_new_keys_per_sec = 1000000000\n[default]\nrate = 1000\n\
+        "[datapath]\nmax_sources = 64\nflood_new_keys_per_sec = 1000000000\nflood_prefixes = 16\n[default]\nrate = 1000\n\
          [[rule]]\nname = \"flood\"\nproto = \"udp\"\ndst_ports = [5000]\nrate = 2\nper = \"4s\"\nburst = 10\n",
     );
     let pins = rl_tests::lab::BpfFs::new().unwrap();
@@ -205,22 +206,33 @@ fn a_full_sources_table_is_reported_and_so_is_its_room_again() {
     assert_eq!(parse_prometheus(&get(&lab.b, "/metrics").body)["rl_table_full"], 1.0);
     let (_, out) = run_once(Some(&lab.b), &["status"]).unwrap();
     assert!(out.contains("sources table:   FULL at 64 own buckets"), "{out}");
-
-    // Collected once idle, and no refusal for two seconds: room again.
-    assert!(wait_events(&lab, "table_room", 1, 14), "no table_room event once the buckets were collected");
-    assert_eq!(parse_prometheus(&get(&lab.b, "/metrics").body)["rl_table_full"], 0.0);
+    assert!(wait_events(&lab, "cells_full", 1, 5), "no cells_full event after 136 newcomers over 16 cells' room");
+    assert_eq!(parse_prometheus(&get(&lab.b, "/metrics").body)["rl_cells_full"], 1.0);
     let (_, out) = run_once(Some(&lab.b), &["status"]).unwrap();
-    assert!(!out.contains("sources table:"), "{out}");
+    assert!(out.contains("prefix cells:    FULL at 16"), "{out}");
+
+    // Collected once idle, and no refusal for two seconds: room again. The
+    // cells, fresh as soon, are freed by the same walks.
+    assert!(wait_events(&lab, "table_room", 1, 14), "no table_room event once the buckets were collected");
+    assert!(wait_events(&lab, "cells_room", 1, 5), "no cells_room event once the cells were freed");
+    let m = parse_prometheus(&get(&lab.b, "/metrics").body);
+    assert_eq!((m["rl_table_full"], m["rl_cells_full"]), (0.0, 0.0));
+    assert!(m["rl_table_occupancy_ratio{table=\"cells\",family=\"ipv4\"}"] < 15.0 / 16.0);
+    let (_, out) = run_once(Some(&lab.b), &["status"]).unwrap();
+    assert!(!out.contains("sources table:") && !out.contains("prefix cells:    FULL"), "{out}");
     assert_eq!(events(&lab, "table_full"), 1, "one episode, one event");
+    assert_eq!(events(&lab, "cells_full"), 1, "one episode of full cells, one event");
     let (status, log) = daemon.stop(libc::SIGTERM).unwrap();
     assert!(status.success(), "{log}");
     assert!(log.contains("the sources' table is full") && log.contains("has room again"), "the log says both:\n{log}");
+    assert!(log.contains("the prefix cells are full") && log.contains("cells have room again"), "the log says both:\n{log}");
 
     // A restart adopts the pinned counters, refusals and all: a baseline,
     // not a new episode.
     let daemon = Daemon::pinned(&lab, &cfg, &pins, &[]).unwrap();
     std::thread::sleep(Duration::from_millis(3500));
-    assert_eq!((events(&lab, "table_full"), events(&lab, "table_room")), (0, 0), "no episode after a restart");
+    let episodes = ["table_full", "table_room", "cells_full", "cells_room"].map(|e| events(&lab, e));
+    assert_eq!(episodes, [0; 4], "no episode after a restart");
     let (status, log) = daemon.stop(libc::SIGTERM).unwrap();
     assert!(status.success() && !log.contains("the sources' table is full"), "{log}");
 }
