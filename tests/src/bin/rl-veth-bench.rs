@@ -6,6 +6,17 @@
 //! - nftables' netdev-ingress dynset limit (`update @set { ip saddr limit
 //!   rate over … }`), the in-kernel peer.
 //!
+//! Two more rl cases split rl's cost in the same run:
+//! - **rl, one known source**: every frame from one source, which owns a
+//!   bucket after its first frame: rl's fixed cost per frame (parse,
+//!   classify, one cached bucket, counters), below which no flood path
+//!   can go;
+//! - **rl, one hot cell**: the random flood with `flood_prefix_v4 = 8`, so
+//!   every unseen source is charged to one prefix cell that stays cached:
+//!   the flood path's instructions and its own-key filter check without
+//!   the per-prefix state's cache misses, the floor of any design that
+//!   keeps such state.
+//!
 //! The generator (rl's own, AF_PACKET, forged 10/8 sources, the same
 //! sequence for every case) sends a fixed count of frames from one pinned
 //! thread. The frames are addressed to another host's MAC, so after the
@@ -28,13 +39,14 @@
 //!   flood that lasts costs per frame. nftables' set (1M elements) is full
 //!   by then, and its updates stop inserting.
 //!
-//! To see where rl's cost goes: `RL_BENCH_ONE_SOURCE=1` sends every frame
-//! from one source (a known source after the first frame), and
-//! `RL_BENCH_DATAPATH` is TOML prepended to rl's rules, e.g.
-//! `$'[datapath]\nflood_prefix_v4 = 8\n'` for one hot prefix cell.
+//! Knobs for looking further: `RL_BENCH_ONE_SOURCE=1` sends every case's
+//! frames from one source, and `RL_BENCH_DATAPATH` is TOML prepended to
+//! rl's rules (not the hot-cell case's), e.g.
+//! `$'[datapath]\nflood_prefixes = 8192\n'`.
 //! `RL_BENCH_PREFIXES=16384` narrows the flood to that many /24 prefixes
 //! (fewer prefix cells: what the cells' working set costs).
-//! `RL_BENCH_ONLY=rl` (or `rlunfiltered`, `nft`) measures that case beside
+//! `RL_BENCH_ONLY=rl` (or `rlunfiltered`, `rlknown`, `rlhotcell`, `nft`)
+//! measures that case beside
 //! the baseline alone, e.g. under `perf record -a`. `RL_BENCH_ROUNDS=N`
 //! runs N interleaved rounds instead of 5 (single rounds' ratios range
 //! over about 0.1× on a shared VM; more rounds steady the medians).
@@ -85,16 +97,34 @@ enum Filter {
     /// rl with its known-keys filter off: every unseen key pays its table
     /// lookups, as before the filter.
     RlUnfiltered,
+    /// rl with every frame from one source (see the module doc).
+    RlKnown,
+    /// rl with the flood charged to one cached prefix cell (see the module
+    /// doc).
+    RlHotCell,
     Nft,
 }
 
 impl Filter {
+    const ALL: [Filter; 6] = [Filter::Pass, Filter::Rl, Filter::RlUnfiltered, Filter::RlKnown, Filter::RlHotCell, Filter::Nft];
+
     fn name(self) -> &'static str {
         match self {
             Filter::Pass => "bare XDP_PASS",
             Filter::Rl => "rl (flood mode)",
             Filter::RlUnfiltered => "rl, lookup filter off",
+            Filter::RlKnown => "rl, one known source",
+            Filter::RlHotCell => "rl, one hot cell",
             Filter::Nft => "nftables dynset limit",
+        }
+    }
+
+    /// `[datapath]` settings prepended to rl's rules: the case's own, else
+    /// `RL_BENCH_DATAPATH`.
+    fn datapath(self) -> String {
+        match self {
+            Filter::RlHotCell => "[datapath]\nflood_prefix_v4 = 8\n".to_string(),
+            _ => std::env::var("RL_BENCH_DATAPATH").unwrap_or_default(),
         }
     }
 }
@@ -109,9 +139,8 @@ const PHASES: [&str; 2] = ["first", "sustained"];
 fn one_run(lab: &Lab, filter: Filter, frames: u64, rules: &std::path::Path, check: bool) -> Result<[f64; 2]> {
     let mut dp = None;
     match filter {
-        Filter::Pass | Filter::Rl | Filter::RlUnfiltered => {
-            let extra = std::env::var("RL_BENCH_DATAPATH").unwrap_or_default();
-            let mut d = datapath(&format!("{extra}{RL_CONFIG}"))?;
+        Filter::Pass | Filter::Rl | Filter::RlUnfiltered | Filter::RlKnown | Filter::RlHotCell => {
+            let mut d = datapath(&format!("{}{RL_CONFIG}", filter.datapath()))?;
             if filter == Filter::RlUnfiltered {
                 d.known_filter()?.disable();
             }
@@ -127,8 +156,9 @@ fn one_run(lab: &Lab, filter: Filter, frames: u64, rules: &std::path::Path, chec
         }
         Filter::Nft => lab.b.exec("nft", &["-f", rules.to_str().context("rules path")?])?,
     }
-    let first = flood(lab, frames, 0x2545_f491)?;
-    let sustained = flood(lab, frames, 0x9e37_79b9)?;
+    let one = filter == Filter::RlKnown || std::env::var("RL_BENCH_ONE_SOURCE").is_ok();
+    let first = flood(lab, frames, 0x2545_f491, one)?;
+    let sustained = flood(lab, frames, 0x9e37_79b9, one)?;
     let total = 2 * frames;
     if let Some(d) = &dp {
         if filter != Filter::Pass {
@@ -150,10 +180,10 @@ fn one_run(lab: &Lab, filter: Filter, frames: u64, rules: &std::path::Path, chec
 }
 
 /// Sends `frames` forged frames from random 10/8 sources (the sequence
-/// `seed` starts); returns busy CPU ns per frame.
-fn flood(lab: &Lab, frames: u64, mut seed: u32) -> Result<f64> {
+/// `seed` starts), or all from one source (`one`); returns busy CPU ns per
+/// frame.
+fn flood(lab: &Lab, frames: u64, mut seed: u32, one: bool) -> Result<f64> {
     let frame = eth(&[], ETH_P_IP, &ipv4([0; 4], UDP, &[], &udp(9)));
-    let one = std::env::var("RL_BENCH_ONE_SOURCE").is_ok();
     let narrow = flood_prefixes()?;
     let clock = BusyClock::start();
     let sent = join(forged(&lab.a, VA, frame, frames, 0, Some(0), move |_| {
@@ -213,7 +243,7 @@ fn main() -> Result<()> {
         BusyClock::source()
     );
     let steal = rl_tests::StealMeter::start();
-    let mut filters = vec![Filter::Pass, Filter::Rl, Filter::RlUnfiltered, Filter::Nft];
+    let mut filters = Filter::ALL.to_vec();
     if let Ok(only) = std::env::var("RL_BENCH_ONLY") {
         // For profiling one case: the baseline is still measured first.
         filters.retain(|f| *f == Filter::Pass || format!("{f:?}").eq_ignore_ascii_case(&only));
@@ -243,12 +273,20 @@ fn main() -> Result<()> {
             let best = ns[i].iter().cloned().fold(f64::INFINITY, f64::min);
             println!("  {:<24} {:>10.0} {:>10.0} {:>16.3} {:>7.3}–{:.3}", f.name(), best, median(ns[i].clone()), median(rounds), lo, hi);
         }
-        if filters.len() < 4 {
+        if filters.len() < Filter::ALL.len() {
             continue;
         }
-        let ratio = |i: usize, j: usize| median(ns[i].iter().zip(&ns[j]).map(|(a, b)| a / b).collect());
-        let (rl_vs_pass, rl_vs_nft) = (ratio(1, 0), ratio(1, 3));
-        println!("  the lookup filter: rl {:.3}× rl with it off", ratio(1, 2));
+        let at = |f: Filter| filters.iter().position(|g| *g == f).expect("every case is measured");
+        let ratio = |i: Filter, j: Filter| median(ns[at(i)].iter().zip(&ns[at(j)]).map(|(a, b)| a / b).collect());
+        let (rl_vs_pass, rl_vs_nft) = (ratio(Filter::Rl, Filter::Pass), ratio(Filter::Rl, Filter::Nft));
+        println!("  the lookup filter: rl {:.3}× rl with it off", ratio(Filter::Rl, Filter::RlUnfiltered));
+        let (fixed, hot) = (ratio(Filter::RlKnown, Filter::Pass), ratio(Filter::RlHotCell, Filter::Pass));
+        println!(
+            "  where rl's cost goes: its fixed cost (one known source) {:.3}×, the flood path with its state cached (one hot cell) {:+.3}×, the flood's per-prefix state {:+.3}×",
+            fixed,
+            hot - fixed,
+            rl_vs_pass - hot
+        );
         let met = |ok: bool| if ok { "met" } else { "MISSED" };
         verdicts.push(format!(
             "{name}: rl ≤ 1.10× bare XDP_PASS {} ({rl_vs_pass:.3}×), rl ≤ nftables {} ({rl_vs_nft:.3}× nftables)",
