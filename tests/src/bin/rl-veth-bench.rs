@@ -14,8 +14,8 @@
 //! - **rl, one hot cell**: the random flood with `flood_prefix_v4 = 8`, so
 //!   every unseen source is charged to one prefix cell that stays cached:
 //!   the flood path's instructions and its own-key filter check without
-//!   the per-prefix state's cache misses, the floor of any design that
-//!   keeps such state.
+//!   the per-prefix state's cache misses: what this flood path would cost
+//!   if its per-prefix state were free.
 //!
 //! The generator (rl's own, AF_PACKET, forged 10/8 sources, the same
 //! sequence for every case) sends a fixed count of frames from one pinned
