@@ -46,10 +46,10 @@
 //! `RL_BENCH_PREFIXES=16384` narrows the flood to that many /24 prefixes
 //! (fewer prefix cells: what the cells' working set costs).
 //! `RL_BENCH_ONLY=rl` (or `rlunfiltered`, `rlknown`, `rlhotcell`, `nft`)
-//! measures that case beside
-//! the baseline alone, e.g. under `perf record -a`. `RL_BENCH_ROUNDS=N`
-//! runs N interleaved rounds instead of 5 (single rounds' ratios range
-//! over about 0.1× on a shared VM; more rounds steady the medians).
+//! measures that case beside the baseline alone, e.g. under `perf record
+//! -a`. `RL_BENCH_ROUNDS=N` runs N interleaved rounds instead of 5 (single
+//! rounds' ratios range over about 0.1× on a shared VM; more rounds steady
+//! the medians).
 
 use std::time::Instant;
 
