@@ -137,30 +137,32 @@ pub fn parse(ctx: &XdpContext) -> Parsed {
 
 #[inline(always)]
 fn parse_ipv4(ctx: &XdpContext, off: usize) -> Parsed {
-    let Some(hdr) = read::<[u8; IPV4_MIN_HLEN]>(ctx, off) else {
+    // The header's fields are loaded where they are used: a fragment's
+    // identity (destination, id, length) only for fragments. Loaded from
+    // one copy of the whole header, they were all loaded up front and
+    // spilled to the stack on every packet.
+    let Some(hdr) = ptr_at::<[u8; IPV4_MIN_HLEN]>(ctx, off) else {
         return Parsed::Malformed;
     };
-    let version = hdr[0] >> 4;
-    let ihl = (hdr[0] & 0x0f) as usize * 4;
-    if version != 4 || ihl < IPV4_MIN_HLEN {
+    let hdr = hdr as *const u8;
+    let first = unsafe { core::ptr::read_volatile(hdr) };
+    let ihl = (first & 0x0f) as usize * 4;
+    if first >> 4 != 4 || ihl < IPV4_MIN_HLEN {
         return Parsed::Malformed;
     }
     // Options included: the whole header must be present.
     if ptr_at::<u8>(ctx, off + ihl - 1).is_none() {
         return Parsed::Malformed;
     }
-    let frag_field = u16::from_be_bytes([hdr[6], hdr[7]]);
+    let frag_field = unsafe { be16(hdr.add(6)) };
     // One 4-byte load: the header is only 2-byte aligned after Ethernet,
     // which x86 (and the verifier there) accept; a byte-wise read costs
     // seven more instructions on every packet.
-    let Some(src_ptr) = ptr_at::<u32>(ctx, off + 12) else {
-        return Parsed::Malformed;
-    };
-    let src = unsafe { core::ptr::read_volatile(src_ptr) };
+    let src = unsafe { core::ptr::read_volatile(hdr.add(12) as *const u32) };
     let mut pkt = Packet {
         src: [0, 0, 0, src],
         is_v6: false,
-        proto: hdr[9],
+        proto: unsafe { core::ptr::read_volatile(hdr.add(9)) },
         dst_port: 0,
         tcp_flags: 0,
         frag: Frag::No,
@@ -171,9 +173,9 @@ fn parse_ipv4(ctx: &XdpContext, off: usize) -> Parsed {
     if frag_field & (IPV4_MF | IPV4_OFFSET) == 0 {
         return parse_l4(ctx, off + ihl, 0, pkt);
     }
-    pkt.dst = u32::from_ne_bytes([hdr[16], hdr[17], hdr[18], hdr[19]]);
-    pkt.frag_id = u16::from_be_bytes([hdr[4], hdr[5]]) as u32;
-    let total = u16::from_be_bytes([hdr[2], hdr[3]]) as usize;
+    pkt.dst = unsafe { core::ptr::read_volatile(hdr.add(16) as *const u32) };
+    pkt.frag_id = unsafe { be16(hdr.add(4)) } as u32;
+    let total = unsafe { be16(hdr.add(2)) } as usize;
     if frag_field & IPV4_OFFSET != 0 {
         pkt.frag = Frag::Later;
         pkt.frag_data = total.saturating_sub(ihl) as u32;
@@ -181,6 +183,14 @@ fn parse_ipv4(ctx: &XdpContext, off: usize) -> Parsed {
     }
     pkt.frag = Frag::First;
     parse_l4(ctx, off + ihl, off + total, pkt)
+}
+
+/// A big-endian 16-bit field at `p`, which the caller has bounds-checked:
+/// one 2-byte load (headers are 2-byte aligned after Ethernet and VLAN
+/// tags; see `parse_ipv4` for unaligned loads).
+#[inline(always)]
+unsafe fn be16(p: *const u8) -> u16 {
+    u16::from_be(unsafe { core::ptr::read_volatile(p as *const u16) })
 }
 
 /// IPv4 flags and fragment offset (bytes 6-7): "more fragments" and the offset.
@@ -292,21 +302,24 @@ fn parse_l4(ctx: &XdpContext, off: usize, first_end: usize, mut pkt: Packet) -> 
     }
     match pkt.proto {
         IPPROTO_TCP => {
-            let Some(tcp) = read::<[u8; TCP_MIN_HLEN]>(ctx, off) else {
+            let Some(tcp) = ptr_at::<[u8; TCP_MIN_HLEN]>(ctx, off) else {
                 return Parsed::Malformed;
             };
-            let doff = (tcp[12] >> 4) as usize;
+            let tcp = tcp as *const u8;
+            // Data offset (high nibble) and flags, one load.
+            let doff_flags = unsafe { be16(tcp.add(12)) };
+            let doff = (doff_flags >> 12) as usize;
             if doff < 5 || (first_end != 0 && off + doff * 4 > first_end) {
                 return Parsed::Malformed;
             }
-            pkt.dst_port = u16::from_be_bytes([tcp[2], tcp[3]]);
-            pkt.tcp_flags = tcp[13];
+            pkt.dst_port = unsafe { be16(tcp.add(2)) };
+            pkt.tcp_flags = doff_flags as u8;
         }
         IPPROTO_UDP => {
-            let Some(udp) = read::<[u8; UDP_HLEN]>(ctx, off) else {
+            let Some(udp) = ptr_at::<[u8; UDP_HLEN]>(ctx, off) else {
                 return Parsed::Malformed;
             };
-            pkt.dst_port = u16::from_be_bytes([udp[2], udp[3]]);
+            pkt.dst_port = unsafe { be16((udp as *const u8).add(2)) };
         }
         IPPROTO_ICMP | IPPROTO_ICMPV6 => {
             if ptr_at::<[u8; ICMP_MIN_HLEN]>(ctx, off).is_none() {
