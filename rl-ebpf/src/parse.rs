@@ -145,7 +145,7 @@ fn parse_ipv4(ctx: &XdpContext, off: usize) -> Parsed {
         return Parsed::Malformed;
     };
     let hdr = hdr as *const u8;
-    let first = unsafe { core::ptr::read_volatile(hdr) };
+    let first = unsafe { byte(hdr) };
     let ihl = (first & 0x0f) as usize * 4;
     if first >> 4 != 4 || ihl < IPV4_MIN_HLEN {
         return Parsed::Malformed;
@@ -155,14 +155,11 @@ fn parse_ipv4(ctx: &XdpContext, off: usize) -> Parsed {
         return Parsed::Malformed;
     }
     let frag_field = unsafe { be16(hdr.add(6)) };
-    // One 4-byte load: the header is only 2-byte aligned after Ethernet,
-    // which x86 (and the verifier there) accept; a byte-wise read costs
-    // seven more instructions on every packet.
-    let src = unsafe { core::ptr::read_volatile(hdr.add(12) as *const u32) };
+    let src = unsafe { word(hdr.add(12)) };
     let mut pkt = Packet {
         src: [0, 0, 0, src],
         is_v6: false,
-        proto: unsafe { core::ptr::read_volatile(hdr.add(9)) },
+        proto: unsafe { byte(hdr.add(9)) },
         dst_port: 0,
         tcp_flags: 0,
         frag: Frag::No,
@@ -173,7 +170,7 @@ fn parse_ipv4(ctx: &XdpContext, off: usize) -> Parsed {
     if frag_field & (IPV4_MF | IPV4_OFFSET) == 0 {
         return parse_l4(ctx, off + ihl, 0, pkt);
     }
-    pkt.dst = unsafe { core::ptr::read_volatile(hdr.add(16) as *const u32) };
+    pkt.dst = unsafe { word(hdr.add(16)) };
     pkt.frag_id = unsafe { be16(hdr.add(4)) } as u32;
     let total = unsafe { be16(hdr.add(2)) } as usize;
     if frag_field & IPV4_OFFSET != 0 {
@@ -185,12 +182,30 @@ fn parse_ipv4(ctx: &XdpContext, off: usize) -> Parsed {
     parse_l4(ctx, off + ihl, off + total, pkt)
 }
 
-/// A big-endian 16-bit field at `p`, which the caller has bounds-checked:
-/// one 2-byte load (headers are 2-byte aligned after Ethernet and VLAN
-/// tags; see `parse_ipv4` for unaligned loads).
+// Loads of header fields the caller has bounds-checked, each one load
+// (volatile, so that LLVM neither merges them into a copy of the header
+// nor hoists a fragment's fields onto every packet's path).
+
+/// The byte at `p`.
+#[inline(always)]
+unsafe fn byte(p: *const u8) -> u8 {
+    unsafe { core::ptr::read_volatile(p) }
+}
+
+/// A big-endian 16-bit field at `p` (headers are 2-byte aligned after
+/// Ethernet and VLAN tags).
 #[inline(always)]
 unsafe fn be16(p: *const u8) -> u16 {
     u16::from_be(unsafe { core::ptr::read_volatile(p as *const u16) })
+}
+
+/// A 32-bit word at `p` as it lies in the packet (network order): one
+/// 4-byte load, though after Ethernet it is only 2-byte aligned, which x86
+/// (and the verifier there) accept; a byte-wise read costs seven more
+/// instructions.
+#[inline(always)]
+unsafe fn word(p: *const u8) -> u32 {
+    unsafe { core::ptr::read_volatile(p as *const u32) }
 }
 
 /// IPv4 flags and fragment offset (bytes 6-7): "more fragments" and the offset.
@@ -216,14 +231,14 @@ fn parse_ipv6(ctx: &XdpContext, off: usize) -> Parsed {
         return Parsed::Malformed;
     };
     let hdr = hdr as *const u8;
-    if unsafe { core::ptr::read_volatile(hdr) } >> 4 != 6 {
+    if unsafe { byte(hdr) } >> 4 != 6 {
         return Parsed::Malformed;
     }
-    let w = |i: usize| unsafe { core::ptr::read_volatile(hdr.add(i) as *const u32) };
+    let w = |i: usize| unsafe { word(hdr.add(i)) };
     let mut pkt = Packet {
         src: [w(8), w(12), w(16), w(20)],
         is_v6: true,
-        proto: unsafe { core::ptr::read_volatile(hdr.add(6)) },
+        proto: unsafe { byte(hdr.add(6)) },
         dst_port: 0,
         tcp_flags: 0,
         frag: Frag::No,
