@@ -437,6 +437,29 @@ fn an_adopted_datapath_swaps_its_program_in_before_it_writes_a_rule() {
     assert_eq!(config_entry(&dir).get(&0, 0).unwrap(), settings, "the settings put back");
     assert_eq!(rl_tests::offer(&dp, &w, 1), (0, 1), "the pinned rule still in force");
     drop(dp);
+
+    // A failure after the kernel swapped the program in, in this process's
+    // bookkeeping of the link (taking it from aya, holding its fd): the
+    // start fails, yet this build's program enforces the pinned rules in
+    // the pinned link, under this build's settings, and a restart takes
+    // the link over again.
+    let (dp, taken) = take_over(changed(), Some("swapped"));
+    let err = taken.expect_err("the injected failure");
+    assert!(err.to_string().contains("after step swapped"), "{err}");
+    let now = lab.xdp_prog_ids().unwrap();
+    assert_eq!(now.len(), 1, "exactly one program on the interface: {now:?}");
+    assert_ne!(now, pinned_program, "this build's program is in the link");
+    assert!(dir.join(format!("link-native-{VB}")).exists(), "the link stays pinned");
+    assert_eq!(config_entry(&dir).get(&0, 0).unwrap().cell_slots_log2, ours, "this build's settings stay once its program is in");
+    assert_eq!(rl_tests::offer(&dp, &w, 1), (0, 1), "the pinned rule still in force");
+    drop(dp);
+    assert_eq!(lab.xdp_prog_ids().unwrap(), now, "the link outlives the process that failed");
+    let (dp, taken) = take_over(changed(), None);
+    taken.expect("a restart takes the link over again");
+    assert_eq!(lab.xdp_prog_ids().unwrap().len(), 1);
+    assert_eq!(rl_tests::offer(&dp, &w, 1), (0, 1), "the pinned rule's bucket kept");
+    drop(dp);
+
     lab.b.ip(&["link", "del", VB]).unwrap();
     lab.a.ip(&["link", "add", VA, "type", "veth", "peer", "name", VB]).unwrap();
     lab.a.ip(&["link", "set", VB, "netns", &lab.b.name]).unwrap();

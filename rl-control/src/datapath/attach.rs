@@ -243,6 +243,9 @@ impl Datapath {
             Err(e) => return Err(failed(chain(&e))),
         };
         self.took_over = true;
+        // Tests: a failure in this process's bookkeeping of a link whose
+        // program the kernel has already swapped.
+        self.failpoint("swapped")?;
         let link = self.xdp(prog)?.take_link(id).map_err(|e| DatapathError::Load(chain(&e)))?;
         self.links.push(FdLink::try_from(link).map_err(|e| DatapathError::Load(chain(&e)))?);
         tracing::info!(iface, "swapped this build's program into the pinned XDP link");
