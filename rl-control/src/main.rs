@@ -3,7 +3,7 @@
 use std::{path::PathBuf, process::ExitCode, time::Duration};
 
 use clap::{Parser, Subcommand};
-use rl_control::{client, config::Config, daemon, datapath::AttachMode};
+use rl_control::{cli, config::Config, daemon, datapath::AttachMode};
 
 /// rl: per-source rate limiting in XDP, before the kernel stack spends anything
 /// on a packet.
@@ -22,7 +22,7 @@ struct Cli {
 #[derive(clap::Args, Clone)]
 struct Remote {
     /// The daemon's runtime directory; its admin socket is `api.sock` there.
-    #[arg(long, value_name = "DIR", default_value = rl_control::client::DEFAULT_RUNTIME_DIR, env = "RL_RUNTIME_DIR")]
+    #[arg(long, value_name = "DIR", default_value = rl_control::cli::DEFAULT_RUNTIME_DIR, env = "RL_RUNTIME_DIR")]
     runtime_dir: PathBuf,
     /// Use the daemon's TCP admin API instead (`HOST:PORT` or a URL: its
     /// `--api` / `[api] listen`), with --token-file.
@@ -74,7 +74,7 @@ enum Command {
         stats_interval: u64,
         /// Runtime directory: the admin API's Unix socket (`api.sock`, mode
         /// 0600: root only) and the pid file go here.
-        #[arg(long, value_name = "DIR", default_value = rl_control::client::DEFAULT_RUNTIME_DIR, env = "RL_RUNTIME_DIR")]
+        #[arg(long, value_name = "DIR", default_value = rl_control::cli::DEFAULT_RUNTIME_DIR, env = "RL_RUNTIME_DIR")]
         runtime_dir: PathBuf,
         /// Where to write the daemon's process id, for `rl-control reload
         /// --pid-file` (default: `rl-control.pid` in the runtime directory).
@@ -215,9 +215,9 @@ enum Command {
 
 /// One API call, printed as a table or JSON.
 fn remote_call(remote: &Remote, method: &str, path: &str, body: Option<&serde_json::Value>, human: fn(&serde_json::Value) -> String) -> anyhow::Result<()> {
-    let c = client::Client::new(&remote.runtime_dir, remote.api.as_deref(), remote.token_file.as_ref())?;
+    let c = cli::Client::new(&remote.runtime_dir, remote.api.as_deref(), remote.token_file.as_ref())?;
     let v = c.call(method, path, body)?;
-    client::print(&v, remote.json, human);
+    cli::print(&v, remote.json, human);
     Ok(())
 }
 
@@ -239,36 +239,36 @@ fn main() -> ExitCode {
             })
             .map_err(anyhow::Error::from),
         Command::Reload { pid_file: Some(pid_file), .. } => daemon::signal_reload(&pid_file),
-        Command::Reload { pid_file: None, remote } => remote_call(&remote, "POST", "/v1/reload", None, client::applied),
-        Command::Status { remote } => remote_call(&remote, "GET", "/v1/status", None, client::status),
-        Command::Rules { remote } => remote_call(&remote, "GET", "/v1/rules", None, client::rules),
-        Command::Stats { remote } => remote_call(&remote, "GET", "/v1/stats", None, client::stats),
-        Command::Top { count, remote } => remote_call(&remote, "GET", &format!("/v1/sources?top={count}"), None, client::top),
-        Command::Events { count, remote } => remote_call(&remote, "GET", &format!("/v1/events?limit={count}"), None, client::events),
+        Command::Reload { pid_file: None, remote } => remote_call(&remote, "POST", "/v1/reload", None, cli::applied),
+        Command::Status { remote } => remote_call(&remote, "GET", "/v1/status", None, cli::status),
+        Command::Rules { remote } => remote_call(&remote, "GET", "/v1/rules", None, cli::rules),
+        Command::Stats { remote } => remote_call(&remote, "GET", "/v1/stats", None, cli::stats),
+        Command::Top { count, remote } => remote_call(&remote, "GET", &format!("/v1/sources?top={count}"), None, cli::top),
+        Command::Events { count, remote } => remote_call(&remote, "GET", &format!("/v1/events?limit={count}"), None, cli::events),
         Command::Source { ip, remote } => {
-            remote_call(&remote, "GET", &format!("/v1/sources/{}", client::encode_segment(&ip)), None, client::source)
+            remote_call(&remote, "GET", &format!("/v1/sources/{}", cli::encode_segment(&ip)), None, cli::source)
         }
-        Command::Ban { cidr, ttl, reason, remote } => rl_control::units::parse_duration(&ttl)
+        Command::Ban { cidr, ttl, reason, remote } => rl_control::config::units::parse_duration(&ttl)
             .map_err(|e| anyhow::anyhow!("--ttl {ttl}: {e}"))
             .and_then(|secs| {
                 let body = serde_json::json!({ "cidr": cidr, "ttl_secs": secs, "reason": reason });
-                remote_call(&remote, "POST", "/v1/bans", Some(&body), client::ban)
+                remote_call(&remote, "POST", "/v1/bans", Some(&body), cli::ban)
             }),
         Command::Unban { cidr, remote } => {
-            remote_call(&remote, "DELETE", &format!("/v1/bans/{}", client::encode_segment(&cidr)), None, client::applied)
+            remote_call(&remote, "DELETE", &format!("/v1/bans/{}", cli::encode_segment(&cidr)), None, cli::applied)
         }
         Command::L7State { domain, entries, remote } => {
-            let mut q = format!("/v1/l7/state?domain={}", client::encode_segment(&domain));
+            let mut q = format!("/v1/l7/state?domain={}", cli::encode_segment(&domain));
             let mut bad = None;
             for e in &entries {
                 match e.split_once('=') {
-                    Some((k, v)) => q += &format!("&{}={}", client::encode_segment(k), client::encode_segment(v)),
+                    Some((k, v)) => q += &format!("&{}={}", cli::encode_segment(k), cli::encode_segment(v)),
                     None => bad = Some(e.clone()),
                 }
             }
             match bad {
                 Some(e) => Err(anyhow::anyhow!("{e:?} is not key=value: give the descriptor's entries as key=value, in order")),
-                None => remote_call(&remote, "GET", &q, None, client::l7_state),
+                None => remote_call(&remote, "GET", &q, None, cli::l7_state),
             }
         }
         Command::Detach { iface, pin_dir } => daemon::detach(&iface, &pin_dir),

@@ -22,9 +22,9 @@ impl Answer {
 /// `Netns::runtime_dir`), with an optional body (content type, bytes) and
 /// bearer token.
 pub fn request(ns: &Netns, method: &str, path: &str, body: Option<(&str, Vec<u8>)>, token: Option<&str>) -> Result<Answer> {
-    let sock = ns.runtime_dir().join(rl_control::client::API_SOCKET);
+    let sock = ns.runtime_dir().join(rl_control::cli::API_SOCKET);
     let content = body.as_ref().map(|(t, b)| (*t, b.as_slice()));
-    let (status, body) = rl_control::client::unix_request(&sock, method, path, content, token)
+    let (status, body) = rl_control::cli::unix_request(&sock, method, path, content, token)
         .with_context(|| format!("{method} {path} on {}", sock.display()))?;
     Ok(Answer { status, body })
 }

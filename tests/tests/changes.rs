@@ -45,10 +45,10 @@ fn reads_never_wait_for_ban_churn_over_100k_cidrs() {
             while !stop.load(Ordering::Relaxed) {
                 let cidr = format!("198.18.{}.0/24", i % 256);
                 let body = serde_json::to_vec(&json!({"cidr": cidr, "ttl_secs": 600})).unwrap();
-                let (code, text) = rl_control::client::unix_request(&sock, "POST", "/v1/bans", Some(("application/json", &body)), None).unwrap();
+                let (code, text) = rl_control::cli::unix_request(&sock, "POST", "/v1/bans", Some(("application/json", &body)), None).unwrap();
                 assert_eq!(code, 201, "{text}");
                 let path = format!("/v1/bans/{}", cidr.replace('/', "%2F"));
-                let (code, text) = rl_control::client::unix_request(&sock, "DELETE", &path, None, None).unwrap();
+                let (code, text) = rl_control::cli::unix_request(&sock, "DELETE", &path, None, None).unwrap();
                 assert_eq!(code, 200, "{text}");
                 churned.fetch_add(2, Ordering::Relaxed);
                 i += 1;

@@ -28,6 +28,6 @@ pub async fn l7_state(AxState(api): AxState<Api>, RawQuery(q): RawQuery) -> ApiR
         return Err(bad("give 1 to 16 descriptor entries"));
     }
     let entries: Vec<DescriptorEntry> = entries.iter().map(|(k, v)| DescriptorEntry { key: k.clone(), value: v.clone() }).collect();
-    let engine = crate::state::lock(&api.state).l7.read().unwrap_or_else(|e| e.into_inner()).clone();
+    let engine = crate::daemon::state::lock(&api.state).l7.read().unwrap_or_else(|e| e.into_inner()).clone();
     Ok(Json(engine.peek(domain, &entries)))
 }

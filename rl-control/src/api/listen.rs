@@ -20,7 +20,7 @@ use tokio::net::{TcpListener, UnixListener};
 use tracing::{error, info};
 
 use super::{metrics_router, router, Api};
-use crate::{client::API_SOCKET, config::Config, state::Shared};
+use crate::{cli::API_SOCKET, config::Config, daemon::state::Shared};
 
 /// The bound listeners and the token TCP requires.
 pub struct Listeners {

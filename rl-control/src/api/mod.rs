@@ -24,11 +24,11 @@ use serde::{Deserialize, Serialize};
 use utoipa::{OpenApi, ToSchema};
 
 use crate::{
-    apply::{self, Change},
+    config::document::{self, EditError},
+    config::units::parse_cidr,
     config::unix_now,
-    document::{self, EditError},
-    state::{lock, ApplyError, ReloadRecord, Shared, State},
-    units::parse_cidr,
+    daemon::apply::{self, Change},
+    daemon::state::{lock, ApplyError, ReloadRecord, Shared, State},
 };
 
 mod l7;
@@ -92,7 +92,7 @@ fn body_error(e: BytesRejection) -> ApiError {
 
 type ApiResult<T> = Result<T, ApiError>;
 
-/// Runs a change on the blocking pool (see [`crate::apply`]: it holds the
+/// Runs a change on the blocking pool (see [`crate::daemon::apply`]: it holds the
 /// state lock only briefly).
 async fn change<T: Send + 'static>(api: &Api, f: impl FnOnce(&Shared) -> ApiResult<T> + Send + 'static) -> ApiResult<T> {
     let state = api.state.clone();
@@ -153,7 +153,7 @@ pub struct Status {
     /// Capacity of each family's source map.
     pub source_capacity: u32,
     /// Table occupancy, unseen keys, refusals, fallbacks and flood mode.
-    pub pressure: crate::state::Pressure,
+    pub pressure: crate::daemon::state::Pressure,
     pub config_file: Option<String>,
     pub last_reload: Option<ReloadRecord>,
     /// `[cluster]`: `state` is `degraded` while Redis does not answer.
@@ -176,7 +176,7 @@ async fn status(AxState(api): AxState<Api>) -> Json<Status> {
         active_bans: s.config.active_bans(unix_now()).count(),
         tracked_sources: s.pressure.buckets_ipv4 + s.pressure.buckets_ipv6,
         source_capacity: s.config.datapath.max_sources,
-        pressure: crate::state::Pressure {
+        pressure: crate::daemon::state::Pressure {
             bucket_capacity: s.config.datapath.max_sources,
             cell_capacity: rl_common::cell_room(s.config.datapath.flood_prefixes),
             ..s.pressure.clone()
@@ -363,12 +363,12 @@ struct TopQuery {
 /// default N = 10, at most 1,000), with their rule, the rate the rule saw
 /// from them and their drops.
 #[utoipa::path(get, path = "/v1/sources", params(("top" = Option<usize>, Query, description = "how many (default 10, at most 1000)")),
-    responses((status = 200, body = crate::state::Top), (status = 400, body = ErrorBody)))]
-async fn top_sources(AxState(api): AxState<Api>, q: Result<Query<TopQuery>, QueryRejection>) -> ApiResult<Json<crate::state::Top>> {
+    responses((status = 200, body = crate::daemon::state::Top), (status = 400, body = ErrorBody)))]
+async fn top_sources(AxState(api): AxState<Api>, q: Result<Query<TopQuery>, QueryRejection>) -> ApiResult<Json<crate::daemon::state::Top>> {
     let Query(q) = q.map_err(|e| ApiError(StatusCode::BAD_REQUEST, format!("{}: use ?top=N", e.body_text())))?;
     let n = q.top.unwrap_or(10);
-    if !(1..=crate::state::TOP_KEPT).contains(&n) {
-        return Err(ApiError(StatusCode::BAD_REQUEST, format!("top must be 1..={}", crate::state::TOP_KEPT)));
+    if !(1..=crate::daemon::state::TOP_KEPT).contains(&n) {
+        return Err(ApiError(StatusCode::BAD_REQUEST, format!("top must be 1..={}", crate::daemon::state::TOP_KEPT)));
     }
     let s = lock(&api.state);
     let mut top = s.top.clone();
@@ -385,7 +385,7 @@ struct EventsQuery {
 #[derive(Serialize, ToSchema)]
 pub struct Events {
     /// Most recent first.
-    pub events: Vec<crate::state::EventView>,
+    pub events: Vec<crate::daemon::state::EventView>,
 }
 
 /// The most recent "source started being limited under rule R" events
@@ -396,8 +396,8 @@ pub struct Events {
 async fn events(AxState(api): AxState<Api>, q: Result<Query<EventsQuery>, QueryRejection>) -> ApiResult<Json<Events>> {
     let Query(q) = q.map_err(|e| ApiError(StatusCode::BAD_REQUEST, format!("{}: use ?limit=N", e.body_text())))?;
     let n = q.limit.unwrap_or(100);
-    if !(1..=crate::state::EVENTS_KEPT).contains(&n) {
-        return Err(ApiError(StatusCode::BAD_REQUEST, format!("limit must be 1..={}", crate::state::EVENTS_KEPT)));
+    if !(1..=crate::daemon::state::EVENTS_KEPT).contains(&n) {
+        return Err(ApiError(StatusCode::BAD_REQUEST, format!("limit must be 1..={}", crate::daemon::state::EVENTS_KEPT)));
     }
     let s = lock(&api.state);
     Ok(Json(Events { events: s.events.iter().rev().take(n).cloned().collect() }))
@@ -493,7 +493,7 @@ async fn reload(AxState(api): AxState<Api>) -> ApiResult<Json<Applied>> {
 #[openapi(
     info(title = "rl admin API", description = "rl-control's admin API: rules, stats, per-source quotas, bans, metrics."),
     paths(healthz, status, get_rules, put_rules, post_rule, delete_rule, stats, top_sources, source, events, post_ban, get_bans, delete_ban, reload, metrics::metrics, l7::l7_state),
-    components(schemas(ErrorBody, Health, Status, crate::state::Pressure, Applied, Stats, RuleCounters, SourceState, SourceLimit, NewBan, BanView, ReloadRecord, crate::state::Top, crate::state::TopSource, Events, crate::state::EventView, crate::l7::engine::Status, crate::cluster::ClusterStatus)),
+    components(schemas(ErrorBody, Health, Status, crate::daemon::state::Pressure, Applied, Stats, RuleCounters, SourceState, SourceLimit, NewBan, BanView, ReloadRecord, crate::daemon::state::Top, crate::daemon::state::TopSource, Events, crate::daemon::state::EventView, crate::l7::engine::Status, crate::cluster::ClusterStatus)),
     modifiers(&BearerAuth)
 )]
 pub struct ApiDoc;

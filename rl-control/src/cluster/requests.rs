@@ -10,8 +10,8 @@ use redis::Script;
 
 use super::{Cluster, Failure};
 use crate::{
+    config::rules::Algorithm,
     l7::rules::{L7Algorithm, L7Rule},
-    rules::Algorithm,
 };
 
 /// The decision script (`decide.lua`), for tools that call it directly.

@@ -6,9 +6,9 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use crate::{
+    config::rules::choice,
+    config::units::parse_millis,
     config::{ConfigError, Located},
-    rules::choice,
-    units::parse_millis,
 };
 
 /// Where a rule's limit holds: on this host, or across every daemon that

@@ -29,8 +29,8 @@ pub(super) fn compile_sources(config: &Config) -> (Vec<(Cidr, u32)>, Vec<BTreeSe
         set.iter()
             .filter(|((fam, len), _)| *fam == v4 && *len <= c.len)
             .filter_map(|((_, len), nets)| {
-                let m = crate::units::mask(&c.octets(), *len);
-                nets.contains(&m).then(|| Cidr { addr: crate::units::bytes_to_addr(&m), len: *len })
+                let m = crate::config::units::mask(&c.octets(), *len);
+                nets.contains(&m).then(|| Cidr { addr: crate::config::units::bytes_to_addr(&m), len: *len })
             })
             .collect()
     };

@@ -27,7 +27,7 @@ pub fn rule_entry(r: &Rule, v4_default: u8, v6_default: u8) -> RuleEntry {
         flags |= RULE_ELASTIC;
         pool = gcra(Unit::Packets, &p);
     }
-    if r.scope == crate::rules::Scope::Cluster {
+    if r.scope == crate::config::rules::Scope::Cluster {
         flags |= rl_common::RULE_CLUSTER;
     }
     RuleEntry {

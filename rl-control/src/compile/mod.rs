@@ -26,9 +26,9 @@ use rl_common::{
 };
 
 use crate::{
+    config::rules::{Action, Algorithm, KeyScope, Mode, Proto, Rate, Rule, Unit},
+    config::units::Cidr,
     config::{Config, FragmentOrphans},
-    rules::{Action, Algorithm, KeyScope, Mode, Proto, Rate, Rule, Unit},
-    units::Cidr,
 };
 
 const NS: u128 = 1_000_000_000;
@@ -130,7 +130,7 @@ pub enum Verdict {
 pub fn with_failure_mode(config: &Config, mut rules: RuleSet, mode: crate::cluster::OnFailure) -> RuleSet {
     use crate::cluster::OnFailure;
     for (entry, rule) in rules.entries.iter_mut().skip(1).zip(&config.rules) {
-        if rule.scope != crate::rules::Scope::Cluster {
+        if rule.scope != crate::config::rules::Scope::Cluster {
             continue;
         }
         match mode {
@@ -387,7 +387,7 @@ mod tests {
                 let list: Vec<String> = src
                     .iter()
                     .map(|(n, len)| {
-                        let net = crate::units::mask(&[10, *n, *n, 0], *len);
+                        let net = crate::config::units::mask(&[10, *n, *n, 0], *len);
                         format!("\"{}.{}.{}.{}/{len}\"", net[0], net[1], net[2], net[3])
                     })
                     .collect();

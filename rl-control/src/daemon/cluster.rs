@@ -12,11 +12,11 @@ use crate::{
         packets::{Ledger, Share, Shares},
         Cluster,
     },
-    datapath::share::{scan_shared, CollectedRecords, SharedBucket, Tables},
     compile::stable_hash,
     config::Config,
-    rules::Scope,
-    state::{lock, EventView, Shared},
+    config::rules::Scope,
+    daemon::state::{lock, EventView, Shared},
+    datapath::share::{scan_shared, CollectedRecords, SharedBucket, Tables},
 };
 
 /// Every cluster rule of `config` as it registers: its namespaced name and
@@ -240,7 +240,7 @@ async fn follow_failure_mode(state: &Shared, cluster: &Cluster) {
         }
     }
     let st = state.clone();
-    if let Ok(Err(e)) = tokio::task::spawn_blocking(move || crate::apply::set_failure_mode(&st, wanted)).await {
+    if let Ok(Err(e)) = tokio::task::spawn_blocking(move || crate::daemon::apply::set_failure_mode(&st, wanted)).await {
         warn!("{e}");
     }
 }

@@ -13,8 +13,8 @@ use tracing::{info, warn};
 
 use crate::{
     config::unix_now,
+    daemon::state::{lock, Pressure, Shared, State},
     datapath::{DatapathError, FloodReading, KnownFilter, Pass, TableIds},
-    state::{lock, Pressure, Shared, State},
 };
 
 /// How often the collector walks the bucket tables.
@@ -37,7 +37,7 @@ pub(super) async fn sweep_requests(l7: crate::l7::http::Shared) {
             // The rules in force for the whole sweep: a bucket of a rule
             // that a change just added is unknown to the engine before it,
             // and would be dropped as if its rule were gone.
-            let _changes = crate::apply::hold_changes();
+            let _changes = crate::daemon::apply::hold_changes();
             let engine = l7.read().unwrap_or_else(|e| e.into_inner()).clone();
             engine.collect_shard(i)
         })
@@ -66,7 +66,7 @@ pub(super) async fn watch_pressure(state: Shared, ids: TableIds) {
         let (st, filter) = (state.clone(), known.clone());
         let walked = tokio::task::spawn_blocking(move || {
             // No rule change during the walk: its limits stay exact.
-            let _changes = crate::apply::hold_changes();
+            let _changes = crate::daemon::apply::hold_changes();
             let pass = match walk {
                 Some(offset) => {
                     let (limits, collected) = {
@@ -288,7 +288,7 @@ struct TopRanker {
 type Counts = std::collections::HashMap<(IpAddr, u32), (u64, u64)>;
 
 impl TopRanker {
-    fn rank(&mut self, buckets: &[crate::datapath::Source], now: Instant, s: &State) -> Option<crate::state::Top> {
+    fn rank(&mut self, buckets: &[crate::datapath::Source], now: Instant, s: &State) -> Option<crate::daemon::state::Top> {
         let counts: Counts = buckets
             .iter()
             .map(|b| ((b.addr, b.rule), (b.bucket.passed + b.bucket.dropped, b.bucket.dropped)))
@@ -307,12 +307,12 @@ impl TopRanker {
             })
             .collect();
         ranked.sort_by_key(|r| std::cmp::Reverse(r.1));
-        ranked.truncate(crate::state::TOP_KEPT);
-        Some(crate::state::Top {
+        ranked.truncate(crate::daemon::state::TOP_KEPT);
+        Some(crate::daemon::state::Top {
             interval_secs: secs,
             sources: ranked
                 .into_iter()
-                .map(|((addr, rule), drops, seen)| crate::state::TopSource {
+                .map(|((addr, rule), drops, seen)| crate::daemon::state::TopSource {
                     source: addr.to_string(),
                     rule: s.dp.rule_name_of_key(rule).unwrap_or("(replaced rule)").to_string(),
                     drops,
@@ -332,7 +332,7 @@ mod tests {
     #[test]
     fn a_full_table_has_room_again_only_after_two_quiet_seconds() {
         let t0 = Instant::now();
-        let mut p = crate::state::Pressure::default();
+        let mut p = crate::daemon::state::Pressure::default();
         assert_eq!(table_full(&p, Some(t0), t0, 64), Some(true), "an insert refused since the last pass");
         (p.table_full, p.buckets_ipv4) = (true, 10);
         assert_eq!(table_full(&p, Some(t0), t0 + Duration::from_secs(1), 64), None, "one quiet pass: the same spell");

@@ -1,8 +1,10 @@
 //! The run loop: validate, load, attach, report, reload on SIGHUP, detach on
 //! SIGINT/SIGTERM.
 
+pub mod apply;
 pub mod cluster;
 mod collect;
+pub mod state;
 
 use std::{
     net::SocketAddr,
@@ -21,10 +23,10 @@ use tracing::{info, warn};
 use crate::{
     api,
     compile::compile,
+    config::units::bytes_to_addr,
     config::{Config, EMBEDDED_DEFAULT},
+    daemon::state::{file_stamp, lock, Shared, State},
     datapath::{interface_index, AttachMode, Datapath, LoadOptions},
-    state::{file_stamp, lock, Shared, State},
-    units::bytes_to_addr,
 };
 
 /// What `rl-control run` needs.
@@ -385,17 +387,17 @@ async fn until_stopped(state: &Shared, mut signals: Signals, watched: Option<Pat
             _ = signals.hup.recv() => {
                 info!("SIGHUP received: reloading");
                 let st = state.clone();
-                let _ = tokio::task::spawn_blocking(move || crate::apply::reload_file(&st, "SIGHUP")).await;
+                let _ = tokio::task::spawn_blocking(move || crate::daemon::apply::reload_file(&st, "SIGHUP")).await;
             }
             _ = watch.tick() => {
                 let st = state.clone();
                 let watched = watched.clone();
                 let _ = tokio::task::spawn_blocking(move || {
-                    crate::apply::expire_bans(&st);
+                    crate::daemon::apply::expire_bans(&st);
                     let now = watched.as_deref().and_then(file_stamp);
                     if now.is_some() && now != lock(&st).stamp {
                         info!("the config file changed on disk: reloading");
-                        let _ = crate::apply::reload_file(&st, "file change");
+                        let _ = crate::daemon::apply::reload_file(&st, "file change");
                     }
                 }).await;
             }
@@ -444,7 +446,7 @@ async fn forward_events(state: Shared, ring: aya::maps::RingBuf<aya::maps::MapDa
         let mut s = lock(&state);
         let offset = s.dp.epoch_offset_ns();
         for e in got {
-            let view = crate::state::EventView {
+            let view = crate::daemon::state::EventView {
                 at_unix_ms: e.at_ns.wrapping_add(offset) / 1_000_000,
                 event: "limited".into(),
                 rule: s.dp.rule_name_of_key(e.rule).unwrap_or("(replaced rule)").to_string(),

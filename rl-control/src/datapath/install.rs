@@ -30,8 +30,8 @@ pub struct Plan {
     entries: Vec<RuleEntry>,
     l4: (Vec<u32>, Vec<u32>),
     dir16: (Vec<u32>, Vec<u32>),
-    lpm_remove: Vec<crate::units::Cidr>,
-    lpm_insert: Vec<(crate::units::Cidr, u32)>,
+    lpm_remove: Vec<crate::config::units::Cidr>,
+    lpm_insert: Vec<(crate::config::units::Cidr, u32)>,
     decide_remove: Vec<u64>,
     decide_insert: Vec<(u64, u32)>,
     config: DatapathConfig,
@@ -331,7 +331,7 @@ impl Datapath {
         }
     }
 
-    fn lpm_write(&mut self, slot: u32, c: &crate::units::Cidr, value: Option<u32>) -> Result<(), DatapathError> {
+    fn lpm_write(&mut self, slot: u32, c: &crate::config::units::Cidr, value: Option<u32>) -> Result<(), DatapathError> {
         let prefix = 8 + c.len as u32;
         match c.addr {
             IpAddr::V4(a) => lpm_set(&mut self.ebpf, MAP_LPM_V4, prefix, slot_key::<5>(slot, &a.octets()), value),

@@ -297,7 +297,7 @@ pub(super) struct SlotContents {
     entries: Vec<rl_common::RuleEntry>,
     l4: Vec<u32>,
     /// Sorted by CIDR.
-    lpm: Vec<(crate::units::Cidr, u32)>,
+    lpm: Vec<(crate::config::units::Cidr, u32)>,
     dir16: Vec<u32>,
     /// Sorted by key.
     decide: Vec<(u64, u32)>,

@@ -8,7 +8,7 @@ use super::{
     engine::{Bucket, Compiled, Status},
     rules::L7Algorithm,
 };
-use crate::rules::{Action, Algorithm};
+use crate::config::rules::{Action, Algorithm};
 
 const NS: u64 = 1_000_000_000;
 

@@ -28,7 +28,7 @@ use super::{
     charge::charge,
     rules::{Entry, L7Algorithm, L7Config, L7Rule},
 };
-use crate::rules::{Action, Algorithm};
+use crate::config::rules::{Action, Algorithm};
 
 mod collect;
 
@@ -208,12 +208,12 @@ impl Engine {
                     _ => Vec::new(),
                 },
                 pool: match r.mode {
-                    crate::rules::Mode::Elastic { pool } => {
-                        Some(crate::compile::limit_entry(Algorithm::TokenBucket, crate::rules::Unit::Packets, &pool))
+                    crate::config::rules::Mode::Elastic { pool } => {
+                        Some(crate::compile::limit_entry(Algorithm::TokenBucket, crate::config::rules::Unit::Packets, &pool))
                     }
                     _ => None,
                 },
-                cluster: (r.scope == crate::rules::Scope::Cluster).then(|| crate::cluster::requests::Prepared::new(r)),
+                cluster: (r.scope == crate::config::rules::Scope::Cluster).then(|| crate::cluster::requests::Prepared::new(r)),
                 batch_ns: r.batch_ms.map(|ms| ms * 1_000_000),
                 rule: r.clone(),
                 counters: Counters::default(),

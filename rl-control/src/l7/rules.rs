@@ -8,9 +8,9 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use crate::{
-    config::{socket_address, ConfigError, Located},
     cluster::settings::scope_of,
-    rules::{checked_name, choice, duration, int_in, limits_of, mode_of, Action, Algorithm, Mode, ModeFields, RawLimit, RuleLimit, Scope, MAX_LIMITS},
+    config::rules::{checked_name, choice, duration, int_in, limits_of, mode_of, Action, Algorithm, Mode, ModeFields, RawLimit, RuleLimit, Scope, MAX_LIMITS},
+    config::{socket_address, ConfigError, Located},
 };
 
 /// Most `[[l7.rule]]`s.
@@ -285,7 +285,7 @@ fn validate_rule(loc: &Located, i: usize, spanned: &Spanned<RawL7Rule>, has_clus
             if let Some(why) = why {
                 return Err(loc.at(b.span(), format!("{who}: batch {why}")));
             }
-            Some(crate::units::parse_millis(b.get_ref(), 60_000).map_err(|m| loc.at(b.span(), format!("{who}: batch: {m}")))?)
+            Some(crate::config::units::parse_millis(b.get_ref(), 60_000).map_err(|m| loc.at(b.span(), format!("{who}: batch: {m}")))?)
         }
     };
     let rule = L7Rule { name: n.clone(), domain, descriptor, algorithm, limits, action, mode, scope, batch_ms };

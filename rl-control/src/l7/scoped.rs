@@ -90,7 +90,7 @@ fn status(c: &Compiled, ok: bool, index: usize) -> Status {
         reset_ms: 0,
         retry_after_ms: 0,
         shadow: false,
-        enforced: c.rule.action != crate::rules::Action::Shadow,
+        enforced: c.rule.action != crate::config::rules::Action::Shadow,
     }
 }
 

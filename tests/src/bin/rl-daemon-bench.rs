@@ -65,8 +65,8 @@ fn metrics_under_churn(lab: &Lab, dir: &std::path::Path) -> Result<(f64, f64, u6
             while !stop.load(Ordering::Relaxed) {
                 let cidr = format!("198.18.{}.0/24", i % 256);
                 let body = serde_json::to_vec(&serde_json::json!({"cidr": cidr, "ttl_secs": 600}))?;
-                let (c1, _) = rl_control::client::unix_request(&sock, "POST", "/v1/bans", Some(("application/json", &body)), None)?;
-                let (c2, _) = rl_control::client::unix_request(&sock, "DELETE", &format!("/v1/bans/{}", cidr.replace('/', "%2F")), None, None)?;
+                let (c1, _) = rl_control::cli::unix_request(&sock, "POST", "/v1/bans", Some(("application/json", &body)), None)?;
+                let (c2, _) = rl_control::cli::unix_request(&sock, "DELETE", &format!("/v1/bans/{}", cidr.replace('/', "%2F")), None, None)?;
                 if (c1, c2) != (201, 200) {
                     bail!("ban churn answered {c1} and {c2}");
                 }

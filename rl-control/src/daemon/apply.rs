@@ -21,8 +21,8 @@ use tracing::{error, info, warn};
 use crate::{
     compile::compile,
     config::{unix_now, Config},
+    daemon::state::{file_stamp, lock, ApplyError, ReloadRecord, Running, Shared},
     datapath::{sleep_until, Plan},
-    state::{file_stamp, lock, ApplyError, ReloadRecord, Running, Shared},
 };
 
 /// One change at a time, each computed from the state it read.
@@ -146,7 +146,7 @@ fn install(
     shared: &Shared,
     change: Change,
     path: Option<&Path>,
-    stamp: Option<crate::state::FileStamp>,
+    stamp: Option<crate::daemon::state::FileStamp>,
     max_sources: u32,
 ) -> Result<(String, Config, String), ApplyError> {
     let t0 = Instant::now();
@@ -260,7 +260,7 @@ pub fn expire_bans(shared: &Shared) {
         return;
     }
     let r = apply_edit(shared, "ban(s) expired", |s| {
-        crate::document::remove_bans(&s.text, |_, until| until <= now)
+        crate::config::document::remove_bans(&s.text, |_, until| until <= now)
             .map(|(text, _)| text)
             .map_err(|e| ApplyError::Failed(format!("cannot lift expired bans: {e:?}")))
     });

@@ -8,8 +8,8 @@ use toml::Spanned;
 
 use super::{Mode, Rate, RawLimit, RuleLimit, Unit, MAX_RULE_BYTES, MAX_RULE_RATE};
 use crate::{
+    config::units::{parse_duration, parse_size},
     config::{ConfigError, Located},
-    units::{parse_duration, parse_size},
 };
 
 /// A rule's name: 1..=48 characters from a-z, 0-9, `_` and `-`.

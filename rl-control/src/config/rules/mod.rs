@@ -14,8 +14,8 @@ use toml::Spanned;
 pub use crate::cluster::settings::Scope;
 use crate::{
     cluster::settings::scope_of,
+    config::units::{parse_cidr, parse_port_range, Cidr},
     config::{ConfigError, Located},
-    units::{parse_cidr, parse_port_range, Cidr},
 };
 
 /// Most `[[rule]]`s the datapath holds.

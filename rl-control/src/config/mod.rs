@@ -4,6 +4,13 @@
 //! validated configuration or one error naming `file:line:column`, what is
 //! wrong and what is allowed. There is no fallback to defaults on error (a
 //! typo must not silently turn limits off).
+//!
+//! The room's other parts: [`rules`] (the rule language), [`units`] (its
+//! values) and [`document`] (the file as a document the admin API edits).
+
+pub mod document;
+pub mod rules;
+pub mod units;
 
 use std::{fmt, ops::Range, path::Path};
 
@@ -11,8 +18,8 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use crate::{
-    rules::{validate_list, validate_rules, RawList, RawRule, Rule, MAX_LIST_CIDRS},
-    units::Cidr,
+    config::rules::{validate_list, validate_rules, RawList, RawRule, Rule, MAX_LIST_CIDRS},
+    config::units::Cidr,
 };
 
 /// The configuration used when `rl-control run` gets no `--config`.
@@ -415,7 +422,7 @@ impl Config {
         };
         let mut bans = Vec::with_capacity(raw.ban.len());
         for (i, b) in raw.ban.iter().enumerate() {
-            let cidr = crate::units::parse_cidr(b.cidr.get_ref())
+            let cidr = crate::config::units::parse_cidr(b.cidr.get_ref())
                 .map_err(|m| err(Some(b.cidr.span()), format!("ban[{i}].cidr: {m}")))?;
             let until = u64::try_from(*b.until.get_ref())
                 .map_err(|_| err(Some(b.until.span()), format!("ban[{i}].until must be a Unix time in seconds, not negative")))?;
@@ -540,7 +547,7 @@ mod tests {
 
     #[test]
     fn the_shipped_example_is_valid() {
-        let c = Config::from_str(include_str!("../../dist/rules.toml"), "dist/rules.toml").unwrap();
+        let c = Config::from_str(include_str!("../../../dist/rules.toml"), "dist/rules.toml").unwrap();
         assert_eq!(c.rules.len(), 3);
         assert_eq!(c.api.listen, Some("127.0.0.1:9100".parse().unwrap()));
     }

@@ -1,5 +1,5 @@
 //! The running daemon's state, shared by the signal loop and the admin API.
-//! It changes only through [`crate::apply`], which holds its lock briefly.
+//! It changes only through [`crate::daemon::apply`], which holds its lock briefly.
 
 use std::{
     collections::BTreeMap,
