@@ -2,6 +2,7 @@
 //! frames, and a guard for the `rl-control` daemon. Used by the end-to-end
 //! tests, `cargo xtask demo` and `cargo xtask bench`.
 
+pub mod alerts;
 pub mod cluster_lab;
 pub mod daemon;
 pub mod envoy;

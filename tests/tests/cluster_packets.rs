@@ -36,6 +36,9 @@ fn three_hosts_hold_one_source_to_one_limit_within_the_documented_bound() {
     assert_eq!(c.redis.cli(&["KEYS", "rl:p:*"]).unwrap().lines().count(), 1, "one flooding source, one cluster bucket in Redis");
     let m = parse_prometheus(&get(&c.labs[0].b, "/metrics").body);
     assert!(m["rl_cluster_raised_buckets_total"] > 0.0, "host 0 was charged other hosts' packets: {m:?}");
+    // Every shipped alert reads series a cluster daemon exports, and none holds.
+    let firing = rl_tests::alerts::check(&m, &["daemon", "datapath", "l7", "cluster"]);
+    assert!(firing.is_empty(), "a healthy cluster: {firing:?}");
     // Again once the buckets went idle and were collected (the kernel's
     // counts start over; the reports must not). Under 1% full, the
     // collector walks every 5 s.

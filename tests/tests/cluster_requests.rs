@@ -179,6 +179,8 @@ fn two_daemons_share_one_exact_limit_and_each_failure_mode_does_what_it_says() {
         assert!(c["degraded_since_unix_ms"].as_u64().is_some(), "{c}");
         let m = parse_prometheus(&get(&lab.b, "/metrics").body);
         assert!(m.keys().any(|k| k.starts_with("rl_cluster_degraded{") && m[k] == 1.0), "{m:?}");
+        let firing = rl_tests::alerts::check(&m, &["daemon", "datapath", "l7", "cluster"]);
+        assert!(firing.contains(&"RlClusterDegraded".to_string()), "Redis hung: {firing:?}");
         assert!(get(&lab.b, "/healthz").status == 200, "health stays 200 while degraded");
         wait_event(lab, "cluster_degraded");
     }

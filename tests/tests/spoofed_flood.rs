@@ -1,14 +1,15 @@
 //! A spoofed-source flood through real veth into the running daemon: forged
 //! frames from 10 × `max_sources` random sources, with the README's
 //! guarantees (a)–(d) checked on what actually reached the protected side,
-//! and flood mode seen in `/metrics`, `/v1/status`, `rl-control status` and
-//! the events.
+//! and flood mode seen in `/metrics`, `/v1/status`, `rl-control status`,
+//! the events and the shipped alerts (`dist/rl-alerts.yml`).
 
 use std::{collections::HashMap, net::IpAddr, time::{Duration, Instant}};
 
 use rl_tests::{
     daemon::{run_once, write, Daemon},
     frames::{eth, ipv4, udp, ETH_P_IP, UDP},
+    alerts,
     http::{get, parse_prometheus},
     lab::{Lab, VA, VB},
     traffic::{forged, join, spoofed_source, Receiver},
@@ -65,12 +66,13 @@ fn a_spoofed_flood_through_the_daemon_neither_resets_nor_bypasses_a_limit_and_is
     let steady = forged(&lab.a, VA, eth(&[], ETH_P_IP, &ipv4(known, UDP, &[], &udp(5000))), steady_n, 200, None, move |_| known);
 
     // While it lasts, the pressure shows in /metrics, /v1/status and the CLI.
-    let (mut metrics_on, mut status_on, mut cli_on) = (false, false, false);
+    let (mut metrics_on, mut status_on, mut cli_on, mut alert_on) = (false, false, false, false);
     let (mut fallbacks_seen, mut cells_seen) = (0.0f64, (0.0f64, 0u64));
     while !flood.is_finished() {
         std::thread::sleep(Duration::from_millis(250));
         let m = parse_prometheus(&get(&lab.b, "/metrics").body);
         metrics_on |= m["rl_flood_mode"] == 1.0 && m["rl_unseen_keys_per_second"] > 2000.0;
+        alert_on |= alerts::check(&m, &["daemon", "datapath", "l7"]).contains(&"RlFloodMode".to_string());
         fallbacks_seen = fallbacks_seen.max(m["rl_datapath_events_total{event=\"fallback_packets\"}"]);
         cells_seen.0 = cells_seen.0.max(m["rl_table_occupancy_ratio{table=\"cells\",family=\"ipv4\"}"]);
         let p = &get(&lab.b, "/v1/status").json()["pressure"];
@@ -116,6 +118,7 @@ fn a_spoofed_flood_through_the_daemon_neither_resets_nor_bypasses_a_limit_and_is
     assert!(cells_seen.0 > 0.0 && cells_seen.1 > 0, "the flood's prefix cells never showed (metrics, status): {cells_seen:?}");
     assert!(status_on, "/v1/status never showed flood mode with > 2000 unseen keys/s");
     assert!(cli_on, "`rl-control status` never said flood mode ON");
+    assert!(alert_on, "the shipped alert RlFloodMode never held during the flood");
     assert!(fallbacks_seen > 0.0, "no packet was charged to a fallback");
     let deadline = Instant::now() + Duration::from_secs(6);
     while events(&lab, "flood_ended") == 0 && Instant::now() < deadline {
@@ -125,6 +128,8 @@ fn a_spoofed_flood_through_the_daemon_neither_resets_nor_bypasses_a_limit_and_is
     assert_eq!(events(&lab, "flood_ended"), 1, "flood_ended within 6 s of the flood's end");
     let m = parse_prometheus(&get(&lab.b, "/metrics").body);
     assert_eq!(m["rl_flood_mode"], 0.0);
+    let firing = alerts::check(&m, &["daemon", "datapath", "l7"]);
+    assert!(!firing.contains(&"RlFloodMode".to_string()) && !firing.contains(&"RlDown".to_string()), "after the flood: {firing:?}");
     assert!(m["rl_table_occupancy_ratio{table=\"sources\",family=\"ipv4\"}"] > 0.0);
     // The walks rebuilt the known-keys filter from the buckets they kept.
     let fill = m["rl_known_filter_fill_ratio{family=\"ipv4\"}"];
@@ -203,11 +208,17 @@ fn a_full_sources_table_and_full_prefix_cells_are_reported_and_so_is_their_room_
     // One insert refused per CPU and window: the rest go to their cells.
     assert!(p["table_full"] == true && p["table_full_refusals"].as_u64().unwrap() >= 1, "{p}");
     assert!(p["fallback_packets"].as_u64().unwrap() >= 100 && p["buckets_ipv4"].as_u64() == Some(64), "{p}");
-    assert_eq!(parse_prometheus(&get(&lab.b, "/metrics").body)["rl_table_full"], 1.0);
+    let m = parse_prometheus(&get(&lab.b, "/metrics").body);
+    assert_eq!(m["rl_table_full"], 1.0);
+    assert!(alerts::check(&m, &["daemon", "datapath", "l7"]).contains(&"RlSourcesTableFull".to_string()), "the table full");
     let (_, out) = run_once(Some(&lab.b), &["status"]).unwrap();
     assert!(out.contains("sources table:   FULL at 64 own buckets"), "{out}");
     assert!(wait_events(&lab, "cells_full", 1, 5), "no cells_full event after 136 newcomers over 16 cells' room");
-    assert_eq!(parse_prometheus(&get(&lab.b, "/metrics").body)["rl_cells_full"], 1.0);
+    let m = parse_prometheus(&get(&lab.b, "/metrics").body);
+    assert_eq!(m["rl_cells_full"], 1.0);
+    let firing = alerts::check(&m, &["daemon", "datapath", "l7"]);
+    assert!(firing.contains(&"RlPrefixCellsFull".to_string()), "the cells full: {firing:?}");
+    assert!(firing.contains(&"RlTableNearlyFull".to_string()), "the cells full: {firing:?}");
     let (_, out) = run_once(Some(&lab.b), &["status"]).unwrap();
     assert!(out.contains("prefix cells:    FULL at 16"), "{out}");
 
@@ -217,6 +228,8 @@ fn a_full_sources_table_and_full_prefix_cells_are_reported_and_so_is_their_room_
     assert!(wait_events(&lab, "cells_room", 1, 5), "no cells_room event once the cells were freed");
     let m = parse_prometheus(&get(&lab.b, "/metrics").body);
     assert_eq!((m["rl_table_full"], m["rl_cells_full"]), (0.0, 0.0));
+    let firing = alerts::check(&m, &["daemon", "datapath", "l7"]);
+    assert!(!firing.iter().any(|a| a == "RlSourcesTableFull" || a == "RlPrefixCellsFull"), "room again: {firing:?}");
     assert!(m["rl_table_occupancy_ratio{table=\"cells\",family=\"ipv4\"}"] < 15.0 / 16.0);
     let (_, out) = run_once(Some(&lab.b), &["status"]).unwrap();
     assert!(!out.contains("sources table:") && !out.contains("prefix cells:    FULL"), "{out}");
