@@ -8,43 +8,68 @@ use axum::{extract::State as AxState, http::header, response::{IntoResponse, Res
 
 use super::*;
 
-/// Prometheus text exposition.
+/// Prometheus text exposition: one part per room, each writing its
+/// families in turn.
 #[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text format", content_type = "text/plain")))]
 pub(super) async fn metrics(AxState(api): AxState<Api>) -> ApiResult<Response> {
     let s = lock(&api.state);
-    let rules = rule_counters(&s)?;
-    let global = s.dp.counters()?;
     let mut out = String::new();
-    let esc = |v: &str| v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n");
-    let family = |out: &mut String, name: &str, kind: &str, help: &str| {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-    };
-    family(&mut out, "rl_packets_total", "counter", "Packets by rule (allow, deny and default included) and verdict.");
+    datapath(&mut out, &s)?;
+    pressure(&mut out, &s);
+    requests(&mut out, &s);
+    daemon(&mut out, &s);
+    if let Some(c) = &s.cluster {
+        cluster(&mut out, c);
+    }
+    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], out).into_response())
+}
+
+/// A label value as the text format escapes it.
+fn esc(v: &str) -> String {
+    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+/// A family's `# HELP` and `# TYPE` lines.
+fn family(out: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+}
+
+/// The datapath's counters: per rule, and the frames and events outside
+/// the rules.
+fn datapath(out: &mut String, s: &State) -> ApiResult<()> {
+    let rules = rule_counters(s)?;
+    let global = s.dp.counters()?;
+    family(out, "rl_packets_total", "counter", "Packets by rule (allow, deny and default included) and verdict.");
     for (name, c) in &rules {
         for (verdict, v) in [("passed", c.passed_packets), ("dropped", c.dropped_packets), ("shadow_dropped", c.shadow_dropped_packets)] {
             let _ = writeln!(out, "rl_packets_total{{rule=\"{}\",verdict=\"{verdict}\"}} {v}", esc(name));
         }
     }
-    family(&mut out, "rl_bytes_total", "counter", "Bytes by rule and verdict.");
+    family(out, "rl_bytes_total", "counter", "Bytes by rule and verdict.");
     for (name, c) in &rules {
         for (verdict, v) in [("passed", c.passed_bytes), ("dropped", c.dropped_bytes), ("shadow_dropped", c.shadow_dropped_bytes)] {
             let _ = writeln!(out, "rl_bytes_total{{rule=\"{}\",verdict=\"{verdict}\"}} {v}", esc(name));
         }
     }
-    family(&mut out, "rl_datapath_events_total", "counter", "Frames and events outside the rules: non-IP frames passed, malformed dropped, buckets created, CAS contention, no state.");
+    family(out, "rl_datapath_events_total", "counter", "Frames and events outside the rules: non-IP frames passed, malformed dropped, buckets created, CAS contention, no state.");
     for (i, name) in rl_common::STAT_NAMES.iter().enumerate() {
         if name.contains("passed") || name.contains("dropped") {
             continue;
         }
         let _ = writeln!(out, "rl_datapath_events_total{{event=\"{name}\"}} {}", global.get(i as u32));
     }
+    Ok(())
+}
+
+/// The tables' pressure, as the collector last saw it.
+fn pressure(out: &mut String, s: &State) {
     let p = &s.pressure;
-    family(&mut out, "rl_tracked_sources", "gauge", "Per-source buckets held (refreshed every second).");
+    family(out, "rl_tracked_sources", "gauge", "Per-source buckets held (refreshed every second).");
     let _ = writeln!(out, "rl_tracked_sources{{family=\"ipv4\"}} {}\nrl_tracked_sources{{family=\"ipv6\"}} {}", p.buckets_ipv4, p.buckets_ipv6);
-    family(&mut out, "rl_source_capacity", "gauge", "Capacity of each family's source map (datapath.max_sources).");
+    family(out, "rl_source_capacity", "gauge", "Capacity of each family's source map (datapath.max_sources).");
     let _ = writeln!(out, "rl_source_capacity {}", s.config.datapath.max_sources);
     family(
-        &mut out,
+        out,
         "rl_table_occupancy_ratio",
         "gauge",
         "Entries held over capacity, per table and family (cells: over the cells an array takes before it is full, half its slots; at 1, a prefix without a cell shares its rule's last resort).",
@@ -57,37 +82,37 @@ pub(super) async fn metrics(AxState(api): AxState<Api>) -> ApiResult<Response> {
     ] {
         let _ = writeln!(out, "rl_table_occupancy_ratio{{table=\"{table}\",family=\"{family_}\"}} {}", held as f64 / cap.max(1) as f64);
     }
-    family(&mut out, "rl_prefix_cells", "gauge", "Prefix cells held (each family's array takes datapath.flood_prefixes rounded up to a power of two, in twice as many slots, two per set).");
+    family(out, "rl_prefix_cells", "gauge", "Prefix cells held (each family's array takes datapath.flood_prefixes rounded up to a power of two, in twice as many slots, two per set).");
     let _ = writeln!(out, "rl_prefix_cells{{family=\"ipv4\"}} {}\nrl_prefix_cells{{family=\"ipv6\"}} {}", p.cells_ipv4, p.cells_ipv6);
-    family(&mut out, "rl_known_filter_fill_ratio", "gauge", "Share of the known-keys filter's bits set: how often a key without a bucket still pays a table lookup.");
+    family(out, "rl_known_filter_fill_ratio", "gauge", "Share of the known-keys filter's bits set: how often a key without a bucket still pays a table lookup.");
     let _ = writeln!(out, "rl_known_filter_fill_ratio{{family=\"ipv4\"}} {}\nrl_known_filter_fill_ratio{{family=\"ipv6\"}} {}", p.known_filter_fill_ipv4, p.known_filter_fill_ipv6);
-    family(&mut out, "rl_unseen_keys_per_second", "gauge", "Keys the datapath found no bucket for, per second (from the flood detectors' last whole 67 ms window).");
+    family(out, "rl_unseen_keys_per_second", "gauge", "Keys the datapath found no bucket for, per second (from the flood detectors' last whole 67 ms window).");
     let _ = writeln!(out, "rl_unseen_keys_per_second {}", p.unseen_keys_per_sec);
-    family(&mut out, "rl_new_buckets_per_second", "gauge", "Per-source buckets created per second.");
+    family(out, "rl_new_buckets_per_second", "gauge", "Per-source buckets created per second.");
     let _ = writeln!(out, "rl_new_buckets_per_second {}", p.new_buckets_per_sec);
-    family(&mut out, "rl_flood_mode", "gauge", "1 while unseen sources are charged to their prefix cells (flood mode), and for two seconds after the last.");
+    family(out, "rl_flood_mode", "gauge", "1 while unseen sources are charged to their prefix cells (flood mode), and for two seconds after the last.");
     let _ = writeln!(out, "rl_flood_mode {}", u8::from(p.flood_mode));
-    family(&mut out, "rl_table_full", "gauge", "1 while the sources' table is full (datapath.max_sources own buckets): new sources share their prefix cells.");
+    family(out, "rl_table_full", "gauge", "1 while the sources' table is full (datapath.max_sources own buckets): new sources share their prefix cells.");
     let _ = writeln!(out, "rl_table_full {}", u8::from(p.table_full));
-    family(&mut out, "rl_cells_full", "gauge", "1 while a family's prefix cells are full (datapath.flood_prefixes): a prefix without a cell shares its rule's last resort.");
+    family(out, "rl_cells_full", "gauge", "1 while a family's prefix cells are full (datapath.flood_prefixes): a prefix without a cell shares its rule's last resort.");
     let _ = writeln!(out, "rl_cells_full {}", u8::from(p.cells_full));
-    family(&mut out, "rl_collected_buckets_total", "counter", "Buckets deleted by the collector because their state was fresh again.");
+    family(out, "rl_collected_buckets_total", "counter", "Buckets deleted by the collector because their state was fresh again.");
     let _ = writeln!(out, "rl_collected_buckets_total {}", p.collected_buckets);
-    family(&mut out, "rl_active_bans", "gauge", "Bans in force.");
-    let _ = writeln!(out, "rl_active_bans {}", s.config.active_bans(unix_now()).count());
-    family(&mut out, "rl_rules", "gauge", "Rules in force ([default] not counted).");
-    let _ = writeln!(out, "rl_rules {}", s.config.rules.len());
+}
+
+/// Request decisions (`[[l7.rule]]`).
+fn requests(out: &mut String, s: &State) {
     let engine = s.l7.read().unwrap_or_else(|e| e.into_inner()).clone();
-    family(&mut out, "rl_l7_decisions_total", "counter", "Request decisions per [[l7.rule]]: ok, over (answered 429) and shadow_over (counted, answered ok).");
+    family(out, "rl_l7_decisions_total", "counter", "Request decisions per [[l7.rule]]: ok, over (answered 429) and shadow_over (counted, answered ok).");
     for (name, c) in engine.counters() {
         use std::sync::atomic::Ordering::Relaxed;
         for (result, v) in [("ok", c.ok.load(Relaxed)), ("over", c.over.load(Relaxed)), ("shadow_over", c.shadow_over.load(Relaxed))] {
             let _ = writeln!(out, "rl_l7_decisions_total{{rule=\"{name}\",result=\"{result}\"}} {v}");
         }
     }
-    family(&mut out, "rl_l7_unmatched_total", "counter", "Request descriptors no [[l7.rule]] matched (not limited).");
+    family(out, "rl_l7_unmatched_total", "counter", "Request descriptors no [[l7.rule]] matched (not limited).");
     let _ = writeln!(out, "rl_l7_unmatched_total {}", engine.unmatched.load(std::sync::atomic::Ordering::Relaxed));
-    family(&mut out, "rl_l7_request_seconds", "histogram", "Time to answer a request decision (decode, decide, encode), by front end.");
+    family(out, "rl_l7_request_seconds", "histogram", "Time to answer a request decision (decode, decide, encode), by front end.");
     for (api, l) in [("grpc", &crate::l7::GRPC_LATENCY), ("http", &crate::l7::HTTP_LATENCY)] {
         let (counts, sum) = l.snapshot();
         for (i, c) in counts.iter().enumerate() {
@@ -98,45 +123,53 @@ pub(super) async fn metrics(AxState(api): AxState<Api>) -> ApiResult<Response> {
     }
     let threads = crate::l7::grpc_threads::THREADS.load(std::sync::atomic::Ordering::Relaxed);
     if threads > 0 {
-        family(&mut out, "rl_l7_grpc_connections", "gauge", "Open gRPC connections per serving thread ([l7] grpc_threads).");
+        family(out, "rl_l7_grpc_connections", "gauge", "Open gRPC connections per serving thread ([l7] grpc_threads).");
         for (i, c) in crate::l7::grpc_threads::CONNECTIONS[..threads].iter().enumerate() {
             let _ = writeln!(out, "rl_l7_grpc_connections{{thread=\"{i}\"}} {}", c.load(std::sync::atomic::Ordering::Relaxed));
         }
     }
-    family(&mut out, "rl_l7_keys", "gauge", "Request buckets held, against [l7] max_keys.");
+    family(out, "rl_l7_keys", "gauge", "Request buckets held, against [l7] max_keys.");
     let _ = writeln!(out, "rl_l7_keys {}", engine.keys());
-    family(&mut out, "rl_l7_max_keys", "gauge", "[l7] max_keys.");
+    family(out, "rl_l7_max_keys", "gauge", "[l7] max_keys.");
     let _ = writeln!(out, "rl_l7_max_keys {}", s.config.l7.max_keys);
-    family(&mut out, "rl_reloads_total", "counter", "Rule set changes (file reloads and API changes) by result.");
+}
+
+/// The daemon's own: bans, rules, changes, API requests, uptime.
+fn daemon(out: &mut String, s: &State) {
+    family(out, "rl_active_bans", "gauge", "Bans in force.");
+    let _ = writeln!(out, "rl_active_bans {}", s.config.active_bans(unix_now()).count());
+    family(out, "rl_rules", "gauge", "Rules in force ([default] not counted).");
+    let _ = writeln!(out, "rl_rules {}", s.config.rules.len());
+    family(out, "rl_reloads_total", "counter", "Rule set changes (file reloads and API changes) by result.");
     let _ = writeln!(out, "rl_reloads_total{{result=\"ok\"}} {}\nrl_reloads_total{{result=\"failed\"}} {}", s.reloads_ok, s.reloads_failed);
-    family(&mut out, "rl_api_requests_total", "counter", "Admin API requests by route and status.");
+    family(out, "rl_api_requests_total", "counter", "Admin API requests by route and status.");
     for ((route, code), n) in &s.api_requests {
         let _ = writeln!(out, "rl_api_requests_total{{route=\"{}\",status=\"{code}\"}} {n}", esc(route));
     }
-    if let Some(c) = &s.cluster {
-        let st = c.status();
-        family(&mut out, "rl_cluster_degraded", "gauge", "1 while Redis does not answer within [cluster] timeout: cluster rules enforce on_failure.");
-        let _ = writeln!(out, "rl_cluster_degraded{{on_failure=\"{}\"}} {}", st.on_failure, u8::from(st.state == "degraded"));
-        family(&mut out, "rl_cluster_redis_calls_total", "counter", "Redis script calls by result.");
-        let _ = writeln!(out, "rl_cluster_redis_calls_total{{result=\"ok\"}} {}\nrl_cluster_redis_calls_total{{result=\"failed\"}} {}", st.calls_ok, st.calls_failed);
-        family(&mut out, "rl_cluster_fallbacks_total", "counter", "Cluster decisions answered by on_failure instead of Redis.");
-        let _ = writeln!(out, "rl_cluster_fallbacks_total {}", st.fallbacks);
-        let sync = *c.sync.lock().unwrap_or_else(|e| e.into_inner());
-        family(&mut out, "rl_cluster_sync_rounds_total", "counter", "Packet-rule sync rounds.");
-        let _ = writeln!(out, "rl_cluster_sync_rounds_total {}", sync.rounds);
-        family(&mut out, "rl_cluster_sync_calls_total", "counter", "Redis script calls of the packet-rule sync (one per hash slot per round).");
-        let _ = writeln!(out, "rl_cluster_sync_calls_total {}", sync.calls);
-        family(&mut out, "rl_cluster_reported_buckets_total", "counter", "Bucket reports the packet-rule sync sent and Redis acknowledged.");
-        let _ = writeln!(out, "rl_cluster_reported_buckets_total {}", sync.reported_keys);
-        family(&mut out, "rl_cluster_raised_buckets_total", "counter", "Buckets moved up to their cluster bucket (other hosts' packets charged here).");
-        let _ = writeln!(out, "rl_cluster_raised_buckets_total {}", sync.raised);
-        family(&mut out, "rl_cluster_buckets", "gauge", "Buckets of cluster packet rules in the last round, and the hot ones that travelled.");
-        let _ = writeln!(out, "rl_cluster_buckets{{kind=\"all\"}} {}\nrl_cluster_buckets{{kind=\"hot\"}} {}", sync.buckets, sync.hot);
-        family(&mut out, "rl_cluster_mismatched_rules", "gauge", "Cluster rules another daemon defines differently (request rules answer from on_failure, packet rules are not shared).");
-        let _ = writeln!(out, "rl_cluster_mismatched_rules {}", st.mismatched.len());
-    }
-    family(&mut out, "rl_uptime_seconds", "gauge", "Seconds since the daemon attached.");
+    family(out, "rl_uptime_seconds", "gauge", "Seconds since the daemon attached.");
     let _ = writeln!(out, "rl_uptime_seconds {}", s.started.elapsed().as_secs());
-    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], out).into_response())
 }
 
+/// The cluster's health and the packet-rule sync (`[cluster]` only).
+fn cluster(out: &mut String, c: &crate::cluster::Cluster) {
+    let st = c.status();
+    family(out, "rl_cluster_degraded", "gauge", "1 while Redis does not answer within [cluster] timeout: cluster rules enforce on_failure.");
+    let _ = writeln!(out, "rl_cluster_degraded{{on_failure=\"{}\"}} {}", st.on_failure, u8::from(st.state == "degraded"));
+    family(out, "rl_cluster_redis_calls_total", "counter", "Redis script calls by result.");
+    let _ = writeln!(out, "rl_cluster_redis_calls_total{{result=\"ok\"}} {}\nrl_cluster_redis_calls_total{{result=\"failed\"}} {}", st.calls_ok, st.calls_failed);
+    family(out, "rl_cluster_fallbacks_total", "counter", "Cluster decisions answered by on_failure instead of Redis.");
+    let _ = writeln!(out, "rl_cluster_fallbacks_total {}", st.fallbacks);
+    let sync = *c.sync.lock().unwrap_or_else(|e| e.into_inner());
+    family(out, "rl_cluster_sync_rounds_total", "counter", "Packet-rule sync rounds.");
+    let _ = writeln!(out, "rl_cluster_sync_rounds_total {}", sync.rounds);
+    family(out, "rl_cluster_sync_calls_total", "counter", "Redis script calls of the packet-rule sync (one per hash slot per round).");
+    let _ = writeln!(out, "rl_cluster_sync_calls_total {}", sync.calls);
+    family(out, "rl_cluster_reported_buckets_total", "counter", "Bucket reports the packet-rule sync sent and Redis acknowledged.");
+    let _ = writeln!(out, "rl_cluster_reported_buckets_total {}", sync.reported_keys);
+    family(out, "rl_cluster_raised_buckets_total", "counter", "Buckets moved up to their cluster bucket (other hosts' packets charged here).");
+    let _ = writeln!(out, "rl_cluster_raised_buckets_total {}", sync.raised);
+    family(out, "rl_cluster_buckets", "gauge", "Buckets of cluster packet rules in the last round, and the hot ones that travelled.");
+    let _ = writeln!(out, "rl_cluster_buckets{{kind=\"all\"}} {}\nrl_cluster_buckets{{kind=\"hot\"}} {}", sync.buckets, sync.hot);
+    family(out, "rl_cluster_mismatched_rules", "gauge", "Cluster rules another daemon defines differently (request rules answer from on_failure, packet rules are not shared).");
+    let _ = writeln!(out, "rl_cluster_mismatched_rules {}", st.mismatched.len());
+}
