@@ -6,7 +6,7 @@
 //! CIDR drops; else the first `[[rule]]` in file order whose match fits
 //! charges it; else `[default]` does. A packet is charged to exactly one rule.
 
-use std::collections::HashMap;
+use std::{collections::HashMap, ops::Range};
 
 use serde::Deserialize;
 use toml::Spanned;
@@ -241,133 +241,155 @@ pub(crate) fn validate_rules(loc: &Located, raw: &[Spanned<RawRule>], has_cluste
             let (line, _) = loc.line_col(first);
             return Err(loc.at(name.span(), format!("rule name \"{n}\" is already used on line {line}: names must be unique")));
         }
-        let who = format!("rule \"{n}\"");
-
-        let proto = choice(
-            loc,
-            &format!("{who}: proto"),
-            &r.proto,
-            &[("any", Proto::Any), ("tcp", Proto::Tcp), ("udp", Proto::Udp), ("icmp", Proto::Icmp), ("icmpv6", Proto::Icmpv6)],
-        )?;
-        let mut dst_ports = Vec::new();
-        if let Some(ports) = &r.dst_ports {
-            if matches!(proto, Proto::Icmp | Proto::Icmpv6) {
-                return Err(loc.at(ports.span(), format!("{who}: dst_ports needs proto = \"tcp\", \"udp\" or \"any\" (ICMP has no ports)")));
-            }
-            if ports.get_ref().is_empty() {
-                return Err(loc.at(ports.span(), format!("{who}: dst_ports is empty: list ports or ranges, or leave it out to match every port")));
-            }
-            let n = ports.get_ref().len();
-            if n > MAX_PORTS_PER_RULE {
-                return Err(loc.at(ports.span(), format!("{who}: dst_ports lists {n} entries, at most {MAX_PORTS_PER_RULE}: merge them into ranges (\"8000-8080\")")));
-            }
-            ports_total += n;
-            if ports_total > MAX_PORTS_TOTAL {
-                return Err(loc.at(ports.span(), format!("{who}: the rules list {ports_total} dst_ports entries so far, at most {MAX_PORTS_TOTAL} together: merge them into ranges")));
-            }
-            for p in ports.get_ref() {
-                dst_ports.push(parse_port_range(p.get_ref()).map_err(|m| loc.at(p.span(), format!("{who}: dst_ports: {m}")))?);
-            }
-        }
-        let syn_only = match &r.tcp_flags {
-            None => false,
-            Some(f) => {
-                if f.get_ref() != "syn" {
-                    return Err(loc.at(f.span(), format!("{who}: tcp_flags = \"{}\" is not allowed: use \"syn\" (SYN set, ACK clear)", f.get_ref())));
-                }
-                if proto != Proto::Tcp {
-                    return Err(loc.at(f.span(), format!("{who}: tcp_flags needs proto = \"tcp\"")));
-                }
-                true
-            }
-        };
-        let mut src = Vec::new();
-        if let Some(list) = &r.src {
-            if list.get_ref().is_empty() {
-                return Err(loc.at(list.span(), format!("{who}: src is empty: list CIDRs, or leave it out to match every source")));
-            }
-            for c in list.get_ref() {
-                src.push(parse_cidr(c.get_ref()).map_err(|m| loc.at(c.span(), format!("{who}: src: {m}")))?);
-            }
-        }
-
-        let scope = choice(loc, &format!("{who}: key"), &r.key, &[("source", 0), ("prefix", 1), ("global", 2)])?;
-        let key = match scope {
-            1 => KeyScope::Prefix {
-                v4: match &r.prefix_v4 {
-                    Some(p) => int_in(loc, &format!("{who}: prefix_v4"), p, 1, 32)? as u8,
-                    None => 24,
-                },
-                v6: match &r.prefix_v6 {
-                    Some(p) => int_in(loc, &format!("{who}: prefix_v6"), p, 1, 128)? as u8,
-                    None => 48,
-                },
-            },
-            s => {
-                if let Some(p) = r.prefix_v4.as_ref().or(r.prefix_v6.as_ref()) {
-                    return Err(loc.at(p.span(), format!("{who}: prefix_v4 and prefix_v6 need key = \"prefix\"")));
-                }
-                if s == 0 {
-                    KeyScope::Source
-                } else {
-                    KeyScope::Global
-                }
-            }
-        };
-        let algorithm = choice(
-            loc,
-            &format!("{who}: algorithm"),
-            &r.algorithm,
-            &[("token_bucket", Algorithm::TokenBucket), ("fixed_window", Algorithm::FixedWindow), ("sliding_window", Algorithm::SlidingWindow)],
-        )?;
-        let windowed = algorithm != Algorithm::TokenBucket;
-        let own = r.own_limit();
-        let limits = match &r.limits {
-            Some(list) => {
-                if !own.is_empty() {
-                    return Err(loc.at(list.span(), format!("{who}: give either `limits = [...]` or rate/per/burst/bytes, not both")));
-                }
-                if list.get_ref().is_empty() {
-                    return Err(loc.at(list.span(), format!("{who}: limits is empty")));
-                }
-                let mut all = Vec::new();
-                for (j, l) in list.get_ref().iter().enumerate() {
-                    all.extend(limits_of(loc, &format!("{who}: limits[{j}]"), l.get_ref(), windowed, l.span())?);
-                }
-                all
-            }
-            None => limits_of(loc, &who, &own, windowed, table.clone())?,
-        };
-        if limits.len() > MAX_LIMITS {
-            let span = r.limits.as_ref().map(|l| l.span()).unwrap_or(table.clone());
-            return Err(loc.at(span, format!("{who}: {} limits: at most {MAX_LIMITS} per rule (a packet and a byte limit count as two)", limits.len())));
-        }
-        let action = choice(loc, &format!("{who}: action"), &r.action, &[("drop", Action::Drop), ("shadow", Action::Shadow)])?;
-        let fields = ModeFields { mode: &r.mode, soft_percent: &r.soft_percent, pool_rate: &r.pool_rate, pool_per: &r.pool_per };
-        let mode = mode_of(loc, &who, fields, table.clone(), "packets", None)?;
-        let scope = scope_of(loc, &who, &r.scope, has_cluster)?;
-        if scope == Scope::Cluster {
-            let why = if algorithm != Algorithm::TokenBucket {
-                Some("algorithm = \"token_bucket\"")
-            } else if limits.iter().any(|l| l.unit != Unit::Packets) {
-                Some("packet limits (rate), not bytes")
-            } else if matches!(mode, Mode::Elastic { .. }) {
-                Some("mode = \"hard\" or \"soft\"")
-            } else {
-                None
-            };
-            if let Some(why) = why {
-                let span = r.scope.as_ref().map(|s| s.span()).unwrap_or(table.clone());
-                return Err(loc.at(span, format!("{who}: scope = \"cluster\" on a packet rule needs {why}: hosts exchange packet counts and charge them to token buckets")));
-            }
-        }
-        rules.push(Rule { name: n.clone(), proto, dst_ports, syn_only, src, key, limits, algorithm, action, mode, scope });
+        rules.push(rule_of(loc, r, table, n.clone(), has_cluster, &mut ports_total)?);
     }
     let src_total: usize = rules.iter().map(|r| r.src.len()).sum();
     if src_total > MAX_SRC_CIDRS {
         return Err(loc.at(0..0, format!("{src_total} src CIDRs over all rules: the datapath holds at most {MAX_SRC_CIDRS}")));
     }
     Ok(rules)
+}
+
+/// One `[[rule]]` named `name`, at `table` in the file: what it matches,
+/// how it keys and limits, what it does over the limit. `ports_total`
+/// counts `dst_ports` entries over the rules so far.
+fn rule_of(loc: &Located, r: &RawRule, table: Range<usize>, name: String, has_cluster: bool, ports_total: &mut usize) -> Result<Rule, ConfigError> {
+    let who = format!("rule \"{name}\"");
+    let proto = choice(
+        loc,
+        &format!("{who}: proto"),
+        &r.proto,
+        &[("any", Proto::Any), ("tcp", Proto::Tcp), ("udp", Proto::Udp), ("icmp", Proto::Icmp), ("icmpv6", Proto::Icmpv6)],
+    )?;
+    let dst_ports = dst_ports_of(loc, &who, r, proto, ports_total)?;
+    let syn_only = match &r.tcp_flags {
+        None => false,
+        Some(f) => {
+            if f.get_ref() != "syn" {
+                return Err(loc.at(f.span(), format!("{who}: tcp_flags = \"{}\" is not allowed: use \"syn\" (SYN set, ACK clear)", f.get_ref())));
+            }
+            if proto != Proto::Tcp {
+                return Err(loc.at(f.span(), format!("{who}: tcp_flags needs proto = \"tcp\"")));
+            }
+            true
+        }
+    };
+    let mut src = Vec::new();
+    if let Some(list) = &r.src {
+        if list.get_ref().is_empty() {
+            return Err(loc.at(list.span(), format!("{who}: src is empty: list CIDRs, or leave it out to match every source")));
+        }
+        for c in list.get_ref() {
+            src.push(parse_cidr(c.get_ref()).map_err(|m| loc.at(c.span(), format!("{who}: src: {m}")))?);
+        }
+    }
+    let key = key_of(loc, &who, r)?;
+    let algorithm = choice(
+        loc,
+        &format!("{who}: algorithm"),
+        &r.algorithm,
+        &[("token_bucket", Algorithm::TokenBucket), ("fixed_window", Algorithm::FixedWindow), ("sliding_window", Algorithm::SlidingWindow)],
+    )?;
+    let limits = rule_limits(loc, &who, r, algorithm != Algorithm::TokenBucket, table.clone())?;
+    let action = choice(loc, &format!("{who}: action"), &r.action, &[("drop", Action::Drop), ("shadow", Action::Shadow)])?;
+    let fields = ModeFields { mode: &r.mode, soft_percent: &r.soft_percent, pool_rate: &r.pool_rate, pool_per: &r.pool_per };
+    let mode = mode_of(loc, &who, fields, table.clone(), "packets", None)?;
+    let scope = scope_of(loc, &who, &r.scope, has_cluster)?;
+    if scope == Scope::Cluster {
+        let why = if algorithm != Algorithm::TokenBucket {
+            Some("algorithm = \"token_bucket\"")
+        } else if limits.iter().any(|l| l.unit != Unit::Packets) {
+            Some("packet limits (rate), not bytes")
+        } else if matches!(mode, Mode::Elastic { .. }) {
+            Some("mode = \"hard\" or \"soft\"")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            let span = r.scope.as_ref().map(|s| s.span()).unwrap_or(table);
+            return Err(loc.at(span, format!("{who}: scope = \"cluster\" on a packet rule needs {why}: hosts exchange packet counts and charge them to token buckets")));
+        }
+    }
+    Ok(Rule { name, proto, dst_ports, syn_only, src, key, limits, algorithm, action, mode, scope })
+}
+
+/// A rule's `dst_ports`, as inclusive ranges (empty: every port).
+fn dst_ports_of(loc: &Located, who: &str, r: &RawRule, proto: Proto, ports_total: &mut usize) -> Result<Vec<(u16, u16)>, ConfigError> {
+    let mut dst_ports = Vec::new();
+    let Some(ports) = &r.dst_ports else { return Ok(dst_ports) };
+    if matches!(proto, Proto::Icmp | Proto::Icmpv6) {
+        return Err(loc.at(ports.span(), format!("{who}: dst_ports needs proto = \"tcp\", \"udp\" or \"any\" (ICMP has no ports)")));
+    }
+    if ports.get_ref().is_empty() {
+        return Err(loc.at(ports.span(), format!("{who}: dst_ports is empty: list ports or ranges, or leave it out to match every port")));
+    }
+    let n = ports.get_ref().len();
+    if n > MAX_PORTS_PER_RULE {
+        return Err(loc.at(ports.span(), format!("{who}: dst_ports lists {n} entries, at most {MAX_PORTS_PER_RULE}: merge them into ranges (\"8000-8080\")")));
+    }
+    *ports_total += n;
+    if *ports_total > MAX_PORTS_TOTAL {
+        return Err(loc.at(ports.span(), format!("{who}: the rules list {ports_total} dst_ports entries so far, at most {MAX_PORTS_TOTAL} together: merge them into ranges")));
+    }
+    for p in ports.get_ref() {
+        dst_ports.push(parse_port_range(p.get_ref()).map_err(|m| loc.at(p.span(), format!("{who}: dst_ports: {m}")))?);
+    }
+    Ok(dst_ports)
+}
+
+/// What a rule's buckets are keyed by: `key`, with `prefix_v4`/`prefix_v6`
+/// for `key = "prefix"` only.
+fn key_of(loc: &Located, who: &str, r: &RawRule) -> Result<KeyScope, ConfigError> {
+    let scope = choice(loc, &format!("{who}: key"), &r.key, &[("source", 0), ("prefix", 1), ("global", 2)])?;
+    Ok(match scope {
+        1 => KeyScope::Prefix {
+            v4: match &r.prefix_v4 {
+                Some(p) => int_in(loc, &format!("{who}: prefix_v4"), p, 1, 32)? as u8,
+                None => 24,
+            },
+            v6: match &r.prefix_v6 {
+                Some(p) => int_in(loc, &format!("{who}: prefix_v6"), p, 1, 128)? as u8,
+                None => 48,
+            },
+        },
+        s => {
+            if let Some(p) = r.prefix_v4.as_ref().or(r.prefix_v6.as_ref()) {
+                return Err(loc.at(p.span(), format!("{who}: prefix_v4 and prefix_v6 need key = \"prefix\"")));
+            }
+            if s == 0 {
+                KeyScope::Source
+            } else {
+                KeyScope::Global
+            }
+        }
+    })
+}
+
+/// A rule's limits: `limits = [...]`, or its own rate/per/burst/bytes, not
+/// both; at least one, at most [`MAX_LIMITS`].
+fn rule_limits(loc: &Located, who: &str, r: &RawRule, windowed: bool, table: Range<usize>) -> Result<Vec<RuleLimit>, ConfigError> {
+    let own = r.own_limit();
+    let limits = match &r.limits {
+        Some(list) => {
+            if !own.is_empty() {
+                return Err(loc.at(list.span(), format!("{who}: give either `limits = [...]` or rate/per/burst/bytes, not both")));
+            }
+            if list.get_ref().is_empty() {
+                return Err(loc.at(list.span(), format!("{who}: limits is empty")));
+            }
+            let mut all = Vec::new();
+            for (j, l) in list.get_ref().iter().enumerate() {
+                all.extend(limits_of(loc, &format!("{who}: limits[{j}]"), l.get_ref(), windowed, l.span())?);
+            }
+            all
+        }
+        None => limits_of(loc, who, &own, windowed, table.clone())?,
+    };
+    if limits.len() > MAX_LIMITS {
+        let span = r.limits.as_ref().map(|l| l.span()).unwrap_or(table);
+        return Err(loc.at(span, format!("{who}: {} limits: at most {MAX_LIMITS} per rule (a packet and a byte limit count as two)", limits.len())));
+    }
+    Ok(limits)
 }
 
 #[cfg(test)]
