@@ -18,7 +18,7 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use crate::{
-    config::rules::{validate_list, validate_rules, RawList, RawRule, Rule, MAX_LIST_CIDRS},
+    config::rules::{int_in, validate_list, validate_rules, RawList, RawRule, Rule, MAX_LIST_CIDRS},
     config::units::Cidr,
 };
 
@@ -313,103 +313,20 @@ impl Config {
 
     /// Parses and validates `text`; `origin` names it in errors.
     pub fn from_str(text: &str, origin: &str) -> Result<Config, ConfigError> {
-        let err = |span: Option<Range<usize>>, message: String| ConfigError {
+        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError {
             origin: origin.to_string(),
-            at: span.map(|s| line_col(text, s.start)),
-            message,
-        };
-        let raw: RawConfig =
-            toml::from_str(text).map_err(|e| err(e.span(), e.message().trim().to_string()))?;
-
-        let ranged = |v: &Option<Spanned<i64>>, name: &str, lo: i64, hi: i64, default: i64| {
-            match v {
-                None => Ok(default),
-                Some(s) if (lo..=hi).contains(s.get_ref()) => Ok(*s.get_ref()),
-                Some(s) => Err(err(
-                    Some(s.span()),
-                    format!("{name} = {} is out of range: allowed {lo}..={hi}", s.get_ref()),
-                )),
-            }
-        };
-        let d = &raw.datapath;
-        let datapath = Datapath {
-            max_sources: ranged(&d.max_sources, "datapath.max_sources", 1, MAX_SOURCES_LIMIT as i64, 1 << 20)? as u32,
-            ipv4_prefix: ranged(&d.ipv4_prefix, "datapath.ipv4_prefix", 1, 32, 32)? as u8,
-            ipv6_prefix: ranged(&d.ipv6_prefix, "datapath.ipv6_prefix", 1, 128, 64)? as u8,
-            flood_new_keys_per_sec: ranged(
-                &d.flood_new_keys_per_sec,
-                "datapath.flood_new_keys_per_sec",
-                0,
-                1_000_000_000,
-                DEFAULT_FLOOD_NEW_KEYS_PER_SEC as i64,
-            )? as u32,
-            flood_prefix_v4: ranged(&d.flood_prefix_v4, "datapath.flood_prefix_v4", 0, 32, 24)? as u8,
-            flood_prefix_v6: ranged(&d.flood_prefix_v6, "datapath.flood_prefix_v6", 0, 128, 48)? as u8,
-            flood_prefixes: ranged(
-                &d.flood_prefixes,
-                "datapath.flood_prefixes",
-                1,
-                MAX_SOURCES_LIMIT as i64,
-                DEFAULT_FLOOD_PREFIXES as i64,
-            )? as u32,
-            fragment_ttl_ms: ranged(&d.fragment_ttl_ms, "datapath.fragment_ttl_ms", 1, 60_000, 1_000)? as u16,
-            fragment_orphans: d.fragment_orphans.unwrap_or(FragmentOrphans::Drop),
-            pin_dir: match &d.pin_dir {
-                None => DEFAULT_PIN_DIR.into(),
-                Some(p) if p.get_ref().starts_with('/') && !p.get_ref().contains("..") => p.get_ref().into(),
-                Some(p) => {
-                    return Err(err(
-                        Some(p.span()),
-                        format!("datapath.pin_dir = {:?} must be an absolute path without `..` (on a bpffs, e.g. {DEFAULT_PIN_DIR})", p.get_ref()),
-                    ))
-                }
-            },
-            interfaces: {
-                let mut v = Vec::new();
-                for i in &d.interfaces {
-                    let name = i.get_ref();
-                    // IFNAMSIZ - 1; no `/`, `+` (the pin directory joins names with it) or blanks.
-                    if name.is_empty() || name.len() > 15 || name.contains(['/', '+', ' ', '\t']) {
-                        return Err(err(Some(i.span()), format!("datapath.interfaces: {name:?} is not an interface name (1 to 15 characters, no `/`, `+` or blanks)")));
-                    }
-                    v.push(name.clone());
-                }
-                v
-            },
-        };
-
-        let Some(def) = raw.default else {
-            return Err(err(
-                None,
-                "missing [default] table: add `[default]` with `rate = <packets per second>` \
-                 and optionally `burst = <packets>`"
-                    .into(),
-            ));
-        };
-        let rate = ranged(&Some(def.get_ref().rate.clone()), "default.rate", 1, MAX_RATE as i64, 0)?;
-        let burst = ranged(&def.get_ref().burst, "default.burst", 1, MAX_BURST as i64, rate)?;
-        let default = DefaultLimit {
-            rate: rate as u64,
-            burst: burst as u64,
-        };
-        // The arithmetic's own limits (interval ≥ 1 ns, span fits 64 bits).
-        if let Err(e) = rl_common::Limit::per_second(default.rate, default.burst) {
-            return Err(err(
-                Some(def.span()),
-                format!("[default] rate {rate} with burst {burst} cannot be represented: {e:?}"),
-            ));
-        }
+            at: e.span().map(|s| line_col(text, s.start)),
+            message: e.message().trim().to_string(),
+        })?;
         let loc = Located { text, origin };
+        let datapath = datapath_of(&loc, &raw.datapath)?;
+        let default = default_of(&loc, &raw.default)?;
         let allow = validate_list(&loc, "allow", &raw.allow)?;
         let deny = validate_list(&loc, "deny", &raw.deny)?;
         if allow.len() + deny.len() > MAX_LIST_CIDRS {
-            return Err(err(
-                None,
-                format!(
-                    "{} allow and {} deny CIDRs: the datapath holds at most {MAX_LIST_CIDRS} together",
-                    allow.len(),
-                    deny.len()
-                ),
+            return Err(loc.at(
+                0..0,
+                format!("{} allow and {} deny CIDRs: the datapath holds at most {MAX_LIST_CIDRS} together", allow.len(), deny.len()),
             ));
         }
         let cluster = crate::cluster::settings::validate(&loc, &raw.cluster)?;
@@ -420,23 +337,91 @@ impl Config {
             metrics_listen: address(&raw.api.metrics_listen, "api.metrics_listen", "127.0.0.1:9101")?,
             token_file: raw.api.token_file.as_ref().map(|t| t.get_ref().into()),
         };
-        let mut bans = Vec::with_capacity(raw.ban.len());
-        for (i, b) in raw.ban.iter().enumerate() {
-            let cidr = crate::config::units::parse_cidr(b.cidr.get_ref())
-                .map_err(|m| err(Some(b.cidr.span()), format!("ban[{i}].cidr: {m}")))?;
-            let until = u64::try_from(*b.until.get_ref())
-                .map_err(|_| err(Some(b.until.span()), format!("ban[{i}].until must be a Unix time in seconds, not negative")))?;
-            bans.push(Ban { cidr, until, reason: b.reason.clone() });
-        }
+        let bans = bans_of(&loc, &raw.ban)?;
         if allow.len() + deny.len() + bans.len() > MAX_LIST_CIDRS {
-            return Err(err(
-                None,
+            return Err(loc.at(
+                0..0,
                 format!("{} allow, {} deny and {} ban CIDRs: the datapath holds at most {MAX_LIST_CIDRS} together", allow.len(), deny.len(), bans.len()),
             ));
         }
         let l7 = crate::l7::rules::validate(&loc, &raw.l7, cluster.is_some())?;
         Ok(Config { datapath, default, allow, deny, rules, api, bans, l7, cluster })
     }
+}
+
+/// `v` if it is in `lo..=hi`, `default` if it is not given.
+fn ranged(loc: &Located, v: &Option<Spanned<i64>>, name: &str, lo: i64, hi: i64, default: i64) -> Result<i64, ConfigError> {
+    match v {
+        None => Ok(default),
+        Some(s) => int_in(loc, name, s, lo, hi).map(|x| x as i64),
+    }
+}
+
+/// `[datapath]`.
+fn datapath_of(loc: &Located, d: &RawDatapath) -> Result<Datapath, ConfigError> {
+    let flood_keys = DEFAULT_FLOOD_NEW_KEYS_PER_SEC as i64;
+    Ok(Datapath {
+        max_sources: ranged(loc, &d.max_sources, "datapath.max_sources", 1, MAX_SOURCES_LIMIT as i64, 1 << 20)? as u32,
+        ipv4_prefix: ranged(loc, &d.ipv4_prefix, "datapath.ipv4_prefix", 1, 32, 32)? as u8,
+        ipv6_prefix: ranged(loc, &d.ipv6_prefix, "datapath.ipv6_prefix", 1, 128, 64)? as u8,
+        flood_new_keys_per_sec: ranged(loc, &d.flood_new_keys_per_sec, "datapath.flood_new_keys_per_sec", 0, 1_000_000_000, flood_keys)? as u32,
+        flood_prefix_v4: ranged(loc, &d.flood_prefix_v4, "datapath.flood_prefix_v4", 0, 32, 24)? as u8,
+        flood_prefix_v6: ranged(loc, &d.flood_prefix_v6, "datapath.flood_prefix_v6", 0, 128, 48)? as u8,
+        flood_prefixes: ranged(loc, &d.flood_prefixes, "datapath.flood_prefixes", 1, MAX_SOURCES_LIMIT as i64, DEFAULT_FLOOD_PREFIXES as i64)? as u32,
+        fragment_ttl_ms: ranged(loc, &d.fragment_ttl_ms, "datapath.fragment_ttl_ms", 1, 60_000, 1_000)? as u16,
+        fragment_orphans: d.fragment_orphans.unwrap_or(FragmentOrphans::Drop),
+        pin_dir: match &d.pin_dir {
+            None => DEFAULT_PIN_DIR.into(),
+            Some(p) if p.get_ref().starts_with('/') && !p.get_ref().contains("..") => p.get_ref().into(),
+            Some(p) => {
+                return Err(loc.at(
+                    p.span(),
+                    format!("datapath.pin_dir = {:?} must be an absolute path without `..` (on a bpffs, e.g. {DEFAULT_PIN_DIR})", p.get_ref()),
+                ))
+            }
+        },
+        interfaces: {
+            let mut v = Vec::new();
+            for i in &d.interfaces {
+                let name = i.get_ref();
+                // IFNAMSIZ - 1; no `/`, `+` (the pin directory joins names with it) or blanks.
+                if name.is_empty() || name.len() > 15 || name.contains(['/', '+', ' ', '\t']) {
+                    return Err(loc.at(i.span(), format!("datapath.interfaces: {name:?} is not an interface name (1 to 15 characters, no `/`, `+` or blanks)")));
+                }
+                v.push(name.clone());
+            }
+            v
+        },
+    })
+}
+
+/// `[default]`: required, so that no typo turns every limit off.
+fn default_of(loc: &Located, def: &Option<Spanned<RawDefault>>) -> Result<DefaultLimit, ConfigError> {
+    let Some(def) = def else {
+        return Err(loc.at(
+            0..0,
+            "missing [default] table: add `[default]` with `rate = <packets per second>` and optionally `burst = <packets>`".into(),
+        ));
+    };
+    let rate = ranged(loc, &Some(def.get_ref().rate.clone()), "default.rate", 1, MAX_RATE as i64, 0)?;
+    let burst = ranged(loc, &def.get_ref().burst, "default.burst", 1, MAX_BURST as i64, rate)?;
+    // The arithmetic's own limits (interval ≥ 1 ns, span fits 64 bits).
+    if let Err(e) = rl_common::Limit::per_second(rate as u64, burst as u64) {
+        return Err(loc.at(def.span(), format!("[default] rate {rate} with burst {burst} cannot be represented: {e:?}")));
+    }
+    Ok(DefaultLimit { rate: rate as u64, burst: burst as u64 })
+}
+
+/// `[[ban]]`s, as the API writes them.
+fn bans_of(loc: &Located, raw: &[RawBan]) -> Result<Vec<Ban>, ConfigError> {
+    let mut bans = Vec::with_capacity(raw.len());
+    for (i, b) in raw.iter().enumerate() {
+        let cidr = crate::config::units::parse_cidr(b.cidr.get_ref()).map_err(|m| loc.at(b.cidr.span(), format!("ban[{i}].cidr: {m}")))?;
+        let until = u64::try_from(*b.until.get_ref())
+            .map_err(|_| loc.at(b.until.span(), format!("ban[{i}].until must be a Unix time in seconds, not negative")))?;
+        bans.push(Ban { cidr, until, reason: b.reason.clone() });
+    }
+    Ok(bans)
 }
 
 /// 1-based line and column (in characters) of byte `offset` in `text`.
