@@ -2,7 +2,7 @@
 //! packet rules, sharing their limit syntax (`rate`/`per`/`burst` or
 //! `limits = [...]`, `action`, `mode = "hard" | "soft"`).
 
-use std::net::SocketAddr;
+use std::{net::SocketAddr, ops::Range};
 
 use serde::Deserialize;
 use toml::Spanned;
@@ -172,6 +172,50 @@ fn validate_rule(loc: &Located, i: usize, spanned: &Spanned<RawL7Rule>, has_clus
     let name = r.name.as_ref().ok_or_else(|| loc.at(table.clone(), format!("l7 rule #{}: missing name", i + 1)))?;
     let n = checked_name(loc, "l7 rule", name)?;
     let who = format!("l7 rule \"{n}\"");
+    let (domain, descriptor) = descriptor_of(loc, &who, r, table.clone())?;
+    let kind = choice(
+        loc,
+        &format!("{who}: algorithm"),
+        &r.algorithm,
+        &[("token_bucket", 0), ("fixed_window", 1), ("sliding_window", 2), ("sliding_log", 3), ("concurrency", 4)],
+    )?;
+    let action = choice(loc, &format!("{who}: action"), &r.action, &[("drop", Action::Drop), ("shadow", Action::Shadow)])?;
+    let fields = ModeFields { mode: &r.mode, soft_percent: &r.soft_percent, pool_rate: &r.pool_rate, pool_per: &r.pool_per };
+    let no_elastic = (kind >= 3).then_some("applies to token_bucket, fixed_window and sliding_window");
+    let mode = mode_of(loc, &who, fields, table.clone(), "requests", no_elastic)?;
+    let scope = scope_of(loc, &who, &r.scope, has_cluster)?;
+    if scope == Scope::Cluster && matches!(mode, Mode::Elastic { .. }) {
+        let span = r.mode.as_ref().map(|m| m.span()).unwrap_or(table.clone());
+        return Err(loc.at(span, format!("{who}: mode = \"elastic\" cannot be scope = \"cluster\": the pool is this host's; use hard or soft")));
+    }
+    if kind == 4 {
+        let algorithm = concurrency_of(loc, &who, r, table)?;
+        return Ok(L7Rule { name: n.clone(), domain, descriptor, algorithm, limits: Vec::new(), action, mode, scope, batch_ms: None });
+    }
+    for (field, v) in [("max", r.max.as_ref().map(|v| v.span())), ("lease", r.lease.as_ref().map(|v| v.span()))] {
+        if let Some(span) = v {
+            return Err(loc.at(span, format!("{who}: {field} applies to algorithm = \"concurrency\" only")));
+        }
+    }
+    let algorithm = match kind {
+        0 => L7Algorithm::Packet(Algorithm::TokenBucket),
+        1 => L7Algorithm::Packet(Algorithm::FixedWindow),
+        2 => L7Algorithm::Packet(Algorithm::SlidingWindow),
+        _ => L7Algorithm::SlidingLog,
+    };
+    let limits = request_limits(loc, &who, r, algorithm, table.clone())?;
+    let batch_ms = batch_of(loc, &who, r, scope, algorithm, limits.len())?;
+    let rule = L7Rule { name: n.clone(), domain, descriptor, algorithm, limits, action, mode, scope, batch_ms };
+    if scope == Scope::Cluster {
+        if let Some(why) = crate::cluster::requests::too_large(&rule) {
+            return Err(loc.at(r.scope.as_ref().map(|s| s.span()).unwrap_or(table), format!("{who}: {why}")));
+        }
+    }
+    Ok(rule)
+}
+
+/// What a rule matches: Envoy's `domain` and the descriptor's entries.
+fn descriptor_of(loc: &Located, who: &str, r: &RawL7Rule, table: Range<usize>) -> Result<(String, Vec<Entry>), ConfigError> {
     let domain = match &r.domain {
         Some(d) => text(loc, &format!("{who}: domain"), d)?,
         None => return Err(loc.at(table, format!("{who}: missing domain (Envoy's rate-limit domain, e.g. \"auth\")"))),
@@ -189,59 +233,31 @@ fn validate_rule(loc: &Located, i: usize, spanned: &Spanned<RawL7Rule>, has_clus
         let value = e.value.as_ref().map(|v| text(loc, &format!("{who}: descriptor value"), v)).transpose()?;
         descriptor.push(Entry { key, value });
     }
-    let kind = choice(
-        loc,
-        &format!("{who}: algorithm"),
-        &r.algorithm,
-        &[("token_bucket", 0), ("fixed_window", 1), ("sliding_window", 2), ("sliding_log", 3), ("concurrency", 4)],
-    )?;
-    let action = choice(loc, &format!("{who}: action"), &r.action, &[("drop", Action::Drop), ("shadow", Action::Shadow)])?;
-    let fields = ModeFields { mode: &r.mode, soft_percent: &r.soft_percent, pool_rate: &r.pool_rate, pool_per: &r.pool_per };
-    let no_elastic = (kind >= 3).then_some("applies to token_bucket, fixed_window and sliding_window");
-    let mode = mode_of(loc, &who, fields, table.clone(), "requests", no_elastic)?;
-    let scope = scope_of(loc, &who, &r.scope, has_cluster)?;
-    if scope == Scope::Cluster && matches!(mode, Mode::Elastic { .. }) {
-        let span = r.mode.as_ref().map(|m| m.span()).unwrap_or(table.clone());
-        return Err(loc.at(span, format!("{who}: mode = \"elastic\" cannot be scope = \"cluster\": the pool is this host's; use hard or soft")));
-    }
-    if kind == 4 {
-        for (field, span) in [("rate", r.rate.as_ref().map(|v| v.span())), ("per", r.per.as_ref().map(|v| v.span())), ("burst", r.burst.as_ref().map(|v| v.span())), ("limits", r.limits.as_ref().map(|v| v.span()))] {
-            if let Some(span) = span {
-                return Err(loc.at(span, format!("{who}: {field} does not apply to algorithm = \"concurrency\": give `max` (and `lease`)")));
-            }
-        }
-        let Some(max) = &r.max else {
-            return Err(loc.at(table, format!("{who}: algorithm = \"concurrency\" needs `max`, the requests allowed in flight")));
-        };
-        let max = int_in(loc, &format!("{who}: max"), max, 1, MAX_CONCURRENCY as i64)?;
-        let lease_secs = match &r.lease {
-            None => 60,
-            Some(_) => duration(loc, &format!("{who}: lease"), &r.lease)?,
-        };
-        return Ok(L7Rule {
-            name: n.clone(),
-            domain,
-            descriptor,
-            algorithm: L7Algorithm::Concurrency { max, lease_secs },
-            limits: Vec::new(),
-            action,
-            mode,
-            scope,
-            batch_ms: None,
-        });
-    }
-    for (field, v) in [("max", r.max.as_ref().map(|v| v.span())), ("lease", r.lease.as_ref().map(|v| v.span()))] {
-        if let Some(span) = v {
-            return Err(loc.at(span, format!("{who}: {field} applies to algorithm = \"concurrency\" only")));
+    Ok((domain, descriptor))
+}
+
+/// `algorithm = "concurrency"`: `max` in flight and the `lease`, no rates.
+fn concurrency_of(loc: &Located, who: &str, r: &RawL7Rule, table: Range<usize>) -> Result<L7Algorithm, ConfigError> {
+    for (field, span) in [("rate", r.rate.as_ref().map(|v| v.span())), ("per", r.per.as_ref().map(|v| v.span())), ("burst", r.burst.as_ref().map(|v| v.span())), ("limits", r.limits.as_ref().map(|v| v.span()))] {
+        if let Some(span) = span {
+            return Err(loc.at(span, format!("{who}: {field} does not apply to algorithm = \"concurrency\": give `max` (and `lease`)")));
         }
     }
-    let algorithm = match kind {
-        0 => L7Algorithm::Packet(Algorithm::TokenBucket),
-        1 => L7Algorithm::Packet(Algorithm::FixedWindow),
-        2 => L7Algorithm::Packet(Algorithm::SlidingWindow),
-        _ => L7Algorithm::SlidingLog,
+    let Some(max) = &r.max else {
+        return Err(loc.at(table, format!("{who}: algorithm = \"concurrency\" needs `max`, the requests allowed in flight")));
     };
-    let windowed = kind != 0;
+    let max = int_in(loc, &format!("{who}: max"), max, 1, MAX_CONCURRENCY as i64)?;
+    let lease_secs = match &r.lease {
+        None => 60,
+        Some(_) => duration(loc, &format!("{who}: lease"), &r.lease)?,
+    };
+    Ok(L7Algorithm::Concurrency { max, lease_secs })
+}
+
+/// A rate rule's limits: `limits = [...]` or its own rate/per/burst, in
+/// requests (never bytes).
+fn request_limits(loc: &Located, who: &str, r: &RawL7Rule, algorithm: L7Algorithm, table: Range<usize>) -> Result<Vec<RuleLimit>, ConfigError> {
+    let windowed = algorithm != L7Algorithm::Packet(Algorithm::TokenBucket);
     let own = RawLimit { rate: r.rate.clone(), per: r.per.clone(), burst: r.burst.clone(), bytes: None, byte_burst: None };
     let limits: Vec<RuleLimit> = match &r.limits {
         Some(list) => {
@@ -260,7 +276,7 @@ fn validate_rule(loc: &Located, i: usize, spanned: &Spanned<RawL7Rule>, has_clus
             }
             all
         }
-        None => limits_of(loc, &who, &own, windowed, table.clone())?,
+        None => limits_of(loc, who, &own, windowed, table.clone())?,
     };
     if algorithm == L7Algorithm::SlidingLog {
         for l in &limits {
@@ -270,31 +286,26 @@ fn validate_rule(loc: &Located, i: usize, spanned: &Spanned<RawL7Rule>, has_clus
             }
         }
     }
-    let batch_ms = match &r.batch {
-        None => None,
-        Some(b) => {
-            let why = if scope != Scope::Cluster {
-                Some("needs scope = \"cluster\"")
-            } else if algorithm != L7Algorithm::Packet(Algorithm::TokenBucket) {
-                Some("applies to algorithm = \"token_bucket\" only")
-            } else if limits.len() != 1 {
-                Some("needs exactly one limit")
-            } else {
-                None
-            };
-            if let Some(why) = why {
-                return Err(loc.at(b.span(), format!("{who}: batch {why}")));
-            }
-            Some(crate::config::units::parse_millis(b.get_ref(), 60_000).map_err(|m| loc.at(b.span(), format!("{who}: batch: {m}")))?)
-        }
+    Ok(limits)
+}
+
+/// `batch`: a cluster token-bucket rule with one limit may settle with
+/// Redis in batches.
+fn batch_of(loc: &Located, who: &str, r: &RawL7Rule, scope: Scope, algorithm: L7Algorithm, n_limits: usize) -> Result<Option<u64>, ConfigError> {
+    let Some(b) = &r.batch else { return Ok(None) };
+    let why = if scope != Scope::Cluster {
+        Some("needs scope = \"cluster\"")
+    } else if algorithm != L7Algorithm::Packet(Algorithm::TokenBucket) {
+        Some("applies to algorithm = \"token_bucket\" only")
+    } else if n_limits != 1 {
+        Some("needs exactly one limit")
+    } else {
+        None
     };
-    let rule = L7Rule { name: n.clone(), domain, descriptor, algorithm, limits, action, mode, scope, batch_ms };
-    if scope == Scope::Cluster {
-        if let Some(why) = crate::cluster::requests::too_large(&rule) {
-            return Err(loc.at(r.scope.as_ref().map(|s| s.span()).unwrap_or(table), format!("{who}: {why}")));
-        }
+    if let Some(why) = why {
+        return Err(loc.at(b.span(), format!("{who}: batch {why}")));
     }
-    Ok(rule)
+    Ok(Some(crate::config::units::parse_millis(b.get_ref(), 60_000).map_err(|m| loc.at(b.span(), format!("{who}: batch: {m}")))?))
 }
 
 #[cfg(test)]
