@@ -45,6 +45,75 @@ pub fn table_capacity(c: &Compiled) -> u32 {
     c.max_sources.saturating_add(c.flood_prefixes).saturating_add(LAST_RESORT_ROOM)
 }
 
+/// The maps sized at load: the sources' tables and the cell arrays.
+fn sized_maps(compiled: &Compiled) -> [(&'static str, u32); 6] {
+    let capacity = table_capacity(compiled);
+    let cell_slots = rl_common::cell_slots(compiled.flood_prefixes);
+    [
+        (MAP_SOURCES_V4, capacity),
+        (MAP_SOURCES_V6, capacity),
+        (rl_common::MAP_CELLS_V4, cell_slots),
+        (rl_common::MAP_CELLS_V6, cell_slots),
+        (rl_common::MAP_CELL_KEYS_V4, cell_slots),
+        (rl_common::MAP_CELL_KEYS_V6, cell_slots),
+    ]
+}
+
+/// What the pins in a directory hold, worked out before anything is
+/// loaded or pinned beside them, so that a refusal leaves them as they
+/// were.
+#[derive(Default)]
+struct PinPlan {
+    /// Pins of this layout are there: adopt them.
+    adopted: bool,
+    /// The pinned rule set's config, when one is in force.
+    pinned: Option<DatapathConfig>,
+    /// The cells are still in the sources' tables (RL_CELLN is pinned only
+    /// once they are in the arrays, see `move_old_cells`: a daemon stopped
+    /// before that moves them again).
+    cells_from_tables: bool,
+    /// 64-byte cell arrays are pinned (unpinned once moved, see `cells_moved`).
+    old_arrays: bool,
+}
+
+impl PinPlan {
+    fn of(dir: &std::path::Path, specs: &[pin::MapSpec], compiled: &Compiled) -> Result<PinPlan, DatapathError> {
+        let adopted = pin::check(dir, specs)?;
+        if !adopted {
+            return Ok(PinPlan::default());
+        }
+        let pinned = pin::config(dir)?.filter(|c| c.enabled != 0);
+        if let Some(cfg) = &pinned {
+            cells_fit(cfg, &compiled.rules.tuning).map_err(|what| DatapathError::Layout { dir: dir.to_path_buf(), what })?;
+        }
+        Ok(PinPlan {
+            adopted,
+            pinned,
+            cells_from_tables: !dir.join(rl_common::MAP_CELL_COUNT).exists(),
+            old_arrays: [rl_common::MAP_OLD_CELLS_V4, rl_common::MAP_OLD_CELLS_V6].iter().any(|n| dir.join(n).exists()),
+        })
+    }
+}
+
+/// The object loaded with its maps sized and, with pins, pinned or adopted
+/// by name (the cell count only once the cells are in the arrays).
+fn load_object(sized: &[(&str, u32)], specs: &[pin::MapSpec], opts: &LoadOptions, plan: &PinPlan) -> Result<Ebpf, DatapathError> {
+    let bench = u32::from(opts.bench_new_sources);
+    let mut loader = EbpfLoader::new();
+    for (name, n) in sized {
+        loader.map_max_entries(name, *n);
+    }
+    loader.override_global(GLOBAL_BENCH_NEW_SOURCES, &bench, true);
+    if let Some(dir) = &opts.pin {
+        for s in specs {
+            if !(plan.cells_from_tables && s.name == rl_common::MAP_CELL_COUNT) {
+                loader.map_pin_path(s.name.as_str(), dir.join(&s.name));
+            }
+        }
+    }
+    loader.load(OBJECT).map_err(|e| classify("loading the XDP object", &e).unwrap_or_else(|| DatapathError::Load(chain(&e))))
+}
+
 impl Datapath {
     /// Loads the object, sizes the source map and writes the configuration.
     /// Nothing is attached yet.
@@ -58,58 +127,15 @@ impl Datapath {
     /// force until an install ([`Datapath::take_over`] makes it after its
     /// swap).
     pub fn load_with(compiled: &Compiled, opts: LoadOptions) -> Result<Datapath, DatapathError> {
-        let capacity = table_capacity(compiled);
         let cell_slots = rl_common::cell_slots(compiled.flood_prefixes);
-        let sized = [
-            (MAP_SOURCES_V4, capacity),
-            (MAP_SOURCES_V6, capacity),
-            (rl_common::MAP_CELLS_V4, cell_slots),
-            (rl_common::MAP_CELLS_V6, cell_slots),
-            (rl_common::MAP_CELL_KEYS_V4, cell_slots),
-            (rl_common::MAP_CELL_KEYS_V6, cell_slots),
-        ];
+        let sized = sized_maps(compiled);
         let specs = pin::specs(OBJECT, &sized)?;
         let held = opts.pin.as_deref().map(pin::hold).transpose()?;
-        let adopted = match &opts.pin {
-            Some(dir) => pin::check(dir, &specs)?,
-            None => false,
+        let plan = match &opts.pin {
+            Some(dir) => PinPlan::of(dir, &specs, compiled)?,
+            None => PinPlan::default(),
         };
-        // The pinned rule set's config: checked before anything is loaded
-        // or pinned beside it, so a refusal leaves the pins as they were.
-        let pinned = match &opts.pin {
-            Some(dir) if adopted => pin::config(dir)?.filter(|c| c.enabled != 0),
-            _ => None,
-        };
-        if let (Some(cfg), Some(dir)) = (&pinned, &opts.pin) {
-            cells_fit(cfg, &compiled.rules.tuning).map_err(|what| DatapathError::Layout { dir: dir.clone(), what })?;
-        }
-        // RL_CELLN is pinned only once the cells are in the arrays (see
-        // `move_old_cells`): a daemon stopped before that moves them again.
-        let cells_from_tables = adopted && opts.pin.as_ref().is_some_and(|d| !d.join(rl_common::MAP_CELL_COUNT).exists());
-        // 64-byte cell arrays: unpinned once moved (see `cells_moved`).
-        let old_arrays = match &opts.pin {
-            Some(d) if adopted => [rl_common::MAP_OLD_CELLS_V4, rl_common::MAP_OLD_CELLS_V6].iter().any(|n| d.join(n).exists()),
-            _ => false,
-        };
-        let bench = u32::from(opts.bench_new_sources);
-        let mut loader = EbpfLoader::new();
-        for (name, n) in sized {
-            loader.map_max_entries(name, n);
-        }
-        loader.override_global(GLOBAL_BENCH_NEW_SOURCES, &bench, true);
-        if let Some(dir) = &opts.pin {
-            for s in &specs {
-                if !(cells_from_tables && s.name == rl_common::MAP_CELL_COUNT) {
-                    loader.map_pin_path(s.name.as_str(), dir.join(&s.name));
-                }
-            }
-        }
-        let ebpf = loader
-            .load(OBJECT)
-            .map_err(|e| {
-                classify("loading the XDP object", &e)
-                    .unwrap_or_else(|| DatapathError::Load(chain(&e)))
-            })?;
+        let ebpf = load_object(&sized, &specs, &opts, &plan)?;
         let mut dp = Datapath {
             ebpf,
             attachments: Vec::new(),
@@ -123,11 +149,11 @@ impl Datapath {
             cell_slots_log2: cell_slots.trailing_zeros() as u16,
             cpus: aya::util::nr_cpus().map_err(|(_, e)| DatapathError::Load(format!("cannot count the CPUs: {e}")))?,
             pins: opts.pin.clone(),
-            adopted,
+            adopted: plan.adopted,
             pinned_config: None,
             took_over: false,
-            cells_from_tables,
-            old_arrays,
+            cells_from_tables: plan.cells_from_tables,
+            old_arrays: plan.old_arrays,
             links: Vec::new(),
             _held: held,
             failpoint: None,
@@ -140,34 +166,18 @@ impl Datapath {
         // Adopted, window limits count in windows of the wall clock as the
         // pinned offset placed them: a clock stepped since would move every
         // window (a fixed one would read as a new one).
-        dp.epoch_offset_ns = pinned.as_ref().map_or_else(epoch_offset_ns, |p| p.epoch_offset_ns);
-        if adopted {
+        dp.epoch_offset_ns = plan.pinned.as_ref().map_or_else(epoch_offset_ns, |p| p.epoch_offset_ns);
+        if plan.adopted {
             // The running program reads the active slot; what either slot
             // holds is not known here, so the install clears before writing.
-            dp.active = pinned.as_ref().map(|p| p.slot_flags().0);
+            dp.active = plan.pinned.as_ref().map(|p| p.slot_flags().0);
             dp.slots = [Arc::new(SlotContents { unknown: true, ..Default::default() }), Arc::new(SlotContents { unknown: true, ..Default::default() })];
         }
-        if pinned.is_none() {
+        if plan.pinned.is_none() {
             dp.install(&compiled.rules)?;
         }
-        // The own buckets' cap, before the program first runs (adopted:
-        // the same, `max_sources` being part of the tables' size).
-        let mut owned: Array<&mut MapData, u64> = map_mut(&mut dp.ebpf, rl_common::MAP_OWNED)?;
-        owned.set(rl_common::OWNED_CAP, u64::from(compiled.max_sources), 0).map_err(|e| map_error(rl_common::MAP_OWNED, e))?;
-        if !adopted {
-            // Fresh, empty tables: every clear bit is true. Adopted ones
-            // wait for the collector's first walk (rl_common::known).
-            let mut known: Array<&mut MapData, u64> = map_mut(&mut dp.ebpf, MAP_KNOWN)?;
-            known.set(0, KNOWN_VALID, 0).map_err(|e| map_error(MAP_KNOWN, e))?;
-        }
-        if opts.pin.is_some() {
-            let mut layout: Array<&mut MapData, u32> = map_mut(&mut dp.ebpf, MAP_LAYOUT)?;
-            layout.set(0, LAYOUT_VERSION, 0).map_err(|e| map_error(MAP_LAYOUT, e))?;
-        }
-        // Fail now, not later, if the object's maps do not match rl-common.
-        dp.counters()?;
-        dp.sources()?;
-        if let Some(p) = pinned {
+        dp.first_writes(compiled, opts.pin.is_some())?;
+        if let Some(p) = plan.pinned {
             // The pinned program reads the pinned rules until this build's
             // replaces it: no rule is written before then
             // (`Datapath::take_over`). Last: a failure above leaves the
@@ -176,6 +186,30 @@ impl Datapath {
             dp.pinned_config = Some(p);
         }
         Ok(dp)
+    }
+
+    /// What a loaded datapath writes before its program first runs: the
+    /// own buckets' cap, a fresh filter's validity and the pins' layout
+    /// version; then a read of the counters and sources, so that maps that
+    /// do not match rl-common fail now, not later.
+    fn first_writes(&mut self, compiled: &Compiled, pinned: bool) -> Result<(), DatapathError> {
+        // The own buckets' cap (adopted: the same, `max_sources` being
+        // part of the tables' size).
+        let mut owned: Array<&mut MapData, u64> = map_mut(&mut self.ebpf, rl_common::MAP_OWNED)?;
+        owned.set(rl_common::OWNED_CAP, u64::from(compiled.max_sources), 0).map_err(|e| map_error(rl_common::MAP_OWNED, e))?;
+        if !self.adopted {
+            // Fresh, empty tables: every clear bit is true. Adopted ones
+            // wait for the collector's first walk (rl_common::known).
+            let mut known: Array<&mut MapData, u64> = map_mut(&mut self.ebpf, MAP_KNOWN)?;
+            known.set(0, KNOWN_VALID, 0).map_err(|e| map_error(MAP_KNOWN, e))?;
+        }
+        if pinned {
+            let mut layout: Array<&mut MapData, u32> = map_mut(&mut self.ebpf, MAP_LAYOUT)?;
+            layout.set(0, LAYOUT_VERSION, 0).map_err(|e| map_error(MAP_LAYOUT, e))?;
+        }
+        self.counters()?;
+        self.sources()?;
+        Ok(())
     }
 
     /// Writes `config` back into the config entry (a start that failed
