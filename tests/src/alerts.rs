@@ -10,7 +10,10 @@
 //! (`rate`, `increase`) are not evaluated, but their selectors must still
 //! name series the daemon exports.
 
-use std::collections::{BTreeMap, HashMap};
+use std::{
+    collections::{BTreeMap, HashMap},
+    sync::OnceLock,
+};
 
 use promql_parser::{
     label::MatchOp,
@@ -54,10 +57,15 @@ pub struct Alert {
     expr: Expr,
 }
 
-/// The shipped alerts; panics, saying what is wrong, on a file Prometheus
-/// would refuse or that misses what an operator reads (severity,
-/// component, summary, description).
-pub fn shipped() -> Vec<Alert> {
+/// The shipped alerts, read once; panics, saying what is wrong, on a file
+/// Prometheus would refuse or that misses what an operator reads
+/// (severity, component, summary, description).
+pub fn shipped() -> &'static [Alert] {
+    static SHIPPED: OnceLock<Vec<Alert>> = OnceLock::new();
+    SHIPPED.get_or_init(read)
+}
+
+fn read() -> Vec<Alert> {
     let text = std::fs::read_to_string(FILE).unwrap_or_else(|e| panic!("reading {FILE}: {e}"));
     let file: RuleFile = serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{FILE}: {e}"));
     let mut alerts = Vec::new();
@@ -84,8 +92,8 @@ pub fn shipped() -> Vec<Alert> {
 }
 
 /// The shipped alert `name`.
-pub fn alert(name: &str) -> Alert {
-    shipped().into_iter().find(|a| a.name == name).unwrap_or_else(|| panic!("{FILE} has no alert {name}"))
+pub fn alert(name: &str) -> &'static Alert {
+    shipped().iter().find(|a| a.name == name).unwrap_or_else(|| panic!("{FILE} has no alert {name}"))
 }
 
 /// A scrape by series: metric name, then its labels.

@@ -18,7 +18,7 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use crate::{
-    config::rules::{int_in, validate_list, validate_rules, RawList, RawRule, Rule, MAX_LIST_CIDRS},
+    config::rules::{int_in, int_or, validate_list, validate_rules, RawList, RawRule, Rule, MAX_LIST_CIDRS},
     config::units::Cidr,
 };
 
@@ -349,26 +349,18 @@ impl Config {
     }
 }
 
-/// `v` if it is in `lo..=hi`, `default` if it is not given.
-fn ranged(loc: &Located, v: &Option<Spanned<i64>>, name: &str, lo: i64, hi: i64, default: i64) -> Result<i64, ConfigError> {
-    match v {
-        None => Ok(default),
-        Some(s) => int_in(loc, name, s, lo, hi).map(|x| x as i64),
-    }
-}
-
 /// `[datapath]`.
 fn datapath_of(loc: &Located, d: &RawDatapath) -> Result<Datapath, ConfigError> {
-    let flood_keys = DEFAULT_FLOOD_NEW_KEYS_PER_SEC as i64;
+    let flood_keys = u64::from(DEFAULT_FLOOD_NEW_KEYS_PER_SEC);
     Ok(Datapath {
-        max_sources: ranged(loc, &d.max_sources, "datapath.max_sources", 1, MAX_SOURCES_LIMIT as i64, 1 << 20)? as u32,
-        ipv4_prefix: ranged(loc, &d.ipv4_prefix, "datapath.ipv4_prefix", 1, 32, 32)? as u8,
-        ipv6_prefix: ranged(loc, &d.ipv6_prefix, "datapath.ipv6_prefix", 1, 128, 64)? as u8,
-        flood_new_keys_per_sec: ranged(loc, &d.flood_new_keys_per_sec, "datapath.flood_new_keys_per_sec", 0, 1_000_000_000, flood_keys)? as u32,
-        flood_prefix_v4: ranged(loc, &d.flood_prefix_v4, "datapath.flood_prefix_v4", 0, 32, 24)? as u8,
-        flood_prefix_v6: ranged(loc, &d.flood_prefix_v6, "datapath.flood_prefix_v6", 0, 128, 48)? as u8,
-        flood_prefixes: ranged(loc, &d.flood_prefixes, "datapath.flood_prefixes", 1, MAX_SOURCES_LIMIT as i64, DEFAULT_FLOOD_PREFIXES as i64)? as u32,
-        fragment_ttl_ms: ranged(loc, &d.fragment_ttl_ms, "datapath.fragment_ttl_ms", 1, 60_000, 1_000)? as u16,
+        max_sources: int_or(loc, "datapath.max_sources", &d.max_sources, 1, MAX_SOURCES_LIMIT as i64, 1 << 20)? as u32,
+        ipv4_prefix: int_or(loc, "datapath.ipv4_prefix", &d.ipv4_prefix, 1, 32, 32)? as u8,
+        ipv6_prefix: int_or(loc, "datapath.ipv6_prefix", &d.ipv6_prefix, 1, 128, 64)? as u8,
+        flood_new_keys_per_sec: int_or(loc, "datapath.flood_new_keys_per_sec", &d.flood_new_keys_per_sec, 0, 1_000_000_000, flood_keys)? as u32,
+        flood_prefix_v4: int_or(loc, "datapath.flood_prefix_v4", &d.flood_prefix_v4, 0, 32, 24)? as u8,
+        flood_prefix_v6: int_or(loc, "datapath.flood_prefix_v6", &d.flood_prefix_v6, 0, 128, 48)? as u8,
+        flood_prefixes: int_or(loc, "datapath.flood_prefixes", &d.flood_prefixes, 1, MAX_SOURCES_LIMIT as i64, u64::from(DEFAULT_FLOOD_PREFIXES))? as u32,
+        fragment_ttl_ms: int_or(loc, "datapath.fragment_ttl_ms", &d.fragment_ttl_ms, 1, 60_000, 1_000)? as u16,
         fragment_orphans: d.fragment_orphans.unwrap_or(FragmentOrphans::Drop),
         pin_dir: match &d.pin_dir {
             None => DEFAULT_PIN_DIR.into(),
@@ -403,20 +395,20 @@ fn default_of(loc: &Located, def: &Option<Spanned<RawDefault>>) -> Result<Defaul
             "missing [default] table: add `[default]` with `rate = <packets per second>` and optionally `burst = <packets>`".into(),
         ));
     };
-    let rate = ranged(loc, &Some(def.get_ref().rate.clone()), "default.rate", 1, MAX_RATE as i64, 0)?;
-    let burst = ranged(loc, &def.get_ref().burst, "default.burst", 1, MAX_BURST as i64, rate)?;
+    let rate = int_in(loc, "default.rate", &def.get_ref().rate, 1, MAX_RATE as i64)?;
+    let burst = int_or(loc, "default.burst", &def.get_ref().burst, 1, MAX_BURST as i64, rate)?;
     // The arithmetic's own limits (interval ≥ 1 ns, span fits 64 bits).
-    if let Err(e) = rl_common::Limit::per_second(rate as u64, burst as u64) {
+    if let Err(e) = rl_common::Limit::per_second(rate, burst) {
         return Err(loc.at(def.span(), format!("[default] rate {rate} with burst {burst} cannot be represented: {e:?}")));
     }
-    Ok(DefaultLimit { rate: rate as u64, burst: burst as u64 })
+    Ok(DefaultLimit { rate, burst })
 }
 
 /// `[[ban]]`s, as the API writes them.
 fn bans_of(loc: &Located, raw: &[RawBan]) -> Result<Vec<Ban>, ConfigError> {
     let mut bans = Vec::with_capacity(raw.len());
     for (i, b) in raw.iter().enumerate() {
-        let cidr = crate::config::units::parse_cidr(b.cidr.get_ref()).map_err(|m| loc.at(b.cidr.span(), format!("ban[{i}].cidr: {m}")))?;
+        let cidr = units::parse_cidr(b.cidr.get_ref()).map_err(|m| loc.at(b.cidr.span(), format!("ban[{i}].cidr: {m}")))?;
         let until = u64::try_from(*b.until.get_ref())
             .map_err(|_| loc.at(b.until.span(), format!("ban[{i}].until must be a Unix time in seconds, not negative")))?;
         bans.push(Ban { cidr, until, reason: b.reason.clone() });

@@ -45,10 +45,10 @@ pub fn table_capacity(c: &Compiled) -> u32 {
     c.max_sources.saturating_add(c.flood_prefixes).saturating_add(LAST_RESORT_ROOM)
 }
 
-/// The maps sized at load: the sources' tables and the cell arrays.
-fn sized_maps(compiled: &Compiled) -> [(&'static str, u32); 6] {
+/// The maps sized at load: the sources' tables and the cell arrays (of
+/// `cell_slots` each).
+fn sized_maps(compiled: &Compiled, cell_slots: u32) -> [(&'static str, u32); 6] {
     let capacity = table_capacity(compiled);
-    let cell_slots = rl_common::cell_slots(compiled.flood_prefixes);
     [
         (MAP_SOURCES_V4, capacity),
         (MAP_SOURCES_V6, capacity),
@@ -128,7 +128,7 @@ impl Datapath {
     /// swap).
     pub fn load_with(compiled: &Compiled, opts: LoadOptions) -> Result<Datapath, DatapathError> {
         let cell_slots = rl_common::cell_slots(compiled.flood_prefixes);
-        let sized = sized_maps(compiled);
+        let sized = sized_maps(compiled, cell_slots);
         let specs = pin::specs(OBJECT, &sized)?;
         let held = opts.pin.as_deref().map(pin::hold).transpose()?;
         let plan = match &opts.pin {

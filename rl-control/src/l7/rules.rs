@@ -9,7 +9,7 @@ use toml::Spanned;
 
 use crate::{
     cluster::settings::scope_of,
-    config::rules::{checked_name, choice, duration, int_in, limits_of, mode_of, Action, Algorithm, Mode, ModeFields, RawLimit, RuleLimit, Scope, MAX_LIMITS},
+    config::rules::{checked_name, choice, duration, int_in, int_or, limits_of, mode_of, Action, Algorithm, Mode, ModeFields, RawLimit, RuleLimit, Scope, MAX_LIMITS},
     config::{socket_address, ConfigError, Located},
 };
 
@@ -142,10 +142,7 @@ pub(crate) fn validate(loc: &Located, raw: &RawL7, has_cluster: bool) -> Result<
     let mut out = L7Config {
         grpc_listen: socket_address(loc, &raw.grpc_listen, "l7.grpc_listen", "127.0.0.1:8081")?,
         http_listen: socket_address(loc, &raw.http_listen, "l7.http_listen", "127.0.0.1:8082")?,
-        max_keys: match &raw.max_keys {
-            Some(v) => int_in(loc, "l7.max_keys", v, 1, MAX_KEYS_LIMIT as i64)?,
-            None => 1_000_000,
-        },
+        max_keys: int_or(loc, "l7.max_keys", &raw.max_keys, 1, MAX_KEYS_LIMIT as i64, 1_000_000)?,
         draft_headers: raw.draft_headers.unwrap_or(false),
         grpc_threads: match &raw.grpc_threads {
             Some(v) => Some(int_in(loc, "l7.grpc_threads", v, 1, MAX_GRPC_THREADS as i64)? as u32),

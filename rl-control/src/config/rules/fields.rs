@@ -57,10 +57,7 @@ pub(crate) fn mode_of(
     Ok(match kind {
         0 => Mode::Hard,
         1 => Mode::Soft {
-            percent: match f.soft_percent {
-                Some(p) => int_in(loc, &format!("{who}: soft_percent"), p, 1, 1000)? as u32,
-                None => 10,
-            },
+            percent: int_or(loc, &format!("{who}: soft_percent"), f.soft_percent, 1, 1000, 10)? as u32,
         },
         _ => {
             if let Some(why) = no_elastic {
@@ -107,6 +104,11 @@ pub(crate) fn int_in(loc: &Located, what: &str, v: &Spanned<i64>, lo: i64, hi: i
     }
 }
 
+/// An optional integer: [`int_in`] when given, `default` when not.
+pub(crate) fn int_or(loc: &Located, what: &str, v: &Option<Spanned<i64>>, lo: i64, hi: i64, default: u64) -> Result<u64, ConfigError> {
+    v.as_ref().map_or(Ok(default), |v| int_in(loc, what, v, lo, hi))
+}
+
 fn size_in(loc: &Located, what: &str, v: &Spanned<toml::Value>) -> Result<u64, ConfigError> {
     let bytes = match v.get_ref() {
         toml::Value::Integer(n) if *n > 0 => Ok(*n as u64),
@@ -150,10 +152,7 @@ pub(crate) fn limits_of(
     }
     if let Some(rate) = &raw.rate {
         let amount = int_in(loc, &format!("{who}: rate"), rate, 1, MAX_RULE_RATE as i64)?;
-        let burst = match &raw.burst {
-            Some(b) => int_in(loc, &format!("{who}: burst"), b, 1, MAX_RULE_RATE as i64)?,
-            None => amount,
-        };
+        let burst = int_or(loc, &format!("{who}: burst"), &raw.burst, 1, MAX_RULE_RATE as i64, amount)?;
         if rl_common::Limit::new(amount, per_secs * 1_000_000_000, burst).is_err() {
             return Err(loc.at(rate.span(), format!("{who}: rate {amount} per {per_secs}s with burst {burst} cannot be represented (at most one packet per nanosecond)")));
         }

@@ -208,7 +208,7 @@ impl RawLimit {
 // ---- Validation ---------------------------------------------------------
 
 mod fields;
-pub(crate) use fields::{checked_name, choice, duration, int_in, limits_of, mode_of, ModeFields};
+pub(crate) use fields::{checked_name, choice, duration, int_in, int_or, limits_of, mode_of, ModeFields};
 
 pub(crate) fn validate_list(loc: &Located, which: &str, raw: &[RawList]) -> Result<Vec<Cidr>, ConfigError> {
     raw.iter()
@@ -343,14 +343,8 @@ fn key_of(loc: &Located, who: &str, r: &RawRule) -> Result<KeyScope, ConfigError
     let scope = choice(loc, &format!("{who}: key"), &r.key, &[("source", 0), ("prefix", 1), ("global", 2)])?;
     Ok(match scope {
         1 => KeyScope::Prefix {
-            v4: match &r.prefix_v4 {
-                Some(p) => int_in(loc, &format!("{who}: prefix_v4"), p, 1, 32)? as u8,
-                None => 24,
-            },
-            v6: match &r.prefix_v6 {
-                Some(p) => int_in(loc, &format!("{who}: prefix_v6"), p, 1, 128)? as u8,
-                None => 48,
-            },
+            v4: int_or(loc, &format!("{who}: prefix_v4"), &r.prefix_v4, 1, 32, 24)? as u8,
+            v6: int_or(loc, &format!("{who}: prefix_v6"), &r.prefix_v6, 1, 128, 48)? as u8,
         },
         s => {
             if let Some(p) = r.prefix_v4.as_ref().or(r.prefix_v6.as_ref()) {
