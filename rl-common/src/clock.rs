@@ -26,6 +26,13 @@ pub const COARSE_MIN_TICKS: u64 = 8;
 /// on the tick clock, which an 8-tick burst alone had let through.
 pub const COARSE_MIN_COST_TICKS: u64 = 1_000;
 
+/// How many ticks late the jiffies update [`TickClock::latest`] allows
+/// for: the tick interrupt held back by interrupts off or by the
+/// hypervisor. Later still, a token bucket on ktime decides a packet due
+/// in the last `LATE_TICKS` before its time as if it came that much
+/// earlier: it drops it, never passes one early.
+pub const LATE_TICKS: u64 = 2;
+
 /// Maps the kernel's `jiffies64` onto ktime nanoseconds: `jiffies × tick_ns +
 /// offset_ns` (wrapping), measured by the daemon at load. The result is never
 /// ahead of ktime and lags it by less than one tick, so buckets may move
@@ -62,6 +69,16 @@ impl TickClock {
     #[inline(always)]
     pub fn at(&self, jiffies: u64) -> u64 {
         jiffies.wrapping_mul(self.tick_ns).wrapping_add(self.offset_ns)
+    }
+
+    /// The latest ktime a reading of `jiffies` may stand for: the end of
+    /// its tick, plus [`LATE_TICKS`] for a tick whose jiffies update was
+    /// held back. A bucket whose packet drops even at that time drops at
+    /// the exact time too (see [`crate::LimitEntry::drops_until`]), so
+    /// such a drop needs no ktime read.
+    #[inline(always)]
+    pub fn latest(&self, jiffies: u64) -> u64 {
+        self.at(jiffies.wrapping_add(1 + LATE_TICKS))
     }
 
     /// Whether `limit` stays accurate when read through this clock.

@@ -48,6 +48,15 @@ impl LimitEntry {
         gcra_cost(word, now, (units * self.a) >> (self.shift & 63), self.b)
     }
 
+    /// Whether a packet of `units` drops at every time up to `latest`
+    /// (ktime) with state `word`: a token bucket only, whose room only
+    /// grows with time, so a drop at `latest` is a drop at any earlier
+    /// time. (A window may roll over in between; it is never sure.)
+    #[inline(always)]
+    pub fn drops_until(&self, word: u64, latest: u64, units: u64) -> bool {
+        self.kind & 0xff == LIMIT_GCRA && self.gcra_step(word, latest, units).is_none()
+    }
+
     /// A window step: the count is in `2^shift`-unit steps, rounded up, and
     /// windows are aligned to the Unix epoch (`now + epoch_offset_ns`).
     #[inline(always)]
@@ -168,6 +177,29 @@ mod tests {
     }
 
     proptest! {
+        /// A drop sure by `latest` is a drop at every earlier time, and
+        /// only token buckets are ever sure.
+        #[test]
+        fn a_sure_drop_drops_at_every_earlier_time(
+            kind in prop_oneof![Just(LIMIT_GCRA), Just(LIMIT_FIXED), Just(LIMIT_SLIDING)],
+            a in 1u64..5_000_000_000, b in 1u64..30, units in 1u64..3,
+            word in 0u64..2_000_000_000_000, latest in 0u64..2_000_000_000_000,
+            back in proptest::collection::vec(0u64..200_000_000_000, 1..20),
+        ) {
+            let l = LimitEntry { kind, shift: 0, a, b: if kind == LIMIT_GCRA { a * b } else { b } };
+            if l.drops_until(word, latest, units) {
+                prop_assert_eq!(kind, LIMIT_GCRA);
+                for d in back {
+                    let now = latest.saturating_sub(d);
+                    prop_assert!(l.step(word, now, 0, units).is_none(), "sure by {} yet passed at {}", latest, now);
+                }
+            }
+            // And it is sure whenever the step at `latest` drops.
+            if kind == LIMIT_GCRA {
+                prop_assert_eq!(l.drops_until(word, latest, units), l.step(word, latest, 0, units).is_none());
+            }
+        }
+
         /// A merged word passes a packet only where both words would, at
         /// the merge and at every later time.
         #[test]

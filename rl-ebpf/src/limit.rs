@@ -412,10 +412,12 @@ fn decided(
                 (*b).dropped += 1;
                 let last = (*b).last_drop_ns;
                 // On the tick clock most drops of a flood see the same time:
-                // no store then.
-                if t != last {
+                // no store then. A drop a token bucket on ktime decided by
+                // the tick clock reads up to a tick earlier than one it
+                // decided by ktime: the later time stays.
+                if t > last {
                     (*b).last_drop_ns = t;
-                    if t.wrapping_sub(last) > LIMITED_GAP_NS {
+                    if t - last > LIMITED_GAP_NS {
                         limited(ctx, t, rule, which, is_v6, src);
                     }
                 }
@@ -497,7 +499,18 @@ fn step(cfg: &DatapathConfig, limit: &LimitEntry, cost: Cost, word: u64) -> Opti
 #[inline(always)]
 fn admit(ctx: &XdpContext, cfg: &DatapathConfig, limit: &LimitEntry, tat: *mut u64, cost: Cost) -> (Verdict, u64) {
     let cell = Tat(tat);
-    let (t, u) = (now(cfg, limit), units(limit, cost));
+    let u = units(limit, cost);
+    // A token bucket on ktime first asks the tick clock whether its packet
+    // drops even at the latest time the tick may stand for: a flood over
+    // the limit is then dropped without the helper call, and exactly as
+    // ktime would have it (`LimitEntry::drops_until`).
+    if limit.kind & (0xff | LIMIT_COARSE) == LIMIT_GCRA && cfg.clock.tick_ns != 0 {
+        let jiffies = unsafe { bpf_jiffies64() };
+        if limit.drops_until(cell.load(), cfg.clock.latest(jiffies), u) {
+            return (Verdict::Drop, cfg.clock.at(jiffies));
+        }
+    }
+    let t = now(cfg, limit);
     let outcome = match limit.kind & 0xff {
         LIMIT_GCRA => admit_with(&cell, |w| limit.gcra_step(w, t, u)),
         _ => admit_window(cfg, limit, &cell, t, u),

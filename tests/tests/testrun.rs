@@ -336,3 +336,46 @@ fn race(dp: &rl_control::datapath::Datapath, sources: [[u8; 4]; 2], repeat: u32,
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     })
 }
+
+/// A token bucket on ktime (4/s with a burst of 1: no tolerance, so it
+/// does not read the tick clock) drops its flood by the tick clock where
+/// the drop is sure, and passes each packet as soon as ktime says it is
+/// due: the first packet offered after each 250 ms passes, not one a tick
+/// later (as it would if the sure-drop test trusted the start of the tick
+/// instead of its latest time).
+#[test]
+fn a_ktime_bucket_flooded_passes_each_packet_when_due_not_a_tick_late() {
+    require_root();
+    pin_to_cpu(0).unwrap();
+    let dp = datapath("[datapath]\nmax_sources = 4096\n[default]\nrate = 4\nburst = 1\n").unwrap();
+    assert_ne!(dp.clock().tick_ns, 0, "the tick clock was not measured at load: this test needs it");
+    let frame = udp4([198, 51, 100, 9]);
+    const INTERVAL_NS: u64 = 250_000_000;
+    const PASSES: usize = 9;
+    // (host ktime before, after) the run of each passed packet.
+    let mut passes: Vec<(u64, u64)> = Vec::new();
+    let (mut offered, deadline) = (0u64, rl_control::datapath::monotonic_ns() + (PASSES as u64 + 1) * INTERVAL_NS);
+    while passes.len() < PASSES && rl_control::datapath::monotonic_ns() < deadline {
+        let before = rl_control::datapath::monotonic_ns();
+        let v = verdict(&dp, &frame);
+        offered += 1;
+        if v == XDP_PASS {
+            passes.push((before, rl_control::datapath::monotonic_ns()));
+        }
+    }
+    assert_eq!(passes.len(), PASSES, "{offered} packets offered over {} ms", (PASSES as u64 + 1) * INTERVAL_NS / 1_000_000);
+    // Each pass comes at least an interval after the one before (the
+    // limit), and, with packets offered every few µs, at most 1 ms after
+    // it was due (a tick is 1–10 ms).
+    let mut late = Vec::new();
+    for w in passes.windows(2) {
+        let (prev, this) = (w[0], w[1]);
+        assert!(this.1 - prev.0 >= INTERVAL_NS, "passed {} ns after the pass before, under the 250 ms interval", this.1 - prev.0);
+        late.push(this.0.saturating_sub(prev.1 + INTERVAL_NS));
+    }
+    let on_time = late.iter().filter(|&&l| l <= 1_000_000).count();
+    // One pass may be held back by the machine (a preemption in the loop).
+    assert!(on_time + 1 >= late.len(), "passes were late by {late:?} ns after their due time ({offered} packets offered)");
+    let c = dp.counters().unwrap();
+    assert_eq!(c.get(STAT_PASSED_PKTS) + c.get(STAT_DROPPED_PKTS), offered);
+}
