@@ -334,9 +334,12 @@ fn charge(
         let Some(b) = buckets::existing(rule, i as u32, is_v6, src) else {
             continue;
         };
-        let word = Tat(unsafe { &raw mut (*b).tat_ns }).load();
-        if step(cfg, &rule.limits[i], cost, word).is_none() {
-            let t = now(cfg, &rule.limits[i]);
+        let (limit, word) = (&rule.limits[i], Tat(unsafe { &raw mut (*b).tat_ns }).load());
+        let t = match sure_drop(cfg, limit, word, units(limit, cost)) {
+            Some(t) => Some(t),
+            None => step(cfg, limit, cost, word).is_none().then(|| now(cfg, limit)),
+        };
+        if let Some(t) = t {
             return over(ctx, cfg, rule, i as u32, is_v6, src, cost, t, b);
         }
     }
@@ -487,6 +490,20 @@ fn units(limit: &LimitEntry, cost: Cost) -> u64 {
     }
 }
 
+/// A token bucket on ktime first asks the tick clock whether its packet
+/// drops even at the latest time the tick may stand for: a flood over the
+/// limit is then dropped without the helper call, and exactly as ktime
+/// would have it (`LimitEntry::drops_until`). The time of such a drop:
+/// the tick's start.
+#[inline(always)]
+fn sure_drop(cfg: &DatapathConfig, limit: &LimitEntry, word: u64, units: u64) -> Option<u64> {
+    if limit.kind & (0xff | LIMIT_COARSE) != LIMIT_GCRA || cfg.clock.tick_ns == 0 {
+        return None;
+    }
+    let jiffies = unsafe { bpf_jiffies64() };
+    limit.drops_until(word, cfg.clock.latest(jiffies), units).then(|| cfg.clock.at(jiffies))
+}
+
 /// One limit's step on its state word, for the read-only check of
 /// multi-limit rules.
 #[inline(always)]
@@ -500,15 +517,8 @@ fn step(cfg: &DatapathConfig, limit: &LimitEntry, cost: Cost, word: u64) -> Opti
 fn admit(ctx: &XdpContext, cfg: &DatapathConfig, limit: &LimitEntry, tat: *mut u64, cost: Cost) -> (Verdict, u64) {
     let cell = Tat(tat);
     let u = units(limit, cost);
-    // A token bucket on ktime first asks the tick clock whether its packet
-    // drops even at the latest time the tick may stand for: a flood over
-    // the limit is then dropped without the helper call, and exactly as
-    // ktime would have it (`LimitEntry::drops_until`).
-    if limit.kind & (0xff | LIMIT_COARSE) == LIMIT_GCRA && cfg.clock.tick_ns != 0 {
-        let jiffies = unsafe { bpf_jiffies64() };
-        if limit.drops_until(cell.load(), cfg.clock.latest(jiffies), u) {
-            return (Verdict::Drop, cfg.clock.at(jiffies));
-        }
+    if let Some(t) = sure_drop(cfg, limit, cell.load(), u) {
+        return (Verdict::Drop, t);
     }
     let t = now(cfg, limit);
     let outcome = match limit.kind & 0xff {

@@ -343,11 +343,22 @@ fn race(dp: &rl_control::datapath::Datapath, sources: [[u8; 4]; 2], repeat: u32,
 /// due: the first packet offered after each 250 ms passes, not one a tick
 /// later (as it would if the sure-drop test trusted the start of the tick
 /// instead of its latest time).
+///
+/// Alone and as the first of two limits (checked before either is charged).
 #[test]
 fn a_ktime_bucket_flooded_passes_each_packet_when_due_not_a_tick_late() {
     require_root();
     pin_to_cpu(0).unwrap();
-    let dp = datapath("[datapath]\nmax_sources = 4096\n[default]\nrate = 4\nburst = 1\n").unwrap();
+    for rules in [
+        "[default]\nrate = 4\nburst = 1\n",
+        "[default]\nrate = 1\n[[rule]]\nname = \"two\"\nlimits = [{ rate = 4, burst = 1 }, { bytes = \"100MB\", per = \"1s\" }]\n",
+    ] {
+        flooded_ktime_bucket(&format!("[datapath]\nmax_sources = 4096\n{rules}"));
+    }
+}
+
+fn flooded_ktime_bucket(toml: &str) {
+    let dp = datapath(toml).unwrap();
     assert_ne!(dp.clock().tick_ns, 0, "the tick clock was not measured at load: this test needs it");
     let frame = udp4([198, 51, 100, 9]);
     const INTERVAL_NS: u64 = 250_000_000;
@@ -375,7 +386,7 @@ fn a_ktime_bucket_flooded_passes_each_packet_when_due_not_a_tick_late() {
     }
     let on_time = late.iter().filter(|&&l| l <= 1_000_000).count();
     // One pass may be held back by the machine (a preemption in the loop).
-    assert!(on_time + 1 >= late.len(), "passes were late by {late:?} ns after their due time ({offered} packets offered)");
+    assert!(on_time + 1 >= late.len(), "{toml}: passes were late by {late:?} ns after their due time ({offered} packets offered)");
     let c = dp.counters().unwrap();
     assert_eq!(c.get(STAT_PASSED_PKTS) + c.get(STAT_DROPPED_PKTS), offered);
 }
