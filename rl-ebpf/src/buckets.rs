@@ -17,7 +17,6 @@ use core::{
 
 use aya_ebpf::{
     bindings::{BPF_F_MMAPABLE, BPF_NOEXIST},
-    helpers::{bpf_jiffies64, bpf_ktime_get_ns},
     macros::map,
     maps::{Array, HashMap, PerCpuArray},
 };
@@ -26,7 +25,7 @@ use rl_common::{
     RuleEntry, Unseen, Way, CELL_WAYS, KEY_CELL, KEY_LAST, NO_CELL, OWNED_CAP, OWNED_ENTRIES, RULE_CLUSTER, STAT_FALLBACK, STAT_NEW_CELLS, STAT_NEW_SOURCES, STAT_TABLE_FULL,
 };
 
-use crate::{known, stats};
+use crate::{known, limit::tick_now, stats};
 
 /// Buckets by (limit, masked source), one map per family (see
 /// rl_common::MAP_SOURCES_V6): sources' own buckets, prefix cells and last
@@ -229,16 +228,9 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
     let scratch = unsafe { &mut *RL_CSCRATCH.get_ptr_mut(0)? };
     scratch.cell = NO_CELL;
     let flood = unsafe { &mut *RL_FLOOD.get_ptr_mut(0)? };
-    // The tick clock: one inlined load, no helper call (each call and
-    // return is dear with this CPU's return-stack mitigation); a window of
-    // 67 ms is 6.7 ticks at the coarsest kernel tick (HZ = 100), so its
-    // edges are seen at most a tick late. Without a measured tick (the
-    // daemon warned at load) the tick clock stands still: ktime then.
-    let now = if cfg.clock.tick_ns != 0 {
-        cfg.clock.at(unsafe { bpf_jiffies64() })
-    } else {
-        unsafe { bpf_ktime_get_ns() }
-    };
+    // A window of 67 ms is 6.7 ticks at the coarsest kernel tick (HZ =
+    // 100), so its edges are seen at most a tick late.
+    let now = tick_now(cfg);
     // What the key maps to now: its cell, else its rule's last resort
     // (created fresh the first time a rule needs it).
     let cell_key = key.cell(cfg);

@@ -23,7 +23,6 @@
 //! through the charging code.
 
 use aya_ebpf::{
-    helpers::bpf_ktime_get_coarse_ns,
     macros::map,
     maps::{LruHashMap, PerCpuArray},
 };
@@ -35,7 +34,7 @@ use rl_common::{
 };
 
 use crate::{
-    limit::{count, Counted, RL_RULES},
+    limit::{count, tick_now, Counted, RL_RULES},
     parse::Packet,
     stats,
 };
@@ -116,7 +115,7 @@ fn remember(cfg: &DatapathConfig, p: *mut Pending, entry: u32, counted: u32) {
     unsafe { (*p).pending = 0 };
     let key = unsafe { &(*p).key };
     if what == FIRST {
-        let now = unsafe { bpf_ktime_get_coarse_ns() };
+        let now = tick_now(cfg);
         let v = FragVerdict { expires_ns: now + cfg.frag_ttl_ms as u64 * 1_000_000, entry, counted };
         // Full: the LRU evicts the oldest datagram, whose later fragments
         // then become orphans.
@@ -138,7 +137,7 @@ fn remember(cfg: &DatapathConfig, p: *mut Pending, entry: u32, counted: u32) {
 /// orphan (the verdict stands again if the entry gets its rule back).
 #[inline(never)]
 pub fn later(cfg: &DatapathConfig, pkt: &Packet, entry: u32, len: u64) -> Later {
-    let now = unsafe { bpf_ktime_get_coarse_ns() };
+    let now = tick_now(cfg);
     let found = RL_FRAGS
         .get_ptr_mut(&key(pkt))
         .filter(|v| unsafe { (**v).expires_ns } > now)

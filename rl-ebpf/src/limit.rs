@@ -480,6 +480,20 @@ fn now(cfg: &DatapathConfig, limit: &LimitEntry) -> u64 {
     }
 }
 
+/// The time on the tick clock, for what needs no better than a tick (the
+/// flood detector's windows, fragments' expiry): one inlined load, no
+/// helper call (each call and return is dear with this CPU's return-stack
+/// mitigation). Without a measured tick (the daemon warned at load) the
+/// tick clock stands still: ktime then.
+#[inline(always)]
+pub fn tick_now(cfg: &DatapathConfig) -> u64 {
+    if cfg.clock.tick_ns != 0 {
+        cfg.clock.at(unsafe { bpf_jiffies64() })
+    } else {
+        unsafe { bpf_ktime_get_ns() }
+    }
+}
+
 /// What a packet counts against a limit: one packet, or its bytes.
 #[inline(always)]
 fn units(limit: &LimitEntry, cost: Cost) -> u64 {

@@ -19,7 +19,7 @@ use rl_control::{
     datapath::{Datapath, LoadOptions},
 };
 use rl_tests::{
-    frames::{udp4, udp6},
+    frames::{eth, ipv4_fragment, udp4, udp6, ETH_P_IP, UDP},
     XDP_DROP, XDP_PASS,
 };
 
@@ -80,6 +80,9 @@ fn main() -> Result<()> {
     // In a /16 that holds deny CIDRs (but not denied): the IPv4 first level
     // sends it on to the trie walk.
     let frame_in_listed_16 = udp4([100, 65, 200, 7]);
+    // A bare later fragment whose datagram's first was never seen: a
+    // fragment flood's packet, dropped by the default `fragment_orphans`.
+    let orphan = eth(&[], ETH_P_IP, &ipv4_fragment([198, 51, 100, 7], UDP, 0x1234, 185, false, &[0; 32]));
     let frame6 = udp6([0x20, 0x01, 0x0d, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 7]);
     println!(
         "rl XDP benchmark: BPF_PROG_TEST_RUN with repeat = {repeat}, {ROUNDS} interleaved rounds, fastest of {SHOTS} runs per case and round, 64-byte UDP/IPv4 frame, pinned to CPU {cpu}"
@@ -132,6 +135,7 @@ fn main() -> Result<()> {
         Case { name: "unseen source, flood mode", want: XDP_PASS, run: Box::new(|| Ok(new_dp.test_run(&frame, repeat)?)), ns: vec![] },
         Case { name: "  same, one unseen source (hot caches)", want: XDP_PASS, run: Box::new(|| Ok(hot_dp.test_run(&frame, repeat)?)), ns: vec![] },
         Case { name: "  same, lookup filter off", want: XDP_PASS, run: Box::new(|| Ok(unfiltered_dp.test_run(&frame, repeat)?)), ns: vec![] },
+        Case { name: "later fragment, no first seen (orphan)", want: XDP_DROP, run: Box::new(|| Ok(pass_dp.test_run(&orphan, repeat)?)), ns: vec![] },
         Case { name: "1 rule", want: XDP_PASS, run: Box::new(|| Ok(r1.test_run(&frame, repeat)?)), ns: vec![] },
         Case { name: "100 rules", want: XDP_PASS, run: Box::new(|| Ok(r100.test_run(&frame, repeat)?)), ns: vec![] },
         Case { name: "1 rule + 100,000 deny CIDRs", want: XDP_PASS, run: Box::new(|| Ok(r1_cidrs.test_run(&frame, repeat)?)), ns: vec![] },
