@@ -16,7 +16,7 @@ use crate::{
     config::Config,
     config::rules::Scope,
     daemon::state::{lock, EventView, Shared},
-    datapath::share::{scan_shared, CollectedRecords, SharedBucket, Tables},
+    datapath::share::{scan_shared, BucketId, CollectedRecords, SharedBucket, Tables},
 };
 
 /// Every cluster rule of `config` as it registers: its namespaced name and
@@ -151,14 +151,7 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
             }
             continue;
         }
-        let shares = match &shares_for {
-            Some((c, sh)) if Arc::ptr_eq(c, &config) && cluster.status().mismatched.is_empty() => sh.clone(),
-            _ => {
-                let sh = Arc::new(shares_of(&config, &cluster));
-                shares_for = Some((config.clone(), sh.clone()));
-                sh
-            }
-        };
+        let shares = shares_in_force(&mut shares_for, &config, &cluster);
         if shares.is_empty() {
             under_records(&collected, |r| r.limits.clear()).await;
             continue;
@@ -187,27 +180,50 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
         let reports = ledger.reports(&buckets, &shares, interval_ns, now);
         let (answers, _failure) = ledger.exchange(&cluster, &reports, keep_ms).await;
         let raises: Vec<_> = answers.iter().filter(|(_, ahead)| *ahead > 0).map(|&(i, ahead_us)| (reports[i].id, ahead_us)).collect();
-        if !raises.is_empty() {
-            // Under the collector's lock: it decides a delete again under
-            // it, so it never deletes a bucket just raised.
-            let raised = under_records(&collected, move |_| -> Result<u64, crate::datapath::DatapathError> {
-                let mut tables = Tables::open(ids)?;
-                let now = crate::datapath::monotonic_ns();
-                Ok(raises.into_iter().filter(|(id, ahead_us)| tables.raise(id, now + ahead_us * 1000)).count() as u64)
-            })
-            .await;
-            match raised {
-                Some(Ok(n)) => ledger.stats.raised += n,
-                Some(Err(e)) => warn!("cluster sync: moving buckets up to the cluster's failed: {e}"),
-                None => {}
-            }
-        }
+        ledger.stats.raised += raise(&collected, ids, raises).await;
         for (i, _) in answers {
             ledger.acknowledge(&reports[i], now);
         }
         follow_failure_mode(&state, &cluster).await;
         ledger.stats.rounds += 1;
         *cluster.sync.lock().unwrap_or_else(|e| e.into_inner()) = ledger.stats;
+    }
+}
+
+/// The shares of the config in force: `cache`'s, unless the config changed
+/// or a rule is mismatched (then worked out again).
+fn shares_in_force(cache: &mut Option<(Arc<Config>, Arc<Shares>)>, config: &Arc<Config>, cluster: &Cluster) -> Arc<Shares> {
+    match cache {
+        Some((c, sh)) if Arc::ptr_eq(c, config) && cluster.status().mismatched.is_empty() => sh.clone(),
+        _ => {
+            let sh = Arc::new(shares_of(config, cluster));
+            *cache = Some((config.clone(), sh.clone()));
+            sh
+        }
+    }
+}
+
+/// Moves each bucket of `raises` (its id, and how far the cluster's is
+/// ahead, in µs) up to the cluster's; returns how many moved. Under the
+/// collector's lock: it decides a delete again under it, so it never
+/// deletes a bucket just raised.
+async fn raise(collected: &Arc<crate::datapath::share::Collected>, ids: crate::datapath::TableIds, raises: Vec<(BucketId, u64)>) -> u64 {
+    if raises.is_empty() {
+        return 0;
+    }
+    let raised = under_records(collected, move |_| -> Result<u64, crate::datapath::DatapathError> {
+        let mut tables = Tables::open(ids)?;
+        let now = crate::datapath::monotonic_ns();
+        Ok(raises.into_iter().filter(|(id, ahead_us)| tables.raise(id, now + ahead_us * 1000)).count() as u64)
+    })
+    .await;
+    match raised {
+        Some(Ok(n)) => n,
+        Some(Err(e)) => {
+            warn!("cluster sync: moving buckets up to the cluster's failed: {e}");
+            0
+        }
+        None => 0,
     }
 }
 

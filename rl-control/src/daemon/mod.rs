@@ -25,7 +25,7 @@ use crate::{
     compile::compile,
     config::units::bytes_to_addr,
     config::{Config, EMBEDDED_DEFAULT},
-    daemon::state::{file_stamp, lock, Shared, State},
+    daemon::state::{file_stamp, lock, Loaded, Shared, State},
     datapath::{interface_index, AttachMode, Datapath, LoadOptions},
 };
 
@@ -167,6 +167,28 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     let pin_dir = opts.pin_dir.clone().unwrap_or_else(|| config.datapath.pin_dir.clone());
     let pins = pin_dir.join(crate::datapath::pin_group(&ifaces));
     let (mut dp, attachments) = enforce(&config, &ifaces, opts.mode, &pin_dir, &pins)?;
+    let on = log_attached(&config, &attachments);
+    if let Some(logger) = dp.take_logger() {
+        tokio::spawn(forward_kernel_logs(logger));
+    }
+    let map_ids = dp.table_ids();
+    let events = dp.take_events();
+    let l7: crate::l7::http::Shared =
+        Arc::new(std::sync::RwLock::new(Arc::new(crate::l7::engine::Engine::new(&config.l7, dp.epoch_offset_ns(), None).with_cluster(cluster.clone()))));
+    let _threads = serve_requests(&config, &l7, l7_listener, grpc_listener)?;
+    let file = Loaded { config, text, path: opts.config.clone(), stamp };
+    let state: Shared = Arc::new(Mutex::new(State::new(dp, file, l7, cluster.clone(), attachments.clone())));
+    let (servers, _socket_file) = api::listen::serve(listeners, state.clone());
+    let counter = spawn_jobs(&state, map_ids, events, cluster);
+    let _pid_file = opts.pid_file.as_ref().and_then(|p| PidFile::write(p));
+    until_stopped(&state, signals, watched, opts.stats_interval).await?;
+    let stopping = Stopping { servers, counter, pins, detach: opts.detach_on_exit, on, first: attachments[0].iface.clone() };
+    stopping.stop(state).await
+}
+
+/// Says what the limiter now holds, and where; returns the interfaces
+/// with their modes, for the stop's messages.
+fn log_attached(config: &Config, attachments: &[crate::datapath::Attachment]) -> String {
     let on: Vec<String> = attachments.iter().map(|a| format!("{} ({})", a.iface, a.mode)).collect();
     let on = on.join(", ");
     info!(
@@ -179,41 +201,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         config.datapath.ipv6_prefix,
         config.datapath.max_sources,
     );
-    if let Some(logger) = dp.take_logger() {
-        tokio::spawn(forward_kernel_logs(logger));
-    }
-    let map_ids = dp.table_ids();
-    let events = dp.take_events();
-    let l7: crate::l7::http::Shared =
-        Arc::new(std::sync::RwLock::new(Arc::new(crate::l7::engine::Engine::new(&config.l7, dp.epoch_offset_ns(), None).with_cluster(cluster.clone()))));
-    let _threads = serve_requests(&config, &l7, l7_listener, grpc_listener)?;
-    let state: Shared = Arc::new(Mutex::new(State {
-        l7,
-        cluster: cluster.clone(),
-        collected: Default::default(),
-        failure_mode: None,
-        program_id: dp.program_id(),
-        dp,
-        config: Arc::new(config),
-        text: Arc::from(text),
-        path: opts.config.clone(),
-        stamp,
-        attachments: attachments.clone(),
-        started: std::time::Instant::now(),
-        last_reload: None,
-        reloads_ok: 0,
-        reloads_failed: 0,
-        pressure: Default::default(),
-        api_requests: Default::default(),
-        top: Default::default(),
-        events: Default::default(),
-    }));
-    let (servers, _socket_file) = api::listen::serve(listeners, state.clone());
-    let counter = spawn_jobs(&state, map_ids, events, cluster);
-    let _pid_file = opts.pid_file.as_ref().and_then(|p| PidFile::write(p));
-    until_stopped(&state, signals, watched, opts.stats_interval).await?;
-    let stopping = Stopping { servers, counter, pins, detach: opts.detach_on_exit, on, first: attachments[0].iface.clone() };
-    stopping.stop(state).await
+    on
 }
 
 /// Starts the daemon's background jobs: the tables' collector (returned:

@@ -93,6 +93,50 @@ pub struct State {
     pub events: std::collections::VecDeque<EventView>,
 }
 
+/// The rule file a daemon starts with: parsed, as written, where from.
+pub struct Loaded {
+    pub config: Config,
+    pub text: String,
+    /// `None`: the embedded default.
+    pub path: Option<PathBuf>,
+    /// The file's stamp, taken before it was read.
+    pub stamp: Option<FileStamp>,
+}
+
+impl State {
+    /// A started daemon's state: `dp` enforcing `file`'s rules on
+    /// `attachments`, nothing reloaded or counted yet.
+    pub fn new(
+        dp: Datapath,
+        file: Loaded,
+        l7: crate::l7::http::Shared,
+        cluster: Option<Arc<crate::cluster::Cluster>>,
+        attachments: Vec<Attachment>,
+    ) -> State {
+        State {
+            l7,
+            cluster,
+            collected: Default::default(),
+            failure_mode: None,
+            program_id: dp.program_id(),
+            dp,
+            config: Arc::new(file.config),
+            text: Arc::from(file.text),
+            path: file.path,
+            stamp: file.stamp,
+            attachments,
+            started: std::time::Instant::now(),
+            last_reload: None,
+            reloads_ok: 0,
+            reloads_failed: 0,
+            pressure: Default::default(),
+            api_requests: Default::default(),
+            top: Default::default(),
+            events: Default::default(),
+        }
+    }
+}
+
 /// Pressure on the bucket tables (see README, "Floods"), as of the last
 /// collector pass (every second; every 5 s while under 1% full).
 #[derive(Clone, Debug, Default, Serialize, utoipa::ToSchema)]

@@ -26,107 +26,119 @@ pub(super) fn charge(c: &Compiled, bucket: &mut Bucket, now: u64, hits: i64, epo
         shadow: false,
         enforced: rule.action != Action::Shadow,
     };
-    let ms = |ns: u64| ns.div_ceil(1_000_000);
     match (bucket, rule.algorithm) {
         (Bucket::One(word), L7Algorithm::Packet(a)) => packet_charge(c, a, std::slice::from_mut(word), now, hits, epoch, base),
         (Bucket::Words(words), L7Algorithm::Packet(a)) => packet_charge(c, a, words, now, hits, epoch, base),
-        (Bucket::Log(logs), _) => {
-            let units = hits.max(0) as u64;
-            for (log, l) in logs.iter_mut().zip(&rule.limits) {
-                let window = l.rate.per_secs * NS;
-                while log.front().is_some_and(|&t| t + window <= now) {
-                    log.pop_front();
-                }
-            }
-            let fits = logs.iter().zip(&rule.limits).all(|(log, l)| log.len() as u64 + units <= l.rate.amount);
-            if fits {
-                for log in logs.iter_mut() {
-                    log.extend(std::iter::repeat_n(now, units as usize));
-                }
-            }
-            let (log, l) = logs
-                .iter()
-                .zip(&rule.limits)
-                .min_by_key(|(log, l)| l.rate.amount.saturating_sub(log.len() as u64))
-                .expect("a rule has a limit");
-            let window = l.rate.per_secs * NS;
-            let remaining = l.rate.amount.saturating_sub(log.len() as u64);
-            let oldest = log.front().map_or(0, |&t| (t + window).saturating_sub(now));
-            let newest = log.back().map_or(0, |&t| (t + window).saturating_sub(now));
-            Status {
-                code: if fits { "ok" } else { "over_limit" },
-                limit: l.rate.amount,
-                per_secs: l.rate.per_secs,
-                remaining,
-                reset_ms: ms(newest),
-                retry_after_ms: if remaining > 0 { 0 } else { ms(oldest) },
-                ..base
-            }
-        }
-        (Bucket::Leases(leases), L7Algorithm::Concurrency { max, lease_secs }) => {
-            while leases.front().is_some_and(|&e| e <= now) {
-                leases.pop_front();
-            }
-            let ok = if hits < 0 {
-                // A refund releases the oldest permits.
-                for _ in 0..hits.unsigned_abs().min(leases.len() as u64) {
-                    leases.pop_front();
-                }
-                true
-            } else if leases.len() as u64 + hits as u64 <= max {
-                leases.extend(std::iter::repeat_n(now + lease_secs * NS, hits as usize));
-                true
-            } else {
-                false
-            };
-            let remaining = max.saturating_sub(leases.len() as u64);
-            let next_free = leases.front().map_or(0, |&e| e.saturating_sub(now));
-            Status {
-                code: if ok { "ok" } else { "over_limit" },
-                limit: max,
-                per_secs: lease_secs,
-                remaining,
-                reset_ms: ms(leases.back().map_or(0, |&e| e.saturating_sub(now))),
-                retry_after_ms: if remaining > 0 { 0 } else { ms(next_free) },
-                ..base
-            }
-        }
+        (Bucket::Log(logs), _) => log_charge(c, logs, now, hits, base),
+        (Bucket::Leases(leases), L7Algorithm::Concurrency { max, lease_secs }) => lease_charge(leases, max, lease_secs, now, hits, base),
         _ => unreachable!("a bucket is made for its rule's algorithm"),
     }
+}
+
+/// The sliding log: a hit's times kept per limit for a window; the
+/// request fits if every limit's log has room for it.
+fn log_charge(c: &Compiled, logs: &mut [std::collections::VecDeque<u64>], now: u64, hits: i64, base: Status) -> Status {
+    let rule = &c.rule;
+    let units = hits.max(0) as u64;
+    for (log, l) in logs.iter_mut().zip(&rule.limits) {
+        let window = l.rate.per_secs * NS;
+        while log.front().is_some_and(|&t| t + window <= now) {
+            log.pop_front();
+        }
+    }
+    let fits = logs.iter().zip(&rule.limits).all(|(log, l)| log.len() as u64 + units <= l.rate.amount);
+    if fits {
+        for log in logs.iter_mut() {
+            log.extend(std::iter::repeat_n(now, units as usize));
+        }
+    }
+    let (log, l) = logs
+        .iter()
+        .zip(&rule.limits)
+        .min_by_key(|(log, l)| l.rate.amount.saturating_sub(log.len() as u64))
+        .expect("a rule has a limit");
+    let window = l.rate.per_secs * NS;
+    let remaining = l.rate.amount.saturating_sub(log.len() as u64);
+    let oldest = log.front().map_or(0, |&t| (t + window).saturating_sub(now));
+    let newest = log.back().map_or(0, |&t| (t + window).saturating_sub(now));
+    Status {
+        code: if fits { "ok" } else { "over_limit" },
+        limit: l.rate.amount,
+        per_secs: l.rate.per_secs,
+        remaining,
+        reset_ms: ms(newest),
+        retry_after_ms: if remaining > 0 { 0 } else { ms(oldest) },
+        ..base
+    }
+}
+
+/// The semaphore: up to `max` leases held at once, each for `lease_secs`
+/// unless given back (negative hits release the oldest).
+fn lease_charge(leases: &mut std::collections::VecDeque<u64>, max: u64, lease_secs: u64, now: u64, hits: i64, base: Status) -> Status {
+    while leases.front().is_some_and(|&e| e <= now) {
+        leases.pop_front();
+    }
+    let ok = if hits < 0 {
+        // A refund releases the oldest permits.
+        for _ in 0..hits.unsigned_abs().min(leases.len() as u64) {
+            leases.pop_front();
+        }
+        true
+    } else if leases.len() as u64 + hits as u64 <= max {
+        leases.extend(std::iter::repeat_n(now + lease_secs * NS, hits as usize));
+        true
+    } else {
+        false
+    };
+    let remaining = max.saturating_sub(leases.len() as u64);
+    let next_free = leases.front().map_or(0, |&e| e.saturating_sub(now));
+    Status {
+        code: if ok { "ok" } else { "over_limit" },
+        limit: max,
+        per_secs: lease_secs,
+        remaining,
+        reset_ms: ms(leases.back().map_or(0, |&e| e.saturating_sub(now))),
+        retry_after_ms: if remaining > 0 { 0 } else { ms(next_free) },
+        ..base
+    }
+}
+
+/// Milliseconds, rounded up, of `ns`.
+fn ms(ns: u64) -> u64 {
+    ns.div_ceil(1_000_000)
 }
 
 /// A packet-algorithm charge: every limit's step must pass, or nothing
 /// changes; the status speaks for the tightest limit.
 fn packet_charge(c: &Compiled, a: Algorithm, words: &mut [u64], now: u64, hits: i64, epoch: u64, base: Status) -> Status {
     let rule = &c.rule;
-    let ms = |ns: u64| ns.div_ceil(1_000_000);
-        let units = hits.max(0) as u64;
-        let step = |l: &LimitEntry, w: u64| match a {
-            Algorithm::TokenBucket => l.gcra_step(w, now, units),
-            _ => l.window_step(w, now, epoch, units),
-        };
-        let next: Option<Vec<u64>> = c.limits.iter().zip(words.iter()).map(|(l, w)| if units == 0 { Some(*w) } else { step(l, *w) }).collect();
-        let over = next.is_none();
-        if let Some(n) = next {
-            words.copy_from_slice(&n);
-        }
-        // The headers speak for the tightest limit.
-        let (i, q) = c
-            .limits
-            .iter()
-            .zip(words.iter())
-            .map(|(l, w)| quota(l, *w, now, epoch))
-            .enumerate()
-            .min_by_key(|(_, q)| q.remaining)
-            .expect("a rule has a limit");
-        Status {
-            code: if over { "over_limit" } else { "ok" },
-            limit: rule.limits[i].rate.amount,
-            per_secs: rule.limits[i].rate.per_secs,
-            remaining: q.remaining,
-            reset_ms: ms(q.reset_ns),
-            retry_after_ms: ms(q.retry_after_ns),
-            ..base
-        }
+    let units = hits.max(0) as u64;
+    let step = |l: &LimitEntry, w: u64| match a {
+        Algorithm::TokenBucket => l.gcra_step(w, now, units),
+        _ => l.window_step(w, now, epoch, units),
+    };
+    let next: Option<Vec<u64>> = c.limits.iter().zip(words.iter()).map(|(l, w)| if units == 0 { Some(*w) } else { step(l, *w) }).collect();
+    let over = next.is_none();
+    if let Some(n) = next {
+        words.copy_from_slice(&n);
+    }
+    // The headers speak for the tightest limit.
+    let (i, q) = c
+        .limits
+        .iter()
+        .zip(words.iter())
+        .map(|(l, w)| quota(l, *w, now, epoch))
+        .enumerate()
+        .min_by_key(|(_, q)| q.remaining)
+        .expect("a rule has a limit");
+    Status {
+        code: if over { "over_limit" } else { "ok" },
+        limit: rule.limits[i].rate.amount,
+        per_secs: rule.limits[i].rate.per_secs,
+        remaining: q.remaining,
+        reset_ms: ms(q.reset_ns),
+        retry_after_ms: ms(q.retry_after_ns),
+        ..base
+    }
 }
 
