@@ -26,12 +26,13 @@ pub const COARSE_MIN_TICKS: u64 = 8;
 /// on the tick clock, which an 8-tick burst alone had let through.
 pub const COARSE_MIN_COST_TICKS: u64 = 1_000;
 
-/// How many ticks late the jiffies update [`TickClock::latest`] allows
-/// for: the tick interrupt held back by interrupts off or by the
-/// hypervisor. Later still, a token bucket on ktime decides a packet due
-/// in the last `LATE_TICKS` before its time as if it came that much
-/// earlier: it drops it, never passes one early.
-pub const LATE_TICKS: u64 = 2;
+/// How late the jiffies update [`TickClock::latest`] allows for (the tick
+/// interrupt held back by interrupts off or by the hypervisor): two
+/// ticks, and at least 8 ms (eight ticks at `HZ=1000`). Later still, a
+/// token bucket on ktime decides a packet due within that much more of
+/// its time as if it came that much earlier: it drops it, never passes one
+/// early.
+pub const LATE_NS_MIN: u64 = 8_000_000;
 
 /// Maps the kernel's `jiffies64` onto ktime nanoseconds: `jiffies × tick_ns +
 /// offset_ns` (wrapping), measured by the daemon at load. The result is never
@@ -72,13 +73,16 @@ impl TickClock {
     }
 
     /// The latest ktime a reading of `jiffies` may stand for: the end of
-    /// its tick, plus [`LATE_TICKS`] for a tick whose jiffies update was
-    /// held back. A bucket whose packet drops even at that time drops at
-    /// the exact time too (see [`crate::LimitEntry::drops_until`]), so
-    /// such a drop needs no ktime read.
+    /// its tick, plus two ticks (at least [`LATE_NS_MIN`]) for a tick
+    /// whose jiffies update was held back. A bucket whose packet drops
+    /// even at that time drops at the exact time too (see
+    /// [`crate::LimitEntry::drops_until`]), so such a drop needs no ktime
+    /// read.
     #[inline(always)]
     pub fn latest(&self, jiffies: u64) -> u64 {
-        self.at(jiffies.wrapping_add(1 + LATE_TICKS))
+        let late = 2 * self.tick_ns;
+        let late = if late < LATE_NS_MIN { LATE_NS_MIN } else { late };
+        self.at(jiffies.wrapping_add(1)).wrapping_add(late)
     }
 
     /// Whether `limit` stays accurate when read through this clock.
@@ -135,6 +139,17 @@ mod tests {
         assert!(c.suits(&Limit::new(1, 3_600_000_000_000, 1).unwrap()), "1 per hour: a pass loses at most a tick of an hour");
         assert!(!c.suits(&Limit::new(1, 3_999_000_000, 1).unwrap()));
         assert!(!TickClock::default().suits(&Limit::per_second(1, 1000).unwrap()));
+    }
+
+    #[test]
+    fn the_latest_time_a_tick_stands_for_allows_two_late_ticks_and_8_ms() {
+        for (tick, late) in [(1_000_000, 8_000_000), (4_000_000, 8_000_000), (10_000_000, 20_000_000)] {
+            let c = TickClock { tick_ns: tick, offset_ns: 123 };
+            // Any ktime within the tick of jiffy 7, up to `late` after its
+            // end, is at or before the latest.
+            assert_eq!(c.latest(7), c.at(8) + late, "tick {tick}");
+            assert!(c.latest(7) >= c.at(7) + tick + 2 * tick);
+        }
     }
 
     proptest! {
