@@ -182,11 +182,14 @@ mod tests {
         #[test]
         fn a_sure_drop_drops_at_every_earlier_time(
             kind in prop_oneof![Just(LIMIT_GCRA), Just(LIMIT_FIXED), Just(LIMIT_SLIDING)],
-            a in 1u64..5_000_000_000, b in 1u64..30, units in 1u64..3,
-            word in 0u64..2_000_000_000_000, latest in 0u64..2_000_000_000_000,
+            a in 1u64..5_000_000_000, b in 1u64..30, units in 1u64..10_000, shift in 0u32..20,
+            word in prop_oneof![0u64..2_000_000_000_000, (u64::MAX - 3_000_000_000_000)..=u64::MAX],
+            latest in prop_oneof![0u64..2_000_000_000_000, (u64::MAX - 2_000_000_000_000)..=u64::MAX],
             back in proptest::collection::vec(0u64..200_000_000_000, 1..20),
         ) {
-            let l = LimitEntry { kind, shift: 0, a, b: if kind == LIMIT_GCRA { a * b } else { b } };
+            // Byte limits cost `units × a >> shift` ns; times near 2⁶⁴
+            // reach the step's saturation.
+            let l = LimitEntry { kind, shift, a, b: if kind == LIMIT_GCRA { a * b } else { b } };
             if l.drops_until(word, latest, units) {
                 prop_assert_eq!(kind, LIMIT_GCRA);
                 for d in back {
