@@ -23,6 +23,12 @@ pub struct Quota {
     pub reset_ns: u64,
 }
 
+/// A wait in whole milliseconds, rounded up (for headers and the API):
+/// waiting that long is never too early.
+pub const fn ceil_ms(ns: u64) -> u64 {
+    ns.div_ceil(1_000_000)
+}
+
 /// Units that pass one after another at `now` from state `word`.
 fn remaining(l: &LimitEntry, word: u64, now: u64, epoch_offset_ns: u64) -> u64 {
     let shift = l.shift & 63;

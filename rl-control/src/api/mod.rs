@@ -21,6 +21,7 @@ use axum::{
     Json, Router,
 };
 use serde::{Deserialize, Serialize};
+use rl_common::quota::ceil_ms;
 use utoipa::{OpenApi, ToSchema};
 
 use crate::{
@@ -323,11 +324,6 @@ pub struct SourceState {
     /// Every limit under which the source has state now (none: it has sent
     /// nothing recently, or its state was evicted: it has its full limit).
     pub limits: Vec<SourceLimit>,
-}
-
-/// Milliseconds, rounded up: waiting that long is never too early.
-fn ceil_ms(ns: u64) -> u64 {
-    ns.div_ceil(1_000_000)
 }
 
 /// That source's quota under each limit it has state in.

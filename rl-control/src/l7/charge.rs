@@ -2,7 +2,7 @@
 //! algorithms with rl-common's step functions (all of a rule's limits or
 //! none) and `quota` for the headers, the sliding log, the semaphore.
 
-use rl_common::{quota, LimitEntry};
+use rl_common::{quota, quota::ceil_ms, LimitEntry};
 
 use super::{
     engine::{Bucket, Compiled, Status},
@@ -66,8 +66,8 @@ fn log_charge(c: &Compiled, logs: &mut [std::collections::VecDeque<u64>], now: u
         limit: l.rate.amount,
         per_secs: l.rate.per_secs,
         remaining,
-        reset_ms: ms(newest),
-        retry_after_ms: if remaining > 0 { 0 } else { ms(oldest) },
+        reset_ms: ceil_ms(newest),
+        retry_after_ms: if remaining > 0 { 0 } else { ceil_ms(oldest) },
         ..base
     }
 }
@@ -97,15 +97,10 @@ fn lease_charge(leases: &mut std::collections::VecDeque<u64>, max: u64, lease_se
         limit: max,
         per_secs: lease_secs,
         remaining,
-        reset_ms: ms(leases.back().map_or(0, |&e| e.saturating_sub(now))),
-        retry_after_ms: if remaining > 0 { 0 } else { ms(next_free) },
+        reset_ms: ceil_ms(leases.back().map_or(0, |&e| e.saturating_sub(now))),
+        retry_after_ms: if remaining > 0 { 0 } else { ceil_ms(next_free) },
         ..base
     }
-}
-
-/// Milliseconds, rounded up, of `ns`.
-fn ms(ns: u64) -> u64 {
-    ns.div_ceil(1_000_000)
 }
 
 /// A packet-algorithm charge: every limit's step must pass, or nothing
@@ -136,8 +131,8 @@ fn packet_charge(c: &Compiled, a: Algorithm, words: &mut [u64], now: u64, hits: 
         limit: rule.limits[i].rate.amount,
         per_secs: rule.limits[i].rate.per_secs,
         remaining: q.remaining,
-        reset_ms: ms(q.reset_ns),
-        retry_after_ms: ms(q.retry_after_ns),
+        reset_ms: ceil_ms(q.reset_ns),
+        retry_after_ms: ceil_ms(q.retry_after_ns),
         ..base
     }
 }
