@@ -85,8 +85,7 @@ impl TickClock {
     /// read.
     #[inline(always)]
     pub fn latest(&self, jiffies: u64) -> u64 {
-        let late = LATE_TICKS * self.tick_ns;
-        let late = if late < LATE_NS_MIN { LATE_NS_MIN } else { late };
+        let late = (LATE_TICKS * self.tick_ns).max(LATE_NS_MIN);
         self.at(jiffies.wrapping_add(1)).wrapping_add(late)
     }
 

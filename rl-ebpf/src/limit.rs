@@ -335,11 +335,9 @@ fn charge(
             continue;
         };
         let (limit, word) = (&rule.limits[i], Tat(unsafe { &raw mut (*b).tat_ns }).load());
-        let t = match sure_drop(cfg, limit, word, units(limit, cost)) {
-            Some(t) => Some(t),
-            None => step(cfg, limit, cost, word).is_none().then(|| now(cfg, limit)),
-        };
-        if let Some(t) = t {
+        let over_at = sure_drop(cfg, limit, word, units(limit, cost))
+            .or_else(|| step(cfg, limit, cost, word).is_none().then(|| now(cfg, limit)));
+        if let Some(t) = over_at {
             return over(ctx, cfg, rule, i as u32, is_v6, src, cost, t, b);
         }
     }
