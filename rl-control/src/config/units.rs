@@ -8,19 +8,7 @@ use std::net::IpAddr;
 /// or `d` (`"1s"`, `"90s"`, `"10m"`, `"1d"`).
 pub fn parse_duration(text: &str) -> Result<u64, String> {
     let allowed = "write a whole number of seconds, minutes, hours or days, e.g. \"1s\", \"10s\", \"1m\", \"1h\", \"1d\"";
-    let t = text.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let unit_secs = match unit.trim() {
-        "s" => 1,
-        "m" => 60,
-        "h" => 3600,
-        "d" => 86_400,
-        _ => return Err(format!("\"{text}\" is not a duration: {allowed}")),
-    };
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("\"{text}\" is not a duration: {allowed}"))?;
+    let (n, unit_secs) = whole_with_unit(text, &[("s", 1), ("m", 60), ("h", 3600), ("d", 86_400)], allowed)?;
     if n == 0 {
         return Err(format!("\"{text}\" is zero: a limit needs a period of at least 1s"));
     }
@@ -33,21 +21,24 @@ pub fn parse_duration(text: &str) -> Result<u64, String> {
 /// 1 ms, at most `max_ms`), for timers such as `[cluster] sync_interval`.
 pub fn parse_millis(text: &str, max_ms: u64) -> Result<u64, String> {
     let allowed = "write a whole number of milliseconds, seconds or minutes, e.g. \"50ms\", \"1s\"";
-    let t = text.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let unit_ms = match unit.trim() {
-        "ms" => 1,
-        "s" => 1000,
-        "m" => 60_000,
-        _ => return Err(format!("\"{text}\" is not a duration: {allowed}")),
-    };
-    let n: u64 = num.parse().map_err(|_| format!("\"{text}\" is not a duration: {allowed}"))?;
+    let (n, unit_ms) = whole_with_unit(text, &[("ms", 1), ("s", 1000), ("m", 60_000)], allowed)?;
     match n.checked_mul(unit_ms) {
         Some(0) => Err(format!("\"{text}\" is zero: at least 1ms")),
         Some(ms) if ms <= max_ms => Ok(ms),
         _ => Err(format!("\"{text}\" is too long: at most {max_ms}ms")),
     }
+}
+
+/// `text` as a whole number and one of `units` (its name and multiplier):
+/// the number and the multiplier, else "not a duration" and `allowed`.
+fn whole_with_unit(text: &str, units: &[(&str, u64)], allowed: &str) -> Result<(u64, u64), String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let not_one = || format!("\"{text}\" is not a duration: {allowed}");
+    let &(_, mult) = units.iter().find(|(name, _)| *name == unit.trim()).ok_or_else(not_one)?;
+    let n = num.parse().map_err(|_| not_one())?;
+    Ok((n, mult))
 }
 
 /// Bytes in a size: an integer (bytes) or `<number><unit>` with unit `B`,
@@ -240,6 +231,19 @@ mod tests {
         }
         assert!(parse_duration("1.5s").unwrap_err().contains("e.g. \"1s\""));
         assert!(parse_duration("400d").unwrap_err().contains("366 days"));
+    }
+
+    #[test]
+    fn short_durations() {
+        assert_eq!(parse_millis("50ms", 60_000), Ok(50));
+        assert_eq!(parse_millis(" 2s ", 60_000), Ok(2000));
+        assert_eq!(parse_millis("1m", 60_000), Ok(60_000));
+        for bad in ["", "ms", "50", "1.5s", "1h", "-1ms", "1 sec"] {
+            assert!(parse_millis(bad, 60_000).unwrap_err().contains("e.g. \"50ms\""), "{bad:?}");
+        }
+        assert!(parse_millis("0s", 60_000).unwrap_err().contains("at least 1ms"));
+        assert!(parse_millis("61s", 60_000).unwrap_err().contains("at most 60000ms"));
+        assert!(parse_millis("99999999999999999m", 60_000).unwrap_err().contains("at most"), "overflow is too long");
     }
 
     #[test]
