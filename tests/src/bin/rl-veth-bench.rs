@@ -21,6 +21,12 @@
 //!   the per-prefix state's cache misses: what this flood path would cost
 //!   if its per-prefix state were free.
 //!
+//! And one rl case with another setting, beside the default it trades
+//! against: **rl, /16 cells** (`flood_prefix_v4 = 16`): the flood's 256
+//! /16s' cells stay cached where its 65,536 /24s' do not, and a newcomer
+//! shares its /16's cell instead of its /24's (the README's collateral
+//! trade-off, "Floods" (e)).
+//!
 //! The generator (rl's own, AF_PACKET, forged 10/8 sources, the same
 //! sequence for every case) sends a fixed count of frames from one pinned
 //! thread. The frames are addressed to another host's MAC, so after the
@@ -45,11 +51,11 @@
 //!
 //! Knobs for looking further: `RL_BENCH_ONE_SOURCE=1` sends every case's
 //! frames from one source, and `RL_BENCH_DATAPATH` is TOML prepended to
-//! rl's rules (not the hot-cell case's), e.g.
+//! rl's rules (not the hot-cell or /16 cases'), e.g.
 //! `$'[datapath]\nflood_prefixes = 8192\n'`.
 //! `RL_BENCH_PREFIXES=16384` narrows the flood to that many /24 prefixes
 //! (fewer prefix cells: what the cells' working set costs).
-//! `RL_BENCH_ONLY=rl` (or `rlunfiltered`, `rlknown`, `rlhotcell`, `nft`, `nftroomy`)
+//! `RL_BENCH_ONLY=rl` (or `rlunfiltered`, `rlknown`, `rlhotcell`, `rlcells16`, `nft`, `nftroomy`)
 //! measures that case beside the baseline alone, e.g. under `perf record
 //! -a`. `RL_BENCH_ROUNDS=N` runs N interleaved rounds instead of 5 (single
 //! rounds' ratios range over about 0.1× on a shared VM; more rounds steady
@@ -109,6 +115,9 @@ enum Filter {
     /// rl with the flood charged to one cached prefix cell (see the module
     /// doc).
     RlHotCell,
+    /// rl with /16 prefix cells (`flood_prefix_v4 = 16`) instead of the
+    /// default /24 (see the module doc).
+    RlCells16,
     Nft,
     /// nftables with a set that holds every source of both phases, so
     /// that it never stops applying the rule (the 1M set is full in the
@@ -118,7 +127,8 @@ enum Filter {
 }
 
 impl Filter {
-    const ALL: [Filter; 7] = [Filter::Pass, Filter::Rl, Filter::RlUnfiltered, Filter::RlKnown, Filter::RlHotCell, Filter::Nft, Filter::NftRoomy];
+    const ALL: [Filter; 8] =
+        [Filter::Pass, Filter::Rl, Filter::RlUnfiltered, Filter::RlKnown, Filter::RlHotCell, Filter::RlCells16, Filter::Nft, Filter::NftRoomy];
 
     fn name(self) -> &'static str {
         match self {
@@ -127,6 +137,7 @@ impl Filter {
             Filter::RlUnfiltered => "rl, lookup filter off",
             Filter::RlKnown => "rl, one known source",
             Filter::RlHotCell => "rl, one hot cell",
+            Filter::RlCells16 => "rl, /16 cells",
             Filter::Nft => "nftables dynset limit",
             Filter::NftRoomy => "nftables, 4M-element set",
         }
@@ -137,6 +148,7 @@ impl Filter {
     fn datapath(self) -> String {
         match self {
             Filter::RlHotCell => "[datapath]\nflood_prefix_v4 = 8\n".to_string(),
+            Filter::RlCells16 => "[datapath]\nflood_prefix_v4 = 16\n".to_string(),
             _ => std::env::var("RL_BENCH_DATAPATH").unwrap_or_default(),
         }
     }
@@ -158,7 +170,7 @@ const PHASES: [&str; 2] = ["first", "sustained"];
 fn one_run(lab: &Lab, filter: Filter, frames: u64, rules: &NftRules, check: bool) -> Result<[f64; 2]> {
     let mut dp = None;
     match filter {
-        Filter::Pass | Filter::Rl | Filter::RlUnfiltered | Filter::RlKnown | Filter::RlHotCell => {
+        Filter::Pass | Filter::Rl | Filter::RlUnfiltered | Filter::RlKnown | Filter::RlHotCell | Filter::RlCells16 => {
             let mut d = datapath(&format!("{}{RL_CONFIG}", filter.datapath()))?;
             if filter == Filter::RlUnfiltered {
                 d.known_filter()?.disable();
@@ -311,6 +323,10 @@ fn main() -> Result<()> {
             fixed,
             hot - fixed,
             rl_vs_pass - hot
+        );
+        println!(
+            "  coarser cells: rl with /16 prefix cells {:.3}× bare XDP_PASS (the default /24: {rl_vs_pass:.3}×); a newcomer then shares its /16's cell, not its /24's",
+            ratio(Filter::RlCells16, Filter::Pass)
         );
         let met = |ok: bool| if ok { "met" } else { "MISSED" };
         verdicts.push(format!(
