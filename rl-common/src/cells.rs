@@ -97,6 +97,45 @@ pub fn cells_saturated(claimed: u64, slots: u32) -> bool {
     claimed.saturating_mul(2) >= slots as u64
 }
 
+/// Wide cells per family (`Array<u64>`, entries 0 IPv4 and 1 IPv6,
+/// mappable; see [`crate::pressure`]): the program adds one before it
+/// claims a slot for a wide cell (and takes it back if the claim fails),
+/// the collector sets the count after each walk to the wide cells it kept
+/// plus those claimed since it began. Never 0 while a wide cell exists: an
+/// unseen key looks for its wide cell only when it is not.
+pub const MAP_WIDE_COUNT: &str = "RL_WIDE";
+
+/// Whether an array of `slots` holding `claimed` cells holds a wide flood:
+/// a quarter full, where one new prefix in thirty already finds its set
+/// full and is charged to its rule's last resort (so newcomers anywhere
+/// start from a drained bucket either way), unseen keys in flood mode make
+/// wide cells ([`crate::pressure`]), whose few lines stay in the CPU's
+/// cache where a cell per prefix costs a miss per packet.
+#[inline(always)]
+pub fn cells_wide(claimed: u64, slots: u32) -> bool {
+    claimed.saturating_mul(4) >= slots as u64
+}
+
+/// How many bits shorter than a cell's prefix a wide cell's is.
+pub const WIDE_BITS_V4: u32 = 8;
+pub const WIDE_BITS_V6: u32 = 16;
+
+/// A wide cell's IPv4 mask (network order) from a cell's, [`WIDE_BITS_V4`]
+/// bits shorter: /24 ➜ /16.
+#[inline(always)]
+pub fn wide_mask4(cell_mask4: u32) -> u32 {
+    (u32::from_be(cell_mask4) << WIDE_BITS_V4).to_be()
+}
+
+/// A wide cell's IPv6 mask (four network-order words) from a cell's,
+/// [`WIDE_BITS_V6`] bits shorter: /48 ➜ /32.
+#[inline(always)]
+pub fn wide_mask6(m: &[u32; 4]) -> [u32; 4] {
+    let h = [u32::from_be(m[0]), u32::from_be(m[1]), u32::from_be(m[2]), u32::from_be(m[3])];
+    let (s, r) = (WIDE_BITS_V6, 32 - WIDE_BITS_V6);
+    [(h[0] << s | h[1] >> r).to_be(), (h[1] << s | h[2] >> r).to_be(), (h[2] << s | h[3] >> r).to_be(), (h[3] << s).to_be()]
+}
+
 /// Slots a cell key may use.
 pub const CELL_WAYS: u32 = 2;
 
@@ -256,6 +295,33 @@ mod tests {
 
     /// Some cell seed.
     const SEED: u64 = 0x005e_ed0f_ce11;
+
+    #[test]
+    fn a_wide_flood_is_a_quarter_of_the_slots() {
+        assert!(!cells_wide(32_767, 131_072) && cells_wide(32_768, 131_072));
+        assert!(!cells_wide(0, 2) && cells_wide(1, 2));
+        assert!(cells_wide(u64::MAX, u32::MAX));
+        // Before saturation: a wide flood makes wide cells while its
+        // prefixes could still claim cells of their own.
+        for slots in [2u32, 512, 131_072] {
+            assert!(cells_wide(slots as u64 / 2, slots) && cells_saturated(slots as u64 / 2, slots));
+        }
+    }
+
+    #[test]
+    fn wide_masks_are_eight_and_sixteen_bits_shorter() {
+        use crate::prefix_mask_words;
+        for len in 0..=32u8 {
+            let want = prefix_mask_words::<1>(len.saturating_sub(8))[0];
+            assert_eq!(wide_mask4(prefix_mask_words::<1>(len)[0]), want, "/{len}");
+        }
+        for len in 0..=128u8 {
+            let want = prefix_mask_words::<4>(len.saturating_sub(16));
+            assert_eq!(wide_mask6(&prefix_mask_words::<4>(len)), want, "/{len}");
+        }
+        let a = u32::from_ne_bytes([10, 9, 8, 7]);
+        assert_eq!(a & wide_mask4(prefix_mask_words::<1>(24)[0]), u32::from_ne_bytes([10, 9, 0, 0]));
+    }
 
     #[test]
     fn saturation_is_half_the_slots() {

@@ -82,6 +82,25 @@ impl LimitEntry {
         }
     }
 
+    /// The state word of a bucket of this limit that holds nothing at
+    /// `now` (this limit's clock) and, from then on, no more than any word
+    /// charged at or before `now`: a token bucket whose time is a whole
+    /// burst ahead, a window whose count is its cap (a sliding window's
+    /// previous count too). What a wide cell starts from (see
+    /// [`crate::pressure`]).
+    #[inline(always)]
+    pub fn drained(&self, now: u64, epoch_offset_ns: u64) -> u64 {
+        if self.kind & 0xff == LIMIT_GCRA {
+            return now.saturating_add(self.b);
+        }
+        let epoch_ns = now.wrapping_add(epoch_offset_ns);
+        if self.kind & 0xff == LIMIT_FIXED {
+            crate::window::fixed_drained(epoch_ns, self.a, self.b)
+        } else {
+            crate::window::sliding_drained(epoch_ns, self.a, self.b)
+        }
+    }
+
     /// Two state words of this limit (say a prefix cell an older build kept
     /// and the one this build made since) as one that allows no more than
     /// either, now (`now`, ktime) and at every later time: merging buckets
@@ -240,6 +259,41 @@ mod tests {
                 prop_assert!(pm <= px && pm <= py, "the merge passed {} where the words passed {} and {}", pm, px, py);
                 now += g;
             }
+        }
+
+        /// A drained word passes nothing at its time, and from then on no
+        /// more than any word charged at or before it.
+        #[test]
+        fn a_drained_word_allows_no_more_than_any_charged_before_it(
+            kind in prop_oneof![Just(LIMIT_GCRA), Just(LIMIT_FIXED), Just(LIMIT_SLIDING)],
+            a in 1u64..5_000_000_000, b in 1u64..30, units in 1u64..4,
+            start in 0u64..1_000_000_000_000, off in 0u64..1_000_000_000_000,
+            sent in 0u64..40, lag in 0u64..20_000_000_000,
+            gaps in proptest::collection::vec(0u64..3_000_000_000, 1..60),
+        ) {
+            let l = match kind {
+                LIMIT_GCRA => LimitEntry { kind, shift: 0, a, b: a * b },
+                _ => LimitEntry { kind, shift: 0, a: a.max(1_000_000_000), b },
+            };
+            // Some own bucket, charged up to `start`; drained at `now`.
+            let mut x = (0..sent).fold(0u64, |w, _| l.step(w, start, off, 1).unwrap_or(w));
+            let mut now = start + lag;
+            let mut d = l.drained(now, off);
+            prop_assert!(l.step(d, now, off, units).is_none(), "a drained word passed at its time");
+            // Both take the same packets; the drained one never passes more.
+            let (mut px, mut pd) = (0, 0);
+            for g in gaps {
+                for (w, p) in [(&mut x, &mut px), (&mut d, &mut pd)] {
+                    if let Some(n) = l.step(*w, now, off, units) {
+                        *w = n;
+                        *p += 1;
+                    }
+                }
+                prop_assert!(pd <= px, "drained passed {} where the charged word passed {}", pd, px);
+                now += g;
+            }
+            // And it is never taken for fresh while it holds nothing.
+            prop_assert!(!l.is_fresh(l.drained(now, off), now, off));
         }
 
         /// A bucket the daemon may delete is one whose every future verdict

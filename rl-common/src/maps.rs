@@ -164,7 +164,10 @@ pub struct DatapathConfig {
     /// Unix-epoch nanoseconds minus ktime, for epoch-aligned windows.
     pub epoch_offset_ns: u64,
     /// 1 once the daemon has written a configuration.
-    pub enabled: u16,
+    pub enabled: u8,
+    /// `DP_*` bits. (Carved from a former `enabled: u16`: a configuration
+    /// pinned by an older build reads 0, the defaults.)
+    pub flags: u8,
     /// Log₂ of the slots of each prefix-cell array ([`crate::cell_slots`]).
     /// (Carved from a former `enabled: u32`: a configuration pinned by an
     /// older build reads as one slot, which holds one cell, until the
@@ -189,6 +192,10 @@ pub struct DatapathConfig {
 }
 const _: () = assert!(size_of::<DatapathConfig>() == 64);
 const _: () = assert!(core::mem::offset_of!(DatapathConfig, slot_flags) % 8 == 0);
+
+/// [`DatapathConfig::flags`]: make no wide cells (`datapath.flood_wide_cells
+/// = false`; see [`crate::cells`]).
+pub const DP_NO_WIDE_CELLS: u8 = 1;
 
 impl DatapathConfig {
     /// The word for `slot` and its rule set's `CFG_*` `flags`.

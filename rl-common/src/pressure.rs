@@ -18,6 +18,26 @@
 //! other keys arrive, and a flood can only ever make newcomers share, never
 //! hand anybody a fresh allowance.
 //!
+//! Wide cells (a flood over more prefixes than the cells hold well): once a
+//! family's cell array is a quarter full ([`crate::cells_wide`]), a key
+//! charged in flood mode whose wide cell (its prefix 8 bits shorter, IPv6
+//! 16, marked [`KEY_WIDE`]) does not exist makes that wide cell instead of
+//! a cell of its own prefix; and while any wide cell exists (the family's
+//! count, [`crate::MAP_WIDE_COUNT`], is not 0), every unseen key looks for
+//! its wide cell first and, if it is there, maps to it. A wide cell starts
+//! *drained* ([`crate::LimitEntry::drained`]): it holds nothing at its
+//! making, so it holds no more than any key's own bucket then, whatever
+//! that key was charged before (to its cell, its rule's last resort, or
+//! another wide cell); from then on it takes every charge of the keys that
+//! map to it, so the invariant holds for them. A key stops mapping to it
+//! only when it is freed, fresh: its keys' own buckets are then full too,
+//! so whatever they map to next holds no more. A key whose wide cell is
+//! being made or freed (busy) maps to its cell or last resort as before.
+//! So the switch to wide cells and back needs no coordination with the
+//! daemon; the count only has to be 0 never while a wide cell exists (the
+//! program adds one before it claims a slot, the collector counts after
+//! each walk as for own buckets).
+//!
 //! Flood mode (Katran's `is_under_flood`): a CPU that sees more than its
 //! share of `flood_new_keys_per_sec` unseen keys in a window stops creating
 //! per-source buckets for the rest of that window and the next, and charges
@@ -58,6 +78,10 @@ pub const RULE_ID_MASK: u32 = 0x3fff_fff8;
 pub const KEY_CELL: u32 = 1 << 31;
 /// `Key4::rule` / `Key6::rule` bit of a rule's last resort (address 0).
 pub const KEY_LAST: u32 = 1 << 30;
+/// `Key4::rule` / `Key6::rule` bits of a wide cell (both bits: a cell, in
+/// the cell arrays): the key's address is masked to the wide prefix
+/// (`crate::cells::wide_mask4`), 8 bits (IPv6: 16) shorter than a cell's.
+pub const KEY_WIDE: u32 = KEY_CELL | KEY_LAST;
 
 /// The limit a bucket key's `rule` names (`RuleEntry::id | index`): its
 /// key-kind bits cleared.
@@ -66,15 +90,21 @@ pub const fn limit_of_key(rule: u32) -> u32 {
     rule & !(KEY_CELL | KEY_LAST)
 }
 
-/// What kind of bucket a key names.
+/// What kind of bucket a key names (a wide cell is a cell).
 pub fn key_kind(rule: u32) -> KeyKind {
-    if rule & KEY_LAST != 0 {
-        KeyKind::LastResort
-    } else if rule & KEY_CELL != 0 {
+    if rule & KEY_CELL != 0 {
         KeyKind::Cell
+    } else if rule & KEY_LAST != 0 {
+        KeyKind::LastResort
     } else {
         KeyKind::Own
     }
+}
+
+/// Whether a cell key is a wide cell's.
+#[inline(always)]
+pub const fn is_wide(rule: u32) -> bool {
+    rule & KEY_WIDE == KEY_WIDE
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

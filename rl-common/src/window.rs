@@ -32,6 +32,17 @@ pub fn fixed_window(word: u64, now: u64, window_ns: u64, max: u64, cost: u64) ->
     Some(w << FIXED_COUNT_BITS | next)
 }
 
+/// The fixed-window word of a bucket that used its cap `max` in the window
+/// of `now` (epoch ns): nothing more fits before the next window.
+#[inline(always)]
+pub fn fixed_drained(now: u64, window_ns: u64, max: u64) -> u64 {
+    if window_ns == 0 {
+        return 0;
+    }
+    let w = (now / window_ns) & FIXED_INDEX_MASK;
+    w << FIXED_COUNT_BITS | if max < FIXED_COUNT_MASK { max } else { FIXED_COUNT_MASK }
+}
+
 /// Sliding window: `[window index mod 2⁸ : 8 | previous : 28 | current : 28]`.
 const SLIDE_BITS: u32 = 28;
 const SLIDE_MASK: u64 = (1 << SLIDE_BITS) - 1;
@@ -70,6 +81,19 @@ pub fn sliding_window(word: u64, now: u64, window_ns: u64, max: u64, cost: u64) 
         return None;
     }
     Some(w << (2 * SLIDE_BITS) | prev << SLIDE_BITS | next)
+}
+
+/// The sliding-window word of a bucket that used its cap `max` in the
+/// window of `now` (epoch ns) and in the one before: nothing more fits
+/// before the next window, where the previous count weighs in full.
+#[inline(always)]
+pub fn sliding_drained(now: u64, window_ns: u64, max: u64) -> u64 {
+    if window_ns == 0 {
+        return 0;
+    }
+    let w = (now / window_ns) & 0xff;
+    let m = if max < SLIDE_MASK { max } else { SLIDE_MASK };
+    w << (2 * SLIDE_BITS) | m << SLIDE_BITS | m
 }
 
 /// The window index `idx` names relative to index `current`, both kept mod

@@ -21,6 +21,7 @@ use aya_ebpf::{
     maps::{Array, HashMap, PerCpuArray},
 };
 use rl_common::{
+    cells_wide, wide_mask4, wide_mask6, LimitEntry, DP_NO_WIDE_CELLS, KEY_WIDE, POOL_INDEX,
     cell_claim, cell_set, cell_way, cell_writing, cells_saturated, owned_room, Bucket, Cell, CellKey, CellScratch, DatapathConfig, FloodState, Key4, Key6, KnownKey,
     RuleEntry, Unseen, Way, CELL_WAYS, KEY_CELL, KEY_LAST, NO_CELL, OWNED_CAP, OWNED_ENTRIES, RULE_CLUSTER, STAT_FALLBACK, STAT_NEW_CELLS, STAT_NEW_SOURCES, STAT_TABLE_FULL,
 };
@@ -58,6 +59,10 @@ static RL_CELLSEED: Array<u64> = Array::with_max_entries(1, 0);
 /// rl_common::MAP_CELL_SCRATCH.
 #[map(name = "RL_CSCRATCH")]
 static RL_CSCRATCH: PerCpuArray<CellScratch> = PerCpuArray::with_max_entries(1, 0);
+
+/// Wide cells per family (rl_common::MAP_WIDE_COUNT).
+#[map(name = "RL_WIDE")]
+static RL_WIDE: Array<u64> = Array::with_max_entries(2, BPF_F_MMAPABLE);
 
 /// Cells claimed per family (rl_common::MAP_CELL_COUNT).
 #[map(name = "RL_CELLN")]
@@ -112,6 +117,10 @@ pub fn count_in_cell(rule: &RuleEntry, is_v6: bool, cell: u32, passed: bool) {
 /// closed).
 #[inline(always)]
 pub fn bucket(cfg: &DatapathConfig, rule: &RuleEntry, which: u32, is_v6: bool, src: &[u32; 4]) -> Option<Held> {
+    // Wide cells: not for a cluster rule (its sync names cells by their
+    // prefix) nor for an elastic rule's pool (one bucket, address 0).
+    let limit = if which == POOL_INDEX { &rule.pool } else { rule.limits.get(which as usize)? };
+    let wide = (rule.flags & RULE_CLUSTER == 0 && which != POOL_INDEX && cfg.flags & DP_NO_WIDE_CELLS == 0) as u32;
     if is_v6 {
         let key = rule.key6(which, src);
         if known::maybe(&key) {
@@ -119,7 +128,7 @@ pub fn bucket(cfg: &DatapathConfig, rule: &RuleEntry, which: u32, is_v6: bool, s
                 return Some(whole(b));
             }
         }
-        found::<Key6>(unseen6(cfg, &key))
+        found::<Key6>(unseen6(cfg, &key, limit, wide))
     } else {
         let key = rule.key4(which, src[3]);
         if known::maybe(&key) {
@@ -127,7 +136,7 @@ pub fn bucket(cfg: &DatapathConfig, rule: &RuleEntry, which: u32, is_v6: bool, s
                 return Some(whole(b));
             }
         }
-        found::<Key4>(unseen4(cfg, &key))
+        found::<Key4>(unseen4(cfg, &key, limit, wide))
     }
 }
 
@@ -158,6 +167,8 @@ pub fn existing(rule: &RuleEntry, which: u32, is_v6: bool, src: &[u32; 4]) -> Op
 /// The fallback keys of a source key.
 trait Fallbacks: Copy + KnownKey + PartialEq {
     fn cell(&self, cfg: &DatapathConfig) -> Self;
+    /// The key's wide cell (`rl_common::pressure`).
+    fn wide(&self, cfg: &DatapathConfig) -> Self;
     fn last(&self) -> Self;
     /// Slot `i` of the family's cell array.
     fn slot(i: u32) -> Option<*mut Cell>;
@@ -169,6 +180,10 @@ impl Fallbacks for Key4 {
     #[inline(always)]
     fn cell(&self, cfg: &DatapathConfig) -> Self {
         Key4 { rule: self.rule | KEY_CELL, addr: self.addr & cfg.cell_mask4 }
+    }
+    #[inline(always)]
+    fn wide(&self, cfg: &DatapathConfig) -> Self {
+        Key4 { rule: self.rule | KEY_WIDE, addr: self.addr & wide_mask4(cfg.cell_mask4) }
     }
     #[inline(always)]
     fn last(&self) -> Self {
@@ -191,6 +206,11 @@ impl Fallbacks for Key6 {
         Key6 { rule: self.rule | KEY_CELL, addr: [a[0] & m[0], a[1] & m[1], a[2] & m[2], a[3] & m[3]] }
     }
     #[inline(always)]
+    fn wide(&self, cfg: &DatapathConfig) -> Self {
+        let (m, a) = (wide_mask6(&cfg.cell_mask6), &self.addr);
+        Key6 { rule: self.rule | KEY_WIDE, addr: [a[0] & m[0], a[1] & m[1], a[2] & m[2], a[3] & m[3]] }
+    }
+    #[inline(always)]
     fn last(&self) -> Self {
         zero_addr6(self.rule | KEY_LAST)
     }
@@ -207,70 +227,92 @@ impl Fallbacks for Key6 {
 // Out of line, one copy per family: every limit of every rule shares them.
 // A null bucket: the key went to the cell in the scratch (`found`).
 #[inline(never)]
-fn unseen4(cfg: &DatapathConfig, key: &Key4) -> *mut Bucket {
-    unseen(&RL_SRC4, key, cfg).unwrap_or(core::ptr::null_mut())
+fn unseen4(cfg: &DatapathConfig, key: &Key4, limit: &LimitEntry, wide: u32) -> *mut Bucket {
+    unseen(&RL_SRC4, key, cfg, limit, wide != 0).unwrap_or(core::ptr::null_mut())
 }
 
 #[inline(never)]
-fn unseen6(cfg: &DatapathConfig, key: &Key6) -> *mut Bucket {
-    unseen(&RL_SRC6, key, cfg).unwrap_or(core::ptr::null_mut())
+fn unseen6(cfg: &DatapathConfig, key: &Key6, limit: &LimitEntry, wide: u32) -> *mut Bucket {
+    unseen(&RL_SRC6, key, cfg, limit, wide != 0).unwrap_or(core::ptr::null_mut())
+}
+
+/// What a cell key with claim word `claim` finds in the set at `set`: the
+/// slot of its cell, else [`NO_CELL`] and a free way it may claim ([`NO_CELL`]
+/// if none, or while its cell is being made or freed: the key then goes
+/// to the parent and claims nothing). Slots, not pointers: a BPF stack is
+/// small.
+#[inline(always)]
+fn look<K: Fallbacks>(set: u32, claim: u64) -> (u32, u32) {
+    let (mut cell, mut free) = (NO_CELL, NO_CELL);
+    for way in 0..CELL_WAYS {
+        let Some(c) = K::slot(set + way) else { break };
+        match cell_way(unsafe { core::ptr::read_volatile(&raw const (*c).claim) }, claim) {
+            Way::Holds => {
+                cell = set + way;
+                break;
+            }
+            Way::Busy => {
+                free = NO_CELL;
+                break;
+            }
+            Way::Free if free == NO_CELL => free = set + way,
+            Way::Free | Way::Other => {}
+        }
+    }
+    (cell, free)
 }
 
 /// A key with no bucket of its own: create one (a copy of the bucket it
 /// maps to), or, in flood mode or with the table full, charge that bucket:
-/// its prefix cell (claimed now if its set has a free slot: a copy of the
-/// last resort), else its rule's last resort. A cell is returned as `None`
+/// its wide cell if it has one (`rl_common::pressure`), else its prefix
+/// cell (claimed now if its set has a free slot: a copy of the last
+/// resort; or, once the cells hold a wide flood, its wide cell, claimed
+/// drained), else its rule's last resort. A cell is returned as `None`
 /// with its slot in the scratch (one pointer comes back from a call);
 /// `None` with [`NO_CELL`] there: nothing could be found or made.
 /// (One key variable is reused for every probe: BPF stacks are small.)
 #[inline(always)]
-fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfig) -> Option<*mut Bucket> {
+fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfig, limit: &LimitEntry, wide_ok: bool) -> Option<*mut Bucket> {
     let scratch = unsafe { &mut *RL_CSCRATCH.get_ptr_mut(0)? };
     scratch.cell = NO_CELL;
     let flood = unsafe { &mut *RL_FLOOD.get_ptr_mut(0)? };
     // A window of 67 ms is 6.7 ticks at the coarsest kernel tick (HZ =
     // 100), so its edges are seen at most a tick late.
     let now = tick_now(cfg);
-    // What the key maps to now: its cell, else its rule's last resort
-    // (created fresh the first time a rule needs it).
-    let cell_key = key.cell(cfg);
+    let insert = flood.see(now, cfg.flood_cap) == Unseen::Insert;
     let seed = unsafe { core::ptr::read_volatile(RL_CELLSEED.get_ptr(0)?) };
-    let claim = cell_claim(&cell_key, seed);
     let slots = 1 << (cfg.cell_slots_log2 & 31);
-    let set = cell_set(&cell_key, seed, slots);
     let claimed = RL_CELLN.get_ptr_mut(K::FAMILY);
-    let look = match claimed {
-        Some(n) if cells_saturated(unsafe { core::ptr::read_volatile(n) }, slots) => known::maybe(&cell_key),
-        _ => true,
-    };
-    let (mut cell, mut free) = (None, None);
-    for way in 0..CELL_WAYS {
-        if !look {
-            break;
-        }
-        let Some(c) = K::slot(set + way) else { break };
-        match cell_way(unsafe { core::ptr::read_volatile(&raw const (*c).claim) }, claim) {
-            Way::Holds => {
-                cell = Some((c, set + way));
-                break;
-            }
-            // Its cell is being written or freed: the parent, no claim.
-            Way::Busy => {
-                free = None;
-                break;
-            }
-            Way::Free if free.is_none() => free = Some((c, set + way)),
-            Way::Free | Way::Other => {}
-        }
+    let n_claimed = claimed.map_or(0, |n| unsafe { core::ptr::read_volatile(n) });
+    let wides = RL_WIDE.get_ptr_mut(K::FAMILY);
+    // What the key maps to now: its wide cell, else its cell, else its
+    // rule's last resort (created fresh the first time a rule needs one).
+    let make_wide = wide_ok && !insert && cells_wide(n_claimed, slots);
+    // `free`: a slot to claim; `wide`: it is for the wide cell.
+    let (mut cell, mut free, mut wide) = (NO_CELL, NO_CELL, false);
+    if make_wide || wides.is_some_and(|n| unsafe { core::ptr::read_volatile(n) } != 0) {
+        let wide_key = key.wide(cfg);
+        (cell, free) = look::<K>(cell_set(&wide_key, seed, slots), cell_claim(&wide_key, seed));
+        wide = make_wide && cell == NO_CELL && free != NO_CELL;
     }
-    let (tat, last) = match cell {
-        Some((c, _)) => (unsafe { core::ptr::read_volatile(&raw const (*c).tat_ns) }, None),
+    if cell == NO_CELL && !wide {
+        let cell_key = key.cell(cfg);
+        let look_set = match claimed {
+            Some(_) if cells_saturated(n_claimed, slots) => known::maybe(&cell_key),
+            _ => true,
+        };
+        (cell, free) = if look_set { look::<K>(cell_set(&cell_key, seed, slots), cell_claim(&cell_key, seed)) } else { (NO_CELL, NO_CELL) };
+    }
+    let (tat, last) = match K::slot(cell) {
+        Some(c) => (unsafe { core::ptr::read_volatile(&raw const (*c).tat_ns) }, None),
+        // A wide cell starts drained.
+        None if wide => (limit.drained(crate::limit::now(cfg, limit), cfg.epoch_offset_ns), None),
         None => {
             let l = last_resort(table, key)?;
             (unsafe { core::ptr::read_volatile(&raw const (*l).tat_ns) }, Some(l))
         }
     };
-    if flood.see(now, cfg.flood_cap) == Unseen::Insert {
+    if insert {
         // At `max_sources` own buckets the table is full for them (the rest
         // is the last resorts' room): as if the insert had failed. Two CPUs
         // may both pass the check at once: one bucket over, per CPU.
@@ -304,26 +346,40 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
         }
     }
     stats::bump(STAT_FALLBACK);
-    if let Some((_, i)) = cell {
-        scratch.cell = i;
+    if cell != NO_CELL {
+        scratch.cell = cell;
         return None;
     }
-    // Claim a free slot of the set for this cell, a copy of the last resort:
-    // the state and the key first, the claim last, so a CPU that finds the
-    // claim finds the state written.
-    let Some((c, i)) = free else { return last };
-    known::mark(&cell_key);
+    // Claim a free slot of the set for this cell (a copy of the last
+    // resort, or a drained wide cell): the state and the key first, the
+    // claim last, so a CPU that finds the claim finds the state written.
+    // A wide cell is counted before it can be found: an unseen key looks
+    // for wide cells only while the count is not 0.
+    let i = free;
+    let Some(c) = K::slot(i) else { return last };
+    let (new_key, count) = if wide { (key.wide(cfg), wides) } else { (key.cell(cfg), None) };
+    if !wide {
+        known::mark(&new_key);
+    }
+    let claim = cell_claim(&new_key, seed);
+    let add = |d: u64| {
+        if let Some(n) = count {
+            unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::SeqCst }>(n, d) };
+        }
+    };
+    add(1);
     let (_, won) = unsafe {
         atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(&raw mut (*c).claim, 0, cell_writing(claim))
     };
     if !won {
+        add(u64::MAX);
         return last;
     }
     unsafe {
         core::ptr::write_volatile(&raw mut (*c).tat_ns, tat);
         if let Some(k) = K::key_slot(i) {
             // Field by field: a whole `CellKey` would be built on the stack.
-            core::ptr::write_volatile(&raw mut (*k).key, cell_key);
+            core::ptr::write_volatile(&raw mut (*k).key, new_key);
             core::ptr::write_volatile(&raw mut (*k).counts.passed, 0);
             core::ptr::write_volatile(&raw mut (*k).counts.dropped, 0);
             core::ptr::write_volatile(&raw mut (*k).counts.last_drop_ns, 0);
@@ -336,6 +392,7 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
         atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(&raw mut (*c).claim, cell_writing(claim), claim)
     };
     if !written {
+        add(u64::MAX);
         return last;
     }
     stats::bump(STAT_NEW_CELLS);

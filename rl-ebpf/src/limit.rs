@@ -470,7 +470,7 @@ fn elastic(ctx: &XdpContext, cfg: &DatapathConfig, rule: &RuleEntry, is_v6: bool
 
 /// The limit's clock: the inlined tick clock when it suits the limit.
 #[inline(always)]
-fn now(cfg: &DatapathConfig, limit: &LimitEntry) -> u64 {
+pub fn now(cfg: &DatapathConfig, limit: &LimitEntry) -> u64 {
     if limit.kind & LIMIT_COARSE != 0 {
         cfg.clock.at(unsafe { bpf_jiffies64() })
     } else {

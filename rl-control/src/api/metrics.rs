@@ -84,6 +84,8 @@ fn pressure(out: &mut String, s: &State) {
     }
     family(out, "rl_prefix_cells", "gauge", "Prefix cells held (each family's array takes datapath.flood_prefixes rounded up to a power of two, in twice as many slots, two per set).");
     let _ = writeln!(out, "rl_prefix_cells{{family=\"ipv4\"}} {}\nrl_prefix_cells{{family=\"ipv6\"}} {}", p.cells_ipv4, p.cells_ipv6);
+    family(out, "rl_wide_cells", "gauge", "Of the prefix cells, wide ones (8 bits shorter, IPv6 16): made while a flood spans a quarter of the cells' room or more.");
+    let _ = writeln!(out, "rl_wide_cells{{family=\"ipv4\"}} {}\nrl_wide_cells{{family=\"ipv6\"}} {}", p.wide_cells_ipv4, p.wide_cells_ipv6);
     family(out, "rl_known_filter_fill_ratio", "gauge", "Share of the known-keys filter's bits set: how often a key without a bucket still pays a table lookup.");
     let _ = writeln!(out, "rl_known_filter_fill_ratio{{family=\"ipv4\"}} {}\nrl_known_filter_fill_ratio{{family=\"ipv6\"}} {}", p.known_filter_fill_ipv4, p.known_filter_fill_ipv6);
     family(out, "rl_unseen_keys_per_second", "gauge", "Keys the datapath found no bucket for, per second (from the flood detectors' last whole 67 ms window).");

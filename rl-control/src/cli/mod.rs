@@ -269,7 +269,7 @@ pub fn status(v: &Value) -> String {
     }
     format!(
         "{iface_line}\nuptime:          {}s\nrules:           {} (+ default), {} allow and {} deny CIDRs, {} bans\n\
-         sources tracked: IPv4 {}, IPv6 {} of {} per family\nprefix cells:    IPv4 {}, IPv6 {} of {} per family\n\
+         sources tracked: IPv4 {}, IPv6 {} of {} per family\nprefix cells:    IPv4 {}, IPv6 {} of {} per family; wide: IPv4 {}, IPv6 {}\n\
          unseen keys:     {:.0}/s; buckets created {:.0}/s, collected {} since start\n\
          lookup filter:   {:.3}% of IPv4 bits, {:.3}% of IPv6 bits set (an unseen key pays a table lookup that often)\n\
          flood mode:      {flood}\nfallbacks:       {} packets charged to a cell or last resort; {} inserts refused (table full)\n{table}\
@@ -277,7 +277,7 @@ pub fn status(v: &Value) -> String {
         s(&v["uptime_secs"]), s(&v["rules"]),
         s(&v["allow_cidrs"]), s(&v["deny_cidrs"]), s(&v["active_bans"]),
         s(&p["buckets_ipv4"]), s(&p["buckets_ipv6"]), s(&p["bucket_capacity"]),
-        s(&p["cells_ipv4"]), s(&p["cells_ipv6"]), s(&p["cell_capacity"]),
+        s(&p["cells_ipv4"]), s(&p["cells_ipv6"]), s(&p["cell_capacity"]), s(&p["wide_cells_ipv4"]), s(&p["wide_cells_ipv6"]),
         p["unseen_keys_per_sec"].as_f64().unwrap_or(0.0), p["new_buckets_per_sec"].as_f64().unwrap_or(0.0), s(&p["collected_buckets"]),
         100.0 * p["known_filter_fill_ipv4"].as_f64().unwrap_or(0.0), 100.0 * p["known_filter_fill_ipv6"].as_f64().unwrap_or(0.0),
         s(&p["fallback_packets"]), s(&p["table_full_refusals"]),

@@ -51,6 +51,8 @@ pub struct Tuning {
     pub flood_new_keys_per_sec: u32,
     pub cell_mask4: u32,
     pub cell_mask6: [u32; 4],
+    /// `rl_common::DP_*` bits (`datapath.flood_wide_cells`).
+    pub flags: u8,
     pub fragment_ttl_ms: u16,
     /// `rl_common::FRAG_ORPHANS_*`.
     pub fragment_orphans: u16,
@@ -200,6 +202,7 @@ fn compile_rules(config: &Config) -> RuleSet {
         flood_new_keys_per_sec: d.flood_new_keys_per_sec,
         cell_mask4: prefix_mask_words::<1>(d.flood_prefix_v4)[0],
         cell_mask6: prefix_mask_words::<4>(d.flood_prefix_v6),
+        flags: if d.flood_wide_cells { 0 } else { rl_common::DP_NO_WIDE_CELLS },
         fragment_ttl_ms: d.fragment_ttl_ms,
         fragment_orphans: match d.fragment_orphans {
             FragmentOrphans::Drop => rl_common::FRAG_ORPHANS_DROP,

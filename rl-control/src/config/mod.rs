@@ -118,6 +118,9 @@ pub struct Datapath {
     pub flood_prefix_v6: u8,
     /// Capacity of each family's prefix-cell table.
     pub flood_prefixes: u32,
+    /// Whether a flood over a quarter of the cells' room is charged to wide
+    /// cells (8 bits shorter, IPv6 16) instead of a cell per prefix.
+    pub flood_wide_cells: bool,
     /// How long a first fragment's verdict waits for its later fragments.
     pub fragment_ttl_ms: u16,
     /// What later fragments without a (remembered) first fragment get.
@@ -262,6 +265,7 @@ struct RawDatapath {
     flood_prefix_v4: Option<Spanned<i64>>,
     flood_prefix_v6: Option<Spanned<i64>>,
     flood_prefixes: Option<Spanned<i64>>,
+    flood_wide_cells: Option<bool>,
     fragment_ttl_ms: Option<Spanned<i64>>,
     fragment_orphans: Option<FragmentOrphans>,
     pin_dir: Option<Spanned<String>>,
@@ -360,6 +364,7 @@ fn datapath_of(loc: &Located, d: &RawDatapath) -> Result<Datapath, ConfigError> 
         flood_prefix_v4: int_or(loc, "datapath.flood_prefix_v4", &d.flood_prefix_v4, 0, 32, 24)? as u8,
         flood_prefix_v6: int_or(loc, "datapath.flood_prefix_v6", &d.flood_prefix_v6, 0, 128, 48)? as u8,
         flood_prefixes: int_or(loc, "datapath.flood_prefixes", &d.flood_prefixes, 1, MAX_SOURCES_LIMIT as i64, u64::from(DEFAULT_FLOOD_PREFIXES))? as u32,
+        flood_wide_cells: d.flood_wide_cells.unwrap_or(true),
         fragment_ttl_ms: int_or(loc, "datapath.fragment_ttl_ms", &d.fragment_ttl_ms, 1, 60_000, 1_000)? as u16,
         fragment_orphans: d.fragment_orphans.unwrap_or(FragmentOrphans::Drop),
         pin_dir: match &d.pin_dir {
@@ -446,6 +451,7 @@ mod tests {
                 flood_prefix_v4: 24,
                 flood_prefix_v6: 48,
                 flood_prefixes: 65_536,
+                flood_wide_cells: true,
                 fragment_ttl_ms: 1_000,
                 fragment_orphans: FragmentOrphans::Drop,
                 pin_dir: DEFAULT_PIN_DIR.into(),

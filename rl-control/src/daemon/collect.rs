@@ -179,6 +179,18 @@ impl Collector {
             }
             s.push_host_event(event, unix_now() * 1000);
         }
+        if let Some(pass) = &pass {
+            let (was, now_wide) = (s.pressure.wide_cells_ipv4 + s.pressure.wide_cells_ipv6 > 0, pass.wide.0 + pass.wide.1 > 0);
+            if was != now_wide {
+                let event = if now_wide { "wide_cells_made" } else { "wide_cells_gone" };
+                if now_wide {
+                    warn!(event, ipv4 = pass.wide.0, ipv6 = pass.wide.1, "a flood spans a quarter of the prefix cells' room: its unseen sources are charged to wide cells (prefixes 8 bits shorter than a cell's, IPv6 16) until those are fresh again");
+                } else {
+                    info!(event, "the last wide cell was freed: unseen sources are charged to their own prefix's cell again");
+                }
+                s.push_host_event(event, unix_now() * 1000);
+            }
+        }
         let room = rl_common::cell_room(s.config.datapath.flood_prefixes);
         if let Some(full) = pass.as_ref().and_then(|pass| cells_full(s.pressure.cells_full, pass.cells, room)) {
             s.pressure.cells_full = full;
@@ -217,6 +229,7 @@ impl Collector {
             p.buckets_ipv6 = pass.own.1;
             p.cells_ipv4 = pass.cells.0;
             p.cells_ipv6 = pass.cells.1;
+            (p.wide_cells_ipv4, p.wide_cells_ipv6) = pass.wide;
             (p.known_filter_fill_ipv4, p.known_filter_fill_ipv6) = pass.known_fill;
             p.collected_buckets += pass.collected;
         }

@@ -149,6 +149,12 @@ pub struct Pressure {
     /// Prefix cells held, per family.
     pub cells_ipv4: u64,
     pub cells_ipv6: u64,
+    /// Of those, wide cells (a prefix 8 bits shorter, IPv6 16), per family:
+    /// made while a flood spans a quarter of the cells' room or more
+    /// (`datapath.flood_wide_cells`). Events `wide_cells_made` and
+    /// `wide_cells_gone` mark the first one and the last one's freeing.
+    pub wide_cells_ipv4: u64,
+    pub wide_cells_ipv6: u64,
     /// Cells each family's array takes before it is full
     /// (`rl_common::cell_room` of `datapath.flood_prefixes`): from then on,
     /// a prefix without a cell shares its rule's last resort.

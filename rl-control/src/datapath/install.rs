@@ -349,6 +349,7 @@ impl Basis {
             clock: self.clock,
             epoch_offset_ns: self.epoch_offset_ns,
             enabled: 1,
+            flags: t.flags,
             cell_slots_log2: self.cell_slots_log2,
             slot_flags,
             flood_cap: flood_cap_per_cpu(t.flood_new_keys_per_sec, online_cpus(self.cpus)),

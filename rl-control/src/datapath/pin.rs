@@ -143,9 +143,13 @@ pub(super) fn hold(dir: &Path) -> Result<std::os::fd::OwnedFd, DatapathError> {
 /// sources' tables or in the 64-byte arrays into them before its swap. A
 /// fresh own-bucket count reads 0 until the collector's first walk sets it
 /// (until then own buckets may take the last resorts' room, as they could
-/// in the builds without it).
+/// in the builds without it). Builds without a wide-cell count made no wide
+/// cells: a fresh count of 0 is exact.
 fn added_since_layout(name: &str) -> bool {
-    name == rl_common::MAP_KNOWN || name == rl_common::MAP_OWNED || rl_common::CELL_MAPS.contains(&name)
+    name == rl_common::MAP_KNOWN
+        || name == rl_common::MAP_OWNED
+        || name == rl_common::MAP_WIDE_COUNT
+        || rl_common::CELL_MAPS.contains(&name)
 }
 
 /// Whether `dir` holds a pinned datapath; if it does, checks that every map

@@ -28,6 +28,8 @@ pub struct TableIds {
     pub cell_keys: (u32, u32),
     pub cell_seed: u32,
     pub cell_count: u32,
+    /// The wide cells' counts (`rl_common::MAP_WIDE_COUNT`).
+    pub wide_count: u32,
     /// The own buckets' counts and cap (`rl_common::MAP_OWNED`).
     pub owned: u32,
     pub flood: u32,
@@ -59,6 +61,8 @@ pub struct Pass {
     /// Buckets left per family (IPv4, IPv6): sources' own, prefix cells.
     pub own: (u64, u64),
     pub cells: (u64, u64),
+    /// Of `cells`, the wide ones (`rl_common::pressure`), per family.
+    pub wide: (u64, u64),
     /// Buckets deleted by this pass because they were fresh (or their
     /// rule is gone from both slots).
     pub collected: u64,
@@ -84,6 +88,7 @@ impl Datapath {
             cell_keys: (self.map_id(MAP_CELL_KEYS_V4)?, self.map_id(MAP_CELL_KEYS_V6)?),
             cell_seed: self.map_id(MAP_CELL_SEED)?,
             cell_count: self.map_id(MAP_CELL_COUNT)?,
+            wide_count: self.map_id(MAP_WIDE_COUNT)?,
             owned: self.map_id(MAP_OWNED)?,
             flood: self.map_id(MAP_FLOOD)?,
             known: self.map_id(MAP_KNOWN)?,
@@ -154,7 +159,10 @@ pub fn collect_handing(
     let before = walk.owned_before(&owned, OWNED_V6);
     scan_table_each::<Key6>(ids.tables.1, MAP_SOURCES_V6, |k, b| walk.sweep(ids.tables.1, MAP_SOURCES_V6, &cells6, k, b, &mut pass))?;
     pass.own.1 = walk.owned_after(&owned, OWNED_V6, before);
-    pass.cells = (walk.cells(&cells4, &mut pass), walk.cells(&cells6, &mut pass));
+    let wide = Mapped::open(ids.wide_count, MAP_WIDE_COUNT, 8)?;
+    let (c4, w4) = walk.cells(&cells4, &wide, 0, &mut pass);
+    let (c6, w6) = walk.cells(&cells6, &wide, 8, &mut pass);
+    (pass.cells, pass.wide) = ((c4, c6), (w4, w6));
     known.finish(half);
     pass.known_fill = (known.fill(0), known.fill(1));
     let count = Mapped::open(ids.cell_count, MAP_CELL_COUNT, 8)?;
@@ -307,14 +315,29 @@ impl Walk<'_> {
 impl Walk<'_> {
     /// Frees the cells of one array that are fresh (or whose rule is gone)
     /// and marks the rest in the filter half being rebuilt; returns how
-    /// many are left. Freeing takes two steps with a grace between them
-    /// (`rl_common::cells`): a cell charged meanwhile is kept, not lost.
-    fn cells<K: BucketKey + KnownKey + PartialEq>(&self, cells: &CellArray<K>, pass: &mut Pass) -> u64 {
+    /// many are left, and how many of those are wide. Freeing takes two
+    /// steps with a grace between them (`rl_common::cells`): a cell charged
+    /// meanwhile is kept, not lost. Then sets the program's count of wide
+    /// cells (the word at `at` of `wide`) as [`owned_after`](Self::owned_after)
+    /// does own buckets': those kept plus those claimed since the walk
+    /// began, so it is never below the wide cells there are. A slot whose
+    /// key cannot be told (being written, or its key not yet written) counts
+    /// as wide: the safe side, an unseen key looks for its wide cell.
+    fn cells<K: BucketKey + KnownKey + PartialEq>(&self, cells: &CellArray<K>, wide: &Mapped, at: usize, pass: &mut Pass) -> (u64, u64) {
+        let before = wide.word(at).load(std::sync::atomic::Ordering::Acquire);
+        let (left, wides) = self.free_cells(cells, pass);
+        wide.word(at).fetch_add(wides.wrapping_sub(before), std::sync::atomic::Ordering::AcqRel);
+        (left, wides)
+    }
+
+    /// [`cells`](Self::cells)' walk: the cells left and the wide ones among them.
+    fn free_cells<K: BucketKey + KnownKey + PartialEq>(&self, cells: &CellArray<K>, pass: &mut Pass) -> (u64, u64) {
         // Held from the first step of each free until its record is in (a
         // dying cell is in no walk of the sync: gone for it from then on),
         // when the sync shares some limit.
         let mut records = self.handoff.map(super::share::Collected::lock).filter(|r| !r.limits.is_empty());
-        let mut left = 0;
+        let (mut left, mut wide) = (0, 0);
+        let wide_or_unknown = |k: Option<&K>| u64::from(k.is_none_or(|k| is_wide(k.rule())));
         let (mut dying, mut writing) = (Vec::new(), Vec::new());
         for i in 0..cells.slots() {
             let c = cells.get(i);
@@ -329,7 +352,7 @@ impl Walk<'_> {
                         dying.push((i, c.key));
                     } else {
                         self.known.mark(self.half, &c.key);
-                        left += 1;
+                        (left, wide) = (left + 1, wide + wide_or_unknown(Some(&c.key)));
                     }
                 }
                 // Being claimed this instant (the program marked it before
@@ -338,11 +361,11 @@ impl Walk<'_> {
                 // stopped in the middle of a move leaves it so for longer.
                 3 => writing.push((i, c.claim)),
                 // Claimed for a key whose key is not written yet.
-                _ => left += 1,
+                _ => (left, wide) = (left + 1, wide + wide_or_unknown(None)),
             }
         }
         if dying.is_empty() && writing.is_empty() {
-            return left;
+            return (left, wide);
         }
         std::thread::sleep(RUN_GRACE);
         for (i, claim) in writing {
@@ -350,7 +373,7 @@ impl Walk<'_> {
             if cells.release_writing(i, claim) {
                 pass.collected += 1;
             } else {
-                left += 1;
+                (left, wide) = (left + 1, wide + wide_or_unknown(None));
             }
         }
         for (i, key) in dying {
@@ -362,10 +385,10 @@ impl Walk<'_> {
                 pass.collected += 1;
             } else {
                 self.known.mark(self.half, &key);
-                left += 1;
+                (left, wide) = (left + 1, wide + wide_or_unknown(Some(&key)));
             }
         }
-        left
+        (left, wide)
     }
 
     /// Whether cell `key` holding `b` (read just before) may go: idle and
