@@ -97,23 +97,42 @@ pub fn cells_saturated(claimed: u64, slots: u32) -> bool {
     claimed.saturating_mul(2) >= slots as u64
 }
 
-/// Wide cells per family (`Array<u64>`, entries 0 IPv4 and 1 IPv6,
-/// mappable; see [`crate::pressure`]): the program adds one before it
-/// claims a slot for a wide cell (and takes it back if the claim fails),
-/// the collector sets the count after each walk to the wide cells it kept
-/// plus those claimed since it began. Never 0 while a wide cell exists: an
-/// unseen key looks for its wide cell only when it is not.
+/// Counts per rule and family (`Array<u64>`, [`WIDE_ENTRIES`] entries,
+/// mappable; see [`crate::pressure`]): at [`wide_entry`], the rule's wide
+/// cells, and right after it the rule's other cells, for rules whose ids
+/// share the entry (a hash of the id: a few rules may). The program adds
+/// one to the first before it claims a slot for a wide cell (and takes it
+/// back if the claim fails), and one to the second when it claims a cell;
+/// the collector sets both after each walk to the cells it kept plus
+/// those claimed since it began, so the first is never 0 while such a
+/// wide cell exists: an unseen key looks for its wide cell only when it is
+/// not. The second decides when a rule's flood goes wide
+/// ([`cells_wide`]): per rule, so that a flood under one rule leaves the
+/// newcomers of another with cells of their own prefix.
 pub const MAP_WIDE_COUNT: &str = "RL_WIDE";
+/// Rule slots of [`MAP_WIDE_COUNT`].
+pub const WIDE_RULE_SLOTS: u32 = 1024;
+/// Entries of [`MAP_WIDE_COUNT`]: two counts per rule slot and family.
+pub const WIDE_ENTRIES: u32 = WIDE_RULE_SLOTS * 4;
 
-/// Whether an array of `slots` holding `claimed` cells holds a wide flood:
-/// a quarter full, where one new prefix in thirty already finds its set
-/// full and is charged to its rule's last resort (so newcomers anywhere
-/// start from a drained bucket either way), unseen keys in flood mode make
-/// wide cells ([`crate::pressure`]), whose few lines stay in the CPU's
-/// cache where a cell per prefix costs a miss per packet.
+/// The [`MAP_WIDE_COUNT`] entry of the wide cells of the rule a bucket
+/// key's `rule` names (its limit bits and kind bits aside), in `family`
+/// (0 IPv4, 1 IPv6); the rule's other cells are counted at the next one.
 #[inline(always)]
-pub fn cells_wide(claimed: u64, slots: u32) -> bool {
-    claimed.saturating_mul(4) >= slots as u64
+pub const fn wide_entry(rule: u32, family: u32) -> u32 {
+    ((rule >> 3) & (WIDE_RULE_SLOTS - 1)) * 4 + (family & 1) * 2
+}
+
+/// Whether a rule holding `cells` cells in an array of `slots` is under a
+/// wide flood: a quarter of the slots, where one new prefix in thirty
+/// already finds its set full and is charged to its rule's last resort
+/// (so the rule's newcomers anywhere start from a drained bucket either
+/// way). Its unseen keys in flood mode then make wide cells
+/// ([`crate::pressure`]), whose few lines stay in the CPU's cache where a
+/// cell per prefix costs a miss per packet.
+#[inline(always)]
+pub fn cells_wide(cells: u64, slots: u32) -> bool {
+    cells.saturating_mul(4) >= slots as u64
 }
 
 /// How many bits shorter than a cell's prefix a wide cell's is.
@@ -295,6 +314,18 @@ mod tests {
 
     /// Some cell seed.
     const SEED: u64 = 0x005e_ed0f_ce11;
+
+    #[test]
+    fn each_rule_and_family_has_two_counts_and_limits_share_their_rules() {
+        let id = 0x1931_c660u32;
+        assert_eq!(wide_entry(id, 0) % 4, 0);
+        assert_eq!(wide_entry(id, 1), wide_entry(id, 0) + 2);
+        for which in 0..8 {
+            assert_eq!(wide_entry(id | which | KEY_CELL, 0), wide_entry(id, 0), "every limit and kind of a rule");
+        }
+        assert!(wide_entry(u32::MAX, 1) + 1 < WIDE_ENTRIES);
+        assert_ne!(wide_entry(0x2047_19f0, 0), wide_entry(id, 0));
+    }
 
     #[test]
     fn a_wide_flood_is_a_quarter_of_the_slots() {

@@ -18,12 +18,13 @@
 //! other keys arrive, and a flood can only ever make newcomers share, never
 //! hand anybody a fresh allowance.
 //!
-//! Wide cells (a flood over more prefixes than the cells hold well): once a
-//! family's cell array is a quarter full ([`crate::cells_wide`]), a key
-//! charged in flood mode whose wide cell (its prefix 8 bits shorter, IPv6
-//! 16, marked [`KEY_WIDE`]) does not exist makes that wide cell instead of
-//! a cell of its own prefix; and while any wide cell exists (the family's
-//! count, [`crate::MAP_WIDE_COUNT`], is not 0), every unseen key looks for
+//! Wide cells (a flood over more prefixes than cells stay cached for):
+//! once a rule holds cells in a quarter of its family's cell slots
+//! ([`crate::cells_wide`]), a key of that rule charged in flood mode whose
+//! wide cell (its prefix 8 bits shorter, IPv6 16, marked [`KEY_WIDE`])
+//! does not exist makes that wide cell instead of a cell of its own
+//! prefix; and while the rule has any wide cell (its count in
+//! [`crate::MAP_WIDE_COUNT`] is not 0), each of its unseen keys looks for
 //! its wide cell first and, if it is there, maps to it. A wide cell starts
 //! *drained* ([`crate::LimitEntry::drained`]): it holds nothing at its
 //! making, so it holds no more than any key's own bucket then, whatever
@@ -36,7 +37,9 @@
 //! So the switch to wide cells and back needs no coordination with the
 //! daemon; the count only has to be 0 never while a wide cell exists (the
 //! program adds one before it claims a slot, the collector counts after
-//! each walk as for own buckets).
+//! each walk as for own buckets). A charge that races the making of a wide
+//! cell on another CPU, within the same microseconds, may miss it, as one
+//! may miss a new cell's copy of the last resort.
 //!
 //! Flood mode (Katran's `is_under_flood`): a CPU that sees more than its
 //! share of `flood_new_keys_per_sec` unseen keys in a window stops creating

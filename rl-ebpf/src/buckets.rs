@@ -21,7 +21,7 @@ use aya_ebpf::{
     maps::{Array, HashMap, PerCpuArray},
 };
 use rl_common::{
-    cells_wide, wide_mask4, wide_mask6, LimitEntry, DP_NO_WIDE_CELLS, KEY_WIDE, POOL_INDEX,
+    cells_wide, wide_entry, wide_mask4, wide_mask6, WIDE_ENTRIES, LimitEntry, DP_NO_WIDE_CELLS, KEY_WIDE, POOL_INDEX,
     cell_claim, cell_set, cell_way, cell_writing, cells_saturated, owned_room, Bucket, Cell, CellKey, CellScratch, DatapathConfig, FloodState, Key4, Key6, KnownKey,
     RuleEntry, Unseen, Way, CELL_WAYS, KEY_CELL, KEY_LAST, NO_CELL, OWNED_CAP, OWNED_ENTRIES, RULE_CLUSTER, STAT_FALLBACK, STAT_NEW_CELLS, STAT_NEW_SOURCES, STAT_TABLE_FULL,
 };
@@ -60,9 +60,9 @@ static RL_CELLSEED: Array<u64> = Array::with_max_entries(1, 0);
 #[map(name = "RL_CSCRATCH")]
 static RL_CSCRATCH: PerCpuArray<CellScratch> = PerCpuArray::with_max_entries(1, 0);
 
-/// Wide cells per family (rl_common::MAP_WIDE_COUNT).
+/// Wide cells and cells per rule and family (rl_common::MAP_WIDE_COUNT).
 #[map(name = "RL_WIDE")]
-static RL_WIDE: Array<u64> = Array::with_max_entries(2, BPF_F_MMAPABLE);
+static RL_WIDE: Array<u64> = Array::with_max_entries(WIDE_ENTRIES, BPF_F_MMAPABLE);
 
 /// Cells claimed per family (rl_common::MAP_CELL_COUNT).
 #[map(name = "RL_CELLN")]
@@ -169,6 +169,8 @@ trait Fallbacks: Copy + KnownKey + PartialEq {
     fn cell(&self, cfg: &DatapathConfig) -> Self;
     /// The key's wide cell (`rl_common::pressure`).
     fn wide(&self, cfg: &DatapathConfig) -> Self;
+    /// The key's `rule` word.
+    fn rule(&self) -> u32;
     fn last(&self) -> Self;
     /// Slot `i` of the family's cell array.
     fn slot(i: u32) -> Option<*mut Cell>;
@@ -184,6 +186,10 @@ impl Fallbacks for Key4 {
     #[inline(always)]
     fn wide(&self, cfg: &DatapathConfig) -> Self {
         Key4 { rule: self.rule | KEY_WIDE, addr: self.addr & wide_mask4(cfg.cell_mask4) }
+    }
+    #[inline(always)]
+    fn rule(&self) -> u32 {
+        self.rule
     }
     #[inline(always)]
     fn last(&self) -> Self {
@@ -209,6 +215,10 @@ impl Fallbacks for Key6 {
     fn wide(&self, cfg: &DatapathConfig) -> Self {
         let (m, a) = (wide_mask6(&cfg.cell_mask6), &self.addr);
         Key6 { rule: self.rule | KEY_WIDE, addr: [a[0] & m[0], a[1] & m[1], a[2] & m[2], a[3] & m[3]] }
+    }
+    #[inline(always)]
+    fn rule(&self) -> u32 {
+        self.rule
     }
     #[inline(always)]
     fn last(&self) -> Self {
@@ -266,11 +276,14 @@ fn look<K: Fallbacks>(set: u32, claim: u64) -> (u32, u32) {
 /// maps to), or, in flood mode or with the table full, charge that bucket:
 /// its wide cell if it has one (`rl_common::pressure`), else its prefix
 /// cell (claimed now if its set has a free slot: a copy of the last
-/// resort; or, once the cells hold a wide flood, its wide cell, claimed
-/// drained), else its rule's last resort. A cell is returned as `None`
-/// with its slot in the scratch (one pointer comes back from a call);
-/// `None` with [`NO_CELL`] there: nothing could be found or made.
-/// (One key variable is reused for every probe: BPF stacks are small.)
+/// resort; or, once its rule's cells hold a wide flood, its wide cell,
+/// claimed drained), else its rule's last resort. A cell is returned as
+/// `None` with its slot in the scratch (one pointer comes back from a
+/// call); `None` with [`NO_CELL`] there: nothing could be found or made.
+/// (One key variable is reused for every probe: BPF stacks are small.
+/// The wide cell's branch returns early or leaves only the state word it
+/// found: the verifier walks this function once per call site and path,
+/// and every value live across the branches multiplies the walk.)
 #[inline(always)]
 fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfig, limit: &LimitEntry, wide_ok: bool) -> Option<*mut Bucket> {
     let scratch = unsafe { &mut *RL_CSCRATCH.get_ptr_mut(0)? };
@@ -282,32 +295,29 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
     let insert = flood.see(now, cfg.flood_cap) == Unseen::Insert;
     let seed = unsafe { core::ptr::read_volatile(RL_CELLSEED.get_ptr(0)?) };
     let slots = 1 << (cfg.cell_slots_log2 & 31);
-    let claimed = RL_CELLN.get_ptr_mut(K::FAMILY);
-    let n_claimed = claimed.map_or(0, |n| unsafe { core::ptr::read_volatile(n) });
-    let wides = RL_WIDE.get_ptr_mut(K::FAMILY);
     // What the key maps to now: its wide cell, else its cell, else its
     // rule's last resort (created fresh the first time a rule needs one).
-    let make_wide = wide_ok && !insert && cells_wide(n_claimed, slots);
-    // `free`: a slot to claim; `wide`: it is for the wide cell.
-    let (mut cell, mut free, mut wide) = (NO_CELL, NO_CELL, false);
-    if make_wide || wides.is_some_and(|n| unsafe { core::ptr::read_volatile(n) } != 0) {
-        let wide_key = key.wide(cfg);
-        (cell, free) = look::<K>(cell_set(&wide_key, seed, slots), cell_claim(&wide_key, seed));
-        wide = make_wide && cell == NO_CELL && free != NO_CELL;
+    let wide_cell = wide::<K>(key, cfg, limit, seed, slots, wide_ok && !insert).unwrap_or(NO_CELL);
+    if wide_cell != NO_CELL && !insert {
+        stats::bump(STAT_FALLBACK);
+        scratch.cell = wide_cell;
+        return None;
     }
-    if cell == NO_CELL && !wide {
-        let cell_key = key.cell(cfg);
-        let look_set = match claimed {
-            Some(_) if cells_saturated(n_claimed, slots) => known::maybe(&cell_key),
+    // Its own bucket starts where its wide cell is.
+    let wide_tat = K::slot(wide_cell).map(|c| unsafe { core::ptr::read_volatile(&raw const (*c).tat_ns) });
+    let cell_key = key.cell(cfg);
+    let claim = cell_claim(&cell_key, seed);
+    let claimed = RL_CELLN.get_ptr_mut(K::FAMILY);
+    let look_set = wide_tat.is_none()
+        && match claimed {
+            Some(n) if cells_saturated(unsafe { core::ptr::read_volatile(n) }, slots) => known::maybe(&cell_key),
             _ => true,
         };
-        (cell, free) = if look_set { look::<K>(cell_set(&cell_key, seed, slots), cell_claim(&cell_key, seed)) } else { (NO_CELL, NO_CELL) };
-    }
-    let (tat, last) = match K::slot(cell) {
-        Some(c) => (unsafe { core::ptr::read_volatile(&raw const (*c).tat_ns) }, None),
-        // A wide cell starts drained.
-        None if wide => (limit.drained(crate::limit::now(cfg, limit), cfg.epoch_offset_ns), None),
-        None => {
+    let (cell, free) = if look_set { look::<K>(cell_set(&cell_key, seed, slots), claim) } else { (NO_CELL, NO_CELL) };
+    let (tat, last) = match (K::slot(cell), wide_tat) {
+        (Some(c), _) => (unsafe { core::ptr::read_volatile(&raw const (*c).tat_ns) }, None),
+        (None, Some(t)) => (t, None),
+        (None, None) => {
             let l = last_resort(table, key)?;
             (unsafe { core::ptr::read_volatile(&raw const (*l).tat_ns) }, Some(l))
         }
@@ -346,40 +356,81 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
         }
     }
     stats::bump(STAT_FALLBACK);
-    if cell != NO_CELL {
-        scratch.cell = cell;
+    // (No bucket of its own after all: the cell it maps to.)
+    if cell != NO_CELL || wide_cell != NO_CELL {
+        scratch.cell = if cell != NO_CELL { cell } else { wide_cell };
         return None;
     }
-    // Claim a free slot of the set for this cell (a copy of the last
-    // resort, or a drained wide cell): the state and the key first, the
-    // claim last, so a CPU that finds the claim finds the state written.
-    // A wide cell is counted before it can be found: an unseen key looks
-    // for wide cells only while the count is not 0.
-    let i = free;
-    let Some(c) = K::slot(i) else { return last };
-    let (new_key, count) = if wide { (key.wide(cfg), wides) } else { (key.cell(cfg), None) };
-    if !wide {
-        known::mark(&new_key);
+    // Claim a free slot of the set for this cell, a copy of the last resort:
+    // the state and the key first, the claim last, so a CPU that finds the
+    // claim finds the state written.
+    let Some(c) = K::slot(free) else { return last };
+    known::mark(&cell_key);
+    if !claim_slot::<K>(c, free, &cell_key, claim, tat) {
+        return last;
     }
-    let claim = cell_claim(&new_key, seed);
-    let add = |d: u64| {
-        if let Some(n) = count {
-            unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::SeqCst }>(n, d) };
-        }
-    };
-    add(1);
+    if let Some(n) = claimed {
+        unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(n, 1) };
+    }
+    // The rule's cells: what decides when its flood goes wide.
+    if let Some(n) = RL_WIDE.get_ptr_mut(wide_entry(key.rule(), K::FAMILY) + 1) {
+        unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(n, 1) };
+    }
+    scratch.cell = free;
+    None
+}
+
+/// The key's wide cell (`rl_common::pressure`): its slot if it exists
+/// (looked for only while its rule has wide cells), else, if `may_make`
+/// and its rule's cells hold a wide flood, a new one claimed drained.
+/// `None`: the key goes to its cell or last resort.
+#[inline(always)]
+fn wide<K: Fallbacks>(key: &K, cfg: &DatapathConfig, limit: &LimitEntry, seed: u64, slots: u32, may_make: bool) -> Option<u32> {
+    let at = wide_entry(key.rule(), K::FAMILY);
+    // The rule's wide cells and its cells, in one line.
+    let wides = RL_WIDE.get_ptr_mut(at)?;
+    let make = may_make && RL_WIDE.get_ptr(at + 1).is_some_and(|n| cells_wide(unsafe { core::ptr::read_volatile(n) }, slots));
+    if !make && unsafe { core::ptr::read_volatile(wides) } == 0 {
+        return None;
+    }
+    let wide_key = key.wide(cfg);
+    let claim = cell_claim(&wide_key, seed);
+    let (cell, free) = look::<K>(cell_set(&wide_key, seed, slots), claim);
+    if cell != NO_CELL || !make {
+        return (cell != NO_CELL).then_some(cell);
+    }
+    let c = K::slot(free)?;
+    // Counted before it can be found: an unseen key looks for its wide
+    // cell only while its rule's count is not 0.
+    unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::SeqCst }>(wides, 1) };
+    let drained = limit.drained(crate::limit::now(cfg, limit), cfg.epoch_offset_ns);
+    if !claim_slot::<K>(c, free, &wide_key, claim, drained) {
+        unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::SeqCst }>(wides, u64::MAX) };
+        return None;
+    }
+    if let Some(n) = RL_CELLN.get_ptr_mut(K::FAMILY) {
+        unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(n, 1) };
+    }
+    Some(free)
+}
+
+/// Claims free slot `i` (`c`) for cell `key` (claim word `claim`) holding
+/// state `tat`: the state and the key first, the claim last, so a CPU that
+/// finds the claim finds the state written. `false`: another run took the
+/// slot first (or, for a run stalled past the daemon's grace, freed it).
+#[inline(always)]
+fn claim_slot<K: Fallbacks>(c: *mut Cell, i: u32, key: &K, claim: u64, tat: u64) -> bool {
     let (_, won) = unsafe {
         atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(&raw mut (*c).claim, 0, cell_writing(claim))
     };
     if !won {
-        add(u64::MAX);
-        return last;
+        return false;
     }
     unsafe {
         core::ptr::write_volatile(&raw mut (*c).tat_ns, tat);
         if let Some(k) = K::key_slot(i) {
             // Field by field: a whole `CellKey` would be built on the stack.
-            core::ptr::write_volatile(&raw mut (*k).key, new_key);
+            core::ptr::write_volatile(&raw mut (*k).key, *key);
             core::ptr::write_volatile(&raw mut (*k).counts.passed, 0);
             core::ptr::write_volatile(&raw mut (*k).counts.dropped, 0);
             core::ptr::write_volatile(&raw mut (*k).counts.last_drop_ns, 0);
@@ -391,16 +442,10 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
     let (_, written) = unsafe {
         atomic_cxchg::<u64, { AtomicOrdering::SeqCst }, { AtomicOrdering::SeqCst }>(&raw mut (*c).claim, cell_writing(claim), claim)
     };
-    if !written {
-        add(u64::MAX);
-        return last;
+    if written {
+        stats::bump(STAT_NEW_CELLS);
     }
-    stats::bump(STAT_NEW_CELLS);
-    if let Some(n) = claimed {
-        unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(n, 1) };
-    }
-    scratch.cell = i;
-    None
+    written
 }
 
 /// A new bucket that starts where its parent's state word `tat` is (see

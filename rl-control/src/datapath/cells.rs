@@ -151,6 +151,13 @@ impl<K: KnownKey + Copy + PartialEq + Default> CellArray<K> {
         (set..set + CELL_WAYS).find(|&i| self.way(i, key) == Way::Holds)
     }
 
+    /// Whether `key` has its cell here or a free way to claim one (a set
+    /// full of other keys' cells sends it to its parent).
+    pub fn room_for(&self, key: &K) -> bool {
+        let set = self.set_of(key);
+        (set..set + CELL_WAYS).any(|i| matches!(self.way(i, key), Way::Holds | Way::Free))
+    }
+
     /// What slot `i` is to `key` (as the program sees it: `rl_common::cell_way`).
     fn way(&self, i: u32, key: &K) -> Way {
         cell_way(self.claim_word(i).load(Ordering::Acquire), self.claim_of(key))

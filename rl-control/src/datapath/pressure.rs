@@ -95,6 +95,17 @@ impl Datapath {
         })
     }
 
+    /// The program's counts of wide cells (IPv4, IPv6; summed over the
+    /// rules' entries of `rl_common::MAP_WIDE_COUNT`): never below the wide
+    /// cells there are.
+    pub fn wide_counts(&self) -> Result<(u64, u64), DatapathError> {
+        let m = Mapped::open(self.map_id(MAP_WIDE_COUNT)?, MAP_WIDE_COUNT, 8)?;
+        let sum = |family: u32| -> u64 {
+            (0..WIDE_RULE_SLOTS).map(|r| m.word(wide_entry(r << 3, family) as usize * 8).load(std::sync::atomic::Ordering::Acquire)).sum()
+        };
+        Ok((sum(0), sum(1)))
+    }
+
     /// Every limit of both slots by bucket key.
     pub fn limits_by_key(&self) -> Result<LimitsByKey, DatapathError> {
         let mut out = LimitsByKey::new();
@@ -159,9 +170,9 @@ pub fn collect_handing(
     let before = walk.owned_before(&owned, OWNED_V6);
     scan_table_each::<Key6>(ids.tables.1, MAP_SOURCES_V6, |k, b| walk.sweep(ids.tables.1, MAP_SOURCES_V6, &cells6, k, b, &mut pass))?;
     pass.own.1 = walk.owned_after(&owned, OWNED_V6, before);
-    let wide = Mapped::open(ids.wide_count, MAP_WIDE_COUNT, 8)?;
-    let (c4, w4) = walk.cells(&cells4, &wide, 0, &mut pass);
-    let (c6, w6) = walk.cells(&cells6, &wide, 8, &mut pass);
+    let counts = Mapped::open(ids.wide_count, MAP_WIDE_COUNT, 8)?;
+    let (c4, w4) = walk.cells(&cells4, &counts, 0, &mut pass);
+    let (c6, w6) = walk.cells(&cells6, &counts, 1, &mut pass);
     (pass.cells, pass.wide) = ((c4, c6), (w4, w6));
     known.finish(half);
     pass.known_fill = (known.fill(0), known.fill(1));
@@ -317,27 +328,40 @@ impl Walk<'_> {
     /// and marks the rest in the filter half being rebuilt; returns how
     /// many are left, and how many of those are wide. Freeing takes two
     /// steps with a grace between them (`rl_common::cells`): a cell charged
-    /// meanwhile is kept, not lost. Then sets the program's count of wide
-    /// cells (the word at `at` of `wide`) as [`owned_after`](Self::owned_after)
-    /// does own buckets': those kept plus those claimed since the walk
-    /// began, so it is never below the wide cells there are. A slot whose
-    /// key cannot be told (being written, or its key not yet written) counts
-    /// as wide: the safe side, an unseen key looks for its wide cell.
-    fn cells<K: BucketKey + KnownKey + PartialEq>(&self, cells: &CellArray<K>, wide: &Mapped, at: usize, pass: &mut Pass) -> (u64, u64) {
-        let before = wide.word(at).load(std::sync::atomic::Ordering::Acquire);
-        let (left, wides) = self.free_cells(cells, pass);
-        wide.word(at).fetch_add(wides.wrapping_sub(before), std::sync::atomic::Ordering::AcqRel);
-        (left, wides)
+    /// meanwhile is kept, not lost. Then sets the program's counts per rule
+    /// (`rl_common::MAP_WIDE_COUNT`, this `family`'s entries) as
+    /// [`owned_after`](Self::owned_after) does own buckets': the cells kept
+    /// plus those claimed since the walk began, so a rule's wide count is
+    /// never below the wide cells it has. A walk that met a slot whose key
+    /// cannot be told (being written, or its key not yet written) leaves
+    /// the counts as they are (they only grew meanwhile).
+    fn cells<K: BucketKey + KnownKey + PartialEq>(&self, cells: &CellArray<K>, counts: &Mapped, family: u32, pass: &mut Pass) -> (u64, u64) {
+        let entries: Vec<u32> = (0..WIDE_RULE_SLOTS).flat_map(|r| [wide_entry(r << 3, family), wide_entry(r << 3, family) + 1]).collect();
+        let word = |e: u32| counts.word(e as usize * 8);
+        let before: Vec<u64> = entries.iter().map(|&e| word(e).load(std::sync::atomic::Ordering::Acquire)).collect();
+        let mut kept = vec![0u64; WIDE_ENTRIES as usize];
+        let (left, unknown) = self.free_cells(cells, family, &mut kept, pass);
+        let wide: u64 = entries.iter().step_by(2).map(|&e| kept[e as usize]).sum();
+        if !unknown {
+            for (&e, b) in entries.iter().zip(before) {
+                word(e).fetch_add(kept[e as usize].wrapping_sub(b), std::sync::atomic::Ordering::AcqRel);
+            }
+        }
+        (left, wide)
     }
 
-    /// [`cells`](Self::cells)' walk: the cells left and the wide ones among them.
-    fn free_cells<K: BucketKey + KnownKey + PartialEq>(&self, cells: &CellArray<K>, pass: &mut Pass) -> (u64, u64) {
+    /// [`cells`](Self::cells)' walk: the cells left, each counted in `kept`
+    /// at its rule's entry, and whether some slot's key could not be told.
+    fn free_cells<K: BucketKey + KnownKey + PartialEq>(&self, cells: &CellArray<K>, family: u32, kept: &mut [u64], pass: &mut Pass) -> (u64, bool) {
         // Held from the first step of each free until its record is in (a
         // dying cell is in no walk of the sync: gone for it from then on),
         // when the sync shares some limit.
         let mut records = self.handoff.map(super::share::Collected::lock).filter(|r| !r.limits.is_empty());
-        let (mut left, mut wide) = (0, 0);
-        let wide_or_unknown = |k: Option<&K>| u64::from(k.is_none_or(|k| is_wide(k.rule())));
+        let (mut left, mut unknown) = (0, false);
+        let mut keep = |k: &K| {
+            let e = wide_entry(k.rule(), family) + u32::from(!is_wide(k.rule()));
+            kept[e as usize] += 1;
+        };
         let (mut dying, mut writing) = (Vec::new(), Vec::new());
         for i in 0..cells.slots() {
             let c = cells.get(i);
@@ -352,7 +376,8 @@ impl Walk<'_> {
                         dying.push((i, c.key));
                     } else {
                         self.known.mark(self.half, &c.key);
-                        (left, wide) = (left + 1, wide + wide_or_unknown(Some(&c.key)));
+                        keep(&c.key);
+                        left += 1;
                     }
                 }
                 // Being claimed this instant (the program marked it before
@@ -361,11 +386,14 @@ impl Walk<'_> {
                 // stopped in the middle of a move leaves it so for longer.
                 3 => writing.push((i, c.claim)),
                 // Claimed for a key whose key is not written yet.
-                _ => (left, wide) = (left + 1, wide + wide_or_unknown(None)),
+                _ => {
+                    unknown = true;
+                    left += 1;
+                }
             }
         }
         if dying.is_empty() && writing.is_empty() {
-            return (left, wide);
+            return (left, unknown);
         }
         std::thread::sleep(RUN_GRACE);
         for (i, claim) in writing {
@@ -373,7 +401,8 @@ impl Walk<'_> {
             if cells.release_writing(i, claim) {
                 pass.collected += 1;
             } else {
-                (left, wide) = (left + 1, wide + wide_or_unknown(None));
+                unknown = true;
+                left += 1;
             }
         }
         for (i, key) in dying {
@@ -385,10 +414,11 @@ impl Walk<'_> {
                 pass.collected += 1;
             } else {
                 self.known.mark(self.half, &key);
-                (left, wide) = (left + 1, wide + wide_or_unknown(Some(&key)));
+                keep(&key);
+                left += 1;
             }
         }
-        (left, wide)
+        (left, unknown)
     }
 
     /// Whether cell `key` holding `b` (read just before) may go: idle and

@@ -1,0 +1,270 @@
+//! Wide cells (`rl_common::pressure`), through TestRun: once a rule's
+//! flood in flood mode has claimed cells in a quarter of the cell array's
+//! slots, an unseen key of that rule whose wide cell (its /16; IPv6 /32)
+//! does not exist makes it, drained; while the rule has wide cells, its
+//! unseen keys look for theirs first and are charged to it; other rules'
+//! newcomers keep cells of their own prefix; a key limited in its /24's
+//! cell stays limited when its /16 goes wide; a source's own bucket made while its wide cell
+//! exists starts as a copy of it; the collector frees wide cells once
+//! fresh and counts the rest, and keys then go to their /24 cells again;
+//! a wide cell being freed claims nothing; `flood_wide_cells = false` and
+//! cluster rules make none.
+
+use rl_common::{Key4, Key6, KEY_CELL, KEY_WIDE, STAT_NEW_CELLS};
+use rl_control::{
+    compile::compile,
+    config::Config,
+    datapath::{CellArray, Datapath, Pass, COLLECT_IDLE_NS},
+};
+use rl_tests::{datapath, frames::*, lab::require_root, offer};
+
+fn to(src: [u8; 4], port: u16) -> Vec<u8> {
+    eth(&[], ETH_P_IP, &ipv4(src, UDP, &[], &udp(port)))
+}
+
+/// `flood_rules` (256 prefixes: 512 slots, wide at 128 cells) with flood
+/// mode always on, and `extra` appended.
+fn rules(extra: &str) -> String {
+    rl_tests::flood_rules(1024).replace("flood_new_keys_per_sec = 2000", "flood_new_keys_per_sec = 0") + extra
+}
+
+/// The wide cell (/16) and the cell (/24) keys of `src` under limit 0 of
+/// rule `index` (0 `[default]`, 2 "once") of `toml`.
+fn keys(toml: &str, index: usize, src: [u8; 4]) -> (Key4, Key4) {
+    let compiled = compile(&Config::from_str(toml, "<test>").unwrap());
+    let k = compiled.rules.entries[index].key4(0, u32::from_ne_bytes(src));
+    (
+        Key4 { rule: k.rule | KEY_WIDE, addr: k.addr & u32::from_ne_bytes([255, 255, 0, 0]) },
+        Key4 { rule: k.rule | KEY_CELL, addr: k.addr & u32::from_ne_bytes([255, 255, 255, 0]) },
+    )
+}
+
+/// Claims cells for /24s of 10.200-203/16 under the rule of `port` (5000:
+/// `[default]`, 1,000/s, fresh again within a second or two; 9999:
+/// "once") until, with the `has` cells it held before, it holds 128: a
+/// quarter of the 512 slots, where the rule's flood goes wide (its next
+/// new prefix makes a wide cell). Some prefixes find their set full (and
+/// go to the rule's last resort); the loop goes on until enough cells are
+/// claimed.
+fn widen(dp: &Datapath, port: u16, has: u64) {
+    let (start, mut i) = (dp.counters().unwrap().get(STAT_NEW_CELLS), 0u32);
+    while dp.counters().unwrap().get(STAT_NEW_CELLS) < start + 128 - has {
+        assert!(i < 1024, "128 cells claimed from 1,024 prefixes");
+        offer(dp, &to([10, 200 + (i >> 8) as u8, i as u8, 1], port), 1);
+        i += 1;
+    }
+}
+
+fn pass(dp: &Datapath) -> Pass {
+    rl_tests::collector_pass(dp)
+}
+
+/// Whether a bucket state word is ahead of now: charged (or drained), for
+/// a limit of one per hour.
+fn ahead(tat_ns: u64) -> bool {
+    tat_ns > rl_control::datapath::monotonic_ns()
+}
+
+/// The first of `bs` for which `key(b)` has room in `cells` (its cell, or
+/// a free way): at a quarter's load a set is full of others about one
+/// time in eleven (the seed is random), and such a key goes elsewhere.
+fn roomy(cells: &CellArray<Key4>, bs: impl IntoIterator<Item = u8>, key: impl Fn(u8) -> Key4) -> u8 {
+    bs.into_iter().find(|&b| cells.room_for(&key(b))).expect("some candidate's set has room")
+}
+
+#[test]
+fn a_wide_flood_makes_drained_wide_cells_and_a_key_limited_in_its_cell_stays_limited() {
+    require_root();
+    let toml = rules("");
+    let dp = datapath(&toml).unwrap();
+    let cells: CellArray<Key4> = dp.cells_v4().unwrap();
+    // Below a quarter: "once" (1 per hour) limits 10.b.1.0/24 in its cell,
+    // for eight /16s.
+    for b in 1..=8 {
+        assert_eq!(offer(&dp, &to([10, b, 1, 1], 9999), 2), (1, 1), "the /24's hour: one packet");
+        let (wide, cell) = keys(&toml, 2, [10, b, 1, 1]);
+        assert!(cells.find(&cell).is_some() && cells.find(&wide).is_none(), "a cell per /24 below a quarter");
+    }
+    assert_eq!(dp.wide_counts().unwrap(), (0, 0));
+    widen(&dp, 9999, 8);
+    let b = roomy(&cells, 1..=8, |b| keys(&toml, 2, [10, b, 0, 0]).0);
+    let (wide, _) = keys(&toml, 2, [10, b, 1, 1]);
+    // A newcomer of another /24 of 10.b/16 makes the /16's wide cell,
+    // drained: where a copy of the fresh last resort would pass it.
+    let made = dp.counters().unwrap().get(STAT_NEW_CELLS);
+    assert_eq!(offer(&dp, &to([10, b, 2, 1], 9999), 1), (0, 1), "a wide cell starts drained");
+    let w = cells.find(&wide).expect("the /16's wide cell was made");
+    assert!(ahead(cells.get(w).bucket.tat_ns), "drained for the hour: {:?}", cells.get(w));
+    assert_eq!(dp.counters().unwrap().get(STAT_NEW_CELLS), made + 1, "one wide cell, no /24 cell");
+    assert!(cells.find(&keys(&toml, 2, [10, b, 2, 1]).1).is_none(), "no cell for 10.b.2.0/24");
+    assert_eq!(dp.wide_counts().unwrap(), (1, 0), "counted before it could be found");
+    // (b): the /24 that used its hour gets nothing from the wide cell.
+    assert_eq!(offer(&dp, &to([10, b, 1, 9], 9999), 3), (0, 3), "no fresh allowance for a limited /24");
+    // Every unseen key of 10.b/16, in any /24, is charged to it.
+    for x in [3u8, 77, 250] {
+        assert_eq!(offer(&dp, &to([10, b, x, 1], 9999), 1), (0, 1));
+    }
+    assert_eq!(dp.counters().unwrap().get(STAT_NEW_CELLS), made + 1, "no cell made for them");
+    // Another /16 gets its own wide cell (drained too).
+    let b2 = roomy(&cells, 20..=60, |b| keys(&toml, 2, [10, b, 0, 0]).0);
+    assert_eq!(offer(&dp, &to([10, b2, 1, 1], 9999), 1), (0, 1));
+    assert!(cells.find(&keys(&toml, 2, [10, b2, 0, 0]).0).is_some());
+    assert_eq!(dp.wide_counts().unwrap(), (2, 0));
+    // (d): the flood is "once"'s; a newcomer of 10.b/16 under [default]
+    // gets its /24's cell, a copy of [default]'s fresh last resort.
+    let x = roomy(&cells, 100..=200, |x| keys(&toml, 0, [10, b, x, 1]).1);
+    assert_eq!(offer(&dp, &to([10, b, x, 1], 5000), 3), (3, 0), "another rule's newcomer keeps its burst");
+    let (dwide, dcell) = keys(&toml, 0, [10, b, x, 1]);
+    assert!(cells.find(&dcell).is_some() && cells.find(&dwide).is_none(), "[default]'s flood is not wide");
+    let p = pass(&dp);
+    assert_eq!(p.wide, (2, 0), "the walk counts the wide cells: {p:?}");
+    assert_eq!(dp.wide_counts().unwrap(), (2, 0), "and sets the program's count to them");
+}
+
+#[test]
+fn the_collector_frees_fresh_wide_cells_and_keys_go_to_their_own_prefix_again() {
+    require_root();
+    let toml = rules("");
+    let dp = datapath(&toml).unwrap();
+    let cells = dp.cells_v4().unwrap();
+    widen(&dp, 5000, 0);
+    // [default] (1,000/s, burst 1,000: a second's span): drained, a wide
+    // cell is fresh again a second after it is made, and collected a
+    // second after that.
+    let b = roomy(&cells, 30..=90, |b| keys(&toml, 0, [10, b, 0, 0]).0);
+    let (wide, cell) = keys(&toml, 0, [10, b, 1, 1]);
+    assert_eq!(offer(&dp, &to([10, b, 1, 1], 5000), 1).1, 1, "drained: the first packet drops");
+    assert!(cells.find(&wide).is_some() && cells.find(&cell).is_none());
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    assert_eq!(offer(&dp, &to([10, b, 1, 2], 5000), 1), (1, 0), "tokens come back at the rule's rate");
+    assert_eq!(pass(&dp).wide, (1, 0), "not fresh yet");
+    std::thread::sleep(std::time::Duration::from_nanos(2 * COLLECT_IDLE_NS + 300_000_000));
+    let p = pass(&dp);
+    assert_eq!((p.wide, p.cells), ((0, 0), (0, 0)), "every [default] cell, wide or not, is fresh and freed: {p:?}");
+    assert!(cells.find(&wide).is_none());
+    assert_eq!(dp.wide_counts().unwrap(), (0, 0), "the count follows the frees");
+    // Below a quarter again: a newcomer of 10.b/16 gets its /24's cell.
+    assert_eq!(offer(&dp, &to([10, b, 1, 3], 5000), 1), (1, 0));
+    assert!(cells.find(&cell).is_some() && cells.find(&wide).is_none(), "a cell per /24 again");
+}
+
+#[test]
+fn a_source_that_gets_its_own_bucket_while_its_wide_cell_exists_starts_from_it() {
+    require_root();
+    let toml = rules("");
+    let mut dp = datapath(&toml).unwrap();
+    let cells = dp.cells_v4().unwrap();
+    widen(&dp, 9999, 0);
+    // A source of 10.b/16 sends under "once" in flood mode: the /16's wide
+    // cell is made, drained.
+    let b = roomy(&cells, 1..=60, |b| keys(&toml, 2, [10, b, 0, 0]).0);
+    assert_eq!(offer(&dp, &to([10, b, 5, 5], 9999), 1), (0, 1));
+    assert!(cells.find(&keys(&toml, 2, [10, b, 0, 0]).0).is_some());
+    // Flood mode off (the same rules, a generous detector): newcomers of
+    // 10.b/16 get buckets of their own, copies of the wide cell they map
+    // to, so drained for the hour; under [default], whose flood is not
+    // wide, a fresh one.
+    let calm = compile(&Config::from_str(&toml.replace("flood_new_keys_per_sec = 0", "flood_new_keys_per_sec = 1000000"), "<test>").unwrap());
+    dp.install(&calm.rules).unwrap();
+    let own = dp.counters().unwrap().get(rl_common::STAT_NEW_SOURCES);
+    assert_eq!(offer(&dp, &to([10, b, 9, 9], 9999), 2), (0, 2), "its own bucket starts drained, like the wide cell");
+    assert_eq!(offer(&dp, &to([10, b, 9, 9], 5000), 2), (2, 0), "[default]: a fresh bucket of its own");
+    assert_eq!(dp.counters().unwrap().get(rl_common::STAT_NEW_SOURCES), own + 2, "both got buckets of their own");
+}
+
+#[test]
+fn a_wide_cell_being_freed_sends_its_keys_to_their_prefix_cell_and_claims_nothing() {
+    require_root();
+    let toml = rules("");
+    let dp = datapath(&toml).unwrap();
+    let cells = dp.cells_v4().unwrap();
+    // 10.b.7.0/24 used its hour in its cell, before the flood went wide.
+    for b in 1..=8 {
+        assert_eq!(offer(&dp, &to([10, b, 7, 1], 9999), 1), (1, 0));
+    }
+    widen(&dp, 9999, 8);
+    let b = roomy(&cells, 1..=8, |b| keys(&toml, 2, [10, b, 0, 0]).0);
+    assert_eq!(offer(&dp, &to([10, b, 8, 1], 9999), 1), (0, 1));
+    let (wide, cell) = keys(&toml, 2, [10, b, 7, 1]);
+    let w = cells.find(&wide).expect("the wide cell");
+    assert!(cells.begin_free(w, &wide));
+    let made = dp.counters().unwrap().get(STAT_NEW_CELLS);
+    // Its keys go to their /24's cell (10.b.7.0/24: limited) or, without
+    // one, claim nothing wide while it is dying.
+    assert_eq!(offer(&dp, &to([10, b, 7, 2], 9999), 1), (0, 1), "the limited /24's cell, not a fresh bucket");
+    assert!(cells.find(&cell).is_some());
+    assert!(cells.find(&wide).is_none(), "no second wide cell while the first is dying");
+    let _ = offer(&dp, &to([10, b, 9, 1], 9999), 1);
+    assert!(cells.find(&wide).is_none());
+    assert!(dp.counters().unwrap().get(STAT_NEW_CELLS) <= made + 1, "at most a /24 cell for 10.b.9.0/24");
+    // Turned back (not fresh): its keys find it again.
+    assert!(!cells.finish_free(w, &wide, |_| false));
+    assert_eq!(cells.find(&wide), Some(w));
+    assert_eq!(offer(&dp, &to([10, b, 200, 1], 9999), 1), (0, 1));
+}
+
+#[test]
+fn without_wide_cells_and_for_cluster_rules_every_prefix_keeps_a_cell_of_its_own() {
+    require_root();
+    for (what, toml, index, port) in [
+        ("flood_wide_cells = false", rules("").replace("flood_prefixes = 256", "flood_prefixes = 256\nflood_wide_cells = false"), 2, 9999),
+        (
+            "a cluster rule",
+            rules(
+                "[cluster]\nredis = [\"redis://127.0.0.1:1\"]\nnode = \"test\"\n\
+                 [[rule]]\nname = \"shared\"\nproto = \"udp\"\ndst_ports = [6666]\nrate = 1\nper = \"1h\"\nburst = 1\nscope = \"cluster\"\n",
+            ),
+            3,
+            6666,
+        ),
+    ] {
+        let dp = datapath(&toml).unwrap();
+        let cells = dp.cells_v4().unwrap();
+        widen(&dp, port, 0);
+        // Twenty newcomers' /24s past a quarter: cells of their own (but for
+        // a set full of others, about one in thirty), never a wide one.
+        let with_cell = (0..20u8)
+            .filter(|&x| {
+                offer(&dp, &to([10, 9, x, 1], port), 1);
+                let (wide, cell) = keys(&toml, index, [10, 9, x, 1]);
+                assert!(cells.find(&wide).is_none(), "{what}: no wide cell");
+                cells.find(&cell).is_some()
+            })
+            .count();
+        assert!(with_cell >= 15, "{what}: {with_cell} of 20 newcomers' /24s got a cell");
+        assert_eq!(dp.wide_counts().unwrap(), (0, 0), "{what}");
+    }
+}
+
+#[test]
+fn ipv6_wide_cells_are_slash_32s() {
+    require_root();
+    let toml = rules("");
+    let dp = datapath(&toml).unwrap();
+    let six = |b: [u8; 4], port: u16| {
+        let mut src = [0x20, 0x01, 0x0d, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1];
+        src[2..6].copy_from_slice(&b);
+        eth(&[], ETH_P_IPV6, &ipv6(src, UDP, &udp(port)))
+    };
+    // 128 /48s under "once" make a quarter of the IPv6 slots.
+    let mut i = 0u32;
+    while dp.counters().unwrap().get(STAT_NEW_CELLS) < 128 {
+        assert!(i < 1024);
+        offer(&dp, &six([0x0d, 0xb8, (i >> 8) as u8 + 1, i as u8], 9999), 1);
+        i += 1;
+    }
+    // A /32 (2001:0dXX::/32) under "once": its wide cell, drained; every
+    // /48 of it shares it.
+    let compiled = compile(&Config::from_str(&toml, "<test>").unwrap());
+    let wide = |b: u8| {
+        let k = compiled.rules.entries[2].key6(0, &[u32::from_ne_bytes([0x20, 0x01, 0x0d, b]), 0, 0, 0]);
+        Key6 { rule: k.rule | KEY_WIDE, addr: k.addr }
+    };
+    let cells = dp.table_ids().unwrap().cell_arrays().unwrap().1;
+    let b = (0xb9..=0xff).find(|&b| cells.room_for(&wide(b))).expect("a /32 whose set has room");
+    assert_eq!(offer(&dp, &six([0x0d, b, 0, 1], 9999), 1), (0, 1));
+    assert_eq!(offer(&dp, &six([0x0d, b, 0x77, 1], 9999), 1), (0, 1));
+    assert!(cells.find(&wide(b)).is_some(), "the /32's wide cell");
+    assert_eq!(dp.wide_counts().unwrap(), (0, 1));
+    assert_eq!(pass(&dp).wide, (0, 1));
+}
