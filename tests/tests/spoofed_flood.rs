@@ -145,6 +145,13 @@ fn a_spoofed_flood_through_the_daemon_neither_resets_nor_bypasses_a_limit_and_is
     assert!(out.lines().any(|l| l == full), "`rl-control status` lacks {full:?}:\n{out}");
     assert_eq!(m["rl_cells_full"], 1.0);
     assert_eq!(events(&lab, "cells_full"), 1, "one cells_full event");
+    // Its cells filled a quarter of the slots: the rest of it went to wide
+    // cells (/16s of 10/8, drained for the hour), seen in all three.
+    let wide = m["rl_wide_cells{family=\"ipv4\"}"];
+    assert!(wide >= 16.0, "{wide} wide cells after a flood over all of 10/8");
+    assert_eq!(events(&lab, "wide_cells_made"), 1, "one wide_cells_made event");
+    let wide_line = format!("prefix cells:    IPv4 {}, IPv6 0 of 256 per family; wide: IPv4 {wide}, IPv6 0", m["rl_prefix_cells{family=\"ipv4\"}"]);
+    assert!(out.lines().any(|l| l == wide_line), "`rl-control status` lacks {wide_line:?}:\n{out}");
     // With no traffic left, the three surfaces agree on the counts since load.
     let p = get(&lab.b, "/v1/status").json()["pressure"].clone();
     let (fallbacks, refused) = (p["fallback_packets"].as_u64().unwrap(), p["table_full_refusals"].as_u64().unwrap());
@@ -164,12 +171,14 @@ fn a_spoofed_flood_through_the_daemon_neither_resets_nor_bypasses_a_limit_and_is
     assert!(m["rl_table_occupancy_ratio{table=\"sources\",family=\"ipv4\"}"] > 0.0);
     assert!(p["buckets_ipv6"].as_u64().unwrap() < 16 && p["cells_ipv6"].as_u64() == Some(0), "{p}");
     assert!(p["cell_capacity"] == 256 && p["cells_ipv4"].as_u64().unwrap() >= 256, "{p}");
+    assert!(p["wide_cells_ipv4"].as_u64().unwrap() >= 16 && p["wide_cells_ipv6"] == 0, "{p}");
     // (The collector may have taken fresh buckets between the two reads.)
     let tracked = |l: &str| l.starts_with("sources tracked: IPv4 ") && l.contains(", IPv6 ") && l.ends_with(" of 1024 per family");
     assert!(out.lines().any(tracked), "{out}");
     let (status, log) = daemon.stop(libc::SIGTERM).unwrap();
     assert!(status.success(), "{log}");
     assert!(log.contains("flood_started") && log.contains("flood_ended"), "the log names both events:\n{log}");
+    assert!(log.contains("wide_cells_made"), "the log names the wide cells' event:\n{log}");
 }
 
 /// Waits up to `secs` for `n` events of `kind`.
@@ -187,13 +196,14 @@ fn a_full_sources_table_and_full_prefix_cells_are_reported_and_so_is_their_room_
     let dir = tempfile::tempdir().unwrap();
     // No flood mode: only the table's size stops inserts, and the 136
     // sources it refuses go to their /24s' cells, of which there is room
-    // for 16. The flood's buckets and cells are fresh two seconds after
+    // for 16 (no wide cells: a wide cell of this rule starts drained, and
+    // would be fresh only 21 s later; the first test sees them made). The flood's buckets and cells are fresh two seconds after
     // their packet, collectable a second later: well after the pass that
     // finds the table and the cells full, and the reads of them below.
     let cfg = write(
         &dir,
         "rl.toml",
-        "[datapath]\nmax_sources = 64\nflood_new_keys_per_sec = 1000000000\nflood_prefixes = 16\n[default]\nrate = 1000\n\
+        "[datapath]\nmax_sources = 64\nflood_new_keys_per_sec = 1000000000\nflood_prefixes = 16\nflood_wide_cells = false\n[default]\nrate = 1000\n\
          [[rule]]\nname = \"flood\"\nproto = \"udp\"\ndst_ports = [5000]\nrate = 2\nper = \"4s\"\nburst = 10\n",
     );
     let pins = rl_tests::lab::BpfFs::new().unwrap();

@@ -155,6 +155,7 @@ impl Collector {
         if let Some(pass) = &pass {
             self.left = pass.own.0 + pass.own.1 + pass.cells.0 + pass.cells.1;
         }
+        let wide_before = s.pressure.wide_cells_ipv4 + s.pressure.wide_cells_ipv6 > 0;
         let full = self.figures(&mut s.pressure, s.dp.counters().ok(), pass.as_ref(), &flood, now, s.config.datapath.max_sources);
         if flood.on != s.pressure.flood_mode {
             let p = &mut s.pressure;
@@ -180,8 +181,8 @@ impl Collector {
             s.push_host_event(event, unix_now() * 1000);
         }
         if let Some(pass) = &pass {
-            let (was, now_wide) = (s.pressure.wide_cells_ipv4 + s.pressure.wide_cells_ipv6 > 0, pass.wide.0 + pass.wide.1 > 0);
-            if was != now_wide {
+            let now_wide = pass.wide.0 + pass.wide.1 > 0;
+            if wide_before != now_wide {
                 let event = if now_wide { "wide_cells_made" } else { "wide_cells_gone" };
                 if now_wide {
                     warn!(event, ipv4 = pass.wide.0, ipv6 = pass.wide.1, "a flood spans a quarter of the prefix cells' room: its unseen sources are charged to wide cells (prefixes 8 bits shorter than a cell's, IPv6 16) until those are fresh again");
