@@ -124,7 +124,7 @@ pub const fn wide_entry(rule: u32, family: u32) -> u32 {
 }
 
 /// Whether a rule holding `cells` cells in an array of `slots` is under a
-/// wide flood: a quarter of the slots, where one new prefix in thirty
+/// wide flood: a quarter of the slots, where one new prefix in eleven
 /// already finds its set full and is charged to its rule's last resort
 /// (so the rule's newcomers anywhere start from a drained bucket either
 /// way). Its unseen keys in flood mode then make wide cells

@@ -118,9 +118,11 @@ pub fn count_in_cell(rule: &RuleEntry, is_v6: bool, cell: u32, passed: bool) {
 #[inline(always)]
 pub fn bucket(cfg: &DatapathConfig, rule: &RuleEntry, which: u32, is_v6: bool, src: &[u32; 4]) -> Option<Held> {
     // Wide cells: not for a cluster rule (its sync names cells by their
-    // prefix) nor for an elastic rule's pool (one bucket, address 0).
+    // prefix) nor for an elastic rule's pool (one bucket, address 0), so
+    // their keys never look for one; the others' keys look for theirs
+    // even while `flood_wide_cells = false` forbids making more.
     let limit = if which == POOL_INDEX { &rule.pool } else { rule.limits.get(which as usize)? };
-    let wide = (rule.flags & RULE_CLUSTER == 0 && which != POOL_INDEX && cfg.flags & DP_NO_WIDE_CELLS == 0) as u32;
+    let wide = (rule.flags & RULE_CLUSTER == 0 && which != POOL_INDEX) as u32;
     if is_v6 {
         let key = rule.key6(which, src);
         if known::maybe(&key) {
@@ -238,12 +240,12 @@ impl Fallbacks for Key6 {
 // A null bucket: the key went to the cell in the scratch (`found`).
 #[inline(never)]
 fn unseen4(cfg: &DatapathConfig, key: &Key4, limit: &LimitEntry, wide: u32) -> *mut Bucket {
-    unseen(&RL_SRC4, key, cfg, limit, wide != 0).unwrap_or(core::ptr::null_mut())
+    unseen(&RL_SRC4, key, cfg, limit, wide).unwrap_or(core::ptr::null_mut())
 }
 
 #[inline(never)]
 fn unseen6(cfg: &DatapathConfig, key: &Key6, limit: &LimitEntry, wide: u32) -> *mut Bucket {
-    unseen(&RL_SRC6, key, cfg, limit, wide != 0).unwrap_or(core::ptr::null_mut())
+    unseen(&RL_SRC6, key, cfg, limit, wide).unwrap_or(core::ptr::null_mut())
 }
 
 /// What a cell key with claim word `claim` finds in the set at `set`: the
@@ -280,12 +282,11 @@ fn look<K: Fallbacks>(set: u32, claim: u64) -> (u32, u32) {
 /// claimed drained), else its rule's last resort. A cell is returned as
 /// `None` with its slot in the scratch (one pointer comes back from a
 /// call); `None` with [`NO_CELL`] there: nothing could be found or made.
-/// (One key variable is reused for every probe: BPF stacks are small.
-/// The wide cell's branch returns early or leaves only the state word it
-/// found: the verifier walks this function once per call site and path,
-/// and every value live across the branches multiplies the walk.)
+/// (One key variable is reused for every probe: BPF stacks are small. The
+/// verifier walks this function once per call site and path, and every
+/// value live across its branches multiplies the walk.)
 #[inline(always)]
-fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfig, limit: &LimitEntry, wide_ok: bool) -> Option<*mut Bucket> {
+fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfig, limit: &LimitEntry, wide: u32) -> Option<*mut Bucket> {
     let scratch = unsafe { &mut *RL_CSCRATCH.get_ptr_mut(0)? };
     scratch.cell = NO_CELL;
     let flood = unsafe { &mut *RL_FLOOD.get_ptr_mut(0)? };
@@ -297,27 +298,33 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
     let slots = 1 << (cfg.cell_slots_log2 & 31);
     // What the key maps to now: its wide cell, else its cell, else its
     // rule's last resort (created fresh the first time a rule needs one).
-    let wide_cell = wide::<K>(key, cfg, limit, seed, slots, wide_ok && !insert).unwrap_or(NO_CELL);
-    if wide_cell != NO_CELL && !insert {
+    // (One slot variable for the wide cell and the cell: a value live
+    // across the rest doubles the verifier's walk of it.)
+    // (`wide`: the key may have a wide cell.)
+    let found = if wide != 0 { wide_cell::<K>(key, cfg, limit, seed, slots, !insert) } else { None };
+    let mut cell = found.unwrap_or(NO_CELL);
+    if cell != NO_CELL && !insert {
         stats::bump(STAT_FALLBACK);
-        scratch.cell = wide_cell;
+        scratch.cell = cell;
         return None;
     }
-    // Its own bucket starts where its wide cell is.
-    let wide_tat = K::slot(wide_cell).map(|c| unsafe { core::ptr::read_volatile(&raw const (*c).tat_ns) });
     let cell_key = key.cell(cfg);
     let claim = cell_claim(&cell_key, seed);
     let claimed = RL_CELLN.get_ptr_mut(K::FAMILY);
-    let look_set = wide_tat.is_none()
-        && match claimed {
+    let mut free = NO_CELL;
+    if cell == NO_CELL {
+        let look_set = match claimed {
             Some(n) if cells_saturated(unsafe { core::ptr::read_volatile(n) }, slots) => known::maybe(&cell_key),
             _ => true,
         };
-    let (cell, free) = if look_set { look::<K>(cell_set(&cell_key, seed, slots), claim) } else { (NO_CELL, NO_CELL) };
-    let (tat, last) = match (K::slot(cell), wide_tat) {
-        (Some(c), _) => (unsafe { core::ptr::read_volatile(&raw const (*c).tat_ns) }, None),
-        (None, Some(t)) => (t, None),
-        (None, None) => {
+        if look_set {
+            (cell, free) = look::<K>(cell_set(&cell_key, seed, slots), claim);
+        }
+    }
+    // (A source's own bucket starts where its wide cell is, if it has one.)
+    let (tat, last) = match K::slot(cell) {
+        Some(c) => (unsafe { core::ptr::read_volatile(&raw const (*c).tat_ns) }, None),
+        None => {
             let l = last_resort(table, key)?;
             (unsafe { core::ptr::read_volatile(&raw const (*l).tat_ns) }, Some(l))
         }
@@ -356,9 +363,8 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
         }
     }
     stats::bump(STAT_FALLBACK);
-    // (No bucket of its own after all: the cell it maps to.)
-    if cell != NO_CELL || wide_cell != NO_CELL {
-        scratch.cell = if cell != NO_CELL { cell } else { wide_cell };
+    if cell != NO_CELL {
+        scratch.cell = cell;
         return None;
     }
     // Claim a free slot of the set for this cell, a copy of the last resort:
@@ -382,14 +388,17 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
 
 /// The key's wide cell (`rl_common::pressure`): its slot if it exists
 /// (looked for only while its rule has wide cells), else, if `may_make`
-/// and its rule's cells hold a wide flood, a new one claimed drained.
+/// (flood mode), `flood_wide_cells` is on and its rule's cells hold a wide
+/// flood, a new one claimed drained.
 /// `None`: the key goes to its cell or last resort.
 #[inline(always)]
-fn wide<K: Fallbacks>(key: &K, cfg: &DatapathConfig, limit: &LimitEntry, seed: u64, slots: u32, may_make: bool) -> Option<u32> {
+fn wide_cell<K: Fallbacks>(key: &K, cfg: &DatapathConfig, limit: &LimitEntry, seed: u64, slots: u32, may_make: bool) -> Option<u32> {
     let at = wide_entry(key.rule(), K::FAMILY);
     // The rule's wide cells and its cells, in one line.
     let wides = RL_WIDE.get_ptr_mut(at)?;
-    let make = may_make && RL_WIDE.get_ptr(at + 1).is_some_and(|n| cells_wide(unsafe { core::ptr::read_volatile(n) }, slots));
+    let make = may_make
+        && cfg.flags & DP_NO_WIDE_CELLS == 0
+        && RL_WIDE.get_ptr(at + 1).is_some_and(|n| cells_wide(unsafe { core::ptr::read_volatile(n) }, slots));
     if !make && unsafe { core::ptr::read_volatile(wides) } == 0 {
         return None;
     }

@@ -268,3 +268,27 @@ fn ipv6_wide_cells_are_slash_32s() {
     assert_eq!(dp.wide_counts().unwrap(), (0, 1));
     assert_eq!(pass(&dp).wide, (0, 1));
 }
+
+#[test]
+fn wide_cells_made_keep_limiting_after_a_reload_turns_them_off() {
+    require_root();
+    let toml = rules("");
+    let mut dp = datapath(&toml).unwrap();
+    let cells = dp.cells_v4().unwrap();
+    widen(&dp, 9999, 0);
+    let b = roomy(&cells, 1..=60, |b| keys(&toml, 2, [10, b, 0, 0]).0);
+    assert_eq!(offer(&dp, &to([10, b, 1, 1], 9999), 1), (0, 1), "the /16's wide cell, drained");
+    // `flood_wide_cells = false` at a reload: no more are made, but the
+    // one made keeps its /16's unseen keys (a fresh /24 cell would pass).
+    let off = compile(&Config::from_str(&toml.replace("flood_prefixes = 256", "flood_prefixes = 256\nflood_wide_cells = false"), "<test>").unwrap());
+    dp.install(&off.rules).unwrap();
+    assert_eq!(offer(&dp, &to([10, b, 2, 1], 9999), 1), (0, 1), "still charged to the wide cell");
+    assert!(cells.find(&keys(&toml, 2, [10, b, 2, 1]).1).is_none());
+    // (That cell copies the rule's last resort, which the widening flood's
+    // prefixes without room have drained.)
+    let b2 = roomy(&cells, 61..=120, |b| keys(&toml, 2, [10, b, 1, 1]).1);
+    offer(&dp, &to([10, b2, 1, 1], 9999), 1);
+    assert!(cells.find(&keys(&toml, 2, [10, b2, 1, 1]).1).is_some(), "another /16: a cell of its /24");
+    assert!(cells.find(&keys(&toml, 2, [10, b2, 0, 0]).0).is_none(), "no wide cell made once they are off");
+    assert_eq!(dp.wide_counts().unwrap(), (1, 0));
+}
