@@ -46,6 +46,13 @@
 //! "Claims nothing" keeps one cell per key: a second run that claimed the
 //! other way while the first cell is being written (or freed, and then
 //! turned back) would split the key's charges over two buckets.
+//!
+//! Wide cells ([`crate::KEY_WIDE`], see [`crate::pressure`]) share the
+//! arrays and the claim protocol: a rule whose flood has claimed cells in a
+//! quarter of the slots ([`cells_wide`]) charges its unseen keys to cells
+//! 8 bits shorter (IPv6 16, [`wide_mask4`], [`wide_mask6`]), which start
+//! drained; a flood over one /8 then reads 256 lines of the array instead
+//! of 65,536.
 
 use crate::{Bucket, Key4, Key6, KnownKey};
 
