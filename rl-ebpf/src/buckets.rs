@@ -21,9 +21,10 @@ use aya_ebpf::{
     maps::{Array, HashMap, PerCpuArray},
 };
 use rl_common::{
-    cells_wide, wide_entry, wide_mask4, wide_mask6, WIDE_ENTRIES, LimitEntry, DP_NO_WIDE_CELLS, KEY_WIDE, POOL_INDEX,
-    cell_claim, cell_set, cell_way, cell_writing, cells_saturated, owned_room, Bucket, Cell, CellKey, CellScratch, DatapathConfig, FloodState, Key4, Key6, KnownKey,
-    RuleEntry, Unseen, Way, CELL_WAYS, KEY_CELL, KEY_LAST, NO_CELL, OWNED_CAP, OWNED_ENTRIES, RULE_CLUSTER, STAT_FALLBACK, STAT_NEW_CELLS, STAT_NEW_SOURCES, STAT_TABLE_FULL,
+    cell_claim, cell_set, cell_way, cell_writing, cells_saturated, cells_wide, owned_room, wide_entry, wide_mask4, wide_mask6, Bucket, Cell, CellKey,
+    CellScratch, DatapathConfig, FloodState, Key4, Key6, KnownKey, LimitEntry, RuleEntry, Unseen, Way, CELL_WAYS, DP_NO_WIDE_CELLS, KEY_CELL,
+    KEY_LAST, KEY_WIDE, NO_CELL, OWNED_CAP, OWNED_ENTRIES, POOL_INDEX, RULE_CLUSTER, STAT_FALLBACK, STAT_NEW_CELLS, STAT_NEW_SOURCES,
+    STAT_TABLE_FULL, WIDE_ENTRIES,
 };
 
 use crate::{known, limit::tick_now, stats};
@@ -296,11 +297,11 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
     let insert = flood.see(now, cfg.flood_cap) == Unseen::Insert;
     let seed = unsafe { core::ptr::read_volatile(RL_CELLSEED.get_ptr(0)?) };
     let slots = 1 << (cfg.cell_slots_log2 & 31);
-    // What the key maps to now: its wide cell, else its cell, else its
-    // rule's last resort (created fresh the first time a rule needs one).
-    // (One slot variable for the wide cell and the cell: a value live
-    // across the rest doubles the verifier's walk of it.)
-    // (`wide`: the key may have a wide cell.)
+    // What the key maps to now: its wide cell (if `wide`: it may have
+    // one), else its cell, else its rule's last resort (created fresh the
+    // first time a rule needs one). One slot variable holds the wide cell
+    // or the cell: a second one live across the rest doubles the
+    // verifier's walk.
     let found = if wide != 0 { wide_cell::<K>(key, cfg, limit, seed, slots, !insert) } else { None };
     let mut cell = found.unwrap_or(NO_CELL);
     if cell != NO_CELL && !insert {
