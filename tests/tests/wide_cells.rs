@@ -72,6 +72,25 @@ fn roomy(cells: &CellArray<Key4>, bs: impl IntoIterator<Item = u8>, key: impl Fn
     bs.into_iter().find(|&b| cells.room_for(&key(b))).expect("some candidate's set has room")
 }
 
+/// Installs `toml`'s rules and settings on `dp`, as a reload does.
+fn reload(dp: &mut Datapath, toml: &str) {
+    dp.install(&compile(&Config::from_str(toml, "<test>").unwrap()).rules).unwrap();
+}
+
+/// A datapath of `toml` where "once"'s flood went wide and a source of
+/// 10.b.1.0/24 made its /16's wide cell, drained: the datapath, its cells
+/// and `b`.
+fn one_wide(toml: &str) -> (Datapath, CellArray<Key4>, u8) {
+    require_root();
+    let dp = datapath(toml).unwrap();
+    let cells = dp.cells_v4().unwrap();
+    widen(&dp, 9999, 0);
+    let b = roomy(&cells, 1..=60, |b| keys(toml, 2, [10, b, 0, 0]).0);
+    assert_eq!(offer(&dp, &to([10, b, 1, 1], 9999), 1), (0, 1), "the /16's wide cell, drained");
+    assert!(cells.find(&keys(toml, 2, [10, b, 0, 0]).0).is_some());
+    (dp, cells, b)
+}
+
 #[test]
 fn a_wide_flood_makes_drained_wide_cells_and_a_key_limited_in_its_cell_stays_limited() {
     require_root();
@@ -150,22 +169,13 @@ fn the_collector_frees_fresh_wide_cells_and_keys_go_to_their_own_prefix_again() 
 
 #[test]
 fn a_source_that_gets_its_own_bucket_while_its_wide_cell_exists_starts_from_it() {
-    require_root();
     let toml = rules("");
-    let mut dp = datapath(&toml).unwrap();
-    let cells = dp.cells_v4().unwrap();
-    widen(&dp, 9999, 0);
-    // A source of 10.b/16 sends under "once" in flood mode: the /16's wide
-    // cell is made, drained.
-    let b = roomy(&cells, 1..=60, |b| keys(&toml, 2, [10, b, 0, 0]).0);
-    assert_eq!(offer(&dp, &to([10, b, 5, 5], 9999), 1), (0, 1));
-    assert!(cells.find(&keys(&toml, 2, [10, b, 0, 0]).0).is_some());
+    let (mut dp, _cells, b) = one_wide(&toml);
     // Flood mode off (the same rules, a generous detector): newcomers of
     // 10.b/16 get buckets of their own, copies of the wide cell they map
     // to, so drained for the hour; under [default], whose flood is not
     // wide, a fresh one.
-    let calm = compile(&Config::from_str(&toml.replace("flood_new_keys_per_sec = 0", "flood_new_keys_per_sec = 1000000"), "<test>").unwrap());
-    dp.install(&calm.rules).unwrap();
+    reload(&mut dp, &toml.replace("flood_new_keys_per_sec = 0", "flood_new_keys_per_sec = 1000000"));
     let own = dp.counters().unwrap().get(rl_common::STAT_NEW_SOURCES);
     assert_eq!(offer(&dp, &to([10, b, 9, 9], 9999), 2), (0, 2), "its own bucket starts drained, like the wide cell");
     assert_eq!(offer(&dp, &to([10, b, 9, 9], 5000), 2), (2, 0), "[default]: a fresh bucket of its own");
@@ -271,17 +281,11 @@ fn ipv6_wide_cells_are_slash_32s() {
 
 #[test]
 fn wide_cells_made_keep_limiting_after_a_reload_turns_them_off() {
-    require_root();
     let toml = rules("");
-    let mut dp = datapath(&toml).unwrap();
-    let cells = dp.cells_v4().unwrap();
-    widen(&dp, 9999, 0);
-    let b = roomy(&cells, 1..=60, |b| keys(&toml, 2, [10, b, 0, 0]).0);
-    assert_eq!(offer(&dp, &to([10, b, 1, 1], 9999), 1), (0, 1), "the /16's wide cell, drained");
+    let (mut dp, cells, b) = one_wide(&toml);
     // `flood_wide_cells = false` at a reload: no more are made, but the
     // one made keeps its /16's unseen keys (a fresh /24 cell would pass).
-    let off = compile(&Config::from_str(&toml.replace("flood_prefixes = 256", "flood_prefixes = 256\nflood_wide_cells = false"), "<test>").unwrap());
-    dp.install(&off.rules).unwrap();
+    reload(&mut dp, &toml.replace("flood_prefixes = 256", "flood_prefixes = 256\nflood_wide_cells = false"));
     assert_eq!(offer(&dp, &to([10, b, 2, 1], 9999), 1), (0, 1), "still charged to the wide cell");
     assert!(cells.find(&keys(&toml, 2, [10, b, 2, 1]).1).is_none());
     // (That cell copies the rule's last resort, which the widening flood's
