@@ -367,9 +367,12 @@ fn a_cell_charged_while_the_collector_frees_it_is_kept_with_its_charges() {
     assert!(kept.bucket.tat_ns >= charged, "with every charge: {} < {charged}", kept.bucket.tat_ns);
     // No fresh allowance: a newcomer gets what refilled since the drain (a
     // packet a ms; freeing waits out runs in flight, so some ms pass), far
-    // from the 200 a fresh cell (burst 1,000) would pass.
+    // from the 200 a fresh cell (burst 1,000) would pass. The limit reads
+    // the tick clock, so a tick's worth comes at once: a tick that starts
+    // just after the drain hands out its packets at once.
     let (passed, dropped) = offer(&dp, &to([10, 6, 6, 3], 5000), 200);
-    let refilled = since.elapsed().as_millis() as u32 + 1;
+    let tick_ms = dp.clock().tick_ns.div_ceil(1_000_000) as u32;
+    let refilled = since.elapsed().as_millis() as u32 + 1 + tick_ms;
     assert!(dropped >= 1 && passed <= refilled, "the /24 stays limited: {passed} passed, {refilled} refilled since the drain");
 }
 
