@@ -311,10 +311,9 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
     }
     let cell_key = key.cell(cfg);
     let claim = cell_claim(&cell_key, seed);
-    let claimed = RL_CELLN.get_ptr_mut(K::FAMILY);
     let mut free = NO_CELL;
     if cell == NO_CELL {
-        let look_set = match claimed {
+        let look_set = match RL_CELLN.get_ptr_mut(K::FAMILY) {
             Some(n) if cells_saturated(unsafe { core::ptr::read_volatile(n) }, slots) => known::maybe(&cell_key),
             _ => true,
         };
@@ -376,9 +375,6 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
     if !claim_slot::<K>(c, free, &cell_key, claim, tat) {
         return last;
     }
-    if let Some(n) = claimed {
-        unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(n, 1) };
-    }
     // The rule's cells: what decides when its flood goes wide.
     if let Some(n) = RL_WIDE.get_ptr_mut(wide_entry(key.rule(), K::FAMILY) + 1) {
         unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(n, 1) };
@@ -418,16 +414,14 @@ fn wide_cell<K: Fallbacks>(key: &K, cfg: &DatapathConfig, limit: &LimitEntry, se
         unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::SeqCst }>(wides, u64::MAX) };
         return None;
     }
-    if let Some(n) = RL_CELLN.get_ptr_mut(K::FAMILY) {
-        unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(n, 1) };
-    }
     Some(free)
 }
 
 /// Claims free slot `i` (`c`) for cell `key` (claim word `claim`) holding
 /// state `tat`: the state and the key first, the claim last, so a CPU that
-/// finds the claim finds the state written. `false`: another run took the
-/// slot first (or, for a run stalled past the daemon's grace, freed it).
+/// finds the claim finds the state written; then counts it (`RL_CELLN`).
+/// `false`: another run took the slot first (or, for a run stalled past
+/// the daemon's grace, freed it).
 #[inline(always)]
 fn claim_slot<K: Fallbacks>(c: *mut Cell, i: u32, key: &K, claim: u64, tat: u64) -> bool {
     let (_, won) = unsafe {
@@ -454,6 +448,9 @@ fn claim_slot<K: Fallbacks>(c: *mut Cell, i: u32, key: &K, claim: u64, tat: u64)
     };
     if written {
         stats::bump(STAT_NEW_CELLS);
+        if let Some(n) = RL_CELLN.get_ptr_mut(K::FAMILY) {
+            unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(n, 1) };
+        }
     }
     written
 }

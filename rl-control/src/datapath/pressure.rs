@@ -100,9 +100,7 @@ impl Datapath {
     /// cells there are.
     pub fn wide_counts(&self) -> Result<(u64, u64), DatapathError> {
         let m = Mapped::open(self.map_id(MAP_WIDE_COUNT)?, MAP_WIDE_COUNT, 8)?;
-        let sum = |family: u32| -> u64 {
-            (0..WIDE_RULE_SLOTS).map(|r| m.word(wide_entry(r << 3, family) as usize * 8).load(std::sync::atomic::Ordering::Acquire)).sum()
-        };
+        let sum = |family: u32| -> u64 { wide_entries(family).map(|e| m.word(e as usize * 8).load(std::sync::atomic::Ordering::Acquire)).sum() };
         Ok((sum(0), sum(1)))
     }
 
@@ -336,7 +334,7 @@ impl Walk<'_> {
     /// cannot be told (being written, or its key not yet written) leaves
     /// the counts as they are (they only grew meanwhile).
     fn cells<K: BucketKey + KnownKey + PartialEq>(&self, cells: &CellArray<K>, counts: &Mapped, family: u32, pass: &mut Pass) -> (u64, u64) {
-        let entries: Vec<u32> = (0..WIDE_RULE_SLOTS).flat_map(|r| [wide_entry(r << 3, family), wide_entry(r << 3, family) + 1]).collect();
+        let entries: Vec<u32> = wide_entries(family).flat_map(|e| [e, e + 1]).collect();
         let word = |e: u32| counts.word(e as usize * 8);
         let before: Vec<u64> = entries.iter().map(|&e| word(e).load(std::sync::atomic::Ordering::Acquire)).collect();
         let mut kept = vec![0u64; WIDE_ENTRIES as usize];
@@ -445,6 +443,12 @@ impl Walk<'_> {
     fn idle(&self, limit: &LimitEntry, b: &Bucket, now: u64) -> bool {
         limit.is_fresh(b.tat_ns, now.saturating_sub(COLLECT_IDLE_NS), self.epoch_offset_ns)
     }
+}
+
+/// The `rl_common::MAP_WIDE_COUNT` entries of `family`'s wide-cell counts,
+/// one per rule slot (each rule's count of other cells is the next entry).
+fn wide_entries(family: u32) -> impl Iterator<Item = u32> {
+    (0..WIDE_RULE_SLOTS).map(move |r| wide_entry(r << 3, family))
 }
 
 /// Flood mode as the datapath's per-CPU detectors report it.
