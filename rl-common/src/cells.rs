@@ -54,7 +54,7 @@
 //! drained; a flood over one /8 then reads 256 lines of the array instead
 //! of 65,536.
 
-use crate::{Bucket, Key4, Key6, KnownKey};
+use crate::{limit_of_key, Bucket, DatapathConfig, Key4, Key6, KnownKey, KEY_CELL, KEY_LAST, KEY_WIDE};
 
 /// IPv4 cells: `Array<Cell>`, [`cell_slots`] entries, mappable.
 pub const MAP_CELLS_V4: &str = "RL_CELLS4";
@@ -160,6 +160,50 @@ pub fn wide_mask6(m: &[u32; 4]) -> [u32; 4] {
     let h = [u32::from_be(m[0]), u32::from_be(m[1]), u32::from_be(m[2]), u32::from_be(m[3])];
     let (s, r) = (WIDE_BITS_V6, 32 - WIDE_BITS_V6);
     [(h[0] << s | h[1] >> r).to_be(), (h[1] << s | h[2] >> r).to_be(), (h[2] << s | h[3] >> r).to_be(), (h[3] << s).to_be()]
+}
+
+/// The keys a source's bucket key falls back to when it has no bucket of
+/// its own (see [`crate::pressure`]): its prefix cell, its wide cell and
+/// its rule's last resort. The program charges them and the daemon reads
+/// them (`GET /v1/sources/{ip}`), so both derive them here.
+pub trait FallbackKeys: Sized {
+    /// Its prefix cell: the address masked further to the cell prefix
+    /// (`cfg.cell_mask4` / `cfg.cell_mask6`).
+    fn cell(&self, cfg: &DatapathConfig) -> Self;
+    /// Its wide cell: the address masked to the prefix [`WIDE_BITS_V4`]
+    /// ([`WIDE_BITS_V6`]) bits shorter than a cell's.
+    fn wide(&self, cfg: &DatapathConfig) -> Self;
+}
+
+/// The `rule` word of the last resort of the limit that a key's `rule`
+/// word names (any kind of key): its address is 0.
+#[inline(always)]
+pub const fn last_resort_rule(rule: u32) -> u32 {
+    limit_of_key(rule) | KEY_LAST
+}
+
+impl FallbackKeys for Key4 {
+    #[inline(always)]
+    fn cell(&self, cfg: &DatapathConfig) -> Self {
+        Key4 { rule: self.rule | KEY_CELL, addr: self.addr & cfg.cell_mask4 }
+    }
+    #[inline(always)]
+    fn wide(&self, cfg: &DatapathConfig) -> Self {
+        Key4 { rule: self.rule | KEY_WIDE, addr: self.addr & wide_mask4(cfg.cell_mask4) }
+    }
+}
+
+impl FallbackKeys for Key6 {
+    #[inline(always)]
+    fn cell(&self, cfg: &DatapathConfig) -> Self {
+        let (m, a) = (&cfg.cell_mask6, &self.addr);
+        Key6 { rule: self.rule | KEY_CELL, addr: [a[0] & m[0], a[1] & m[1], a[2] & m[2], a[3] & m[3]] }
+    }
+    #[inline(always)]
+    fn wide(&self, cfg: &DatapathConfig) -> Self {
+        let (m, a) = (wide_mask6(&cfg.cell_mask6), &self.addr);
+        Key6 { rule: self.rule | KEY_WIDE, addr: [a[0] & m[0], a[1] & m[1], a[2] & m[2], a[3] & m[3]] }
+    }
 }
 
 /// Slots a cell key may use.
@@ -359,6 +403,25 @@ mod tests {
         }
         let a = u32::from_ne_bytes([10, 9, 8, 7]);
         assert_eq!(a & wide_mask4(prefix_mask_words::<1>(24)[0]), u32::from_ne_bytes([10, 9, 0, 0]));
+    }
+
+    #[test]
+    fn fallback_keys_keep_the_limit_and_mask_the_address() {
+        use crate::{key_kind, limit_of_key, prefix_mask_words, KeyKind};
+        let cfg = DatapathConfig { cell_mask4: prefix_mask_words::<1>(24)[0], cell_mask6: prefix_mask_words::<4>(48), ..Default::default() };
+        let own = Key4 { rule: 0x1931_c660 | 3, addr: u32::from_ne_bytes([10, 9, 8, 7]) };
+        let (cell, wide) = (own.cell(&cfg), own.wide(&cfg));
+        assert_eq!(cell, Key4 { rule: own.rule | KEY_CELL, addr: u32::from_ne_bytes([10, 9, 8, 0]) });
+        assert_eq!(wide, Key4 { rule: own.rule | KEY_WIDE, addr: u32::from_ne_bytes([10, 9, 0, 0]) });
+        assert_eq!((key_kind(cell.rule), key_kind(wide.rule)), (KeyKind::Cell, KeyKind::Cell));
+        // Every kind of key of a limit names the same last resort.
+        for k in [own, cell, wide] {
+            assert_eq!(last_resort_rule(k.rule), limit_of_key(own.rule) | KEY_LAST);
+            assert_eq!(key_kind(last_resort_rule(k.rule)), KeyKind::LastResort);
+        }
+        let own6 = Key6 { rule: 8, addr: [0x2001_0db8u32.to_be(), 0x1234_5678u32.to_be(), 1, 2] };
+        assert_eq!(own6.cell(&cfg).addr, [0x2001_0db8u32.to_be(), 0x1234_0000u32.to_be(), 0, 0]);
+        assert_eq!(own6.wide(&cfg).addr, [0x2001_0db8u32.to_be(), 0, 0, 0]);
     }
 
     #[test]

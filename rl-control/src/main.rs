@@ -155,8 +155,12 @@ enum Command {
         #[command(flatten)]
         remote: Remote,
     },
-    /// One source's quota under each rule it has state in: limit, remaining,
-    /// retry-after and reset, as HTTP rate-limit headers would say.
+    /// One source's quota under each rule that holds a charge for it:
+    /// limit, remaining, retry-after and reset, as HTTP rate-limit headers
+    /// would say, and the bucket that charges it. That is its own bucket,
+    /// or, for a source a flood or a full table left without one, the
+    /// bucket it shares: its prefix cell, its wide cell, or its rule's last
+    /// resort. A shared bucket's figures are its whole prefix's.
     ///
     /// Example: rl-control source 198.51.100.7
     Source {

@@ -21,9 +21,9 @@ use aya_ebpf::{
     maps::{Array, HashMap, PerCpuArray},
 };
 use rl_common::{
-    cell_claim, cell_set, cell_way, cell_writing, cells_saturated, cells_wide, owned_room, wide_entry, wide_mask4, wide_mask6, Bucket, Cell, CellKey,
-    CellScratch, DatapathConfig, FloodState, Key4, Key6, KnownKey, LimitEntry, RuleEntry, Unseen, Way, CELL_WAYS, DP_NO_WIDE_CELLS, KEY_CELL,
-    KEY_LAST, KEY_WIDE, NO_CELL, OWNED_CAP, OWNED_ENTRIES, POOL_INDEX, RULE_CLUSTER, STAT_FALLBACK, STAT_NEW_CELLS, STAT_NEW_SOURCES,
+    cell_claim, cell_set, cell_way, cell_writing, cells_saturated, cells_wide, last_resort_rule, owned_room, wide_entry, Bucket, Cell, CellKey,
+    CellScratch, DatapathConfig, FallbackKeys, FloodState, Key4, Key6, KnownKey, LimitEntry, RuleEntry, Unseen, Way, CELL_WAYS, DP_NO_WIDE_CELLS,
+    NO_CELL, OWNED_CAP, OWNED_ENTRIES, POOL_INDEX, RULE_CLUSTER, STAT_FALLBACK, STAT_NEW_CELLS, STAT_NEW_SOURCES,
     STAT_TABLE_FULL, WIDE_ENTRIES,
 };
 
@@ -167,11 +167,9 @@ pub fn existing(rule: &RuleEntry, which: u32, is_v6: bool, src: &[u32; 4]) -> Op
     }
 }
 
-/// The fallback keys of a source key.
-trait Fallbacks: Copy + KnownKey + PartialEq {
-    fn cell(&self, cfg: &DatapathConfig) -> Self;
-    /// The key's wide cell (`rl_common::pressure`).
-    fn wide(&self, cfg: &DatapathConfig) -> Self;
+/// A source key's fallbacks: the keys (`rl_common::FallbackKeys`, the
+/// rule's last resort) and the family's cell arrays.
+trait Fallbacks: Copy + KnownKey + PartialEq + FallbackKeys {
     /// The key's `rule` word.
     fn rule(&self) -> u32;
     fn last(&self) -> Self;
@@ -183,20 +181,12 @@ trait Fallbacks: Copy + KnownKey + PartialEq {
 
 impl Fallbacks for Key4 {
     #[inline(always)]
-    fn cell(&self, cfg: &DatapathConfig) -> Self {
-        Key4 { rule: self.rule | KEY_CELL, addr: self.addr & cfg.cell_mask4 }
-    }
-    #[inline(always)]
-    fn wide(&self, cfg: &DatapathConfig) -> Self {
-        Key4 { rule: self.rule | KEY_WIDE, addr: self.addr & wide_mask4(cfg.cell_mask4) }
-    }
-    #[inline(always)]
     fn rule(&self) -> u32 {
         self.rule
     }
     #[inline(always)]
     fn last(&self) -> Self {
-        Key4 { rule: self.rule | KEY_LAST, addr: 0 }
+        Key4 { rule: last_resort_rule(self.rule), addr: 0 }
     }
     #[inline(always)]
     fn slot(i: u32) -> Option<*mut Cell> {
@@ -210,22 +200,12 @@ impl Fallbacks for Key4 {
 
 impl Fallbacks for Key6 {
     #[inline(always)]
-    fn cell(&self, cfg: &DatapathConfig) -> Self {
-        let (m, a) = (&cfg.cell_mask6, &self.addr);
-        Key6 { rule: self.rule | KEY_CELL, addr: [a[0] & m[0], a[1] & m[1], a[2] & m[2], a[3] & m[3]] }
-    }
-    #[inline(always)]
-    fn wide(&self, cfg: &DatapathConfig) -> Self {
-        let (m, a) = (wide_mask6(&cfg.cell_mask6), &self.addr);
-        Key6 { rule: self.rule | KEY_WIDE, addr: [a[0] & m[0], a[1] & m[1], a[2] & m[2], a[3] & m[3]] }
-    }
-    #[inline(always)]
     fn rule(&self) -> u32 {
         self.rule
     }
     #[inline(always)]
     fn last(&self) -> Self {
-        zero_addr6(self.rule | KEY_LAST)
+        zero_addr6(last_resort_rule(self.rule))
     }
     #[inline(always)]
     fn slot(i: u32) -> Option<*mut Cell> {

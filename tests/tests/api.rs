@@ -203,6 +203,9 @@ fn source_quota_agrees_with_what_the_datapath_lets_through_next() {
     let q = quota().unwrap();
     assert_eq!((q["rule"].as_str(), q["limit"].as_u64(), q["remaining"].as_u64()), (Some("default"), Some(3), Some(2)), "{q}");
     assert_eq!(q["retry_after_ms"], 0);
+    // Its own bucket (no flood), keyed by the source as `ipv4_prefix` (32)
+    // aggregates it.
+    assert_eq!((q["charged_to"].as_str(), q["prefix"].as_str()), (Some("own"), Some(format!("{src}/32").as_str())), "{q}");
     // `remaining` pass, one more drops.
     assert_eq!(burst_of(&lab, src, 3), 2);
     let q = quota().unwrap();

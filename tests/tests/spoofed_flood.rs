@@ -152,6 +152,26 @@ fn a_spoofed_flood_through_the_daemon_neither_resets_nor_bypasses_a_limit_and_is
     assert_eq!(events(&lab, "wide_cells_made"), 1, "one wide_cells_made event");
     let wide_line = format!("prefix cells:    IPv4 {}, IPv6 0 of 256 per family; wide: IPv4 {wide}, IPv6 0", m["rl_prefix_cells{family=\"ipv4\"}"]);
     assert!(out.lines().any(|l| l == wide_line), "`rl-control status` lacks {wide_line:?}:\n{out}");
+    // A source's quota names the bucket that charges it: the limited
+    // source its own, used up for the hour; an address of 10/8 the flood
+    // never sent from, its /16's drained wide cell, in the API and the CLI.
+    let own = &get(&lab.b, "/v1/sources/192.0.2.20").json()["limits"];
+    let once = own.as_array().unwrap().iter().find(|l| l["rule"] == "once").unwrap_or_else(|| panic!("{own}"));
+    assert_eq!((once["charged_to"].as_str(), once["prefix"].as_str(), once["remaining"].as_u64()), (Some("own"), Some("192.0.2.20/32"), Some(0)), "{own}");
+    let unsent = (0..=255u8).map(|b| [10, b, 250, 251]).filter(|a| !distinct.contains(a));
+    let (addr, q) = unsent
+        .filter_map(|a| {
+            let v = get(&lab.b, &format!("/v1/sources/{}", IpAddr::from(a))).json();
+            let q = v["limits"].as_array()?.iter().find(|l| l["rule"] == "once" && l["charged_to"] == "wide_cell")?.clone();
+            Some((a, q))
+        })
+        .next()
+        .expect("a /16 of 10/8 in a wide cell");
+    let prefix = format!("10.{}.0.0/16", addr[1]);
+    assert_eq!((q["prefix"].as_str(), q["remaining"].as_u64()), (Some(prefix.as_str()), Some(0)), "{q}");
+    assert!(q["retry_after_ms"].as_u64().unwrap() > 3_000_000, "drained for the hour: {q}");
+    let (_, said) = run_once(Some(&lab.b), &["source", &IpAddr::from(addr).to_string()]).unwrap();
+    assert!(said.lines().any(|l| l.starts_with("once ") && l.ends_with(&format!("wide cell {prefix}"))), "`rl-control source`:\n{said}");
     // With no traffic left, the three surfaces agree on the counts since load.
     let p = get(&lab.b, "/v1/status").json()["pressure"].clone();
     let (fallbacks, refused) = (p["fallback_packets"].as_u64().unwrap(), p["table_full_refusals"].as_u64().unwrap());

@@ -8,13 +8,16 @@
 //! exists starts as a copy of it; the collector frees wide cells once
 //! fresh and counts the rest, and keys then go to their /24 cells again;
 //! a wide cell being freed claims nothing; `flood_wide_cells = false` and
-//! cluster rules make none.
+//! cluster rules make none; `GET /v1/sources/{ip}` reads a source's quota
+//! from the bucket that charges it.
+
+use std::net::IpAddr;
 
 use rl_common::{Key4, Key6, KEY_CELL, KEY_WIDE, STAT_NEW_CELLS};
 use rl_control::{
     compile::compile,
     config::Config,
-    datapath::{CellArray, Datapath, Pass, COLLECT_IDLE_NS},
+    datapath::{CellArray, ChargedBy, Datapath, Pass, SourceQuota, COLLECT_IDLE_NS},
 };
 use rl_tests::{datapath, frames::*, lab::require_root, offer};
 
@@ -275,8 +278,58 @@ fn ipv6_wide_cells_are_slash_32s() {
     assert_eq!(offer(&dp, &six([0x0d, b, 0, 1], 9999), 1), (0, 1));
     assert_eq!(offer(&dp, &six([0x0d, b, 0x77, 1], 9999), 1), (0, 1));
     assert!(cells.find(&wide(b)).is_some(), "the /32's wide cell");
+    // `GET /v1/sources/{ip}` reads another source of the /32 from it.
+    let other = [0x20, 0x01, 0x0d, b, 0x42, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 9];
+    let q = dp.source_quotas(IpAddr::from(other)).unwrap().into_iter().find(|q| q.rule == 2).expect("the drained wide cell");
+    let prefix: IpAddr = format!("2001:d{b:02x}::").parse().unwrap();
+    assert_eq!((q.by, q.prefix, q.quota.remaining), (ChargedBy::WideCell, Some((prefix, 32)), 0), "{q:?}");
     assert_eq!(dp.wide_counts().unwrap(), (0, 1));
     assert_eq!(pass(&dp).wide, (0, 1));
+}
+
+/// What `GET /v1/sources/{ip}` reads for `src` under limit 0 of rule
+/// `index`.
+fn quota_of(dp: &Datapath, src: [u8; 4], index: u32) -> Option<SourceQuota> {
+    dp.source_quotas(IpAddr::from(src)).unwrap().into_iter().find(|q| q.rule == index && q.which == 0)
+}
+
+/// `GET /v1/sources/{ip}` (`Datapath::source_quotas`) reads a source
+/// without a bucket of its own from the one that charges it now, as the
+/// program finds it: its wide cell, else its /24's cell, else its rule's
+/// last resort, each named with its prefix; a fallback still fresh is not
+/// reported (the source has its full limit). Each reading is checked
+/// against what the program then passes. (A source's own bucket: the api
+/// test `source_quota_agrees_with_what_the_datapath_lets_through_next`.)
+#[test]
+fn a_sources_quota_is_that_of_the_bucket_that_charges_it() {
+    let toml = rules("");
+    let (dp, cells, b) = one_wide(&toml);
+    const HOUR_NS: u64 = 3_600_000_000_000;
+    // "once" (1 per hour): a source of 10.b/16 never seen, in its /16's
+    // drained wide cell.
+    let q = quota_of(&dp, [10, b, 9, 9], 2).expect("the wide cell holds a charge");
+    assert_eq!((q.by, q.prefix), (ChargedBy::WideCell, Some((IpAddr::from([10, b, 0, 0]), 16))), "{q:?}");
+    assert_eq!((q.quota.limit, q.quota.remaining), (1, 0), "{q:?}");
+    assert!(q.quota.retry_after_ns > HOUR_NS - 60_000_000_000, "drained for the hour: {q:?}");
+    assert_eq!(offer(&dp, &to([10, b, 9, 9], 9999), 1), (0, 1), "and it drops");
+    // "calm" (5 per hour, burst 5; its flood is not wide): nothing charged
+    // yet, so nothing to report for a source of a /24 without a cell.
+    assert_eq!(quota_of(&dp, [10, 230, 0, 1], 1), None, "a fresh fallback leaves the full limit");
+    // A /24 whose set has room: its cell, charged twice.
+    let x = roomy(&cells, 0..=255, |x| keys(&toml, 1, [10, 231, x, 0]).1);
+    assert_eq!(offer(&dp, &to([10, 231, x, 1], 7777), 2), (2, 0));
+    let q = quota_of(&dp, [10, 231, x, 77], 1).expect("the /24's cell holds two charges");
+    assert_eq!((q.by, q.prefix), (ChargedBy::PrefixCell, Some((IpAddr::from([10, 231, x, 0]), 24))), "{q:?}");
+    assert_eq!((q.quota.limit, q.quota.remaining), (5, 3), "{q:?}");
+    assert_eq!(offer(&dp, &to([10, 231, x, 77], 7777), 5), (3, 2), "its remaining pass, no more");
+    // A /24 whose set is full of other cells: its rule's last resort.
+    let y = (0..=255u8).find(|&y| !cells.room_for(&keys(&toml, 1, [10, 232, y, 0]).1)).expect("a /24 whose set is full");
+    assert_eq!(offer(&dp, &to([10, 232, y, 1], 7777), 1), (1, 0));
+    let q = quota_of(&dp, [10, 232, y, 50], 1).expect("the last resort holds a charge");
+    assert_eq!((q.by, q.prefix, q.quota.remaining), (ChargedBy::LastResort, None, 4), "{q:?}");
+    // (A source whose /24 has room would claim a cell, a copy of it.)
+    assert_eq!(quota_of(&dp, [10, 230, 0, 1], 1).map(|q| (q.by, q.quota.remaining)), Some((ChargedBy::LastResort, 4)));
+    assert_eq!(offer(&dp, &to([10, 232, y, 50], 7777), 5), (4, 1), "its remaining pass, no more");
 }
 
 #[test]

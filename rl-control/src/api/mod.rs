@@ -316,17 +316,51 @@ pub struct SourceLimit {
     pub retry_after_ms: u64,
     /// Wait until the source is back to its full limit.
     pub reset_ms: u64,
+    /// The bucket that charges the source under this limit now: `own`, or,
+    /// for a source a flood or a full table left without one, the bucket
+    /// it shares: `prefix_cell`, `wide_cell` or `last_resort` (the README's
+    /// "Floods"). A shared bucket's figures are its whole prefix's.
+    pub charged_to: ChargedTo,
+    /// That bucket's prefix: the source aggregated to its rule's key prefix
+    /// (`own`) or the cell's (`10.1.2.0/24`); absent for a last resort,
+    /// which holds every source of the rule left without a cell.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefix: Option<String>,
+}
+
+/// [`SourceLimit::charged_to`].
+#[derive(Serialize, Deserialize, ToSchema, Debug, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ChargedTo {
+    Own,
+    PrefixCell,
+    WideCell,
+    LastResort,
+}
+
+impl From<crate::datapath::ChargedBy> for ChargedTo {
+    fn from(by: crate::datapath::ChargedBy) -> ChargedTo {
+        use crate::datapath::ChargedBy as B;
+        match by {
+            B::Own => ChargedTo::Own,
+            B::PrefixCell => ChargedTo::PrefixCell,
+            B::WideCell => ChargedTo::WideCell,
+            B::LastResort => ChargedTo::LastResort,
+        }
+    }
 }
 
 #[derive(Serialize, Deserialize, ToSchema, Debug)]
 pub struct SourceState {
     pub source: String,
-    /// Every limit under which the source has state now (none: it has sent
-    /// nothing recently, or its state was evicted: it has its full limit).
+    /// Every limit under which the source's bucket holds a charge now: its
+    /// own (kept until fresh again), or a shared fallback's (see
+    /// `charged_to`). None: it has its full limit under every rule.
     pub limits: Vec<SourceLimit>,
 }
 
-/// That source's quota under each limit it has state in.
+/// That source's quota under each limit that holds a charge for it, from the
+/// bucket that charges it now (its own, or a flood's shared fallback).
 #[utoipa::path(get, path = "/v1/sources/{ip}", params(("ip" = String, Path, description = "an IPv4 or IPv6 address")),
     responses((status = 200, body = SourceState), (status = 400, body = ErrorBody)))]
 async fn source(AxState(api): AxState<Api>, Path(ip): Path<String>) -> ApiResult<Json<SourceState>> {
@@ -337,13 +371,15 @@ async fn source(AxState(api): AxState<Api>, Path(ip): Path<String>) -> ApiResult
     let quotas = s.dp.source_quotas(addr)?;
     let limits = quotas
         .into_iter()
-        .map(|(rule, which, q)| SourceLimit {
-            rule: s.dp.rule_name(rule).unwrap_or("?").to_string(),
-            limit_index: which,
-            limit: q.limit,
-            remaining: q.remaining,
-            retry_after_ms: ceil_ms(q.retry_after_ns),
-            reset_ms: ceil_ms(q.reset_ns),
+        .map(|sq| SourceLimit {
+            rule: s.dp.rule_name(sq.rule).unwrap_or("?").to_string(),
+            limit_index: sq.which,
+            limit: sq.quota.limit,
+            remaining: sq.quota.remaining,
+            retry_after_ms: ceil_ms(sq.quota.retry_after_ns),
+            reset_ms: ceil_ms(sq.quota.reset_ns),
+            charged_to: sq.by.into(),
+            prefix: sq.prefix.map(|(a, bits)| format!("{a}/{bits}")),
         })
         .collect();
     Ok(Json(SourceState { source: addr.to_string(), limits }))
@@ -489,7 +525,7 @@ async fn reload(AxState(api): AxState<Api>) -> ApiResult<Json<Applied>> {
 #[openapi(
     info(title = "rl admin API", description = "rl-control's admin API: rules, stats, per-source quotas, bans, metrics."),
     paths(healthz, status, get_rules, put_rules, post_rule, delete_rule, stats, top_sources, source, events, post_ban, get_bans, delete_ban, reload, metrics::metrics, l7::l7_state),
-    components(schemas(ErrorBody, Health, Status, crate::daemon::state::Pressure, Applied, Stats, RuleCounters, SourceState, SourceLimit, NewBan, BanView, ReloadRecord, crate::daemon::state::Top, crate::daemon::state::TopSource, Events, crate::daemon::state::EventView, crate::l7::engine::Status, crate::cluster::ClusterStatus)),
+    components(schemas(ErrorBody, Health, Status, crate::daemon::state::Pressure, Applied, Stats, RuleCounters, SourceState, SourceLimit, ChargedTo, NewBan, BanView, ReloadRecord, crate::daemon::state::Top, crate::daemon::state::TopSource, Events, crate::daemon::state::EventView, crate::l7::engine::Status, crate::cluster::ClusterStatus)),
     modifiers(&BearerAuth)
 )]
 pub struct ApiDoc;

@@ -338,15 +338,25 @@ pub fn stats(v: &Value) -> String {
 pub fn source(v: &Value) -> String {
     let limits = v["limits"].as_array().cloned().unwrap_or_default();
     if limits.is_empty() {
-        return format!("{}: no state under any rule (it has its full limit)\n", s(&v["source"]));
+        return format!("{}: no charge under any rule (it has its full limit)\n", s(&v["source"]));
     }
     let rows: Vec<Vec<String>> = limits
         .iter()
         .map(|l| {
-            vec![s(&l["rule"]), s(&l["limit_index"]), s(&l["limit"]), s(&l["remaining"]), s(&l["retry_after_ms"]), s(&l["reset_ms"])]
+            let by = match (l["charged_to"].as_str(), l["prefix"].as_str()) {
+                (Some("own"), Some(p)) => format!("own {p}"),
+                (Some(kind), Some(p)) => format!("{} {p}", kind.replace('_', " ")),
+                (Some(kind), None) => kind.replace('_', " "),
+                (None, _) => "?".into(),
+            };
+            vec![s(&l["rule"]), s(&l["limit_index"]), s(&l["limit"]), s(&l["remaining"]), s(&l["retry_after_ms"]), s(&l["reset_ms"]), by]
         })
         .collect();
-    format!("{}\n", s(&v["source"])) + &table(&["RULE", "LIMIT#", "LIMIT", "REMAINING", "RETRY AFTER ms", "RESET ms"], &rows)
+    let shared = limits.iter().any(|l| l["charged_to"].as_str().is_some_and(|k| k != "own"));
+    let note = if shared { "(a shared bucket's figures are its whole prefix's: the source has no bucket of its own under that limit)\n" } else { "" };
+    format!("{}\n", s(&v["source"]))
+        + &table(&["RULE", "LIMIT#", "LIMIT", "REMAINING", "RETRY AFTER ms", "RESET ms", "CHARGED TO"], &rows)
+        + note
 }
 
 pub fn top(v: &Value) -> String {

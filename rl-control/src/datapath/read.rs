@@ -95,39 +95,51 @@ impl Datapath {
         scan_buckets(self.source_map_ids()?)
     }
 
-    /// The quota of `addr` under every limit of the active rule set in which
-    /// it has a bucket (rule index, limit index, quota), as HTTP rate-limit
-    /// headers would state it. For limits on the tick clock the datapath's
-    /// time trails ktime by up to one tick, so waits are lengthened by a
-    /// tick: a client that waits `retry_after` is never early.
-    pub fn source_quotas(&self, addr: IpAddr) -> Result<Vec<(u32, u32, rl_common::Quota)>, DatapathError> {
+    /// The quota of `addr` under every limit of the active rule set, as
+    /// HTTP rate-limit headers would state it, from the bucket that charges
+    /// it there now ([`charged_by`]): its own, or the fallback a flood or a
+    /// full table charges it to (reported only while that fallback holds a
+    /// charge: a fresh one leaves the source its full limit). For limits on
+    /// the tick clock the datapath's time trails ktime by up to one tick,
+    /// so waits are lengthened by a tick: a client that waits
+    /// `retry_after` is never early.
+    pub fn source_quotas(&self, addr: IpAddr) -> Result<Vec<SourceQuota>, DatapathError> {
         let Some(slot) = self.active else { return Ok(Vec::new()) };
         let names = &self.slots[slot as usize].names;
         let rules: Array<&MapData, RuleEntry> = map_ref(&self.ebpf, MAP_RULES)?;
         let v4: HashMap<&MapData, Key4, Bucket> = map_ref(&self.ebpf, MAP_SOURCES_V4)?;
         let v6: HashMap<&MapData, Key6, Bucket> = map_ref(&self.ebpf, MAP_SOURCES_V6)?;
+        let (cfg, cells) = (self.config()?, self.table_ids()?.cell_arrays()?);
         let now = monotonic_ns();
         let mut out = Vec::new();
         for i in 0..names.len() as u32 {
             let rule = rules.get(&(slot * RULE_SLOTS + i), 0).map_err(|e| map_error(MAP_RULES, e))?;
+            let wide = rule.flags & RULE_CLUSTER == 0;
             for which in 0..rule.n_limits.min(rl_common::MAX_LIMITS as u32) {
-                let bucket = match addr {
-                    IpAddr::V4(a) => v4.get(&rule.key4(which, u32::from_ne_bytes(a.octets())), 0).ok(),
+                let found = match addr {
+                    IpAddr::V4(a) => {
+                        let key = rule.key4(which, u32::from_ne_bytes(a.octets()));
+                        charged_by(&v4, &cells.0, &key, &cfg, wide).map(|(by, k, b)| (by, prefix4(by, &k, &rule, &cfg), b))
+                    }
                     IpAddr::V6(a) => {
                         let o = a.octets();
                         let words = [0, 4, 8, 12].map(|j| u32::from_ne_bytes([o[j], o[j + 1], o[j + 2], o[j + 3]]));
-                        v6.get(&rule.key6(which, &words), 0).ok()
+                        let key = rule.key6(which, &words);
+                        charged_by(&v6, &cells.1, &key, &cfg, wide).map(|(by, k, b)| (by, prefix6(by, &k, &rule, &cfg), b))
                     }
                 };
-                let Some(bucket) = bucket else { continue };
+                let Some((by, prefix, bucket)) = found else { continue };
                 let limit = &rule.limits[which as usize];
                 let mut q = rl_common::quota(limit, bucket.tat_ns, now, self.epoch_offset_ns);
+                if by != ChargedBy::Own && q.remaining >= q.limit {
+                    continue;
+                }
                 if limit.kind & rl_common::LIMIT_COARSE != 0 {
                     let tick = self.clock.tick_ns;
                     q.retry_after_ns += if q.retry_after_ns > 0 { tick } else { 0 };
                     q.reset_ns += if q.reset_ns > 0 { tick } else { 0 };
                 }
-                out.push((i, which, q));
+                out.push(SourceQuota { rule: i, which, by, prefix, quota: q });
             }
         }
         Ok(out)
@@ -152,6 +164,79 @@ impl Datapath {
         };
         Ok(data.info().map_err(|e| map_error(name, e))?.id())
     }
+}
+
+/// A source's quota under one limit ([`Datapath::source_quotas`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SourceQuota {
+    /// The rule's index in the active rule set.
+    pub rule: u32,
+    /// Which of its limits.
+    pub which: u32,
+    pub by: ChargedBy,
+    /// The bucket's prefix (`None` for a last resort): the source
+    /// aggregated to its rule's key prefix, or the cell's.
+    pub prefix: Option<(IpAddr, u8)>,
+    pub quota: rl_common::Quota,
+}
+
+/// The kind of bucket that charges a source under a limit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChargedBy {
+    /// Its own bucket.
+    Own,
+    /// Its prefix cell, shared by the unseen sources of the prefix.
+    PrefixCell,
+    /// Its wide cell, shared by the unseen sources of the wider prefix.
+    WideCell,
+    /// Its rule's last resort, shared by the unseen sources without a cell.
+    LastResort,
+}
+
+/// What charges `key` now, as the program finds it (`rl_common::pressure`):
+/// its own bucket, else its wide cell (`wide`: not for a cluster rule),
+/// else its prefix cell, else its rule's last resort; with the key and a
+/// copy of the bucket. `None`: none exists, so the key has its full limit.
+fn charged_by<K: BucketKey + FallbackKeys + KnownKey + Copy + PartialEq>(
+    table: &HashMap<&MapData, K, Bucket>,
+    cells: &super::cells::CellArray<K>,
+    key: &K,
+    cfg: &DatapathConfig,
+    wide: bool,
+) -> Option<(ChargedBy, K, Bucket)> {
+    if let Ok(b) = table.get(key, 0) {
+        return Some((ChargedBy::Own, *key, b));
+    }
+    let fallbacks = [(ChargedBy::WideCell, key.wide(cfg)), (ChargedBy::PrefixCell, key.cell(cfg))];
+    for (by, k) in fallbacks.into_iter().filter(|(by, _)| wide || *by != ChargedBy::WideCell) {
+        if let Some(i) = cells.find(&k) {
+            return Some((by, k, cells.get(i).bucket));
+        }
+    }
+    let last = key.last_resort();
+    table.get(&last, 0).ok().map(|b| (ChargedBy::LastResort, last, b))
+}
+
+/// The prefix of the IPv4 bucket `key` that charges a source `by`.
+fn prefix4(by: ChargedBy, key: &Key4, rule: &RuleEntry, cfg: &DatapathConfig) -> Option<(IpAddr, u8)> {
+    let mask = match by {
+        ChargedBy::Own => rule.v4_mask,
+        ChargedBy::PrefixCell => cfg.cell_mask4,
+        ChargedBy::WideCell => wide_mask4(cfg.cell_mask4),
+        ChargedBy::LastResort => return None,
+    };
+    Some((key.addr(), mask.count_ones() as u8))
+}
+
+/// The prefix of the IPv6 bucket `key` that charges a source `by`.
+fn prefix6(by: ChargedBy, key: &Key6, rule: &RuleEntry, cfg: &DatapathConfig) -> Option<(IpAddr, u8)> {
+    let mask = match by {
+        ChargedBy::Own => rule.v6_mask,
+        ChargedBy::PrefixCell => cfg.cell_mask6,
+        ChargedBy::WideCell => wide_mask6(&cfg.cell_mask6),
+        ChargedBy::LastResort => return None,
+    };
+    Some((key.addr(), mask.iter().map(|w| w.count_ones()).sum::<u32>() as u8))
 }
 
 /// One bucket: a source (masked to its aggregation prefix) under one limit.
@@ -261,7 +346,7 @@ impl BucketKey for Key4 {
         self.rule
     }
     fn last_resort(&self) -> Self {
-        Key4 { rule: (self.rule & !KEY_CELL) | KEY_LAST, addr: 0 }
+        Key4 { rule: last_resort_rule(self.rule), addr: 0 }
     }
     fn id(&self) -> super::share::BucketId {
         super::share::BucketId::V4(*self)
@@ -276,7 +361,7 @@ impl BucketKey for Key6 {
         self.rule
     }
     fn last_resort(&self) -> Self {
-        Key6 { rule: (self.rule & !KEY_CELL) | KEY_LAST, addr: [0; 4] }
+        Key6 { rule: last_resort_rule(self.rule), addr: [0; 4] }
     }
     fn id(&self) -> super::share::BucketId {
         super::share::BucketId::V6(*self)
