@@ -152,6 +152,12 @@ fn a_spoofed_flood_through_the_daemon_neither_resets_nor_bypasses_a_limit_and_is
     assert_eq!(events(&lab, "wide_cells_made"), 1, "one wide_cells_made event");
     let wide_line = format!("prefix cells:    IPv4 {}, IPv6 0 of 256 per family; wide: IPv4 {wide}, IPv6 0", m["rl_prefix_cells{family=\"ipv4\"}"]);
     assert!(out.lines().any(|l| l == wide_line), "`rl-control status` lacks {wide_line:?}:\n{out}");
+    // All of them "once"'s, and named so: its newcomers are the ones that
+    // now start drained.
+    assert_eq!(m.get("rl_rule_wide_cells{rule=\"once\",family=\"ipv4\"}"), Some(&wide), "/metrics names the rule");
+    assert_eq!(wide_events(&lab, "wide_cells_made"), ["once"], "the event names the rule");
+    let rules_line = format!("wide cells of:   once (IPv4 {wide}, IPv6 0) (their newcomers in a flooded prefix start drained)");
+    assert!(out.lines().any(|l| l == rules_line), "`rl-control status` lacks {rules_line:?}:\n{out}");
     // A source's quota names the bucket that charges it: the limited
     // source its own, used up for the hour; an address of 10/8 the flood
     // never sent from, its /16's drained wide cell, in the API and the CLI.
@@ -192,6 +198,7 @@ fn a_spoofed_flood_through_the_daemon_neither_resets_nor_bypasses_a_limit_and_is
     assert!(p["buckets_ipv6"].as_u64().unwrap() < 16 && p["cells_ipv6"].as_u64() == Some(0), "{p}");
     assert!(p["cell_capacity"] == 256 && p["cells_ipv4"].as_u64().unwrap() >= 256, "{p}");
     assert!(p["wide_cells_ipv4"].as_u64().unwrap() >= 16 && p["wide_cells_ipv6"] == 0, "{p}");
+    assert_eq!(p["wide_cell_rules"], serde_json::json!([{ "rule": "once", "ipv4": wide as u64, "ipv6": 0 }]), "{p}");
     // (The collector may have taken fresh buckets between the two reads.)
     let tracked = |l: &str| l.starts_with("sources tracked: IPv4 ") && l.contains(", IPv6 ") && l.ends_with(" of 1024 per family");
     assert!(out.lines().any(tracked), "{out}");
@@ -199,6 +206,54 @@ fn a_spoofed_flood_through_the_daemon_neither_resets_nor_bypasses_a_limit_and_is
     assert!(status.success(), "{log}");
     assert!(log.contains("flood_started") && log.contains("flood_ended"), "the log names both events:\n{log}");
     assert!(log.contains("wide_cells_made"), "the log names the wide cells' event:\n{log}");
+}
+
+/// The rules named by the events of `kind`, oldest first.
+fn wide_events(lab: &Lab, kind: &str) -> Vec<String> {
+    let ev = get(&lab.b, "/v1/events?limit=1000").json();
+    let mut rules: Vec<String> = ev["events"].as_array().unwrap().iter().filter(|e| e["event"] == kind).map(|e| e["rule"].as_str().unwrap_or("").to_string()).collect();
+    rules.reverse();
+    rules
+}
+
+/// A flood under `[default]` (1,000/s, burst 1,000) goes wide: the event,
+/// `/v1/status`, `/metrics` and the CLI name the rule; its wide cells,
+/// drained for a second, are fresh again soon after it ends, and their
+/// freeing is reported by rule too.
+#[test]
+fn a_rules_wide_cells_are_named_and_so_is_their_end() {
+    let lab = Lab::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    // Flood mode always on; 256 prefixes' room: wide at 128 cells.
+    let cfg = write(&dir, "rl.toml", &config().replace("flood_new_keys_per_sec = 2000", "flood_new_keys_per_sec = 0"));
+    let daemon = Daemon::serving(&lab, &cfg, &[]).unwrap();
+    let mut seed = 0x005e_ed0f_u32;
+    let list: Vec<[u8; 4]> = (0..1000).map(|_| spoofed_source(&mut seed)).collect();
+    let frame = eth(&[], ETH_P_IP, &ipv4([0; 4], UDP, &[], &udp(5000)));
+    join(forged(&lab.a, VA, frame, 1000, 2000, None, move |i| list[i as usize])).unwrap();
+
+    assert!(wait_events(&lab, "wide_cells_made", 1, 5), "no wide_cells_made event after a flood over 1,000 /24s");
+    assert_eq!(wide_events(&lab, "wide_cells_made"), ["default"]);
+    let p = get(&lab.b, "/v1/status").json()["pressure"].clone();
+    let rules = p["wide_cell_rules"].as_array().unwrap().clone();
+    assert!(rules.len() == 1 && rules[0]["rule"] == "default" && rules[0]["ipv4"].as_u64().unwrap() >= 1, "{p}");
+    let m = parse_prometheus(&get(&lab.b, "/metrics").body);
+    assert!(m.get("rl_rule_wide_cells{rule=\"default\",family=\"ipv4\"}").is_some_and(|&n| n >= 1.0), "/metrics names the rule");
+    let (_, out) = run_once(Some(&lab.b), &["status"]).unwrap();
+    assert!(out.lines().any(|l| l.starts_with("wide cells of:   default (IPv4 ")), "{out}");
+
+    // Refilled within a second, collected a second or two later.
+    assert!(wait_events(&lab, "wide_cells_gone", 1, 10), "no wide_cells_gone event once [default]'s wide cells were fresh");
+    assert_eq!(wide_events(&lab, "wide_cells_gone"), ["default"]);
+    let p = get(&lab.b, "/v1/status").json()["pressure"].clone();
+    assert_eq!((p["wide_cell_rules"].clone(), p["wide_cells_ipv4"].as_u64()), (serde_json::json!([]), Some(0)), "{p}");
+    let m = parse_prometheus(&get(&lab.b, "/metrics").body);
+    assert!(!m.keys().any(|k| k.starts_with("rl_rule_wide_cells")), "no rule has wide cells");
+    let (_, out) = run_once(Some(&lab.b), &["status"]).unwrap();
+    assert!(!out.contains("wide cells of:"), "{out}");
+    let (status, log) = daemon.stop(libc::SIGTERM).unwrap();
+    assert!(status.success(), "{log}");
+    assert!(log.contains("rule default's flood spans a quarter") && log.contains("rule default's last wide cell was freed"), "the log names the rule:\n{log}");
 }
 
 /// Waits up to `secs` for `n` events of `kind`.

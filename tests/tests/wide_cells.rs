@@ -141,6 +141,10 @@ fn a_wide_flood_makes_drained_wide_cells_and_a_key_limited_in_its_cell_stays_lim
     let p = pass(&dp);
     assert_eq!(p.wide, (2, 0), "the walk counts the wide cells: {p:?}");
     assert_eq!(dp.wide_counts().unwrap(), (2, 0), "and sets the program's count to them");
+    // By rule: all "once"'s, named as the daemon reports them.
+    let once = keys(&toml, 2, [10, b, 0, 0]).1.rule & rl_common::RULE_ID_MASK;
+    assert_eq!(p.wide_rules.into_iter().collect::<Vec<_>>(), vec![(once, (2, 0))]);
+    assert_eq!(dp.rule_names_by_id().unwrap().get(&once).map(String::as_str), Some("once"));
 }
 
 #[test]
@@ -278,6 +282,7 @@ fn ipv6_wide_cells_are_slash_32s() {
     assert_eq!(offer(&dp, &six([0x0d, b, 0, 1], 9999), 1), (0, 1));
     assert_eq!(offer(&dp, &six([0x0d, b, 0x77, 1], 9999), 1), (0, 1));
     assert!(cells.find(&wide(b)).is_some(), "the /32's wide cell");
+    assert_eq!(pass(&dp).wide_rules.into_iter().collect::<Vec<_>>(), vec![(compiled.rules.entries[2].id, (0, 1))]);
     // `GET /v1/sources/{ip}` reads another source of the /32 from it.
     let other = [0x20, 0x01, 0x0d, b, 0x42, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 9];
     let q = dp.source_quotas(IpAddr::from(other)).unwrap().into_iter().find(|q| q.rule == 2).expect("the drained wide cell");

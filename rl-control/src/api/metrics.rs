@@ -86,6 +86,10 @@ fn pressure(out: &mut String, s: &State) {
     let _ = writeln!(out, "rl_prefix_cells{{family=\"ipv4\"}} {}\nrl_prefix_cells{{family=\"ipv6\"}} {}", p.cells_ipv4, p.cells_ipv6);
     family(out, "rl_wide_cells", "gauge", "Of the prefix cells, wide ones (8 bits shorter, IPv6 16): made while a flood spans a quarter of the cells' room or more.");
     let _ = writeln!(out, "rl_wide_cells{{family=\"ipv4\"}} {}\nrl_wide_cells{{family=\"ipv6\"}} {}", p.wide_cells_ipv4, p.wide_cells_ipv6);
+    family(out, "rl_rule_wide_cells", "gauge", "Wide cells per rule that has any (absent: none): the rules whose floods went wide, so whose newcomers in a flooded prefix start drained.");
+    for w in &p.wide_cell_rules {
+        let _ = writeln!(out, "rl_rule_wide_cells{{rule=\"{0}\",family=\"ipv4\"}} {1}\nrl_rule_wide_cells{{rule=\"{0}\",family=\"ipv6\"}} {2}", esc(&w.rule), w.ipv4, w.ipv6);
+    }
     family(out, "rl_known_filter_fill_ratio", "gauge", "Share of the known-keys filter's bits set: how often a key without a bucket still pays a table lookup.");
     let _ = writeln!(out, "rl_known_filter_fill_ratio{{family=\"ipv4\"}} {}\nrl_known_filter_fill_ratio{{family=\"ipv6\"}} {}", p.known_filter_fill_ipv4, p.known_filter_fill_ipv6);
     family(out, "rl_unseen_keys_per_second", "gauge", "Keys the datapath found no bucket for, per second (from the flood detectors' last whole 67 ms window).");

@@ -525,7 +525,7 @@ async fn reload(AxState(api): AxState<Api>) -> ApiResult<Json<Applied>> {
 #[openapi(
     info(title = "rl admin API", description = "rl-control's admin API: rules, stats, per-source quotas, bans, metrics."),
     paths(healthz, status, get_rules, put_rules, post_rule, delete_rule, stats, top_sources, source, events, post_ban, get_bans, delete_ban, reload, metrics::metrics, l7::l7_state),
-    components(schemas(ErrorBody, Health, Status, crate::daemon::state::Pressure, Applied, Stats, RuleCounters, SourceState, SourceLimit, ChargedTo, NewBan, BanView, ReloadRecord, crate::daemon::state::Top, crate::daemon::state::TopSource, Events, crate::daemon::state::EventView, crate::l7::engine::Status, crate::cluster::ClusterStatus)),
+    components(schemas(ErrorBody, Health, Status, crate::daemon::state::Pressure, crate::daemon::state::WideCellRule, Applied, Stats, RuleCounters, SourceState, SourceLimit, ChargedTo, NewBan, BanView, ReloadRecord, crate::daemon::state::Top, crate::daemon::state::TopSource, Events, crate::daemon::state::EventView, crate::l7::engine::Status, crate::cluster::ClusterStatus)),
     modifiers(&BearerAuth)
 )]
 pub struct ApiDoc;

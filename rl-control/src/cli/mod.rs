@@ -267,12 +267,22 @@ pub fn status(v: &Value) -> String {
     if !mismatched.is_empty() {
         cluster += &format!("                 defined differently by another host (not shared here): {}\n", mismatched.join(", "));
     }
+    let wide_rules: Vec<String> = p["wide_cell_rules"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|w| format!("{} (IPv4 {}, IPv6 {})", s(&w["rule"]), s(&w["ipv4"]), s(&w["ipv6"])))
+        .collect();
+    let wide_rules = match wide_rules.is_empty() {
+        true => String::new(),
+        false => format!("wide cells of:   {} (their newcomers in a flooded prefix start drained)\n", wide_rules.join(", ")),
+    };
     format!(
         "{iface_line}\nuptime:          {}s\nrules:           {} (+ default), {} allow and {} deny CIDRs, {} bans\n\
          sources tracked: IPv4 {}, IPv6 {} of {} per family\nprefix cells:    IPv4 {}, IPv6 {} of {} per family; wide: IPv4 {}, IPv6 {}\n\
          unseen keys:     {:.0}/s; buckets created {:.0}/s, collected {} since start\n\
          lookup filter:   {:.3}% of IPv4 bits, {:.3}% of IPv6 bits set (an unseen key pays a table lookup that often)\n\
-         flood mode:      {flood}\nfallbacks:       {} packets charged to a cell or last resort; {} inserts refused (table full)\n{table}\
+         {wide_rules}flood mode:      {flood}\nfallbacks:       {} packets charged to a cell or last resort; {} inserts refused (table full)\n{table}\
          config file:     {}\nlast change:     {reload}\n{cluster}",
         s(&v["uptime_secs"]), s(&v["rules"]),
         s(&v["allow_cidrs"]), s(&v["deny_cidrs"]), s(&v["active_bans"]),

@@ -13,7 +13,7 @@ use tracing::{info, warn};
 
 use crate::{
     config::unix_now,
-    daemon::state::{lock, Pressure, Shared, State},
+    daemon::state::{lock, Pressure, Shared, State, WideCellRule},
     datapath::{DatapathError, FloodReading, KnownFilter, Pass, TableIds},
 };
 
@@ -155,7 +155,6 @@ impl Collector {
         if let Some(pass) = &pass {
             self.left = pass.own.0 + pass.own.1 + pass.cells.0 + pass.cells.1;
         }
-        let wide_before = s.pressure.wide_cells_ipv4 + s.pressure.wide_cells_ipv6 > 0;
         let full = self.figures(&mut s.pressure, s.dp.counters().ok(), pass.as_ref(), &flood, now, s.config.datapath.max_sources);
         if flood.on != s.pressure.flood_mode {
             let p = &mut s.pressure;
@@ -181,16 +180,7 @@ impl Collector {
             s.push_host_event(event, unix_now() * 1000);
         }
         if let Some(pass) = &pass {
-            let now_wide = pass.wide.0 + pass.wide.1 > 0;
-            if wide_before != now_wide {
-                let event = if now_wide { "wide_cells_made" } else { "wide_cells_gone" };
-                if now_wide {
-                    warn!(event, ipv4 = pass.wide.0, ipv6 = pass.wide.1, "a flood spans a quarter of the prefix cells' room: its unseen sources are charged to wide cells (prefixes 8 bits shorter than a cell's, IPv6 16) until those are fresh again");
-                } else {
-                    info!(event, "the last wide cell was freed: unseen sources are charged to their own prefix's cell again");
-                }
-                s.push_host_event(event, unix_now() * 1000);
-            }
+            wide_rules(s, pass);
         }
         let room = rl_common::cell_room(s.config.datapath.flood_prefixes);
         if let Some(full) = pass.as_ref().and_then(|pass| cells_full(s.pressure.cells_full, pass.cells, room)) {
@@ -336,6 +326,32 @@ impl TopRanker {
                 .collect(),
         })
     }
+}
+
+/// Sets the rules with wide cells from a walk, and raises
+/// `wide_cells_made` for each rule that has its first and
+/// `wide_cells_gone` for each whose last was freed. (Cells of a rule gone
+/// from the active set are being freed: not listed.)
+fn wide_rules(s: &mut State, pass: &Pass) {
+    let names = if pass.wide_rules.is_empty() { Default::default() } else { s.dp.rule_names_by_id().unwrap_or_default() };
+    let now: Vec<WideCellRule> = pass
+        .wide_rules
+        .iter()
+        .filter_map(|(id, &(ipv4, ipv6))| Some(WideCellRule { rule: names.get(id)?.clone(), ipv4, ipv6 }))
+        .collect();
+    let had = |list: &[WideCellRule], rule: &str| list.iter().any(|w| w.rule == rule);
+    let (at, before) = (unix_now() * 1000, std::mem::take(&mut s.pressure.wide_cell_rules));
+    for w in now.iter().filter(|w| !had(&before, &w.rule)) {
+        let event = "wide_cells_made";
+        warn!(event, rule = %w.rule, ipv4 = w.ipv4, ipv6 = w.ipv6, "rule {}'s flood spans a quarter of the prefix cells' room: its unseen sources are charged to wide cells (prefixes 8 bits shorter than a cell's, IPv6 16; a new one starts drained) until those are fresh again", w.rule);
+        s.push_rule_event(event, &w.rule, at);
+    }
+    for w in before.into_iter().filter(|w| !had(&now, &w.rule)) {
+        let event = "wide_cells_gone";
+        info!(event, rule = %w.rule, "rule {}'s last wide cell was freed: its unseen sources are charged to their own prefix's cell again", w.rule);
+        s.push_rule_event(event, &w.rule, at);
+    }
+    s.pressure.wide_cell_rules = now;
 }
 
 #[cfg(test)]

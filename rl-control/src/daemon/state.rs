@@ -137,6 +137,14 @@ impl State {
     }
 }
 
+/// A rule with wide cells, and how many per family.
+#[derive(Clone, Debug, Default, Serialize, utoipa::ToSchema, PartialEq, Eq)]
+pub struct WideCellRule {
+    pub rule: String,
+    pub ipv4: u64,
+    pub ipv6: u64,
+}
+
 /// Pressure on the bucket tables (see README, "Floods"), as of the last
 /// collector pass (every second; every 5 s while under 1% full).
 #[derive(Clone, Debug, Default, Serialize, utoipa::ToSchema)]
@@ -151,10 +159,14 @@ pub struct Pressure {
     pub cells_ipv6: u64,
     /// Of those, wide cells (a prefix 8 bits shorter, IPv6 16), per family:
     /// made while a flood spans a quarter of the cells' room or more
-    /// (`datapath.flood_wide_cells`). Events `wide_cells_made` and
-    /// `wide_cells_gone` mark the first one and the last one's freeing.
+    /// (`datapath.flood_wide_cells`).
     pub wide_cells_ipv4: u64,
     pub wide_cells_ipv6: u64,
+    /// The rules those wide cells charge: whose floods went wide, so whose
+    /// newcomers in a flooded prefix start drained (README, "Floods: wide
+    /// cells"). Events `wide_cells_made` and `wide_cells_gone`, naming the
+    /// rule, mark a rule's first one and its last one's freeing.
+    pub wide_cell_rules: Vec<WideCellRule>,
     /// Cells each family's array takes before it is full
     /// (`rl_common::cell_room` of `datapath.flood_prefixes`): from then on,
     /// a prefix without a cell shares its rule's last resort.
@@ -245,7 +257,12 @@ impl State {
     /// Records a host-wide event (flood mode, a full table) at `at_unix_ms`:
     /// no rule, no source.
     pub fn push_host_event(&mut self, event: &str, at_unix_ms: u64) {
-        self.push_event(EventView { at_unix_ms, event: event.into(), rule: String::new(), limit_index: 0, source: String::new() });
+        self.push_rule_event(event, "", at_unix_ms);
+    }
+
+    /// Records an event of one rule's (its wide cells) at `at_unix_ms`.
+    pub fn push_rule_event(&mut self, event: &str, rule: &str, at_unix_ms: u64) {
+        self.push_event(EventView { at_unix_ms, event: event.into(), rule: rule.into(), limit_index: 0, source: String::new() });
     }
 }
 

@@ -63,6 +63,9 @@ pub struct Pass {
     pub cells: (u64, u64),
     /// Of `cells`, the wide ones (`rl_common::pressure`), per family.
     pub wide: (u64, u64),
+    /// Those wide cells by the rule they charge (`RuleEntry::id`), per
+    /// family: whose floods went wide.
+    pub wide_rules: std::collections::BTreeMap<u32, (u64, u64)>,
     /// Buckets deleted by this pass because they were fresh (or their
     /// rule is gone from both slots).
     pub collected: u64,
@@ -356,9 +359,14 @@ impl Walk<'_> {
         // when the sync shares some limit.
         let mut records = self.handoff.map(super::share::Collected::lock).filter(|r| !r.limits.is_empty());
         let (mut left, mut unknown) = (0, false);
+        let wide_rules = &mut pass.wide_rules;
         let mut keep = |k: &K| {
             let e = wide_entry(k.rule(), family) + u32::from(!is_wide(k.rule()));
             kept[e as usize] += 1;
+            if is_wide(k.rule()) {
+                let n = wide_rules.entry(k.rule() & RULE_ID_MASK).or_default();
+                *if family == 0 { &mut n.0 } else { &mut n.1 } += 1;
+            }
         };
         let (mut dying, mut writing) = (Vec::new(), Vec::new());
         for i in 0..cells.slots() {

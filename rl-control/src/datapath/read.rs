@@ -145,6 +145,14 @@ impl Datapath {
         Ok(out)
     }
 
+    /// The active rule set's names by `RuleEntry::id` (what bucket keys
+    /// name).
+    pub fn rule_names_by_id(&self) -> Result<std::collections::BTreeMap<u32, String>, DatapathError> {
+        let Some(slot) = self.active else { return Ok(Default::default()) };
+        let names = &self.slots[slot as usize].names;
+        (0..names.len() as u32).map(|i| Ok((self.rule_table_entry(slot * RULE_SLOTS + i)?.id, names[i as usize].clone()))).collect()
+    }
+
     /// The name of rule `index` in the active rule set.
     pub fn rule_name(&self, index: u32) -> Option<&str> {
         self.slots[self.active? as usize].names.get(index as usize).map(String::as_str)
