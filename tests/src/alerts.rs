@@ -306,15 +306,17 @@ mod tests {
             ("rl_table_occupancy_ratio{table=\"sources\",family=\"ipv4\"}", 0.5),
             ("rl_l7_keys", 10.0),
             ("rl_l7_max_keys", 100.0),
+            ("rl_wide_cells{family=\"ipv4\"}", 0.0),
         ]);
         let hot = scrape(&[
             ("rl_flood_mode", 1.0),
+            ("rl_wide_cells{family=\"ipv4\"}", 3.0),
             ("rl_table_occupancy_ratio{table=\"cells\",family=\"ipv6\"}", 0.95),
             ("rl_l7_keys", 91.0),
             ("rl_l7_max_keys", 100.0),
         ]);
         for (name, on_calm, on_hot) in
-            [("RlDown", false, true), ("RlFloodMode", false, true), ("RlTableNearlyFull", false, true), ("RlRequestKeysNearlyFull", false, true)]
+            [("RlDown", false, true), ("RlFloodMode", false, true), ("RlWideCells", false, true), ("RlTableNearlyFull", false, true), ("RlRequestKeysNearlyFull", false, true)]
         {
             let a = alert(name);
             assert_eq!((a.holds(&calm), a.holds(&hot)), (Some(on_calm), Some(on_hot)), "{name}");

@@ -130,6 +130,7 @@ fn a_spoofed_flood_through_the_daemon_neither_resets_nor_bypasses_a_limit_and_is
     assert_eq!(m["rl_flood_mode"], 0.0);
     let firing = alerts::check(&m, &["daemon", "datapath", "l7"]);
     assert!(!firing.contains(&"RlFloodMode".to_string()) && !firing.contains(&"RlDown".to_string()), "after the flood: {firing:?}");
+    assert!(firing.contains(&"RlWideCells".to_string()), "\"once\"'s wide cells stay drained for the hour: {firing:?}");
     assert!(m["rl_table_occupancy_ratio{table=\"sources\",family=\"ipv4\"}"] > 0.0);
     // The walks rebuilt the known-keys filter from the buckets they kept.
     let fill = m["rl_known_filter_fill_ratio{family=\"ipv4\"}"];
@@ -239,6 +240,7 @@ fn a_rules_wide_cells_are_named_and_so_is_their_end() {
     assert!(rules.len() == 1 && rules[0]["rule"] == "default" && rules[0]["ipv4"].as_u64().unwrap() >= 1, "{p}");
     let m = parse_prometheus(&get(&lab.b, "/metrics").body);
     assert!(m.get("rl_rule_wide_cells{rule=\"default\",family=\"ipv4\"}").is_some_and(|&n| n >= 1.0), "/metrics names the rule");
+    assert!(alerts::check(&m, &["daemon", "datapath", "l7"]).contains(&"RlWideCells".to_string()), "RlWideCells holds");
     let (_, out) = run_once(Some(&lab.b), &["status"]).unwrap();
     assert!(out.lines().any(|l| l.starts_with("wide cells of:   default (IPv4 ")), "{out}");
 
@@ -249,6 +251,7 @@ fn a_rules_wide_cells_are_named_and_so_is_their_end() {
     assert_eq!((p["wide_cell_rules"].clone(), p["wide_cells_ipv4"].as_u64()), (serde_json::json!([]), Some(0)), "{p}");
     let m = parse_prometheus(&get(&lab.b, "/metrics").body);
     assert!(!m.keys().any(|k| k.starts_with("rl_rule_wide_cells")), "no rule has wide cells");
+    assert!(!alerts::check(&m, &["daemon", "datapath", "l7"]).contains(&"RlWideCells".to_string()), "RlWideCells clears");
     let (_, out) = run_once(Some(&lab.b), &["status"]).unwrap();
     assert!(!out.contains("wide cells of:"), "{out}");
     let (status, log) = daemon.stop(libc::SIGTERM).unwrap();
