@@ -333,6 +333,10 @@ pub const RULE_ELASTIC: u32 = 2;
 /// `scope = "cluster"`: its prefix cells keep counts (`rl_common::CellKey`)
 /// for the cluster sync to report.
 pub const RULE_CLUSTER: u32 = 4;
+/// `flood_wide_cells = false` in effect for the rule (its own setting, else
+/// `[datapath]`'s): its floods make no wide cells; its keys still look for
+/// those it made before (see [`crate::cells`]).
+pub const RULE_NO_WIDE: u32 = 8;
 /// Set by the daemon on an entry of the inactive slot that it is about to
 /// rewrite with another rule, or with its rule changed: the entry still
 /// holds its rule whole (id, limits), so a program run already charging a

@@ -22,8 +22,8 @@ use aya_ebpf::{
 };
 use rl_common::{
     cell_claim, cell_set, cell_way, cell_writing, cells_saturated, cells_wide, last_resort_rule, owned_room, wide_entry, Bucket, Cell, CellKey,
-    CellScratch, DatapathConfig, FallbackKeys, FloodState, Key4, Key6, KnownKey, LimitEntry, RuleEntry, Unseen, Way, CELL_WAYS, DP_NO_WIDE_CELLS,
-    NO_CELL, OWNED_CAP, OWNED_ENTRIES, POOL_INDEX, RULE_CLUSTER, STAT_FALLBACK, STAT_NEW_CELLS, STAT_NEW_SOURCES,
+    CellScratch, DatapathConfig, FallbackKeys, FloodState, Key4, Key6, KnownKey, LimitEntry, RuleEntry, Unseen, Way, CELL_WAYS,
+    NO_CELL, OWNED_CAP, OWNED_ENTRIES, POOL_INDEX, RULE_CLUSTER, RULE_NO_WIDE, STAT_FALLBACK, STAT_NEW_CELLS, STAT_NEW_SOURCES,
     STAT_TABLE_FULL, WIDE_ENTRIES,
 };
 
@@ -120,10 +120,12 @@ pub fn count_in_cell(rule: &RuleEntry, is_v6: bool, cell: u32, passed: bool) {
 pub fn bucket(cfg: &DatapathConfig, rule: &RuleEntry, which: u32, is_v6: bool, src: &[u32; 4]) -> Option<Held> {
     // Wide cells: not for a cluster rule (its sync names cells by their
     // prefix) nor for an elastic rule's pool (one bucket, address 0), so
-    // their keys never look for one; the others' keys look for theirs
-    // even while `flood_wide_cells = false` forbids making more.
+    // their keys never look for one (`wide` 0); the others' keys look for
+    // theirs (bit 0) even while the rule's `flood_wide_cells = false`
+    // forbids making more (bit 1 clear).
     let limit = if which == POOL_INDEX { &rule.pool } else { rule.limits.get(which as usize)? };
-    let wide = (rule.flags & RULE_CLUSTER == 0 && which != POOL_INDEX) as u32;
+    let look = (rule.flags & RULE_CLUSTER == 0 && which != POOL_INDEX) as u32;
+    let wide = look | (look & (rule.flags & RULE_NO_WIDE == 0) as u32) << 1;
     if is_v6 {
         let key = rule.key6(which, src);
         if known::maybe(&key) {
@@ -282,7 +284,7 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
     // first time a rule needs one). One slot variable holds the wide cell
     // or the cell: a second one live across the rest doubles the
     // verifier's walk.
-    let found = if wide != 0 { wide_cell::<K>(key, cfg, limit, seed, slots, !insert) } else { None };
+    let found = if wide != 0 { wide_cell::<K>(key, cfg, limit, seed, slots, !insert && wide & 2 != 0) } else { None };
     let mut cell = found.unwrap_or(NO_CELL);
     if cell != NO_CELL && !insert {
         stats::bump(STAT_FALLBACK);
@@ -365,7 +367,7 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
 
 /// The key's wide cell (`rl_common::pressure`): its slot if it exists
 /// (looked for only while its rule has wide cells), else, if `may_make`
-/// (flood mode), `flood_wide_cells` is on and its rule's cells hold a wide
+/// (flood mode, and the rule's `flood_wide_cells` on) and its rule's cells hold a wide
 /// flood, a new one claimed drained.
 /// `None`: the key goes to its cell or last resort.
 #[inline(always)]
@@ -374,7 +376,6 @@ fn wide_cell<K: Fallbacks>(key: &K, cfg: &DatapathConfig, limit: &LimitEntry, se
     // The rule's wide cells and its cells, in one line.
     let wides = RL_WIDE.get_ptr_mut(at)?;
     let make = may_make
-        && cfg.flags & DP_NO_WIDE_CELLS == 0
         && RL_WIDE.get_ptr(at + 1).is_some_and(|n| cells_wide(unsafe { core::ptr::read_volatile(n) }, slots));
     if !make && unsafe { core::ptr::read_volatile(wides) } == 0 {
         return None;

@@ -174,6 +174,11 @@ fn a_spoofed_flood_through_the_daemon_neither_resets_nor_bypasses_a_limit_and_is
         })
         .next()
         .expect("a /16 of 10/8 in a wide cell");
+    // An allowed source is never limited: listed as such, no limits.
+    let allowed_state = get(&lab.b, "/v1/sources/203.0.113.7").json();
+    assert_eq!((allowed_state["listed"].as_str(), allowed_state["limits"].as_array().map(Vec::len)), (Some("allow"), Some(0)), "{allowed_state}");
+    let (_, said) = run_once(Some(&lab.b), &["source", "203.0.113.7"]).unwrap();
+    assert_eq!(said, "203.0.113.7: in an allow CIDR (never limited)\n");
     let prefix = format!("10.{}.0.0/16", addr[1]);
     assert_eq!((q["prefix"].as_str(), q["remaining"].as_u64()), (Some(prefix.as_str()), Some(0)), "{q}");
     assert!(q["retry_after_ms"].as_u64().unwrap() > 3_000_000, "drained for the hour: {q}");
@@ -217,36 +222,38 @@ fn wide_events(lab: &Lab, kind: &str) -> Vec<String> {
     rules
 }
 
-/// A flood under `[default]` (1,000/s, burst 1,000) goes wide: the event,
-/// `/v1/status`, `/metrics` and the CLI name the rule; its wide cells,
-/// drained for a second, are fresh again soon after it ends, and their
-/// freeing is reported by rule too.
+/// A flood under "surge" (1/s, burst 5) goes wide: the event,
+/// `/v1/status`, `/metrics`, the alert and the CLI name the rule; its wide
+/// cells, drained for 5 s, are fresh again soon after, and their freeing
+/// is reported by rule too.
 #[test]
 fn a_rules_wide_cells_are_named_and_so_is_their_end() {
     let lab = Lab::new().unwrap();
     let dir = tempfile::tempdir().unwrap();
     // Flood mode always on; 256 prefixes' room: wide at 128 cells.
-    let cfg = write(&dir, "rl.toml", &config().replace("flood_new_keys_per_sec = 2000", "flood_new_keys_per_sec = 0"));
+    let rules = config().replace("flood_new_keys_per_sec = 2000", "flood_new_keys_per_sec = 0")
+        + "[[rule]]\nname = \"surge\"\nproto = \"udp\"\ndst_ports = [6000]\nrate = 1\nburst = 5\n";
+    let cfg = write(&dir, "rl.toml", &rules);
     let daemon = Daemon::serving(&lab, &cfg, &[]).unwrap();
     let mut seed = 0x005e_ed0f_u32;
     let list: Vec<[u8; 4]> = (0..1000).map(|_| spoofed_source(&mut seed)).collect();
-    let frame = eth(&[], ETH_P_IP, &ipv4([0; 4], UDP, &[], &udp(5000)));
+    let frame = eth(&[], ETH_P_IP, &ipv4([0; 4], UDP, &[], &udp(6000)));
     join(forged(&lab.a, VA, frame, 1000, 2000, None, move |i| list[i as usize])).unwrap();
 
-    assert!(wait_events(&lab, "wide_cells_made", 1, 5), "no wide_cells_made event after a flood over 1,000 /24s");
-    assert_eq!(wide_events(&lab, "wide_cells_made"), ["default"]);
+    assert!(wait_events(&lab, "wide_cells_made", 1, 4), "no wide_cells_made event after a flood over 1,000 /24s");
+    assert_eq!(wide_events(&lab, "wide_cells_made"), ["surge"]);
     let p = get(&lab.b, "/v1/status").json()["pressure"].clone();
     let rules = p["wide_cell_rules"].as_array().unwrap().clone();
-    assert!(rules.len() == 1 && rules[0]["rule"] == "default" && rules[0]["ipv4"].as_u64().unwrap() >= 1, "{p}");
+    assert!(rules.len() == 1 && rules[0]["rule"] == "surge" && rules[0]["ipv4"].as_u64().unwrap() >= 1, "{p}");
     let m = parse_prometheus(&get(&lab.b, "/metrics").body);
-    assert!(m.get("rl_rule_wide_cells{rule=\"default\",family=\"ipv4\"}").is_some_and(|&n| n >= 1.0), "/metrics names the rule");
+    assert!(m.get("rl_rule_wide_cells{rule=\"surge\",family=\"ipv4\"}").is_some_and(|&n| n >= 1.0), "/metrics names the rule");
     assert!(alerts::check(&m, &["daemon", "datapath", "l7"]).contains(&"RlWideCells".to_string()), "RlWideCells holds");
     let (_, out) = run_once(Some(&lab.b), &["status"]).unwrap();
-    assert!(out.lines().any(|l| l.starts_with("wide cells of:   default (IPv4 ")), "{out}");
+    assert!(out.lines().any(|l| l.starts_with("wide cells of:   surge (IPv4 ")), "{out}");
 
-    // Refilled within a second, collected a second or two later.
-    assert!(wait_events(&lab, "wide_cells_gone", 1, 10), "no wide_cells_gone event once [default]'s wide cells were fresh");
-    assert_eq!(wide_events(&lab, "wide_cells_gone"), ["default"]);
+    // Refilled 5 s after their making, collected a second or two later.
+    assert!(wait_events(&lab, "wide_cells_gone", 1, 15), "no wide_cells_gone event once surge's wide cells were fresh");
+    assert_eq!(wide_events(&lab, "wide_cells_gone"), ["surge"]);
     let p = get(&lab.b, "/v1/status").json()["pressure"].clone();
     assert_eq!((p["wide_cell_rules"].clone(), p["wide_cells_ipv4"].as_u64()), (serde_json::json!([]), Some(0)), "{p}");
     let m = parse_prometheus(&get(&lab.b, "/metrics").body);
@@ -256,7 +263,7 @@ fn a_rules_wide_cells_are_named_and_so_is_their_end() {
     assert!(!out.contains("wide cells of:"), "{out}");
     let (status, log) = daemon.stop(libc::SIGTERM).unwrap();
     assert!(status.success(), "{log}");
-    assert!(log.contains("rule default's flood spans a quarter") && log.contains("rule default's last wide cell was freed"), "the log names the rule:\n{log}");
+    assert!(log.contains("rule surge's flood spans a quarter") && log.contains("rule surge's last wide cell was freed"), "the log names the rule:\n{log}");
 }
 
 /// Waits up to `secs` for `n` events of `kind`.

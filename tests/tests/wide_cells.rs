@@ -122,6 +122,10 @@ fn a_wide_flood_makes_drained_wide_cells_and_a_key_limited_in_its_cell_stays_lim
     assert_eq!(dp.wide_counts().unwrap(), (1, 0), "counted before it could be found");
     // (b): the /24 that used its hour gets nothing from the wide cell.
     assert_eq!(offer(&dp, &to([10, b, 1, 9], 9999), 3), (0, 3), "no fresh allowance for a limited /24");
+    // Its wide cell charges it before its cell, and is what
+    // `GET /v1/sources/{ip}` reads.
+    let q = quota_of(&dp, [10, b, 1, 10], 2).expect("charged");
+    assert_eq!((q.by, q.prefix, q.quota.remaining), (ChargedBy::WideCell, Some((IpAddr::from([10, b, 0, 0]), 16)), 0), "{q:?}");
     // Every unseen key of 10.b/16, in any /24, is charged to it.
     for x in [3u8, 77, 250] {
         assert_eq!(offer(&dp, &to([10, b, x, 1], 9999), 1), (0, 1));
@@ -225,6 +229,7 @@ fn without_wide_cells_and_for_cluster_rules_every_prefix_keeps_a_cell_of_its_own
     require_root();
     for (what, toml, index, port) in [
         ("flood_wide_cells = false", rules("").replace("flood_prefixes = 256", "flood_prefixes = 256\nflood_wide_cells = false"), 2, 9999),
+        ("the rule's flood_wide_cells = false", rules("").replace("name = \"once\"", "name = \"once\"\nflood_wide_cells = false"), 2, 9999),
         (
             "a cluster rule",
             rules(
@@ -251,6 +256,27 @@ fn without_wide_cells_and_for_cluster_rules_every_prefix_keeps_a_cell_of_its_own
         assert!(with_cell >= 15, "{what}: {with_cell} of 20 newcomers' /24s got a cell");
         assert_eq!(dp.wide_counts().unwrap(), (0, 0), "{what}");
     }
+}
+
+/// A rule's own `flood_wide_cells` wins over `[datapath]`'s, both ways,
+/// and turning it off at a reload keeps the wide cells it made limiting.
+#[test]
+fn a_rules_own_flood_wide_cells_wins_over_the_datapaths() {
+    require_root();
+    let toml = rules("")
+        .replace("flood_prefixes = 256", "flood_prefixes = 256\nflood_wide_cells = false")
+        .replace("name = \"once\"", "name = \"once\"\nflood_wide_cells = true");
+    let (mut dp, cells, b) = one_wide(&toml);
+    // The setting is not part of the rule's state: the same bucket ids.
+    let plain = compile(&Config::from_str(&rules(""), "<test>").unwrap());
+    assert_eq!(compile(&Config::from_str(&toml, "<test>").unwrap()).rules.entries[2].id, plain.rules.entries[2].id);
+    reload(&mut dp, &toml.replace("flood_wide_cells = true", "flood_wide_cells = false"));
+    assert_eq!(offer(&dp, &to([10, b, 2, 1], 9999), 1), (0, 1), "still charged to the wide cell");
+    assert!(cells.find(&keys(&toml, 2, [10, b, 2, 1]).1).is_none());
+    let b2 = roomy(&cells, 61..=120, |b| keys(&toml, 2, [10, b, 1, 1]).1);
+    offer(&dp, &to([10, b2, 1, 1], 9999), 1);
+    assert!(cells.find(&keys(&toml, 2, [10, b2, 0, 0]).0).is_none(), "no wide cell made once the rule's is off");
+    assert_eq!(dp.wide_counts().unwrap(), (1, 0));
 }
 
 #[test]
@@ -319,10 +345,12 @@ fn a_sources_quota_is_that_of_the_bucket_that_charges_it() {
     assert_eq!(offer(&dp, &to([10, b, 9, 9], 9999), 1), (0, 1), "and it drops");
     // "calm" (5 per hour, burst 5; its flood is not wide): nothing charged
     // yet, so nothing to report for a source of a /24 without a cell.
-    assert_eq!(quota_of(&dp, [10, 230, 0, 1], 1), None, "a fresh fallback leaves the full limit");
-    // A /24 whose set has room: its cell, charged twice.
+    assert_eq!(quota_of(&dp, [10, 230, 0, 1], 1), None, "no fallback of the rule holds a charge");
+    // A /24 whose set has room: its cell, charged twice (a copy of the
+    // rule's last resort, made fresh for it).
     let x = roomy(&cells, 0..=255, |x| keys(&toml, 1, [10, 231, x, 0]).1);
     assert_eq!(offer(&dp, &to([10, 231, x, 1], 7777), 2), (2, 0));
+    assert_eq!(quota_of(&dp, [10, 230, 0, 1], 1), None, "a fresh last resort leaves the full limit: not listed");
     let q = quota_of(&dp, [10, 231, x, 77], 1).expect("the /24's cell holds two charges");
     assert_eq!((q.by, q.prefix), (ChargedBy::PrefixCell, Some((IpAddr::from([10, 231, x, 0]), 24))), "{q:?}");
     assert_eq!((q.quota.limit, q.quota.remaining), (5, 3), "{q:?}");

@@ -353,6 +353,11 @@ impl From<crate::datapath::ChargedBy> for ChargedTo {
 #[derive(Serialize, Deserialize, ToSchema, Debug)]
 pub struct SourceState {
     pub source: String,
+    /// `allow`: an allow CIDR holds the source, which is never limited;
+    /// `deny`: a deny CIDR or a ban holds it, and it is always dropped.
+    /// Either way no rule charges it and `limits` is empty.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub listed: Option<String>,
     /// Every limit under which the source's bucket holds a charge now: its
     /// own (kept until fresh again), or a shared fallback's (see
     /// `charged_to`). None: it has its full limit under every rule.
@@ -368,9 +373,22 @@ async fn source(AxState(api): AxState<Api>, Path(ip): Path<String>) -> ApiResult
         .parse()
         .map_err(|_| ApiError(StatusCode::BAD_REQUEST, format!("\"{ip}\" is not an IP address")))?;
     let s = lock(&api.state);
+    let host = crate::config::units::Cidr { addr, len: if addr.is_ipv4() { 32 } else { 128 } };
+    let now = crate::config::unix_now();
+    let listed = if s.config.allow.iter().any(|c| c.covers(&host)) {
+        Some("allow")
+    } else if s.config.deny.iter().chain(s.config.bans.iter().filter(|b| b.until > now).map(|b| &b.cidr)).any(|c| c.covers(&host)) {
+        Some("deny")
+    } else {
+        None
+    };
+    if let Some(list) = listed {
+        return Ok(Json(SourceState { source: addr.to_string(), listed: Some(list.into()), limits: Vec::new() }));
+    }
     let quotas = s.dp.source_quotas(addr)?;
     let limits = quotas
         .into_iter()
+        .filter(|sq| sq.by == crate::datapath::ChargedBy::Own || may_match(&s.config, sq.rule, &host))
         .map(|sq| SourceLimit {
             rule: s.dp.rule_name(sq.rule).unwrap_or("?").to_string(),
             limit_index: sq.which,
@@ -382,7 +400,15 @@ async fn source(AxState(api): AxState<Api>, Path(ip): Path<String>) -> ApiResult
             prefix: sq.prefix.map(|(a, bits)| format!("{a}/{bits}")),
         })
         .collect();
-    Ok(Json(SourceState { source: addr.to_string(), limits }))
+    Ok(Json(SourceState { source: addr.to_string(), listed: None, limits }))
+}
+
+/// Whether rule `index` of the active set (0: `[default]`) may charge
+/// `host`: a shared bucket of a rule whose `src` leaves the source out is
+/// not the source's (its own buckets exist only where a rule matched it).
+fn may_match(config: &crate::config::Config, index: u32, host: &crate::config::units::Cidr) -> bool {
+    let src = index.checked_sub(1).and_then(|i| config.rules.get(i as usize)).map_or(&[][..], |r| &r.src[..]);
+    src.is_empty() || src.iter().any(|c| c.covers(host))
 }
 
 #[derive(Deserialize)]
@@ -620,4 +646,23 @@ pub fn router(api: Api) -> Router {
         .route_layer(middleware::from_fn_with_state(api.clone(), count))
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .with_state(api)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{units::Cidr, Config};
+
+    #[test]
+    fn a_rules_shared_buckets_are_a_sources_only_where_its_src_holds_it() {
+        let config = Config::from_str(
+            "[default]\nrate = 5\n[[rule]]\nname = \"lan\"\nsrc = [\"192.168.0.0/16\"]\nrate = 1\n[[rule]]\nname = \"any\"\nrate = 1\n",
+            "<test>",
+        )
+        .unwrap();
+        let host = |a: [u8; 4]| Cidr { addr: IpAddr::from(a), len: 32 };
+        assert!(may_match(&config, 1, &host([192, 168, 3, 4])));
+        assert!(!may_match(&config, 1, &host([10, 0, 0, 1])), "outside lan's src");
+        assert!(may_match(&config, 0, &host([10, 0, 0, 1])) && may_match(&config, 2, &host([10, 0, 0, 1])), "[default] and a rule without src");
+    }
 }

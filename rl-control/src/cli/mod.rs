@@ -347,6 +347,11 @@ pub fn stats(v: &Value) -> String {
 
 pub fn source(v: &Value) -> String {
     let limits = v["limits"].as_array().cloned().unwrap_or_default();
+    match v["listed"].as_str() {
+        Some("allow") => return format!("{}: in an allow CIDR (never limited)\n", s(&v["source"])),
+        Some("deny") => return format!("{}: in a deny CIDR or a ban (always dropped)\n", s(&v["source"])),
+        _ => {}
+    }
     if limits.is_empty() {
         return format!("{}: no charge under any rule (it has its full limit)\n", s(&v["source"]));
     }

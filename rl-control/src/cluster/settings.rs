@@ -198,6 +198,11 @@ mod tests {
             (format!("{REDIS}[[rule]]\nname = \"a\"\nrate = 1\nalgorithm = \"fixed_window\"\nscope = \"cluster\"\n"), "rl.toml:9:9:", "needs algorithm = \"token_bucket\""),
             (format!("{REDIS}[[rule]]\nname = \"a\"\nbytes = \"1MB\"\nscope = \"cluster\"\n"), "rl.toml:8:9:", "packet limits"),
             (
+                format!("{REDIS}[[rule]]\nname = \"a\"\nrate = 1\nscope = \"cluster\"\nflood_wide_cells = true\n"),
+                "rl.toml:9:20:",
+                "flood_wide_cells = true on a cluster rule",
+            ),
+            (
                 "[[l7.rule]]\nname = \"a\"\ndomain = \"d\"\ndescriptor = [{ key = \"k\" }]\nrate = 1\nbatch = \"10ms\"\n".into(),
                 "rl.toml:8:9:",
                 "batch needs scope = \"cluster\"",

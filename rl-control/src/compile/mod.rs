@@ -174,6 +174,13 @@ fn compile_rules(config: &Config) -> RuleSet {
         names.push(r.name.clone());
         entries.push(rule_entry(r, d.ipv4_prefix, d.ipv6_prefix));
     }
+    // Wide cells, per rule: its own `flood_wide_cells`, else [datapath]'s.
+    let wide: Vec<bool> = std::iter::once(d.flood_wide_cells).chain(config.rules.iter().map(|r| r.wide_cells.0.unwrap_or(d.flood_wide_cells))).collect();
+    for (e, &on) in entries.iter_mut().zip(&wide) {
+        if !on {
+            e.flags |= rl_common::RULE_NO_WIDE;
+        }
+    }
     // Unique ids within the set (a collision would make two rules share buckets).
     let mut used = BTreeSet::new();
     for e in entries.iter_mut() {
@@ -202,7 +209,8 @@ fn compile_rules(config: &Config) -> RuleSet {
         flood_new_keys_per_sec: d.flood_new_keys_per_sec,
         cell_mask4: prefix_mask_words::<1>(d.flood_prefix_v4)[0],
         cell_mask6: prefix_mask_words::<4>(d.flood_prefix_v6),
-        flags: if d.flood_wide_cells { 0 } else { rl_common::DP_NO_WIDE_CELLS },
+        // (Read by programs before per-rule settings: none may go wide.)
+        flags: if wide.contains(&true) { 0 } else { rl_common::DP_NO_WIDE_CELLS },
         fragment_ttl_ms: d.fragment_ttl_ms,
         fragment_orphans: match d.fragment_orphans {
             FragmentOrphans::Drop => rl_common::FRAG_ORPHANS_DROP,
@@ -288,6 +296,24 @@ mod tests {
         let c = compile(&config("[default]\nrate = 5\n[[rule]]\nname = \"a\"\nproto = \"udp\"\ndst_ports = [53]\nrate = 1\n"));
         let ids: Vec<u32> = c.rules.entries.iter().map(|e| e.id).collect();
         assert_eq!(ids, [0x1931_c660, 0x2047_19f0]);
+    }
+
+    #[test]
+    fn a_rules_flood_wide_cells_wins_over_the_datapaths_and_keeps_its_id() {
+        let rules = "[[rule]]\nname = \"a\"\nrate = 1\n[[rule]]\nname = \"b\"\nrate = 1\nflood_wide_cells = false\n[[rule]]\nname = \"c\"\nrate = 1\nflood_wide_cells = true\n";
+        let no_wide = |c: &Compiled| c.rules.entries.iter().map(|e| e.flags & rl_common::RULE_NO_WIDE != 0).collect::<Vec<_>>();
+        let on = compile(&config(&format!("[default]\nrate = 5\n{rules}")));
+        assert_eq!(no_wide(&on), [false, false, true, false], "[default], a, b, c");
+        assert_eq!(on.rules.tuning.flags & rl_common::DP_NO_WIDE_CELLS, 0);
+        let off = compile(&config(&format!("[datapath]\nflood_wide_cells = false\n[default]\nrate = 5\n{rules}")));
+        assert_eq!(no_wide(&off), [true, true, true, false]);
+        assert_eq!(off.rules.tuning.flags & rl_common::DP_NO_WIDE_CELLS, 0, "c may still go wide");
+        let none = compile(&config("[datapath]\nflood_wide_cells = false\n[default]\nrate = 5\n[[rule]]\nname = \"a\"\nrate = 1\n"));
+        assert_eq!(none.rules.tuning.flags, rl_common::DP_NO_WIDE_CELLS, "none may: programs that read only the datapath's flag");
+        // Not part of a rule's state: the same ids with or without it.
+        let plain = compile(&config("[default]\nrate = 5\n[[rule]]\nname = \"a\"\nrate = 1\n[[rule]]\nname = \"b\"\nrate = 1\n[[rule]]\nname = \"c\"\nrate = 1\n"));
+        let ids = |c: &Compiled| c.rules.entries.iter().map(|e| e.id).collect::<Vec<_>>();
+        assert_eq!(ids(&on), ids(&plain));
     }
 
     #[test]

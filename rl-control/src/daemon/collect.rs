@@ -330,10 +330,17 @@ impl TopRanker {
 
 /// Sets the rules with wide cells from a walk, and raises
 /// `wide_cells_made` for each rule that has its first and
-/// `wide_cells_gone` for each whose last was freed. (Cells of a rule gone
-/// from the active set are being freed: not listed.)
+/// `wide_cells_gone` for each whose last was freed. (A rule gone from both
+/// rule sets has its cells freed: not listed. Rules unreadable this pass:
+/// the list stays as it was.)
 fn wide_rules(s: &mut State, pass: &Pass) {
-    let names = if pass.wide_rules.is_empty() { Default::default() } else { s.dp.rule_names_by_id().unwrap_or_default() };
+    let names = match pass.wide_rules.is_empty() {
+        true => Default::default(),
+        false => match s.dp.rule_names_by_id() {
+            Ok(names) => names,
+            Err(_) => return,
+        },
+    };
     let now: Vec<WideCellRule> = pass
         .wide_rules
         .iter()

@@ -145,12 +145,17 @@ impl Datapath {
         Ok(out)
     }
 
-    /// The active rule set's names by `RuleEntry::id` (what bucket keys
-    /// name).
+    /// The rules' names by `RuleEntry::id` (what bucket keys name), from
+    /// both rule sets: a rule the last reload removed keeps its buckets
+    /// (and cells) while the other set holds it.
     pub fn rule_names_by_id(&self) -> Result<std::collections::BTreeMap<u32, String>, DatapathError> {
-        let Some(slot) = self.active else { return Ok(Default::default()) };
-        let names = &self.slots[slot as usize].names;
-        (0..names.len() as u32).map(|i| Ok((self.rule_table_entry(slot * RULE_SLOTS + i)?.id, names[i as usize].clone()))).collect()
+        let mut out = std::collections::BTreeMap::new();
+        for slot in [0, 1u32] {
+            for (i, name) in self.slots[slot as usize].names.iter().enumerate() {
+                out.insert(self.rule_table_entry(slot * RULE_SLOTS + i as u32)?.id, name.clone());
+            }
+        }
+        Ok(out)
     }
 
     /// The name of rule `index` in the active rule set.
@@ -227,24 +232,26 @@ fn charged_by<K: BucketKey + FallbackKeys + KnownKey + Copy + PartialEq>(
 
 /// The prefix of the IPv4 bucket `key` that charges a source `by`.
 fn prefix4(by: ChargedBy, key: &Key4, rule: &RuleEntry, cfg: &DatapathConfig) -> Option<(IpAddr, u8)> {
-    let mask = match by {
-        ChargedBy::Own => rule.v4_mask,
-        ChargedBy::PrefixCell => cfg.cell_mask4,
-        ChargedBy::WideCell => wide_mask4(cfg.cell_mask4),
-        ChargedBy::LastResort => return None,
-    };
+    // (A cell's key is the rule's key masked further.)
+    let mask = rule.v4_mask
+        & match by {
+            ChargedBy::Own => u32::MAX,
+            ChargedBy::PrefixCell => cfg.cell_mask4,
+            ChargedBy::WideCell => wide_mask4(cfg.cell_mask4),
+            ChargedBy::LastResort => return None,
+        };
     Some((key.addr(), mask.count_ones() as u8))
 }
 
 /// The prefix of the IPv6 bucket `key` that charges a source `by`.
 fn prefix6(by: ChargedBy, key: &Key6, rule: &RuleEntry, cfg: &DatapathConfig) -> Option<(IpAddr, u8)> {
     let mask = match by {
-        ChargedBy::Own => rule.v6_mask,
+        ChargedBy::Own => [u32::MAX; 4],
         ChargedBy::PrefixCell => cfg.cell_mask6,
         ChargedBy::WideCell => wide_mask6(&cfg.cell_mask6),
         ChargedBy::LastResort => return None,
     };
-    Some((key.addr(), mask.iter().map(|w| w.count_ones()).sum::<u32>() as u8))
+    Some((key.addr(), mask.iter().zip(&rule.v6_mask).map(|(m, r)| (m & r).count_ones()).sum::<u32>() as u8))
 }
 
 /// One bucket: a source (masked to its aggregation prefix) under one limit.

@@ -136,6 +136,20 @@ pub struct Rule {
     pub mode: Mode,
     /// `scope = "cluster"`: one limit shared by every host (see [`crate::cluster`]).
     pub scope: Scope,
+    /// `flood_wide_cells`: whether this rule's floods may go wide (`None`:
+    /// as `[datapath]` says). Not part of the rule's state: changing it
+    /// keeps the rule's buckets.
+    pub wide_cells: NotState<Option<bool>>,
+}
+
+/// A rule setting that is not part of its buckets' identity: the rule's
+/// id hashes the rule (`compile::rule_entry`), and this hashes to nothing,
+/// so setting or changing it keeps every id (and so every bucket).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NotState<T>(pub T);
+
+impl<T> std::hash::Hash for NotState<T> {
+    fn hash<H: std::hash::Hasher>(&self, _: &mut H) {}
 }
 
 // ---- Raw schema ---------------------------------------------------------
@@ -170,6 +184,7 @@ pub(crate) struct RawRule {
     pool_rate: Option<Spanned<i64>>,
     pool_per: Option<Spanned<String>>,
     scope: Option<Spanned<String>>,
+    flood_wide_cells: Option<Spanned<bool>>,
 }
 
 #[derive(Deserialize, Default, Clone)]
@@ -310,7 +325,12 @@ fn rule_of(loc: &Located, r: &RawRule, table: Range<usize>, name: String, has_cl
             return Err(loc.at(span, format!("{who}: scope = \"cluster\" on a packet rule needs {why}: hosts exchange packet counts and charge them to token buckets")));
         }
     }
-    Ok(Rule { name, proto, dst_ports, syn_only, src, key, limits, algorithm, action, mode, scope })
+    let wide_cells = r.flood_wide_cells.as_ref().map(|w| (w.span(), *w.get_ref()));
+    if let (Scope::Cluster, Some((span, true))) = (scope, wide_cells.clone()) {
+        return Err(loc.at(span, format!("{who}: flood_wide_cells = true on a cluster rule: its prefix cells are what hosts exchange, so it makes none (leave it out)")));
+    }
+    let wide_cells = NotState(wide_cells.map(|(_, on)| on));
+    Ok(Rule { name, proto, dst_ports, syn_only, src, key, limits, algorithm, action, mode, scope, wide_cells })
 }
 
 /// A rule's `dst_ports`, as inclusive ranges (empty: every port).
@@ -490,6 +510,7 @@ action = "shadow"
     #[test]
     fn unknown_keys_are_located() {
         assert_error("[[rule]]\nname = \"a\"\nrate = 1\nrat = 2\n", 6, 1, "unknown field `rat`");
+        assert_error("[[rule]]\nname = \"a\"\nrate = 1\nflood_wide_cells = 1\n", 6, 20, "expected a boolean");
         assert_error("[[allow]]\ncidr = \"10.0.0.0/8\"\nport = 1\n", 5, 1, "unknown field `port`");
         assert_error("[[rule]]\nname = \"a\"\nlimits = [{ rate = 1, pre = \"1s\" }]\n", 5, 23, "unknown field `pre`");
     }
