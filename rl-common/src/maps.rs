@@ -193,8 +193,10 @@ pub struct DatapathConfig {
 const _: () = assert!(size_of::<DatapathConfig>() == 64);
 const _: () = assert!(core::mem::offset_of!(DatapathConfig, slot_flags) % 8 == 0);
 
-/// [`DatapathConfig::flags`]: make no wide cells (`datapath.flood_wide_cells
-/// = false`; see [`crate::cells`]).
+/// [`DatapathConfig::flags`]: make no wide cells (see [`crate::cells`]).
+/// Set when no rule may go wide (`flood_wide_cells = false` for every
+/// rule). Programs since per-rule settings read [`RULE_NO_WIDE`] instead;
+/// an older program adopted by a newer daemon reads this.
 pub const DP_NO_WIDE_CELLS: u8 = 1;
 
 impl DatapathConfig {
