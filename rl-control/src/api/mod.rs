@@ -373,11 +373,10 @@ async fn source(AxState(api): AxState<Api>, Path(ip): Path<String>) -> ApiResult
         .parse()
         .map_err(|_| ApiError(StatusCode::BAD_REQUEST, format!("\"{ip}\" is not an IP address")))?;
     let s = lock(&api.state);
-    let host = crate::config::units::Cidr { addr, len: if addr.is_ipv4() { 32 } else { 128 } };
-    let now = crate::config::unix_now();
+    let host = crate::config::units::Cidr::host(addr);
     let listed = if s.config.allow.iter().any(|c| c.covers(&host)) {
         Some("allow")
-    } else if s.config.deny.iter().chain(s.config.bans.iter().filter(|b| b.until > now).map(|b| &b.cidr)).any(|c| c.covers(&host)) {
+    } else if s.config.deny.iter().chain(s.config.active_bans(crate::config::unix_now()).map(|b| &b.cidr)).any(|c| c.covers(&host)) {
         Some("deny")
     } else {
         None
@@ -660,7 +659,7 @@ mod tests {
             "<test>",
         )
         .unwrap();
-        let host = |a: [u8; 4]| Cidr { addr: IpAddr::from(a), len: 32 };
+        let host = |a: [u8; 4]| Cidr::host(IpAddr::from(a));
         assert!(may_match(&config, 1, &host([192, 168, 3, 4])));
         assert!(!may_match(&config, 1, &host([10, 0, 0, 1])), "outside lan's src");
         assert!(may_match(&config, 0, &host([10, 0, 0, 1])) && may_match(&config, 2, &host([10, 0, 0, 1])), "[default] and a rule without src");

@@ -359,7 +359,6 @@ pub fn source(v: &Value) -> String {
         .iter()
         .map(|l| {
             let by = match (l["charged_to"].as_str(), l["prefix"].as_str()) {
-                (Some("own"), Some(p)) => format!("own {p}"),
                 (Some(kind), Some(p)) => format!("{} {p}", kind.replace('_', " ")),
                 (Some(kind), None) => kind.replace('_', " "),
                 (None, _) => "?".into(),

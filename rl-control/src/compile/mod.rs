@@ -87,7 +87,7 @@ impl RuleSet {
         let trie = || {
             self.lpm
                 .iter()
-                .filter(|(c, _)| c.covers(&Cidr { addr: src, len: if src.is_ipv4() { 32 } else { 128 } }))
+                .filter(|(c, _)| c.covers(&Cidr::host(src)))
                 .max_by_key(|(c, _)| c.len)
                 .map_or(0, |(_, v)| *v)
         };
@@ -343,7 +343,7 @@ mod tests {
     /// The precedence rules read directly from the config: allow, deny, the
     /// first matching rule in file order, the default.
     fn reference(config: &Config, src: IpAddr, l4_index: u32) -> Verdict {
-        let host = Cidr { addr: src, len: if src.is_ipv4() { 32 } else { 128 } };
+        let host = Cidr::host(src);
         if config.allow.iter().any(|c| c.covers(&host)) {
             return Verdict::Allow;
         }

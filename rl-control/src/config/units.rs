@@ -111,6 +111,11 @@ impl Cidr {
         }
     }
 
+    /// The one-address CIDR of `addr` (/32 or /128).
+    pub fn host(addr: IpAddr) -> Cidr {
+        Cidr { addr, len: if addr.is_ipv4() { 32 } else { 128 } }
+    }
+
     /// Whether `self` contains every address of `other`.
     pub fn covers(&self, other: &Cidr) -> bool {
         self.addr.is_ipv4() == other.addr.is_ipv4()

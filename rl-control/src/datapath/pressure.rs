@@ -61,7 +61,8 @@ pub struct Pass {
     /// Buckets left per family (IPv4, IPv6): sources' own, prefix cells.
     pub own: (u64, u64),
     pub cells: (u64, u64),
-    /// Of `cells`, the wide ones (`rl_common::pressure`), per family.
+    /// Of `cells`, the wide ones (`rl_common::pressure`), per family: the
+    /// sums of `wide_rules`.
     pub wide: (u64, u64),
     /// Those wide cells by the rule they charge (`RuleEntry::id`), per
     /// family: whose floods went wide.
@@ -172,9 +173,8 @@ pub fn collect_handing(
     scan_table_each::<Key6>(ids.tables.1, MAP_SOURCES_V6, |k, b| walk.sweep(ids.tables.1, MAP_SOURCES_V6, &cells6, k, b, &mut pass))?;
     pass.own.1 = walk.owned_after(&owned, OWNED_V6, before);
     let counts = Mapped::open(ids.wide_count, MAP_WIDE_COUNT, 8)?;
-    let (c4, w4) = walk.cells(&cells4, &counts, 0, &mut pass);
-    let (c6, w6) = walk.cells(&cells6, &counts, 1, &mut pass);
-    (pass.cells, pass.wide) = ((c4, c6), (w4, w6));
+    pass.cells = (walk.cells(&cells4, &counts, 0, &mut pass), walk.cells(&cells6, &counts, 1, &mut pass));
+    pass.wide = pass.wide_rules.values().fold((0, 0), |(a, b), (w4, w6)| (a + w4, b + w6));
     known.finish(half);
     pass.known_fill = (known.fill(0), known.fill(1));
     let count = Mapped::open(ids.cell_count, MAP_CELL_COUNT, 8)?;
@@ -327,7 +327,7 @@ impl Walk<'_> {
 impl Walk<'_> {
     /// Frees the cells of one array that are fresh (or whose rule is gone)
     /// and marks the rest in the filter half being rebuilt; returns how
-    /// many are left, and how many of those are wide. Freeing takes two
+    /// many are left, and counts the wide ones by rule in `pass`. Freeing takes two
     /// steps with a grace between them (`rl_common::cells`): a cell charged
     /// meanwhile is kept, not lost. Then sets the program's counts per rule
     /// (`rl_common::MAP_WIDE_COUNT`, this `family`'s entries) as
@@ -336,19 +336,18 @@ impl Walk<'_> {
     /// never below the wide cells it has. A walk that met a slot whose key
     /// cannot be told (being written, or its key not yet written) leaves
     /// the counts as they are (they only grew meanwhile).
-    fn cells<K: BucketKey + KnownKey + PartialEq>(&self, cells: &CellArray<K>, counts: &Mapped, family: u32, pass: &mut Pass) -> (u64, u64) {
+    fn cells<K: BucketKey + KnownKey + PartialEq>(&self, cells: &CellArray<K>, counts: &Mapped, family: u32, pass: &mut Pass) -> u64 {
         let entries: Vec<u32> = wide_entries(family).flat_map(|e| [e, e + 1]).collect();
         let word = |e: u32| counts.word(e as usize * 8);
         let before: Vec<u64> = entries.iter().map(|&e| word(e).load(std::sync::atomic::Ordering::Acquire)).collect();
         let mut kept = vec![0u64; WIDE_ENTRIES as usize];
         let (left, unknown) = self.free_cells(cells, family, &mut kept, pass);
-        let wide: u64 = entries.iter().step_by(2).map(|&e| kept[e as usize]).sum();
         if !unknown {
             for (&e, b) in entries.iter().zip(before) {
                 word(e).fetch_add(kept[e as usize].wrapping_sub(b), std::sync::atomic::Ordering::AcqRel);
             }
         }
-        (left, wide)
+        left
     }
 
     /// [`cells`](Self::cells)' walk: the cells left, each counted in `kept`
