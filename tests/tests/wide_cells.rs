@@ -270,13 +270,7 @@ fn a_rules_own_flood_wide_cells_wins_over_the_datapaths() {
     // The setting is not part of the rule's state: the same bucket ids.
     let plain = compile(&Config::from_str(&rules(""), "<test>").unwrap());
     assert_eq!(compile(&Config::from_str(&toml, "<test>").unwrap()).rules.entries[2].id, plain.rules.entries[2].id);
-    reload(&mut dp, &toml.replace("flood_wide_cells = true", "flood_wide_cells = false"));
-    assert_eq!(offer(&dp, &to([10, b, 2, 1], 9999), 1), (0, 1), "still charged to the wide cell");
-    assert!(cells.find(&keys(&toml, 2, [10, b, 2, 1]).1).is_none());
-    let b2 = roomy(&cells, 61..=120, |b| keys(&toml, 2, [10, b, 1, 1]).1);
-    offer(&dp, &to([10, b2, 1, 1], 9999), 1);
-    assert!(cells.find(&keys(&toml, 2, [10, b2, 0, 0]).0).is_none(), "no wide cell made once the rule's is off");
-    assert_eq!(dp.wide_counts().unwrap(), (1, 0));
+    turned_off_at_a_reload(&mut dp, &cells, &toml, b, &toml.replace("flood_wide_cells = true", "flood_wide_cells = false"));
 }
 
 #[test]
@@ -369,16 +363,22 @@ fn a_sources_quota_is_that_of_the_bucket_that_charges_it() {
 fn wide_cells_made_keep_limiting_after_a_reload_turns_them_off() {
     let toml = rules("");
     let (mut dp, cells, b) = one_wide(&toml);
-    // `flood_wide_cells = false` at a reload: no more are made, but the
-    // one made keeps its /16's unseen keys (a fresh /24 cell would pass).
-    reload(&mut dp, &toml.replace("flood_prefixes = 256", "flood_prefixes = 256\nflood_wide_cells = false"));
-    assert_eq!(offer(&dp, &to([10, b, 2, 1], 9999), 1), (0, 1), "still charged to the wide cell");
-    assert!(cells.find(&keys(&toml, 2, [10, b, 2, 1]).1).is_none());
+    turned_off_at_a_reload(&mut dp, &cells, &toml, b, &toml.replace("flood_prefixes = 256", "flood_prefixes = 256\nflood_wide_cells = false"));
+}
+
+/// After [`one_wide`] (`toml`, 10.b/16's wide cell made), a reload to
+/// `off`, where "once" may make no more: the one made keeps its /16's
+/// unseen keys (a fresh /24 cell would pass), and another /16's newcomer
+/// gets a cell of its /24, no wide cell.
+fn turned_off_at_a_reload(dp: &mut Datapath, cells: &CellArray<Key4>, toml: &str, b: u8, off: &str) {
+    reload(dp, off);
+    assert_eq!(offer(dp, &to([10, b, 2, 1], 9999), 1), (0, 1), "still charged to the wide cell");
+    assert!(cells.find(&keys(toml, 2, [10, b, 2, 1]).1).is_none());
     // (That cell copies the rule's last resort, which the widening flood's
     // prefixes without room have drained.)
-    let b2 = roomy(&cells, 61..=120, |b| keys(&toml, 2, [10, b, 1, 1]).1);
-    offer(&dp, &to([10, b2, 1, 1], 9999), 1);
-    assert!(cells.find(&keys(&toml, 2, [10, b2, 1, 1]).1).is_some(), "another /16: a cell of its /24");
-    assert!(cells.find(&keys(&toml, 2, [10, b2, 0, 0]).0).is_none(), "no wide cell made once they are off");
+    let b2 = roomy(cells, 61..=120, |b| keys(toml, 2, [10, b, 1, 1]).1);
+    offer(dp, &to([10, b2, 1, 1], 9999), 1);
+    assert!(cells.find(&keys(toml, 2, [10, b2, 1, 1]).1).is_some(), "another /16: a cell of its /24");
+    assert!(cells.find(&keys(toml, 2, [10, b2, 0, 0]).0).is_none(), "no wide cell made once they are off");
     assert_eq!(dp.wide_counts().unwrap(), (1, 0));
 }
