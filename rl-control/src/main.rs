@@ -207,7 +207,8 @@ enum Command {
     },
     /// Validate a config file and exit: 0 if valid, 1 with `file:line:column: error` if not.
     ///
-    /// Runs exactly the loader `run` uses.
+    /// Runs exactly the loader `run` uses. A valid file may get `note:` lines for what is worth
+    /// knowing before it runs, e.g. two rules that share a wide-cell count (the daemon logs them too).
     ///
     /// Example: rl-control check-config /etc/rl/rules.toml
     CheckConfig {
@@ -239,7 +240,10 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::CheckConfig { file } => Config::from_file(&file)
             .map(|c| {
-                println!("{}: ok ({}; up to {} sources)", file.display(), c.summary(), c.datapath.max_sources)
+                println!("{}: ok ({}; up to {} sources)", file.display(), c.summary(), c.datapath.max_sources);
+                for note in rl_control::compile::compile(&c).rules.wide_count_notes() {
+                    println!("note: {note}");
+                }
             })
             .map_err(anyhow::Error::from),
         Command::Reload { pid_file: Some(pid_file), .. } => daemon::signal_reload(&pid_file),

@@ -126,11 +126,13 @@ fn write_back_follows_a_symlink_and_keeps_the_file_mode() {
     assert!(status.success(), "{log}");
 }
 
-/// The prefix cells' lengths change only with a fresh datapath: a reload
-/// that changes them is refused with what to do (a source limited in its
-/// /24 cell would find a fresh /16 one), and the rules stay in force.
+/// What the datapath was made with changes only with a fresh datapath: a
+/// reload that changes the prefix cells' lengths (a source limited in its
+/// /24 cell would find a fresh /16 one) or the tables' sizes (the status
+/// would read a capacity the tables do not have) is refused with what to
+/// do, and the running settings stay in force.
 #[test]
-fn a_reload_that_changes_the_prefix_cells_is_refused() {
+fn a_reload_that_changes_the_prefix_cells_or_the_tables_is_refused() {
     let lab = Lab::new().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let cfg = write(&dir, "rl.toml", "[default]\nrate = 100\n");
@@ -141,10 +143,81 @@ fn a_reload_that_changes_the_prefix_cells_is_refused() {
     assert!(out.contains("datapath.flood_prefix_v4/v6 = 16/48 differ from the running 24/48"), "{out}");
     let r = request(&lab.b, "POST", "/v1/reload", None, None).unwrap();
     assert_eq!(r.status, 422, "{}", r.body);
+    for (toml, want) in [
+        ("max_sources = 2048", "datapath.max_sources/flood_prefixes = 2048/65536 differ from the running 1048576/65536"),
+        ("flood_prefixes = 1024", "datapath.max_sources/flood_prefixes = 1048576/1024 differ from the running 1048576/65536"),
+    ] {
+        std::fs::write(&cfg, format!("[datapath]\n{toml}\n[default]\nrate = 100\n")).unwrap();
+        let (status, out) = run_once(Some(&lab.b), &["reload"]).unwrap();
+        assert!(!status.success(), "{toml}: {out}");
+        assert!(out.contains(want) && out.contains("rl-control detach"), "{toml}: {out}");
+        let s: serde_json::Value = serde_json::from_str(&request(&lab.b, "GET", "/v1/status", None, None).unwrap().body).unwrap();
+        assert_eq!(s["pressure"]["bucket_capacity"], 1048576, "{toml}: the refused size reached the status: {s}");
+    }
     // Restored, the file reloads.
     std::fs::write(&cfg, "[default]\nrate = 100\n").unwrap();
     let (status, out) = run_once(Some(&lab.b), &["reload"]).unwrap();
     assert!(status.success(), "{out}");
     let (status, log) = d.stop(libc::SIGTERM).unwrap();
     assert!(status.success(), "{log}");
+}
+
+/// A rule file with two rules, alike but for their names: the first pair
+/// of names whose rules share a wide-cell count if `share`, else "a", "b"
+/// (checked apart).
+fn two_rules(share: bool) -> String {
+    let rule = |n: &str| format!("[[rule]]\nname = \"{n}\"\nproto = \"udp\"\ndst_ports = [53]\nrate = 1\n");
+    let compiled = |names: &[String]| {
+        let text = format!("[default]\nrate = 5\n{}", names.iter().map(|n| rule(n)).collect::<String>());
+        rl_control::compile::compile(&rl_control::config::Config::from_str(&text, "x").unwrap()).rules
+    };
+    let entry = |id: u32| rl_common::wide_entry(id, 0);
+    let (a, b) = if share {
+        let names: Vec<String> = (0..200).map(|n| format!("r{n}")).collect();
+        let set = compiled(&names);
+        let mut seen = std::collections::HashMap::new();
+        let pair = set.entries.iter().enumerate().skip(1).find_map(|(i, e)| seen.insert(entry(e.id), i).map(|j| (j, i)));
+        let (j, i) = pair.expect("200 rules and no two sharing a wide-cell count");
+        (set.names[j].clone(), set.names[i].clone())
+    } else {
+        ("a".to_string(), "b".to_string())
+    };
+    let set = compiled(&[a.clone(), b.clone()]);
+    assert_eq!(entry(set.entries[1].id) == entry(set.entries[2].id), share, "{a} and {b}");
+    format!("[default]\nrate = 5\n{}{}", rule(&a), rule(&b))
+}
+
+/// Two rules whose wide-cell counts share an entry go wide together: the
+/// operator is told which, and how to part them, by `check-config`, at
+/// start and at each reload; rules apart get no such note.
+#[test]
+fn rules_that_share_a_wide_cell_count_are_named() {
+    let lab = Lab::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (shared, apart) = (two_rules(true), two_rules(false));
+    let note = |out: &str| out.lines().filter(|l| l.contains("share a wide-cell count")).map(str::to_string).collect::<Vec<_>>();
+    let cfg = write(&dir, "rl.toml", &shared);
+    let (status, out) = run_once(None, &["check-config", cfg.to_str().unwrap()]).unwrap();
+    assert!(status.success(), "{out}");
+    let notes = note(&out);
+    assert_eq!(notes.len(), 1, "{out}");
+    assert!(notes[0].starts_with("note: rules r") && notes[0].contains("rename one") && notes[0].contains("flood_wide_cells = false"), "{out}");
+    std::fs::write(&cfg, &apart).unwrap();
+    let (status, out) = run_once(None, &["check-config", cfg.to_str().unwrap()]).unwrap();
+    assert!(status.success() && note(&out).is_empty(), "{out}");
+
+    // The daemon: at start (apart: nothing), then at a reload onto the pair.
+    let d = Daemon::serving(&lab, &cfg, &[]).unwrap();
+    std::fs::write(&cfg, &shared).unwrap();
+    let (status, out) = run_once(Some(&lab.b), &["reload"]).unwrap();
+    assert!(status.success(), "{out}");
+    let (status, log) = d.stop(libc::SIGTERM).unwrap();
+    assert!(status.success(), "{log}");
+    assert_eq!(note(&log).len(), 1, "one warning, at the reload:\n{log}");
+    assert!(note(&log)[0].contains("WARN"), "{log}");
+    // Started on the pair: said at the start.
+    let d = Daemon::serving(&lab, &cfg, &[]).unwrap();
+    let (status, log) = d.stop(libc::SIGTERM).unwrap();
+    assert!(status.success(), "{log}");
+    assert_eq!(note(&log).len(), 1, "one warning, at the start:\n{log}");
 }

@@ -263,7 +263,7 @@ fn a_rules_wide_cells_are_named_and_so_is_their_end() {
     assert!(!out.contains("wide cells of:"), "{out}");
     let (status, log) = daemon.stop(libc::SIGTERM).unwrap();
     assert!(status.success(), "{log}");
-    assert!(log.contains("rule surge's flood spans a quarter") && log.contains("rule surge's last wide cell was freed"), "the log names the rule:\n{log}");
+    assert!(log.contains("rule surge's flood holds a quarter") && log.contains("rule surge's last wide cell was freed"), "the log names the rule:\n{log}");
 }
 
 /// Waits up to `secs` for `n` events of `kind`.

@@ -84,7 +84,7 @@ fn pressure(out: &mut String, s: &State) {
     }
     family(out, "rl_prefix_cells", "gauge", "Prefix cells held (each family's array takes datapath.flood_prefixes rounded up to a power of two, in twice as many slots, two per set).");
     let _ = writeln!(out, "rl_prefix_cells{{family=\"ipv4\"}} {}\nrl_prefix_cells{{family=\"ipv6\"}} {}", p.cells_ipv4, p.cells_ipv6);
-    family(out, "rl_wide_cells", "gauge", "Of the prefix cells, wide ones (8 bits shorter, IPv6 16): made while a flood spans a quarter of the cells' room or more.");
+    family(out, "rl_wide_cells", "gauge", "Of the prefix cells, wide ones (8 bits shorter, IPv6 16): made while a rule's flood holds a quarter of the cells' slots (half of datapath.flood_prefixes) or more.");
     let _ = writeln!(out, "rl_wide_cells{{family=\"ipv4\"}} {}\nrl_wide_cells{{family=\"ipv6\"}} {}", p.wide_cells_ipv4, p.wide_cells_ipv6);
     family(out, "rl_rule_wide_cells", "gauge", "Wide cells per rule that has any (absent: none): the rules whose floods went wide, so whose newcomers in a flooded prefix start drained.");
     for w in &p.wide_cell_rules {

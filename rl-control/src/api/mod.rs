@@ -445,9 +445,12 @@ pub struct Events {
     pub events: Vec<crate::daemon::state::EventView>,
 }
 
-/// The most recent "source started being limited under rule R" events
-/// (default 100, at most 1,000 are kept). The datapath raises at most one
-/// per source per limiting episode and at most 100 per second in all.
+/// The most recent events, newest first (default 100): "source started
+/// being limited under rule R" (at most 1,000 kept; the datapath raises at
+/// most one per source per limiting episode and at most 100 per second in
+/// all), and, kept apart so that those never push them out (the last 256),
+/// the host's, its rules' and the cluster's: flood mode, full tables, wide
+/// cells, Redis.
 #[utoipa::path(get, path = "/v1/events", params(("limit" = Option<usize>, Query, description = "how many (default 100)")),
     responses((status = 200, body = Events), (status = 400, body = ErrorBody)))]
 async fn events(AxState(api): AxState<Api>, q: Result<Query<EventsQuery>, QueryRejection>) -> ApiResult<Json<Events>> {
@@ -457,7 +460,7 @@ async fn events(AxState(api): AxState<Api>, q: Result<Query<EventsQuery>, QueryR
         return Err(ApiError(StatusCode::BAD_REQUEST, format!("limit must be 1..={}", crate::daemon::state::EVENTS_KEPT)));
     }
     let s = lock(&api.state);
-    Ok(Json(Events { events: s.events.iter().rev().take(n).cloned().collect() }))
+    Ok(Json(Events { events: s.events.latest(n) }))
 }
 
 #[derive(Deserialize, ToSchema)]

@@ -80,6 +80,48 @@ pub struct RuleSet {
 }
 
 impl RuleSet {
+    /// Pairs of rules (by name) whose wide-cell counts share an entry of
+    /// [`rl_common::MAP_WIDE_COUNT`] (1,024 per family, by a hash of the
+    /// rule's id), where one of them may make wide cells (not a cluster
+    /// rule, `flood_wide_cells` on): its cells count toward the other's
+    /// quarter, so a wide flood under either makes the newcomers of both
+    /// start drained at /16. The daemon and `check-config` say so.
+    pub fn wide_count_sharers(&self) -> Vec<(&str, &str)> {
+        let may_make = |e: &RuleEntry| e.flags & (rl_common::RULE_CLUSTER | rl_common::RULE_NO_WIDE) == 0;
+        let mut by_entry: HashMap<u32, Vec<usize>> = HashMap::new();
+        for (i, e) in self.entries.iter().enumerate() {
+            by_entry.entry(rl_common::wide_entry(e.id, 0)).or_default().push(i);
+        }
+        let mut pairs = Vec::new();
+        for group in by_entry.values() {
+            for (n, &a) in group.iter().enumerate() {
+                for &b in &group[n + 1..] {
+                    if may_make(&self.entries[a]) || may_make(&self.entries[b]) {
+                        pairs.push((a.min(b), a.max(b)));
+                    }
+                }
+            }
+        }
+        pairs.sort_unstable();
+        pairs.into_iter().map(|(a, b)| (self.names[a].as_str(), self.names[b].as_str())).collect()
+    }
+
+    /// One line per pair of [`RuleSet::wide_count_sharers`]: what it does
+    /// and how to part them.
+    pub fn wide_count_notes(&self) -> Vec<String> {
+        self.wide_count_sharers()
+            .into_iter()
+            .map(|(a, b)| {
+                format!(
+                    "rules {a} and {b} share a wide-cell count (about 1 pair of rules in 1,024 does): a flood under \
+                     either that goes wide makes the newcomers of both start drained at /16 (IPv6 /32); to part \
+                     them, rename one (a renamed rule starts its buckets fresh), or set flood_wide_cells = false \
+                     on the rule to spare"
+                )
+            })
+            .collect()
+    }
+
     /// The rule index the datapath picks for a packet: the same lookups, in
     /// the same order, from the compiled tables. Host tests compare it with
     /// a direct reading of the precedence rules.
@@ -287,6 +329,43 @@ mod tests {
         assert_eq!(a.rules.entries[2].id, b.rules.entries[1].id, "rule b unchanged (moved)");
         assert_ne!(a.rules.entries[1].id, b.rules.entries[2].id, "rule a changed its rate");
         assert!(a.rules.entries.iter().all(|e| e.id & 7 == 0));
+    }
+
+    /// Two rules, alike but for their names, whose ids fall on the same
+    /// wide-count entry (searched: ids are hashes of the definitions).
+    fn sharing_names() -> (String, String) {
+        let rule = |n: usize| format!("[[rule]]\nname = \"r{n}\"\nproto = \"udp\"\ndst_ports = [53]\nrate = 1\n");
+        let all: String = (0..200).map(rule).collect();
+        let c = compile(&config(&format!("[default]\nrate = 5\n{all}")));
+        let mut seen = HashMap::new();
+        for (i, e) in c.rules.entries.iter().enumerate().skip(1) {
+            if let Some(j) = seen.insert(rl_common::wide_entry(e.id, 0), i) {
+                return (c.rules.names[j].clone(), c.rules.names[i].clone());
+            }
+        }
+        panic!("200 rules on 1,024 entries with no two sharing one: the ids no longer spread as hashes");
+    }
+
+    #[test]
+    fn rules_sharing_a_wide_count_are_named_unless_neither_may_go_wide() {
+        let (a, b) = sharing_names();
+        let text = |extra: &str| {
+            format!(
+                "[default]\nrate = 5\n[[rule]]\nname = \"{a}\"\nproto = \"udp\"\ndst_ports = [53]\nrate = 1\n{extra}\
+                 [[rule]]\nname = \"{b}\"\nproto = \"udp\"\ndst_ports = [53]\nrate = 1\n{extra}"
+            )
+        };
+        let c = compile(&config(&text("")));
+        assert_eq!(c.rules.wide_count_sharers(), [(a.as_str(), b.as_str())]);
+        // Neither may make wide cells: their shared count harms neither.
+        // (The setting is not part of a rule's id: the same entries.)
+        let c = compile(&config(&text("flood_wide_cells = false\n")));
+        assert!(c.rules.wide_count_sharers().is_empty());
+        // Apart, nothing to say.
+        let c = compile(&config("[default]\nrate = 5\n[[rule]]\nname = \"a\"\nrate = 1\n[[rule]]\nname = \"b\"\nrate = 2\n"));
+        let (ea, eb) = (&c.rules.entries[1], &c.rules.entries[2]);
+        assert_ne!(rl_common::wide_entry(ea.id, 0), rl_common::wide_entry(eb.id, 0), "pick other names for this case");
+        assert!(c.rules.wide_count_sharers().is_empty());
     }
 
     #[test]

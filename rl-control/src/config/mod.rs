@@ -118,7 +118,8 @@ pub struct Datapath {
     pub flood_prefix_v6: u8,
     /// Capacity of each family's prefix-cell table.
     pub flood_prefixes: u32,
-    /// Whether a flood over a quarter of the cells' room is charged to wide
+    /// Whether a flood whose rule holds cells in a quarter of the slots (half of
+    /// `flood_prefixes`) is charged to wide
     /// cells (8 bits shorter, IPv6 16) instead of a cell per prefix.
     pub flood_wide_cells: bool,
     /// How long a first fragment's verdict waits for its later fragments.

@@ -60,9 +60,9 @@ pub fn apply<E: From<ApplyError>>(
     // The change itself (a document edit of a large file, say) runs
     // outside the lock.
     let change = make(&running)?;
-    let (path, max_sources) = (running.path.clone(), running.config.datapath.max_sources);
+    let path = running.path.clone();
     let persist = change.persist;
-    let result = install(shared, change, path.as_deref(), stamp, max_sources);
+    let result = install(shared, change, path.as_deref(), stamp);
     let mut s = lock(shared);
     let message = match &result {
         Ok((summary, _, _)) => summary.clone(),
@@ -140,6 +140,31 @@ pub fn set_failure_mode(shared: &Shared, mode: Option<crate::cluster::OnFailure>
     Ok(())
 }
 
+/// Refuses a change of what the datapath was made with: the tables' sizes
+/// (`max_sources`, `flood_prefixes`: the program's cap and the status
+/// figures would read the new ones over tables of the old) and the prefix
+/// cells' lengths (a source limited in its /24 cell would find a fresh cell
+/// under another length).
+fn sized_at_load(new: &crate::config::Datapath, running: &crate::config::Datapath) -> Result<(), ApplyError> {
+    let refuse = |what: &str, new: String, old: String, why: &str| {
+        Err(ApplyError::Invalid(format!(
+            "datapath.{what} = {new} differ from the running {old}: {why}, so they change only with a fresh \
+             datapath: restore them (or drop all limiter state with `rl-control detach` and start again)"
+        )))
+    };
+    let (n, r) = ((new.max_sources, new.flood_prefixes), (running.max_sources, running.flood_prefixes));
+    if n != r {
+        let why = "the sources' table and the prefix cells are sized when the datapath is made";
+        return refuse("max_sources/flood_prefixes", format!("{}/{}", n.0, n.1), format!("{}/{}", r.0, r.1), why);
+    }
+    let (n, r) = ((new.flood_prefix_v4, new.flood_prefix_v6), (running.flood_prefix_v4, running.flood_prefix_v6));
+    if n != r {
+        let why = "a source limited in its prefix cell would find a fresh cell under the new length";
+        return refuse("flood_prefix_v4/v6", format!("{}/{}", n.0, n.1), format!("{}/{}", r.0, r.1), why);
+    }
+    Ok(())
+}
+
 /// Validates, compiles (no lock), installs (the state lock held for the
 /// map writes only) and persists (no lock) one change.
 fn install(
@@ -147,23 +172,11 @@ fn install(
     change: Change,
     path: Option<&Path>,
     stamp: Option<crate::daemon::state::FileStamp>,
-    max_sources: u32,
 ) -> Result<(String, Config, String), ApplyError> {
     let t0 = Instant::now();
     let new = Config::from_str(&change.text, &change.origin).map_err(|e| ApplyError::Invalid(e.to_string()))?;
-    if new.datapath.max_sources != max_sources {
-        warn!("datapath.max_sources changes only on restart; keeping {max_sources}");
-    }
     let running = lock(shared).config.clone();
-    let (v4, v6) = (running.datapath.flood_prefix_v4, running.datapath.flood_prefix_v6);
-    if (new.datapath.flood_prefix_v4, new.datapath.flood_prefix_v6) != (v4, v6) {
-        return Err(ApplyError::Invalid(format!(
-            "datapath.flood_prefix_v4/v6 = {}/{} differ from the running {v4}/{v6}: a source limited in its \
-             prefix cell would find a fresh cell under the new length, so they change only with a fresh \
-             datapath: restore them (or drop all limiter state with `rl-control detach` and start again)",
-            new.datapath.flood_prefix_v4, new.datapath.flood_prefix_v6
-        )));
-    }
+    sized_at_load(&new.datapath, &running.datapath)?;
     if new.cluster != running.cluster {
         return Err(ApplyError::Invalid(
             "[cluster] differs from the running daemon's, and it changes only on restart: \
@@ -196,6 +209,9 @@ fn install(
     prepare_unlocked(shared, &mut plan, ready).map_err(|e| failed("installing the rules", &e))?;
     lock(shared).dp.execute(plan).map_err(|e| failed("installing the rules", &e))?;
     let t2 = Instant::now();
+    for note in compiled.rules.wide_count_notes() {
+        warn!("{note}");
+    }
     if change.persist {
         match path {
             Some(p) => {

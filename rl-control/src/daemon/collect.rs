@@ -350,7 +350,7 @@ fn wide_rules(s: &mut State, pass: &Pass) {
     let (at, before) = (unix_now() * 1000, std::mem::take(&mut s.pressure.wide_cell_rules));
     for w in now.iter().filter(|w| !had(&before, &w.rule)) {
         let event = "wide_cells_made";
-        warn!(event, rule = %w.rule, ipv4 = w.ipv4, ipv6 = w.ipv6, "rule {}'s flood spans a quarter of the prefix cells' room: its unseen sources are charged to wide cells (prefixes 8 bits shorter than a cell's, IPv6 16; a new one starts drained) until those are fresh again", w.rule);
+        warn!(event, rule = %w.rule, ipv4 = w.ipv4, ipv6 = w.ipv6, "rule {}'s flood holds a quarter of the prefix cells' slots (half of datapath.flood_prefixes): its unseen sources are charged to wide cells (prefixes 8 bits shorter than a cell's, IPv6 16; a new one starts drained) until those are fresh again", w.rule);
         s.push_rule_event(event, &w.rule, at);
     }
     for w in before.into_iter().filter(|w| !had(&now, &w.rule)) {

@@ -89,8 +89,54 @@ pub struct State {
     pub api_requests: BTreeMap<(String, u16), u64>,
     /// The sources with the most drops over the last scan interval.
     pub top: Top,
-    /// The most recent "limited" events, oldest first.
-    pub events: std::collections::VecDeque<EventView>,
+    /// The most recent events.
+    pub events: EventLog,
+}
+
+/// The events `GET /v1/events` shows, in two rings: "limited" events, and
+/// apart from them those of the host, its rules and the cluster (flood
+/// mode, full tables, wide cells, Redis), so that the thousands a long
+/// flood raises of the first kind never push out when it began.
+#[derive(Default)]
+pub struct EventLog {
+    limited: std::collections::VecDeque<EventView>,
+    notices: std::collections::VecDeque<EventView>,
+}
+
+impl EventLog {
+    /// Keeps a "limited" event (dropping the oldest beyond [`EVENTS_KEPT`]).
+    pub fn limited(&mut self, event: EventView) {
+        keep(&mut self.limited, event, EVENTS_KEPT);
+    }
+
+    /// Keeps a host, rule or cluster event (dropping the oldest beyond
+    /// [`NOTICES_KEPT`]).
+    pub fn notice(&mut self, event: EventView) {
+        keep(&mut self.notices, event, NOTICES_KEPT);
+    }
+
+    /// The latest `n` events of both kinds, newest first.
+    pub fn latest(&self, n: usize) -> Vec<EventView> {
+        let (mut a, mut b) = (self.limited.iter().rev().peekable(), self.notices.iter().rev().peekable());
+        let mut out = Vec::with_capacity(n.min(EVENTS_KEPT + NOTICES_KEPT));
+        while out.len() < n {
+            let next = match (a.peek(), b.peek()) {
+                (Some(x), Some(y)) if x.at_unix_ms > y.at_unix_ms => a.next(),
+                (_, Some(_)) => b.next(),
+                (Some(_), None) => a.next(),
+                (None, None) => break,
+            };
+            out.extend(next.cloned());
+        }
+        out
+    }
+}
+
+fn keep(ring: &mut std::collections::VecDeque<EventView>, event: EventView, kept: usize) {
+    if ring.len() == kept {
+        ring.pop_front();
+    }
+    ring.push_back(event);
 }
 
 /// The rule file a daemon starts with: parsed, as written, where from.
@@ -158,7 +204,8 @@ pub struct Pressure {
     pub cells_ipv4: u64,
     pub cells_ipv6: u64,
     /// Of those, wide cells (a prefix 8 bits shorter, IPv6 16), per family:
-    /// made while a flood spans a quarter of the cells' room or more
+    /// made while a rule's flood holds a quarter of the cells' slots (half
+    /// of `flood_prefixes`) or more
     /// (`datapath.flood_wide_cells`).
     pub wide_cells_ipv4: u64,
     pub wide_cells_ipv6: u64,
@@ -204,8 +251,10 @@ pub struct Pressure {
     pub flood_since_unix_ms: Option<u64>,
 }
 
-/// Events kept for `GET /v1/events`.
+/// "Limited" events kept for `GET /v1/events`.
 pub const EVENTS_KEPT: usize = 1_000;
+/// Host, rule and cluster events kept for `GET /v1/events`, beside them.
+pub const NOTICES_KEPT: usize = 256;
 
 /// A source's drops under one rule over the last interval.
 #[derive(Clone, Debug, Serialize, serde::Deserialize, utoipa::ToSchema)]
@@ -248,10 +297,12 @@ impl State {
     /// Keeps `event` for `GET /v1/events` (dropping the oldest beyond
     /// [`EVENTS_KEPT`]).
     pub fn push_event(&mut self, event: EventView) {
-        if self.events.len() == EVENTS_KEPT {
-            self.events.pop_front();
-        }
-        self.events.push_back(event);
+        self.events.limited(event);
+    }
+
+    /// Keeps a host, rule or cluster event for `GET /v1/events`.
+    pub fn push_notice(&mut self, event: EventView) {
+        self.events.notice(event);
     }
 
     /// Records a host-wide event (flood mode, a full table) at `at_unix_ms`:
@@ -262,7 +313,7 @@ impl State {
 
     /// Records an event of one rule's (its wide cells) at `at_unix_ms`.
     pub fn push_rule_event(&mut self, event: &str, rule: &str, at_unix_ms: u64) {
-        self.push_event(EventView { at_unix_ms, event: event.into(), rule: rule.into(), limit_index: 0, source: String::new() });
+        self.push_notice(EventView { at_unix_ms, event: event.into(), rule: rule.into(), limit_index: 0, source: String::new() });
     }
 }
 
@@ -287,5 +338,41 @@ impl Running {
     /// How errors in the running text are located.
     pub fn origin(&self) -> String {
         self.path.as_ref().map_or("<embedded default>".into(), |p| p.display().to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(at_unix_ms: u64, event: &str) -> EventView {
+        EventView { at_unix_ms, event: event.into(), rule: String::new(), limit_index: 0, source: String::new() }
+    }
+
+    /// A long flood's "limited" events do not push out when it began, and
+    /// both kinds come back merged, newest first.
+    #[test]
+    fn limited_events_never_push_out_the_hosts() {
+        let mut log = EventLog::default();
+        log.notice(event(1, "flood_started"));
+        for t in 2..(2 + 3 * EVENTS_KEPT as u64) {
+            log.limited(event(t, "limited"));
+        }
+        let last = 1 + 3 * EVENTS_KEPT as u64;
+        log.notice(event(last, "wide_cells_made"));
+        let all = log.latest(EVENTS_KEPT + NOTICES_KEPT);
+        assert_eq!(all.len(), EVENTS_KEPT + 2);
+        // The notice raised at the same millisecond as the newest "limited" one comes first.
+        assert_eq!((all[0].at_unix_ms, all[0].event.as_str()), (last, "wide_cells_made"));
+        assert_eq!((all[1].at_unix_ms, all[1].event.as_str()), (last, "limited"));
+        assert_eq!(all.last().map(|e| e.event.as_str()), Some("flood_started"), "the flood's start was pushed out");
+        assert!(all.windows(2).all(|w| w[0].at_unix_ms >= w[1].at_unix_ms), "not newest first");
+        assert_eq!(all.iter().filter(|e| e.event == "limited").count(), EVENTS_KEPT, "the oldest limited ones go");
+        assert_eq!(log.latest(3).len(), 3);
+        // The notices' ring is bounded too.
+        for t in 0..(2 * NOTICES_KEPT as u64) {
+            log.notice(event(last + 1 + t, "table_full"));
+        }
+        assert_eq!(log.latest(usize::MAX).iter().filter(|e| e.event != "limited").count(), NOTICES_KEPT);
     }
 }
