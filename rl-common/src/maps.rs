@@ -520,7 +520,7 @@ pub const FRAG_DATA_SHIFT: u32 = 8;
 /// as the one datagram.
 pub const FRAG_DATA_MAX: u32 = 65_535;
 /// What a later fragment counts against [`FRAG_DATA_MAX`] at the least,
-/// whatever data its header claims: so a datagram gets at most 128 later
+/// whatever data its header claims: so a datagram gets at most 127 later
 /// fragments, and fragments that claim no data cannot stream past the
 /// bound. A real datagram's fragments (all but its last carry at least
 /// 552 bytes at IPv4's smallest common MTU of 576, 1,232 at IPv6's 1,280)
