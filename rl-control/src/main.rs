@@ -241,7 +241,10 @@ fn main() -> ExitCode {
         Command::CheckConfig { file } => Config::from_file(&file)
             .map(|c| {
                 println!("{}: ok ({}; up to {} sources)", file.display(), c.summary(), c.datapath.max_sources);
-                for note in rl_control::compile::compile(&c).rules.wide_count_notes() {
+                // As a fresh datapath would install them.
+                let mut rules = rl_control::compile::compile(&c).rules;
+                rl_control::compile::part_wide_counts(&mut rules.entries, &Default::default());
+                for note in rl_control::compile::wide_count_notes(&rules.entries, &rules.names) {
                     println!("note: {note}");
                 }
             })

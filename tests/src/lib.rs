@@ -69,6 +69,25 @@ pub fn flood_rules(max_sources: u64) -> String {
     )
 }
 
+/// The name (`prefix` and a number) of a rule `x(name)` whose id, compiled
+/// beside `base` (a rule file with fewer than 24 rules) and the rule text
+/// `y`, shares `y`'s
+/// wide-cell count (`rl_common::wide_entry`): searched among candidate
+/// names, since ids are hashes of the definitions (not of their place in
+/// the file), each sharing with odds of 1 in 1,024.
+pub fn sharing_a_wide_count(base: &str, prefix: &str, x: impl Fn(&str) -> String, y: &str) -> String {
+    (0..10)
+        .find_map(|batch| {
+            let names: Vec<String> = (batch * 1000..(batch + 1) * 1000).map(|n| format!("{prefix}{n}")).collect();
+            let text = format!("{base}{}{y}", names.iter().map(|n| x(n)).collect::<String>());
+            let set = compile(&Config::from_str(&text, "<test>").expect("a valid rule file")).rules;
+            let at = |i: usize| rl_common::wide_entry(set.entries[i].id, 0);
+            let (first, last) = (set.entries.len() - 1 - names.len(), set.entries.len() - 1);
+            (first..last).find(|&i| at(i) == at(last)).map(|i| names[i - first].clone())
+        })
+        .expect("among 10,000 candidates one shares y's wide count")
+}
+
 /// `burst + rate × seconds`, the packets a limiter passes from a flood.
 pub fn expected_passed(rate: u64, burst: u64, seconds: f64) -> f64 {
     burst as f64 + rate as f64 * seconds

@@ -382,3 +382,59 @@ fn turned_off_at_a_reload(dp: &mut Datapath, cells: &CellArray<Key4>, toml: &str
     assert!(cells.find(&keys(toml, 2, [10, b2, 0, 0]).0).is_none(), "no wide cell made once they are off");
     assert_eq!(dp.wide_counts().unwrap(), (1, 0));
 }
+
+/// "1 per hour" rules on UDP 7001 and 7002 whose ids, as compiled, share
+/// a wide-cell count.
+fn sharing_pair() -> String {
+    let rule = |name: &str, port: u16| format!("[[rule]]\nname = \"{name}\"\nproto = \"udp\"\ndst_ports = [{port}]\nrate = 1\nper = \"1h\"\nburst = 1\n");
+    let x = rl_tests::sharing_a_wide_count(&rules(""), "x", |n| rule(n, 7001), &rule("y", 7002));
+    rule(&x, 7001) + &rule("y", 7002)
+}
+
+/// Two rules whose ids, as compiled, would share a wide-cell count get
+/// counts of their own when installed (`compile::part_wide_counts`), so a
+/// wide flood under one leaves the other's newcomers with cells of their
+/// own prefix, their burst whole (d).
+#[test]
+fn rules_whose_ids_would_share_a_wide_count_are_parted_and_a_flood_under_one_leaves_the_other_alone() {
+    require_root();
+    let toml = rules(&sharing_pair());
+    let natural = compile(&Config::from_str(&toml, "<test>").unwrap()).rules;
+    let (x, y) = (&natural.entries[3], &natural.entries[4]);
+    assert_eq!(rl_common::wide_entry(x.id, 0), rl_common::wide_entry(y.id, 0), "compiled, they share");
+    let dp = datapath(&toml).unwrap();
+    let slot = dp.active_slot().unwrap();
+    let installed = |i: u32| dp.rule_table_entry(slot * rl_common::RULE_SLOTS + i).unwrap();
+    let (ix, iy) = (installed(3), installed(4));
+    assert_eq!(ix.id, x.id, "the first in the file keeps its id");
+    assert_ne!(rl_common::wide_entry(ix.id, 0), rl_common::wide_entry(iy.id, 0), "installed, they do not share");
+    assert!(dp.wide_count_notes().is_empty(), "{:?}", dp.wide_count_notes());
+    let key = |e: &rl_common::RuleEntry, src: [u8; 4]| {
+        let k = e.key4(0, u32::from_ne_bytes(src));
+        (
+            Key4 { rule: k.rule | KEY_WIDE, addr: k.addr & u32::from_ne_bytes([255, 255, 0, 0]) },
+            Key4 { rule: k.rule | KEY_CELL, addr: k.addr & u32::from_ne_bytes([255, 255, 255, 0]) },
+        )
+    };
+    let cells: CellArray<Key4> = dp.cells_v4().unwrap();
+    // x's flood goes wide: its newcomer in a new /16 makes a drained wide cell.
+    widen(&dp, 7001, 0);
+    let b = roomy(&cells, 1..=60, |b| key(&ix, [10, b, 0, 0]).0);
+    assert_eq!(offer(&dp, &to([10, b, 1, 1], 7001), 1), (0, 1), "x's wide cell, drained");
+    assert!(cells.find(&key(&ix, [10, b, 0, 0]).0).is_some());
+    // y's newcomer (another /16) gets its /24's cell and its burst: y did
+    // not go wide with x (with a shared count it would have made a drained
+    // wide cell and dropped this packet).
+    let b2 = roomy(&cells, 100..=200, |b| key(&iy, [10, b, 1, 0]).1);
+    assert_eq!(offer(&dp, &to([10, b2, 1, 1], 7002), 2), (1, 1), "y's newcomer keeps its burst of 1");
+    let (wide, cell) = key(&iy, [10, b2, 1, 1]);
+    assert!(cells.find(&cell).is_some() && cells.find(&wide).is_none(), "y's flood is not wide");
+    // Installed again (a reload of the same rules into the other table):
+    // the same ids.
+    let mut dp = dp;
+    reload(&mut dp, &toml);
+    let slot2 = dp.active_slot().unwrap();
+    assert_ne!(slot2, slot);
+    let again = |i: u32| dp.rule_table_entry(slot2 * rl_common::RULE_SLOTS + i).unwrap().id;
+    assert_eq!((again(3), again(4)), (ix.id, iy.id), "a reload keeps the parted ids (and so the buckets)");
+}

@@ -80,48 +80,6 @@ pub struct RuleSet {
 }
 
 impl RuleSet {
-    /// Pairs of rules (by name) whose wide-cell counts share an entry of
-    /// [`rl_common::MAP_WIDE_COUNT`] (1,024 per family, by a hash of the
-    /// rule's id), where one of them may make wide cells (not a cluster
-    /// rule, `flood_wide_cells` on): its cells count toward the other's
-    /// quarter, so a wide flood under either makes the newcomers of both
-    /// start drained at /16. The daemon and `check-config` say so.
-    pub fn wide_count_sharers(&self) -> Vec<(&str, &str)> {
-        let may_make = |e: &RuleEntry| e.flags & (rl_common::RULE_CLUSTER | rl_common::RULE_NO_WIDE) == 0;
-        let mut by_entry: HashMap<u32, Vec<usize>> = HashMap::new();
-        for (i, e) in self.entries.iter().enumerate() {
-            by_entry.entry(rl_common::wide_entry(e.id, 0)).or_default().push(i);
-        }
-        let mut pairs = Vec::new();
-        for group in by_entry.values() {
-            for (n, &a) in group.iter().enumerate() {
-                for &b in &group[n + 1..] {
-                    if may_make(&self.entries[a]) || may_make(&self.entries[b]) {
-                        pairs.push((a.min(b), a.max(b)));
-                    }
-                }
-            }
-        }
-        pairs.sort_unstable();
-        pairs.into_iter().map(|(a, b)| (self.names[a].as_str(), self.names[b].as_str())).collect()
-    }
-
-    /// One line per pair of [`RuleSet::wide_count_sharers`]: what it does
-    /// and how to part them.
-    pub fn wide_count_notes(&self) -> Vec<String> {
-        self.wide_count_sharers()
-            .into_iter()
-            .map(|(a, b)| {
-                format!(
-                    "rules {a} and {b} share a wide-cell count (about 1 pair of rules in 1,024 does): a flood under \
-                     either that goes wide makes the newcomers of both start drained at /16 (IPv6 /32); to part \
-                     them, rename one (a renamed rule starts its buckets fresh), or set flood_wide_cells = false \
-                     on the rule to spare"
-                )
-            })
-            .collect()
-    }
-
     /// The rule index the datapath picks for a packet: the same lookups, in
     /// the same order, from the compiled tables. Host tests compare it with
     /// a direct reading of the precedence rules.
@@ -262,6 +220,90 @@ fn compile_rules(config: &Config) -> RuleSet {
     RuleSet { flags, tuning, entries, names, l4, lpm, dir16, decide }
 }
 
+/// Gives each rule new to the rule tables an id whose wide-cell count
+/// ([`rl_common::MAP_WIDE_COUNT`]: 1,024 entries per family, by a hash of
+/// the id) no other rule's shares, so that a wide flood under one rule
+/// never makes another's newcomers start drained. `held`: the ids the
+/// datapath's two rule tables hold (the rules in force and those they
+/// replaced, whose cells may live on).
+///
+/// A rule whose id the tables hold keeps it, and so does a cluster rule
+/// (its sync knows it by that id). Any other takes, along its id's probe
+/// sequence (the id plus 8, 16, …: the next entry each), the first id the
+/// tables hold that no rule of the set claims (its own, given earlier, so
+/// that every install of the same rules gives the same ids), else the
+/// first id no rule has whose entry is free, else its own (more than
+/// 1,024 entries' worth of rules). A rule whose id changes here is new (its
+/// buckets start fresh either way); one given a removed rule's id instead
+/// inherits that rule's state, which allows at most what a fresh bucket
+/// would.
+pub fn part_wide_counts(entries: &mut [RuleEntry], held: &BTreeSet<u32>) {
+    let entry_of = |id: u32| rl_common::wide_entry(id, 0);
+    let fixed = |e: &RuleEntry| held.contains(&e.id) || e.flags & rl_common::RULE_CLUSTER != 0 || !rl_common::is_rule_id(e.id);
+    let mut taken: BTreeSet<u32> = held.iter().map(|&id| entry_of(id)).collect();
+    let mut claimed = BTreeSet::new();
+    for e in entries.iter().filter(|e| fixed(e)) {
+        taken.insert(entry_of(e.id));
+        claimed.insert(e.id);
+    }
+    let mut used: BTreeSet<u32> = held.iter().chain(entries.iter().map(|e| &e.id)).copied().collect();
+    for e in entries.iter_mut().filter(|e| !fixed(e)) {
+        let own = e.id;
+        let chain = (0..rl_common::WIDE_RULE_SLOTS)
+            .map(move |k| own.wrapping_add(8 * k) & rl_common::RULE_ID_MASK)
+            .filter(|&id| rl_common::is_rule_id(id));
+        let kept = chain.clone().find(|id| held.contains(id) && !claimed.contains(id));
+        let free = || chain.clone().find(|&id| (id == own || !used.contains(&id)) && !taken.contains(&entry_of(id)));
+        e.id = kept.or_else(free).unwrap_or(own);
+        claimed.insert(e.id);
+        used.insert(e.id);
+        taken.insert(entry_of(e.id));
+    }
+}
+
+/// Pairs of rules (by name; `names` indexed like `entries`) whose
+/// wide-cell counts still share an entry, where one of them may make wide
+/// cells (not a cluster rule, `flood_wide_cells` on): its cells count
+/// toward the other's quarter, so a wide flood under either makes the
+/// newcomers of both start drained. [`part_wide_counts`] leaves such pairs
+/// only among rules the tables held so (from builds before it), and past
+/// 1,024 entries' worth of rules.
+pub fn wide_count_sharers<'a>(entries: &[RuleEntry], names: &'a [String]) -> Vec<(&'a str, &'a str)> {
+    let may_make = |e: &RuleEntry| e.flags & (rl_common::RULE_CLUSTER | rl_common::RULE_NO_WIDE) == 0;
+    let mut by_entry: HashMap<u32, Vec<usize>> = HashMap::new();
+    for (i, e) in entries.iter().enumerate().filter(|(_, e)| rl_common::is_rule_id(e.id)) {
+        by_entry.entry(rl_common::wide_entry(e.id, 0)).or_default().push(i);
+    }
+    let mut pairs = Vec::new();
+    for group in by_entry.values() {
+        for (n, &a) in group.iter().enumerate() {
+            for &b in &group[n + 1..] {
+                if may_make(&entries[a]) || may_make(&entries[b]) {
+                    pairs.push((a.min(b), a.max(b)));
+                }
+            }
+        }
+    }
+    pairs.sort_unstable();
+    pairs.into_iter().filter_map(|(a, b)| Some((names.get(a)?.as_str(), names.get(b)?.as_str()))).collect()
+}
+
+/// One line per pair of [`wide_count_sharers`]: what it does and how to
+/// part them.
+pub fn wide_count_notes(entries: &[RuleEntry], names: &[String]) -> Vec<String> {
+    wide_count_sharers(entries, names)
+        .into_iter()
+        .map(|(a, b)| {
+            format!(
+                "rules {a} and {b} share a wide-cell count (kept from an older build, or past 1,024 rules): a \
+                 flood under either that goes wide makes the newcomers of both start drained at /16 (IPv6 /32); \
+                 to part them, rename one (a renamed rule starts its buckets fresh), or set flood_wide_cells = \
+                 false on the rule to spare"
+            )
+        })
+        .collect()
+}
+
 /// A 32-bit id of a definition, low 3 bits 0. Stable across processes and
 /// builds (FNV-1a over the derived `Hash` stream, not `DefaultHasher`,
 /// whose algorithm may change): a restarted or upgraded daemon that adopts
@@ -346,8 +388,20 @@ mod tests {
         panic!("200 rules on 1,024 entries with no two sharing one: the ids no longer spread as hashes");
     }
 
+    fn ids(entries: &[RuleEntry]) -> Vec<u32> {
+        entries.iter().map(|e| e.id).collect()
+    }
+
+    fn entry_of(e: &RuleEntry) -> u32 {
+        rl_common::wide_entry(e.id, 0)
+    }
+
+    /// A pair whose ids share a wide count: each rule new to the tables
+    /// gets one apart (the later in the file moves), every install of the
+    /// same rules gives the same ids, and rules the tables hold keep
+    /// theirs, sharing or not (said by the notes).
     #[test]
-    fn rules_sharing_a_wide_count_are_named_unless_neither_may_go_wide() {
+    fn rules_new_to_the_tables_get_wide_counts_of_their_own() {
         let (a, b) = sharing_names();
         let text = |extra: &str| {
             format!(
@@ -355,17 +409,71 @@ mod tests {
                  [[rule]]\nname = \"{b}\"\nproto = \"udp\"\ndst_ports = [53]\nrate = 1\n{extra}"
             )
         };
-        let c = compile(&config(&text("")));
-        assert_eq!(c.rules.wide_count_sharers(), [(a.as_str(), b.as_str())]);
-        // Neither may make wide cells: their shared count harms neither.
-        // (The setting is not part of a rule's id: the same entries.)
-        let c = compile(&config(&text("flood_wide_cells = false\n")));
-        assert!(c.rules.wide_count_sharers().is_empty());
-        // Apart, nothing to say.
-        let c = compile(&config("[default]\nrate = 5\n[[rule]]\nname = \"a\"\nrate = 1\n[[rule]]\nname = \"b\"\nrate = 2\n"));
-        let (ea, eb) = (&c.rules.entries[1], &c.rules.entries[2]);
-        assert_ne!(rl_common::wide_entry(ea.id, 0), rl_common::wide_entry(eb.id, 0), "pick other names for this case");
-        assert!(c.rules.wide_count_sharers().is_empty());
+        let natural = compile(&config(&text(""))).rules;
+        assert_eq!(entry_of(&natural.entries[1]), entry_of(&natural.entries[2]));
+        assert_eq!(wide_count_sharers(&natural.entries, &natural.names), [(a.as_str(), b.as_str())]);
+
+        // A fresh datapath: the later rule moves to the next free entry.
+        let mut fresh = natural.entries.clone();
+        part_wide_counts(&mut fresh, &BTreeSet::new());
+        assert_eq!(fresh[..2], natural.entries[..2], "[default] and the first rule keep their ids");
+        assert_ne!(entry_of(&fresh[1]), entry_of(&fresh[2]));
+        assert_eq!(fresh[2].id, natural.entries[2].id + 8, "one step along (the next entry is free)");
+        assert!(wide_count_sharers(&fresh, &natural.names).is_empty());
+        assert!(fresh.iter().zip(&natural.entries).all(|(p, n)| RuleEntry { id: n.id, ..*p } == *n), "only ids change");
+
+        // Installed again (the second table, a reload, a restart onto the
+        // pins): the same ids, from the natural ones or the parted ones.
+        let held: BTreeSet<u32> = ids(&fresh).into_iter().collect();
+        for start in [&natural.entries, &fresh] {
+            let mut again = start.clone();
+            part_wide_counts(&mut again, &held);
+            assert_eq!(ids(&again), ids(&fresh));
+        }
+        // The first rule removed and added back: the second keeps its id.
+        let mut back = natural.entries.clone();
+        part_wide_counts(&mut back, &[fresh[0].id, fresh[2].id].into_iter().collect());
+        assert_eq!(ids(&back), ids(&fresh), "the second rule kept its id; the first went back to its own");
+        let mut back = natural.entries.clone();
+        back.swap(1, 2);
+        part_wide_counts(&mut back, &held);
+        assert_eq!((back[1].id, back[2].id), (fresh[2].id, fresh[1].id), "moving rules in the file changes no id");
+
+        // Rules the tables hold keep their ids even when they share (an
+        // older build's): the notes name them and say what to do.
+        let held: BTreeSet<u32> = ids(&natural.entries).into_iter().collect();
+        let mut kept = natural.entries.clone();
+        part_wide_counts(&mut kept, &held);
+        assert_eq!(ids(&kept), ids(&natural.entries));
+        let notes = wide_count_notes(&kept, &natural.names);
+        assert_eq!(notes.len(), 1);
+        assert!(notes[0].starts_with(&format!("rules {a} and {b} share a wide-cell count")) && notes[0].contains("rename one"), "{}", notes[0]);
+
+        // A new rule beside a held one it collides with: the new one moves.
+        let mut added = natural.entries.clone();
+        part_wide_counts(&mut added, &[natural.entries[0].id, natural.entries[2].id].into_iter().collect());
+        assert_eq!((added[2].id, added[1].id), (natural.entries[2].id, natural.entries[1].id + 8));
+
+        // A cluster rule keeps its id (its sync knows it by that): the other moves.
+        let mut cluster = natural.entries.clone();
+        cluster[2].flags |= rl_common::RULE_CLUSTER;
+        part_wide_counts(&mut cluster, &BTreeSet::new());
+        assert_eq!((cluster[2].id, cluster[1].id), (natural.entries[2].id, natural.entries[1].id + 8));
+
+        // Neither may make wide cells: a shared count harms neither.
+        let off = compile(&config(&text("flood_wide_cells = false\n"))).rules;
+        assert_eq!(ids(&off.entries), ids(&natural.entries), "the setting is not part of a rule's id");
+        assert!(wide_count_sharers(&off.entries, &off.names).is_empty());
+    }
+
+    /// With every entry taken (more rules than entries), a rule keeps its
+    /// own id, and parting ends.
+    #[test]
+    fn past_1024_entries_a_rule_keeps_its_own_id() {
+        let held: BTreeSet<u32> = (0..rl_common::WIDE_RULE_SLOTS).map(|k| 0x1000_0000 + 8 * k).collect();
+        let mut e = [RuleEntry { id: 0x2000_0000, ..Default::default() }];
+        part_wide_counts(&mut e, &held);
+        assert_eq!(e[0].id, 0x2000_0000);
     }
 
     #[test]

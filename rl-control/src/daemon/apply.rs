@@ -207,9 +207,13 @@ fn install(
     let mut plan = Plan::new(basis, &compiled.rules).map_err(|e| failed("installing the rules", &e))?;
     let t1 = Instant::now();
     prepare_unlocked(shared, &mut plan, ready).map_err(|e| failed("installing the rules", &e))?;
-    lock(shared).dp.execute(plan).map_err(|e| failed("installing the rules", &e))?;
+    let notes = {
+        let mut s = lock(shared);
+        s.dp.execute(plan).map_err(|e| failed("installing the rules", &e))?;
+        s.dp.wide_count_notes()
+    };
     let t2 = Instant::now();
-    for note in compiled.rules.wide_count_notes() {
+    for note in notes {
         warn!("{note}");
     }
     if change.persist {

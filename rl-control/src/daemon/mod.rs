@@ -314,9 +314,6 @@ fn enforce(
     pins: &std::path::Path,
 ) -> Result<(Datapath, Vec<crate::datapath::Attachment>)> {
     let compiled = compile(config);
-    for note in compiled.rules.wide_count_notes() {
-        warn!("{note}");
-    }
     crate::datapath::prepare_pins(pin_dir, pins)?;
     let mut dp = Datapath::load_with(&compiled, LoadOptions { pin: Some(pins.to_path_buf()), ..Default::default() })?;
     let adopted = dp.adopted();
@@ -332,6 +329,9 @@ fn enforce(
     };
     if adopted {
         info!(pins = %pins.display(), "adopted the pinned datapath: buckets kept, program replaced atomically, then the rules written");
+    }
+    for note in dp.wide_count_notes() {
+        warn!("{note}");
     }
     Ok((dp, attachments))
 }

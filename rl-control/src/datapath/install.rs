@@ -48,6 +48,8 @@ pub struct Basis {
     cell_slots_log2: u16,
     /// Possible CPUs (the per-CPU maps' width).
     cpus: usize,
+    /// The rule ids both rule tables hold.
+    held: Arc<std::collections::BTreeSet<u32>>,
 }
 
 impl Datapath {
@@ -78,6 +80,31 @@ impl Datapath {
             epoch_offset_ns: self.epoch_offset_ns,
             cell_slots_log2: self.cell_slots_log2,
             cpus: self.cpus,
+            held: self.held_ids.clone(),
+        }
+    }
+
+    /// The rule ids the rule tables' maps hold (both slots).
+    pub(super) fn read_held_ids(&self) -> Result<std::collections::BTreeSet<u32>, DatapathError> {
+        let mut out = std::collections::BTreeSet::new();
+        for entry in 0..2 * RULE_SLOTS {
+            let id = self.rule_table_entry(entry)?.id;
+            if is_rule_id(id) {
+                out.insert(id);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The notes on the wide-cell counts of the rules in force, with the
+    /// ids the tables hold ([`crate::compile::wide_count_notes`]).
+    pub fn wide_count_notes(&self) -> Vec<String> {
+        match self.active {
+            Some(slot) => {
+                let c = &self.slots[slot as usize];
+                crate::compile::wide_count_notes(&c.entries, &c.names)
+            }
+            None => Vec::new(),
         }
     }
 
@@ -105,6 +132,17 @@ impl Datapath {
                 }
             }
         }
+        // What the tables hold now, or may (this slot half-written).
+        let other = &self.slots[slot as usize ^ 1];
+        let mut held: std::collections::BTreeSet<u32> = plan.entries.iter().map(|e| e.id).filter(|&id| is_rule_id(id)).collect();
+        match other.unknown {
+            true => held.extend(self.held_ids.iter().copied()),
+            false => held.extend(other.entries.iter().map(|e| e.id).filter(|&id| is_rule_id(id))),
+        }
+        if written.is_err() {
+            held.extend(self.held_ids.iter().copied());
+        }
+        self.held_ids = Arc::new(held);
         written?;
         self.active = Some(slot);
         self.flipped_at = Instant::now();
@@ -368,8 +406,10 @@ impl Plan {
         let slot = basis.slot;
         let empty = SlotContents::default();
         let old: &SlotContents = if basis.old.unknown { &empty } else { &basis.old };
-        let entries: Vec<RuleEntry> = rules
-            .entries
+        // Rules new to the tables get wide-cell counts of their own.
+        let mut parted = rules.entries.clone();
+        crate::compile::part_wide_counts(&mut parted, &basis.held);
+        let entries: Vec<RuleEntry> = parted
             .iter()
             .map(|e| {
                 let mut e = *e;

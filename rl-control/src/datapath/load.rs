@@ -145,6 +145,7 @@ impl Datapath {
             flipped_at: Instant::now(),
             slots: Default::default(),
             generation: 0,
+            held_ids: Default::default(),
             retired: StdHashMap::new(),
             cell_slots_log2: cell_slots.trailing_zeros() as u16,
             cpus: aya::util::nr_cpus().map_err(|(_, e)| DatapathError::Load(format!("cannot count the CPUs: {e}")))?,
@@ -172,6 +173,7 @@ impl Datapath {
             // holds is not known here, so the install clears before writing.
             dp.active = plan.pinned.as_ref().map(|p| p.slot_flags().0);
             dp.slots = [Arc::new(SlotContents { unknown: true, ..Default::default() }), Arc::new(SlotContents { unknown: true, ..Default::default() })];
+            dp.held_ids = Arc::new(dp.read_held_ids()?);
         }
         if plan.pinned.is_none() {
             dp.install(&compiled.rules)?;

@@ -253,6 +253,10 @@ pub struct Datapath {
     slots: [Arc<SlotContents>; 2],
     /// Bumped by every install: a [`Plan`] made against another one is stale.
     generation: u64,
+    /// The rule ids both rule tables hold (read from the maps when adopted):
+    /// rules new to them get wide-cell counts of their own
+    /// ([`crate::compile::part_wide_counts`]).
+    held_ids: Arc<std::collections::BTreeSet<u32>>,
     /// Counters of rule names from slots since rewritten.
     retired: StdHashMap<String, RuleStats>,
     /// Log₂ of each cell array's slots (sized at load).
