@@ -348,6 +348,27 @@ pub const RULE_NO_WIDE: u32 = 8;
 /// changes), so that no run reads the entry half-written; an entry past
 /// the end of the new rules is emptied ([`NO_RULE_ID`]) instead.
 pub const RULE_UNNAMED: u32 = 1 << 31;
+/// Flag bits 16–30: how many steps of 8 the daemon moved the rule's id
+/// from the one its definition hashes to (its *natural* id), so that its
+/// wide-cell count shares no other rule's entry ([`crate::wide_entry`];
+/// rl-control's `compile::part_wide_counts`). The program never reads
+/// them; the daemon reads them back to give each rule the id it holds, and
+/// only its own. 0 in entries of builds before it.
+pub const RULE_STEPS_SHIFT: u32 = 16;
+pub const RULE_STEPS_MASK: u32 = 0x7fff << RULE_STEPS_SHIFT;
+
+/// The natural id of an entry with `id` and `flags` ([`RULE_STEPS_MASK`]).
+#[inline(always)]
+pub const fn natural_id(id: u32, flags: u32) -> u32 {
+    id.wrapping_sub(8 * ((flags & RULE_STEPS_MASK) >> RULE_STEPS_SHIFT)) & crate::RULE_ID_MASK
+}
+
+/// The steps ([`RULE_STEPS_MASK`]) from `natural` to `id`: both rule ids
+/// along one probe sequence (`natural` plus 8 a step, in the id bits).
+#[inline(always)]
+pub const fn steps_between(natural: u32, id: u32) -> u32 {
+    ((id.wrapping_sub(natural) & crate::RULE_ID_MASK) >> 3) & (RULE_STEPS_MASK >> RULE_STEPS_SHIFT)
+}
 
 /// One rule (or `[default]`) as the datapath applies it.
 #[repr(C)]
@@ -616,6 +637,21 @@ mod pod {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A moved id gives its natural one back from the steps in its flags,
+    /// across the id bits' wrap, and the other flags stay out of it.
+    #[test]
+    fn a_moved_id_gives_its_natural_id_back() {
+        let top = crate::RULE_ID_MASK;
+        for (natural, k) in [(0x0100_0000, 0), (0x0100_0000, 1), (top, 3), (top - 8, 32_767)] {
+            let id = natural.wrapping_add(8 * k) & crate::RULE_ID_MASK;
+            assert_eq!(steps_between(natural, id), k);
+            let flags = RULE_UNNAMED | RULE_NO_WIDE | RULE_CLUSTER | k << RULE_STEPS_SHIFT;
+            assert_eq!(natural_id(id, flags), natural, "{natural:#x} + {k} steps");
+            assert_eq!(flags & RULE_STEPS_MASK, k << RULE_STEPS_SHIFT, "the steps overlap no flag");
+        }
+        assert_eq!(RULE_STEPS_MASK & (RULE_UNNAMED | RULE_NO_WIDE | RULE_CLUSTER | RULE_ELASTIC | RULE_SHADOW), 0);
+    }
 
     #[test]
     fn masks_keep_prefix_bits_in_network_order() {

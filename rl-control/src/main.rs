@@ -147,7 +147,9 @@ enum Command {
         #[command(flatten)]
         remote: Remote,
     },
-    /// The most recent "source started being limited under rule R" events.
+    /// The most recent events, newest first: "source started being limited under rule R", and the
+    /// host's (flood mode, full tables, wide cells by rule, the cluster's health), which the first
+    /// kind never pushes out.
     Events {
         /// How many.
         #[arg(short = 'n', long, default_value_t = 20)]

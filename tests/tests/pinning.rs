@@ -685,13 +685,31 @@ fn an_older_builds_rules_that_share_a_wide_count_keep_their_ids_and_are_named() 
     let dp = load_pinned(&compiled, &dir);
     let installed = |dp: &rl_control::datapath::Datapath, i: u32| dp.rule_table_entry(dp.active_slot().unwrap() * RULE_SLOTS + i).unwrap();
     assert_eq!(installed(&dp, 1).id, natural[1]);
-    assert_ne!(installed(&dp, 2).id, natural[2], "this build parts them");
+    let moved = installed(&dp, 2).id;
+    assert_ne!(moved, natural[2], "this build parts them");
     drop(dp);
-    // As an older build left them: y under its own id, in both tables.
+    // Adopted (a restart): y keeps the id it was moved to, and its buckets.
+    let mut dp = load_pinned(&compiled, &dir);
+    assert!(dp.adopted());
+    for _ in 0..2 {
+        dp.install(&compiled.rules).unwrap();
+        assert_eq!((installed(&dp, 1).id, installed(&dp, 2).id), (natural[1], moved), "a restart keeps the moved id");
+    }
+    assert!(dp.wide_count_notes().is_empty());
+    drop(dp);
+    // Restarted without x (removed while the daemon was down): y keeps the
+    // id the tables hold for it, though its own would now be free.
+    let only_y = compile(&Config::from_str(&format!("{base}{}", rule("y", 54)), "<test>").unwrap());
+    let mut dp = load_pinned(&only_y, &dir);
+    dp.install(&only_y.rules).unwrap();
+    assert_eq!(installed(&dp, 1).id, moved, "the id read back from the adopted tables");
+    drop(dp);
+    // As an older build left them: y under its own id (no steps kept), in
+    // both tables.
     let mut rules: Array<MapData, RuleEntry> = Array::try_from(Map::Array(MapData::from_pin(dir.join(rl_common::MAP_RULES)).unwrap())).unwrap();
     for slot in 0..2 {
         let mut e = rules.get(&(slot * RULE_SLOTS + 2), 0).unwrap();
-        e.id = natural[2];
+        (e.id, e.flags) = (natural[2], e.flags & !rl_common::RULE_STEPS_MASK);
         rules.set(slot * RULE_SLOTS + 2, e, 0).unwrap();
     }
     let mut dp = load_pinned(&compiled, &dir);
@@ -737,12 +755,13 @@ fn the_daemon_warns_of_rules_that_share_a_wide_count_in_tables_it_adopts() {
     let d = Daemon::pinned(&lab, &cfg, &pins, &[]).unwrap();
     let (status, log) = d.stop(libc::SIGTERM).unwrap();
     assert!(status.success() && note(&log).is_empty(), "{log}");
-    // As an older build left them: y under the id it compiles to, in both tables.
+    // As an older build left them: y under the id it compiles to (no steps
+    // kept), in both tables.
     let mut rules: Array<MapData, RuleEntry> =
         Array::try_from(Map::Array(MapData::from_pin(pins.path().join(VB).join(rl_common::MAP_RULES)).unwrap())).unwrap();
     for slot in 0..2 {
         let mut e = rules.get(&(slot * RULE_SLOTS + 2), 0).unwrap();
-        e.id = natural;
+        (e.id, e.flags) = (natural, e.flags & !rl_common::RULE_STEPS_MASK);
         rules.set(slot * RULE_SLOTS + 2, e, 0).unwrap();
     }
     drop(rules);

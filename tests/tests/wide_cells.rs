@@ -244,7 +244,8 @@ fn without_wide_cells_and_for_cluster_rules_every_prefix_keeps_a_cell_of_its_own
         let cells = dp.cells_v4().unwrap();
         widen(&dp, port, 0);
         // Twenty newcomers' /24s past a quarter: cells of their own (but for
-        // a set full of others, about one in thirty), never a wide one.
+        // a set full of others: about one in eleven at a quarter's load, so
+        // 9 or more of 20 one run in 100,000), never a wide one.
         let with_cell = (0..20u8)
             .filter(|&x| {
                 offer(&dp, &to([10, 9, x, 1], port), 1);
@@ -253,7 +254,7 @@ fn without_wide_cells_and_for_cluster_rules_every_prefix_keeps_a_cell_of_its_own
                 cells.find(&cell).is_some()
             })
             .count();
-        assert!(with_cell >= 15, "{what}: {with_cell} of 20 newcomers' /24s got a cell");
+        assert!(with_cell >= 12, "{what}: {with_cell} of 20 newcomers' /24s got a cell");
         assert_eq!(dp.wide_counts().unwrap(), (0, 0), "{what}");
     }
 }

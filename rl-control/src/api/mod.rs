@@ -450,14 +450,15 @@ pub struct Events {
 /// most one per source per limiting episode and at most 100 per second in
 /// all), and, kept apart so that those never push them out (the last 256),
 /// the host's, its rules' and the cluster's: flood mode, full tables, wide
-/// cells, Redis.
-#[utoipa::path(get, path = "/v1/events", params(("limit" = Option<usize>, Query, description = "how many (default 100)")),
+/// cells, Redis. `limit` is 1..=1,256 (both rings whole).
+#[utoipa::path(get, path = "/v1/events", params(("limit" = Option<usize>, Query, description = "how many (default 100, at most 1,256)")),
     responses((status = 200, body = Events), (status = 400, body = ErrorBody)))]
 async fn events(AxState(api): AxState<Api>, q: Result<Query<EventsQuery>, QueryRejection>) -> ApiResult<Json<Events>> {
     let Query(q) = q.map_err(|e| ApiError(StatusCode::BAD_REQUEST, format!("{}: use ?limit=N", e.body_text())))?;
     let n = q.limit.unwrap_or(100);
-    if !(1..=crate::daemon::state::EVENTS_KEPT).contains(&n) {
-        return Err(ApiError(StatusCode::BAD_REQUEST, format!("limit must be 1..={}", crate::daemon::state::EVENTS_KEPT)));
+    let most = crate::daemon::state::EVENTS_KEPT + crate::daemon::state::NOTICES_KEPT;
+    if !(1..=most).contains(&n) {
+        return Err(ApiError(StatusCode::BAD_REQUEST, format!("limit must be 1..={most}")));
     }
     let s = lock(&api.state);
     Ok(Json(Events { events: s.events.latest(n) }))

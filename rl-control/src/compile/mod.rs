@@ -13,7 +13,7 @@
 //! - only then, one hash lookup of (L4 class, source class) picks the rule.
 
 use std::{
-    collections::{BTreeSet, HashMap},
+    collections::{BTreeMap, BTreeSet, HashMap},
     hash::{Hash, Hasher},
     net::IpAddr,
 };
@@ -223,41 +223,75 @@ fn compile_rules(config: &Config) -> RuleSet {
 /// Gives each rule new to the rule tables an id whose wide-cell count
 /// ([`rl_common::MAP_WIDE_COUNT`]: 1,024 entries per family, by a hash of
 /// the id) no other rule's shares, so that a wide flood under one rule
-/// never makes another's newcomers start drained. `held`: the ids the
-/// datapath's two rule tables hold (the rules in force and those they
-/// replaced, whose cells may live on).
+/// never makes another's newcomers start drained. `entries` come from
+/// [`compile`] (each id *natural*: a hash of the rule's definition);
+/// `held` maps each id the datapath's two rule tables hold (the rules in
+/// force and those they replaced, whose cells live until the collector's
+/// next walk after they leave both) to its natural id
+/// ([`rl_common::natural_id`]).
 ///
-/// A rule whose id the tables hold keeps it, and so does a cluster rule
-/// (its sync knows it by that id). Any other takes, along its id's probe
-/// sequence (the id plus 8, 16, …: the next entry each), the first id the
-/// tables hold that no rule of the set claims (its own, given earlier, so
-/// that every install of the same rules gives the same ids), else the
-/// first id no rule has whose entry is free, else its own (more than
-/// 1,024 entries' worth of rules). A rule whose id changes here is new (its
-/// buckets start fresh either way); one given a removed rule's id instead
-/// inherits that rule's state, which allows at most what a fresh bucket
-/// would.
-pub fn part_wide_counts(entries: &mut [RuleEntry], held: &BTreeSet<u32>) {
-    let entry_of = |id: u32| rl_common::wide_entry(id, 0);
-    let fixed = |e: &RuleEntry| held.contains(&e.id) || e.flags & rl_common::RULE_CLUSTER != 0 || !rl_common::is_rule_id(e.id);
-    let mut taken: BTreeSet<u32> = held.iter().map(|&id| entry_of(id)).collect();
-    let mut claimed = BTreeSet::new();
-    for e in entries.iter().filter(|e| fixed(e)) {
-        taken.insert(entry_of(e.id));
-        claimed.insert(e.id);
+/// A rule whose natural id the tables hold under some id keeps that id,
+/// and so its buckets, whatever else changed (only its own: natural ids
+/// are unique in a set); so does a cluster rule its natural id (its sync
+/// knows it by that). Any other rule takes, along its natural id's probe
+/// sequence (plus 8, 16, …: the next entry each), the first id that no
+/// other rule has or will have and whose entry is free, else its natural
+/// id, or the first along it no other rule has (more than 1,024 entries'
+/// worth of rules). The steps are kept in its flags
+/// ([`rl_common::RULE_STEPS_MASK`]), for the next install; entries parted
+/// before may be given again.
+pub fn part_wide_counts(entries: &mut [RuleEntry], held: &BTreeMap<u32, u32>) {
+    use rl_common::{steps_between, wide_entry, RULE_STEPS_MASK, RULE_STEPS_SHIFT};
+    let entry_of = |id: u32| wide_entry(id, 0);
+    let mut held_as: HashMap<u32, u32> = HashMap::new();
+    for (&id, &natural) in held {
+        held_as.entry(natural).or_insert(id);
     }
-    let mut used: BTreeSet<u32> = held.iter().chain(entries.iter().map(|e| &e.id)).copied().collect();
-    for e in entries.iter_mut().filter(|e| !fixed(e)) {
+    // (Entries parted before give their natural ids back.)
+    for e in entries.iter_mut() {
+        e.id = rl_common::natural_id(e.id, e.flags);
+        e.flags &= !RULE_STEPS_MASK;
+    }
+    let natural: BTreeSet<u32> = entries.iter().map(|e| e.id).collect();
+    let mut taken: BTreeSet<u32> = held.keys().map(|&id| entry_of(id)).collect();
+    let mut claimed = BTreeSet::new();
+    fn claim(e: &mut RuleEntry, own: u32, id: u32, (taken, claimed): (&mut BTreeSet<u32>, &mut BTreeSet<u32>)) {
+        e.flags = (e.flags & !RULE_STEPS_MASK) | steps_between(own, id) << RULE_STEPS_SHIFT;
+        e.id = id;
+        taken.insert(rl_common::wide_entry(id, 0));
+        claimed.insert(id);
+    }
+    let mut open = Vec::new();
+    // Cluster rules first (their ids are fixed), then the rules the tables
+    // hold (their own ids only, unless a cluster rule's is the same), then
+    // the new ones.
+    let fixed = |e: &RuleEntry| e.flags & rl_common::RULE_CLUSTER != 0 || !rl_common::is_rule_id(e.id);
+    for e in entries.iter_mut().filter(|e| fixed(e)) {
         let own = e.id;
-        let chain = (0..rl_common::WIDE_RULE_SLOTS)
-            .map(move |k| own.wrapping_add(8 * k) & rl_common::RULE_ID_MASK)
-            .filter(|&id| rl_common::is_rule_id(id));
-        let kept = chain.clone().find(|id| held.contains(id) && !claimed.contains(id));
-        let free = || chain.clone().find(|&id| (id == own || !used.contains(&id)) && !taken.contains(&entry_of(id)));
-        e.id = kept.or_else(free).unwrap_or(own);
-        claimed.insert(e.id);
-        used.insert(e.id);
-        taken.insert(entry_of(e.id));
+        claim(e, own, own, (&mut taken, &mut claimed));
+    }
+    for (i, e) in entries.iter_mut().enumerate().filter(|(_, e)| !fixed(e)) {
+        let own = e.id;
+        match held_as.get(&own) {
+            Some(&id) if !claimed.contains(&id) => {
+                claim(e, own, id, (&mut taken, &mut claimed));
+            }
+            _ => open.push(i),
+        }
+    }
+    for i in open {
+        let own = entries[i].id;
+        // The steps the flags can keep: 32 times round the entries.
+        let chain = |steps: u32| (0..steps).map(move |k| own.wrapping_add(8 * k) & rl_common::RULE_ID_MASK);
+        // No other rule's id, now or in the tables; its entry free if any
+        // is (once round), else any (the tables hold at most 2,050 ids).
+        let unused = |id: u32| {
+            rl_common::is_rule_id(id) && !held.contains_key(&id) && !claimed.contains(&id) && (id == own || !natural.contains(&id))
+        };
+        let id = chain(rl_common::WIDE_RULE_SLOTS)
+            .find(|&id| unused(id) && !taken.contains(&entry_of(id)))
+            .or_else(|| chain((RULE_STEPS_MASK >> RULE_STEPS_SHIFT) + 1).find(|&id| unused(id)));
+        claim(&mut entries[i], own, id.unwrap_or(own), (&mut taken, &mut claimed));
     }
 }
 
@@ -392,6 +426,11 @@ mod tests {
         entries.iter().map(|e| e.id).collect()
     }
 
+    /// What the tables hold after installing `entries`: id ➜ natural id.
+    fn held(entries: &[RuleEntry]) -> BTreeMap<u32, u32> {
+        entries.iter().map(|e| (e.id, rl_common::natural_id(e.id, e.flags))).collect()
+    }
+
     fn entry_of(e: &RuleEntry) -> u32 {
         rl_common::wide_entry(e.id, 0)
     }
@@ -415,16 +454,18 @@ mod tests {
 
         // A fresh datapath: the later rule moves to the next free entry.
         let mut fresh = natural.entries.clone();
-        part_wide_counts(&mut fresh, &BTreeSet::new());
+        part_wide_counts(&mut fresh, &BTreeMap::new());
         assert_eq!(fresh[..2], natural.entries[..2], "[default] and the first rule keep their ids");
         assert_ne!(entry_of(&fresh[1]), entry_of(&fresh[2]));
         assert_eq!(fresh[2].id, natural.entries[2].id + 8, "one step along (the next entry is free)");
         assert!(wide_count_sharers(&fresh, &natural.names).is_empty());
-        assert!(fresh.iter().zip(&natural.entries).all(|(p, n)| RuleEntry { id: n.id, ..*p } == *n), "only ids change");
+        let steps = rl_common::RULE_STEPS_MASK;
+        assert!(fresh.iter().zip(&natural.entries).all(|(p, n)| RuleEntry { id: n.id, flags: p.flags & !steps, ..*p } == *n), "only ids change");
+        assert_eq!(rl_common::natural_id(fresh[2].id, fresh[2].flags), natural.entries[2].id, "the steps are kept");
 
         // Installed again (the second table, a reload, a restart onto the
         // pins): the same ids, from the natural ones or the parted ones.
-        let held: BTreeSet<u32> = ids(&fresh).into_iter().collect();
+        let held = held(&fresh);
         for start in [&natural.entries, &fresh] {
             let mut again = start.clone();
             part_wide_counts(&mut again, &held);
@@ -432,7 +473,7 @@ mod tests {
         }
         // The first rule removed and added back: the second keeps its id.
         let mut back = natural.entries.clone();
-        part_wide_counts(&mut back, &[fresh[0].id, fresh[2].id].into_iter().collect());
+        part_wide_counts(&mut back, &held.iter().filter(|(&id, _)| id != fresh[1].id).map(|(&a, &b)| (a, b)).collect());
         assert_eq!(ids(&back), ids(&fresh), "the second rule kept its id; the first went back to its own");
         let mut back = natural.entries.clone();
         back.swap(1, 2);
@@ -441,7 +482,7 @@ mod tests {
 
         // Rules the tables hold keep their ids even when they share (an
         // older build's): the notes name them and say what to do.
-        let held: BTreeSet<u32> = ids(&natural.entries).into_iter().collect();
+        let held = super::tests::held(&natural.entries);
         let mut kept = natural.entries.clone();
         part_wide_counts(&mut kept, &held);
         assert_eq!(ids(&kept), ids(&natural.entries));
@@ -451,13 +492,13 @@ mod tests {
 
         // A new rule beside a held one it collides with: the new one moves.
         let mut added = natural.entries.clone();
-        part_wide_counts(&mut added, &[natural.entries[0].id, natural.entries[2].id].into_iter().collect());
+        part_wide_counts(&mut added, &held.iter().filter(|(&id, _)| id != natural.entries[1].id).map(|(&a, &b)| (a, b)).collect());
         assert_eq!((added[2].id, added[1].id), (natural.entries[2].id, natural.entries[1].id + 8));
 
         // A cluster rule keeps its id (its sync knows it by that): the other moves.
         let mut cluster = natural.entries.clone();
         cluster[2].flags |= rl_common::RULE_CLUSTER;
-        part_wide_counts(&mut cluster, &BTreeSet::new());
+        part_wide_counts(&mut cluster, &BTreeMap::new());
         assert_eq!((cluster[2].id, cluster[1].id), (natural.entries[2].id, natural.entries[1].id + 8));
 
         // Neither may make wide cells: a shared count harms neither.
@@ -467,13 +508,51 @@ mod tests {
     }
 
     /// With every entry taken (more rules than entries), a rule keeps its
-    /// own id, and parting ends.
+    /// own id if no other rule has it, else the next one no rule has.
     #[test]
-    fn past_1024_entries_a_rule_keeps_its_own_id() {
-        let held: BTreeSet<u32> = (0..rl_common::WIDE_RULE_SLOTS).map(|k| 0x1000_0000 + 8 * k).collect();
+    fn past_1024_entries_ids_stay_unique() {
+        let held: BTreeMap<u32, u32> = (0..rl_common::WIDE_RULE_SLOTS).map(|k| (0x1000_0000 + 8 * k, 0x1000_0000 + 8 * k)).collect();
         let mut e = [RuleEntry { id: 0x2000_0000, ..Default::default() }];
         part_wide_counts(&mut e, &held);
         assert_eq!(e[0].id, 0x2000_0000);
+        // Its own id is another rule's (one moved onto it): the next free id.
+        let mut e = [RuleEntry { id: 0x1000_0000, ..Default::default() }];
+        let mut moved = held.clone();
+        moved.insert(0x1000_0000, 0x0fff_fff8);
+        part_wide_counts(&mut e, &moved);
+        assert!(!moved.contains_key(&e[0].id) && rl_common::is_rule_id(e[0].id), "{:#x}", e[0].id);
+    }
+
+    /// A rule keeps the id the tables hold for it and takes no other's:
+    /// not a moved rule's that its own probe sequence passes (a rule added
+    /// before it in the file), nor a removed rule's that the moved rule's
+    /// sequence passes.
+    #[test]
+    fn a_rule_takes_only_its_own_held_id() {
+        let e = |id: u32| RuleEntry { id, ..Default::default() };
+        let (x, v) = (0x0100_0000, 0x0100_0000 - 3 * 8);
+        // x was moved two steps (past r = x + 8, a rule since removed).
+        let moved = x + 16;
+        let mut x_entry = e(x);
+        x_entry.flags = 2 << rl_common::RULE_STEPS_SHIFT;
+        assert_eq!(rl_common::natural_id(moved, x_entry.flags), x);
+        let mut held: BTreeMap<u32, u32> = [(moved, x), (x + 8, x + 8)].into_iter().collect();
+        // Removed rules hold the entries of v, v + 8 and v + 16 (ids 2²⁰
+        // apart share an entry), so v's sequence goes on past x's ids.
+        for k in 0..3 {
+            let other = v + 8 * k + (1 << 20);
+            assert_eq!(rl_common::wide_entry(other, 0), rl_common::wide_entry(v + 8 * k, 0));
+            held.insert(other, other);
+        }
+        // v is new and comes first: it takes the first id past them all.
+        let mut set = [e(v), e(x)];
+        part_wide_counts(&mut set, &held);
+        assert_eq!(set[1].id, moved, "x keeps its id");
+        assert_eq!(set[0].id, x + 24, "v takes none of theirs (x's natural id, the removed one's, x's): {:#x}", set[0].id);
+        // x alone: its own held id, not the removed rule's.
+        let mut alone = [e(x)];
+        part_wide_counts(&mut alone, &held);
+        assert_eq!(alone[0].id, moved);
     }
 
     #[test]

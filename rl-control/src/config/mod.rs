@@ -100,6 +100,11 @@ pub fn unix_now() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
+/// Milliseconds since the Unix epoch (0 if the clock reads before it).
+pub fn unix_now_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Datapath {
     /// Capacity of each family's bucket table.

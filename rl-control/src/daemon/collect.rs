@@ -12,7 +12,7 @@ use std::{
 use tracing::{info, warn};
 
 use crate::{
-    config::unix_now,
+    config::unix_now_ms,
     daemon::state::{lock, Pressure, Shared, State, WideCellRule},
     datapath::{DatapathError, FloodReading, KnownFilter, Pass, TableIds},
 };
@@ -159,14 +159,14 @@ impl Collector {
         if flood.on != s.pressure.flood_mode {
             let p = &mut s.pressure;
             p.flood_mode = flood.on;
-            p.flood_since_unix_ms = flood.on.then(|| unix_now() * 1000);
+            p.flood_since_unix_ms = flood.on.then(unix_now_ms);
             let (event, unseen) = (if flood.on { "flood_started" } else { "flood_ended" }, p.unseen_keys_per_sec);
             if flood.on {
                 warn!(event, unseen_keys_per_sec = unseen, "flood mode: unseen sources are charged to their prefix cells");
             } else {
                 info!(event, "flood mode ended: new sources get buckets of their own again");
             }
-            s.push_host_event(event, unix_now() * 1000);
+            s.push_host_event(event, unix_now_ms());
         }
         if let Some(full) = full {
             s.pressure.table_full = full;
@@ -177,7 +177,7 @@ impl Collector {
             } else {
                 info!(event, "the sources' table has room again: new sources get buckets of their own");
             }
-            s.push_host_event(event, unix_now() * 1000);
+            s.push_host_event(event, unix_now_ms());
         }
         if let Some(pass) = &pass {
             wide_rules(s, pass);
@@ -191,7 +191,7 @@ impl Collector {
             } else {
                 info!(event, "the prefix cells have room again: new prefixes get cells of their own");
             }
-            s.push_host_event(event, unix_now() * 1000);
+            s.push_host_event(event, unix_now_ms());
         }
         self.passes += 1;
         if let Some(pass) = pass.as_ref().filter(|_| self.passes % TOP_EVERY == 1) {
@@ -347,7 +347,7 @@ fn wide_rules(s: &mut State, pass: &Pass) {
         .filter_map(|(id, &(ipv4, ipv6))| Some(WideCellRule { rule: names.get(id)?.clone(), ipv4, ipv6 }))
         .collect();
     let had = |list: &[WideCellRule], rule: &str| list.iter().any(|w| w.rule == rule);
-    let (at, before) = (unix_now() * 1000, std::mem::take(&mut s.pressure.wide_cell_rules));
+    let (at, before) = (unix_now_ms(), std::mem::take(&mut s.pressure.wide_cell_rules));
     for w in now.iter().filter(|w| !had(&before, &w.rule)) {
         let event = "wide_cells_made";
         warn!(event, rule = %w.rule, ipv4 = w.ipv4, ipv6 = w.ipv6, "rule {}'s flood holds a quarter of the prefix cells' slots (half of datapath.flood_prefixes): its unseen sources are charged to wide cells (prefixes 8 bits shorter than a cell's, IPv6 16; a new one starts drained) until those are fresh again", w.rule);

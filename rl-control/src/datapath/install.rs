@@ -48,8 +48,8 @@ pub struct Basis {
     cell_slots_log2: u16,
     /// Possible CPUs (the per-CPU maps' width).
     cpus: usize,
-    /// The rule ids both rule tables hold.
-    held: Arc<std::collections::BTreeSet<u32>>,
+    /// The rule ids both rule tables hold, each with its natural id.
+    held: Arc<std::collections::BTreeMap<u32, u32>>,
 }
 
 impl Datapath {
@@ -84,16 +84,11 @@ impl Datapath {
         }
     }
 
-    /// The rule ids the rule tables' maps hold (both slots).
-    pub(super) fn read_held_ids(&self) -> Result<std::collections::BTreeSet<u32>, DatapathError> {
-        let mut out = std::collections::BTreeSet::new();
-        for entry in 0..2 * RULE_SLOTS {
-            let id = self.rule_table_entry(entry)?.id;
-            if is_rule_id(id) {
-                out.insert(id);
-            }
-        }
-        Ok(out)
+    /// The rule ids the rule tables' maps hold (both slots), each with its
+    /// natural id.
+    pub(super) fn read_held_ids(&self) -> Result<std::collections::BTreeMap<u32, u32>, DatapathError> {
+        let entries = (0..2 * RULE_SLOTS).map(|i| self.rule_table_entry(i)).collect::<Result<Vec<_>, _>>()?;
+        Ok(held_ids(&entries))
     }
 
     /// The notes on the wide-cell counts of the rules in force, with the
@@ -134,13 +129,14 @@ impl Datapath {
         }
         // What the tables hold now, or may (this slot half-written).
         let other = &self.slots[slot as usize ^ 1];
-        let mut held: std::collections::BTreeSet<u32> = plan.entries.iter().map(|e| e.id).filter(|&id| is_rule_id(id)).collect();
-        match other.unknown {
-            true => held.extend(self.held_ids.iter().copied()),
-            false => held.extend(other.entries.iter().map(|e| e.id).filter(|&id| is_rule_id(id))),
+        let mut held = held_ids(&plan.entries);
+        if other.unknown || written.is_err() {
+            for (&id, &natural) in self.held_ids.iter() {
+                held.entry(id).or_insert(natural);
+            }
         }
-        if written.is_err() {
-            held.extend(self.held_ids.iter().copied());
+        if !other.unknown {
+            held.extend(held_ids(&other.entries));
         }
         self.held_ids = Arc::new(held);
         written?;
@@ -455,6 +451,11 @@ impl Plan {
             },
         })
     }
+}
+
+/// Each rule id of `entries` with its natural id.
+fn held_ids(entries: &[RuleEntry]) -> std::collections::BTreeMap<u32, u32> {
+    entries.iter().filter(|e| is_rule_id(e.id)).map(|e| (e.id, natural_id(e.id, e.flags))).collect()
 }
 
 /// The keys and values of a `u32` array at `base..` where `new` differs

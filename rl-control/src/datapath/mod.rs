@@ -253,10 +253,11 @@ pub struct Datapath {
     slots: [Arc<SlotContents>; 2],
     /// Bumped by every install: a [`Plan`] made against another one is stale.
     generation: u64,
-    /// The rule ids both rule tables hold (read from the maps when adopted):
-    /// rules new to them get wide-cell counts of their own
+    /// The rule ids both rule tables hold (read from the maps when adopted),
+    /// each with its natural id: each rule keeps its own, and rules new to
+    /// the tables get wide-cell counts of their own
     /// ([`crate::compile::part_wide_counts`]).
-    held_ids: Arc<std::collections::BTreeSet<u32>>,
+    held_ids: Arc<std::collections::BTreeMap<u32, u32>>,
     /// Counters of rule names from slots since rewritten.
     retired: StdHashMap<String, RuleStats>,
     /// Log₂ of each cell array's slots (sized at load).
