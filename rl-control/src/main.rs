@@ -147,6 +147,16 @@ enum Command {
         #[command(flatten)]
         remote: Remote,
     },
+    /// The prefix cells (and wide cells) holding a charge, the most limiting first: where a flood of
+    /// forged sources shows, by rule and prefix (those sources have no buckets of their own to rank
+    /// in `top`).
+    Cells {
+        /// How many (at most 100).
+        #[arg(short = 'n', long, default_value_t = 10)]
+        count: usize,
+        #[command(flatten)]
+        remote: Remote,
+    },
     /// The most recent events, newest first: "source started being limited under rule R", and the
     /// host's (flood mode, full tables, wide cells by rule, the cluster's health), which the first
     /// kind never pushes out.
@@ -257,6 +267,7 @@ fn main() -> ExitCode {
         Command::Rules { remote } => remote_call(&remote, "GET", "/v1/rules", None, cli::rules),
         Command::Stats { remote } => remote_call(&remote, "GET", "/v1/stats", None, cli::stats),
         Command::Top { count, remote } => remote_call(&remote, "GET", &format!("/v1/sources?top={count}"), None, cli::top),
+        Command::Cells { count, remote } => remote_call(&remote, "GET", &format!("/v1/cells?top={count}"), None, cli::cells),
         Command::Events { count, remote } => remote_call(&remote, "GET", &format!("/v1/events?limit={count}"), None, cli::events),
         Command::Source { ip, remote } => {
             remote_call(&remote, "GET", &format!("/v1/sources/{}", cli::encode_segment(&ip)), None, cli::source)

@@ -29,7 +29,7 @@ fn burst_of(lab: &Lab, src: std::net::IpAddr, n: u64) -> u64 {
 }
 
 /// Every route the router serves (method, OpenAPI path).
-const ROUTES: [(&str, &str); 16] = [
+const ROUTES: [(&str, &str); 17] = [
     ("get", "/healthz"),
     ("get", "/metrics"),
     ("get", "/v1/status"),
@@ -40,6 +40,7 @@ const ROUTES: [(&str, &str); 16] = [
     ("get", "/v1/stats"),
     ("get", "/v1/sources/{ip}"),
     ("get", "/v1/sources"),
+    ("get", "/v1/cells"),
     ("get", "/v1/events"),
     ("get", "/v1/bans"),
     ("post", "/v1/bans"),
@@ -115,7 +116,7 @@ fn every_route_answers_metrics_equal_stats_and_the_openapi_document_is_complete(
     assert!(!text.contains("No module named"), "openapi-spec-validator is missing: run `cargo xtask test`, which installs it\n{text}");
     assert!(out.status.success() && text.contains("OK"), "the OpenAPI document does not validate:\n{text}");
     let paths = doc["paths"].as_object().unwrap().len();
-    assert_eq!(paths, 13, "paths in the document: {:?}", doc["paths"].as_object().unwrap().keys().collect::<Vec<_>>());
+    assert_eq!(paths, 14, "paths in the document: {:?}", doc["paths"].as_object().unwrap().keys().collect::<Vec<_>>());
 
     // Errors are JSON with the right status.
     let a = get(&lab.b, "/v1/nope");

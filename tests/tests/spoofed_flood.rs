@@ -184,6 +184,24 @@ fn a_spoofed_flood_through_the_daemon_neither_resets_nor_bypasses_a_limit_and_is
     assert!(q["retry_after_ms"].as_u64().unwrap() > 3_000_000, "drained for the hour: {q}");
     let (_, said) = run_once(Some(&lab.b), &["source", &IpAddr::from(addr).to_string()]).unwrap();
     assert!(said.lines().any(|l| l.starts_with("once ") && l.ends_with(&format!("wide cell {prefix}"))), "`rl-control source`:\n{said}");
+    // Where the flood is: the cells it drained, by rule and prefix, its
+    // wide /16s first (a collector pass after the flood read them).
+    let c = get(&lab.b, "/v1/cells?top=100").json();
+    let cells = c["cells"].as_array().unwrap_or_else(|| panic!("{c}"));
+    assert!(c["drained_ipv4"].as_u64().unwrap() >= wide as u64 && c["drained_ipv6"] == 0, "{c}");
+    assert_eq!(cells.len(), 100, "{c}");
+    assert!(cells.iter().all(|x| x["rule"] == "once" && x["remaining"] == 0 && x["retry_after_ms"].as_u64().unwrap() > 3_000_000), "{c}");
+    let wide_first: Vec<bool> = cells.iter().map(|x| x["kind"] == "wide_cell").collect();
+    assert!(wide_first.windows(2).all(|w| w[0] >= w[1]) && wide_first[0], "the wide cells first: {wide_first:?}");
+    // Every wide cell is listed, or the list is all wide cells.
+    match cells.iter().find(|x| x["prefix"] == prefix.as_str()) {
+        Some(ours) => assert_eq!(ours["kind"], "wide_cell", "{ours}"),
+        None => assert!(wide > 100.0 && wide_first.iter().all(|&w| w), "{prefix} is not listed: {c}"),
+    }
+    assert!(get(&lab.b, "/v1/cells?top=101").status == 400);
+    let (_, said) = run_once(Some(&lab.b), &["cells", "-n", "3"]).unwrap();
+    assert!(said.starts_with(&format!("cells with no room left: IPv4 {}, IPv6 0 (read ", c["drained_ipv4"])), "`rl-control cells`:\n{said}");
+    assert_eq!(said.lines().filter(|l| l.starts_with("10.") && l.contains(" once ") && l.contains(" 0/1 ")).count(), 3, "`rl-control cells`:\n{said}");
     // With no traffic left, the three surfaces agree on the counts since load.
     let p = get(&lab.b, "/v1/status").json()["pressure"].clone();
     let (fallbacks, refused) = (p["fallback_packets"].as_u64().unwrap(), p["table_full_refusals"].as_u64().unwrap());

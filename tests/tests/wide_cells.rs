@@ -147,7 +147,23 @@ fn a_wide_flood_makes_drained_wide_cells_and_a_key_limited_in_its_cell_stays_lim
     assert_eq!(dp.wide_counts().unwrap(), (2, 0), "and sets the program's count to them");
     // By rule: all "once"'s, named as the daemon reports them.
     let once = keys(&toml, 2, [10, b, 0, 0]).1.rule & rl_common::RULE_ID_MASK;
-    assert_eq!(p.wide_rules.into_iter().collect::<Vec<_>>(), vec![(once, (2, 0))]);
+    assert_eq!(p.wide_rules.clone().into_iter().collect::<Vec<_>>(), vec![(once, (2, 0))]);
+    // The walk lists the cells holding a charge, the most limiting first:
+    // the drained wide cells of "once", then its /24 cells (each a wait of
+    // about an hour), each with its prefix.
+    let charged = &p.charged_cells;
+    assert!(charged.drained.0 >= 2 + 8 && charged.drained.1 == 0, "{charged:?}");
+    let w = charged.cells.iter().find(|c| c.wide && c.addr == IpAddr::from([10, b, 0, 0])).expect("the drained wide cell is listed");
+    assert_eq!((w.limit, w.quota.remaining), (once, 0), "{w:?}");
+    assert!(w.quota.retry_after_ns > 3_000 * 1_000_000_000, "{w:?}");
+    assert_eq!(dp.cell_prefix(w), Some((IpAddr::from([10, b, 0, 0]), 16)));
+    let kinds: Vec<bool> = charged.cells.iter().map(|c| c.wide).collect();
+    assert!(kinds.windows(2).all(|x| x[0] >= x[1]) && kinds[..2] == [true, true], "the wide cells first: {kinds:?}");
+    let cell = charged.cells.iter().find(|c| !c.wide).expect("a /24 cell among them");
+    let IpAddr::V4(a) = cell.addr else { panic!("{cell:?}") };
+    assert_eq!((cell.limit, cell.quota.remaining, a.octets()[3]), (once, 0, 0), "{cell:?}");
+    assert_eq!(dp.cell_prefix(cell), Some((cell.addr, 24)));
+    assert!(charged.cells.iter().all(|c| c.quota.remaining < c.quota.limit), "only cells holding a charge");
     assert_eq!(dp.rule_names_by_id().unwrap().get(&once).map(String::as_str), Some("once"));
 }
 

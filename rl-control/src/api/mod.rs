@@ -433,6 +433,26 @@ async fn top_sources(AxState(api): AxState<Api>, q: Result<Query<TopQuery>, Quer
     Ok(Json(top))
 }
 
+/// The prefix cells and wide cells holding a charge, the most limiting
+/// first (no room left, then wide cells, then the longest waits for room;
+/// default 10, at most 100), as the collector's
+/// last pass read them (every second, every 5 s while the tables are under
+/// 1% full), and how many have no room left per family: where a flood
+/// charged to shared cells shows (its forged sources have no buckets of
+/// their own for `/v1/sources?top=N` to rank).
+#[utoipa::path(get, path = "/v1/cells", params(("top" = Option<usize>, Query, description = "how many (default 10, at most 100)")),
+    responses((status = 200, body = crate::daemon::state::Cells), (status = 400, body = ErrorBody)))]
+async fn cells(AxState(api): AxState<Api>, q: Result<Query<TopQuery>, QueryRejection>) -> ApiResult<Json<crate::daemon::state::Cells>> {
+    let Query(q) = q.map_err(|e| ApiError(StatusCode::BAD_REQUEST, format!("{}: use ?top=N", e.body_text())))?;
+    let n = q.top.unwrap_or(10);
+    if !(1..=crate::datapath::CHARGED_CELLS_KEPT).contains(&n) {
+        return Err(ApiError(StatusCode::BAD_REQUEST, format!("top must be 1..={}", crate::datapath::CHARGED_CELLS_KEPT)));
+    }
+    let mut cells = lock(&api.state).cells.clone();
+    cells.cells.truncate(n);
+    Ok(Json(cells))
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct EventsQuery {
@@ -553,8 +573,8 @@ async fn reload(AxState(api): AxState<Api>) -> ApiResult<Json<Applied>> {
 #[derive(OpenApi)]
 #[openapi(
     info(title = "rl admin API", description = "rl-control's admin API: rules, stats, per-source quotas, bans, metrics."),
-    paths(healthz, status, get_rules, put_rules, post_rule, delete_rule, stats, top_sources, source, events, post_ban, get_bans, delete_ban, reload, metrics::metrics, l7::l7_state),
-    components(schemas(ErrorBody, Health, Status, crate::daemon::state::Pressure, crate::daemon::state::WideCellRule, Applied, Stats, RuleCounters, SourceState, SourceLimit, ChargedTo, NewBan, BanView, ReloadRecord, crate::daemon::state::Top, crate::daemon::state::TopSource, Events, crate::daemon::state::EventView, crate::l7::engine::Status, crate::cluster::ClusterStatus)),
+    paths(healthz, status, get_rules, put_rules, post_rule, delete_rule, stats, top_sources, source, cells, events, post_ban, get_bans, delete_ban, reload, metrics::metrics, l7::l7_state),
+    components(schemas(ErrorBody, Health, Status, crate::daemon::state::Pressure, crate::daemon::state::WideCellRule, Applied, Stats, RuleCounters, SourceState, SourceLimit, ChargedTo, NewBan, BanView, ReloadRecord, crate::daemon::state::Top, crate::daemon::state::TopSource, crate::daemon::state::Cells, crate::daemon::state::CellView, Events, crate::daemon::state::EventView, crate::l7::engine::Status, crate::cluster::ClusterStatus)),
     modifiers(&BearerAuth)
 )]
 pub struct ApiDoc;
@@ -632,6 +652,7 @@ pub fn router(api: Api) -> Router {
         .route("/v1/rules/{name}", delete(delete_rule))
         .route("/v1/stats", get(stats))
         .route("/v1/sources", get(top_sources))
+        .route("/v1/cells", get(cells))
         .route("/v1/sources/{ip}", get(source))
         .route("/v1/events", get(events))
         .route("/v1/bans", get(get_bans).post(post_ban))

@@ -182,6 +182,28 @@ fn s(v: &Value) -> String {
     }
 }
 
+/// A Unix time in milliseconds (a JSON number) as UTC and how long ago:
+/// `2026-11-27 19:11:19 UTC (42 s ago)`; as is if it is not a number.
+fn since(v: &Value) -> String {
+    let Some(ms) = v.as_u64() else { return s(v) };
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+    format!("{} ({} s ago)", utc(ms / 1000), now.saturating_sub(ms) / 1000)
+}
+
+/// Unix seconds as `YYYY-MM-DD HH:MM:SS UTC` (the proleptic Gregorian
+/// calendar, from days since the epoch by eras of 400 years).
+fn utc(secs: u64) -> String {
+    let (days, rest) = (secs / 86_400, secs % 86_400);
+    let z = days + 719_468;
+    let (era, doe) = (z / 146_097, z % 146_097);
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let (day, month) = (doy - (153 * mp + 2) / 5 + 1, if mp < 10 { mp + 3 } else { mp - 9 });
+    let year = yoe + era * 400 + u64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02} UTC", rest / 3600, rest / 60 % 60, rest % 60)
+}
+
 /// Left-aligned columns.
 fn table(header: &[&str], rows: &[Vec<String>]) -> String {
     let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
@@ -228,7 +250,7 @@ pub fn status(v: &Value) -> String {
     };
     let p = &v["pressure"];
     let flood = if p["flood_mode"] == true {
-        format!("ON since {} (unseen sources charged to their prefix cells)", s(&p["flood_since_unix_ms"]))
+        format!("ON since {} (unseen sources charged to their prefix cells)", since(&p["flood_since_unix_ms"]))
     } else {
         "off".to_string()
     };
@@ -259,7 +281,7 @@ pub fn status(v: &Value) -> String {
         Some("ok") => format!("cluster:         ok, node {} on {} (on_failure = {})\n", s(&c["node"]), redis.join(", "), s(&c["on_failure"])),
         Some(_) => format!(
             "cluster:         DEGRADED since {} ({}): cluster rules enforce on_failure = {}\n",
-            s(&c["degraded_since_unix_ms"]),
+            since(&c["degraded_since_unix_ms"]),
             s(&c["last_error"]),
             s(&c["on_failure"])
         ),
@@ -395,6 +417,31 @@ pub fn top(v: &Value) -> String {
     format!("drops over the last {secs:.1} s\n") + &table(&["SOURCE", "RULE", "DROPS", "DROPS/s", "SEEN pkt/s"], &rows)
 }
 
+pub fn cells(v: &Value) -> String {
+    if v["read_at_unix_ms"].as_u64().unwrap_or(0) == 0 {
+        return "no collector pass yet (the cells are read every second)\n".into();
+    }
+    let rows: Vec<Vec<String>> = v["cells"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|c| {
+            let wait = |ms: &Value| format!("{:.1} s", ms.as_u64().unwrap_or(0) as f64 / 1e3);
+            vec![s(&c["prefix"]), s(&c["rule"]), s(&c["kind"]), format!("{}/{}", s(&c["remaining"]), s(&c["limit"])), wait(&c["retry_after_ms"]), wait(&c["reset_ms"])]
+        })
+        .collect();
+    let head = format!(
+        "cells with no room left: IPv4 {}, IPv6 {} (read {})\n",
+        s(&v["drained_ipv4"]),
+        s(&v["drained_ipv6"]),
+        since(&v["read_at_unix_ms"])
+    );
+    match rows.is_empty() {
+        true => head + "no cell holds a charge\n",
+        false => head + &table(&["PREFIX", "RULE", "KIND", "LEFT", "RETRY AFTER", "FULL AGAIN IN"], &rows),
+    }
+}
+
 pub fn events(v: &Value) -> String {
     let rows: Vec<Vec<String>> = v["events"]
         .as_array()
@@ -428,5 +475,22 @@ mod tests {
         let t = table(&["A", "LONG"], &[vec!["xyz".into(), "1".into()]]);
         assert_eq!(t, "A    LONG\nxyz  1\n");
         assert_eq!(encode_segment("10.0.0.0/8"), "10.0.0.0%2F8");
+    }
+
+    /// Times read as dates (checked against `date -u -d @SECS`), leap days
+    /// and centuries included.
+    #[test]
+    fn unix_times_read_as_utc_dates() {
+        for (secs, want) in [
+            (0, "1970-01-01 00:00:00 UTC"),
+            (951_782_400, "2000-02-29 00:00:00 UTC"),
+            (1_798_407_321, "2026-12-27 21:35:21 UTC"),
+            (4_107_542_399, "2100-02-28 23:59:59 UTC"),
+        ] {
+            assert_eq!(utc(secs), want);
+        }
+        let ago = since(&Value::from(1_798_407_321_000u64));
+        assert!(ago.starts_with("2026-12-27 21:35:21 UTC (") && ago.ends_with(" s ago)"), "{ago}");
+        assert_eq!(since(&Value::Null), "-");
     }
 }

@@ -89,6 +89,8 @@ pub struct State {
     pub api_requests: BTreeMap<(String, u16), u64>,
     /// The sources with the most drops over the last scan interval.
     pub top: Top,
+    /// The prefix cells holding a charge, as the last pass read them.
+    pub cells: Cells,
     /// The most recent events.
     pub events: EventLog,
 }
@@ -178,6 +180,7 @@ impl State {
             pressure: Default::default(),
             api_requests: Default::default(),
             top: Default::default(),
+            cells: Default::default(),
             events: Default::default(),
         }
     }
@@ -275,6 +278,39 @@ pub struct Top {
     pub interval_secs: f64,
     /// Most drops first; at most [`TOP_KEPT`].
     pub sources: Vec<TopSource>,
+}
+
+/// A prefix cell or wide cell holding a charge (`GET /v1/cells`): where a
+/// flood charged to shared cells shows, since its sources have no buckets
+/// of their own to rank.
+#[derive(Clone, Debug, Serialize, serde::Deserialize, utoipa::ToSchema)]
+pub struct CellView {
+    pub rule: String,
+    /// Which of the rule's limits (0-based).
+    pub limit_index: u32,
+    /// The prefix it charges every unseen source of (in flood mode), e.g.
+    /// `10.1.2.0/24`, or `10.1.0.0/16` for a wide cell.
+    pub prefix: String,
+    /// `prefix_cell` or `wide_cell`.
+    pub kind: String,
+    pub limit: u64,
+    pub remaining: u64,
+    pub retry_after_ms: u64,
+    pub reset_ms: u64,
+}
+
+/// The cells the last collector pass found holding a charge.
+#[derive(Clone, Debug, Default, Serialize, utoipa::ToSchema)]
+pub struct Cells {
+    /// When the pass read them (Unix ms; 0 before the first): the waits
+    /// are from then.
+    pub read_at_unix_ms: u64,
+    /// Cells with no room left (each packet they charge drops), per family.
+    pub drained_ipv4: u64,
+    pub drained_ipv6: u64,
+    /// The most limiting first: no room left, then wide cells, then the
+    /// longest waits for room (at most 100).
+    pub cells: Vec<CellView>,
 }
 
 /// Entries kept in [`Top`].

@@ -14,7 +14,7 @@ use super::{
     cells::{CellArray, Mapped},
     known::{KnownFilter, RUN_GRACE},
     moves::FamilyMove,
-    read::{scan_table_each, BucketKey},
+    read::{scan_table_each, BucketKey, ChargedCell},
     *,
 };
 
@@ -76,6 +76,8 @@ pub struct Pass {
     /// The share of the known-keys filter's bits set after the pass's
     /// rebuild, per family (see `rl_common::known`).
     pub known_fill: (f64, f64),
+    /// The cells left holding a charge, the longest waits first.
+    pub charged_cells: super::read::ChargedCells,
 }
 
 /// The limits a bucket's key may name (`RuleEntry::id | index`), from both
@@ -175,6 +177,7 @@ pub fn collect_handing(
     let counts = Mapped::open(ids.wide_count, MAP_WIDE_COUNT, 8)?;
     pass.cells = (walk.cells(&cells4, &counts, 0, &mut pass), walk.cells(&cells6, &counts, 1, &mut pass));
     pass.wide = pass.wide_rules.values().fold((0, 0), |(a, b), (w4, w6)| (a + w4, b + w6));
+    pass.charged_cells.settle();
     known.finish(half);
     pass.known_fill = (known.fill(0), known.fill(1));
     let count = Mapped::open(ids.cell_count, MAP_CELL_COUNT, 8)?;
@@ -358,7 +361,7 @@ impl Walk<'_> {
         // when the sync shares some limit.
         let mut records = self.handoff.map(super::share::Collected::lock).filter(|r| !r.limits.is_empty());
         let (mut left, mut unknown) = (0, false);
-        let wide_rules = &mut pass.wide_rules;
+        let (wide_rules, charged, now) = (&mut pass.wide_rules, &mut pass.charged_cells, monotonic_ns());
         let mut keep = |k: &K| {
             let e = wide_entry(k.rule(), family) + u32::from(!is_wide(k.rule()));
             kept[e as usize] += 1;
@@ -383,6 +386,11 @@ impl Walk<'_> {
                         self.known.mark(self.half, &c.key);
                         keep(&c.key);
                         left += 1;
+                        if let Some(l) = self.limits.get(&limit_of_key(c.key.rule())) {
+                            let quota = rl_common::quota(l, c.bucket.tat_ns, now, self.epoch_offset_ns);
+                            let cell = ChargedCell { limit: limit_of_key(c.key.rule()), addr: c.key.addr(), wide: is_wide(c.key.rule()), quota };
+                            charged.offer(family, cell);
+                        }
                     }
                 }
                 // Being claimed this instant (the program marked it before

@@ -254,6 +254,75 @@ fn prefix6(by: ChargedBy, key: &Key6, rule: &RuleEntry, cfg: &DatapathConfig) ->
     Some((key.addr(), mask.iter().zip(&rule.v6_mask).map(|(m, r)| (m & r).count_ones()).sum::<u32>() as u8))
 }
 
+/// A prefix cell or wide cell holding a charge, as a collector pass found
+/// it: where a flood charged to shared cells shows, since those keep no
+/// per-source counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChargedCell {
+    /// The limit it charges: `RuleEntry::id | limit index`.
+    pub limit: u32,
+    /// Its key's address (the prefix's first address).
+    pub addr: IpAddr,
+    pub wide: bool,
+    /// Its state when the pass read it.
+    pub quota: rl_common::Quota,
+}
+
+/// Cells kept by [`ChargedCells`].
+pub const CHARGED_CELLS_KEPT: usize = 100;
+
+/// The cells a pass found holding a charge, the most limiting first (see
+/// [`ChargedCells::settle`]; at most [`CHARGED_CELLS_KEPT`]), and how many
+/// had no room left (each packet they charge drops), per family.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ChargedCells {
+    pub cells: Vec<ChargedCell>,
+    pub drained: (u64, u64),
+}
+
+impl ChargedCells {
+    /// Counts and keeps `cell` of `family` (0 IPv4), if it holds a charge.
+    pub(super) fn offer(&mut self, family: u32, cell: ChargedCell) {
+        if cell.quota.remaining == 0 {
+            *if family == 0 { &mut self.drained.0 } else { &mut self.drained.1 } += 1;
+        }
+        if cell.quota.remaining < cell.quota.limit {
+            self.cells.push(cell);
+            if self.cells.len() >= 4 * CHARGED_CELLS_KEPT {
+                self.settle();
+            }
+        }
+    }
+
+    /// Orders the cells (those with no room left first, wide ones before
+    /// prefix cells, then the longest wait for room, then for a full limit,
+    /// then by address) and keeps [`CHARGED_CELLS_KEPT`].
+    pub(super) fn settle(&mut self) {
+        let rank = |c: &ChargedCell| (c.quota.remaining == 0, c.wide, c.quota.retry_after_ns, c.quota.reset_ns, std::cmp::Reverse(c.addr));
+        self.cells.sort_by_key(|c| std::cmp::Reverse(rank(c)));
+        self.cells.truncate(CHARGED_CELLS_KEPT);
+    }
+}
+
+impl Datapath {
+    /// The prefix of `cell` (its address and length: the cells' length,
+    /// 8 bits shorter for a wide one (IPv6 16), within its rule's key
+    /// prefix), if its rule is in either rule table.
+    pub fn cell_prefix(&self, cell: &ChargedCell) -> Option<(IpAddr, u8)> {
+        let id = cell.limit & rl_common::RULE_ID_MASK;
+        let rule = self.slots.iter().flat_map(|s| s.entries.iter()).find(|e| e.id == id)?;
+        let (cfg, by) = (self.config().ok()?, if cell.wide { ChargedBy::WideCell } else { ChargedBy::PrefixCell });
+        match cell.addr {
+            IpAddr::V4(a) => prefix4(by, &Key4 { rule: cell.limit, addr: u32::from_ne_bytes(a.octets()) }, rule, &cfg),
+            IpAddr::V6(a) => {
+                let o = a.octets();
+                let words = [0, 4, 8, 12].map(|j| u32::from_ne_bytes([o[j], o[j + 1], o[j + 2], o[j + 3]]));
+                prefix6(by, &Key6 { rule: cell.limit, addr: words }, rule, &cfg)
+            }
+        }
+    }
+}
+
 /// One bucket: a source (masked to its aggregation prefix) under one limit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Source {
@@ -389,5 +458,48 @@ impl BucketKey for Key6 {
 impl Source {
     pub(super) fn of<K: BucketKey>(k: &K, bucket: Bucket) -> Source {
         Source { addr: k.addr(), rule: k.rule(), bucket }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cell(n: u8, remaining: u64, retry_after_ns: u64) -> ChargedCell {
+        let quota = rl_common::Quota { limit: 5, remaining, retry_after_ns, reset_ns: retry_after_ns + 1 };
+        ChargedCell { limit: 8, addr: IpAddr::from([10, n, 0, 0]), wide: false, quota }
+    }
+
+    /// Only cells holding a charge are kept, the longest waits first, at
+    /// most CHARGED_CELLS_KEPT of them, and the drained ones are counted
+    /// per family, kept or not.
+    #[test]
+    fn charged_cells_keep_the_longest_waits_and_count_the_drained() {
+        let mut c = ChargedCells::default();
+        for n in 0..=250u8 {
+            c.offer(u32::from(n % 2), cell(n, 0, u64::from(n) * 1_000));
+        }
+        c.offer(0, cell(251, 5, 0));
+        c.offer(0, cell(252, 3, 0));
+        c.settle();
+        assert_eq!(c.drained, (126, 125));
+        assert_eq!(c.cells.len(), CHARGED_CELLS_KEPT);
+        assert_eq!(c.cells[0].addr, IpAddr::from([10, 250, 0, 0]));
+        assert!(c.cells.windows(2).all(|w| w[0].quota.retry_after_ns > w[1].quota.retry_after_ns));
+        // Equal waits: drained first, wide cells first, then by address.
+        let mut tie = ChargedCells::default();
+        for (n, wide, remaining) in [(3, false, 0), (2, true, 1), (1, false, 0), (4, true, 0)] {
+            tie.offer(0, ChargedCell { wide, ..cell(n, remaining, 7) });
+        }
+        tie.settle();
+        let order: Vec<(IpAddr, bool)> = tie.cells.iter().map(|c| (c.addr, c.wide)).collect();
+        let want = [([10, 4, 0, 0], true), ([10, 1, 0, 0], false), ([10, 3, 0, 0], false), ([10, 2, 0, 0], true)];
+        assert_eq!(order, want.map(|(a, w)| (IpAddr::from(a), w)));
+        let mut few = ChargedCells::default();
+        few.offer(0, cell(1, 5, 0));
+        few.offer(0, cell(2, 3, 0));
+        few.settle();
+        assert_eq!(few.cells.iter().map(|c| c.addr).collect::<Vec<_>>(), [IpAddr::from([10, 2, 0, 0])], "a full cell holds no charge");
+        assert_eq!(few.drained, (0, 0));
     }
 }
