@@ -67,6 +67,7 @@ fn a_spoofed_flood_through_the_daemon_neither_resets_nor_bypasses_a_limit_and_is
 
     // While it lasts, the pressure shows in /metrics, /v1/status and the CLI.
     let (mut metrics_on, mut status_on, mut cli_on, mut alert_on) = (false, false, false, false);
+    let mut cpus_on = 0u64;
     let (mut fallbacks_seen, mut cells_seen) = (0.0f64, (0.0f64, 0u64));
     while !flood.is_finished() {
         std::thread::sleep(Duration::from_millis(250));
@@ -77,6 +78,10 @@ fn a_spoofed_flood_through_the_daemon_neither_resets_nor_bypasses_a_limit_and_is
         cells_seen.0 = cells_seen.0.max(m["rl_table_occupancy_ratio{table=\"cells\",family=\"ipv4\"}"]);
         let p = &get(&lab.b, "/v1/status").json()["pressure"];
         status_on |= p["flood_mode"] == true && p["unseen_keys_per_sec"].as_f64().unwrap() > 2000.0;
+        // The CPUs in flood mode: at least one while it is on, none of more than there are.
+        let (on, of) = (p["flood_mode_cpus"].as_u64().unwrap(), p["cpus"].as_u64().unwrap());
+        assert!(of >= 1 && on <= of && (p["flood_mode"] == false || on >= 1), "{p}");
+        cpus_on = cpus_on.max(on);
         cells_seen.1 = cells_seen.1.max(p["cells_ipv4"].as_u64().unwrap());
         // Own buckets stop at max_sources (one over per CPU racing for the last).
         // (Possible CPUs: XDP runs on any of them, whatever this test's affinity.)
@@ -84,7 +89,7 @@ fn a_spoofed_flood_through_the_daemon_neither_resets_nor_bypasses_a_limit_and_is
         assert!(own <= MAX_SOURCES + cpus, "{own} sources tracked of {MAX_SOURCES}");
         if !cli_on {
             let (_, out) = run_once(Some(&lab.b), &["status"]).unwrap();
-            cli_on = out.lines().any(|l| l.starts_with("flood mode:") && l.contains("ON since"));
+            cli_on = out.lines().any(|l| l.starts_with("flood mode:") && l.contains("ON since") && l.contains(" CPUs ("));
         }
     }
     let sent = join(flood).unwrap();
@@ -128,6 +133,8 @@ fn a_spoofed_flood_through_the_daemon_neither_resets_nor_bypasses_a_limit_and_is
     assert_eq!(events(&lab, "flood_ended"), 1, "flood_ended within 6 s of the flood's end");
     let m = parse_prometheus(&get(&lab.b, "/metrics").body);
     assert_eq!(m["rl_flood_mode"], 0.0);
+    assert!(cpus_on >= 1, "/v1/status never counted a CPU in flood mode");
+    assert_eq!((m["rl_flood_mode_cpus"], get(&lab.b, "/v1/status").json()["pressure"]["flood_mode_cpus"].as_u64()), (0.0, Some(0)), "after the flood");
     let firing = alerts::check(&m, &["daemon", "datapath", "l7"]);
     assert!(!firing.contains(&"RlFloodMode".to_string()) && !firing.contains(&"RlDown".to_string()), "after the flood: {firing:?}");
     assert!(firing.contains(&"RlWideCells".to_string()), "\"once\"'s wide cells stay drained for the hour: {firing:?}");

@@ -250,7 +250,12 @@ pub fn status(v: &Value) -> String {
     };
     let p = &v["pressure"];
     let flood = if p["flood_mode"] == true {
-        format!("ON since {} (unseen sources charged to their prefix cells)", since(&p["flood_since_unix_ms"]))
+        format!(
+            "ON since {}, on {} of {} CPUs (unseen sources charged to their prefix cells)",
+            since(&p["flood_since_unix_ms"]),
+            s(&p["flood_mode_cpus"]),
+            s(&p["cpus"])
+        )
     } else {
         "off".to_string()
     };

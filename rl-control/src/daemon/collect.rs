@@ -156,13 +156,15 @@ impl Collector {
             self.left = pass.own.0 + pass.own.1 + pass.cells.0 + pass.cells.1;
         }
         let full = self.figures(&mut s.pressure, s.dp.counters().ok(), pass.as_ref(), &flood, now, s.config.datapath.max_sources);
+        (s.pressure.flood_mode_cpus, s.pressure.cpus) = (flood.cpus_on, flood.cpus);
         if flood.on != s.pressure.flood_mode {
             let p = &mut s.pressure;
             p.flood_mode = flood.on;
             p.flood_since_unix_ms = flood.on.then(unix_now_ms);
             let (event, unseen) = (if flood.on { "flood_started" } else { "flood_ended" }, p.unseen_keys_per_sec);
             if flood.on {
-                warn!(event, unseen_keys_per_sec = unseen, "flood mode: unseen sources are charged to their prefix cells");
+                let cpus = format!("{} of {}", flood.cpus_on, flood.cpus);
+                warn!(event, unseen_keys_per_sec = unseen, cpus, "flood mode: unseen sources are charged to their prefix cells");
             } else {
                 info!(event, "flood mode ended: new sources get buckets of their own again");
             }

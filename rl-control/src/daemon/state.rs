@@ -252,6 +252,11 @@ pub struct Pressure {
     pub flood_mode: bool,
     /// When the current flood mode started (Unix ms), if it is on.
     pub flood_since_unix_ms: Option<u64>,
+    /// Of the CPUs, how many are in flood mode now (each measures its own
+    /// share of `flood_new_keys_per_sec`: one alone under a low host-wide
+    /// rate points at uneven receive queues), and how many there are.
+    pub flood_mode_cpus: u32,
+    pub cpus: u32,
 }
 
 /// "Limited" events kept for `GET /v1/events`.

@@ -472,6 +472,12 @@ pub struct FloodReading {
     /// Some CPU charged an unseen key to a fallback in flood mode within
     /// the last [`FLOOD_REPORT_HOLD_NS`].
     pub on: bool,
+    /// Of the CPUs, how many are so: each measures its own share of
+    /// `flood_new_keys_per_sec`, so one CPU alone in flood mode under a
+    /// low host-wide rate points at uneven receive queues.
+    pub cpus_on: u32,
+    /// The CPUs read.
+    pub cpus: u32,
     /// Keys the CPUs found no bucket for in the last whole flood window
     /// (about 67 ms), summed.
     pub unseen_last_window: u64,
@@ -499,7 +505,10 @@ impl FloodReading {
         let current = now >> FLOOD_WINDOW_SHIFT;
         let mut r = FloodReading::default();
         for s in per_cpu {
-            r.on |= s.flooding(now, FLOOD_REPORT_HOLD_NS);
+            let on = s.flooding(now, FLOOD_REPORT_HOLD_NS);
+            r.on |= on;
+            r.cpus_on += u32::from(on);
+            r.cpus += 1;
             // The last whole window: `unseen` if the CPU has not moved on
             // since, else `prev_unseen` if it moved on just now.
             r.unseen_last_window += if s.window + 1 == current {
@@ -539,9 +548,13 @@ mod tests {
         // 1.9 s since the last flood-mode charge: over two dozen windows,
         // but one episode still.
         let lull = [cpu(now - 1_900_000_000, 972, 0, 0), cpu(0, 0, 0, 0)];
-        assert!(FloodReading::of(lull.iter(), now).on);
+        let r = FloodReading::of(lull.iter(), now);
+        assert!(r.on && (r.cpus_on, r.cpus) == (1, 2), "{r:?}");
+        let both = [cpu(now - 5, 1000, 0, 0), cpu(now - 1_000_000_000, 985, 0, 0), cpu(0, 0, 0, 0)];
+        assert_eq!(FloodReading::of(both.iter(), now).cpus_on, 2);
         let ended = [cpu(now - 2_100_000_000, 969, 0, 0), cpu(0, 0, 0, 0)];
-        assert!(!FloodReading::of(ended.iter(), now).on, "two seconds and more after: ended");
+        let r = FloodReading::of(ended.iter(), now);
+        assert!(!r.on && r.cpus_on == 0, "two seconds and more after: ended");
         assert!(!FloodReading::of([cpu(0, 1000, 5, 5)].iter(), now).on, "never flooded");
     }
 
