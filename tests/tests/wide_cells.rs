@@ -153,17 +153,19 @@ fn a_wide_flood_makes_drained_wide_cells_and_a_key_limited_in_its_cell_stays_lim
     // about an hour), each with its prefix.
     let charged = &p.charged_cells;
     assert!(charged.drained.0 >= 2 + 8 && charged.drained.1 == 0, "{charged:?}");
-    let w = charged.cells.iter().find(|c| c.wide && c.addr == IpAddr::from([10, b, 0, 0])).expect("the drained wide cell is listed");
-    assert_eq!((w.limit, w.quota.remaining), (once, 0), "{w:?}");
-    assert!(w.quota.retry_after_ns > 3_000 * 1_000_000_000, "{w:?}");
-    assert_eq!(dp.cell_prefix(w), Some((IpAddr::from([10, b, 0, 0]), 16)));
+    let quotas = dp.cell_quotas(&charged.cells).unwrap();
+    let listed: Vec<_> = charged.cells.iter().zip(&quotas).map(|(c, q)| (c, q.expect("each listed cell's rule is in force"))).collect();
+    let (w, (wq, wp)) = listed.iter().find(|(c, _)| c.wide && c.addr == IpAddr::from([10, b, 0, 0])).expect("the drained wide cell is listed");
+    assert_eq!((w.limit, w.drained, wq.remaining), (once, true, 0), "{w:?}");
+    assert!(wq.retry_after_ns > 3_000 * 1_000_000_000, "{wq:?}");
+    assert_eq!(*wp, (IpAddr::from([10, b, 0, 0]), 16));
     let kinds: Vec<bool> = charged.cells.iter().map(|c| c.wide).collect();
     assert!(kinds.windows(2).all(|x| x[0] >= x[1]) && kinds[..2] == [true, true], "the wide cells first: {kinds:?}");
-    let cell = charged.cells.iter().find(|c| !c.wide).expect("a /24 cell among them");
+    let (cell, (q, prefix)) = listed.iter().find(|(c, _)| !c.wide).expect("a /24 cell among them");
     let IpAddr::V4(a) = cell.addr else { panic!("{cell:?}") };
-    assert_eq!((cell.limit, cell.quota.remaining, a.octets()[3]), (once, 0, 0), "{cell:?}");
-    assert_eq!(dp.cell_prefix(cell), Some((cell.addr, 24)));
-    assert!(charged.cells.iter().all(|c| c.quota.remaining < c.quota.limit), "only cells holding a charge");
+    assert_eq!((cell.limit, cell.drained, q.remaining, a.octets()[3]), (once, true, 0, 0), "{cell:?}");
+    assert_eq!(*prefix, (cell.addr, 24));
+    assert!(listed.iter().all(|(c, (q, _))| q.remaining < q.limit && c.drained == (q.remaining == 0)), "only cells holding a charge, drained as their quota says");
     assert_eq!(dp.rule_names_by_id().unwrap().get(&once).map(String::as_str), Some("once"));
 }
 

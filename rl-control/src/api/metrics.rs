@@ -98,7 +98,7 @@ fn pressure(out: &mut String, s: &State) {
     let _ = writeln!(out, "rl_new_buckets_per_second {}", p.new_buckets_per_sec);
     family(out, "rl_flood_mode", "gauge", "1 while unseen sources are charged to their prefix cells (flood mode), and for two seconds after the last.");
     let _ = writeln!(out, "rl_flood_mode {}", u8::from(p.flood_mode));
-    family(out, "rl_flood_mode_cpus", "gauge", "CPUs in flood mode now (each measures its own share of datapath.flood_new_keys_per_sec: one alone under a low rl_unseen_keys_per_second points at uneven receive queues).");
+    family(out, "rl_flood_mode_cpus", "gauge", "CPUs in flood mode now or within the last two seconds (each measures its own share of datapath.flood_new_keys_per_sec: one alone under a low rl_unseen_keys_per_second points at uneven receive queues).");
     let _ = writeln!(out, "rl_flood_mode_cpus {}", p.flood_mode_cpus);
     family(out, "rl_table_full", "gauge", "1 while the sources' table is full (datapath.max_sources own buckets): new sources share their prefix cells.");
     let _ = writeln!(out, "rl_table_full {}", u8::from(p.table_full));

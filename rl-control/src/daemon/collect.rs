@@ -183,7 +183,9 @@ impl Collector {
         }
         if let Some(pass) = &pass {
             wide_rules(s, pass);
-            s.cells = charged_cells(s, pass);
+            if let Some(cells) = charged_cells(s, pass) {
+                s.cells = cells;
+            }
         }
         let room = rl_common::cell_room(s.config.datapath.flood_prefixes);
         if let Some(full) = pass.as_ref().and_then(|pass| cells_full(s.pressure.cells_full, pass.cells, room)) {
@@ -331,24 +333,30 @@ impl TopRanker {
     }
 }
 
-/// The cells a walk found holding a charge, named.
-fn charged_cells(s: &State, pass: &Pass) -> crate::daemon::state::Cells {
+/// The cells a walk found holding a charge, named, with their quotas now
+/// (left as they were if the datapath cannot be read this pass).
+fn charged_cells(s: &State, pass: &Pass) -> Option<crate::daemon::state::Cells> {
     let c = &pass.charged_cells;
+    let quotas = s.dp.cell_quotas(&c.cells).ok()?;
     let cells = c
         .cells
         .iter()
-        .map(|cell| crate::daemon::state::CellView {
-            rule: s.dp.rule_name_of_key(cell.limit).unwrap_or("(replaced rule)").to_string(),
-            limit_index: cell.limit & 7,
-            prefix: s.dp.cell_prefix(cell).map_or_else(|| cell.addr.to_string(), |(a, bits)| format!("{a}/{bits}")),
-            kind: if cell.wide { "wide_cell" } else { "prefix_cell" }.into(),
-            limit: cell.quota.limit,
-            remaining: cell.quota.remaining,
-            retry_after_ms: rl_common::quota::ceil_ms(cell.quota.retry_after_ns),
-            reset_ms: rl_common::quota::ceil_ms(cell.quota.reset_ns),
+        .zip(quotas)
+        .filter_map(|(cell, q)| {
+            let (quota, (addr, bits)) = q?;
+            Some(crate::daemon::state::CellView {
+                rule: s.dp.rule_name_of_key(cell.limit).unwrap_or("(replaced rule)").to_string(),
+                limit_index: cell.limit & 7,
+                prefix: format!("{addr}/{bits}"),
+                kind: if cell.wide { "wide_cell" } else { "prefix_cell" }.into(),
+                limit: quota.limit,
+                remaining: quota.remaining,
+                retry_after_ms: rl_common::quota::ceil_ms(quota.retry_after_ns),
+                reset_ms: rl_common::quota::ceil_ms(quota.reset_ns),
+            })
         })
         .collect();
-    crate::daemon::state::Cells { read_at_unix_ms: unix_now_ms(), drained_ipv4: c.drained.0, drained_ipv6: c.drained.1, cells }
+    Some(crate::daemon::state::Cells { read_at_unix_ms: unix_now_ms(), drained_ipv4: c.drained.0, drained_ipv6: c.drained.1, cells })
 }
 
 /// Sets the rules with wide cells from a walk, and raises

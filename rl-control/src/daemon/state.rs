@@ -252,9 +252,10 @@ pub struct Pressure {
     pub flood_mode: bool,
     /// When the current flood mode started (Unix ms), if it is on.
     pub flood_since_unix_ms: Option<u64>,
-    /// Of the CPUs, how many are in flood mode now (each measures its own
-    /// share of `flood_new_keys_per_sec`: one alone under a low host-wide
-    /// rate points at uneven receive queues), and how many there are.
+    /// Of the online CPUs, how many are in flood mode now or were within
+    /// the last two seconds (each measures its own share of
+    /// `flood_new_keys_per_sec`: one alone under a low host-wide rate
+    /// points at uneven receive queues), and how many are online.
     pub flood_mode_cpus: u32,
     pub cpus: u32,
 }
@@ -310,11 +311,13 @@ pub struct Cells {
     /// When the pass read them (Unix ms; 0 before the first): the waits
     /// are from then.
     pub read_at_unix_ms: u64,
-    /// Cells with no room left (each packet they charge drops), per family.
+    /// Cells with no room left, per family: one more packet charged to
+    /// them is over the limit (dropped, unless its rule is a shadow or an
+    /// elastic one with room in its pool).
     pub drained_ipv4: u64,
     pub drained_ipv6: u64,
     /// The most limiting first: no room left, then wide cells, then the
-    /// longest waits for room (at most 100).
+    /// state furthest ahead (at most 100).
     pub cells: Vec<CellView>,
 }
 

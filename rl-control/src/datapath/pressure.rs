@@ -387,9 +387,9 @@ impl Walk<'_> {
                         keep(&c.key);
                         left += 1;
                         if let Some(l) = self.limits.get(&limit_of_key(c.key.rule())) {
-                            let quota = rl_common::quota(l, c.bucket.tat_ns, now, self.epoch_offset_ns);
-                            let cell = ChargedCell { limit: limit_of_key(c.key.rule()), addr: c.key.addr(), wide: is_wide(c.key.rule()), quota };
-                            charged.offer(family, cell);
+                            let (wide, word) = (is_wide(c.key.rule()), c.bucket.tat_ns);
+                            let cell = ChargedCell { limit: limit_of_key(c.key.rule()), addr: c.key.addr(), wide, drained: false, word };
+                            charged.offer(family, l, cell, now, self.epoch_offset_ns);
                         }
                     }
                 }
@@ -476,7 +476,8 @@ pub struct FloodReading {
     /// `flood_new_keys_per_sec`, so one CPU alone in flood mode under a
     /// low host-wide rate points at uneven receive queues.
     pub cpus_on: u32,
-    /// The CPUs read.
+    /// The online CPUs, which share the rate (by [`flood_mode`]; the
+    /// detectors read, by [`FloodReading::of`]).
     pub cpus: u32,
     /// Keys the CPUs found no bucket for in the last whole flood window
     /// (about 67 ms), summed.
@@ -496,7 +497,9 @@ pub fn flood_mode(ids: TableIds) -> Result<FloodReading, DatapathError> {
     let arr: PerCpuArray<MapData, FloodState> =
         PerCpuArray::try_from(Map::PerCpuArray(data)).map_err(|e| map_error(MAP_FLOOD, e))?;
     let per_cpu = arr.get(&0, 0).map_err(|e| map_error(MAP_FLOOD, e))?;
-    Ok(FloodReading::of(per_cpu.iter(), coarse_monotonic_ns()))
+    let r = FloodReading::of(per_cpu.iter(), coarse_monotonic_ns());
+    // The CPUs that share the rate: the online ones, not every possible one.
+    Ok(FloodReading { cpus: aya::util::online_cpus().map_or(r.cpus, |c| c.len() as u32), ..r })
 }
 
 impl FloodReading {

@@ -129,15 +129,9 @@ impl Datapath {
                     }
                 };
                 let Some((by, prefix, bucket)) = found else { continue };
-                let limit = &rule.limits[which as usize];
-                let mut q = rl_common::quota(limit, bucket.tat_ns, now, self.epoch_offset_ns);
+                let q = self.quota_now(&rule.limits[which as usize], bucket.tat_ns, now);
                 if by != ChargedBy::Own && q.remaining >= q.limit {
                     continue;
-                }
-                if limit.kind & rl_common::LIMIT_COARSE != 0 {
-                    let tick = self.clock.tick_ns;
-                    q.retry_after_ns += if q.retry_after_ns > 0 { tick } else { 0 };
-                    q.reset_ns += if q.reset_ns > 0 { tick } else { 0 };
                 }
                 out.push(SourceQuota { rule: i, which, by, prefix, quota: q });
             }
@@ -264,8 +258,10 @@ pub struct ChargedCell {
     /// Its key's address (the prefix's first address).
     pub addr: IpAddr,
     pub wide: bool,
-    /// Its state when the pass read it.
-    pub quota: rl_common::Quota,
+    /// No room left: one more unit is over the limit.
+    pub drained: bool,
+    /// Its state word when the pass read it.
+    pub word: u64,
 }
 
 /// Cells kept by [`ChargedCells`].
@@ -273,7 +269,9 @@ pub const CHARGED_CELLS_KEPT: usize = 100;
 
 /// The cells a pass found holding a charge, the most limiting first (see
 /// [`ChargedCells::settle`]; at most [`CHARGED_CELLS_KEPT`]), and how many
-/// had no room left (each packet they charge drops), per family.
+/// had no room left, per family. A pass checks each cell with one step of
+/// the limit's arithmetic, as the program does; the quotas of the few kept
+/// are worked out after it ([`Datapath::cell_quotas`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ChargedCells {
     pub cells: Vec<ChargedCell>,
@@ -281,45 +279,74 @@ pub struct ChargedCells {
 }
 
 impl ChargedCells {
-    /// Counts and keeps `cell` of `family` (0 IPv4), if it holds a charge.
-    pub(super) fn offer(&mut self, family: u32, cell: ChargedCell) {
-        if cell.quota.remaining == 0 {
+    /// Counts and keeps the cell of `family` (0 IPv4) under `limit`
+    /// holding `word` at `now`, if it holds a charge (is not fresh).
+    pub(super) fn offer(&mut self, family: u32, limit: &LimitEntry, mut cell: ChargedCell, now: u64, epoch_offset_ns: u64) {
+        if limit.is_fresh(cell.word, now, epoch_offset_ns) {
+            return;
+        }
+        cell.drained = limit.step(cell.word, now, epoch_offset_ns, 1).is_none();
+        if cell.drained {
             *if family == 0 { &mut self.drained.0 } else { &mut self.drained.1 } += 1;
         }
-        if cell.quota.remaining < cell.quota.limit {
-            self.cells.push(cell);
-            if self.cells.len() >= 4 * CHARGED_CELLS_KEPT {
-                self.settle();
-            }
+        self.cells.push(cell);
+        if self.cells.len() >= 4 * CHARGED_CELLS_KEPT {
+            self.settle();
         }
     }
 
     /// Orders the cells (those with no room left first, wide ones before
-    /// prefix cells, then the longest wait for room, then for a full limit,
-    /// then by address) and keeps [`CHARGED_CELLS_KEPT`].
+    /// prefix cells, then the state furthest ahead, then by address) and
+    /// keeps [`CHARGED_CELLS_KEPT`].
     pub(super) fn settle(&mut self) {
-        let rank = |c: &ChargedCell| (c.quota.remaining == 0, c.wide, c.quota.retry_after_ns, c.quota.reset_ns, std::cmp::Reverse(c.addr));
-        self.cells.sort_by_key(|c| std::cmp::Reverse(rank(c)));
+        self.cells.sort_by_key(|c| (std::cmp::Reverse((c.drained, c.wide, c.word)), c.addr));
         self.cells.truncate(CHARGED_CELLS_KEPT);
     }
 }
 
 impl Datapath {
-    /// The prefix of `cell` (its address and length: the cells' length,
-    /// 8 bits shorter for a wide one (IPv6 16), within its rule's key
-    /// prefix), if its rule is in either rule table.
-    pub fn cell_prefix(&self, cell: &ChargedCell) -> Option<(IpAddr, u8)> {
-        let id = cell.limit & rl_common::RULE_ID_MASK;
-        let rule = self.slots.iter().flat_map(|s| s.entries.iter()).find(|e| e.id == id)?;
-        let (cfg, by) = (self.config().ok()?, if cell.wide { ChargedBy::WideCell } else { ChargedBy::PrefixCell });
-        match cell.addr {
-            IpAddr::V4(a) => prefix4(by, &Key4 { rule: cell.limit, addr: u32::from_ne_bytes(a.octets()) }, rule, &cfg),
-            IpAddr::V6(a) => {
-                let o = a.octets();
-                let words = [0, 4, 8, 12].map(|j| u32::from_ne_bytes([o[j], o[j + 1], o[j + 2], o[j + 3]]));
-                prefix6(by, &Key6 { rule: cell.limit, addr: words }, rule, &cfg)
-            }
+    /// The quota of each of `cells` now (as `/v1/sources/{ip}` reads a
+    /// source's: by the rule in force, else the one it replaced; a coarse
+    /// limit's waits a tick longer) and its prefix (the cells' length, 8
+    /// bits shorter for a wide one (IPv6 16), within its rule's key
+    /// prefix); `None` for a cell whose rule is in neither rule table.
+    pub fn cell_quotas(&self, cells: &[ChargedCell]) -> Result<Vec<Option<(Quota, (IpAddr, u8))>>, DatapathError> {
+        let (cfg, now) = (self.config()?, monotonic_ns());
+        let active = self.active.unwrap_or(0) as usize;
+        Ok(cells
+            .iter()
+            .map(|cell| {
+                let id = cell.limit & rl_common::RULE_ID_MASK;
+                let rule = [active, active ^ 1].into_iter().find_map(|s| self.slots[s].entries.iter().find(|e| e.id == id))?;
+                let limit = match cell.limit & 7 {
+                    rl_common::POOL_INDEX => &rule.pool,
+                    which => rule.limits.get(which as usize)?,
+                };
+                let by = if cell.wide { ChargedBy::WideCell } else { ChargedBy::PrefixCell };
+                let prefix = match cell.addr {
+                    IpAddr::V4(a) => prefix4(by, &Key4 { rule: cell.limit, addr: u32::from_ne_bytes(a.octets()) }, rule, &cfg),
+                    IpAddr::V6(a) => {
+                        let o = a.octets();
+                        let words = [0, 4, 8, 12].map(|j| u32::from_ne_bytes([o[j], o[j + 1], o[j + 2], o[j + 3]]));
+                        prefix6(by, &Key6 { rule: cell.limit, addr: words }, rule, &cfg)
+                    }
+                }?;
+                Some((self.quota_now(limit, cell.word, now), prefix))
+            })
+            .collect())
+    }
+
+    /// The quota of `limit` holding `word` at `now`, for a client: a
+    /// coarse limit's waits a tick longer (the datapath's time trails
+    /// ktime by up to a tick), so a client that waits them is never early.
+    fn quota_now(&self, limit: &LimitEntry, word: u64, now: u64) -> Quota {
+        let mut q = rl_common::quota(limit, word, now, self.epoch_offset_ns);
+        if limit.kind & rl_common::LIMIT_COARSE != 0 {
+            let tick = self.clock.tick_ns;
+            q.retry_after_ns += if q.retry_after_ns > 0 { tick } else { 0 };
+            q.reset_ns += if q.reset_ns > 0 { tick } else { 0 };
         }
+        q
     }
 }
 
@@ -465,41 +492,44 @@ impl Source {
 mod tests {
     use super::*;
 
-    fn cell(n: u8, remaining: u64, retry_after_ns: u64) -> ChargedCell {
-        let quota = rl_common::Quota { limit: 5, remaining, retry_after_ns, reset_ns: retry_after_ns + 1 };
-        ChargedCell { limit: 8, addr: IpAddr::from([10, n, 0, 0]), wide: false, quota }
+    /// A packet limit of 5 per second (burst 5), on exact time.
+    fn five() -> LimitEntry {
+        let c = crate::compile::compile(&crate::config::Config::from_str("[default]\nrate = 5\n", "x").unwrap());
+        c.rules.entries[0].limits[0]
     }
 
-    /// Only cells holding a charge are kept, the longest waits first, at
-    /// most CHARGED_CELLS_KEPT of them, and the drained ones are counted
-    /// per family, kept or not.
+    fn cell(n: u8, word: u64) -> ChargedCell {
+        ChargedCell { limit: 8, addr: IpAddr::from([10, n, 0, 0]), wide: false, drained: false, word }
+    }
+
+    /// Only cells holding a charge are kept, those with no room left
+    /// first (then wide ones, then the state furthest ahead, then by
+    /// address), at most CHARGED_CELLS_KEPT of them, and the drained ones
+    /// are counted per family, kept or not.
     #[test]
-    fn charged_cells_keep_the_longest_waits_and_count_the_drained() {
+    fn charged_cells_keep_the_most_limiting_and_count_the_drained() {
+        let (l, now, second) = (five(), 100_000_000_000u64, 1_000_000_000u64);
         let mut c = ChargedCells::default();
+        // Drained: a state word a whole burst (1 s) ahead of now, or more.
         for n in 0..=250u8 {
-            c.offer(u32::from(n % 2), cell(n, 0, u64::from(n) * 1_000));
+            c.offer(u32::from(n % 2), &l, cell(n, now + second + u64::from(n) * 1_000), now, 0);
         }
-        c.offer(0, cell(251, 5, 0));
-        c.offer(0, cell(252, 3, 0));
+        c.offer(0, &l, cell(251, now - 10 * second), now, 0); // fresh: no charge
+        c.offer(0, &l, cell(252, now + second / 2), now, 0); // half used: room left
         c.settle();
         assert_eq!(c.drained, (126, 125));
         assert_eq!(c.cells.len(), CHARGED_CELLS_KEPT);
         assert_eq!(c.cells[0].addr, IpAddr::from([10, 250, 0, 0]));
-        assert!(c.cells.windows(2).all(|w| w[0].quota.retry_after_ns > w[1].quota.retry_after_ns));
-        // Equal waits: drained first, wide cells first, then by address.
-        let mut tie = ChargedCells::default();
-        for (n, wide, remaining) in [(3, false, 0), (2, true, 1), (1, false, 0), (4, true, 0)] {
-            tie.offer(0, ChargedCell { wide, ..cell(n, remaining, 7) });
-        }
-        tie.settle();
-        let order: Vec<(IpAddr, bool)> = tie.cells.iter().map(|c| (c.addr, c.wide)).collect();
-        let want = [([10, 4, 0, 0], true), ([10, 1, 0, 0], false), ([10, 3, 0, 0], false), ([10, 2, 0, 0], true)];
-        assert_eq!(order, want.map(|(a, w)| (IpAddr::from(a), w)));
+        assert!(c.cells.iter().all(|x| x.drained));
+        assert!(c.cells.windows(2).all(|w| w[0].word > w[1].word));
         let mut few = ChargedCells::default();
-        few.offer(0, cell(1, 5, 0));
-        few.offer(0, cell(2, 3, 0));
+        few.offer(0, &l, cell(1, now - 10 * second), now, 0);
+        few.offer(0, &l, cell(2, now + second / 2), now, 0);
+        few.offer(0, &l, ChargedCell { wide: true, ..cell(3, now + second / 2) }, now, 0);
+        few.offer(0, &l, cell(4, now + 2 * second), now, 0);
         few.settle();
-        assert_eq!(few.cells.iter().map(|c| c.addr).collect::<Vec<_>>(), [IpAddr::from([10, 2, 0, 0])], "a full cell holds no charge");
-        assert_eq!(few.drained, (0, 0));
+        let order: Vec<(u8, bool, bool)> = few.cells.iter().map(|c| (if let IpAddr::V4(a) = c.addr { a.octets()[1] } else { 0 }, c.wide, c.drained)).collect();
+        assert_eq!(order, [(4, false, true), (3, true, false), (2, false, false)], "a fresh cell holds no charge");
+        assert_eq!(few.drained, (1, 0));
     }
 }
