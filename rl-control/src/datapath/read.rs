@@ -304,13 +304,16 @@ impl ChargedCells {
     }
 }
 
+/// A cell's quota now and its prefix (address, length), by [`Datapath::cell_quotas`].
+pub type CellQuota = (Quota, (IpAddr, u8));
+
 impl Datapath {
     /// The quota of each of `cells` now (as `/v1/sources/{ip}` reads a
     /// source's: by the rule in force, else the one it replaced; a coarse
     /// limit's waits a tick longer) and its prefix (the cells' length, 8
     /// bits shorter for a wide one (IPv6 16), within its rule's key
     /// prefix); `None` for a cell whose rule is in neither rule table.
-    pub fn cell_quotas(&self, cells: &[ChargedCell]) -> Result<Vec<Option<(Quota, (IpAddr, u8))>>, DatapathError> {
+    pub fn cell_quotas(&self, cells: &[ChargedCell]) -> Result<Vec<Option<CellQuota>>, DatapathError> {
         let (cfg, now) = (self.config()?, monotonic_ns());
         let active = self.active.unwrap_or(0) as usize;
         Ok(cells
