@@ -422,11 +422,7 @@ struct TopQuery {
 #[utoipa::path(get, path = "/v1/sources", params(("top" = Option<usize>, Query, description = "how many (default 10, at most 1000)")),
     responses((status = 200, body = crate::daemon::state::Top), (status = 400, body = ErrorBody)))]
 async fn top_sources(AxState(api): AxState<Api>, q: Result<Query<TopQuery>, QueryRejection>) -> ApiResult<Json<crate::daemon::state::Top>> {
-    let Query(q) = q.map_err(|e| ApiError(StatusCode::BAD_REQUEST, format!("{}: use ?top=N", e.body_text())))?;
-    let n = q.top.unwrap_or(10);
-    if !(1..=crate::daemon::state::TOP_KEPT).contains(&n) {
-        return Err(ApiError(StatusCode::BAD_REQUEST, format!("top must be 1..={}", crate::daemon::state::TOP_KEPT)));
-    }
+    let n = top_count(q, crate::daemon::state::TOP_KEPT)?;
     let s = lock(&api.state);
     let mut top = s.top.clone();
     top.sources.truncate(n);
@@ -443,14 +439,20 @@ async fn top_sources(AxState(api): AxState<Api>, q: Result<Query<TopQuery>, Quer
 #[utoipa::path(get, path = "/v1/cells", params(("top" = Option<usize>, Query, description = "how many (default 10, at most 100)")),
     responses((status = 200, body = crate::daemon::state::Cells), (status = 400, body = ErrorBody)))]
 async fn cells(AxState(api): AxState<Api>, q: Result<Query<TopQuery>, QueryRejection>) -> ApiResult<Json<crate::daemon::state::Cells>> {
-    let Query(q) = q.map_err(|e| ApiError(StatusCode::BAD_REQUEST, format!("{}: use ?top=N", e.body_text())))?;
-    let n = q.top.unwrap_or(10);
-    if !(1..=crate::datapath::CHARGED_CELLS_KEPT).contains(&n) {
-        return Err(ApiError(StatusCode::BAD_REQUEST, format!("top must be 1..={}", crate::datapath::CHARGED_CELLS_KEPT)));
-    }
+    let n = top_count(q, crate::datapath::CHARGED_CELLS_KEPT)?;
     let mut cells = lock(&api.state).cells.clone();
     cells.cells.truncate(n);
     Ok(Json(cells))
+}
+
+/// A list's `?top=N` (default 10), refused outside 1..=`kept`.
+fn top_count(q: Result<Query<TopQuery>, QueryRejection>, kept: usize) -> ApiResult<usize> {
+    let Query(q) = q.map_err(|e| ApiError(StatusCode::BAD_REQUEST, format!("{}: use ?top=N", e.body_text())))?;
+    let n = q.top.unwrap_or(10);
+    if !(1..=kept).contains(&n) {
+        return Err(ApiError(StatusCode::BAD_REQUEST, format!("top must be 1..={kept}")));
+    }
+    Ok(n)
 }
 
 #[derive(Deserialize)]

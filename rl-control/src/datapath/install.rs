@@ -87,8 +87,9 @@ impl Datapath {
     /// The rule ids the rule tables' maps hold (both slots), each with its
     /// natural id.
     pub(super) fn read_held_ids(&self) -> Result<std::collections::BTreeMap<u32, u32>, DatapathError> {
-        let entries = (0..2 * RULE_SLOTS).map(|i| self.rule_table_entry(i)).collect::<Result<Vec<_>, _>>()?;
-        Ok(held_ids(&entries))
+        let mut held = held_ids(&self.slot_entries(0)?);
+        held.extend(held_ids(&self.slot_entries(1)?));
+        Ok(held)
     }
 
     /// The notes on the wide-cell counts of the rules in force, with the

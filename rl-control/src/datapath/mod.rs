@@ -361,11 +361,17 @@ impl Datapath {
     /// The rule name of a bucket key's `rule` (`id | limit index`), looked
     /// up in both slots (an event may come from the rule set just replaced).
     pub fn rule_name_of_key(&self, key_rule: u32) -> Option<&str> {
-        let id = key_rule & !7;
+        self.rule_of_id(key_rule & !7).and_then(|(_, name)| name)
+    }
+
+    /// The rule entry with `id` and its name, from the active slot, else
+    /// the one it replaced.
+    pub(super) fn rule_of_id(&self, id: u32) -> Option<(&rl_common::RuleEntry, Option<&str>)> {
         let active = self.active.unwrap_or(0) as usize;
         [active, active ^ 1].into_iter().find_map(|slot| {
             let c = &self.slots[slot];
-            c.entries.iter().position(|e| e.id == id).and_then(|i| c.names.get(i)).map(String::as_str)
+            let i = c.entries.iter().position(|e| e.id == id)?;
+            Some((&c.entries[i], c.names.get(i).map(String::as_str)))
         })
     }
 

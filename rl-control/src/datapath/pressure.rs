@@ -76,7 +76,7 @@ pub struct Pass {
     /// The share of the known-keys filter's bits set after the pass's
     /// rebuild, per family (see `rl_common::known`).
     pub known_fill: (f64, f64),
-    /// The cells left holding a charge, the longest waits first.
+    /// The cells left holding a charge, the most limiting first.
     pub charged_cells: super::read::ChargedCells,
 }
 

@@ -122,9 +122,7 @@ impl Datapath {
                         charged_by(&v4, &cells.0, &key, &cfg, wide).map(|(by, k, b)| (by, prefix4(by, &k, &rule, &cfg), b))
                     }
                     IpAddr::V6(a) => {
-                        let o = a.octets();
-                        let words = [0, 4, 8, 12].map(|j| u32::from_ne_bytes([o[j], o[j + 1], o[j + 2], o[j + 3]]));
-                        let key = rule.key6(which, &words);
+                        let key = rule.key6(which, &words6(a));
                         charged_by(&v6, &cells.1, &key, &cfg, wide).map(|(by, k, b)| (by, prefix6(by, &k, &rule, &cfg), b))
                     }
                 };
@@ -315,12 +313,10 @@ impl Datapath {
     /// prefix); `None` for a cell whose rule is in neither rule table.
     pub fn cell_quotas(&self, cells: &[ChargedCell]) -> Result<Vec<Option<CellQuota>>, DatapathError> {
         let (cfg, now) = (self.config()?, monotonic_ns());
-        let active = self.active.unwrap_or(0) as usize;
         Ok(cells
             .iter()
             .map(|cell| {
-                let id = cell.limit & rl_common::RULE_ID_MASK;
-                let rule = [active, active ^ 1].into_iter().find_map(|s| self.slots[s].entries.iter().find(|e| e.id == id))?;
+                let (rule, _) = self.rule_of_id(cell.limit & rl_common::RULE_ID_MASK)?;
                 let limit = match cell.limit & 7 {
                     rl_common::POOL_INDEX => &rule.pool,
                     which => rule.limits.get(which as usize)?,
@@ -328,11 +324,7 @@ impl Datapath {
                 let by = if cell.wide { ChargedBy::WideCell } else { ChargedBy::PrefixCell };
                 let prefix = match cell.addr {
                     IpAddr::V4(a) => prefix4(by, &Key4 { rule: cell.limit, addr: u32::from_ne_bytes(a.octets()) }, rule, &cfg),
-                    IpAddr::V6(a) => {
-                        let o = a.octets();
-                        let words = [0, 4, 8, 12].map(|j| u32::from_ne_bytes([o[j], o[j + 1], o[j + 2], o[j + 3]]));
-                        prefix6(by, &Key6 { rule: cell.limit, addr: words }, rule, &cfg)
-                    }
+                    IpAddr::V6(a) => prefix6(by, &Key6 { rule: cell.limit, addr: words6(a) }, rule, &cfg),
                 }?;
                 Some((self.quota_now(limit, cell.word, now), prefix))
             })
@@ -351,6 +343,12 @@ impl Datapath {
         }
         q
     }
+}
+
+/// An IPv6 address as the four network-order words a packet holds.
+fn words6(a: std::net::Ipv6Addr) -> [u32; 4] {
+    let o = a.octets();
+    [0, 4, 8, 12].map(|j| u32::from_ne_bytes([o[j], o[j + 1], o[j + 2], o[j + 3]]))
 }
 
 /// One bucket: a source (masked to its aggregation prefix) under one limit.
