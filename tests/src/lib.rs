@@ -31,6 +31,13 @@ pub fn datapath(toml: &str) -> Result<Datapath> {
     Datapath::load(&compile(&config)).context("loading the datapath")
 }
 
+/// `compiled`'s datapath pinned in `dir` (a directory of a
+/// [`lab::BpfFs`]), as the daemon loads it: adopted if pinned there before.
+pub fn load_pinned(compiled: &rl_control::compile::Compiled, dir: &std::path::Path) -> Datapath {
+    let opts = rl_control::datapath::LoadOptions { pin: Some(dir.to_path_buf()), ..Default::default() };
+    Datapath::load_with(compiled, opts).expect("loading the pinned datapath")
+}
+
 /// One pass of the daemon's collector over `dp`'s tables, as the daemon
 /// runs it every second.
 pub fn collector_pass(dp: &Datapath) -> rl_control::datapath::Pass {

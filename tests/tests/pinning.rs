@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use rl_tests::{
     daemon::{run_once, write, Daemon},
+    load_pinned,
     http::get,
     lab::{BpfFs, Lab, VA, VB},
     traffic::{flood, join, paced, Receiver},
@@ -272,11 +273,6 @@ fn as_an_older_build_left_it(dir: &std::path::Path) -> u16 {
 }
 
 /// Loads the datapath pinned in `dir`, or adopts it.
-fn load_pinned(compiled: &rl_control::compile::Compiled, dir: &std::path::Path) -> rl_control::datapath::Datapath {
-    use rl_control::datapath::{Datapath, LoadOptions};
-    Datapath::load_with(compiled, LoadOptions { pin: Some(dir.to_path_buf()), ..Default::default() }).unwrap()
-}
-
 /// A restart keeps the wall-clock offset the pinned window counts were
 /// made with: were the clock stepped (here: as if it had read an hour
 /// behind when the datapath was made), a re-measured offset would move
@@ -660,119 +656,4 @@ fn moved_away(same_index: bool) {
     assert!(away.ip(&["-d", "link", "show", VB]).unwrap().contains("prog/xdp"), "the moved interface keeps its program");
     assert_eq!(config_entry(&dir).get(&0, 0).unwrap(), settings, "its settings put back as they were found");
     drop(dp);
-}
-
-/// Rule tables an older build wrote, where two rules' ids share a
-/// wide-cell count: adopted, both rules keep their ids (and so their
-/// buckets) through every install, and the datapath names the pair for
-/// the daemon's warning. A rule new to the tables gets a count of its own.
-#[test]
-fn an_older_builds_rules_that_share_a_wide_count_keep_their_ids_and_are_named() {
-    use aya::maps::{Array, Map, MapData};
-    use rl_common::{wide_entry, RuleEntry, RULE_SLOTS};
-    use rl_control::{compile::compile, config::Config, datapath::prepare_pins};
-    rl_tests::lab::require_root();
-    let rule = |name: &str, port: u16| format!("[[rule]]\nname = \"{name}\"\nproto = \"udp\"\ndst_ports = [{port}]\nrate = 3\nper = \"1h\"\n");
-    let base = "[datapath]\nmax_sources = 1024\n[default]\nrate = 1000\n";
-    let x = rl_tests::sharing_a_wide_count(base, "x", |n| rule(n, 53), &rule("y", 54));
-    let toml = format!("{base}{}{}", rule(&x, 53), rule("y", 54));
-    let compiled = compile(&Config::from_str(&toml, "<test>").unwrap());
-    let natural: Vec<u32> = compiled.rules.entries.iter().map(|e| e.id).collect();
-    assert_eq!(wide_entry(natural[1], 0), wide_entry(natural[2], 0));
-    let pins = BpfFs::new().unwrap();
-    let dir = pins.path().join("shared");
-    prepare_pins(pins.path(), &dir).unwrap();
-    let dp = load_pinned(&compiled, &dir);
-    let installed = |dp: &rl_control::datapath::Datapath, i: u32| dp.rule_table_entry(dp.active_slot().unwrap() * RULE_SLOTS + i).unwrap();
-    assert_eq!(installed(&dp, 1).id, natural[1]);
-    let moved = installed(&dp, 2).id;
-    assert_ne!(moved, natural[2], "this build parts them");
-    drop(dp);
-    // Adopted (a restart): y keeps the id it was moved to, and its buckets.
-    let mut dp = load_pinned(&compiled, &dir);
-    assert!(dp.adopted());
-    for _ in 0..2 {
-        dp.install(&compiled.rules).unwrap();
-        assert_eq!((installed(&dp, 1).id, installed(&dp, 2).id), (natural[1], moved), "a restart keeps the moved id");
-    }
-    assert!(dp.wide_count_notes().is_empty());
-    drop(dp);
-    // Restarted without x (removed while the daemon was down): y keeps the
-    // id the tables hold for it, though its own would now be free.
-    let only_y = compile(&Config::from_str(&format!("{base}{}", rule("y", 54)), "<test>").unwrap());
-    let mut dp = load_pinned(&only_y, &dir);
-    dp.install(&only_y.rules).unwrap();
-    assert_eq!(installed(&dp, 1).id, moved, "the id read back from the adopted tables");
-    drop(dp);
-    // As an older build left them: y under its own id (no steps kept), in
-    // both tables.
-    let mut rules: Array<MapData, RuleEntry> = Array::try_from(Map::Array(MapData::from_pin(dir.join(rl_common::MAP_RULES)).unwrap())).unwrap();
-    for slot in 0..2 {
-        let mut e = rules.get(&(slot * RULE_SLOTS + 2), 0).unwrap();
-        (e.id, e.flags) = (natural[2], e.flags & !rl_common::RULE_STEPS_MASK);
-        rules.set(slot * RULE_SLOTS + 2, e, 0).unwrap();
-    }
-    let mut dp = load_pinned(&compiled, &dir);
-    assert!(dp.adopted());
-    for _ in 0..2 {
-        dp.install(&compiled.rules).unwrap();
-        assert_eq!((installed(&dp, 1).id, installed(&dp, 2).id), (natural[1], natural[2]), "ids the tables hold are kept");
-    }
-    let notes = dp.wide_count_notes();
-    assert_eq!(notes.len(), 1, "{notes:?}");
-    assert!(notes[0].starts_with(&format!("rules {x} and y share a wide-cell count")), "{notes:?}");
-    // A rule new to the tables whose id would share theirs gets its own.
-    let z = rl_tests::sharing_a_wide_count(&format!("{base}{}", rule(&x, 53)), "z", |n| rule(n, 55), &rule("y", 54));
-    let more = compile(&Config::from_str(&format!("{toml}{}", rule(&z, 55)), "<test>").unwrap());
-    assert_eq!(wide_entry(more.rules.entries[3].id, 0), wide_entry(natural[2], 0));
-    dp.install(&more.rules).unwrap();
-    let (ex, ey, ez) = (installed(&dp, 1), installed(&dp, 2), installed(&dp, 3));
-    assert_eq!((ex.id, ey.id), (natural[1], natural[2]));
-    assert!(wide_entry(ez.id, 0) != wide_entry(ey.id, 0), "the new rule parted from them");
-    assert_eq!(dp.wide_count_notes().len(), 1, "still only the older pair");
-}
-
-/// The operator is told of rules that share a wide-cell count, and how to
-/// part them: none when this build made the tables (a fresh datapath parts
-/// them, and `check-config` says nothing), a warning naming the pair at
-/// start and at each reload when an older build's tables hold them so.
-#[test]
-fn the_daemon_warns_of_rules_that_share_a_wide_count_in_tables_it_adopts() {
-    use aya::maps::{Array, Map, MapData};
-    use rl_common::{RuleEntry, RULE_SLOTS};
-    let lab = Lab::new().unwrap();
-    let pins = BpfFs::new().unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let rule = |name: &str, port: u16| format!("[[rule]]\nname = \"{name}\"\nproto = \"udp\"\ndst_ports = [{port}]\nrate = 3\nper = \"1h\"\n");
-    let base = config(1024);
-    let x = rl_tests::sharing_a_wide_count(&base, "x", |n| rule(n, 53), &rule("y", 54));
-    let toml = format!("{base}{}{}", rule(&x, 53), rule("y", 54));
-    let natural = rl_control::compile::compile(&rl_control::config::Config::from_str(&toml, "<test>").unwrap()).rules.entries[2].id;
-    let cfg = write(&dir, "rl.toml", &toml);
-    let note = |out: &str| out.lines().filter(|l| l.contains("share a wide-cell count")).map(str::to_string).collect::<Vec<_>>();
-    let (status, out) = run_once(None, &["check-config", cfg.to_str().unwrap()]).unwrap();
-    assert!(status.success() && note(&out).is_empty(), "a fresh datapath parts them:\n{out}");
-    let d = Daemon::pinned(&lab, &cfg, &pins, &[]).unwrap();
-    let (status, log) = d.stop(libc::SIGTERM).unwrap();
-    assert!(status.success() && note(&log).is_empty(), "{log}");
-    // As an older build left them: y under the id it compiles to (no steps
-    // kept), in both tables.
-    let mut rules: Array<MapData, RuleEntry> =
-        Array::try_from(Map::Array(MapData::from_pin(pins.path().join(VB).join(rl_common::MAP_RULES)).unwrap())).unwrap();
-    for slot in 0..2 {
-        let mut e = rules.get(&(slot * RULE_SLOTS + 2), 0).unwrap();
-        (e.id, e.flags) = (natural, e.flags & !rl_common::RULE_STEPS_MASK);
-        rules.set(slot * RULE_SLOTS + 2, e, 0).unwrap();
-    }
-    drop(rules);
-    let d = Daemon::pinned(&lab, &cfg, &pins, &[]).unwrap();
-    let (status, out) = run_once(Some(&lab.b), &["reload"]).unwrap();
-    assert!(status.success(), "{out}");
-    let (status, log) = d.stop(libc::SIGTERM).unwrap();
-    assert!(status.success(), "{log}");
-    let warned = note(&log);
-    assert_eq!(warned.len(), 2, "at the start and at the reload:\n{log}");
-    assert!(warned.iter().all(|l| l.contains("WARN") && l.contains(&format!("rules {x} and y share")) && l.contains("rename one")), "{log}");
-    let (status, out) = run_once(Some(&lab.b), &["detach", "--iface", VB, "--pin-dir", pins.arg()]).unwrap();
-    assert!(status.success(), "{out}");
 }
