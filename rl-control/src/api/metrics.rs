@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 
 use axum::{extract::State as AxState, http::header, response::{IntoResponse, Response}};
 
-use super::*;
+use super::{reads::rule_counters, *};
 
 /// Prometheus text exposition: one part per room, each writing its
 /// families in turn.

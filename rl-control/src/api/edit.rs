@@ -1,0 +1,186 @@
+//! The API's changes: the rule set (replace, add, remove), bans and
+//! reload. Each runs on the blocking pool through `apply`, validated first
+//! and applied all-or-nothing.
+
+use axum::{
+    body::Bytes,
+    extract::{rejection::BytesRejection, Path, State as AxState},
+    http::{header, HeaderMap, StatusCode},
+    Json,
+};
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use super::{Api, ApiError, ApiResult, ErrorBody};
+use crate::{
+    config::{document, unix_now, units::parse_cidr},
+    daemon::{apply::{self, Change}, state::{lock, Shared}},
+};
+
+fn body_error(e: BytesRejection) -> ApiError {
+    ApiError(e.status(), format!("cannot read the request body: {}", e.body_text()))
+}
+
+/// Runs a change on the blocking pool (see [`crate::daemon::apply`]: it holds the
+/// state lock only briefly).
+pub(super) async fn change<T: Send + 'static>(api: &Api, f: impl FnOnce(&Shared) -> ApiResult<T> + Send + 'static) -> ApiResult<T> {
+    let state = api.state.clone();
+    tokio::task::spawn_blocking(move || f(&state))
+        .await
+        .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, format!("the change did not complete: {e}")))?
+}
+
+/// The active rule set as JSON: the rule file's tables, with `rules` for
+/// `[[rule]]` and `bans` for `[[ban]]`.
+#[utoipa::path(get, path = "/v1/rules", responses((status = 200, body = Object)))]
+pub(super) async fn get_rules(AxState(api): AxState<Api>) -> Json<serde_json::Value> {
+    Json(document::to_json(&lock(&api.state).text))
+}
+
+#[derive(Serialize, ToSchema)]
+pub struct Applied {
+    /// What is enforced now.
+    pub summary: String,
+}
+
+fn is_toml(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/toml"))
+}
+
+fn json_body(body: &[u8]) -> ApiResult<serde_json::Value> {
+    serde_json::from_slice(body).map_err(|e| ApiError(StatusCode::BAD_REQUEST, format!("the body is not valid JSON: {e}")))
+}
+
+/// Replaces the whole rule set: JSON like `GET /v1/rules` returns, or the
+/// rule file itself with `Content-Type: application/toml`. Validated first,
+/// applied atomically, written back to the config file.
+#[utoipa::path(put, path = "/v1/rules", request_body(content = Object, description = "the rule set (JSON or TOML)"),
+    responses((status = 200, body = Applied), (status = 400, body = ErrorBody), (status = 422, body = ErrorBody)))]
+pub(super) async fn put_rules(AxState(api): AxState<Api>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> ApiResult<Json<Applied>> {
+    let body = body.map_err(body_error)?;
+    let text = if is_toml(&headers) {
+        String::from_utf8(body.to_vec()).map_err(|_| ApiError(StatusCode::BAD_REQUEST, "the TOML body is not UTF-8".into()))?
+    } else {
+        document::from_json(&json_body(&body)?)?
+    };
+    let summary = change(&api, move |sh| {
+        apply::apply(sh, "api: PUT /v1/rules", |_| Ok::<_, ApiError>(Change { text, origin: "<PUT /v1/rules>".into(), persist: true }))
+    })
+    .await?;
+    Ok(Json(Applied { summary }))
+}
+
+/// Adds one rule (a `[[rule]]` table as JSON) after the existing ones.
+#[utoipa::path(post, path = "/v1/rules", request_body(content = Object, description = "one rule, e.g. {\"name\": \"dns\", \"proto\": \"udp\", \"dst_ports\": [53], \"rate\": 100}"),
+    responses((status = 201, body = Applied), (status = 400, body = ErrorBody), (status = 409, body = ErrorBody), (status = 422, body = ErrorBody)))]
+pub(super) async fn post_rule(AxState(api): AxState<Api>, body: Result<Bytes, BytesRejection>) -> ApiResult<(StatusCode, Json<Applied>)> {
+    let rule = json_body(&body.map_err(body_error)?)?;
+    let summary = change(&api, move |sh| {
+        apply::apply(sh, "api: POST /v1/rules", |s| {
+            let text = document::add_rule(&s.text, &rule)?;
+            Ok::<_, ApiError>(Change { text, origin: "<POST /v1/rules> (the rule file with the new rule last)".into(), persist: true })
+        })
+    })
+    .await?;
+    Ok((StatusCode::CREATED, Json(Applied { summary })))
+}
+
+/// Removes the rule `name`.
+#[utoipa::path(delete, path = "/v1/rules/{name}", params(("name" = String, Path, description = "the rule's name")),
+    responses((status = 200, body = Applied), (status = 404, body = ErrorBody)))]
+pub(super) async fn delete_rule(AxState(api): AxState<Api>, Path(name): Path<String>) -> ApiResult<Json<Applied>> {
+    let summary = change(&api, move |sh| {
+        apply::apply_edit(sh, &format!("api: DELETE /v1/rules/{name}"), |s| Ok::<_, ApiError>(document::remove_rule(&s.text, &name)?))
+    })
+    .await?;
+    Ok(Json(Applied { summary }))
+}
+
+#[derive(Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NewBan {
+    /// An IPv4 or IPv6 prefix, e.g. `198.51.100.0/24`.
+    pub cidr: String,
+    /// Seconds until the ban lifts by itself (1 ..= 31,536,000).
+    pub ttl_secs: u64,
+    #[serde(default)]
+    pub reason: String,
+}
+
+#[derive(Serialize, Deserialize, ToSchema, Debug)]
+pub struct BanView {
+    pub cidr: String,
+    /// Unix time (seconds) when the ban lifts.
+    pub until: u64,
+    pub ttl_secs: u64,
+    pub reason: String,
+}
+
+/// The longest ban accepted: one year.
+const MAX_BAN_SECS: u64 = 365 * 86_400;
+
+/// Drops everything from a prefix until its TTL runs out (allowed CIDRs
+/// excepted: `allow` wins over bans as over `deny`).
+#[utoipa::path(post, path = "/v1/bans", request_body = NewBan,
+    responses((status = 201, body = BanView), (status = 400, body = ErrorBody)))]
+pub(super) async fn post_ban(AxState(api): AxState<Api>, body: Result<Bytes, BytesRejection>) -> ApiResult<(StatusCode, Json<BanView>)> {
+    let body = body.map_err(body_error)?;
+    let ban: NewBan = serde_json::from_slice(&body).map_err(|e| {
+        ApiError(StatusCode::BAD_REQUEST, format!("expected {{\"cidr\": \"...\", \"ttl_secs\": N, \"reason\": \"...\"}}: {e}"))
+    })?;
+    let cidr = parse_cidr(&ban.cidr).map_err(|m| ApiError(StatusCode::BAD_REQUEST, format!("cidr: {m}")))?;
+    if !(1..=MAX_BAN_SECS).contains(&ban.ttl_secs) {
+        return Err(ApiError(StatusCode::BAD_REQUEST, format!("ttl_secs must be 1..={MAX_BAN_SECS}")));
+    }
+    let until = unix_now() + ban.ttl_secs;
+    let view = BanView { cidr: cidr.to_string(), until, ttl_secs: ban.ttl_secs, reason: ban.reason.clone() };
+    let (key, reason) = (cidr.to_string(), ban.reason);
+    change(&api, move |sh| {
+        apply::apply_edit(sh, &format!("api: ban {key} for {}s", ban.ttl_secs), |s| {
+            Ok::<_, ApiError>(document::set_ban(&s.text, &key, until, &reason)?)
+        })
+    })
+    .await?;
+    Ok((StatusCode::CREATED, Json(view)))
+}
+
+/// Bans in force.
+#[utoipa::path(get, path = "/v1/bans", responses((status = 200, body = [BanView])))]
+pub(super) async fn get_bans(AxState(api): AxState<Api>) -> Json<Vec<BanView>> {
+    let s = lock(&api.state);
+    let now = unix_now();
+    Json(
+        s.config
+            .active_bans(now)
+            .map(|b| BanView { cidr: b.cidr.to_string(), until: b.until, ttl_secs: b.until - now, reason: b.reason.clone() })
+            .collect(),
+    )
+}
+
+/// Lifts a ban now (URL-encode the `/`: `198.51.100.0%2F24`).
+#[utoipa::path(delete, path = "/v1/bans/{cidr}", params(("cidr" = String, Path, description = "the banned prefix, URL-encoded")),
+    responses((status = 200, body = Applied), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
+pub(super) async fn delete_ban(AxState(api): AxState<Api>, Path(cidr): Path<String>) -> ApiResult<Json<Applied>> {
+    let c = parse_cidr(&cidr).map_err(|m| ApiError(StatusCode::BAD_REQUEST, format!("cidr: {m}")))?;
+    let summary = change(&api, move |sh| {
+        apply::apply_edit(sh, &format!("api: lift the ban on {c}"), |s| {
+            if !s.config.active_bans(unix_now()).any(|b| b.cidr == c) {
+                return Err(ApiError(StatusCode::NOT_FOUND, format!("{c} is not banned")));
+            }
+            Ok(document::remove_bans(&s.text, |t, _| parse_cidr(t).is_ok_and(|x| x == c))?.0)
+        })
+    })
+    .await?;
+    Ok(Json(Applied { summary }))
+}
+
+/// Re-reads the config file (as SIGHUP does). An invalid file changes
+/// nothing and answers 422 with the error's line and column.
+#[utoipa::path(post, path = "/v1/reload", responses((status = 200, body = Applied), (status = 422, body = ErrorBody)))]
+pub(super) async fn reload(AxState(api): AxState<Api>) -> ApiResult<Json<Applied>> {
+    let summary = change(&api, |sh| Ok(apply::reload_file(sh, "api: POST /v1/reload")?)).await?;
+    Ok(Json(Applied { summary }))
+}
