@@ -108,8 +108,9 @@ pub fn count_in_cell(rule: &RuleEntry, is_v6: bool, cell: u32, passed: bool) {
         RL_CELLK4.get_ptr_mut(cell).map(|k| unsafe { &raw mut (*k).counts })
     };
     if let Some(c) = counts {
-        let n = unsafe { if passed { &raw mut (*c).passed } else { &raw mut (*c).dropped } };
-        unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(n, 1) };
+        // A passed later fragment adds 0: counted with its datagram.
+        let (n, by) = if passed { (unsafe { &raw mut (*c).passed }, crate::frag::passes()) } else { (unsafe { &raw mut (*c).dropped }, 1) };
+        unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::Relaxed }>(n, by) };
     }
 }
 

@@ -30,7 +30,8 @@ use core::intrinsics::{atomic_cxchg, atomic_or, AtomicOrdering};
 
 use rl_common::{
     tagged_entry, untagged_entry, DatapathConfig, FragKey, FragVerdict, RuleEntry, FRAG_DATA_MAX, FRAG_DATA_SHIFT,
-    FRAG_DROPPED, FRAG_MIN_CHARGE, FRAG_ORPHANS_SOURCE, FRAG_SHADOW, FRAG_TABLE_LEN, FRAG_VERDICT_MASK, STAT_FRAG_ORPHANS,
+    FRAG_DROPPED, FRAG_MIN_CHARGE, FRAG_ORPHANS_SOURCE, FRAG_SHADOW, FRAG_TABLE_LEN, FRAG_VERDICT_MASK, RULE_SHADOW,
+    STAT_FRAG_ORPHANS,
 };
 
 use crate::{
@@ -94,6 +95,20 @@ pub fn stash(pkt: &Packet, what: u32) {
     }
 }
 
+/// What a passed packet adds to its bucket's count of passes: 1, or 0
+/// for a later fragment charged under its datagram (counted at its first
+/// fragment; a cluster rule's sync reports these counts to Redis as
+/// packets). Without a branch: one more on every charge would add to the
+/// verifier's walk there.
+#[inline(always)]
+pub fn passes() -> u64 {
+    match RL_FRAG_NOW.get(0) {
+        // `pending` is 0, FIRST (1) or LATER (2).
+        Some(p) => 1 - ((p.pending as u64 >> 1) & 1),
+        None => 1,
+    }
+}
+
 /// Called with every charged packet's verdict (`rule`: the rule at
 /// `entry`): if it is a [`stash`]ed fragment, remembers a first fragment's
 /// verdict for the datagram's later fragments, or breaks the datagram of a
@@ -141,19 +156,34 @@ pub fn later(cfg: &DatapathConfig, pkt: &Packet, entry: u32, len: u64) -> Later 
     let found = RL_FRAGS
         .get_ptr_mut(&key(pkt))
         .filter(|v| unsafe { (**v).expires_ns } > now)
-        .map(|v| (v, unsafe { (*v).entry }))
-        .filter(|(_, e)| holds(*e));
+        .and_then(|v| {
+            let tagged = unsafe { (*v).entry };
+            holding(tagged).map(|shadow| (v, untagged_entry(tagged), shadow))
+        });
     match found {
-        Some((v, tagged)) => {
-            let entry = untagged_entry(tagged);
+        Some((v, entry, shadow)) => {
             let word = unsafe { core::ptr::read_volatile(&raw const (*v).counted) };
+            // Bits, not values: two CPUs that each broke the datagram, one
+            // under the rule's drop and one under its shadow (the rule
+            // switched between them meanwhile), leave both set; the drop
+            // wins.
             let verdict = word & FRAG_VERDICT_MASK;
-            if verdict == FRAG_SHADOW {
-                count(entry, len, Counted::Shadow);
-                Later::Pass
-            } else if verdict == FRAG_DROPPED || !brings(v, word, pkt.frag_data) {
+            if verdict & FRAG_DROPPED != 0 {
                 count(entry, len, Counted::Dropped);
                 Later::Drop
+            } else if verdict & FRAG_SHADOW != 0 {
+                count(entry, len, Counted::Shadow);
+                Later::Pass
+            } else if !brings(v, word, pkt.frag_data) {
+                // Past what an IP datagram can hold: a shadow rule counts
+                // what it would drop, and passes it.
+                if shadow {
+                    count(entry, len, Counted::Shadow);
+                    Later::Pass
+                } else {
+                    count(entry, len, Counted::Dropped);
+                    Later::Drop
+                }
             } else {
                 Later::Charge { entry, packets: 0 }
             }
@@ -172,10 +202,11 @@ pub fn later(cfg: &DatapathConfig, pkt: &Packet, entry: u32, len: u64) -> Later 
 /// Whether a verdict's tagged entry still holds the rule it was counted
 /// under, and is not about to be rewritten (`rl_common::RULE_UNNAMED`:
 /// then it still holds that rule whole until this run is over, so the
-/// entry read again to charge the fragment is the one checked here).
+/// entry read again to charge the fragment is the one checked here):
+/// `Some(shadow)`, whether that rule only counts what it would drop.
 #[inline(always)]
-fn holds(tagged: u32) -> bool {
-    RL_RULES.get(untagged_entry(tagged)).is_some_and(|r| r.names(tagged))
+fn holding(tagged: u32) -> Option<bool> {
+    RL_RULES.get(untagged_entry(tagged)).filter(|r| r.names(tagged)).map(|r| r.flags & RULE_SHADOW != 0)
 }
 
 /// Adds a later fragment's `data` bytes (at least `FRAG_MIN_CHARGE`) to

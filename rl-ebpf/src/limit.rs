@@ -408,7 +408,7 @@ fn decided(
 ) {
     unsafe {
         match verdict {
-            Verdict::Pass => (*b).passed += 1,
+            Verdict::Pass => (*b).passed += crate::frag::passes(),
             Verdict::Drop => {
                 (*b).dropped += 1;
                 let last = (*b).last_drop_ns;

@@ -260,6 +260,49 @@ fn a_datagrams_later_fragments_stop_where_an_ip_datagram_ends() {
     }
 }
 
+/// Under a shadow rule the bound above only counts: the later fragments
+/// past 65,535 bytes are shadow-dropped and passed, never dropped (before,
+/// a shadow rule's datagram past its end was dropped for real).
+#[test]
+fn a_shadow_rule_passes_later_fragments_past_an_ip_datagrams_end_and_counts_them() {
+    require_root();
+    let rules = "[datapath]\nmax_sources = 1024\nfragment_ttl_ms = 60000\n[default]\nrate = 1000\n\
+        [[rule]]\nname = \"pkts\"\nproto = \"udp\"\ndst_ports = [53]\nrate = 2\nper = \"1h\"\naction = \"shadow\"\n";
+    for v6 in [false, true] {
+        let family = family(v6);
+        let dp = datapath(rules).unwrap();
+        let frames = datagram(v6, 20, 53, 1);
+        assert_eq!(offer(&dp, &frames[0], 1), (1, 0), "{family}: the first fragment");
+        assert_eq!(offer(&dp, &frames[1], 120), (120, 0), "{family}: a shadow rule drops nothing");
+        let s = stats(&dp, "pkts");
+        assert_eq!((s.passed_pkts, s.shadow_pkts, s.dropped_pkts), (110, 11, 0), "{family}: past the datagram's end counted as shadow drops");
+    }
+}
+
+/// A cluster rule's counts, which its sync reports to Redis as packets,
+/// take a datagram once, at its first fragment: in the source's own bucket
+/// and, in flood mode, in its prefix cell. Before, each later fragment was
+/// counted as a packet of its own, so a datagram in four fragments spent
+/// four of the cluster's packets.
+#[test]
+fn a_cluster_rules_counts_take_a_fragmented_datagram_once() {
+    require_root();
+    for (flood, charged) in [(2000, "its own bucket"), (0, "its prefix cell")] {
+        let dp = datapath(&format!(
+            "[datapath]\nmax_sources = 1024\nflood_new_keys_per_sec = {flood}\n\
+             [cluster]\nredis = [\"redis://127.0.0.1:1\"]\nnode = \"test\"\n[default]\nrate = 1000\n\
+             [[rule]]\nname = \"shared\"\nproto = \"udp\"\ndst_ports = [6666]\nrate = 5\nper = \"1h\"\nscope = \"cluster\"\n"
+        ))
+        .unwrap();
+        assert_eq!(offer_all(&dp, &datagram4(SRC, 40, 6666, 3)), (4, 0), "{charged}: the datagram passes whole");
+        let shared = rl_control::datapath::share::scan_shared(dp.table_ids().unwrap(), |_| true).unwrap();
+        let passed: u64 = shared.iter().map(|b| b.bucket.passed).sum();
+        assert!(!shared.is_empty(), "{charged}: the cluster rule's bucket is shared");
+        assert_eq!(passed, 1, "{charged}: one datagram, one packet for the cluster: {shared:?}");
+        assert_eq!(stats(&dp, "shared").passed_pkts, 4, "{charged}: every fragment still counted in the rule's stats");
+    }
+}
+
 /// Only a first fragment sets how long its datagram's verdict lasts: later
 /// fragments arriving every 20 ms do not keep it open past
 /// `fragment_ttl_ms` (200 ms here); after it they are orphans, dropped.

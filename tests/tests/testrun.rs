@@ -113,7 +113,9 @@ fn malformed_and_truncated_frames_get_defined_verdicts() {
         ("IPv6 six extension headers + UDP", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 60, &six_ext)), XDP_PASS, false, false),
         ("IPv6 two extension headers + UDP", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 0, &two_ext)), XDP_PASS, false, false),
         ("IPv6 non-first fragment", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 44, &ipv6_frag(UDP, 100, &[1, 2]))), XDP_DROP, false, false),
-        ("IPv6 first fragment + UDP", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 44, &ipv6_frag(UDP, 0, &udp(53)))), XDP_PASS, false, false),
+        // Offset 0 and no more fragments: a whole packet (RFC 6946).
+        ("IPv6 atomic fragment + UDP", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 44, &ipv6_frag(UDP, 0, &udp(53)))), XDP_PASS, false, false),
+        ("IPv6 first fragment + UDP", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 44, &ipv6_fragment(UDP, 0, true, 2, &udp(53)))), XDP_PASS, false, false),
         ("ICMPv6 echo", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), ICMPV6, &[128, 0, 0, 0, 0, 1, 0, 1])), XDP_PASS, false, false),
         ("TCP SYN", v4(TCP, &tcp(22, 0x02)), XDP_PASS, false, false),
     ];
