@@ -6,7 +6,8 @@
 //!
 //! The evaluator covers what one scrape can answer: selectors, numbers,
 //! arithmetic and comparisons (one-to-one on identical label sets, as
-//! Prometheus matches them by default) and `absent`. Expressions over time
+//! Prometheus matches them by default), `absent` and `time()` (the
+//! test's clock, which is the daemon's). Expressions over time
 //! (`rate`, `increase`) are not evaluated, but their selectors must still
 //! name series the daemon exports.
 
@@ -204,6 +205,9 @@ fn eval(e: &Expr, scrape: &Series) -> Option<Value> {
         Expr::NumberLiteral(n) => Value::Scalar(n.val),
         Expr::VectorSelector(vs) => Value::Vector(select(vs, scrape)),
         Expr::Paren(p) => eval(&p.expr, scrape)?,
+        Expr::Call(c) if c.func.name == "time" => {
+            Value::Scalar(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).ok()?.as_secs_f64())
+        }
         Expr::Call(c) if c.func.name == "absent" => {
             let Some(Value::Vector(v)) = eval(c.args.args.first()?, scrape) else { return None };
             Value::Vector(if v.is_empty() { vec![(BTreeMap::new(), 1.0)] } else { Vec::new() })
@@ -308,7 +312,15 @@ mod tests {
             ("rl_l7_max_keys", 100.0),
             ("rl_wide_cells{family=\"ipv4\"}", 0.0),
         ]);
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
+        let calm = [calm, scrape(&[
+            ("rl_collector_up{reader=\"walk\"}", 1.0),
+            ("rl_collector_last_pass_timestamp_seconds{reader=\"walk\"}", now - 1.0),
+        ])]
+        .concat();
         let hot = scrape(&[
+            ("rl_collector_up{reader=\"flood_reading\"}", 0.0),
+            ("rl_collector_last_pass_timestamp_seconds{reader=\"walk\"}", now - 90.0),
             ("rl_flood_mode", 1.0),
             ("rl_wide_cells{family=\"ipv4\"}", 3.0),
             ("rl_table_occupancy_ratio{table=\"cells\",family=\"ipv6\"}", 0.95),
@@ -316,7 +328,7 @@ mod tests {
             ("rl_l7_max_keys", 100.0),
         ]);
         for (name, on_calm, on_hot) in
-            [("RlDown", false, true), ("RlFloodMode", false, true), ("RlWideCells", false, true), ("RlTableNearlyFull", false, true), ("RlRequestKeysNearlyFull", false, true)]
+            [("RlDown", false, true), ("RlFloodMode", false, true), ("RlWideCells", false, true), ("RlTableNearlyFull", false, true), ("RlRequestKeysNearlyFull", false, true), ("RlCollectorFailing", false, true), ("RlCollectorStalled", false, true)]
         {
             let a = alert(name);
             assert_eq!((a.holds(&calm), a.holds(&hot)), (Some(on_calm), Some(on_hot)), "{name}");

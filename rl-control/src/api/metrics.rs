@@ -84,7 +84,7 @@ fn pressure(out: &mut String, s: &State) {
     }
     family(out, "rl_prefix_cells", "gauge", "Prefix cells held (each family's array takes datapath.flood_prefixes rounded up to a power of two, in twice as many slots, two per set).");
     let _ = writeln!(out, "rl_prefix_cells{{family=\"ipv4\"}} {}\nrl_prefix_cells{{family=\"ipv6\"}} {}", p.cells_ipv4, p.cells_ipv6);
-    family(out, "rl_wide_cells", "gauge", "Of the prefix cells, wide ones (8 bits shorter, IPv6 16): made while a rule's flood holds a quarter of the cells' slots (half of datapath.flood_prefixes) or more.");
+    family(out, "rl_wide_cells", "gauge", "Of the prefix cells, wide ones (8 bits shorter, IPv6 16): made while a rule's flood holds a quarter of the cells' slots (half of datapath.flood_prefixes rounded up to a power of two) or more.");
     let _ = writeln!(out, "rl_wide_cells{{family=\"ipv4\"}} {}\nrl_wide_cells{{family=\"ipv6\"}} {}", p.wide_cells_ipv4, p.wide_cells_ipv6);
     family(out, "rl_rule_wide_cells", "gauge", "Wide cells per rule that has any (absent: none): the rules whose floods went wide, so whose newcomers in a flooded prefix start drained.");
     for w in &p.wide_cell_rules {
@@ -102,10 +102,21 @@ fn pressure(out: &mut String, s: &State) {
     let _ = writeln!(out, "rl_flood_mode_cpus {}", p.flood_mode_cpus);
     family(out, "rl_table_full", "gauge", "1 while the sources' table is full (datapath.max_sources own buckets): new sources share their prefix cells.");
     let _ = writeln!(out, "rl_table_full {}", u8::from(p.table_full));
-    family(out, "rl_cells_full", "gauge", "1 while a family's prefix cells are full (datapath.flood_prefixes): a prefix without a cell shares its rule's last resort.");
+    family(out, "rl_cells_full", "gauge", "1 while a family's prefix cells are full (datapath.flood_prefixes rounded up to a power of two): a prefix without a cell shares its rule's last resort.");
     let _ = writeln!(out, "rl_cells_full {}", u8::from(p.cells_full));
-    family(out, "rl_collected_buckets_total", "counter", "Buckets deleted by the collector because their state was fresh again.");
+    family(out, "rl_collected_buckets_total", "counter", "Buckets deleted by the collector because their state was fresh again (since the daemon started).");
     let _ = writeln!(out, "rl_collected_buckets_total {}", p.collected_buckets);
+    let readers = [("walk", &p.collector.walk), ("flood_reading", &p.collector.flood_reading)];
+    family(out, "rl_collector_up", "gauge", "1 while a background reader's passes work (walk: occupancy, cells, top lists and the collection of fresh buckets; flood_reading: flood mode); 0 while they fail, and its figures are as it last read them.");
+    for (reader, h) in readers {
+        let _ = writeln!(out, "rl_collector_up{{reader=\"{reader}\"}} {}", u8::from(!h.failing() && h.last_ok_unix_ms.is_some()));
+    }
+    family(out, "rl_collector_last_pass_timestamp_seconds", "gauge", "When a background reader's last pass completed (Unix time; before its first, when the daemon started). Each passes every second.");
+    let started_ms = crate::config::unix_now_ms().saturating_sub(s.started.elapsed().as_millis() as u64);
+    for (reader, h) in readers {
+        let ms = h.last_ok_unix_ms.unwrap_or(started_ms);
+        let _ = writeln!(out, "rl_collector_last_pass_timestamp_seconds{{reader=\"{reader}\"}} {}", ms as f64 / 1e3);
+    }
 }
 
 /// Request decisions (`[[l7.rule]]`).

@@ -132,6 +132,8 @@ pub struct Status {
     pub allow_cidrs: usize,
     pub deny_cidrs: usize,
     pub active_bans: usize,
+    /// Per-source buckets held, both families together (each family's
+    /// table holds up to `source_capacity`; by family in `pressure`).
     pub tracked_sources: u64,
     /// Capacity of each family's source map.
     pub source_capacity: u32,
@@ -175,7 +177,7 @@ async fn status(AxState(api): AxState<Api>) -> Json<Status> {
 #[openapi(
     info(title = "rl admin API", description = "rl-control's admin API: rules, stats, per-source quotas, bans, metrics."),
     paths(healthz, status, edit::get_rules, edit::put_rules, edit::post_rule, edit::delete_rule, reads::stats, reads::top_sources, reads::source, reads::cells, reads::events, edit::post_ban, edit::get_bans, edit::delete_ban, edit::reload, metrics::metrics, l7::l7_state),
-    components(schemas(ErrorBody, Health, Status, crate::daemon::state::Pressure, crate::daemon::state::WideCellRule, edit::Applied, reads::Stats, reads::RuleCounters, reads::SourceState, reads::SourceLimit, reads::ChargedTo, edit::NewBan, edit::BanView, ReloadRecord, crate::daemon::state::Top, crate::daemon::state::TopSource, crate::daemon::state::Cells, crate::daemon::state::CellView, reads::Events, crate::daemon::state::EventView, crate::l7::engine::Status, crate::cluster::ClusterStatus)),
+    components(schemas(ErrorBody, Health, Status, crate::daemon::state::Pressure, crate::daemon::state::CollectorHealth, crate::daemon::state::ReaderHealth, crate::daemon::state::WideCellRule, edit::Applied, reads::Stats, reads::RuleCounters, reads::SourceState, reads::SourceLimit, reads::ChargedTo, edit::NewBan, edit::BanView, ReloadRecord, crate::daemon::state::Top, crate::daemon::state::TopSource, crate::daemon::state::Cells, crate::daemon::state::CellView, reads::Events, crate::daemon::state::EventView, crate::l7::engine::Status, crate::cluster::ClusterStatus)),
     modifiers(&BearerAuth)
 )]
 pub struct ApiDoc;

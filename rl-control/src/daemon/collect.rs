@@ -14,7 +14,7 @@ use tracing::{info, warn};
 use crate::{
     config::unix_now_ms,
     daemon::state::{lock, Pressure, Shared, State, WideCellRule},
-    datapath::{DatapathError, FloodReading, KnownFilter, Pass, TableIds},
+    datapath::{DatapathError, KnownFilter, Pass, TableIds},
 };
 
 /// How often the collector walks the bucket tables.
@@ -48,23 +48,24 @@ pub(super) async fn sweep_requests(l7: crate::l7::http::Shared) {
 /// Walks the bucket tables every second (every TOP_EVERY seconds while they
 /// are under 1% full, never while empty) through handles of its own, so a
 /// walk of a million buckets never holds the state lock: deletes buckets
-/// that are fresh again, records the pressure on the tables, raises flood
-/// events, and every few passes ranks sources by their drops.
+/// that are fresh again, records the pressure on the tables, and every few
+/// passes ranks sources by their drops. A pass that fails is reported
+/// (`pressure.collector.walk`, a `walk_failing` event) and tried again a
+/// second later: the collector never stops for good while the daemon runs.
 pub(super) async fn watch_pressure(state: Shared, ids: TableIds) {
-    let known = match KnownFilter::open(ids.known) {
-        Ok(k) => Arc::new(k),
-        Err(e) => {
-            warn!("the bucket collector cannot start: {e}; buckets are not collected, so the tables fill and new sources share their prefix cells");
-            return;
-        }
-    };
     let mut every = tokio::time::interval(COLLECT_INTERVAL);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut collector = Collector::default();
+    let mut known: Option<Arc<KnownFilter>> = None;
     loop {
         every.tick().await;
         let walk = collector.plan(&state);
         let (st, filter) = (state.clone(), known.clone());
         let walked = tokio::task::spawn_blocking(move || {
+            let filter = match filter {
+                Some(f) => f,
+                None => Arc::new(KnownFilter::open(ids.known)?),
+            };
             // No rule change during the walk: its limits stay exact.
             let _changes = crate::daemon::apply::hold_changes();
             let pass = match walk {
@@ -77,16 +78,66 @@ pub(super) async fn watch_pressure(state: Shared, ids: TableIds) {
                 }
                 None => None,
             };
-            Ok::<_, DatapathError>((pass, crate::datapath::flood_mode(ids)?))
+            Ok::<_, DatapathError>((pass, filter))
         })
         .await;
+        let walked = match walked {
+            Ok(r) => r.map_err(|e| e.to_string()),
+            Err(e) => Err(format!("the walk ended abnormally: {e}")),
+        };
+        let mut s = lock(&state);
         match walked {
-            Ok(Ok((pass, flood))) => collector.record(&mut lock(&state), pass, flood),
-            Ok(Err(e)) => {
-                warn!("the bucket collector stopped: {e}; buckets are no longer collected, so the tables fill and new sources share their prefix cells");
-                return;
+            Ok((pass, filter)) => {
+                known = Some(filter);
+                collector.record(&mut s, pass);
+                tried(&mut s, Reader::Walk, Ok(()));
             }
-            Err(_) => return,
+            Err(e) => {
+                // Walk the next time whatever the tables hold.
+                collector.left = u64::MAX;
+                tried(&mut s, Reader::Walk, Err(e));
+            }
+        }
+    }
+}
+
+/// The daemon's background readers.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Reader {
+    Walk,
+    FloodReading,
+}
+
+/// Records how a reader's pass went: a new failure, or a recovery, is
+/// logged and raised as an event (`walk_failing`, `walk_recovered`,
+/// `flood_reading_failing`, `flood_reading_recovered`) once.
+pub(super) fn tried(s: &mut State, reader: Reader, outcome: Result<(), String>) {
+    use crate::daemon::state::Went;
+    let now = unix_now_ms();
+    let (health, name, stale) = match reader {
+        Reader::Walk => (
+            &mut s.pressure.collector.walk,
+            "walk",
+            "buckets are not collected (the tables fill, and new sources share their prefix cells), and occupancy, cells and the top lists stay as last read",
+        ),
+        Reader::FloodReading => (
+            &mut s.pressure.collector.flood_reading,
+            "flood_reading",
+            "flood mode, its CPUs and unseen keys per second stay as last read, and no flood event is raised",
+        ),
+    };
+    let error = outcome.as_ref().err().cloned().unwrap_or_default();
+    match health.went(outcome, now) {
+        Went::Unchanged => {}
+        Went::Failing => {
+            let event = format!("{name}_failing");
+            warn!(event, %error, "the collector's {} fails: {error}; tried again every second; until then {stale}", name.replace('_', " "));
+            s.push_host_event(&event, now);
+        }
+        Went::Recovered => {
+            let event = format!("{name}_recovered");
+            info!(event, "the collector's {} works again", name.replace('_', " "));
+            s.push_host_event(&event, now);
         }
     }
 }
@@ -147,29 +198,15 @@ impl Collector {
         walk.then_some(offset)
     }
 
-    /// Records a pass (`pass` if the tables were walked) and the flood
-    /// detector's reading: the pressure figures, the events of what
-    /// changed, and every TOP_EVERY passes the top sources.
-    fn record(&mut self, s: &mut State, pass: Option<Pass>, flood: FloodReading) {
+    /// Records a pass (`pass` if the tables were walked): the pressure
+    /// figures, the events of what changed, and every TOP_EVERY passes the
+    /// top sources.
+    fn record(&mut self, s: &mut State, pass: Option<Pass>) {
         let now = Instant::now();
         if let Some(pass) = &pass {
             self.left = pass.own.0 + pass.own.1 + pass.cells.0 + pass.cells.1;
         }
-        let full = self.figures(&mut s.pressure, s.dp.counters().ok(), pass.as_ref(), &flood, now, s.config.datapath.max_sources);
-        (s.pressure.flood_mode_cpus, s.pressure.cpus) = (flood.cpus_on, flood.cpus);
-        if flood.on != s.pressure.flood_mode {
-            let p = &mut s.pressure;
-            p.flood_mode = flood.on;
-            p.flood_since_unix_ms = flood.on.then(unix_now_ms);
-            let (event, unseen) = (if flood.on { "flood_started" } else { "flood_ended" }, p.unseen_keys_per_sec);
-            if flood.on {
-                let cpus = format!("{} of {}", flood.cpus_on, flood.cpus);
-                warn!(event, unseen_keys_per_sec = unseen, cpus, "flood mode: unseen sources are charged to their prefix cells");
-            } else {
-                info!(event, "flood mode ended: new sources get buckets of their own again");
-            }
-            s.push_host_event(event, unix_now_ms());
-        }
+        let full = self.figures(&mut s.pressure, s.dp.counters().ok(), pass.as_ref(), now, s.config.datapath.max_sources);
         if let Some(full) = full {
             s.pressure.table_full = full;
             let event = if full { "table_full" } else { "table_room" };
@@ -206,20 +243,18 @@ impl Collector {
         }
     }
 
-    /// Updates the pressure figures from the walk, the datapath's counters
-    /// (`None`: unreadable this pass) and the flood reading; returns
-    /// whether the table turned full or has room again ([`table_full`]).
+    /// Updates the pressure figures from the walk and the datapath's
+    /// counters (`None`: unreadable this pass, and the figures from them
+    /// stay as they were); returns whether the table turned full or has
+    /// room again ([`table_full`]).
     fn figures(
         &mut self,
         p: &mut Pressure,
         read: Option<crate::datapath::Counters>,
         pass: Option<&Pass>,
-        flood: &FloodReading,
         now: Instant,
         max_sources: u32,
     ) -> Option<bool> {
-        let counters = read.unwrap_or_default();
-        let created = counters.get(rl_common::STAT_NEW_SOURCES);
         if let Some(pass) = pass {
             p.buckets_ipv4 = pass.own.0;
             p.buckets_ipv6 = pass.own.1;
@@ -229,26 +264,19 @@ impl Collector {
             (p.known_filter_fill_ipv4, p.known_filter_fill_ipv6) = pass.known_fill;
             p.collected_buckets += pass.collected;
         }
+        let counters = read?;
         p.table_full_refusals = counters.get(rl_common::STAT_TABLE_FULL);
-        let full = match (read, self.refusals) {
-            (Some(_), Some(before)) => {
-                if p.table_full_refusals > before {
-                    self.refused_at = Some(now);
-                }
-                table_full(p, self.refused_at, now, max_sources)
-            }
-            _ => None,
-        };
-        if read.is_some() {
-            self.refusals = Some(p.table_full_refusals);
-        }
         p.fallback_packets = counters.get(rl_common::STAT_FALLBACK);
-        p.unseen_keys_per_sec = flood.unseen_last_window as f64 * 1e9 / (1u64 << rl_common::FLOOD_WINDOW_SHIFT) as f64;
+        let created = counters.get(rl_common::STAT_NEW_SOURCES);
         if let Some((then, before)) = self.last {
             p.new_buckets_per_sec = created.saturating_sub(before) as f64 / (now - then).as_secs_f64().max(1e-3);
         }
         self.last = Some((now, created));
-        full
+        let before = self.refusals.replace(p.table_full_refusals)?;
+        if p.table_full_refusals > before {
+            self.refused_at = Some(now);
+        }
+        table_full(p, self.refused_at, now, max_sources)
     }
 }
 
@@ -381,7 +409,7 @@ fn wide_rules(s: &mut State, pass: &Pass) {
     let (at, before) = (unix_now_ms(), std::mem::take(&mut s.pressure.wide_cell_rules));
     for w in now.iter().filter(|w| !had(&before, &w.rule)) {
         let event = "wide_cells_made";
-        warn!(event, rule = %w.rule, ipv4 = w.ipv4, ipv6 = w.ipv6, "rule {}'s flood holds a quarter of the prefix cells' slots (half of datapath.flood_prefixes): its unseen sources are charged to wide cells (prefixes 8 bits shorter than a cell's, IPv6 16; a new one starts drained) until those are fresh again", w.rule);
+        warn!(event, rule = %w.rule, ipv4 = w.ipv4, ipv6 = w.ipv6, "rule {}'s flood holds a quarter of the prefix cells' slots (half of datapath.flood_prefixes rounded up to a power of two): its unseen sources are charged to wide cells (prefixes 8 bits shorter than a cell's, IPv6 16; a new one starts drained) until those are fresh again", w.rule);
         s.push_rule_event(event, &w.rule, at);
     }
     for w in before.into_iter().filter(|w| !had(&now, &w.rule)) {

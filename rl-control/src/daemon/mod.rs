@@ -4,6 +4,7 @@
 pub mod apply;
 pub mod cluster;
 mod collect;
+mod floods;
 pub mod state;
 
 use std::{
@@ -204,8 +205,9 @@ fn log_attached(config: &Config, attachments: &[crate::datapath::Attachment]) ->
     on
 }
 
-/// Starts the daemon's background jobs: the tables' collector (returned:
-/// it is stopped before the datapath is let go), the request store's
+/// Starts the daemon's background jobs: the tables' collector and the
+/// flood detectors' reader (returned: they are stopped before the datapath
+/// is let go), the request store's
 /// sweep, the cluster's links, and the "limited" events' feed.
 fn spawn_jobs(
     state: &Shared,
@@ -226,9 +228,18 @@ fn spawn_jobs(
         Err(e) => warn!("\"limited\" events are unavailable: {e}"),
     }
     match map_ids {
-        Ok(ids) => Some(tokio::spawn(collect::watch_pressure(state.clone(), ids))),
+        Ok(ids) => {
+            let (walk, floods) = (collect::watch_pressure(state.clone(), ids), floods::watch_floods(state.clone(), ids));
+            Some(tokio::spawn(async move {
+                tokio::join!(walk, floods);
+            }))
+        }
         Err(e) => {
-            warn!("the bucket collector cannot start ({e}): buckets are never collected, so the tables fill and new sources share their prefix cells");
+            // Reported as failing readers, in /v1/status and /metrics too.
+            let mut s = lock(state);
+            let error = format!("the datapath's tables cannot be opened: {e}");
+            collect::tried(&mut s, collect::Reader::Walk, Err(error.clone()));
+            collect::tried(&mut s, collect::Reader::FloodReading, Err(error));
             None
         }
     }

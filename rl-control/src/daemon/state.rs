@@ -194,6 +194,71 @@ pub struct WideCellRule {
     pub ipv6: u64,
 }
 
+/// How the daemon's background readers behind `pressure` are doing. A
+/// reader whose pass fails tries again every second; until one works, its
+/// figures stay as they last were (and say nothing of now).
+#[derive(Clone, Debug, Default, Serialize, utoipa::ToSchema, PartialEq, Eq)]
+pub struct CollectorHealth {
+    /// The tables' walk: occupancy, cells, wide cells, `/v1/cells`, the
+    /// top sources, and the collection of fresh buckets (without it the
+    /// tables fill, and new sources share their prefix cells).
+    pub walk: ReaderHealth,
+    /// The flood detectors' reading: `flood_mode`, `flood_mode_cpus`,
+    /// `unseen_keys_per_sec` and the flood events.
+    pub flood_reading: ReaderHealth,
+}
+
+/// One background reader's health.
+#[derive(Clone, Debug, Default, Serialize, utoipa::ToSchema, PartialEq, Eq)]
+pub struct ReaderHealth {
+    /// When its last pass completed (Unix ms).
+    pub last_ok_unix_ms: Option<u64>,
+    /// Why its passes fail, while they do.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// When they started failing (Unix ms), while they do.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub failing_since_unix_ms: Option<u64>,
+}
+
+/// What a reader's pass changed in its health: what to log and raise as an
+/// event (once, not at every pass).
+#[derive(Debug, PartialEq, Eq)]
+pub enum Went {
+    Unchanged,
+    /// It fails, for the first time or for another reason than before.
+    Failing,
+    /// It works again.
+    Recovered,
+}
+
+impl ReaderHealth {
+    /// Records a pass at `now_unix_ms`.
+    pub fn went(&mut self, outcome: Result<(), String>, now_unix_ms: u64) -> Went {
+        match outcome {
+            Ok(()) => {
+                self.last_ok_unix_ms = Some(now_unix_ms);
+                self.failing_since_unix_ms = None;
+                match self.error.take() {
+                    Some(_) => Went::Recovered,
+                    None => Went::Unchanged,
+                }
+            }
+            Err(e) => {
+                self.failing_since_unix_ms.get_or_insert(now_unix_ms);
+                let new = self.error.as_deref() != Some(e.as_str());
+                self.error = Some(e);
+                if new { Went::Failing } else { Went::Unchanged }
+            }
+        }
+    }
+
+    /// Whether its passes fail now.
+    pub fn failing(&self) -> bool {
+        self.error.is_some()
+    }
+}
+
 /// Pressure on the bucket tables (see README, "Floods"), as of the last
 /// collector pass (every second; every 5 s while under 1% full).
 #[derive(Clone, Debug, Default, Serialize, utoipa::ToSchema)]
@@ -208,7 +273,7 @@ pub struct Pressure {
     pub cells_ipv6: u64,
     /// Of those, wide cells (a prefix 8 bits shorter, IPv6 16), per family:
     /// made while a rule's flood holds a quarter of the cells' slots (half
-    /// of `flood_prefixes`) or more
+    /// of `flood_prefixes` rounded up to a power of two) or more
     /// (`datapath.flood_wide_cells`).
     pub wide_cells_ipv4: u64,
     pub wide_cells_ipv6: u64,
@@ -258,6 +323,9 @@ pub struct Pressure {
     /// points at uneven receive queues), and how many are online.
     pub flood_mode_cpus: u32,
     pub cpus: u32,
+    /// Whether the readers behind these figures work (a failing one's
+    /// figures are as it last read them).
+    pub collector: CollectorHealth,
 }
 
 /// "Limited" events kept for `GET /v1/events`.
@@ -418,5 +486,21 @@ mod tests {
             log.notice(event(last + 1 + t, "table_full"));
         }
         assert_eq!(log.latest(usize::MAX).iter().filter(|e| e.event != "limited").count(), NOTICES_KEPT);
+    }
+
+    /// A failing reader is reported once per reason, keeps when it started
+    /// failing across reasons, and is reported again when it works.
+    #[test]
+    fn a_readers_failure_is_reported_once_per_reason_and_its_recovery_once() {
+        let mut h = ReaderHealth::default();
+        assert_eq!(h.went(Ok(()), 1_000), Went::Unchanged);
+        assert_eq!((h.last_ok_unix_ms, h.failing()), (Some(1_000), false));
+        assert_eq!(h.went(Err("the map is gone".into()), 2_000), Went::Failing);
+        assert_eq!(h.went(Err("the map is gone".into()), 3_000), Went::Unchanged, "the same reason: not again");
+        assert_eq!(h.went(Err("a walk panicked".into()), 4_000), Went::Failing, "another reason");
+        assert_eq!((h.failing_since_unix_ms, h.last_ok_unix_ms), (Some(2_000), Some(1_000)), "failing since the first");
+        assert_eq!(h.went(Ok(()), 5_000), Went::Recovered);
+        assert_eq!((h.failing(), h.failing_since_unix_ms, h.last_ok_unix_ms), (false, None, Some(5_000)));
+        assert_eq!(h.went(Ok(()), 6_000), Went::Unchanged);
     }
 }
