@@ -59,6 +59,35 @@ fn remaining(l: &LimitEntry, word: u64, now: u64, epoch_offset_ns: u64) -> u64 {
     lo
 }
 
+/// Units a fresh key may send at once under `limit` at `now`: the burst,
+/// or the window's cap ([`Quota::limit`]).
+pub fn capacity(limit: &LimitEntry, now: u64, epoch_offset_ns: u64) -> u64 {
+    remaining(limit, 0, now, epoch_offset_ns)
+}
+
+/// How much room state `word` leaves at `now`, in eighths of `capacity`
+/// (0 ..= 8, rounded down): the largest `e` for which `capacity × e / 8`
+/// units (rounded up) still pass. Three or four steps of the limit's own
+/// arithmetic, so state words of unlike limits (token buckets, windows,
+/// other rates) compare by what they leave, at a cost a walk over a
+/// flood's cells can pay.
+pub fn room_eighths(limit: &LimitEntry, word: u64, now: u64, epoch_offset_ns: u64, capacity: u64) -> u8 {
+    let fits = |e: u64| {
+        let units = (capacity.saturating_mul(e)).div_ceil(8);
+        units == 0 || limit.step(word, now, epoch_offset_ns, units).is_some()
+    };
+    let (mut lo, mut hi) = (0u64, 9u64);
+    while lo + 1 < hi {
+        let mid = (lo + hi) / 2;
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    lo as u8
+}
+
 /// The smallest wait `d` (0 ..= `horizon`) after which `ok(now + d)` holds,
 /// for an `ok` that, once true, stays true.
 fn first_time(now: u64, horizon: u64, ok: impl Fn(u64) -> bool) -> u64 {
@@ -197,6 +226,29 @@ mod tests {
             };
             let (word, _) = send(&l, 0, start, sent, off);
             check(&l, word, start + gap_ms * 1_000_000, off);
+        }
+
+        /// The eighths agree with the quota: `remaining` holds at least
+        /// `room` eighths of the limit and fewer than `room + 1`.
+        #[test]
+        fn room_in_eighths_is_the_quota_rounded_down(
+            kind in prop_oneof![Just(LIMIT_GCRA), Just(LIMIT_FIXED), Just(LIMIT_SLIDING)],
+            rate in 1u64..50, burst in 1u64..50,
+            sent in 0u64..120, gap_ms in 0u64..3000, start in 0u64..1_000_000_000_000u64,
+            off in 0u64..1_000_000_000_000u64,
+        ) {
+            let l = match kind {
+                LIMIT_GCRA => gcra(rate, burst),
+                k => LimitEntry { kind: k, shift: 0, a: S, b: rate },
+            };
+            let (word, _) = send(&l, 0, start, sent, off);
+            let now = start + gap_ms * 1_000_000;
+            let (q, cap) = (quota(&l, word, now, off), capacity(&l, now, off));
+            prop_assert_eq!(cap, q.limit);
+            let room = u64::from(room_eighths(&l, word, now, off, cap));
+            prop_assert!(room <= 8);
+            prop_assert!(q.remaining * 8 >= room * cap, "{:?}: room {} of 8", q, room);
+            prop_assert!(room == 8 || q.remaining * 8 < (room + 1) * cap, "{:?}: room {} of 8", q, room);
         }
 
         #[test]

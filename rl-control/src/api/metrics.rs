@@ -51,7 +51,7 @@ fn datapath(out: &mut String, s: &State) -> ApiResult<()> {
             let _ = writeln!(out, "rl_bytes_total{{rule=\"{}\",verdict=\"{verdict}\"}} {v}", esc(name));
         }
     }
-    family(out, "rl_datapath_events_total", "counter", "Frames and events outside the rules: non-IP frames passed, malformed dropped, buckets created, CAS contention, no state.");
+    family(out, "rl_datapath_events_total", "counter", "The datapath's own counts, since it was loaded, by event: non_ip_packets (passed), malformed_packets (dropped), new_sources (buckets created), no_state_drops (a rule failed closed), contended_drops, events and events_suppressed (limited events sent, and held back by their budget), fallback_packets (charged to a prefix cell or last resort), table_full_refusals, new_cells, fragment_orphans.");
     for (i, name) in rl_common::STAT_NAMES.iter().enumerate() {
         if name.contains("passed") || name.contains("dropped") {
             continue;

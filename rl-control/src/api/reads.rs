@@ -189,8 +189,9 @@ pub(super) async fn top_sources(AxState(api): AxState<Api>, q: Result<Query<TopQ
 }
 
 /// The prefix cells and wide cells holding a charge, the most limiting
-/// first (no room left, then wide cells, then the state furthest ahead;
-/// default 10, at most 100), with their quotas, as the collector's
+/// first (no room left, then wide cells, then the least room left in
+/// eighths of each limit; default 10, at most 100), with their quotas, as
+/// the collector's
 /// last pass read them (every second, every 5 s while the tables are under
 /// 1% full), and how many have no room left per family: where a flood
 /// charged to shared cells shows (its forged sources have no buckets of

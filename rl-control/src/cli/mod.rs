@@ -462,9 +462,17 @@ pub fn events(v: &Value) -> String {
         .as_array()
         .into_iter()
         .flatten()
-        .map(|e| vec![s(&e["at_unix_ms"]), s(&e["event"]), s(&e["rule"]), s(&e["limit_index"]), s(&e["source"])])
+        .map(|e| {
+            // Only "limited" events name a limit and a source; a host's
+            // event names neither, a rule's only its rule.
+            let limited = e["event"] == "limited";
+            let or_dash = |v: &Value| s(v).chars().next().map_or("-".to_string(), |_| s(v));
+            let at = e["at_unix_ms"].as_u64().map_or_else(|| s(&e["at_unix_ms"]), |ms| format!("{}.{:03}", utc(ms / 1000).trim_end_matches(" UTC"), ms % 1000));
+            let limit = if limited { s(&e["limit_index"]) } else { "-".into() };
+            vec![at, s(&e["event"]), or_dash(&e["rule"]), limit, or_dash(&e["source"])]
+        })
         .collect();
-    table(&["AT (unix ms)", "EVENT", "RULE", "LIMIT#", "SOURCE"], &rows)
+    table(&["AT (UTC)", "EVENT", "RULE", "LIMIT#", "SOURCE"], &rows)
 }
 
 pub fn applied(v: &Value) -> String {
@@ -494,6 +502,18 @@ mod tests {
 
     /// Times read as dates (checked against `date -u -d @SECS`), leap days
     /// and centuries included.
+    #[test]
+    fn events_name_a_limit_and_a_source_only_where_they_have_one() {
+        let v = serde_json::json!({"events": [
+            {"at_unix_ms": 1_795_800_000_123u64, "event": "flood_started", "rule": "", "limit_index": 0, "source": ""},
+            {"at_unix_ms": 1_795_800_000_000u64, "event": "limited", "rule": "dns", "limit_index": 0, "source": "10.0.0.1"},
+        ]});
+        let out = events(&v);
+        let lines: Vec<Vec<&str>> = out.lines().map(|l| l.split_whitespace().collect()).collect();
+        assert_eq!(lines[1], ["2026-11-27", "17:20:00.123", "flood_started", "-", "-", "-"], "{out}");
+        assert_eq!(lines[2], ["2026-11-27", "17:20:00.000", "limited", "dns", "0", "10.0.0.1"], "{out}");
+    }
+
     #[test]
     fn unix_times_read_as_utc_dates() {
         for (secs, want) in [

@@ -381,27 +381,34 @@ pub struct Cells {
     pub read_at_unix_ms: u64,
     /// Cells with no room left, per family: one more packet charged to
     /// them is over the limit (dropped, unless its rule is a shadow or an
-    /// elastic one with room in its pool).
+    /// elastic one with room in its pool). Every such cell is counted,
+    /// including those of a rule no longer in either rule table (left
+    /// until the collector frees them), which `cells` leaves out.
     pub drained_ipv4: u64,
     pub drained_ipv6: u64,
     /// The most limiting first: no room left, then wide cells, then the
-    /// state furthest ahead (at most 100).
+    /// least room left in eighths of each limit (at most 100).
     pub cells: Vec<CellView>,
 }
 
 /// Entries kept in [`Top`].
 pub const TOP_KEPT: usize = 1_000;
 
-/// "This source started being limited under this rule."
+/// An event: `limited` ("this source started being limited under this
+/// limit of this rule"), or one of the host's (flood mode, full tables,
+/// the collector's readers), a rule's (wide cells: `rule` names it) or the
+/// cluster's, which name no limit and no source.
 #[derive(Clone, Debug, Serialize, serde::Deserialize, utoipa::ToSchema)]
 pub struct EventView {
     /// Unix time in milliseconds.
     pub at_unix_ms: u64,
     pub event: String,
+    /// The rule, for `limited` and a rule's events (else empty).
     pub rule: String,
-    /// Which of the rule's limits (0-based).
+    /// Which of the rule's limits (0-based), for `limited` (else 0).
     pub limit_index: u32,
-    /// The source as the rule keys it (masked to its prefix).
+    /// The source as the rule keys it (masked to its prefix), for
+    /// `limited` (else empty).
     pub source: String,
 }
 

@@ -388,7 +388,7 @@ impl Walk<'_> {
                         left += 1;
                         if let Some(l) = self.limits.get(&limit_of_key(c.key.rule())) {
                             let (wide, word) = (is_wide(c.key.rule()), c.bucket.tat_ns);
-                            let cell = ChargedCell { limit: limit_of_key(c.key.rule()), addr: c.key.addr(), wide, drained: false, word };
+                            let cell = ChargedCell { limit: limit_of_key(c.key.rule()), addr: c.key.addr(), wide, drained: false, room_eighths: 0, word };
                             charged.offer(family, l, cell, now, self.epoch_offset_ns);
                         }
                     }

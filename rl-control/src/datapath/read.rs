@@ -258,6 +258,9 @@ pub struct ChargedCell {
     pub wide: bool,
     /// No room left: one more unit is over the limit.
     pub drained: bool,
+    /// The room it has left, in eighths of its limit (0 ..= 7: it holds a
+    /// charge), comparable across limits of any kind and rate.
+    pub room_eighths: u8,
     /// Its state word when the pass read it.
     pub word: u64,
 }
@@ -274,6 +277,9 @@ pub const CHARGED_CELLS_KEPT: usize = 100;
 pub struct ChargedCells {
     pub cells: Vec<ChargedCell>,
     pub drained: (u64, u64),
+    /// Each limit's capacity (by `ChargedCell::limit`), worked out once a
+    /// pass: a window's is a search.
+    capacities: Vec<(u32, u64)>,
 }
 
 impl ChargedCells {
@@ -286,6 +292,16 @@ impl ChargedCells {
         cell.drained = limit.step(cell.word, now, epoch_offset_ns, 1).is_none();
         if cell.drained {
             *if family == 0 { &mut self.drained.0 } else { &mut self.drained.1 } += 1;
+        } else {
+            let capacity = match self.capacities.iter().find(|(l, _)| *l == cell.limit) {
+                Some(&(_, c)) => c,
+                None => {
+                    let c = rl_common::quota::capacity(limit, now, epoch_offset_ns);
+                    self.capacities.push((cell.limit, c));
+                    c
+                }
+            };
+            cell.room_eighths = rl_common::quota::room_eighths(limit, cell.word, now, epoch_offset_ns, capacity);
         }
         self.cells.push(cell);
         if self.cells.len() >= 4 * CHARGED_CELLS_KEPT {
@@ -294,10 +310,11 @@ impl ChargedCells {
     }
 
     /// Orders the cells (those with no room left first, wide ones before
-    /// prefix cells, then the state furthest ahead, then by address) and
-    /// keeps [`CHARGED_CELLS_KEPT`].
+    /// prefix cells, then the least room left in eighths of their limits,
+    /// then the state furthest ahead, then by address) and keeps
+    /// [`CHARGED_CELLS_KEPT`].
     pub(super) fn settle(&mut self) {
-        self.cells.sort_by_key(|c| (std::cmp::Reverse((c.drained, c.wide, c.word)), c.addr));
+        self.cells.sort_by_key(|c| (std::cmp::Reverse((c.drained, c.wide)), c.room_eighths, std::cmp::Reverse(c.word), c.addr));
         self.cells.truncate(CHARGED_CELLS_KEPT);
     }
 }
@@ -500,11 +517,11 @@ mod tests {
     }
 
     fn cell(n: u8, word: u64) -> ChargedCell {
-        ChargedCell { limit: 8, addr: IpAddr::from([10, n, 0, 0]), wide: false, drained: false, word }
+        ChargedCell { limit: 8, addr: IpAddr::from([10, n, 0, 0]), wide: false, drained: false, room_eighths: 0, word }
     }
 
     /// Only cells holding a charge are kept, those with no room left
-    /// first (then wide ones, then the state furthest ahead, then by
+    /// first (then wide ones, then the least room, then the state furthest ahead, then by
     /// address), at most CHARGED_CELLS_KEPT of them, and the drained ones
     /// are counted per family, kept or not.
     #[test]
@@ -532,5 +549,27 @@ mod tests {
         let order: Vec<(u8, bool, bool)> = few.cells.iter().map(|c| (if let IpAddr::V4(a) = c.addr { a.octets()[1] } else { 0 }, c.wide, c.drained)).collect();
         assert_eq!(order, [(4, false, true), (3, true, false), (2, false, false)], "a fresh cell holds no charge");
         assert_eq!(few.drained, (1, 0));
+    }
+
+    /// Cells under unlike limits rank by the room they leave, in eighths of
+    /// each limit, not by their state words (a token bucket's is a time, a
+    /// window's a packed count).
+    #[test]
+    fn charged_cells_of_unlike_limits_rank_by_the_room_they_leave() {
+        use rl_common::limit_entry::LIMIT_FIXED;
+        let (five, now, second) = (five(), 100_000_000_000u64, 1_000_000_000u64);
+        let window = LimitEntry { kind: LIMIT_FIXED, shift: 0, a: 10 * second, b: 3 };
+        let word = window.step(0, now, 0, 1).unwrap();
+        // Four fifths of the bucket's burst used (1 of 8 eighths left); one
+        // of the window's three (5 of 8 left).
+        let bucket = cell(1, now + 4 * second / 5);
+        let windowed = ChargedCell { limit: 16, ..cell(2, word) };
+        assert!(bucket.word < windowed.word, "the state words would rank them the other way");
+        let mut c = ChargedCells::default();
+        c.offer(0, &five, bucket, now, 0);
+        c.offer(0, &window, windowed, now, 0);
+        c.settle();
+        let ranked: Vec<(u32, u8)> = c.cells.iter().map(|x| (x.limit, x.room_eighths)).collect();
+        assert_eq!(ranked, [(8, 1), (16, 5)]);
     }
 }
