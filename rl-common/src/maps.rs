@@ -339,6 +339,11 @@ pub const RULE_CLUSTER: u32 = 4;
 /// `[datapath]`'s): its floods make no wide cells; its keys still look for
 /// those it made before (see [`crate::cells`]).
 pub const RULE_NO_WIDE: u32 = 8;
+/// `key = "global"`: one bucket per limit for all the traffic the rule
+/// matches, IPv4 and IPv6 alike, kept in the IPv4 table (address 0)
+/// ([`RuleEntry::keys_v6`]). Before it, each family had a bucket of its
+/// own, and dual-stack traffic passed twice the limit.
+pub const RULE_GLOBAL: u32 = 16;
 /// Set by the daemon on an entry of the inactive slot that it is about to
 /// rewrite with another rule, or with its rule changed: the entry still
 /// holds its rule whole (id, limits), so a program run already charging a
@@ -397,6 +402,14 @@ impl RuleEntry {
     #[inline(always)]
     pub const fn names(&self, tagged: u32) -> bool {
         self.flags & RULE_UNNAMED == 0 && tag_names(tagged, self.id)
+    }
+
+    /// Whether a packet of this family (`is_v6`) is charged in the IPv6
+    /// tables: not under a global rule, whose buckets, and an elastic
+    /// rule's pool, hold both families' traffic in the IPv4 table.
+    #[inline(always)]
+    pub const fn keys_v6(&self, is_v6: bool) -> bool {
+        is_v6 && self.flags & RULE_GLOBAL == 0
     }
 
     /// The IPv4 bucket key of limit `which` for a source (network-order
@@ -650,7 +663,7 @@ mod tests {
             assert_eq!(natural_id(id, flags), natural, "{natural:#x} + {k} steps");
             assert_eq!(flags & RULE_STEPS_MASK, k << RULE_STEPS_SHIFT, "the steps overlap no flag");
         }
-        assert_eq!(RULE_STEPS_MASK & (RULE_UNNAMED | RULE_NO_WIDE | RULE_CLUSTER | RULE_ELASTIC | RULE_SHADOW), 0);
+        assert_eq!(RULE_STEPS_MASK & (RULE_UNNAMED | RULE_GLOBAL | RULE_NO_WIDE | RULE_CLUSTER | RULE_ELASTIC | RULE_SHADOW), 0);
     }
 
     #[test]

@@ -304,6 +304,8 @@ fn charge(
     src: &[u32; 4],
     cost: Cost,
 ) -> Verdict {
+    // A global rule's buckets hold both families in the IPv4 table.
+    let is_v6 = rule.keys_v6(is_v6);
     let n = rule.n_limits as usize;
     if n == 1 {
         // The common case: one limit, no separate check.
@@ -383,7 +385,7 @@ fn over(
     // `b` is not used past this point: the verifier then need not pair each
     // kind of bucket (own, prefix cell, last resort) with each kind of pool
     // bucket. It is looked up again to be counted.
-    let verdict = elastic(ctx, cfg, rule, is_v6, cost);
+    let verdict = elastic(ctx, cfg, rule, cost);
     if let Some(b) = buckets::existing(rule, which, is_v6, src) {
         decided(ctx, t, b, &verdict, rule, which, is_v6, src);
     }
@@ -458,11 +460,12 @@ fn limited(ctx: &XdpContext, t: u64, rule: &RuleEntry, which: u32, is_v6: bool, 
 /// An elastic rule lets a key that is over its own limit through while the
 /// rule's shared pool has room; otherwise the drop stands.
 #[inline(always)]
-fn elastic(ctx: &XdpContext, cfg: &DatapathConfig, rule: &RuleEntry, is_v6: bool, cost: Cost) -> Verdict {
+fn elastic(ctx: &XdpContext, cfg: &DatapathConfig, rule: &RuleEntry, cost: Cost) -> Verdict {
     if rule.flags & RULE_ELASTIC == 0 {
         return Verdict::Drop;
     }
-    let Some(h) = buckets::bucket(cfg, rule, POOL_INDEX, is_v6, &[buckets::opaque_zero(); 4]) else {
+    // One pool for the rule, both families (address 0 in the IPv4 table).
+    let Some(h) = buckets::bucket(cfg, rule, POOL_INDEX, false, &[buckets::opaque_zero(); 4]) else {
         return Verdict::Drop;
     };
     admit(ctx, cfg, &rule.pool, h.tat, cost).0

@@ -130,9 +130,11 @@ fn write_back_follows_a_symlink_and_keeps_the_file_mode() {
 /// reload that changes the prefix cells' lengths (a source limited in its
 /// /24 cell would find a fresh /16 one) or the tables' sizes (the status
 /// would read a capacity the tables do not have) is refused with what to
-/// do, and the running settings stay in force.
+/// do, and the running settings stay in force; so is one that changes
+/// what is read at start only (pin_dir, interfaces). A change of the
+/// aggregation prefixes applies, and warns that keys start afresh.
 #[test]
-fn a_reload_that_changes_the_prefix_cells_or_the_tables_is_refused() {
+fn a_reload_that_changes_the_prefix_cells_the_tables_or_the_pins_is_refused() {
     let lab = Lab::new().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let cfg = write(&dir, "rl.toml", "[default]\nrate = 100\n");
@@ -154,10 +156,23 @@ fn a_reload_that_changes_the_prefix_cells_or_the_tables_is_refused() {
         let s: serde_json::Value = serde_json::from_str(&request(&lab.b, "GET", "/v1/status", None, None).unwrap().body).unwrap();
         assert_eq!(s["pressure"]["bucket_capacity"], 1048576, "{toml}: the refused size reached the status: {s}");
     }
+    // Read at start only: a reload would have said "reloaded" and applied
+    // nothing.
+    for toml in ["pin_dir = \"/tmp/elsewhere\"", "interfaces = [\"lo\"]"] {
+        std::fs::write(&cfg, format!("[datapath]\n{toml}\n[default]\nrate = 100\n")).unwrap();
+        let (status, out) = run_once(Some(&lab.b), &["reload"]).unwrap();
+        assert!(!status.success(), "{toml}: {out}");
+        assert!(out.contains("datapath.pin_dir and datapath.interfaces are read when the daemon starts") && out.contains("restart the daemon"), "{toml}: {out}");
+    }
+    // The aggregation prefixes apply, with a warning that keys start afresh.
+    std::fs::write(&cfg, "[datapath]\nipv4_prefix = 24\n[default]\nrate = 100\n").unwrap();
+    let (status, out) = run_once(Some(&lab.b), &["reload"]).unwrap();
+    assert!(status.success(), "{out}");
     // Restored, the file reloads.
     std::fs::write(&cfg, "[default]\nrate = 100\n").unwrap();
     let (status, out) = run_once(Some(&lab.b), &["reload"]).unwrap();
     assert!(status.success(), "{out}");
     let (status, log) = d.stop(libc::SIGTERM).unwrap();
     assert!(status.success(), "{log}");
+    assert!(log.contains("datapath.ipv4_prefix/ipv6_prefix change from /32//64 to /24//64") && log.contains("full burst"), "{log}");
 }

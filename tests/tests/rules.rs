@@ -198,8 +198,12 @@ per = "1d"
     assert_eq!(offer(&dp, &udp4_to(a, 3), 1), (1, 0));
     assert_eq!(offer(&dp, &udp4_to(c, 3), 3), (1, 2), "one bucket for everyone");
     assert_eq!(offer(&dp, &udp6(V6_IN), 1), (1, 0), "default: not on these ports");
-    // IPv6 prefix keys (/48 by default): V6_IN and V6_OUT differ in bits 33..48.
     let v6_to = |src: [u8; 16], port: u16| eth(&[], ETH_P_IPV6, &ipv6(src, UDP, &udp(port)));
+    // The global key is one for both families: IPv6 finds it spent by
+    // IPv4 (before, each family had a bucket, and dual-stack traffic
+    // passed twice the limit).
+    assert_eq!(offer(&dp, &v6_to(V6_IN, 3), 3), (0, 3), "the global bucket holds IPv6 too");
+    // IPv6 prefix keys (/48 by default): V6_IN and V6_OUT differ in bits 33..48.
     let mut same48 = V6_IN;
     same48[15] = 200;
     same48[8] = 7;
@@ -255,14 +259,17 @@ fn soft_and_elastic_modes() {
     // Source A: its own 2, then the pool's 3. Source B: its own 2; the pool is spent.
     assert_eq!(offer(&dp, &udp4_to([192, 0, 2, 1], 2), 8), (5, 3));
     assert_eq!(offer(&dp, &udp4_to([192, 0, 2, 2], 2), 8), (2, 6));
-    // IPv6 has its own pool (the key `::` of the rule's pool index).
+    // One pool for the rule, IPv6 sources too: spent by IPv4 already
+    // (before, each family had a pool of its own).
     let udp6_to = |last: u8, port: u16| {
         let mut src = [0x20, 0x01, 0x0d, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
         src[7] = last;
         eth(&[], ETH_P_IPV6, &ipv6(src, UDP, &udp(port)))
     };
-    assert_eq!(offer(&dp, &udp6_to(1, 2), 8), (5, 3), "IPv6: its own 2, then the IPv6 pool's 3");
-    assert_eq!(offer(&dp, &udp6_to(2, 2), 8), (2, 6), "IPv6: the pool is spent");
+    assert_eq!(offer(&dp, &udp6_to(1, 2), 8), (2, 6), "IPv6: its own 2; the rule's pool is spent");
+    let dp = load("[[rule]]\nname = \"elastic\"\nproto = \"udp\"\ndst_ports = [2]\nrate = 2\nper = \"1d\"\nmode = \"elastic\"\npool_rate = 3\npool_per = \"1d\"\n");
+    assert_eq!(offer(&dp, &udp6_to(1, 2), 4), (4, 0), "IPv6 first: its own 2, then 2 of the pool's 3");
+    assert_eq!(offer(&dp, &udp4_to([192, 0, 2, 1], 2), 4), (3, 1), "IPv4: its own 2, then the pool's last one");
 }
 
 #[test]

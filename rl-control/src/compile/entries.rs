@@ -3,14 +3,20 @@
 
 use super::*;
 
-/// The datapath's entry for rule `r` (its bucket id, masks and limits as
-/// written), with `[datapath]`'s default prefixes.
-pub fn rule_entry(r: &Rule, v4_default: u8, v6_default: u8) -> RuleEntry {
-    let (v4, v6) = match r.key {
+/// The prefix lengths (IPv4, IPv6) that key rule `r`'s buckets, with
+/// `[datapath]`'s default prefixes: 0 for a global key.
+pub fn key_prefixes(r: &Rule, v4_default: u8, v6_default: u8) -> (u8, u8) {
+    match r.key {
         KeyScope::Source => (v4_default, v6_default),
         KeyScope::Prefix { v4, v6 } => (v4, v6),
         KeyScope::Global => (0, 0),
-    };
+    }
+}
+
+/// The datapath's entry for rule `r` (its bucket id, masks and limits as
+/// written), with `[datapath]`'s default prefixes.
+pub fn rule_entry(r: &Rule, v4_default: u8, v6_default: u8) -> RuleEntry {
+    let (v4, v6) = key_prefixes(r, v4_default, v6_default);
     // The state's identity: what its buckets mean. Matching fields are
     // included too: a rule that now matches other traffic starts fresh.
     let id = stable_id(&(r, v4, v6));
@@ -29,6 +35,10 @@ pub fn rule_entry(r: &Rule, v4_default: u8, v6_default: u8) -> RuleEntry {
     }
     if r.scope == crate::config::rules::Scope::Cluster {
         flags |= rl_common::RULE_CLUSTER;
+    }
+    if (v4, v6) == (0, 0) {
+        // One key for all its traffic, both families.
+        flags |= rl_common::RULE_GLOBAL;
     }
     RuleEntry {
         id,

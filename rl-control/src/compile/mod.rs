@@ -258,7 +258,7 @@ mod wide;
 
 use classify::{compile_dir16, compile_l4, compile_sources};
 use entries::gcra;
-pub use entries::{limit_entry, rule_entry};
+pub use entries::{key_prefixes, limit_entry, rule_entry};
 pub use wide::{part_wide_counts, wide_count_notes, wide_count_sharers};
 
 #[cfg(test)]

@@ -391,6 +391,9 @@ fn datapath_of(loc: &Located, d: &RawDatapath) -> Result<Datapath, ConfigError> 
                 if name.is_empty() || name.len() > 15 || name.contains(['/', '+', ' ', '\t']) {
                     return Err(loc.at(i.span(), format!("datapath.interfaces: {name:?} is not an interface name (1 to 15 characters, no `/`, `+` or blanks)")));
                 }
+                if v.contains(name) {
+                    return Err(loc.at(i.span(), format!("datapath.interfaces: {name:?} is listed twice: list each interface once")));
+                }
                 v.push(name.clone());
             }
             v
@@ -486,6 +489,14 @@ mod tests {
         assert_eq!(
             error_of("[default]\nrate = 5\nburst = 0\n"),
             "rules.toml:3:9: default.burst = 0 is out of range: allowed 1..=1000000000"
+        );
+    }
+
+    #[test]
+    fn an_interface_listed_twice_is_refused_with_its_place() {
+        assert_eq!(
+            error_of("[datapath]\ninterfaces = [\"eth0\", \"eth1\", \"eth0\"]\n[default]\nrate = 5\n"),
+            "rules.toml:2:31: datapath.interfaces: \"eth0\" is listed twice: list each interface once"
         );
     }
 

@@ -162,7 +162,27 @@ fn sized_at_load(new: &crate::config::Datapath, running: &crate::config::Datapat
         let why = "a source limited in its prefix cell would find a fresh cell under the new length";
         return refuse("flood_prefix_v4/v6", format!("{}/{}", n.0, n.1), format!("{}/{}", r.0, r.1), why);
     }
+    if (&new.pin_dir, &new.interfaces) != (&running.pin_dir, &running.interfaces) {
+        return Err(ApplyError::Invalid(
+            "datapath.pin_dir and datapath.interfaces are read when the daemon starts, and a reload cannot apply them: \
+             restore them in the file, or restart the daemon to apply them (its --pin-dir and --iface flags, if given, win)"
+                .into(),
+        ));
+    }
     Ok(())
+}
+
+/// Warns of a reload that gives keys a fresh start: the aggregation
+/// prefixes key every `key = "source"` rule's buckets and `[default]`'s.
+fn warn_fresh_keys(new: &crate::config::Datapath, running: &crate::config::Datapath) {
+    let (n, r) = ((new.ipv4_prefix, new.ipv6_prefix), (running.ipv4_prefix, running.ipv6_prefix));
+    if n != r {
+        warn!(
+            "datapath.ipv4_prefix/ipv6_prefix change from /{}//{} to /{}//{}: every key = \"source\" rule and [default] keys its sources anew, \
+             so each starts with its limit's full burst (once, now)",
+            r.0, r.1, n.0, n.1
+        );
+    }
 }
 
 /// Validates, compiles (no lock), installs (the state lock held for the
@@ -235,6 +255,7 @@ fn install(
             ),
         }
     }
+    warn_fresh_keys(&new.datapath, &running.datapath);
     let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
     let summary = format!(
         "{} (enforced after {:.1} ms: validated and compiled in {:.1}, installed in {:.1}; file written in {:.1})",

@@ -19,10 +19,24 @@ use crate::{
     datapath::share::{scan_shared, BucketId, CollectedRecords, SharedBucket, Tables},
 };
 
+/// The definition a cluster packet rule registers and names its Redis
+/// buckets by: the rule, and what makes its keys (the prefixes that key
+/// its buckets and its prefix cells' lengths, from `[datapath]`). Two hosts
+/// that key a rule differently must not share its buckets: one host's
+/// 10.1.2.0 (a /32) would count as the other's 10.1.2.0/24.
+pub fn packet_definition(r: &crate::config::rules::Rule, d: &crate::config::Datapath) -> u64 {
+    let keys = crate::compile::key_prefixes(r, d.ipv4_prefix, d.ipv6_prefix);
+    stable_hash(&(r, keys, (d.flood_prefix_v4, d.flood_prefix_v6)), 0)
+}
+
 /// Every cluster rule of `config` as it registers: its namespaced name and
 /// the hash of its definition.
 pub fn definitions(config: &Config) -> Vec<(String, u64)> {
-    let packet = config.rules.iter().filter(|r| r.scope == Scope::Cluster).map(|r| (format!("packet:{}", r.name), stable_hash(r, 0)));
+    let packet = config
+        .rules
+        .iter()
+        .filter(|r| r.scope == Scope::Cluster)
+        .map(|r| (format!("packet:{}", r.name), packet_definition(r, &config.datapath)));
     let requests = config
         .l7
         .rules
@@ -107,7 +121,7 @@ fn shares_of(config: &Config, cluster: &Cluster) -> Shares {
     let mut shares = Shares::new();
     for r in config.rules.iter().filter(|r| r.scope == Scope::Cluster && !cluster.is_mismatched(&format!("packet:{}", r.name))) {
         let entry = crate::compile::rule_entry(r, d.ipv4_prefix, d.ipv6_prefix);
-        let definition = stable_hash(r, 0);
+        let definition = packet_definition(r, d);
         for which in 0..entry.n_limits.min(rl_common::MAX_LIMITS as u32) {
             let l = entry.limits[which as usize];
             shares.insert(entry.id | which, Share { rule: r.name.clone(), definition, which, ns_per_packet: l.a.max(1), burst_ns: l.b });
@@ -289,5 +303,31 @@ pub async fn sync_requests(state: Shared, cluster: Arc<Cluster>) {
                 engine.raise(*key, now + ahead_us * 1000);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Hosts that key a cluster rule differently register different
+    /// definitions, so they never share its Redis buckets; hosts that
+    /// differ only in what does not make its keys share them.
+    #[test]
+    fn a_cluster_rules_definition_holds_what_makes_its_keys() {
+        let cfg = |datapath: &str, key: &str| {
+            let text = format!(
+                "[datapath]\n{datapath}\n[default]\nrate = 5\n[cluster]\nredis = [\"redis://127.0.0.1:1\"]\nnode = \"n\"\n\
+                 [[rule]]\nname = \"r\"\nproto = \"udp\"\nrate = 5\nscope = \"cluster\"\n{key}\n"
+            );
+            definitions(&Config::from_str(&text, "rl.toml").unwrap())[0].1
+        };
+        let base = cfg("", "");
+        assert_ne!(base, cfg("ipv4_prefix = 24", ""), "the prefix that keys its sources");
+        assert_ne!(base, cfg("ipv6_prefix = 56", ""));
+        assert_ne!(base, cfg("flood_prefix_v4 = 16", ""), "its cells' length");
+        assert_eq!(base, cfg("fragment_ttl_ms = 500", ""), "nothing that makes its keys");
+        let global = cfg("", "key = \"global\"");
+        assert_eq!(global, cfg("ipv4_prefix = 24", "key = \"global\""), "a global key holds no prefix");
     }
 }

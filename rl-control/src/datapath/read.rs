@@ -116,6 +116,8 @@ impl Datapath {
             let rule = rules.get(&(slot * RULE_SLOTS + i), 0).map_err(|e| map_error(MAP_RULES, e))?;
             let wide = rule.flags & RULE_CLUSTER == 0;
             for which in 0..rule.n_limits.min(rl_common::MAX_LIMITS as u32) {
+                // A global rule's buckets hold both families in the IPv4 table.
+                let addr = if rule.keys_v6(addr.is_ipv6()) { addr } else { IpAddr::V4(v4_of(addr)) };
                 let found = match addr {
                     IpAddr::V4(a) => {
                         let key = rule.key4(which, u32::from_ne_bytes(a.octets()));
@@ -244,6 +246,15 @@ fn prefix6(by: ChargedBy, key: &Key6, rule: &RuleEntry, cfg: &DatapathConfig) ->
         ChargedBy::LastResort => return None,
     };
     Some((key.addr(), mask.iter().zip(&rule.v6_mask).map(|(m, r)| (m & r).count_ones()).sum::<u32>() as u8))
+}
+
+/// An IPv4 address standing for `addr` under a global rule (its key
+/// keeps no address bits).
+fn v4_of(addr: IpAddr) -> std::net::Ipv4Addr {
+    match addr {
+        IpAddr::V4(a) => a,
+        IpAddr::V6(_) => std::net::Ipv4Addr::UNSPECIFIED,
+    }
 }
 
 /// A prefix cell or wide cell holding a charge, as a collector pass found

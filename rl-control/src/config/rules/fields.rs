@@ -166,6 +166,14 @@ pub(crate) fn limits_of(
             Some(b) => size_in(loc, &format!("{who}: byte_burst"), b)?,
             None => amount,
         };
+        // A token bucket charges a frame's bytes × the ns a byte costs in
+        // 64 bits: past 2^47 ns a byte, a 64 KiB frame would wrap.
+        if !windowed && u128::from(per_secs) * 1_000_000_000 >= u128::from(amount) << 47 {
+            return Err(loc.at(
+                bytes.span(),
+                format!("{who}: bytes {amount} per {per_secs}s is slower than one byte per 39 hours, which a token bucket cannot charge a whole frame against: raise bytes or shorten per"),
+            ));
+        }
         out.push(RuleLimit { unit: Unit::Bytes, rate: Rate { amount, per_secs, burst } });
     } else if let Some(b) = &raw.byte_burst {
         return Err(loc.at(b.span(), format!("{who}: byte_burst needs bytes")));

@@ -429,6 +429,17 @@ mod tests {
         assert!(e.contains(needle), "expected {needle:?} in: {e}");
     }
 
+    /// A token bucket's byte cost must fit 64 bits for a whole frame: a
+    /// byte rate slower than a byte per 39 hours is refused (before, it
+    /// wrapped and admitted what it liked); windows count, and take it.
+    #[test]
+    fn a_byte_rate_too_slow_to_charge_a_frame_is_refused_with_its_place() {
+        let rule = |limit: &str| format!("[[rule]]\nname = \"slow\"\n{limit}\n");
+        assert_error(&rule("bytes = 1\nper = \"200d\""), 5, 9, "slower than one byte per 39 hours");
+        assert!(parse(&rule("bytes = 1\nper = \"1d\"")).is_ok());
+        assert!(parse(&rule("bytes = 1\nper = \"200d\"\nalgorithm = \"fixed_window\"")).is_ok());
+    }
+
     #[test]
     fn the_issue_example_parses() {
         let c = parse(
