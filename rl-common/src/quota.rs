@@ -213,25 +213,11 @@ mod tests {
     }
 
     proptest! {
-        #[test]
-        fn quota_matches_the_datapath_steps(
-            kind in prop_oneof![Just(LIMIT_GCRA), Just(LIMIT_FIXED), Just(LIMIT_SLIDING)],
-            rate in 1u64..50, burst in 1u64..50,
-            sent in 0u64..120, gap_ms in 0u64..3000, start in 0u64..1_000_000_000_000u64,
-            off in 0u64..1_000_000_000_000u64,
-        ) {
-            let l = match kind {
-                LIMIT_GCRA => gcra(rate, burst),
-                k => LimitEntry { kind: k, shift: 0, a: S, b: rate },
-            };
-            let (word, _) = send(&l, 0, start, sent, off);
-            check(&l, word, start + gap_ms * 1_000_000, off);
-        }
-
-        /// The eighths agree with the quota: `remaining` holds at least
+        /// The quota is what the datapath's steps let through; its room in
+        /// eighths is the quota rounded down: `remaining` holds at least
         /// `room` eighths of the limit and fewer than `room + 1`.
         #[test]
-        fn room_in_eighths_is_the_quota_rounded_down(
+        fn quota_and_its_eighths_match_the_datapath_steps(
             kind in prop_oneof![Just(LIMIT_GCRA), Just(LIMIT_FIXED), Just(LIMIT_SLIDING)],
             rate in 1u64..50, burst in 1u64..50,
             sent in 0u64..120, gap_ms in 0u64..3000, start in 0u64..1_000_000_000_000u64,
@@ -243,6 +229,7 @@ mod tests {
             };
             let (word, _) = send(&l, 0, start, sent, off);
             let now = start + gap_ms * 1_000_000;
+            check(&l, word, now, off);
             let (q, cap) = (quota(&l, word, now, off), capacity(&l, now, off));
             prop_assert_eq!(cap, q.limit);
             let room = u64::from(room_eighths(&l, word, now, off, cap));
