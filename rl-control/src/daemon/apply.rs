@@ -165,7 +165,8 @@ fn sized_at_load(new: &crate::config::Datapath, running: &crate::config::Datapat
     if (&new.pin_dir, &new.interfaces) != (&running.pin_dir, &running.interfaces) {
         return Err(ApplyError::Invalid(
             "datapath.pin_dir and datapath.interfaces are read when the daemon starts, and a reload cannot apply them: \
-             restore them in the file, or restart the daemon to apply them (its --pin-dir and --iface flags, if given, win)"
+             restore them in the file, or restart the daemon to apply them (its --pin-dir and --iface flags, if given, win; \
+             a changed set of interfaces first takes the old set's datapath off with `rl-control detach`)"
                 .into(),
         ));
     }

@@ -137,7 +137,7 @@ impl Datapath {
         let (used, id) = match mode {
             AttachMode::Auto => match self.attach_as(iface, AttachMode::Native, PROG_LIMITER) {
                 Ok(id) => (AttachMode::Native, id),
-                Err(e @ (DatapathError::InterfaceBusy(_) | DatapathError::NoPrivilege { .. })) => {
+                Err(e @ (DatapathError::InterfaceBusy(_) | DatapathError::PinnedElsewhere { .. } | DatapathError::NoPrivilege { .. })) => {
                     return Err(e)
                 }
                 Err(e) => {
@@ -275,6 +275,12 @@ impl Datapath {
             AttachMode::Skb => XdpMode::Skb,
             AttachMode::Auto => unreachable!("auto is resolved by attach"),
         };
+        // rl's own datapath for another set of interfaces, pinned beside ours.
+        let elsewhere = self
+            .pins
+            .as_deref()
+            .and_then(|own| own.parent().map(|p| (p, own)))
+            .and_then(|(p, own)| super::pin::dirs_with(p, iface).into_iter().find(|d| d != own));
         let prog: &mut Xdp = self
             .ebpf
             .program_mut(name)
@@ -282,7 +288,10 @@ impl Datapath {
             .try_into()
             .expect("an XDP program");
         prog.attach(iface, flags).map_err(|e| match errno(&e) {
-            Some(libc::EBUSY) | Some(libc::EEXIST) => DatapathError::InterfaceBusy(iface.into()),
+            Some(libc::EBUSY) | Some(libc::EEXIST) => match elsewhere {
+                Some(dir) => DatapathError::PinnedElsewhere { iface: iface.into(), dir },
+                None => DatapathError::InterfaceBusy(iface.into()),
+            },
             Some(libc::EPERM) | Some(libc::EACCES) => DatapathError::NoPrivilege {
                 doing: "attaching the XDP program",
             },

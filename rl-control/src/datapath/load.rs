@@ -131,11 +131,36 @@ impl Datapath {
         let sized = sized_maps(compiled, cell_slots);
         let specs = pin::specs(OBJECT, &sized)?;
         let held = opts.pin.as_deref().map(pin::hold).transpose()?;
+        if let Some(dir) = &opts.pin {
+            if pin::clear_interrupted(dir)? {
+                tracing::warn!(pins = %dir.display(), "removed the pins of a start that was stopped before its datapath was in force (no link, no layout version): starting afresh, no bucket lost");
+            }
+        }
         let plan = match &opts.pin {
             Some(dir) => PinPlan::of(dir, &specs, compiled)?,
             None => PinPlan::default(),
         };
-        let ebpf = load_object(&sized, &specs, &opts, &plan)?;
+        let fresh = opts.pin.clone().filter(|_| !plan.adopted);
+        let loaded = Datapath::load_planned(compiled, &opts, &sized, &specs, plan, cell_slots, held);
+        if let (Err(_), Some(dir)) = (&loaded, &fresh) {
+            // Nothing was in force there before: leave no pins that the next
+            // start would take for a datapath to keep.
+            let _ = pin::remove_pins(dir);
+        }
+        loaded
+    }
+
+    /// [`Datapath::load_with`] once the pins are held and planned.
+    fn load_planned(
+        compiled: &Compiled,
+        opts: &LoadOptions,
+        sized: &[(&str, u32)],
+        specs: &[pin::MapSpec],
+        plan: PinPlan,
+        cell_slots: u32,
+        held: Option<std::os::fd::OwnedFd>,
+    ) -> Result<Datapath, DatapathError> {
+        let ebpf = load_object(sized, specs, opts, &plan)?;
         let mut dp = Datapath {
             ebpf,
             attachments: Vec::new(),

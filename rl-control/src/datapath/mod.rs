@@ -88,9 +88,15 @@ pub enum DatapathError {
     UnknownInterface(String),
     #[error(
         "interface `{0}` already has an XDP program attached: remove it first \
-         (`ip link set dev {0} xdp off`) or choose another interface"
+         (`ip link set dev {0} xdp off`, or with the tool that attached it) or choose another interface"
     )]
     InterfaceBusy(String),
+    #[error(
+        "interface `{iface}` carries rl's datapath pinned for another set of interfaces in {}: \
+         to protect another set, take that one off first with `rl-control detach --iface {iface}` (it drops that datapath's buckets), then start again",
+        .dir.display()
+    )]
+    PinnedElsewhere { iface: String, dir: std::path::PathBuf },
     #[error("loading the XDP object failed: {0}")]
     Load(String),
     #[error("attaching to `{iface}` in {mode} mode failed: {cause}")]

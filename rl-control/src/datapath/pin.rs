@@ -79,11 +79,14 @@ fn is_bpffs(path: &Path) -> bool {
 fn mount_bpffs(at: &Path) -> Result<(), DatapathError> {
     let target = CString::new(at.as_os_str().as_encoded_bytes()).map_err(|e| pin_error(at, e))?;
     let fs = c"bpf";
-    let rc = unsafe { libc::mount(fs.as_ptr(), target.as_ptr(), fs.as_ptr(), 0, std::ptr::null()) };
+    // Root's alone: bpffs' own default is 1777, where anyone could make an
+    // interface's directory first and then remove rl's pins.
+    let data = c"mode=0700";
+    let rc = unsafe { libc::mount(fs.as_ptr(), target.as_ptr(), fs.as_ptr(), 0, data.as_ptr().cast()) };
     if rc != 0 {
         let e = std::io::Error::last_os_error();
         if e.raw_os_error() == Some(libc::EPERM) {
-            return Err(DatapathError::NoPrivilege { doing: "mounting bpffs for the pins" });
+            return Err(DatapathError::NoPrivilege { doing: "mounting bpffs for the pins (that takes CAP_SYS_ADMIN: mount it beforehand, e.g. `mount -t bpf -o mode=0700 bpf /sys/fs/bpf`)" });
         }
         return Err(pin_error(at, format!("mounting bpffs there: {e}")));
     }
@@ -111,7 +114,65 @@ pub fn prepare(pin_dir: &Path, dir: &Path) -> Result<(), DatapathError> {
             }
         }
     }
-    std::fs::create_dir_all(dir).map_err(|e| pin_error(dir, e))
+    own_dir(dir)
+}
+
+/// Makes `dir` exist as root's alone (0700, owned by this process's user),
+/// or refuses one another user owns or may write: whoever may write there
+/// may remove rl's pins and so turn the limits off, and whoever may open
+/// it may take its lock and keep the daemon from starting.
+fn own_dir(dir: &Path) -> Result<(), DatapathError> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    if !dir.exists() {
+        std::fs::DirBuilder::new().mode(0o700).create(dir).map_err(|e| pin_error(dir, e))?;
+    }
+    let meta = std::fs::metadata(dir).map_err(|e| pin_error(dir, e))?;
+    let me = unsafe { libc::geteuid() };
+    if meta.uid() != me || meta.mode() & 0o022 != 0 {
+        return Err(pin_error(
+            dir,
+            format!(
+                "it is owned by uid {} with mode {:o}: only root may hold rl's pins; remove it (`rl-control detach`) or make it root's with mode 0700",
+                meta.uid(),
+                meta.mode() & 0o7777
+            ),
+        ));
+    }
+    // Pin directories of older builds were made 0755: readable, so lockable, by anyone.
+    if meta.mode() & 0o077 != 0 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(|e| pin_error(dir, e))?;
+    }
+    Ok(())
+}
+
+/// Removes the pins an interrupted first start left in `dir`: maps, but no
+/// link and no layout version (written last, before anything attaches),
+/// so no datapath was ever in force there and no bucket is lost. The
+/// directory stays (the caller holds its lock). `true` if it removed any.
+pub(super) fn clear_interrupted(dir: &Path) -> Result<bool, DatapathError> {
+    let names: Vec<String> = match std::fs::read_dir(dir) {
+        Ok(rd) => rd.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect(),
+        Err(_) => return Ok(false),
+    };
+    if names.is_empty() || names.iter().any(|n| n.starts_with("link-")) {
+        return Ok(false);
+    }
+    if names.iter().any(|n| n == MAP_LAYOUT) && read_layout(dir).map_or(true, |(version, _)| version != 0) {
+        return Ok(false);
+    }
+    remove_pins(dir)?;
+    Ok(true)
+}
+
+/// Removes every pin in `dir` but no link (there is none) and not `dir`.
+pub(super) fn remove_pins(dir: &Path) -> Result<(), DatapathError> {
+    for e in std::fs::read_dir(dir).map_err(|e| pin_error(dir, e))?.flatten() {
+        let path = e.path();
+        if !e.file_name().to_string_lossy().starts_with("link-") {
+            std::fs::remove_file(&path).map_err(|e| pin_error(&path, e))?;
+        }
+    }
+    Ok(())
 }
 
 /// Takes `dir` for this process (an advisory lock on the directory, held

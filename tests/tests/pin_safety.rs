@@ -1,0 +1,103 @@
+//! The pins stay root's and stay adoptable: a first start that fails or is
+//! stopped before its datapath is in force leaves nothing a later start
+//! refuses; interface pin directories are root's alone (0700); and an
+//! interface that carries rl's datapath for another set of interfaces is
+//! refused with what to do, not with a hint that does not work.
+
+use std::os::unix::fs::PermissionsExt;
+
+use aya::maps::{Array, Map, MapData};
+use rl_control::{
+    compile::compile,
+    config::{units::Cidr, Config},
+    datapath::{prepare_pins, Datapath, LoadOptions},
+};
+use rl_tests::{
+    daemon::{write, Daemon},
+    lab::{require_root, BpfFs, Lab, VB, VB2},
+    load_pinned,
+};
+
+const RULES: &str = "[datapath]\nmax_sources = 1024\n[default]\nrate = 100\n";
+
+fn pinned(dir: &std::path::Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn a_first_start_that_fails_or_is_stopped_before_it_enforces_leaves_nothing_to_refuse() {
+    require_root();
+    let pins = BpfFs::new().unwrap();
+    let dir = pins.path().join("x");
+    prepare_pins(pins.path(), &dir).unwrap();
+
+    // Fails after its maps are pinned (its CIDRs do not fit): no pin stays.
+    let mut compiled = compile(&Config::from_str(RULES, "<test>").unwrap());
+    let host = Cidr::host(std::net::IpAddr::from([192, 0, 2, 1]));
+    compiled.rules.lpm = vec![(host, 0); rl_common::LPM_SLOT_LEN as usize + 1];
+    let opts = || LoadOptions { pin: Some(dir.clone()), ..Default::default() };
+    let e = Datapath::load_with(&compiled, opts()).err().expect("more CIDRs than the tables hold");
+    assert!(e.to_string().contains("CIDR"), "{e}");
+    assert_eq!(pinned(&dir), Vec::<String>::new(), "a failed fresh start left pins");
+
+    // Stopped after pinning, before its layout version was written (as a
+    // kill -9 there leaves it): the next start removes them and loads afresh.
+    let compiled = compile(&Config::from_str(RULES, "<test>").unwrap());
+    drop(load_pinned(&compiled, &dir));
+    let layout = MapData::from_pin(dir.join(rl_common::MAP_LAYOUT)).unwrap();
+    let mut layout: Array<MapData, u32> = Array::try_from(Map::Array(layout)).unwrap();
+    layout.set(0, 0, 0).unwrap();
+    drop(layout);
+    let dp = Datapath::load_with(&compiled, opts()).expect("the next start after an interrupted one");
+    assert!(!dp.adopted(), "nothing was in force there to adopt");
+    drop(dp);
+    // A datapath that was in force (its version written) is adopted as before.
+    let dp = Datapath::load_with(&compiled, opts()).unwrap();
+    assert!(dp.adopted());
+}
+
+#[test]
+fn interface_pin_directories_are_roots_alone() {
+    require_root();
+    let pins = BpfFs::new().unwrap();
+    let fresh = pins.path().join("a");
+    prepare_pins(pins.path(), &fresh).unwrap();
+    assert_eq!(std::fs::metadata(&fresh).unwrap().permissions().mode() & 0o777, 0o700, "made root's alone");
+
+    // An older build's 0755 directory is tightened; one anyone may write is refused.
+    let older = pins.path().join("b");
+    std::fs::create_dir(&older).unwrap();
+    std::fs::set_permissions(&older, std::fs::Permissions::from_mode(0o755)).unwrap();
+    prepare_pins(pins.path(), &older).unwrap();
+    assert_eq!(std::fs::metadata(&older).unwrap().permissions().mode() & 0o777, 0o700, "tightened");
+    let open = pins.path().join("c");
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let e = prepare_pins(pins.path(), &open).expect_err("a directory anyone may write");
+    assert!(e.to_string().contains("only root may hold rl's pins"), "{e}");
+}
+
+#[test]
+fn an_interface_pinned_for_another_set_is_refused_with_what_to_do() {
+    let lab = Lab::new().unwrap();
+    lab.second_pair().unwrap();
+    let pins = BpfFs::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write(&dir, "rl.toml", "[default]\nrate = 100\n");
+    // vb alone, left attached and enforcing.
+    let d = Daemon::pinned(&lab, &cfg, &pins, &[]).unwrap();
+    let (status, log) = d.stop(libc::SIGTERM).unwrap();
+    assert!(status.success() && log.contains("left attached and enforcing"), "{log}");
+    // Now vb and vb2: vb carries the other set's datapath.
+    let args = ["run", "--iface", VB, "--iface", VB2, "--config", cfg.to_str().unwrap(), "--pin-dir", pins.arg(), "--no-watch"];
+    let mut d = Daemon::spawn(&lab.b, &args).unwrap();
+    let want = format!("rl-control detach --iface {VB}");
+    d.wait_for(&want, std::time::Duration::from_secs(20)).unwrap_or_else(|e| panic!("{e}: {}", d.log()));
+    let (status, log) = d.stop(libc::SIGTERM).unwrap();
+    assert!(!status.success(), "{log}");
+    assert!(log.contains("carries rl's datapath pinned for another set of interfaces"), "{log}");
+    assert!(!log.contains("ip link set dev"), "not the hint that cannot remove a link: {log}");
+    assert!(lab.xdp_attached().unwrap(), "the pinned datapath on vb keeps enforcing");
+}
