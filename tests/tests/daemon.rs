@@ -146,7 +146,7 @@ fn bad_input_to_run_fails_cleanly_and_leaves_nothing_attached() {
     let text = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{text}");
     assert!(
-        error_line(&text).contains("permission denied while mounting bpffs for the pins: run rl-control as root"),
+        error_line(&text).contains("permission denied while mounting bpffs for the pins (that takes CAP_SYS_ADMIN") && error_line(&text).contains("run rl-control as root"),
         "{text}"
     );
     assert!(!lab.xdp_attached().unwrap());
