@@ -2,7 +2,8 @@
 //! stopped before its datapath is in force leaves nothing a later start
 //! refuses; interface pin directories are root's alone (0700); and an
 //! interface that carries rl's datapath for another set of interfaces is
-//! refused with what to do, not with a hint that does not work.
+//! refused with what to do, not with a hint that does not work; and a
+//! program taken off under a running daemon is reported, not hidden.
 
 use std::os::unix::fs::PermissionsExt;
 
@@ -13,7 +14,8 @@ use rl_control::{
     datapath::{prepare_pins, Datapath, LoadOptions},
 };
 use rl_tests::{
-    daemon::{write, Daemon},
+    daemon::{run_once, write, Daemon},
+    http::get,
     lab::{require_root, BpfFs, Lab, VB, VB2},
     load_pinned,
 };
@@ -100,4 +102,31 @@ fn an_interface_pinned_for_another_set_is_refused_with_what_to_do() {
     assert!(log.contains("carries rl's datapath pinned for another set of interfaces"), "{log}");
     assert!(!log.contains("ip link set dev"), "not the hint that cannot remove a link: {log}");
     assert!(lab.xdp_attached().unwrap(), "the pinned datapath on vb keeps enforcing");
+}
+
+/// `rl-control detach` (or anything else) takes the program off while the
+/// daemon runs: the daemon no longer reports itself attached. `/healthz`
+/// answers 503 saying what to do, `/v1/status` and `rl-control status` say
+/// which interface lost it (before, all three kept saying "attached").
+#[test]
+fn a_program_taken_off_under_a_running_daemon_is_reported_not_hidden() {
+    let lab = Lab::new().unwrap();
+    let pins = BpfFs::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write(&dir, "rl.toml", "[default]\nrate = 100\n");
+    let d = Daemon::pinned(&lab, &cfg, &pins, &[]).unwrap();
+    assert_eq!(get(&lab.b, "/healthz").status, 200);
+    assert_eq!(get(&lab.b, "/v1/status").json()["interfaces"][0]["attached"], true);
+    let (status, out) = run_once(Some(&lab.b), &["detach", "--iface", VB, "--pin-dir", pins.arg()]).unwrap();
+    assert!(status.success(), "{out}");
+    assert!(!lab.xdp_attached().unwrap());
+    let health = get(&lab.b, "/healthz");
+    assert_eq!(health.status, 503, "{}", health.body);
+    assert!(health.body.contains(&format!("no longer attached to {VB} (it runs no XDP program)")) && health.body.contains("restart the daemon"), "{}", health.body);
+    assert_eq!(get(&lab.b, "/v1/status").json()["interfaces"][0]["attached"], false);
+    let (_, out) = run_once(Some(&lab.b), &["status"]).unwrap();
+    assert!(out.contains(&format!("NOT ATTACHED:    {VB}")), "{out}");
+    let (status, log) = d.stop(libc::SIGTERM).unwrap();
+    assert!(status.success(), "{log}");
+    assert!(log.contains("no longer attached to") && !log.contains("left attached and enforcing"), "the stop does not claim it enforces: {log}");
 }

@@ -100,12 +100,23 @@ async fn healthz(AxState(api): AxState<Api>) -> Response {
         (None, _) => Some("the XDP program is not attached".to_string()),
         (_, Err(e)) => Some(format!("the datapath maps do not answer: {e}")),
         (Some(_), Ok(cfg)) if cfg.enabled == 0 => Some("no rule set is installed".to_string()),
-        _ => None,
+        _ => not_attached_problem(&s.dp.not_attached()),
     };
     match problem {
         None => (StatusCode::OK, Json(Health { status: "ok".into(), error: None })).into_response(),
         Some(e) => (StatusCode::SERVICE_UNAVAILABLE, Json(Health { status: "unavailable".into(), error: Some(e) })).into_response(),
     }
+}
+
+/// Interfaces that no longer run rl's program, as one line with what to do.
+fn not_attached_problem(gone: &[(String, String)]) -> Option<String> {
+    let (first, _) = gone.first()?;
+    let list: Vec<String> = gone.iter().map(|(i, why)| format!("{i} ({why})")).collect();
+    Some(format!(
+        "rl's XDP program is no longer attached to {}: nothing limits that traffic; restart the daemon to attach it again \
+         (`rl-control detach --iface {first}` takes rl off for good)",
+        list.join(", ")
+    ))
 }
 
 /// One interface the limiter is attached to.
@@ -114,6 +125,10 @@ pub struct InterfaceView {
     pub iface: String,
     /// `native` or `skb`.
     pub xdp_mode: String,
+    /// Whether the interface runs rl's program now, as the kernel says
+    /// (false: detached by hand, or the interface gone; `/healthz` then
+    /// answers 503).
+    pub attached: bool,
 }
 
 #[derive(Serialize, ToSchema)]
@@ -152,7 +167,13 @@ async fn status(AxState(api): AxState<Api>) -> Json<Status> {
     Json(Status {
         iface: s.attachments.first().map(|a| a.iface.clone()).unwrap_or_default(),
         xdp_mode: s.attachments.first().map(|a| a.mode.to_string()).unwrap_or_default(),
-        interfaces: s.attachments.iter().map(|a| InterfaceView { iface: a.iface.clone(), xdp_mode: a.mode.to_string() }).collect(),
+        interfaces: {
+            let gone = s.dp.not_attached();
+            s.attachments
+                .iter()
+                .map(|a| InterfaceView { iface: a.iface.clone(), xdp_mode: a.mode.to_string(), attached: !gone.iter().any(|(i, _)| *i == a.iface) })
+                .collect()
+        },
         program_id: s.program_id,
         uptime_secs: s.started.elapsed().as_secs(),
         rules: s.config.rules.len(),

@@ -284,10 +284,17 @@ pub fn status(v: &Value) -> String {
         .as_array()
         .map(|a| a.iter().map(|i| format!("{} (XDP {})", s(&i["iface"]), s(&i["xdp_mode"]))).collect())
         .unwrap_or_default();
-    let iface_line = match on.len() {
+    let mut iface_line = match on.len() {
         0 | 1 => format!("interface:       {} (XDP {}, program {})", s(&v["iface"]), s(&v["xdp_mode"]), s(&v["program_id"])),
         _ => format!("interfaces:      {}; one program ({}) and one set of buckets", on.join(", "), s(&v["program_id"])),
     };
+    let gone: Vec<String> = v["interfaces"].as_array().into_iter().flatten().filter(|i| i["attached"] == false).map(|i| s(&i["iface"])).collect();
+    if !gone.is_empty() {
+        iface_line += &format!(
+            "\nNOT ATTACHED:    {}: rl's program no longer runs there, nothing limits that traffic (restart the daemon to attach it again)",
+            gone.join(", ")
+        );
+    }
     let c = &v["cluster"];
     let redis: Vec<String> = c["redis"].as_array().into_iter().flatten().map(s).collect();
     let mismatched: Vec<String> = c["mismatched"].as_array().into_iter().flatten().map(s).collect();

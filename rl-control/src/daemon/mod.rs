@@ -270,7 +270,10 @@ impl Stopping {
             c.abort();
             let _ = c.await;
         }
-        let totals = lock(&state).dp.counters()?;
+        let (totals, gone) = {
+            let s = lock(&state);
+            (s.dp.counters()?, s.dp.not_attached())
+        };
         if self.detach {
             // Detaches at once, whoever still holds the link.
             crate::datapath::detach_pinned(&self.pins)?;
@@ -280,6 +283,9 @@ impl Stopping {
         drop(state);
         if self.detach {
             info!(ifaces = %self.on, "detached and unpinned; final counters: {totals}");
+        } else if !gone.is_empty() {
+            let list: Vec<String> = gone.iter().map(|(i, why)| format!("{i} ({why})")).collect();
+            warn!(ifaces = %self.on, "stopped; rl's program was no longer attached to {}: nothing limits that traffic until rl-control runs there again; final counters: {totals}", list.join(", "));
         } else {
             info!(
                 ifaces = %self.on,

@@ -427,6 +427,31 @@ impl Datapath {
         &self.attachments
     }
 
+    /// The interfaces this datapath was attached to that no longer run its
+    /// program (detached by hand, `rl-control detach` while the daemon
+    /// runs, the interface gone), each with why: what the kernel says now,
+    /// not what the daemon did. One netlink query per interface.
+    pub fn not_attached(&self) -> Vec<(String, String)> {
+        let Some(prog) = self.program_id() else {
+            return self.attachments.iter().map(|a| (a.iface.clone(), "the limiter program has no id".to_string())).collect();
+        };
+        self.attachments
+            .iter()
+            .filter_map(|a| {
+                let why = match interface_index(&a.iface) {
+                    Err(_) => "the interface is gone".to_string(),
+                    Ok(index) => match netlink::xdp_programs(index) {
+                        Ok(ids) if ids.contains(&prog) => return None,
+                        Ok(ids) if ids.is_empty() => "it runs no XDP program".to_string(),
+                        Ok(ids) => format!("it runs XDP program {ids:?}, not rl's {prog}"),
+                        Err(e) => format!("asking the kernel failed: {e}"),
+                    },
+                };
+                Some((a.iface.clone(), why))
+            })
+            .collect()
+    }
+
     /// The kernel's id of the limiter program (as `bpftool prog` shows it).
     pub fn program_id(&self) -> Option<u32> {
         self.program(PROG_LIMITER).ok()?.info().ok().map(|i| i.id())
