@@ -168,24 +168,17 @@ pub fn later(cfg: &DatapathConfig, pkt: &Packet, entry: u32, len: u64) -> Later 
             // switched between them meanwhile), leave both set; the drop
             // wins.
             let verdict = word & FRAG_VERDICT_MASK;
-            if verdict & FRAG_DROPPED != 0 {
-                count(entry, len, Counted::Dropped);
-                Later::Drop
-            } else if verdict & FRAG_SHADOW != 0 {
+            // Charged while the datagram is whole and within what an IP
+            // datagram can hold; past that, a shadow rule counts what it
+            // would drop, and passes it.
+            if verdict & (FRAG_DROPPED | FRAG_SHADOW) == 0 && brings(v, word, pkt.frag_data) {
+                Later::Charge { entry, packets: 0 }
+            } else if verdict & FRAG_DROPPED == 0 && (verdict & FRAG_SHADOW != 0 || shadow) {
                 count(entry, len, Counted::Shadow);
                 Later::Pass
-            } else if !brings(v, word, pkt.frag_data) {
-                // Past what an IP datagram can hold: a shadow rule counts
-                // what it would drop, and passes it.
-                if shadow {
-                    count(entry, len, Counted::Shadow);
-                    Later::Pass
-                } else {
-                    count(entry, len, Counted::Dropped);
-                    Later::Drop
-                }
             } else {
-                Later::Charge { entry, packets: 0 }
+                count(entry, len, Counted::Dropped);
+                Later::Drop
             }
         }
         _ if cfg.frag_orphans == FRAG_ORPHANS_SOURCE => {

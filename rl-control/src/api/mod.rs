@@ -111,11 +111,10 @@ async fn healthz(AxState(api): AxState<Api>) -> Response {
 /// Interfaces that no longer run rl's program, as one line with what to do.
 fn not_attached_problem(gone: &[(String, String)]) -> Option<String> {
     let (first, _) = gone.first()?;
-    let list: Vec<String> = gone.iter().map(|(i, why)| format!("{i} ({why})")).collect();
     Some(format!(
         "rl's XDP program is no longer attached to {}: nothing limits that traffic; restart the daemon to attach it again \
          (`rl-control detach --iface {first}` takes rl off for good)",
-        list.join(", ")
+        crate::datapath::Datapath::listed(gone)
     ))
 }
 

@@ -473,7 +473,7 @@ pub fn events(v: &Value) -> String {
             // Only "limited" events name a limit and a source; a host's
             // event names neither, a rule's only its rule.
             let limited = e["event"] == "limited";
-            let or_dash = |v: &Value| s(v).chars().next().map_or("-".to_string(), |_| s(v));
+            let or_dash = |v: &Value| Some(s(v)).filter(|t| !t.is_empty()).unwrap_or_else(|| "-".into());
             let at = e["at_unix_ms"].as_u64().map_or_else(|| s(&e["at_unix_ms"]), |ms| format!("{}.{:03}", utc(ms / 1000).trim_end_matches(" UTC"), ms % 1000));
             let limit = if limited { s(&e["limit_index"]) } else { "-".into() };
             vec![at, s(&e["event"]), or_dash(&e["rule"]), limit, or_dash(&e["source"])]
@@ -507,8 +507,7 @@ mod tests {
         assert_eq!(encode_segment("10.0.0.0/8"), "10.0.0.0%2F8");
     }
 
-    /// Times read as dates (checked against `date -u -d @SECS`), leap days
-    /// and centuries included.
+    /// A host's event prints "-" where it names no rule, limit or source.
     #[test]
     fn events_name_a_limit_and_a_source_only_where_they_have_one() {
         let v = serde_json::json!({"events": [
@@ -521,6 +520,8 @@ mod tests {
         assert_eq!(lines[2], ["2026-11-27", "17:20:00.000", "limited", "dns", "0", "10.0.0.1"], "{out}");
     }
 
+    /// Times read as dates (checked against `date -u -d @SECS`), leap days
+    /// and centuries included.
     #[test]
     fn unix_times_read_as_utc_dates() {
         for (secs, want) in [

@@ -81,10 +81,7 @@ pub(super) async fn watch_pressure(state: Shared, ids: TableIds) {
             Ok::<_, DatapathError>((pass, filter))
         })
         .await;
-        let walked = match walked {
-            Ok(r) => r.map_err(|e| e.to_string()),
-            Err(e) => Err(format!("the walk ended abnormally: {e}")),
-        };
+        let walked = outcome(walked);
         let mut s = lock(&state);
         match walked {
             Ok((pass, filter)) => {
@@ -98,6 +95,15 @@ pub(super) async fn watch_pressure(state: Shared, ids: TableIds) {
                 tried(&mut s, Reader::Walk, Err(e));
             }
         }
+    }
+}
+
+/// A reader's pass as run on the blocking pool: its error, or how the
+/// pass ended abnormally (a panic), as the one line its health keeps.
+pub(super) fn outcome<T>(joined: Result<Result<T, DatapathError>, tokio::task::JoinError>) -> Result<T, String> {
+    match joined {
+        Ok(r) => r.map_err(|e| e.to_string()),
+        Err(e) => Err(format!("the pass ended abnormally: {e}")),
     }
 }
 

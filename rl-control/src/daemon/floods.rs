@@ -9,7 +9,7 @@ use tracing::{info, warn};
 use crate::{
     config::unix_now_ms,
     daemon::{
-        collect::{tried, Reader},
+        collect::{outcome, tried, Reader},
         state::{lock, Shared, State},
     },
     datapath::{FloodReading, TableIds},
@@ -26,10 +26,7 @@ pub(super) async fn watch_floods(state: Shared, ids: TableIds) {
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         every.tick().await;
-        let read = match tokio::task::spawn_blocking(move || crate::datapath::flood_mode(ids)).await {
-            Ok(r) => r.map_err(|e| e.to_string()),
-            Err(e) => Err(format!("the reading ended abnormally: {e}")),
-        };
+        let read = outcome(tokio::task::spawn_blocking(move || crate::datapath::flood_mode(ids)).await);
         let mut s = lock(&state);
         match read {
             Ok(flood) => {

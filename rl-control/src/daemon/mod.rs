@@ -284,8 +284,8 @@ impl Stopping {
         if self.detach {
             info!(ifaces = %self.on, "detached and unpinned; final counters: {totals}");
         } else if !gone.is_empty() {
-            let list: Vec<String> = gone.iter().map(|(i, why)| format!("{i} ({why})")).collect();
-            warn!(ifaces = %self.on, "stopped; rl's program was no longer attached to {}: nothing limits that traffic until rl-control runs there again; final counters: {totals}", list.join(", "));
+            let list = crate::datapath::Datapath::listed(&gone);
+            warn!(ifaces = %self.on, "stopped; rl's program was no longer attached to {list}: nothing limits that traffic until rl-control runs there again; final counters: {totals}");
         } else {
             info!(
                 ifaces = %self.on,

@@ -452,6 +452,12 @@ impl Datapath {
             .collect()
     }
 
+    /// [`Datapath::not_attached`]'s interfaces as one list, each with why:
+    /// `eth0 (it runs no XDP program), eth1 (the interface is gone)`.
+    pub fn listed(gone: &[(String, String)]) -> String {
+        gone.iter().map(|(i, why)| format!("{i} ({why})")).collect::<Vec<_>>().join(", ")
+    }
+
     /// The kernel's id of the limiter program (as `bpftool prog` shows it).
     pub fn program_id(&self) -> Option<u32> {
         self.program(PROG_LIMITER).ok()?.info().ok().map(|i| i.id())

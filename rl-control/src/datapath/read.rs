@@ -117,7 +117,10 @@ impl Datapath {
             let wide = rule.flags & RULE_CLUSTER == 0;
             for which in 0..rule.n_limits.min(rl_common::MAX_LIMITS as u32) {
                 // A global rule's buckets hold both families in the IPv4 table.
-                let addr = if rule.keys_v6(addr.is_ipv6()) { addr } else { IpAddr::V4(v4_of(addr)) };
+                let addr = match addr {
+                    IpAddr::V6(_) if !rule.keys_v6(true) => IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+                    a => a,
+                };
                 let found = match addr {
                     IpAddr::V4(a) => {
                         let key = rule.key4(which, u32::from_ne_bytes(a.octets()));
@@ -246,15 +249,6 @@ fn prefix6(by: ChargedBy, key: &Key6, rule: &RuleEntry, cfg: &DatapathConfig) ->
         ChargedBy::LastResort => return None,
     };
     Some((key.addr(), mask.iter().zip(&rule.v6_mask).map(|(m, r)| (m & r).count_ones()).sum::<u32>() as u8))
-}
-
-/// An IPv4 address standing for `addr` under a global rule (its key
-/// keeps no address bits).
-fn v4_of(addr: IpAddr) -> std::net::Ipv4Addr {
-    match addr {
-        IpAddr::V4(a) => a,
-        IpAddr::V6(_) => std::net::Ipv4Addr::UNSPECIFIED,
-    }
 }
 
 /// A prefix cell or wide cell holding a charge, as a collector pass found
