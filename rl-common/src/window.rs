@@ -18,13 +18,23 @@ pub const FIXED_MAX: u64 = FIXED_COUNT_MASK;
 /// current window's cap `max`, else `None`. The count restarts at every
 /// window boundary: a sender may pass `max` at the end of one window and
 /// `max` again at the start of the next.
+///
+/// A word of the window *after* `now`'s is charged as it stands, in its own
+/// window: the time a bucket has seen never goes back. Another CPU that read
+/// the clock a little later may have opened the next window before this
+/// packet's compare-and-swap, and a restarted daemon's clock may read a
+/// tick behind the one it replaced; read as "another window", either would
+/// restart the count (one window's cap handed out again). (With indexes
+/// kept mod 2²⁴, a word 2²⁴ − 1 windows old reads as the next window's:
+/// it limits more, never less.)
 #[inline(always)]
 pub fn fixed_window(word: u64, now: u64, window_ns: u64, max: u64, cost: u64) -> Option<u64> {
     if window_ns == 0 {
         return None;
     }
-    let w = (now / window_ns) & FIXED_INDEX_MASK;
-    let count = if word >> FIXED_COUNT_BITS == w { word & FIXED_COUNT_MASK } else { 0 };
+    let now_w = (now / window_ns) & FIXED_INDEX_MASK;
+    let (idx, count) = (word >> FIXED_COUNT_BITS, word & FIXED_COUNT_MASK);
+    let (w, count) = if idx == now_w || (idx == (now_w + 1) & FIXED_INDEX_MASK && count != 0) { (idx, count) } else { (now_w, 0) };
     let next = count + cost;
     if next > max {
         return None;
@@ -55,6 +65,12 @@ pub const SLIDING_MAX: u64 = SLIDE_MASK;
 /// is `previous × (time left in the current window / window) + current`,
 /// rounded up, and the packet passes if the estimate plus `cost` stays
 /// within `max`.
+///
+/// As for [`fixed_window`], a word of the window after `now`'s is charged
+/// in its own window, its previous count weighing in full (`now` is before
+/// that window starts): time never goes back for a bucket. (With indexes
+/// kept mod 2⁸, a word 255 windows old reads so: the collector removes
+/// words two windows old, and one it has not limits more, never less.)
 #[inline(always)]
 pub fn sliding_window(word: u64, now: u64, window_ns: u64, max: u64, cost: u64) -> Option<u64> {
     if window_ns == 0 {
@@ -62,19 +78,22 @@ pub fn sliding_window(word: u64, now: u64, window_ns: u64, max: u64, cost: u64) 
     }
     let full = now / window_ns;
     let into = now - full * window_ns;
-    let w = full & 0xff;
+    let now_w = full & 0xff;
     let idx = word >> (2 * SLIDE_BITS);
-    let (prev, cur) = if idx == w {
-        ((word >> SLIDE_BITS) & SLIDE_MASK, word & SLIDE_MASK)
-    } else if idx == (w.wrapping_sub(1) & 0xff) {
-        (word & SLIDE_MASK, 0)
+    let (stored_prev, stored_cur) = ((word >> SLIDE_BITS) & SLIDE_MASK, word & SLIDE_MASK);
+    let ahead = idx == (now_w + 1) & 0xff && stored_prev | stored_cur != 0;
+    let (w, prev, cur) = if idx == now_w || ahead {
+        (idx, stored_prev, stored_cur)
+    } else if idx == (now_w.wrapping_sub(1) & 0xff) {
+        (now_w, stored_cur, 0)
     } else {
-        (0, 0)
+        (now_w, 0, 0)
     };
-    // Fraction of the window still ahead, in 1/65536. Both terms are scaled
-    // down for windows over 2⁴⁷ ns (39 h) so the shift cannot overflow.
+    // Fraction of the window still ahead, in 1/65536 (all of it before the
+    // word's window starts). Both terms are scaled down for windows over
+    // 2⁴⁷ ns (39 h) so the shift cannot overflow.
     let s = if window_ns >> 47 != 0 { 16 } else { 0 };
-    let left = (((window_ns - into) >> s) << 16) / (window_ns >> s).max(1);
+    let left = if ahead { 1 << 16 } else { (((window_ns - into) >> s) << 16) / (window_ns >> s).max(1) };
     let weighted = (prev * left + 0xffff) >> 16;
     let next = cur + cost;
     if weighted + next > max {
@@ -252,6 +271,30 @@ mod tests {
     }
 
     #[test]
+    fn a_clock_read_a_little_behind_never_restarts_a_windows_count() {
+        // Window 11 used up (another CPU, or the clock before a restart),
+        // then a read 2 ms before it starts: charged against window 11.
+        let (max, at, behind) = (5, 11 * SEC + 1_000_000, 11 * SEC - 2_000_000);
+        let full = (0..max).fold(0, |w, _| fixed_window(w, at, SEC, max, 1).unwrap());
+        assert_eq!(fixed_window(full, behind, SEC, max, 1), None, "fixed: the count of window 11 stands");
+        let one = fixed_window(0, at, SEC, max, 1).unwrap();
+        let two = fixed_window(one, behind, SEC, max, 1).unwrap();
+        assert_eq!(two >> FIXED_COUNT_BITS, 11, "fixed: still window 11's word");
+        assert_eq!(two & FIXED_COUNT_MASK, 2);
+        assert!(fixed_window(full, 12 * SEC, SEC, max, 1).is_some(), "fixed: window 12 starts afresh");
+        let full = (0..max).fold(0, |w, _| sliding_window(w, at, SEC, max, 1).unwrap());
+        assert_eq!(sliding_window(full, behind, SEC, max, 1), None, "sliding: the count of window 11 stands");
+        // Ahead, its previous count weighs in full: 3 of window 10 and 2
+        // more in window 11 (charged early) leave none for the 6th.
+        let w = sliding_window(0, 10 * SEC + 1, SEC, max, 3).unwrap();
+        let w = sliding_window(w, at, SEC, max, 2).unwrap();
+        assert_eq!(sliding_window(w, behind, SEC, max, 1), None, "sliding: window 10's 3 weigh in full");
+        // A fresh word is never "ahead".
+        assert!(fixed_window(0, ((1 << 24) - 1) * SEC, SEC, max, max).is_some());
+        assert!(sliding_window(0, 255 * SEC, SEC, max, max).is_some());
+    }
+
+    #[test]
     fn a_merge_takes_the_later_window_when_indexes_wrapped() {
         // A 1 s sliding window: 129 windows keep an index 127 windows
         // "ahead" mod 256, and 255 windows one "ahead". The later word is
@@ -302,6 +345,37 @@ mod tests {
             let passed = run(|w, t| fixed_window(w, t, SEC, max, 1), &times);
             let mut per_window = std::collections::BTreeMap::new();
             for p in passed { *per_window.entry(p / SEC).or_insert(0u64) += 1; }
+            prop_assert!(per_window.values().all(|&n| n <= max));
+        }
+
+        /// Clocks read a little out of order (CPUs racing at a boundary, a
+        /// restart's clock a few ms behind): a word's window never goes
+        /// back, so no window is opened twice and none passes more than
+        /// `max`.
+        #[test]
+        fn windows_never_go_back_for_a_clock_read_out_of_order(
+            max in 1u64..50,
+            steps in proptest::collection::vec((0u64..20_000_000, 0u64..5_000_000), 1..3000),
+            sliding in any::<bool>(),
+        ) {
+            let mut t = 1_700_000_000 * SEC;
+            let (mut word, mut last, mut per_window) = (0u64, 0u64, std::collections::BTreeMap::new());
+            let idx_bits = if sliding { 2 * SLIDE_BITS } else { FIXED_COUNT_BITS };
+            for (gap, jitter) in steps {
+                t += gap;
+                let read = t - jitter;
+                let next = if sliding { sliding_window(word, read, SEC, max, 1) } else { fixed_window(word, read, SEC, max, 1) };
+                if let Some(w) = next {
+                    // The word's window, as an absolute index near `t`'s.
+                    let low = (t / SEC).wrapping_sub(1);
+                    let mask = (1u64 << (64 - idx_bits)) - 1;
+                    let abs = low + (((w >> idx_bits) & mask).wrapping_sub(low) & mask);
+                    prop_assert!(abs >= last, "window {} after {}", abs, last);
+                    last = abs;
+                    *per_window.entry(abs).or_insert(0u64) += 1;
+                    word = w;
+                }
+            }
             prop_assert!(per_window.values().all(|&n| n <= max));
         }
 

@@ -301,6 +301,42 @@ fn an_adopted_datapath_keeps_the_clock_its_windows_were_counted_by() {
     assert_eq!(rl_tests::offer(&dp, &frame, 2), (0, 2), "the window the key spent is still the one it is in");
 }
 
+/// A restart keeps the pinned tick clock for good, through its take-over:
+/// one measured again reads up to a tick from it (more if the start was
+/// preempted at the tick's edge), or switches between ticks and ktime, and
+/// a clock that steps back puts window limits into the window before,
+/// whose count is another. Here the pinned datapath reads ktime (its tick
+/// was not measured), then the tick clock of a start preempted 3 ms at
+/// the edge.
+#[test]
+fn an_adopted_datapath_keeps_the_pinned_tick_clock_through_its_take_over() {
+    use rl_control::datapath::{Datapath, LoadOptions};
+    let lab = Lab::new().unwrap();
+    let (compiled, _pins, dir) = pinned_w("algorithm = \"fixed_window\"\n", VB);
+    let ktime = LoadOptions { pin: Some(dir.clone()), without_tick: true, ..Default::default() };
+    let (dp, taken) = take_over_in(&lab, Datapath::load_with(&compiled, ktime).unwrap(), &compiled.rules, &[VB]);
+    taken.unwrap();
+    drop(dp);
+    let dp = load_pinned(&compiled, &dir);
+    assert!(dp.adopted());
+    assert_eq!(dp.clock(), rl_common::TickClock::default(), "the pinned datapath read ktime: so does the restart");
+    let (dp, taken) = take_over_in(&lab, dp, &compiled.rules, &[VB]);
+    taken.unwrap();
+    assert_eq!(config_entry(&dir).get(&0, 0).unwrap().clock, rl_common::TickClock::default(), "after the take-over too");
+    drop(dp);
+
+    // A tick clock measured 3 ms late: kept as it is.
+    let mut entry = config_entry(&dir).get(&0, 0).unwrap();
+    entry.clock = rl_common::TickClock { tick_ns: 4_000_000, offset_ns: 3_000_000 };
+    config_entry(&dir).set(0, entry, 0).unwrap();
+    let dp = load_pinned(&compiled, &dir);
+    assert_eq!(dp.clock(), entry.clock, "the pinned tick clock, not one measured again");
+    let (dp, taken) = take_over_in(&lab, dp, &compiled.rules, &[VB]);
+    taken.unwrap();
+    assert_eq!(config_entry(&dir).get(&0, 0).unwrap().clock, entry.clock, "after the take-over too");
+    drop(dp);
+}
+
 /// The rules' counters live in the pinned maps: a restarted daemon, which
 /// finds both rule tables unknown and writes its rules into both (as
 /// `Datapath::take_over` does), goes on from the counts it finds under the rules'

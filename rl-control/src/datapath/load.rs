@@ -186,9 +186,16 @@ impl Datapath {
         };
         dp.seed_cells()?;
         dp.load_program(PROG_LIMITER)?;
-        if !opts.without_tick {
-            dp.clock = dp.calibrate_clock()?;
-        }
+        // Adopted, the pinned clock is kept for good: one measured again
+        // reads up to a tick (more if this start was preempted at the
+        // tick's edge) from it, or switches between ticks and ktime, and a
+        // clock that steps back moves window limits into the window before
+        // (README, "Restarts").
+        dp.clock = match &plan.pinned {
+            Some(p) => p.clock,
+            None if !opts.without_tick => dp.calibrate_clock()?,
+            None => TickClock::default(),
+        };
         // Adopted, window limits count in windows of the wall clock as the
         // pinned offset placed them: a clock stepped since would move every
         // window (a fixed one would read as a new one).
