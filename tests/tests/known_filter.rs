@@ -161,4 +161,21 @@ fn pins_from_a_build_without_the_filter_are_adopted_with_it_off_until_a_walk() {
     rebuild(&dp, &known);
     assert_eq!(known.control() & KNOWN_VALID, KNOWN_VALID, "the first walk makes it valid");
     assert_eq!(offer(&dp, &to(limited, 9999), 2), (0, 2), "and the walk marked the adopted bucket");
+
+    // A downgrade to such a build and back: its program inserted buckets
+    // without their bits under the valid control word it left alone
+    // (here: a rebuild that marks nothing). Adopted, whatever the control
+    // word says, the filter is off until a walk.
+    let half = known.begin();
+    known.finish(half);
+    drop((known, dp));
+    let dp = load();
+    let known = filter(&dp);
+    assert_eq!(known.control() & KNOWN_VALID, 0, "adopted: the filter is off whatever its control word said");
+    for _ in 0..4096 {
+        offer(&dp, &to(spoofed(&mut seed), 5000), 1);
+    }
+    assert_eq!(offer(&dp, &to(limited, 9999), 2), (0, 2), "a bucket whose bits another build left clear is looked up: still limited");
+    rebuild(&dp, &known);
+    assert_eq!(offer(&dp, &to(limited, 9999), 2), (0, 2), "and marked by the walk");
 }

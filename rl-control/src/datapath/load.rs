@@ -231,12 +231,14 @@ impl Datapath {
         // part of the tables' size).
         let mut owned: Array<&mut MapData, u64> = map_mut(&mut self.ebpf, rl_common::MAP_OWNED)?;
         owned.set(rl_common::OWNED_CAP, u64::from(compiled.max_sources), 0).map_err(|e| map_error(rl_common::MAP_OWNED, e))?;
-        if !self.adopted {
-            // Fresh, empty tables: every clear bit is true. Adopted ones
-            // wait for the collector's first walk (rl_common::known).
-            let mut known: Array<&mut MapData, u64> = map_mut(&mut self.ebpf, MAP_KNOWN)?;
-            known.set(0, KNOWN_VALID, 0).map_err(|e| map_error(MAP_KNOWN, e))?;
-        }
+        // Fresh, empty tables: every clear bit is true. Adopted ones wait
+        // for the collector's first walk (rl_common::known), whatever
+        // their control word says: another build may have run them since
+        // it was set (one without the filter, or with another hash, inserts
+        // buckets without their bits), and a bucket whose bits are clear is
+        // skipped in a flood: a limited key would start afresh.
+        let mut known: Array<&mut MapData, u64> = map_mut(&mut self.ebpf, MAP_KNOWN)?;
+        known.set(0, if self.adopted { 0 } else { KNOWN_VALID }, 0).map_err(|e| map_error(MAP_KNOWN, e))?;
         if pinned {
             let mut layout: Array<&mut MapData, u32> = map_mut(&mut self.ebpf, MAP_LAYOUT)?;
             layout.set(0, LAYOUT_VERSION, 0).map_err(|e| map_error(MAP_LAYOUT, e))?;
