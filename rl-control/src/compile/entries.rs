@@ -13,13 +13,19 @@ pub fn key_prefixes(r: &Rule, v4_default: u8, v6_default: u8) -> (u8, u8) {
     }
 }
 
+/// What rule `r`'s buckets mean, hashed into its id: the rule (matching
+/// fields too: a rule that now matches other traffic starts fresh) and the
+/// prefixes that key it.
+pub(super) fn rule_definition(r: &Rule, v4_default: u8, v6_default: u8) -> (&Rule, u8, u8) {
+    let (v4, v6) = key_prefixes(r, v4_default, v6_default);
+    (r, v4, v6)
+}
+
 /// The datapath's entry for rule `r` (its bucket id, masks and limits as
 /// written), with `[datapath]`'s default prefixes.
 pub fn rule_entry(r: &Rule, v4_default: u8, v6_default: u8) -> RuleEntry {
     let (v4, v6) = key_prefixes(r, v4_default, v6_default);
-    // The state's identity: what its buckets mean. Matching fields are
-    // included too: a rule that now matches other traffic starts fresh.
-    let id = stable_id(&(r, v4, v6));
+    let id = stable_id(&rule_definition(r, v4_default, v6_default));
     let mut limits = [LimitEntry::default(); MAX_LIMITS];
     for (slot, l) in limits.iter_mut().zip(&r.limits) {
         *slot = limit_entry(r.algorithm, l.unit, &l.enforced(r.mode));

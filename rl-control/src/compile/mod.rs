@@ -162,8 +162,12 @@ fn compile_rules(config: &Config) -> RuleSet {
     let mut entries = Vec::with_capacity(config.rules.len() + 1);
     let mut names = vec!["default".to_string()];
     let default_rate = Rate { amount: config.default.rate, per_secs: 1, burst: config.default.burst };
+    let default_def = ("default", default_rate, d.ipv4_prefix, d.ipv6_prefix);
+    // Which of two rules whose ids collide keeps it: by a second hash of
+    // each one's definition, never by their places in the file.
+    let mut tiebreak = vec![stable_hash(&default_def, ID_TIEBREAK_SEED)];
     entries.push(RuleEntry {
-        id: stable_id(&("default", default_rate, d.ipv4_prefix, d.ipv6_prefix)),
+        id: stable_id(&default_def),
         n_limits: 1,
         v4_mask: prefix_mask_words::<1>(d.ipv4_prefix)[0],
         v6_mask: prefix_mask_words::<4>(d.ipv6_prefix),
@@ -173,6 +177,7 @@ fn compile_rules(config: &Config) -> RuleSet {
     for r in &config.rules {
         names.push(r.name.clone());
         entries.push(rule_entry(r, d.ipv4_prefix, d.ipv6_prefix));
+        tiebreak.push(stable_hash(&rule_definition(r, d.ipv4_prefix, d.ipv6_prefix), ID_TIEBREAK_SEED));
     }
     // Wide cells, per rule: its own `flood_wide_cells`, else [datapath]'s.
     let wide: Vec<bool> = std::iter::once(d.flood_wide_cells).chain(config.rules.iter().map(|r| r.wide_cells.0.unwrap_or(d.flood_wide_cells))).collect();
@@ -181,9 +186,15 @@ fn compile_rules(config: &Config) -> RuleSet {
             e.flags |= rl_common::RULE_NO_WIDE;
         }
     }
-    // Unique ids within the set (a collision would make two rules share buckets).
+    // Unique ids within the set (a collision would make two rules share
+    // buckets), given in an order the file's does not change: moving a
+    // rule, or adding one above it, never hands its id (its buckets) to a
+    // rule whose id collides with it.
+    let mut order: Vec<usize> = (0..entries.len()).collect();
+    order.sort_unstable_by_key(|&i| (entries[i].id, tiebreak[i], i));
     let mut used = BTreeSet::new();
-    for e in entries.iter_mut() {
+    for i in order {
+        let e = &mut entries[i];
         while !used.insert(e.id) {
             // Within the id bits: the key-kind bits above stay clear.
             e.id = e.id.wrapping_add(8) & rl_common::RULE_ID_MASK;
@@ -224,6 +235,9 @@ fn compile_rules(config: &Config) -> RuleSet {
 /// builds (FNV-1a over the derived `Hash` stream, not `DefaultHasher`,
 /// whose algorithm may change): a restarted or upgraded daemon that adopts
 /// pinned maps finds each unchanged rule's buckets under the same id.
+/// The seed of the second hash that orders rules whose ids collide.
+const ID_TIEBREAK_SEED: u64 = 0x7469_6562_7265_616b;
+
 fn stable_id(what: &impl Hash) -> u32 {
     let v = stable_hash(what, 0);
     ((v ^ (v >> 32)) as u32) & rl_common::RULE_ID_MASK
@@ -257,7 +271,7 @@ mod entries;
 mod wide;
 
 use classify::{compile_dir16, compile_l4, compile_sources};
-use entries::gcra;
+use entries::{gcra, rule_definition};
 pub use entries::{key_prefixes, limit_entry, rule_entry};
 pub use wide::{part_wide_counts, wide_count_notes, wide_count_sharers};
 
@@ -279,6 +293,27 @@ mod tests {
         assert_eq!(d.v6_mask[1].to_ne_bytes(), [255, 255, 0, 0]);
         assert_eq!(c.rules.flags, 0, "no rules, no CIDRs: the datapath skips classification");
         assert_eq!(c.max_sources, 1 << 20);
+    }
+
+    /// Two rules whose ids collide (found among names r0, r1, …) keep
+    /// their ids, and so their buckets, in either order in the file.
+    #[test]
+    fn rules_whose_ids_collide_keep_them_whatever_their_order() {
+        let base = config("[default]\nrate = 5\n[[rule]]\nname = \"x\"\nrate = 1\n");
+        let (v4, v6) = (base.datapath.ipv4_prefix, base.datapath.ipv6_prefix);
+        let mut seen = std::collections::HashMap::new();
+        let (a, b) = (0..1_000_000)
+            .find_map(|i| {
+                let mut r = base.rules[0].clone();
+                r.name = format!("r{i}");
+                seen.insert(entries::rule_entry(&r, v4, v6).id, r.name.clone()).map(|earlier| (earlier, r.name))
+            })
+            .expect("a collision among a million names");
+        let file = |x: &str, y: &str| compile(&config(&format!("[default]\nrate = 5\n[[rule]]\nname = \"{x}\"\nrate = 1\n[[rule]]\nname = \"{y}\"\nrate = 1\n")));
+        let (ab, ba) = (file(&a, &b), file(&b, &a));
+        assert_ne!(ab.rules.entries[1].id, ab.rules.entries[2].id, "made unique");
+        assert_eq!(ab.rules.entries[1].id, ba.rules.entries[2].id, "{a} keeps its id");
+        assert_eq!(ab.rules.entries[2].id, ba.rules.entries[1].id, "{b} keeps its id");
     }
 
     #[test]
