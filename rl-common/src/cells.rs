@@ -108,12 +108,13 @@ pub fn cells_saturated(claimed: u64, slots: u32) -> bool {
 /// mappable; see [`crate::pressure`]): at [`wide_entry`], the rule's wide
 /// cells, and right after it the rule's other cells, for rules whose ids
 /// share the entry (a hash of the id: a few rules may). The program adds
-/// one to the first before it claims a slot for a wide cell (and takes it
-/// back if the claim fails), and one to the second when it claims a cell;
-/// the collector sets both after each walk to the cells it kept plus
-/// those claimed since it began, so the first is never 0 while such a
-/// wide cell exists: an unseen key looks for its wide cell only when it is
-/// not. The second decides when a rule's flood goes wide
+/// one to the first once it has claimed a slot for a wide cell, and one
+/// to the second once it has claimed a cell; the collector sets both after
+/// each walk to the cells it kept plus those counted since it began (a
+/// count always follows its cell, so the walk never counts a cell it did
+/// not find, and never sets a count below the cells there are), so the
+/// first is 0 while such a wide cell exists only in the instant after its
+/// claim: an unseen key looks for its wide cell only when it is not. The second decides when a rule's flood goes wide
 /// ([`cells_wide`]): per rule, so that a flood under one rule leaves the
 /// newcomers of another with cells of their own prefix.
 pub const MAP_WIDE_COUNT: &str = "RL_WIDE";

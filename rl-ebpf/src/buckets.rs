@@ -388,14 +388,17 @@ fn wide_cell<K: Fallbacks>(key: &K, cfg: &DatapathConfig, limit: &LimitEntry, se
         return (cell != NO_CELL).then_some(cell);
     }
     let c = K::slot(free)?;
-    // Counted before it can be found: an unseen key looks for its wide
-    // cell only while its rule's count is not 0.
-    unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::SeqCst }>(wides, 1) };
     let drained = limit.drained(crate::limit::now(cfg, limit), cfg.epoch_offset_ns);
     if !claim_slot::<K>(c, free, &wide_key, claim, drained) {
-        unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::SeqCst }>(wides, u64::MAX) };
         return None;
     }
+    // Counted once claimed, so that the collector's walk, which sets the
+    // count to the cells it finds plus those counted since it began, never
+    // counts one it cannot find (that could read 0 for a second while the
+    // rule has a wide cell). For the few ns before, an unseen key not
+    // making cells may skip it, as it did a moment before: it was born
+    // drained.
+    unsafe { atomic_xadd::<u64, u64, { AtomicOrdering::SeqCst }>(wides, 1) };
     Some(free)
 }
 
