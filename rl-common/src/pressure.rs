@@ -123,7 +123,12 @@ pub enum KeyKind {
 /// a junk bucket the collector must later find, and costs an insert.
 pub const FLOOD_WINDOW_SHIFT: u32 = 26;
 
-/// One CPU's count of keys it found no bucket for.
+/// In flood mode, every this many unseen keys of a window (up to twice the
+/// cap) one may still have a bucket of its own made ([`FloodState::see`]).
+pub const FLOOD_SAMPLE: u64 = 64;
+
+/// One CPU's count of keys it found no bucket for (each packet of such a
+/// key counts: the program keeps nothing of a key it makes no bucket for).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FloodState {
@@ -167,6 +172,18 @@ impl FloodState {
         let cap = cap as u64;
         if self.unseen > cap || self.prev_unseen > cap {
             self.last_flood_ns = now_ns;
+            // One in [`FLOOD_SAMPLE`] of a window's first `2 × cap` is
+            // still given a bucket of its own: the count is of packets
+            // (a key without a bucket is unseen at each), so a source
+            // first seen in flood mode that keeps sending faster than the
+            // cap would otherwise hold its CPU in flood mode for good, the
+            // flood long over. It gets one within 64 packets, and flood
+            // mode ends; a spoofed flood makes `cap / 32` more own buckets
+            // a window at most, copies of their cells, which the collector
+            // frees.
+            if self.unseen % FLOOD_SAMPLE == 0 && self.unseen <= 2 * cap && self.may_insert(now_ns) {
+                return Unseen::Insert;
+            }
             return Unseen::Fallback;
         }
         if !self.may_insert(now_ns) {
@@ -217,6 +234,30 @@ mod tests {
         let mut quiet = s;
         assert_eq!(quiet.see(t + 3 * W, 10), Unseen::Insert);
         assert!(!quiet.flooding(t + 3 * W + W + 1, W));
+    }
+
+    /// A source first seen in flood mode that keeps sending faster than the
+    /// cap once the flood is over: its 64th packet of a window gets it a
+    /// bucket, and with it out of the count flood mode ends two windows
+    /// later. A spoofed flood gets one bucket in 64 of a window's first
+    /// `2 × cap` unseen keys, no more.
+    #[test]
+    fn a_source_that_keeps_sending_after_a_flood_gets_its_bucket_and_flood_mode_ends() {
+        let mut s = FloodState::default();
+        let (t, cap) = (100 * W, 100u32);
+        let made = (0..100_000).filter(|&i| s.see(t + i, cap) == Unseen::Insert).count() as u64;
+        let c = u64::from(cap);
+        assert_eq!(made, c + (2 * c) / FLOOD_SAMPLE - c / FLOOD_SAMPLE, "the cap, then one in 64 up to twice the cap");
+        // The next window: one source, far over the cap.
+        let first = (1..=1_000u64).find(|&i| s.see(t + W + i, cap) == Unseen::Insert);
+        assert_eq!(first, Some(FLOOD_SAMPLE), "its 64th packet makes its bucket");
+        // It is no longer unseen: nothing is counted in the window after.
+        assert_eq!(s.see(t + 3 * W, cap), Unseen::Insert, "two windows on, calm");
+        assert!(!s.flooding(t + 3 * W + W + 1, W));
+        // A full table makes none.
+        let mut full = FloodState::default();
+        full.table_full(t);
+        assert!((0..1_000).all(|i| full.see(t + i, 10) == Unseen::Fallback));
     }
 
     #[test]

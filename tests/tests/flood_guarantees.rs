@@ -266,6 +266,38 @@ fn detector_window(without_tick: bool) {
     assert_eq!(dp.counters().unwrap().get(STAT_NEW_SOURCES), made + 1, "a newcomer 300 ms after the flood owns a bucket");
 }
 
+/// A source first seen in flood mode that keeps sending faster than the
+/// detector's share once the flood is over gets a bucket of its own within
+/// 64 packets, and flood mode ends: every packet of a key without a bucket
+/// counts as unseen, so it held its CPU in flood mode for as long as it
+/// sent (and the daemon reported a flood that was over).
+#[test]
+fn a_source_that_keeps_sending_after_a_flood_gets_its_bucket_and_flood_mode_ends() {
+    require_root();
+    rl_tests::lab::pin_to_cpu(0).unwrap();
+    let cfg = config().replace("flood_new_keys_per_sec = 2000", "flood_new_keys_per_sec = 954");
+    let dp = datapath(&cfg).unwrap();
+    let stat = |i| dp.counters().unwrap().get(i);
+    for i in 0..200u32 {
+        offer(&dp, &to([10, 9, (i >> 8) as u8, i as u8], 5000), 1);
+    }
+    assert!(rl_control::datapath::flood_mode(dp.table_ids().unwrap()).unwrap().on, "the flood tripped flood mode");
+    // For half a second (7 windows), 500 packets every 20 ms from one
+    // source: far over this CPU's share (33 a window).
+    let heavy = [172, 16, 7, 1];
+    for _ in 0..25 {
+        offer(&dp, &to(heavy, 5000), 500);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(dp.sources().unwrap().iter().any(|s| s.addr == std::net::IpAddr::from(heavy)), "it owns a bucket");
+    let fallback = stat(STAT_FALLBACK);
+    offer(&dp, &to(heavy, 5000), 500);
+    assert_eq!(stat(STAT_FALLBACK), fallback, "flood mode is over: nothing is charged to a fallback");
+    let made = stat(STAT_NEW_SOURCES);
+    offer(&dp, &to([172, 16, 8, 1], 5000), 1);
+    assert_eq!(stat(STAT_NEW_SOURCES), made + 1, "a newcomer owns a bucket again");
+}
+
 /// Guarantee (b) across the move from a shared bucket to one of its own: a
 /// key first seen in flood mode is charged to its /24's cell and limited
 /// there; once the flood is over it gets a bucket of its own, which starts
