@@ -186,7 +186,7 @@ fn pins_of_a_build_without_the_own_bucket_count_are_adopted_and_counted_at_the_f
 #[test]
 fn an_ipv6_spoofed_flood_neither_resets_nor_bypasses_a_limit_nor_touches_others() {
     require_root();
-    let dp = datapath(&config()).unwrap();
+    let dp = datapath(&format!("{}[[allow]]\ncidr = \"2001:db8:aaaa::/48\"\n", config())).unwrap();
     // Sources are keyed by /64 (cells by /48): each forged source its own /64.
     let v6 = |a: u16, b: u16, c: u16| {
         let mut s = [0x20, 0x01, 0x0d, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1];
@@ -211,8 +211,15 @@ fn an_ipv6_spoofed_flood_neither_resets_nor_bypasses_a_limit_nor_touches_others(
     flood_twice(&dp, &sources, |s| to6(s, 9999), "/64s");
     assert_eq!(offer(&dp, &to6(limited, 9999), 3), (0, 3), "a limited /64 stays limited through the flood");
     assert_eq!(offer(&dp, &to6(known, 5000), 10), (10, 0), "the known /64 keeps passing");
+    let listed = |mut src: [u8; 16]| {
+        src[8..].fill(0);
+        dp.sources().unwrap().iter().any(|s| s.addr == std::net::IpAddr::from(src))
+    };
+    assert!(listed(known) && listed(other), "the known /64s' buckets survived");
     assert_eq!(offer(&dp, &to6(other, 7777), 3), (3, 0), "another rule's /64: 2 before + 3 now of 5");
     assert_eq!(offer(&dp, &to6(other, 7777), 1), (0, 1));
+    let allowed = v6(0xaaaa, 0, 7);
+    assert_eq!(offer(&dp, &to6(allowed, 9999), 5), (5, 0), "an allowed IPv6 CIDR passes through the flood");
 }
 
 /// The detector measures the unseen-key rate over 67 ms windows: a flood
