@@ -54,7 +54,24 @@ pub fn ipv6(src: [u8; 16], next: u8, payload: &[u8]) -> Vec<u8> {
 /// An 8-byte IPv6 extension header (hop-by-hop, routing, destination options)
 /// announcing `next`, followed by `rest`.
 pub fn ipv6_ext(next: u8, rest: &[u8]) -> Vec<u8> {
-    let mut h = vec![next, 0, 0, 0, 0, 0, 0, 0];
+    ipv6_ext_sized(next, 0, rest)
+}
+
+/// An IPv6 extension header of `(units + 1) × 8` bytes (its length field
+/// `units`) announcing `next`, followed by `rest`.
+pub fn ipv6_ext_sized(next: u8, units: u8, rest: &[u8]) -> Vec<u8> {
+    let mut h = vec![0u8; (usize::from(units) + 1) * 8];
+    (h[0], h[1]) = (next, units);
+    h.extend_from_slice(rest);
+    h
+}
+
+/// An IPv6 authentication header of `(units + 2) × 4` bytes (its length
+/// field `units`: RFC 4302 counts 4-byte words less 2) announcing `next`,
+/// followed by `rest`.
+pub fn ipv6_ah(next: u8, units: u8, rest: &[u8]) -> Vec<u8> {
+    let mut h = vec![0u8; (usize::from(units) + 2) * 4];
+    (h[0], h[1]) = (next, units);
     h.extend_from_slice(rest);
     h
 }

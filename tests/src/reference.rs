@@ -221,6 +221,14 @@ rate = 1
 per = "1d"
 burst = 1
 [[rule]]
+name = "bulk"
+proto = "udp"
+dst_ports = [9000]
+rate = 1000000
+per = "1d"
+bytes = "1B"
+byte_burst = "4000B"
+[[rule]]
 name = "rest"
 proto = "any"
 rate = 1
@@ -228,8 +236,14 @@ per = "1d"
 burst = 5
 "#;
 
-/// Rule names in [`FUZZ_RULES`] order, and their bursts.
-pub const FUZZ_RULE_NAMES: [(&str, u32); 6] = [("dns", 3), ("syn", 2), ("web", 4), ("icmp", 2), ("lab", 1), ("rest", 5)];
+/// Rule names in [`FUZZ_RULES`] order, and their bursts (in packets, or
+/// for [`BYTE_RULE`] in bytes: frames' lengths).
+pub const FUZZ_RULE_NAMES: [(&str, u32); 7] = [("dns", 3), ("syn", 2), ("web", 4), ("icmp", 2), ("lab", 1), ("bulk", 4000), ("rest", 5)];
+
+/// The rule of [`FUZZ_RULES`] limited by bytes (a byte a day, 4,000 at
+/// once; its packet limit, a million a day, never bites): every fragment's
+/// bytes count, so a datagram's later fragments can break it.
+pub const BYTE_RULE: usize = 5;
 
 /// Where the reference counts a frame.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -249,6 +263,27 @@ pub struct Reference {
     buckets: HashMap<(usize, [u8; 16]), u32>,
     /// (family, src, dst fold, proto, id) ➜ (rule, passed, later data)
     frags: HashMap<FragKey, (usize, bool, u32)>,
+    /// How often its rarer fragment paths were taken.
+    pub reached: Reached,
+}
+
+/// How often [`Reference`] took the fragment paths a fuzz run must reach.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Reached {
+    /// Later fragments charged (and passed) under their passed datagram.
+    pub later_passed: u64,
+    /// Later fragments dropped past their datagram's 65,535 bytes.
+    pub past_bound: u64,
+    /// Passed datagrams broken by a later fragment's drop (a byte limit).
+    pub broken: u64,
+}
+
+impl Reached {
+    pub fn add(&mut self, o: &Reached) {
+        self.later_passed += o.later_passed;
+        self.past_bound += o.past_bound;
+        self.broken += o.broken;
+    }
 }
 
 /// A datagram's fragments: (IPv6, source, destination fold, protocol, id).
@@ -288,11 +323,13 @@ impl Reference {
                 // past that are dropped (and no more is counted once over).
                 Some((r, true, data)) => {
                     if *data > 65_535 {
+                        self.reached.past_bound += 1;
                         return (false, Counted::Rule(*r));
                     }
                     // Each counts as at least 512 bytes.
                     *data += p.data.max(512);
                     if *data > 65_535 {
+                        self.reached.past_bound += 1;
                         return (false, Counted::Rule(*r));
                     }
                     (rule, packets) = (*r, 0);
@@ -300,10 +337,12 @@ impl Reference {
                 None => return (false, Counted::Orphan),
             }
         }
+        // The byte rule charges every fragment's bytes (the frame's length).
+        let units = if rule == BYTE_RULE { frame.len() as u32 } else { packets };
         let used = self.buckets.entry((rule, key(&p))).or_insert(0);
-        let pass = *used + packets <= FUZZ_RULE_NAMES[rule].1;
+        let pass = *used + units <= FUZZ_RULE_NAMES[rule].1;
         if pass {
-            *used += packets;
+            *used += units;
         }
         match (p.frag, datagram) {
             // Only a first fragment sets its datagram's verdict.
@@ -313,8 +352,10 @@ impl Reference {
             (Frag::Later(..), Some(dg)) if !pass => {
                 if let Some(v) = self.frags.get_mut(&dg) {
                     v.1 = false;
+                    self.reached.broken += 1;
                 }
             }
+            (Frag::Later(..), Some(_)) => self.reached.later_passed += 1,
             _ => {}
         }
         (pass, Counted::Rule(rule))
@@ -334,8 +375,10 @@ impl Reference {
             3
         } else if lab {
             4
+        } else if p.proto == 17 && p.port == 9000 && ported {
+            BYTE_RULE
         } else {
-            5
+            6
         }
     }
 }
