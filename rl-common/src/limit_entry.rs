@@ -245,6 +245,12 @@ mod tests {
             // The daemon merges on a clock up to a tick ahead of the
             // datapath's (`now`), after waiting out its window's first tick.
             prop_assume!(l.merge_wait_ns(now + lag, off) == 0);
+            // A sliding word exactly 255 windows old (mod 256) reads, to the
+            // step, as the next window's and limits its key more than it
+            // did (`window::sliding_window`); the merge rightly takes it as
+            // stale: such a word is not a history to compare with.
+            let aliased = |w: u64| kind == LIMIT_SLIDING && w != 0 && ((w >> 56).wrapping_sub((now + off) / l.a) & 0xff) == 1;
+            prop_assume!(!aliased(x) && !aliased(y));
             let mut m = l.merge(x, y, now + lag, off);
             // Each bucket takes what it passes; the merge never passes more
             // than either word, counted from the merge on.

@@ -123,10 +123,6 @@ pub enum KeyKind {
 /// a junk bucket the collector must later find, and costs an insert.
 pub const FLOOD_WINDOW_SHIFT: u32 = 26;
 
-/// In flood mode, every this many unseen keys of a window (up to twice the
-/// cap) one may still have a bucket of its own made ([`FloodState::see`]).
-pub const FLOOD_SAMPLE: u64 = 64;
-
 /// One CPU's count of keys it found no bucket for (each packet of such a
 /// key counts: the program keeps nothing of a key it makes no bucket for).
 #[repr(C)]
@@ -142,8 +138,9 @@ pub struct FloodState {
     /// because the table was full;
     /// no more inserts are tried until the next window.
     pub full_window: u64,
-    /// The clock (ns) of the last key charged to a fallback in flood mode:
-    /// the daemon reports flood mode while this is recent on some CPU.
+    /// The clock (ns) of the last unseen key in flood mode (charged to a
+    /// fallback, or offered a bucket): the daemon reports flood mode while
+    /// this is recent on some CPU.
     pub last_flood_ns: u64,
 }
 const _: () = assert!(core::mem::size_of::<FloodState>() == 40);
@@ -155,6 +152,10 @@ pub enum Unseen {
     Insert,
     /// Charge it to the bucket it maps to (flood mode, or the table is full).
     Fallback,
+    /// Flood mode, but create its bucket if the table is less than half
+    /// full, else charge it as [`Unseen::Fallback`] (one key a window and
+    /// CPU: see [`FloodState::see`]).
+    Offered,
 }
 
 impl FloodState {
@@ -172,17 +173,15 @@ impl FloodState {
         let cap = cap as u64;
         if self.unseen > cap || self.prev_unseen > cap {
             self.last_flood_ns = now_ns;
-            // One in [`FLOOD_SAMPLE`] of a window's first `2 × cap` is
-            // still given a bucket of its own: the count is of packets
-            // (a key without a bucket is unseen at each), so a source
-            // first seen in flood mode that keeps sending faster than the
-            // cap would otherwise hold its CPU in flood mode for good, the
-            // flood long over. It gets one within 64 packets, and flood
-            // mode ends; a spoofed flood makes `cap / 32` more own buckets
-            // a window at most, copies of their cells, which the collector
-            // frees.
-            if self.unseen % FLOOD_SAMPLE == 0 && self.unseen <= 2 * cap && self.may_insert(now_ns) {
-                return Unseen::Insert;
+            // The key just past a window's share is still offered a bucket
+            // of its own (one a window): the count is of packets (a key
+            // without a bucket is unseen at each), so a source first seen
+            // in flood mode that keeps sending faster than the share would
+            // otherwise hold its CPU in flood mode for good, the flood
+            // long over. Once the flood is over, that source is the one,
+            // and flood mode ends. (0 means flood mode always: none.)
+            if self.unseen == cap + 1 && cap != 0 && self.may_insert(now_ns) {
+                return Unseen::Offered;
             }
             return Unseen::Fallback;
         }
@@ -226,7 +225,8 @@ mod tests {
         for _ in 0..10 {
             assert_eq!(s.see(t, 10), Unseen::Insert);
         }
-        assert_eq!(s.see(t + 1, 10), Unseen::Fallback, "the 11th unseen key in a window");
+        assert_eq!(s.see(t + 1, 10), Unseen::Offered, "the 11th unseen key in a window: flood mode, offered a bucket");
+        assert_eq!(s.see(t + 1, 10), Unseen::Fallback, "the 12th");
         assert!(s.flooding(t + 2, W));
         // The next window still remembers the flood.
         assert_eq!(s.see(t + W, 10), Unseen::Fallback);
@@ -237,27 +237,37 @@ mod tests {
     }
 
     /// A source first seen in flood mode that keeps sending faster than the
-    /// cap once the flood is over: its 64th packet of a window gets it a
-    /// bucket, and with it out of the count flood mode ends two windows
-    /// later. A spoofed flood gets one bucket in 64 of a window's first
-    /// `2 × cap` unseen keys, no more.
+    /// share once the flood is over: the first packet past the share in a
+    /// window is offered a bucket, and with the source out of the count
+    /// flood mode ends two windows later. A spoofed flood is offered one
+    /// a window, whatever the share.
     #[test]
-    fn a_source_that_keeps_sending_after_a_flood_gets_its_bucket_and_flood_mode_ends() {
-        let mut s = FloodState::default();
-        let (t, cap) = (100 * W, 100u32);
-        let made = (0..100_000).filter(|&i| s.see(t + i, cap) == Unseen::Insert).count() as u64;
-        let c = u64::from(cap);
-        assert_eq!(made, c + (2 * c) / FLOOD_SAMPLE - c / FLOOD_SAMPLE, "the cap, then one in 64 up to twice the cap");
-        // The next window: one source, far over the cap.
-        let first = (1..=1_000u64).find(|&i| s.see(t + W + i, cap) == Unseen::Insert);
-        assert_eq!(first, Some(FLOOD_SAMPLE), "its 64th packet makes its bucket");
-        // It is no longer unseen: nothing is counted in the window after.
-        assert_eq!(s.see(t + 3 * W, cap), Unseen::Insert, "two windows on, calm");
-        assert!(!s.flooding(t + 3 * W + W + 1, W));
-        // A full table makes none.
+    fn a_source_that_keeps_sending_after_a_flood_is_offered_a_bucket_and_flood_mode_ends() {
+        for cap in [1u32, 10, 100, 5000] {
+            let mut s = FloodState::default();
+            let t = 100 * W;
+            let (mut inserts, mut offers) = (0u32, 0u32);
+            for i in 0..100_000 {
+                match s.see(t + i, cap) {
+                    Unseen::Insert => inserts += 1,
+                    Unseen::Offered => offers += 1,
+                    Unseen::Fallback => {}
+                }
+            }
+            assert_eq!((inserts, offers), (cap, 1), "the share, then one offered (share {cap})");
+            // The next window: one source, over the share.
+            let first = (1..=u64::from(cap) + 1).find(|&i| s.see(t + W + i, cap) == Unseen::Offered);
+            assert_eq!(first, Some(u64::from(cap) + 1), "its packet past the share is offered a bucket (share {cap})");
+            // It is no longer unseen: nothing is counted in the window after.
+            assert_eq!(s.see(t + 3 * W, cap), Unseen::Insert, "two windows on, calm (share {cap})");
+            assert!(!s.flooding(t + 3 * W + W + 1, W));
+        }
+        // A full table, and flood mode always (0), offer none.
         let mut full = FloodState::default();
-        full.table_full(t);
-        assert!((0..1_000).all(|i| full.see(t + i, 10) == Unseen::Fallback));
+        full.table_full(W);
+        assert!((0..1_000).all(|i| full.see(W + i, 10) == Unseen::Fallback));
+        let mut always = FloodState::default();
+        assert!((0..1_000).all(|i| always.see(W + i, 0) == Unseen::Fallback));
     }
 
     #[test]

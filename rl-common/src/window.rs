@@ -33,8 +33,15 @@ pub fn fixed_window(word: u64, now: u64, window_ns: u64, max: u64, cost: u64) ->
         return None;
     }
     let now_w = (now / window_ns) & FIXED_INDEX_MASK;
-    let (idx, count) = (word >> FIXED_COUNT_BITS, word & FIXED_COUNT_MASK);
-    let (w, count) = if idx == now_w || (idx == (now_w + 1) & FIXED_INDEX_MASK && count != 0) { (idx, count) } else { (now_w, 0) };
+    let idx = word >> FIXED_COUNT_BITS;
+    // 0: the word is of now's window, 1: of the next one, more (2 or 3
+    // too for a word that counts nothing, such as the never-charged 0,
+    // which would otherwise read as the next window's every 2²⁴ windows):
+    // another. (Arithmetic and one test, so that the verifier's walk
+    // stays about as it was.)
+    let empty = (word & FIXED_COUNT_MASK).wrapping_sub(1) >> 63;
+    let d = (idx.wrapping_sub(now_w) & FIXED_INDEX_MASK) | empty << 1;
+    let (w, count) = if d <= 1 { (idx, word & FIXED_COUNT_MASK) } else { (now_w, 0) };
     let next = count + cost;
     if next > max {
         return None;
@@ -69,8 +76,10 @@ pub const SLIDING_MAX: u64 = SLIDE_MASK;
 /// As for [`fixed_window`], a word of the window after `now`'s is charged
 /// in its own window, its previous count weighing in full (`now` is before
 /// that window starts): time never goes back for a bucket. (With indexes
-/// kept mod 2⁸, a word 255 windows old reads so: the collector removes
-/// words two windows old, and one it has not limits more, never less.)
+/// kept mod 2⁸, a word exactly 255 windows old reads so, and limits its
+/// key for up to two windows more than it should, never less: own buckets
+/// and cells are collected two windows after their last charge while a
+/// daemon runs, but a rule's last resort lives as long as its rule.)
 #[inline(always)]
 pub fn sliding_window(word: u64, now: u64, window_ns: u64, max: u64, cost: u64) -> Option<u64> {
     if window_ns == 0 {
@@ -80,20 +89,24 @@ pub fn sliding_window(word: u64, now: u64, window_ns: u64, max: u64, cost: u64) 
     let into = now - full * window_ns;
     let now_w = full & 0xff;
     let idx = word >> (2 * SLIDE_BITS);
-    let (stored_prev, stored_cur) = ((word >> SLIDE_BITS) & SLIDE_MASK, word & SLIDE_MASK);
-    let ahead = idx == (now_w + 1) & 0xff && stored_prev | stored_cur != 0;
-    let (w, prev, cur) = if idx == now_w || ahead {
-        (idx, stored_prev, stored_cur)
-    } else if idx == (now_w.wrapping_sub(1) & 0xff) {
-        (now_w, stored_cur, 0)
+    // 0: the word is of now's window, 1: of the next one (then all of its
+    // window is still ahead: `into` 0), 255: of the one before, more:
+    // another. As in [`fixed_window`], a word whose current count is 0
+    // (only the never-charged 0: every charge leaves at least 1) is never
+    // of now's or the next window.
+    let empty = (word & SLIDE_MASK).wrapping_sub(1) >> 63;
+    let d = (idx.wrapping_sub(now_w) & 0xff) | empty << 1;
+    let (w, prev, cur, into) = if d <= 1 {
+        (idx, (word >> SLIDE_BITS) & SLIDE_MASK, word & SLIDE_MASK, into * (d ^ 1))
+    } else if d == 0xff {
+        (now_w, word & SLIDE_MASK, 0, into)
     } else {
-        (now_w, 0, 0)
+        (now_w, 0, 0, into)
     };
-    // Fraction of the window still ahead, in 1/65536 (all of it before the
-    // word's window starts). Both terms are scaled down for windows over
-    // 2⁴⁷ ns (39 h) so the shift cannot overflow.
+    // Fraction of the window still ahead, in 1/65536. Both terms are scaled
+    // down for windows over 2⁴⁷ ns (39 h) so the shift cannot overflow.
     let s = if window_ns >> 47 != 0 { 16 } else { 0 };
-    let left = if ahead { 1 << 16 } else { (((window_ns - into) >> s) << 16) / (window_ns >> s).max(1) };
+    let left = (((window_ns - into) >> s) << 16) / (window_ns >> s).max(1);
     let weighted = (prev * left + 0xffff) >> 16;
     let next = cur + cost;
     if weighted + next > max {
@@ -289,9 +302,12 @@ mod tests {
         let w = sliding_window(0, 10 * SEC + 1, SEC, max, 3).unwrap();
         let w = sliding_window(w, at, SEC, max, 2).unwrap();
         assert_eq!(sliding_window(w, behind, SEC, max, 1), None, "sliding: window 10's 3 weigh in full");
-        // A fresh word is never "ahead".
-        assert!(fixed_window(0, ((1 << 24) - 1) * SEC, SEC, max, max).is_some());
-        assert!(sliding_window(0, 255 * SEC, SEC, max, max).is_some());
+        // A word never charged is of no window, even where its index 0
+        // is the next window's: its first charge counts in now's window.
+        let first = fixed_window(0, ((1 << 24) - 1) * SEC, SEC, max, max).unwrap();
+        assert_eq!(first >> FIXED_COUNT_BITS, (1 << 24) - 1);
+        let first = sliding_window(0, 255 * SEC, SEC, max, max).unwrap();
+        assert_eq!(first >> (2 * SLIDE_BITS), 255);
     }
 
     #[test]

@@ -277,7 +277,8 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
     // A window of 67 ms is 6.7 ticks at the coarsest kernel tick (HZ =
     // 100), so its edges are seen at most a tick late.
     let now = tick_now(cfg);
-    let insert = flood.see(now, cfg.flood_cap) == Unseen::Insert;
+    let seen = flood.see(now, cfg.flood_cap);
+    let insert = seen != Unseen::Fallback;
     let seed = unsafe { core::ptr::read_volatile(RL_CELLSEED.get_ptr(0)?) };
     let slots = 1 << (cfg.cell_slots_log2 & 31);
     // What the key maps to now: its wide cell (if `wide`: it may have
@@ -315,10 +316,16 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
     if insert {
         // At `max_sources` own buckets the table is full for them (the rest
         // is the last resorts' room): as if the insert had failed. Two CPUs
-        // may both pass the check at once: one bucket over, per CPU.
+        // may both pass the check at once: one bucket over, per CPU. A key
+        // offered a bucket in flood mode takes one only while the table is
+        // under half full (its count doubled), so that a long spoofed flood's
+        // offers never fill it; refused so, it is not a full table.
+        // (Flood mode stamped this window's state at `now`: read again
+        // here, not kept from above, which would double the verifier's walk.)
+        let flooding = unsafe { core::ptr::read_volatile(&raw const flood.last_flood_ns) } == now;
         let owned = RL_OWNED.get_ptr_mut(K::FAMILY);
         let room = match (owned, RL_OWNED.get_ptr(OWNED_CAP)) {
-            (Some(n), Some(cap)) => unsafe { owned_room(core::ptr::read_volatile(n), core::ptr::read_volatile(cap)) },
+            (Some(n), Some(cap)) => unsafe { owned_room(core::ptr::read_volatile(n) << (flooding as u32), core::ptr::read_volatile(cap)) },
             _ => true,
         };
         let inserted = if room {
@@ -336,6 +343,8 @@ fn unseen<K: Fallbacks>(table: &HashMap<K, Bucket>, key: &K, cfg: &DatapathConfi
             }
             // Another CPU created it first: charge that one.
             Err(e) if e == -(EEXIST as i32) => {}
+            // An offer refused for want of half the table.
+            Err(-1) if flooding => {}
             Err(_) => {
                 flood.table_full(now);
                 stats::bump(STAT_TABLE_FULL);

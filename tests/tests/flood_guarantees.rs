@@ -274,10 +274,11 @@ fn detector_window(without_tick: bool) {
 }
 
 /// A source first seen in flood mode that keeps sending faster than the
-/// detector's share once the flood is over gets a bucket of its own within
-/// 64 packets, and flood mode ends: every packet of a key without a bucket
-/// counts as unseen, so it held its CPU in flood mode for as long as it
-/// sent (and the daemon reported a flood that was over).
+/// detector's share once the flood is over is offered a bucket of its own
+/// (the key just past a window's share is), and flood mode ends: every
+/// packet of a key without a bucket counts as unseen, so it held its CPU
+/// in flood mode for as long as it sent (and the daemon reported a flood
+/// that was over).
 #[test]
 fn a_source_that_keeps_sending_after_a_flood_gets_its_bucket_and_flood_mode_ends() {
     require_root();

@@ -93,12 +93,15 @@ fn a_limited_key_stays_limited_in_flood_mode_across_rebuilds() {
     // passes it once, which is what the check above would have shown.
     assert_eq!(offer(&dp, &to([198, 51, 100, 9], 9999), 2), (1, 1));
     // Still flood mode after the checks, so it was during them (its
-    // windows are 67 ms): one more unseen key goes to a fallback.
+    // windows are 67 ms): of two more unseen keys at least one goes to a
+    // fallback (one a window, just past the CPU's share, is offered a
+    // bucket of its own; outside flood mode both would get one).
     let c = dp.counters().unwrap();
     offer(&dp, &to(spoofed(&mut seed), 5000), 1);
+    offer(&dp, &to(spoofed(&mut seed), 5000), 1);
     let after = dp.counters().unwrap();
-    assert_eq!(after.get(STAT_NEW_SOURCES), c.get(STAT_NEW_SOURCES), "flood mode ended before the checks were done");
-    assert_eq!(after.get(STAT_FALLBACK), c.get(STAT_FALLBACK) + 1);
+    let (made, fell) = (after.get(STAT_NEW_SOURCES) - c.get(STAT_NEW_SOURCES), after.get(STAT_FALLBACK) - c.get(STAT_FALLBACK));
+    assert!(made <= 1 && fell >= 1 && made + fell == 2, "flood mode ended before the checks were done: {made} made, {fell} to fallbacks");
 }
 
 #[test]

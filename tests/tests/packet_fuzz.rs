@@ -6,8 +6,9 @@
 //! (hop-by-hop, routing, destination options and AH of several lengths,
 //! fragment), TCP/UDP/ICMP/other, to a few destinations, then truncations,
 //! bad IHL and lengths, and random byte flips; and now and then a whole
-//! datagram's train of fragments (a first, then up to 70 of 1,400 bytes),
-//! which runs past a datagram's 65,535 bytes or breaks a byte limit.
+//! datagram's train of fragments (a first, then 50–90 of 1,400 or 300
+//! bytes), which runs past a datagram's 65,535 bytes or breaks a byte
+//! limit.
 //!
 //! `RL_FUZZ_FRAMES` sets the number of frames (default 1,000,000, under a
 //! minute); `RL_FUZZ_SEED` the seed (default: fixed, so a failure repeats;

@@ -157,17 +157,57 @@ pub fn compile(config: &Config) -> Compiled {
     }
 }
 
+/// The ids of `config`'s rules as the datapath holds them (`[default]`'s
+/// first, then the rules' in file order): each a hash of its definition,
+/// made unique within the set (a collision would make two rules share
+/// buckets) by [`unique_ids`].
+pub fn rule_ids(config: &Config) -> Vec<u32> {
+    let d = &config.datapath;
+    let (mut ids, mut tiebreaks) = (vec![stable_id(&default_definition(config))], vec![stable_hash(&default_definition(config), ID_TIEBREAK_SEED)]);
+    for r in &config.rules {
+        let def = rule_definition(r, d.ipv4_prefix, d.ipv6_prefix);
+        ids.push(stable_id(&def));
+        tiebreaks.push(stable_hash(&def, ID_TIEBREAK_SEED));
+    }
+    unique_ids(&mut ids, &tiebreaks);
+    ids
+}
+
+/// What `[default]`'s buckets mean, hashed into its id.
+fn default_definition(config: &Config) -> (&'static str, Rate, u8, u8) {
+    let rate = Rate { amount: config.default.rate, per_secs: 1, burst: config.default.burst };
+    ("default", rate, config.datapath.ipv4_prefix, config.datapath.ipv6_prefix)
+}
+
+/// The seed of the second hash that orders rules whose ids collide.
+const ID_TIEBREAK_SEED: u64 = 0x7469_6562_7265_616b;
+
+/// Makes `ids` unique, independently of their order: each id goes to the
+/// definition with the smallest `tiebreaks` hash among those that have it,
+/// and only then are the others moved along (plus 8, 16, …, within the id
+/// bits) to ids no one has. So moving a rule in the file, or adding one
+/// whose id collides with it or with one moved next to it, never hands a
+/// rule's id (its buckets) to another.
+fn unique_ids(ids: &mut [u32], tiebreaks: &[u64]) {
+    let mut order: Vec<usize> = (0..ids.len()).collect();
+    order.sort_unstable_by_key(|&i| (ids[i], tiebreaks[i], i));
+    let mut used = BTreeSet::new();
+    let losers: Vec<usize> = order.into_iter().filter(|&i| !used.insert(ids[i])).collect();
+    for i in losers {
+        while !used.insert(ids[i]) {
+            // Within the id bits: the key-kind bits above stay clear.
+            ids[i] = ids[i].wrapping_add(8) & rl_common::RULE_ID_MASK;
+        }
+    }
+}
+
 fn compile_rules(config: &Config) -> RuleSet {
     let d = &config.datapath;
     let mut entries = Vec::with_capacity(config.rules.len() + 1);
     let mut names = vec!["default".to_string()];
     let default_rate = Rate { amount: config.default.rate, per_secs: 1, burst: config.default.burst };
-    let default_def = ("default", default_rate, d.ipv4_prefix, d.ipv6_prefix);
-    // Which of two rules whose ids collide keeps it: by a second hash of
-    // each one's definition, never by their places in the file.
-    let mut tiebreak = vec![stable_hash(&default_def, ID_TIEBREAK_SEED)];
     entries.push(RuleEntry {
-        id: stable_id(&default_def),
+        id: stable_id(&default_definition(config)),
         n_limits: 1,
         v4_mask: prefix_mask_words::<1>(d.ipv4_prefix)[0],
         v6_mask: prefix_mask_words::<4>(d.ipv6_prefix),
@@ -177,7 +217,6 @@ fn compile_rules(config: &Config) -> RuleSet {
     for r in &config.rules {
         names.push(r.name.clone());
         entries.push(rule_entry(r, d.ipv4_prefix, d.ipv6_prefix));
-        tiebreak.push(stable_hash(&rule_definition(r, d.ipv4_prefix, d.ipv6_prefix), ID_TIEBREAK_SEED));
     }
     // Wide cells, per rule: its own `flood_wide_cells`, else [datapath]'s.
     let wide: Vec<bool> = std::iter::once(d.flood_wide_cells).chain(config.rules.iter().map(|r| r.wide_cells.0.unwrap_or(d.flood_wide_cells))).collect();
@@ -186,19 +225,8 @@ fn compile_rules(config: &Config) -> RuleSet {
             e.flags |= rl_common::RULE_NO_WIDE;
         }
     }
-    // Unique ids within the set (a collision would make two rules share
-    // buckets), given in an order the file's does not change: moving a
-    // rule, or adding one above it, never hands its id (its buckets) to a
-    // rule whose id collides with it.
-    let mut order: Vec<usize> = (0..entries.len()).collect();
-    order.sort_unstable_by_key(|&i| (entries[i].id, tiebreak[i], i));
-    let mut used = BTreeSet::new();
-    for i in order {
-        let e = &mut entries[i];
-        while !used.insert(e.id) {
-            // Within the id bits: the key-kind bits above stay clear.
-            e.id = e.id.wrapping_add(8) & rl_common::RULE_ID_MASK;
-        }
+    for (e, id) in entries.iter_mut().zip(rule_ids(config)) {
+        e.id = id;
     }
 
     let (lpm, src_classes) = compile_sources(config);
@@ -235,9 +263,6 @@ fn compile_rules(config: &Config) -> RuleSet {
 /// builds (FNV-1a over the derived `Hash` stream, not `DefaultHasher`,
 /// whose algorithm may change): a restarted or upgraded daemon that adopts
 /// pinned maps finds each unchanged rule's buckets under the same id.
-/// The seed of the second hash that orders rules whose ids collide.
-const ID_TIEBREAK_SEED: u64 = 0x7469_6562_7265_616b;
-
 fn stable_id(what: &impl Hash) -> u32 {
     let v = stable_hash(what, 0);
     ((v ^ (v >> 32)) as u32) & rl_common::RULE_ID_MASK
@@ -314,6 +339,19 @@ mod tests {
         assert_ne!(ab.rules.entries[1].id, ab.rules.entries[2].id, "made unique");
         assert_eq!(ab.rules.entries[1].id, ba.rules.entries[2].id, "{a} keeps its id");
         assert_eq!(ab.rules.entries[2].id, ba.rules.entries[1].id, "{b} keeps its id");
+    }
+
+    /// A rule keeps its own id when two others collide on the id before
+    /// it: the loser moves along only once every id has gone to its winner.
+    #[test]
+    fn a_rule_keeps_its_id_when_others_collide_next_to_it() {
+        let x = 0x1000;
+        let mut ids = [x, x, x + 8];
+        unique_ids(&mut ids, &[1, 2, 3]);
+        assert_eq!(ids, [x, x + 16, x + 8], "the third keeps x + 8; the loser takes x + 16");
+        let mut ids = [x + 8, x, x];
+        unique_ids(&mut ids, &[3, 2, 1]);
+        assert_eq!(ids, [x + 8, x + 16, x], "in any order");
     }
 
     #[test]

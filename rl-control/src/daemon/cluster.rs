@@ -119,8 +119,11 @@ fn log_transitions(state: &Shared, cluster: &Cluster) {
 fn shares_of(config: &Config, cluster: &Cluster) -> Shares {
     let d = &config.datapath;
     let mut shares = Shares::new();
-    for r in config.rules.iter().filter(|r| r.scope == Scope::Cluster && !cluster.is_mismatched(&format!("packet:{}", r.name))) {
-        let entry = crate::compile::rule_entry(r, d.ipv4_prefix, d.ipv6_prefix);
+    // The ids the datapath holds: unique within the set (a rule's own
+    // hash, unless another's collides with it).
+    let ids = crate::compile::rule_ids(config);
+    for (r, &id) in config.rules.iter().zip(&ids[1..]).filter(|(r, _)| r.scope == Scope::Cluster && !cluster.is_mismatched(&format!("packet:{}", r.name))) {
+        let entry = rl_common::RuleEntry { id, ..crate::compile::rule_entry(r, d.ipv4_prefix, d.ipv6_prefix) };
         let definition = packet_definition(r, d);
         for which in 0..entry.n_limits.min(rl_common::MAX_LIMITS as u32) {
             let l = entry.limits[which as usize];
