@@ -273,6 +273,19 @@ fn detector_window(without_tick: bool) {
     assert_eq!(dp.counters().unwrap().get(STAT_NEW_SOURCES), made + 1, "a newcomer 300 ms after the flood owns a bucket");
 }
 
+/// A datapath with flood mode on on this thread's CPU (0): [`config`] at
+/// 954 keys/s, 65 a 67 ms window host-wide, then 200 unseen sources, far
+/// more than the CPU's share of that window.
+fn in_flood_mode() -> rl_control::datapath::Datapath {
+    require_root();
+    rl_tests::lab::pin_to_cpu(0).unwrap();
+    let dp = datapath(&config().replace("flood_new_keys_per_sec = 2000", "flood_new_keys_per_sec = 954")).unwrap();
+    for i in 0..200u32 {
+        offer(&dp, &to([10, 9, (i >> 8) as u8, i as u8], 5000), 1);
+    }
+    dp
+}
+
 /// A source first seen in flood mode that keeps sending faster than the
 /// detector's share once the flood is over is offered a bucket of its own
 /// (the key just past a window's share is), and flood mode ends: every
@@ -281,14 +294,8 @@ fn detector_window(without_tick: bool) {
 /// that was over).
 #[test]
 fn a_source_that_keeps_sending_after_a_flood_gets_its_bucket_and_flood_mode_ends() {
-    require_root();
-    rl_tests::lab::pin_to_cpu(0).unwrap();
-    let cfg = config().replace("flood_new_keys_per_sec = 2000", "flood_new_keys_per_sec = 954");
-    let dp = datapath(&cfg).unwrap();
+    let dp = in_flood_mode();
     let stat = |i| dp.counters().unwrap().get(i);
-    for i in 0..200u32 {
-        offer(&dp, &to([10, 9, (i >> 8) as u8, i as u8], 5000), 1);
-    }
     assert!(rl_control::datapath::flood_mode(dp.table_ids().unwrap()).unwrap().on, "the flood tripped flood mode");
     // For half a second (7 windows), 500 packets every 20 ms from one
     // source: far over this CPU's share (33 a window).
@@ -313,17 +320,10 @@ fn a_source_that_keeps_sending_after_a_flood_gets_its_bucket_and_flood_mode_ends
 /// it a new allowance). A newcomer of another /24 passes, as a control.
 #[test]
 fn a_key_limited_in_its_prefix_cell_stays_limited_in_its_own_bucket() {
-    require_root();
-    rl_tests::lab::pin_to_cpu(0).unwrap();
-    let cfg = config().replace("flood_new_keys_per_sec = 2000", "flood_new_keys_per_sec = 954");
-    let dp = datapath(&cfg).unwrap();
+    // Then the key, still in the flood's window.
+    let dp = in_flood_mode();
     let stat = |i| dp.counters().unwrap().get(i);
     let key = [172, 16, 5, 1];
-    // Flood mode on this CPU: far more unseen sources than its share of a
-    // 67 ms window (65 host-wide), then the key, still in that window.
-    for i in 0..200u32 {
-        offer(&dp, &to([10, 9, (i >> 8) as u8, i as u8], 5000), 1);
-    }
     let made = stat(STAT_NEW_SOURCES);
     assert_eq!(offer(&dp, &to(key, 9999), 3), (1, 2), "1 per hour, charged to the key's /24 cell");
     assert_eq!(stat(STAT_NEW_SOURCES), made, "in flood mode: no bucket of its own yet");
