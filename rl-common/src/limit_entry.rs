@@ -48,6 +48,37 @@ impl LimitEntry {
         gcra_cost(word, now, (units * self.a) >> (self.shift & 63), self.b)
     }
 
+    /// [`gcra_step`](Self::gcra_step) for a count of units that may be
+    /// large (a request's hits, up to millions): a cost that does not fit
+    /// 64 bits never passes (the plain step's product would wrap, and a
+    /// wrapped cost could fit the burst).
+    #[inline(always)]
+    pub fn gcra_step_checked(&self, word: u64, now: u64, units: u64) -> Option<u64> {
+        units.checked_mul(self.a)?;
+        self.gcra_step(word, now, units)
+    }
+
+    /// Gives `units` back to state `word` at `now` (ktime) (a request
+    /// refunded, Envoy's `is_negative_hits`): a token bucket's time moves
+    /// back by their cost, never before `now` (it holds no more than its
+    /// burst); a window's current count drops by them, never below 0 (a
+    /// word of another window than now's and the next is left as it is:
+    /// what it counted no longer limits).
+    pub fn refund(&self, word: u64, now: u64, epoch_offset_ns: u64, units: u64) -> u64 {
+        if self.kind & 0xff == LIMIT_GCRA {
+            let cost = units.saturating_mul(self.a) >> (self.shift & 63);
+            return word.saturating_sub(cost).max(now.min(word));
+        }
+        let shift = self.shift & 63;
+        let cost = units.saturating_add((1 << shift) - 1) >> shift;
+        let epoch_ns = now.wrapping_add(epoch_offset_ns);
+        if self.kind & 0xff == LIMIT_FIXED {
+            crate::window::fixed_refund(word, epoch_ns, self.a, cost)
+        } else {
+            crate::window::sliding_refund(word, epoch_ns, self.a, cost)
+        }
+    }
+
     /// Whether a packet of `units` drops at every time up to `latest`
     /// (ktime) with state `word`: a token bucket only, whose room only
     /// grows with time, so a drop at `latest` is a drop at any earlier

@@ -35,11 +35,10 @@ pub fn fixed_window(word: u64, now: u64, window_ns: u64, max: u64, cost: u64) ->
     let now_w = (now / window_ns) & FIXED_INDEX_MASK;
     let idx = word >> FIXED_COUNT_BITS;
     // 0: the word is of now's window, 1: of the next one, more (2 or 3
-    // too for a word that counts nothing, such as the never-charged 0,
-    // which would otherwise read as the next window's every 2²⁴ windows):
-    // another. (Arithmetic and one test, so that the verifier's walk
-    // stays about as it was.)
-    let empty = (word & FIXED_COUNT_MASK).wrapping_sub(1) >> 63;
+    // too for the never-charged word 0, which would otherwise read as the
+    // next window's every 2²⁴ windows): another. (Arithmetic and one
+    // test, so that the verifier's walk stays about as it was.)
+    let empty = never_charged(word);
     let d = (idx.wrapping_sub(now_w) & FIXED_INDEX_MASK) | empty << 1;
     let (w, count) = if d <= 1 { (idx, word & FIXED_COUNT_MASK) } else { (now_w, 0) };
     let next = count + cost;
@@ -47,6 +46,31 @@ pub fn fixed_window(word: u64, now: u64, window_ns: u64, max: u64, cost: u64) ->
         return None;
     }
     Some(w << FIXED_COUNT_BITS | next)
+}
+
+/// A fixed-window word with `cost` units given back: its count less them
+/// (not below 0) if it is of `now`'s window or the next (as
+/// [`fixed_window`] reads it), else the word as it is.
+pub fn fixed_refund(word: u64, now: u64, window_ns: u64, cost: u64) -> u64 {
+    let now_w = (now / window_ns.max(1)) & FIXED_INDEX_MASK;
+    let idx = word >> FIXED_COUNT_BITS;
+    if idx.wrapping_sub(now_w) & FIXED_INDEX_MASK > 1 {
+        return word;
+    }
+    idx << FIXED_COUNT_BITS | (word & FIXED_COUNT_MASK).saturating_sub(cost)
+}
+
+/// A sliding-window word with `cost` units given back: its current count
+/// less them (not below 0) if it is of `now`'s window or the next, else
+/// the word as it is (a word of the window before keeps its count, which
+/// now weighs as the previous window's: what passed then stays passed).
+pub fn sliding_refund(word: u64, now: u64, window_ns: u64, cost: u64) -> u64 {
+    let now_w = (now / window_ns.max(1)) & 0xff;
+    let idx = word >> (2 * SLIDE_BITS);
+    if idx.wrapping_sub(now_w) & 0xff > 1 {
+        return word;
+    }
+    (word & !SLIDE_MASK) | (word & SLIDE_MASK).saturating_sub(cost)
 }
 
 /// The fixed-window word of a bucket that used its cap `max` in the window
@@ -58,6 +82,13 @@ pub fn fixed_drained(now: u64, window_ns: u64, max: u64) -> u64 {
     }
     let w = (now / window_ns) & FIXED_INDEX_MASK;
     w << FIXED_COUNT_BITS | if max < FIXED_COUNT_MASK { max } else { FIXED_COUNT_MASK }
+}
+
+/// 1 for the never-charged word 0, else 0 (without a branch: BPF has no
+/// conditional move, and each branch here multiplies the verifier's walk).
+#[inline(always)]
+const fn never_charged(word: u64) -> u64 {
+    ((word | word.wrapping_neg()) >> 63) ^ 1
 }
 
 /// Sliding window: `[window index mod 2⁸ : 8 | previous : 28 | current : 28]`.
@@ -91,10 +122,9 @@ pub fn sliding_window(word: u64, now: u64, window_ns: u64, max: u64, cost: u64) 
     let idx = word >> (2 * SLIDE_BITS);
     // 0: the word is of now's window, 1: of the next one (then all of its
     // window is still ahead: `into` 0), 255: of the one before, more:
-    // another. As in [`fixed_window`], a word whose current count is 0
-    // (only the never-charged 0: every charge leaves at least 1) is never
+    // another. As in [`fixed_window`], the never-charged word 0 is never
     // of now's or the next window.
-    let empty = (word & SLIDE_MASK).wrapping_sub(1) >> 63;
+    let empty = never_charged(word);
     let d = (idx.wrapping_sub(now_w) & 0xff) | empty << 1;
     let (w, prev, cur, into) = if d <= 1 {
         (idx, (word >> SLIDE_BITS) & SLIDE_MASK, word & SLIDE_MASK, into * (d ^ 1))

@@ -191,3 +191,33 @@ fn the_daemon_drops_request_buckets_that_are_fresh_again_and_keeps_limited_ones(
     }
     d.stop(libc::SIGTERM).unwrap();
 }
+
+/// Over real HTTP: negative hits give hits back (a refund, as Envoy's
+/// `is_negative_hits`), and hits whose cost would not fit 64 bits on a
+/// slow rule are over the limit (on "1 a day" 213,504 hits wrapped to a
+/// cost inside the burst and passed).
+#[test]
+fn a_refund_gives_hits_back_and_hits_too_costly_to_count_are_over_the_limit() {
+    let lab = Lab::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write(
+        &dir,
+        "rl.toml",
+        &format!(
+            "[default]\nrate = 1000\n[l7]\nhttp_listen = \"{CHECK}\"\n\
+             [[l7.rule]]\nname = \"daily\"\ndomain = \"api\"\ndescriptor = [{{ key = \"user\" }}]\nrate = 10\nper = \"1d\"\n"
+        ),
+    );
+    let _d = Daemon::serving(&lab, &cfg, &[]).unwrap();
+    let hits = |user: &str, n: i64| {
+        let a = check(&lab, &json!({"domain": "api", "descriptors": [[{"key": "user", "value": user}]], "hits": n}));
+        (a.status, a.json()["statuses"][0]["remaining"].as_u64())
+    };
+    assert_eq!(hits("a", 10), (200, Some(0)));
+    assert_eq!(hits("a", 1).0, 429);
+    assert_eq!(hits("a", -4), (200, Some(4)), "4 given back");
+    assert_eq!(hits("a", 4), (200, Some(0)));
+    assert_eq!(hits("a", 1).0, 429, "and no more");
+    assert_eq!(hits("b", 213_504).0, 429, "a cost past 64 bits never passes");
+    assert_eq!(hits("b", 10), (200, Some(0)), "and charged nothing");
+}

@@ -45,6 +45,8 @@ fn log_charge(c: &Compiled, logs: &mut [std::collections::VecDeque<u64>], now: u
         while log.front().is_some_and(|&t| t + window <= now) {
             log.pop_front();
         }
+        // A refund takes back the newest hits.
+        log.truncate(log.len().saturating_sub(hits.min(0).unsigned_abs() as usize));
     }
     let fits = logs.iter().zip(&rule.limits).all(|(log, l)| log.len() as u64 + units <= l.rate.amount);
     if fits {
@@ -109,10 +111,20 @@ fn packet_charge(c: &Compiled, a: Algorithm, words: &mut [u64], now: u64, hits: 
     let rule = &c.rule;
     let units = hits.max(0) as u64;
     let step = |l: &LimitEntry, w: u64| match a {
-        Algorithm::TokenBucket => l.gcra_step(w, now, units),
+        Algorithm::TokenBucket => l.gcra_step_checked(w, now, units),
         _ => l.window_step(w, now, epoch, units),
     };
-    let next: Option<Vec<u64>> = c.limits.iter().zip(words.iter()).map(|(l, w)| if units == 0 { Some(*w) } else { step(l, *w) }).collect();
+    let next: Option<Vec<u64>> = c
+        .limits
+        .iter()
+        .zip(words.iter())
+        .map(|(l, w)| match hits {
+            // A refund: every limit gets them back.
+            ..0 => Some(l.refund(*w, now, epoch, hits.unsigned_abs())),
+            0 => Some(*w),
+            _ => step(l, *w),
+        })
+        .collect();
     let over = next.is_none();
     if let Some(n) = next {
         words.copy_from_slice(&n);

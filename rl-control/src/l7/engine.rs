@@ -302,8 +302,7 @@ impl Engine {
         self.by_domain.get(domain)?.iter().map(|&i| &self.rules[i]).find(|c| matches(&c.rule.descriptor))
     }
 
-    /// Charges `hits` (negative: a refund, for `concurrency`) to the bucket
-    /// of one descriptor.
+    /// Charges `hits` (negative: a refund) to the bucket of one descriptor.
     pub fn decide(&self, domain: &str, entries: &[DescriptorEntry], hits: i64) -> Status {
         self.decide_at(domain, entries, hits, now_ns())
     }
@@ -323,11 +322,19 @@ impl Engine {
         let mut key = Key::new(c.slot, values_hash(entries));
         let mut shard = self.shard(&key);
         if !shard.contains_key(&key) {
-            if self.keys.load(Ordering::Relaxed) >= self.max_keys {
+            if hits < 0 || self.keys.load(Ordering::Relaxed) >= self.max_keys {
                 // Full: the rule's overflow bucket (fails closed, coarser).
+                // A refund for a key without a bucket gives back what the
+                // overflow bucket took (the store was full when it was
+                // charged), or what has expired since: never a bucket made
+                // for it.
                 key = Key::new(c.slot, OVERFLOW);
                 drop(shard);
                 shard = self.shard(&key);
+                if hits < 0 && !shard.contains_key(&key) {
+                    drop(shard);
+                    return charge(c, &mut new_bucket(c), now, hits, self.epoch_offset_ns);
+                }
             } else {
                 self.keys.fetch_add(1, Ordering::Relaxed);
             }
@@ -342,7 +349,7 @@ impl Engine {
                 let key = Key::new(c.slot, POOL);
                 let mut shard = self.shard(&key);
                 if let Bucket::One(word) = shard.entry(key).or_insert(Bucket::One(0)) {
-                    if let Some(next) = pool.gcra_step(*word, now, hits as u64) {
+                    if let Some(next) = pool.gcra_step_checked(*word, now, hits as u64) {
                         *word = next;
                         st.code = "ok";
                     }
@@ -432,6 +439,44 @@ mod tests {
         }
         assert_eq!(e.decide_at("other", &ip("192.0.2.7"), 1, 10 * S).code, "unmatched", "another domain");
         assert_eq!(e.unmatched.load(Ordering::Relaxed), 4);
+    }
+
+    /// Hits whose cost does not fit 64 bits are over the limit: on "1 a
+    /// day", 213,504 hits' cost wrapped to 1,526 s, inside the day's burst
+    /// span, and passed.
+    #[test]
+    fn hits_whose_cost_would_wrap_are_over_the_limit() {
+        let e = engine("[[l7.rule]]\nname = \"daily\"\ndomain = \"api\"\ndescriptor = [{ key = \"user\" }]\nrate = 1\nper = \"1d\"\n");
+        let user = d(&[("user", "u")]);
+        assert_eq!(e.decide_at("api", &user, 213_504, 10 * S).code, "over_limit");
+        assert_eq!(e.decide_at("api", &user, 1, 10 * S).code, "ok", "and nothing was charged");
+        assert_eq!(e.decide_at("api", &user, 1, 10 * S).code, "over_limit");
+    }
+
+    /// A refund (negative hits, Envoy's `is_negative_hits`) gives hits back
+    /// to every algorithm, never past a full bucket, and makes no bucket
+    /// for a key without one.
+    #[test]
+    fn a_refund_gives_hits_back_and_never_more_than_a_full_bucket() {
+        for algorithm in ["token_bucket", "fixed_window", "sliding_window", "sliding_log"] {
+            let e = engine(&format!("[[l7.rule]]\nname = \"r\"\ndomain = \"api\"\ndescriptor = [{{ key = \"user\" }}]\nrate = 10\nper = \"1m\"\nalgorithm = \"{algorithm}\"\n"));
+            let user = d(&[("user", "u")]);
+            let t = 600 * S + S / 2;
+            assert_eq!(e.decide_at("api", &user, 10, t).code, "ok", "{algorithm}");
+            assert_eq!(e.decide_at("api", &user, 1, t).code, "over_limit", "{algorithm}");
+            let refunded = e.decide_at("api", &user, -5, t);
+            assert_eq!((refunded.code, refunded.remaining), ("ok", 5), "{algorithm}");
+            assert_eq!(e.decide_at("api", &user, 5, t).code, "ok", "{algorithm}: the 5 given back");
+            assert_eq!(e.decide_at("api", &user, 1, t).code, "over_limit", "{algorithm}: and no more");
+            // Never past a full bucket: a refund of 100 on an empty key.
+            let other = d(&[("user", "v")]);
+            let keys = e.keys.load(Ordering::Relaxed);
+            assert_eq!(e.decide_at("api", &other, -100, t).code, "ok");
+            assert_eq!(e.keys.load(Ordering::Relaxed), keys, "{algorithm}: no bucket made for a refund");
+            assert_eq!(e.decide_at("api", &other, 10, t).code, "ok", "{algorithm}");
+            assert_eq!(e.decide_at("api", &other, -100, t).remaining, 10, "{algorithm}: full, not more");
+            assert_eq!(e.decide_at("api", &other, 11, t).code, "over_limit", "{algorithm}");
+        }
     }
 
     #[test]

@@ -5,7 +5,7 @@
 //! - Each descriptor is charged on its own; the request is over the limit
 //!   if any non-shadow descriptor is. Envoy's request-level `hits_addend` 0
 //!   means 1; a descriptor's own `hits_addend` overrides it, and with
-//!   `is_negative_hits` it is a refund (a `concurrency` permit released).
+//!   `is_negative_hits` it is a refund (a `concurrency` permit released, a token bucket's or window's count given back).
 //! - A period Envoy's units cannot express is reported in the longest unit
 //!   not longer than it, with `requests_per_unit` scaled down (rounded
 //!   down, at least 1): "5 per 90 s" reads "3 per minute". The decision

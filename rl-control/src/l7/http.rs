@@ -61,7 +61,7 @@ fn invalid(c: &Check) -> Option<String> {
         }
     }
     match c.hits {
-        Some(h) if h.abs() > MAX_HITS => Some(format!("hits must be -{MAX_HITS}..={MAX_HITS}")),
+        Some(h) if h.unsigned_abs() > MAX_HITS as u64 => Some(format!("hits must be -{MAX_HITS}..={MAX_HITS}")),
         _ => None,
     }
 }

@@ -180,6 +180,12 @@ fn validate_rule(loc: &Located, i: usize, spanned: &Spanned<RawL7Rule>, has_clus
     let fields = ModeFields { mode: &r.mode, soft_percent: &r.soft_percent, pool_rate: &r.pool_rate, pool_per: &r.pool_per };
     let no_elastic = (kind >= 3).then_some("applies to token_bucket, fixed_window and sliding_window");
     let mode = mode_of(loc, &who, fields, table.clone(), "requests", no_elastic)?;
+    if kind >= 3 && matches!(mode, Mode::Soft { .. }) {
+        // The log and the semaphore count against their rate or max as
+        // written: a soft margin would be taken and silently ignored.
+        let span = r.mode.as_ref().map(|m| m.span()).unwrap_or(table.clone());
+        return Err(loc.at(span, format!("{who}: mode = \"soft\" applies to token_bucket, fixed_window and sliding_window; raise rate (or max) instead")));
+    }
     let scope = scope_of(loc, &who, &r.scope, has_cluster)?;
     if scope == Scope::Cluster && matches!(mode, Mode::Elastic { .. }) {
         let span = r.mode.as_ref().map(|m| m.span()).unwrap_or(table.clone());
@@ -357,6 +363,8 @@ mod tests {
             (rule("rate = 1\nmode = \"elastic\"\n"), "rules.toml:8:8:", "needs pool_rate"),
             (rule("rate = 1\nalgorithm = \"sliding_log\"\nmode = \"elastic\"\npool_rate = 5\n"), "rules.toml:9:8:", "applies to token_bucket, fixed_window and sliding_window"),
             (rule("rate = 1\npool_rate = 5\n"), "rules.toml:8:13:", "pool_rate and pool_per need mode = \"elastic\""),
+            (rule("rate = 1\nalgorithm = \"sliding_log\"\nmode = \"soft\"\n"), "rules.toml:9:8:", "mode = \"soft\" applies to token_bucket"),
+            (rule("algorithm = \"concurrency\"\nmax = 3\nmode = \"soft\"\n"), "rules.toml:9:8:", "mode = \"soft\" applies to token_bucket"),
         ];
         for (text, at, needle) in cases {
             let e = error_of(&text);
