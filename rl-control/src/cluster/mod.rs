@@ -144,6 +144,13 @@ impl Cluster {
         std::mem::take(&mut *self.transitions.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
+    /// Tests: the rules another host defines differently, as a probe
+    /// would find them.
+    #[cfg(test)]
+    pub fn set_mismatched(&self, rules: Vec<String>) {
+        *self.mismatched.lock().unwrap_or_else(|e| e.into_inner()) = rules;
+    }
+
     pub fn is_mismatched(&self, rule: &str) -> bool {
         self.mismatched.lock().unwrap_or_else(|e| e.into_inner()).iter().any(|r| r == rule)
     }

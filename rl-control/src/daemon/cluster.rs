@@ -147,7 +147,7 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
         return;
     };
     // The shares of the config in force, worked out again when it changes.
-    let mut shares_for: Option<(Arc<Config>, Arc<Shares>)> = None;
+    let mut shares_for: SharesCache = None;
     let collected = lock(&state).collected.clone();
     let mut every = tokio::time::interval(interval);
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -207,14 +207,20 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
     }
 }
 
-/// The shares of the config in force: `cache`'s, unless the config changed
-/// or a rule is mismatched (then worked out again).
-fn shares_in_force(cache: &mut Option<(Arc<Config>, Arc<Shares>)>, config: &Arc<Config>, cluster: &Cluster) -> Arc<Shares> {
+/// The shares of the config in force and the rules mismatched now, and
+/// what they were worked out from.
+type SharesCache = Option<(Arc<Config>, Vec<String>, Arc<Shares>)>;
+
+/// The shares of the config in force: `cache`'s, unless the config or the
+/// rules mismatched changed since (then worked out again: a rule whose
+/// mismatch clears is shared again at once).
+fn shares_in_force(cache: &mut SharesCache, config: &Arc<Config>, cluster: &Cluster) -> Arc<Shares> {
+    let mismatched = cluster.status().mismatched;
     match cache {
-        Some((c, sh)) if Arc::ptr_eq(c, config) && cluster.status().mismatched.is_empty() => sh.clone(),
+        Some((c, m, sh)) if Arc::ptr_eq(c, config) && *m == mismatched => sh.clone(),
         _ => {
             let sh = Arc::new(shares_of(config, cluster));
-            *cache = Some((config.clone(), sh.clone()));
+            *cache = Some((config.clone(), mismatched, sh.clone()));
             sh
         }
     }
@@ -312,6 +318,23 @@ pub async fn sync_requests(state: Shared, cluster: Arc<Cluster>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A packet rule mismatched while the config stays is shared again as
+    /// soon as the mismatch clears (the shares were cached without it
+    /// until the next reload, every status saying all was well).
+    #[test]
+    fn a_rule_is_shared_again_once_its_mismatch_clears() {
+        let text = "[default]\nrate = 5\n[cluster]\nredis = [\"redis://127.0.0.1:1\"]\nnode = \"n\"\n\
+                    [[rule]]\nname = \"r\"\nproto = \"udp\"\nrate = 5\nscope = \"cluster\"\n";
+        let config = Arc::new(Config::from_str(text, "rl.toml").unwrap());
+        let cluster = Cluster::new(config.cluster.clone().unwrap());
+        let mut cache = None;
+        assert_eq!(shares_in_force(&mut cache, &config, &cluster).len(), 1, "shared");
+        cluster.set_mismatched(vec!["packet:r".into()]);
+        assert!(shares_in_force(&mut cache, &config, &cluster).is_empty(), "mismatched: not shared");
+        cluster.set_mismatched(Vec::new());
+        assert_eq!(shares_in_force(&mut cache, &config, &cluster).len(), 1, "shared again");
+    }
 
     /// Hosts that key a cluster rule differently register different
     /// definitions, so they never share its Redis buckets; hosts that
