@@ -115,6 +115,9 @@ pub struct Ledger {
     /// complete (see [`Ledger::collected`]); `None` until the first. Without
     /// them a bucket missing from a round is taken as collected.
     complete: Option<bool>,
+    /// Whether the next round takes the tables' counts as reported (see
+    /// [`Ledger::from_the_tables`]).
+    baseline: bool,
     pub stats: SyncStats,
 }
 
@@ -130,8 +133,21 @@ impl Ledger {
             tracked: HashMap::new(),
             forget_after_ns: 2 * keep_ms * 1_000_000,
             complete: None,
+            baseline: false,
             stats: SyncStats::default(),
         }
+    }
+
+    /// For a daemon that adopted pinned tables: their buckets' counts are
+    /// lifetime counts, which the runs before reported up to their last
+    /// round. Its first round takes them as reported (under this run's
+    /// new name, from 0), so that a restart does not charge Redis again
+    /// for every recently active source (up to `2·R·T + B` each: a
+    /// blackout on every host); what passed between that last round and
+    /// the restart goes unreported (one interval's worth at most).
+    pub fn from_the_tables(mut self) -> Ledger {
+        self.baseline = true;
+        self
     }
 
     /// Takes the collector's records of deleted buckets (see
@@ -167,6 +183,13 @@ impl Ledger {
     /// outage (`on_failure = "open"`, say) is not charged in full when
     /// Redis is back.
     pub fn reports(&mut self, buckets: &[SharedBucket], shares: &Shares, interval_ns: u64, now: u64) -> Vec<Report> {
+        if std::mem::take(&mut self.baseline) {
+            for sb in buckets.iter().filter(|sb| shares.contains_key(&sb.id.limit())) {
+                let (passed, dropped) = (sb.bucket.passed, sb.bucket.dropped);
+                self.tracked.insert(sb.id, Tracked { passed, dropped, cum: 0, at_ns: now, seen_ns: now, carry: 0, recorded_ns: 0 });
+            }
+            return Vec::new();
+        }
         let mut out = Vec::new();
         let mut seen = 0;
         for sb in buckets {
@@ -323,6 +346,18 @@ mod tests {
     /// A bucket reported, collected (absent from a round's scan) and made
     /// again reports all it passed since, even when that is more than it
     /// had passed before: its count going down is not the only sign.
+    /// A daemon that adopted the pinned tables takes their lifetime counts
+    /// as reported at its first round, and reports what passes after.
+    #[test]
+    fn a_restart_on_pinned_tables_reports_only_what_passes_after_it() {
+        let (_, shares, bucket, ledger) = one_bucket(0x100);
+        let mut ledger = ledger.from_the_tables();
+        assert!(ledger.reports(&[bucket(5_000)], &shares, INTERVAL, INTERVAL).is_empty(), "the run before reported those");
+        let r = ledger.reports(&[bucket(5_030)], &shares, INTERVAL, 2 * INTERVAL);
+        assert_eq!(r.len(), 1);
+        assert_eq!((r[0].line.delta, r[0].line.cum), (30, 30), "only the 30 passed since, under this run's name");
+    }
+
     #[test]
     fn a_bucket_collected_and_made_again_reports_from_zero() {
         let (_, shares, bucket, mut ledger) = one_bucket(0x100);

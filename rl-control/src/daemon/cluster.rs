@@ -142,6 +142,9 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
     let interval_ns = interval.as_nanos() as u64;
     let keep_ms = (cluster.membership_ttl().as_millis() as u64 * 5).max(10_000);
     let mut ledger = Ledger::new(&cluster.config.node, keep_ms);
+    if lock(&state).dp.adopted() {
+        ledger = ledger.from_the_tables();
+    }
     let Ok(ids) = lock(&state).dp.table_ids() else {
         warn!("cluster sync: the bucket tables cannot be read; cluster packet rules enforce on each host alone");
         return;
