@@ -23,9 +23,12 @@ impl Engine {
             let st = self.charge_here(c, entries, hits, now_ns());
             return self.counted(c, st);
         };
+        let mismatched = cluster.is_mismatched(&crate::cluster::requests::member_name(&c.rule));
         if let Some(interval) = c.batch_ns {
             // Batched: decided here; the hits travel to Redis every batch.
-            if cluster.is_degraded() && cluster.config.on_failure != OnFailure::Local {
+            // Degraded, or defined differently by another host: as
+            // `on_failure` says, as an unbatched rule answers.
+            if (cluster.is_degraded() || mismatched) && cluster.config.on_failure != OnFailure::Local {
                 cluster.health.fallbacks.fetch_add(1, Relaxed);
                 return self.counted(c, fixed(c, cluster.config.on_failure == OnFailure::Open || hits < 0));
             }
@@ -34,13 +37,13 @@ impl Engine {
             let key = Engine::key_of(c, entries);
             // Only keys with a bucket of their own (not the overflow bucket
             // of a full store): accounts stay bounded by max_keys.
-            if st.code == "ok" && hits > 0 && self.holds(&key) {
+            if st.code == "ok" && hits > 0 && !mismatched && self.holds(&key) {
                 let (cost, burst) = c.limits.first().map_or((1, 0), |l| (l.a, l.b));
                 self.batch.record(key, hits as u64, cost, burst, interval, now, || prepared.batch_names(values_key(entries)));
             }
             return self.counted(c, st);
         }
-        let answer = if cluster.is_mismatched(&crate::cluster::requests::member_name(&c.rule)) {
+        let answer = if mismatched {
             None
         } else {
             // Boxed: the Redis call's state is large (over a kilobyte), and
@@ -108,4 +111,28 @@ fn fixed(c: &Compiled, ok: bool) -> Status {
         s.retry_after_ms = 1000;
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    /// A batched cluster rule that another host defines differently
+    /// answers from `on_failure`, as an unbatched one does (it decided
+    /// here and sent its hits to its own keys, as if shared).
+    #[test]
+    fn a_mismatched_batched_rule_answers_from_on_failure() {
+        let text = "[default]\nrate = 1\n[cluster]\nredis = [\"redis://127.0.0.1:1\"]\nnode = \"n\"\non_failure = \"closed\"\n\
+                    [[l7.rule]]\nname = \"b\"\ndomain = \"api\"\ndescriptor = [{ key = \"user\" }]\nrate = 100\nscope = \"cluster\"\nbatch = \"10ms\"\n";
+        let config = Config::from_str(text, "rl.toml").unwrap();
+        let cluster = crate::cluster::Cluster::new(config.cluster.clone().unwrap());
+        let engine = Engine::new(&config.l7, 0, None).with_cluster(Some(cluster.clone()));
+        let user = [DescriptorEntry { key: "user".into(), value: "u".into() }];
+        let decide = || tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(engine.decide_scoped("api", &user, 1));
+        cluster.set_mismatched(Vec::new());
+        assert_eq!(decide().code, "ok", "shared: decided here, batched");
+        cluster.set_mismatched(vec!["l7:b".into()]);
+        assert_eq!(decide().code, "over_limit", "defined differently elsewhere: on_failure = closed");
+    }
 }
