@@ -94,6 +94,7 @@ fn the_check_answers_429_with_rate_limit_headers_past_the_limit() {
     assert_eq!(m["rl_l7_decisions_total{rule=\"reads\",result=\"ok\"}"], 2.0);
     assert_eq!(m["rl_l7_decisions_total{rule=\"login-per-ip\",result=\"over\"}"], 2.0);
     assert_eq!(m["rl_l7_unmatched_total"], 1.0);
+    assert_eq!(m["rl_l7_overflow_total{rule=\"login-per-ip\"}"], 0.0, "the store has room");
     assert!(m["rl_l7_keys"] >= 3.0);
     let answered = m["rl_l7_request_seconds_count{api=\"http\"}"];
     assert!(answered >= 14.0, "{answered} checks timed");

@@ -129,6 +129,10 @@ fn requests(out: &mut String, s: &State) {
             let _ = writeln!(out, "rl_l7_decisions_total{{rule=\"{name}\",result=\"{result}\"}} {v}");
         }
     }
+    family(out, "rl_l7_overflow_total", "counter", "Request charges per [[l7.rule]] made to its overflow bucket: keys with no bucket of their own while the store held [l7] max_keys share one (limited together: raise max_keys).");
+    for (name, c) in engine.counters() {
+        let _ = writeln!(out, "rl_l7_overflow_total{{rule=\"{name}\"}} {}", c.overflow.load(std::sync::atomic::Ordering::Relaxed));
+    }
     family(out, "rl_l7_unmatched_total", "counter", "Request descriptors no [[l7.rule]] matched (not limited).");
     let _ = writeln!(out, "rl_l7_unmatched_total {}", engine.unmatched.load(std::sync::atomic::Ordering::Relaxed));
     family(out, "rl_l7_request_seconds", "histogram", "Time to answer a request decision (decode, decide, encode), by front end.");

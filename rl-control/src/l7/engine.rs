@@ -76,6 +76,9 @@ pub struct Counters {
     pub ok: AtomicU64,
     pub over: AtomicU64,
     pub shadow_over: AtomicU64,
+    /// Charges made to the rule's overflow bucket: a key with no bucket of
+    /// its own while the store held `max_keys` (such keys share one).
+    pub overflow: AtomicU64,
 }
 
 pub(super) struct Compiled {
@@ -322,7 +325,8 @@ impl Engine {
         let mut key = Key::new(c.slot, values_hash(entries));
         let mut shard = self.shard(&key);
         if !shard.contains_key(&key) {
-            if hits < 0 || self.keys.load(Ordering::Relaxed) >= self.max_keys {
+            let full = self.keys.load(Ordering::Relaxed) >= self.max_keys;
+            if hits < 0 || full {
                 // Full: the rule's overflow bucket (fails closed, coarser).
                 // A refund for a key without a bucket gives back what the
                 // overflow bucket took (the store was full when it was
@@ -331,6 +335,9 @@ impl Engine {
                 key = Key::new(c.slot, OVERFLOW);
                 drop(shard);
                 shard = self.shard(&key);
+                if hits > 0 {
+                    c.counters.overflow.fetch_add(1, Ordering::Relaxed);
+                }
                 if hits < 0 && !shard.contains_key(&key) {
                     drop(shard);
                     return charge(c, &mut new_bucket(c), now, hits, self.epoch_offset_ns);
@@ -477,6 +484,23 @@ mod tests {
             assert_eq!(e.decide_at("api", &other, -100, t).remaining, 10, "{algorithm}: full, not more");
             assert_eq!(e.decide_at("api", &other, 11, t).code, "over_limit", "{algorithm}");
         }
+    }
+
+    /// With the store full (8 keys here), new keys share the rule's
+    /// overflow bucket, and each such charge is counted for the metrics.
+    #[test]
+    fn charges_to_the_overflow_bucket_are_counted() {
+        let e = engine("[[l7.rule]]\nname = \"r\"\ndomain = \"api\"\ndescriptor = [{ key = \"user\" }]\nrate = 100\n");
+        for i in 0..8 {
+            assert_eq!(e.decide_at("api", &d(&[("user", &i.to_string())]), 1, 10 * S).code, "ok");
+        }
+        let (_, c) = e.counters().next().unwrap();
+        assert_eq!(c.overflow.load(Ordering::Relaxed), 0);
+        for i in 8..11 {
+            e.decide_at("api", &d(&[("user", &i.to_string())]), 1, 10 * S);
+        }
+        let (_, c) = e.counters().next().unwrap();
+        assert_eq!(c.overflow.load(Ordering::Relaxed), 3, "3 keys past max_keys, charged to the overflow bucket");
     }
 
     #[test]
