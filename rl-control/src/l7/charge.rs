@@ -138,10 +138,19 @@ fn packet_charge(c: &Compiled, a: Algorithm, words: &mut [u64], now: u64, hits: 
         .enumerate()
         .min_by_key(|(_, q)| q.remaining)
         .expect("a rule has a limit");
+    // The quota the headers state: what the limit lets through at once (a
+    // token bucket's burst, a window's cap, as enforced: soft mode's margin
+    // included), over the time that takes to come back (the burst's refill,
+    // rounded up to whole seconds; the window): so `remaining` never
+    // exceeds `limit`, and Envoy's `requests_per_unit` is still the rate.
+    let per_secs = match a {
+        Algorithm::TokenBucket => (u128::from(q.limit) * u128::from(c.limits[i].a)).div_ceil(u128::from(NS)).max(1) as u64,
+        _ => rule.limits[i].rate.per_secs,
+    };
     Status {
         code: if over { "over_limit" } else { "ok" },
-        limit: rule.limits[i].rate.amount,
-        per_secs: rule.limits[i].rate.per_secs,
+        limit: q.limit,
+        per_secs,
         remaining: q.remaining,
         reset_ms: ceil_ms(q.reset_ns),
         retry_after_ms: ceil_ms(q.retry_after_ns),

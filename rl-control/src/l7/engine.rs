@@ -486,6 +486,20 @@ mod tests {
         }
     }
 
+    /// The quota a status states never has `remaining` above `limit`: a
+    /// token bucket's is its burst over the burst's refill time (it said
+    /// 10 with 49 remaining), and Envoy's rate from it is the rule's.
+    #[test]
+    fn a_token_buckets_quota_is_its_burst_over_its_refill() {
+        let e = engine("[[l7.rule]]\nname = \"r\"\ndomain = \"api\"\ndescriptor = [{ key = \"user\" }]\nrate = 10\nburst = 50\n");
+        let st = e.decide_at("api", &d(&[("user", "u")]), 1, 10 * S);
+        assert_eq!((st.limit, st.per_secs, st.remaining), (50, 5, 49));
+        assert_eq!(crate::l7::grpc::envoy_unit(st.limit, st.per_secs).1, 10, "Envoy reads 10 a second");
+        let e = engine("[[l7.rule]]\nname = \"r\"\ndomain = \"api\"\ndescriptor = [{ key = \"user\" }]\nrate = 5\nper = \"1m\"\nalgorithm = \"fixed_window\"\n");
+        let st = e.decide_at("api", &d(&[("user", "u")]), 1, 10 * S);
+        assert_eq!((st.limit, st.per_secs, st.remaining), (5, 60, 4), "a window's: its cap per window");
+    }
+
     /// With the store full (8 keys here), new keys share the rule's
     /// overflow bucket, and each such charge is counted for the metrics.
     #[test]
