@@ -390,8 +390,11 @@ impl Engine {
         let Some(c) = self.matching(domain, entries) else {
             return Status::unmatched();
         };
-        let key = Key::new(c.slot, values_hash(entries));
         let now = now_ns();
+        // A key without a bucket while the store is full would be charged
+        // to the rule's overflow bucket: that is its state.
+        let own = Key::new(c.slot, values_hash(entries));
+        let key = if !self.shard(&own).contains_key(&own) && self.keys.load(Ordering::Relaxed) >= self.max_keys { Key::new(c.slot, OVERFLOW) } else { own };
         let mut shard = self.shard(&key);
         let mut st = match shard.get_mut(&key) {
             Some(b) => charge(c, b, now, 0, self.epoch_offset_ns),
@@ -504,17 +507,24 @@ mod tests {
     /// overflow bucket, and each such charge is counted for the metrics.
     #[test]
     fn charges_to_the_overflow_bucket_are_counted() {
-        let e = engine("[[l7.rule]]\nname = \"r\"\ndomain = \"api\"\ndescriptor = [{ key = \"user\" }]\nrate = 100\n");
+        // 100 a day: nothing refills while the test runs on the real clock
+        // (`peek` reads it).
+        let e = engine("[[l7.rule]]\nname = \"r\"\ndomain = \"api\"\ndescriptor = [{ key = \"user\" }]\nrate = 100\nper = \"1d\"\n");
+        let t = now_ns();
         for i in 0..8 {
-            assert_eq!(e.decide_at("api", &d(&[("user", &i.to_string())]), 1, 10 * S).code, "ok");
+            assert_eq!(e.decide_at("api", &d(&[("user", &i.to_string())]), 1, t).code, "ok");
         }
         let (_, c) = e.counters().next().unwrap();
         assert_eq!(c.overflow.load(Ordering::Relaxed), 0);
         for i in 8..11 {
-            e.decide_at("api", &d(&[("user", &i.to_string())]), 1, 10 * S);
+            e.decide_at("api", &d(&[("user", &i.to_string())]), 1, t);
         }
         let (_, c) = e.counters().next().unwrap();
         assert_eq!(c.overflow.load(Ordering::Relaxed), 3, "3 keys past max_keys, charged to the overflow bucket");
+        // A key that would be charged to the overflow bucket reads its
+        // state: 3 of its 100 spent.
+        assert_eq!(e.peek("api", &d(&[("user", "new")])).remaining, 97);
+        assert_eq!(e.peek("api", &d(&[("user", "0")])).remaining, 99, "a key with its own bucket reads its own");
     }
 
     #[test]
