@@ -61,7 +61,6 @@ fn log_charge(c: &Compiled, logs: &mut [std::collections::VecDeque<u64>], now: u
         .expect("a rule has a limit");
     let window = l.rate.per_secs * NS;
     let remaining = l.rate.amount.saturating_sub(log.len() as u64);
-    let oldest = log.front().map_or(0, |&t| (t + window).saturating_sub(now));
     let newest = log.back().map_or(0, |&t| (t + window).saturating_sub(now));
     Status {
         code: if fits { "ok" } else { "over_limit" },
@@ -69,7 +68,7 @@ fn log_charge(c: &Compiled, logs: &mut [std::collections::VecDeque<u64>], now: u
         per_secs: l.rate.per_secs,
         remaining,
         reset_ms: ceil_ms(newest),
-        retry_after_ms: if remaining > 0 { 0 } else { ceil_ms(oldest) },
+        retry_after_ms: ceil_ms(until_room(log.iter().map(|&t| t + window), l.rate.amount, if fits { 1 } else { units.max(1) }, now)),
         ..base
     }
 }
@@ -93,16 +92,29 @@ fn lease_charge(leases: &mut std::collections::VecDeque<u64>, max: u64, lease_se
         false
     };
     let remaining = max.saturating_sub(leases.len() as u64);
-    let next_free = leases.front().map_or(0, |&e| e.saturating_sub(now));
+    let wanted = if ok { 1 } else { hits.max(1) as u64 };
     Status {
         code: if ok { "ok" } else { "over_limit" },
         limit: max,
         per_secs: lease_secs,
         remaining,
         reset_ms: ceil_ms(leases.back().map_or(0, |&e| e.saturating_sub(now))),
-        retry_after_ms: if remaining > 0 { 0 } else { ceil_ms(next_free) },
+        retry_after_ms: ceil_ms(until_room(leases.iter().copied(), max, wanted, now)),
         ..base
     }
+}
+
+/// How long from `now` until `wanted` more fit under `cap`, the entries
+/// held leaving at `ends` (in order): 0 if they fit now (or none is
+/// held), the time the entry that makes room leaves, or, for more than
+/// `cap` at once (never), until the last leaves.
+fn until_room(ends: impl ExactSizeIterator<Item = u64>, cap: u64, wanted: u64, now: u64) -> u64 {
+    let (n, must_leave) = (ends.len(), (ends.len() as u64 + wanted).saturating_sub(cap));
+    if must_leave == 0 || n == 0 {
+        return 0;
+    }
+    let mut ends = ends;
+    ends.nth((must_leave as usize).min(n) - 1).map_or(0, |t| t.saturating_sub(now))
 }
 
 /// A packet-algorithm charge: every limit's step must pass, or nothing

@@ -527,6 +527,22 @@ mod tests {
         assert_eq!(e.peek("api", &d(&[("user", "0")])).remaining, 99, "a key with its own bucket reads its own");
     }
 
+    /// Over the limit for `hits` while some room is left, the retry time
+    /// is when `hits` fit, not 0 (which the check sent as Retry-After: 1).
+    #[test]
+    fn the_retry_time_of_several_hits_is_when_they_fit() {
+        let e = engine(LOGIN);
+        let key = d(&[("auth_type", "login"), ("remote_address", "a")]);
+        for t in [10, 20, 30] {
+            assert_eq!(e.decide_at("auth", &key, 1, t * S).code, "ok");
+        }
+        // 2 left of 5 a minute; 4 more fit once the first 2 leave, at 80 s.
+        let st = e.decide_at("auth", &key, 4, 40 * S);
+        assert_eq!((st.code, st.remaining, st.retry_after_ms), ("over_limit", 2, 40_000));
+        let st = e.decide_at("auth", &key, 2, 40 * S);
+        assert_eq!((st.code, st.retry_after_ms), ("ok", 30_000), "2 fit now; the next one once the first leaves, at 70 s");
+    }
+
     #[test]
     fn the_sliding_log_never_allows_more_than_rate_in_any_window() {
         let e = engine(LOGIN);
