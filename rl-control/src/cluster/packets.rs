@@ -184,7 +184,9 @@ impl Ledger {
     /// Redis is back.
     pub fn reports(&mut self, buckets: &[SharedBucket], shares: &Shares, interval_ns: u64, now: u64) -> Vec<Report> {
         if std::mem::take(&mut self.baseline) {
-            for sb in buckets.iter().filter(|sb| shares.contains_key(&sb.id.limit())) {
+            // (Bounded as the records' tracking is: past it, a bucket
+            // reports its count, capped as any.)
+            for sb in buckets.iter().filter(|sb| shares.contains_key(&sb.id.limit())).take(TRACKED_FROM_RECORDS) {
                 let (passed, dropped) = (sb.bucket.passed, sb.bucket.dropped);
                 self.tracked.insert(sb.id, Tracked { passed, dropped, cum: 0, at_ns: now, seen_ns: now, carry: 0, recorded_ns: 0 });
             }

@@ -45,8 +45,10 @@ fn log_charge(c: &Compiled, logs: &mut [std::collections::VecDeque<u64>], now: u
         while log.front().is_some_and(|&t| t + window <= now) {
             log.pop_front();
         }
-        // A refund takes back the newest hits.
-        log.truncate(log.len().saturating_sub(hits.min(0).unsigned_abs() as usize));
+        // A refund takes back the oldest hits: which hits it gives back is
+        // not known, and the oldest were to leave first anyway (taking the
+        // newest would make room a request still in the window had taken).
+        log.drain(..log.len().min(hits.min(0).unsigned_abs() as usize));
     }
     let fits = logs.iter().zip(&rule.limits).all(|(log, l)| log.len() as u64 + units <= l.rate.amount);
     if fits {
@@ -150,19 +152,10 @@ fn packet_charge(c: &Compiled, a: Algorithm, words: &mut [u64], now: u64, hits: 
         .enumerate()
         .min_by_key(|(_, q)| q.remaining)
         .expect("a rule has a limit");
-    // The quota the headers state: what the limit lets through at once (a
-    // token bucket's burst, a window's cap, as enforced: soft mode's margin
-    // included), over the time that takes to come back (the burst's refill,
-    // rounded up to whole seconds; the window): so `remaining` never
-    // exceeds `limit`, and Envoy's `requests_per_unit` is still the rate.
-    let per_secs = match a {
-        Algorithm::TokenBucket => (u128::from(q.limit) * u128::from(c.limits[i].a)).div_ceil(u128::from(NS)).max(1) as u64,
-        _ => rule.limits[i].rate.per_secs,
-    };
     Status {
         code: if over { "over_limit" } else { "ok" },
-        limit: q.limit,
-        per_secs,
+        limit: rule.limits[i].rate.amount,
+        per_secs: rule.limits[i].rate.per_secs,
         remaining: q.remaining,
         reset_ms: ceil_ms(q.reset_ns),
         retry_after_ms: ceil_ms(q.retry_after_ns),

@@ -325,22 +325,21 @@ impl Engine {
         let mut key = Key::new(c.slot, values_hash(entries));
         let mut shard = self.shard(&key);
         if !shard.contains_key(&key) {
-            let full = self.keys.load(Ordering::Relaxed) >= self.max_keys;
-            if hits < 0 || full {
+            if hits < 0 {
+                // A refund for a key without a bucket: what it gives back
+                // has expired, or went to the rule's overflow bucket, which
+                // cannot tell its hits from other keys': nothing is given
+                // back (a permit left there expires), and no bucket made.
+                drop(shard);
+                return charge(c, &mut new_bucket(c), now, hits, self.epoch_offset_ns);
+            }
+            if self.keys.load(Ordering::Relaxed) >= self.max_keys {
                 // Full: the rule's overflow bucket (fails closed, coarser).
-                // A refund for a key without a bucket gives back what the
-                // overflow bucket took (the store was full when it was
-                // charged), or what has expired since: never a bucket made
-                // for it.
                 key = Key::new(c.slot, OVERFLOW);
                 drop(shard);
                 shard = self.shard(&key);
                 if hits > 0 {
                     c.counters.overflow.fetch_add(1, Ordering::Relaxed);
-                }
-                if hits < 0 && !shard.contains_key(&key) {
-                    drop(shard);
-                    return charge(c, &mut new_bucket(c), now, hits, self.epoch_offset_ns);
                 }
             } else {
                 self.keys.fetch_add(1, Ordering::Relaxed);
@@ -489,20 +488,6 @@ mod tests {
         }
     }
 
-    /// The quota a status states never has `remaining` above `limit`: a
-    /// token bucket's is its burst over the burst's refill time (it said
-    /// 10 with 49 remaining), and Envoy's rate from it is the rule's.
-    #[test]
-    fn a_token_buckets_quota_is_its_burst_over_its_refill() {
-        let e = engine("[[l7.rule]]\nname = \"r\"\ndomain = \"api\"\ndescriptor = [{ key = \"user\" }]\nrate = 10\nburst = 50\n");
-        let st = e.decide_at("api", &d(&[("user", "u")]), 1, 10 * S);
-        assert_eq!((st.limit, st.per_secs, st.remaining), (50, 5, 49));
-        assert_eq!(crate::l7::grpc::envoy_unit(st.limit, st.per_secs).1, 10, "Envoy reads 10 a second");
-        let e = engine("[[l7.rule]]\nname = \"r\"\ndomain = \"api\"\ndescriptor = [{ key = \"user\" }]\nrate = 5\nper = \"1m\"\nalgorithm = \"fixed_window\"\n");
-        let st = e.decide_at("api", &d(&[("user", "u")]), 1, 10 * S);
-        assert_eq!((st.limit, st.per_secs, st.remaining), (5, 60, 4), "a window's: its cap per window");
-    }
-
     /// With the store full (8 keys here), new keys share the rule's
     /// overflow bucket, and each such charge is counted for the metrics.
     #[test]
@@ -525,6 +510,34 @@ mod tests {
         // state: 3 of its 100 spent.
         assert_eq!(e.peek("api", &d(&[("user", "new")])).remaining, 97);
         assert_eq!(e.peek("api", &d(&[("user", "0")])).remaining, 99, "a key with its own bucket reads its own");
+    }
+
+    /// A refund gives back the log's oldest entry (which hits it gives
+    /// back is not known; the newest would free room a request still in
+    /// the window had taken), and a refund for a key without a bucket
+    /// gives nothing back, even to the overflow bucket, whose permits may
+    /// be other keys'.
+    #[test]
+    fn refunds_err_on_the_side_of_the_limit() {
+        let e = engine("[[l7.rule]]\nname = \"r\"\ndomain = \"api\"\ndescriptor = [{ key = \"user\" }]\nrate = 2\nper = \"1m\"\nalgorithm = \"sliding_log\"\n");
+        let user = d(&[("user", "u")]);
+        for t in [0, 50] {
+            assert_eq!(e.decide_at("api", &user, 1, (600 + t) * S).code, "ok");
+        }
+        e.decide_at("api", &user, -1, 655 * S);
+        assert_eq!(e.decide_at("api", &user, 1, 661 * S).code, "ok", "the entry of 600 s given back; 650 s's stays");
+        assert_eq!(e.decide_at("api", &user, 1, 661 * S).code, "over_limit", "2 in the minute from 650 s");
+
+        let e = engine("[[l7.rule]]\nname = \"c\"\ndomain = \"api\"\ndescriptor = [{ key = \"user\" }]\nalgorithm = \"concurrency\"\nmax = 2\n");
+        for i in 0..8 {
+            assert_eq!(e.decide_at("api", &d(&[("user", &i.to_string())]), 1, 10 * S).code, "ok");
+        }
+        // The store is full: new keys share the overflow bucket's 2 permits.
+        for y in ["y1", "y2"] {
+            assert_eq!(e.decide_at("api", &d(&[("user", y)]), 1, 10 * S).code, "ok");
+        }
+        e.decide_at("api", &d(&[("user", "x")]), -1, 10 * S);
+        assert_eq!(e.decide_at("api", &d(&[("user", "y3")]), 1, 10 * S).code, "over_limit", "x's refund freed no one's permit");
     }
 
     /// Over the limit for `hits` while some room is left, the retry time
