@@ -106,6 +106,16 @@ fn first_time(now: u64, horizon: u64, ok: impl Fn(u64) -> bool) -> u64 {
     hi
 }
 
+/// How long from `now` until `units` more fit at once under `limit` from
+/// state `word` (0 if they fit now): a request of several hits over the
+/// limit while some room is left ([`Quota::retry_after_ns`] is for one).
+/// More than the limit ever holds: the wait until it is full again.
+pub fn wait_for(limit: &LimitEntry, word: u64, now: u64, epoch_offset_ns: u64, units: u64) -> u64 {
+    let horizon = if limit.kind & 0xff == LIMIT_GCRA { limit.b } else { limit.a.saturating_mul(2) }.saturating_add(1);
+    let want = units.min(capacity(limit, now, epoch_offset_ns).max(1));
+    first_time(now, horizon, |t| remaining(limit, word, t, epoch_offset_ns) >= want)
+}
+
 /// The quota of `limit` for a key in state `word` at `now` (ktime ns; the
 /// limit's windows are aligned with `epoch_offset_ns`, as in the datapath).
 pub fn quota(limit: &LimitEntry, word: u64, now: u64, epoch_offset_ns: u64) -> Quota {
@@ -201,6 +211,20 @@ mod tests {
         let q = quota(&l, word, 100 * S, 0);
         assert_eq!((q.remaining, q.retry_after_ns, q.reset_ns), (0, S / 10, S / 2));
         check(&l, word, 100 * S, 0);
+    }
+
+    /// Several units wait for room for all of them: at 1/s with burst 10,
+    /// 8 spent, 5 more fit in 3 s; past the burst, until it is full.
+    #[test]
+    fn several_units_wait_for_room_for_all() {
+        let l = gcra(1, 10);
+        let (word, _) = send(&l, 0, 100 * S, 8, 0);
+        assert_eq!(wait_for(&l, word, 100 * S, 0, 5), 3 * S);
+        assert_eq!(wait_for(&l, word, 100 * S, 0, 2), 0);
+        assert_eq!(wait_for(&l, word, 100 * S, 0, 50), 8 * S, "more than the burst: until full");
+        let w = LimitEntry { kind: LIMIT_FIXED, shift: 0, a: 10 * S, b: 3 };
+        let (word, _) = send(&w, 0, 104 * S, 2, 0);
+        assert_eq!(wait_for(&w, word, 104 * S, 0, 2), 6 * S, "the next window");
     }
 
     #[test]

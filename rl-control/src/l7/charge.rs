@@ -152,13 +152,19 @@ fn packet_charge(c: &Compiled, a: Algorithm, words: &mut [u64], now: u64, hits: 
         .enumerate()
         .min_by_key(|(_, q)| q.remaining)
         .expect("a rule has a limit");
+    // Over for several hits: when all of them fit under every limit.
+    let retry_ns = if over && units > 1 {
+        c.limits.iter().zip(words.iter()).map(|(l, w)| rl_common::quota::wait_for(l, *w, now, epoch, units)).max().unwrap_or(0)
+    } else {
+        q.retry_after_ns
+    };
     Status {
         code: if over { "over_limit" } else { "ok" },
         limit: rule.limits[i].rate.amount,
         per_secs: rule.limits[i].rate.per_secs,
         remaining: q.remaining,
         reset_ms: ceil_ms(q.reset_ns),
-        retry_after_ms: ceil_ms(q.retry_after_ns),
+        retry_after_ms: ceil_ms(retry_ns),
         ..base
     }
 }

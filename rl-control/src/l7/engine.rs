@@ -554,6 +554,12 @@ mod tests {
         assert_eq!((st.code, st.remaining, st.retry_after_ms), ("over_limit", 2, 40_000));
         let st = e.decide_at("auth", &key, 2, 40 * S);
         assert_eq!((st.code, st.retry_after_ms), ("ok", 30_000), "2 fit now; the next one once the first leaves, at 70 s");
+        // A token bucket at 1/s with burst 10, 8 spent: 5 more in 3 s.
+        let e = engine("[[l7.rule]]\nname = \"r\"\ndomain = \"api\"\ndescriptor = [{ key = \"user\" }]\nrate = 1\nburst = 10\n");
+        let user = d(&[("user", "u")]);
+        assert_eq!(e.decide_at("api", &user, 8, 100 * S).code, "ok");
+        let st = e.decide_at("api", &user, 5, 100 * S);
+        assert_eq!((st.code, st.remaining, st.retry_after_ms), ("over_limit", 2, 3_000));
     }
 
     #[test]
