@@ -24,8 +24,9 @@ pub(super) fn rule_definition(r: &Rule, v4_default: u8, v6_default: u8) -> (&Rul
 /// The datapath's entry for rule `r` (its bucket id, masks and limits as
 /// written), with `[datapath]`'s default prefixes.
 pub fn rule_entry(r: &Rule, v4_default: u8, v6_default: u8) -> RuleEntry {
-    let (v4, v6) = key_prefixes(r, v4_default, v6_default);
-    let id = stable_id(&rule_definition(r, v4_default, v6_default));
+    let definition = rule_definition(r, v4_default, v6_default);
+    let (_, v4, v6) = definition;
+    let id = stable_id(&definition);
     let mut limits = [LimitEntry::default(); MAX_LIMITS];
     for (slot, l) in limits.iter_mut().zip(&r.limits) {
         *slot = limit_entry(r.algorithm, l.unit, &l.enforced(r.mode));

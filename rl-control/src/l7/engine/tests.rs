@@ -1,0 +1,312 @@
+//! The request engine's tests: matching, each algorithm's bound with
+//! threads racing, refunds, the overflow bucket, reloads.
+
+use super::*;
+use crate::config::Config;
+
+const S: u64 = NS;
+
+fn engine(rules: &str) -> Engine {
+    let c = Config::from_str(&format!("[default]\nrate = 1\n[l7]\nmax_keys = 8\n{rules}"), "t").unwrap();
+    Engine::new(&c.l7, 0, None)
+}
+
+fn d(pairs: &[(&str, &str)]) -> Vec<DescriptorEntry> {
+    pairs.iter().map(|(k, v)| DescriptorEntry { key: k.to_string(), value: v.to_string() }).collect()
+}
+
+const LOGIN: &str = "[[l7.rule]]\nname = \"login\"\ndomain = \"auth\"\n\
+    descriptor = [{ key = \"auth_type\", value = \"login\" }, { key = \"remote_address\" }]\n\
+    rate = 5\nper = \"1m\"\nalgorithm = \"sliding_log\"\n";
+
+#[test]
+fn descriptors_match_by_keys_in_order_and_given_values_and_each_value_has_its_bucket() {
+    let e = engine(LOGIN);
+    let ip = |a: &str| d(&[("auth_type", "login"), ("remote_address", a)]);
+    for _ in 0..5 {
+        assert_eq!(e.decide_at("auth", &ip("192.0.2.7"), 1, 10 * S).code, "ok");
+    }
+    assert_eq!(e.decide_at("auth", &ip("192.0.2.7"), 1, 10 * S).code, "over_limit");
+    assert_eq!(e.decide_at("auth", &ip("192.0.2.8"), 1, 10 * S).code, "ok", "another value, another bucket");
+    for other in [d(&[("auth_type", "signup"), ("remote_address", "x")]), d(&[("remote_address", "x"), ("auth_type", "login")]), d(&[("auth_type", "login")])] {
+        assert_eq!(e.decide_at("auth", &other, 1, 10 * S).code, "unmatched", "{other:?}");
+    }
+    assert_eq!(e.decide_at("other", &ip("192.0.2.7"), 1, 10 * S).code, "unmatched", "another domain");
+    assert_eq!(e.unmatched.load(Ordering::Relaxed), 4);
+}
+
+/// Hits whose cost does not fit 64 bits are over the limit: on "1 a
+/// day", 213,504 hits' cost wrapped to 1,526 s, inside the day's burst
+/// span, and passed.
+#[test]
+fn hits_whose_cost_would_wrap_are_over_the_limit() {
+    let e = engine("[[l7.rule]]\nname = \"daily\"\ndomain = \"api\"\ndescriptor = [{ key = \"user\" }]\nrate = 1\nper = \"1d\"\n");
+    let user = d(&[("user", "u")]);
+    assert_eq!(e.decide_at("api", &user, 213_504, 10 * S).code, "over_limit");
+    assert_eq!(e.decide_at("api", &user, 1, 10 * S).code, "ok", "and nothing was charged");
+    assert_eq!(e.decide_at("api", &user, 1, 10 * S).code, "over_limit");
+}
+
+/// A refund (negative hits, Envoy's `is_negative_hits`) gives hits back
+/// to every algorithm, never past a full bucket, and makes no bucket
+/// for a key without one.
+#[test]
+fn a_refund_gives_hits_back_and_never_more_than_a_full_bucket() {
+    for algorithm in ["token_bucket", "fixed_window", "sliding_window", "sliding_log"] {
+        let e = engine(&format!("[[l7.rule]]\nname = \"r\"\ndomain = \"api\"\ndescriptor = [{{ key = \"user\" }}]\nrate = 10\nper = \"1m\"\nalgorithm = \"{algorithm}\"\n"));
+        let user = d(&[("user", "u")]);
+        let t = 600 * S + S / 2;
+        assert_eq!(e.decide_at("api", &user, 10, t).code, "ok", "{algorithm}");
+        assert_eq!(e.decide_at("api", &user, 1, t).code, "over_limit", "{algorithm}");
+        let refunded = e.decide_at("api", &user, -5, t);
+        assert_eq!((refunded.code, refunded.remaining), ("ok", 5), "{algorithm}");
+        assert_eq!(e.decide_at("api", &user, 5, t).code, "ok", "{algorithm}: the 5 given back");
+        assert_eq!(e.decide_at("api", &user, 1, t).code, "over_limit", "{algorithm}: and no more");
+        // Never past a full bucket: a refund of 100 on an empty key.
+        let other = d(&[("user", "v")]);
+        let keys = e.keys.load(Ordering::Relaxed);
+        assert_eq!(e.decide_at("api", &other, -100, t).code, "ok");
+        assert_eq!(e.keys.load(Ordering::Relaxed), keys, "{algorithm}: no bucket made for a refund");
+        assert_eq!(e.decide_at("api", &other, 10, t).code, "ok", "{algorithm}");
+        assert_eq!(e.decide_at("api", &other, -100, t).remaining, 10, "{algorithm}: full, not more");
+        assert_eq!(e.decide_at("api", &other, 11, t).code, "over_limit", "{algorithm}");
+    }
+}
+
+/// With the store full (8 keys here), new keys share the rule's
+/// overflow bucket, and each such charge is counted for the metrics.
+#[test]
+fn charges_to_the_overflow_bucket_are_counted() {
+    // 100 a day: nothing refills while the test runs on the real clock
+    // (`peek` reads it).
+    let e = engine("[[l7.rule]]\nname = \"r\"\ndomain = \"api\"\ndescriptor = [{ key = \"user\" }]\nrate = 100\nper = \"1d\"\n");
+    let t = now_ns();
+    for i in 0..8 {
+        assert_eq!(e.decide_at("api", &d(&[("user", &i.to_string())]), 1, t).code, "ok");
+    }
+    let (_, c) = e.counters().next().unwrap();
+    assert_eq!(c.overflow.load(Ordering::Relaxed), 0);
+    for i in 8..11 {
+        e.decide_at("api", &d(&[("user", &i.to_string())]), 1, t);
+    }
+    let (_, c) = e.counters().next().unwrap();
+    assert_eq!(c.overflow.load(Ordering::Relaxed), 3, "3 keys past max_keys, charged to the overflow bucket");
+    // A key that would be charged to the overflow bucket reads its
+    // state: 3 of its 100 spent.
+    assert_eq!(e.peek("api", &d(&[("user", "new")])).remaining, 97);
+    assert_eq!(e.peek("api", &d(&[("user", "0")])).remaining, 99, "a key with its own bucket reads its own");
+}
+
+/// A refund gives back the log's oldest entry (which hits it gives
+/// back is not known; the newest would free room a request still in
+/// the window had taken), and a refund for a key without a bucket
+/// gives nothing back, even to the overflow bucket, whose permits may
+/// be other keys'.
+#[test]
+fn refunds_err_on_the_side_of_the_limit() {
+    let e = engine("[[l7.rule]]\nname = \"r\"\ndomain = \"api\"\ndescriptor = [{ key = \"user\" }]\nrate = 2\nper = \"1m\"\nalgorithm = \"sliding_log\"\n");
+    let user = d(&[("user", "u")]);
+    for t in [0, 50] {
+        assert_eq!(e.decide_at("api", &user, 1, (600 + t) * S).code, "ok");
+    }
+    e.decide_at("api", &user, -1, 655 * S);
+    assert_eq!(e.decide_at("api", &user, 1, 661 * S).code, "ok", "the entry of 600 s given back; 650 s's stays");
+    assert_eq!(e.decide_at("api", &user, 1, 661 * S).code, "over_limit", "2 in the minute from 650 s");
+
+    let e = engine("[[l7.rule]]\nname = \"c\"\ndomain = \"api\"\ndescriptor = [{ key = \"user\" }]\nalgorithm = \"concurrency\"\nmax = 2\n");
+    for i in 0..8 {
+        assert_eq!(e.decide_at("api", &d(&[("user", &i.to_string())]), 1, 10 * S).code, "ok");
+    }
+    // The store is full: new keys share the overflow bucket's 2 permits.
+    for y in ["y1", "y2"] {
+        assert_eq!(e.decide_at("api", &d(&[("user", y)]), 1, 10 * S).code, "ok");
+    }
+    e.decide_at("api", &d(&[("user", "x")]), -1, 10 * S);
+    assert_eq!(e.decide_at("api", &d(&[("user", "y3")]), 1, 10 * S).code, "over_limit", "x's refund freed no one's permit");
+}
+
+/// Over the limit for `hits` while some room is left, the retry time
+/// is when `hits` fit, not 0 (which the check sent as Retry-After: 1).
+#[test]
+fn the_retry_time_of_several_hits_is_when_they_fit() {
+    let e = engine(LOGIN);
+    let key = d(&[("auth_type", "login"), ("remote_address", "a")]);
+    for t in [10, 20, 30] {
+        assert_eq!(e.decide_at("auth", &key, 1, t * S).code, "ok");
+    }
+    // 2 left of 5 a minute; 4 more fit once the first 2 leave, at 80 s.
+    let st = e.decide_at("auth", &key, 4, 40 * S);
+    assert_eq!((st.code, st.remaining, st.retry_after_ms), ("over_limit", 2, 40_000));
+    let st = e.decide_at("auth", &key, 2, 40 * S);
+    assert_eq!((st.code, st.retry_after_ms), ("ok", 30_000), "2 fit now; the next one once the first leaves, at 70 s");
+    // A token bucket at 1/s with burst 10, 8 spent: 5 more in 3 s.
+    let e = engine("[[l7.rule]]\nname = \"r\"\ndomain = \"api\"\ndescriptor = [{ key = \"user\" }]\nrate = 1\nburst = 10\n");
+    let user = d(&[("user", "u")]);
+    assert_eq!(e.decide_at("api", &user, 8, 100 * S).code, "ok");
+    let st = e.decide_at("api", &user, 5, 100 * S);
+    assert_eq!((st.code, st.remaining, st.retry_after_ms), ("over_limit", 2, 3_000));
+}
+
+#[test]
+fn the_sliding_log_never_allows_more_than_rate_in_any_window() {
+    let e = engine(LOGIN);
+    let key = d(&[("auth_type", "login"), ("remote_address", "a")]);
+    // Requests at pseudo-random moments over 10 minutes.
+    let mut t = 1_000 * S;
+    let mut seed = 12345u64;
+    let mut allowed = Vec::new();
+    for _ in 0..5_000 {
+        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        t += (seed >> 33) % (300 * 1_000_000); // up to 0.3 s apart
+        if e.decide_at("auth", &key, 1, t).code == "ok" {
+            allowed.push(t);
+        }
+    }
+    for (i, &start) in allowed.iter().enumerate() {
+        let in_window = allowed[i..].iter().take_while(|&&x| x < start + 60 * S).count();
+        assert!(in_window <= 5, "{in_window} allowed in the minute from {start}");
+    }
+    assert!(allowed.len() >= 5 * 9, "the log let too few through: {}", allowed.len());
+}
+
+#[test]
+fn concurrency_never_has_more_than_max_out_with_8_threads_racing() {
+    let e = Arc::new(engine("[[l7.rule]]\nname = \"uploads\"\ndomain = \"api\"\ndescriptor = [{ key = \"user\" }]\nalgorithm = \"concurrency\"\nmax = 3\n"));
+    let out = Arc::new(AtomicU64::new(0));
+    let peak = Arc::new(AtomicU64::new(0));
+    let threads: Vec<_> = (0..8)
+        .map(|_| {
+            let (e, out, peak) = (e.clone(), out.clone(), peak.clone());
+            std::thread::spawn(move || {
+                let key = d(&[("user", "alice")]);
+                for _ in 0..2_000 {
+                    if e.decide("api", &key, 1).code == "ok" {
+                        let n = out.fetch_add(1, Ordering::SeqCst) + 1;
+                        peak.fetch_max(n, Ordering::SeqCst);
+                        std::hint::spin_loop();
+                        out.fetch_sub(1, Ordering::SeqCst);
+                        assert_eq!(e.decide("api", &key, -1).code, "ok");
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let p = peak.load(Ordering::SeqCst);
+    assert!((1..=3).contains(&p), "peak {p} permits out, max 3");
+}
+
+#[test]
+fn every_algorithm_holds_its_bound_with_8_threads_racing_on_one_key() {
+    // Within one hour, each rule allows exactly its amount, however the
+    // threads interleave.
+    for (algorithm, extra, allowed) in [
+        ("token_bucket", "burst = 100\n", 100),
+        ("fixed_window", "", 100),
+        ("sliding_window", "", 100),
+        ("sliding_log", "", 100),
+    ] {
+        let e = Arc::new(engine(&format!(
+            "[[l7.rule]]\nname = \"r\"\ndomain = \"d\"\ndescriptor = [{{ key = \"k\" }}]\nrate = 100\nper = \"1h\"\n{extra}algorithm = \"{algorithm}\"\n"
+        )));
+        let ok = Arc::new(AtomicU64::new(0));
+        let threads: Vec<_> = (0..8)
+            .map(|_| {
+                let (e, ok) = (e.clone(), ok.clone());
+                std::thread::spawn(move || {
+                    for _ in 0..500 {
+                        if e.decide("d", &d(&[("k", "same")]), 1).code == "ok" {
+                            ok.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        let got = ok.load(Ordering::Relaxed);
+        // A window that began just before the run may let the rest of
+        // its count through; 100 per hour from one start is the bound.
+        if algorithm == "fixed_window" {
+            assert!(got <= 2 * allowed && got >= 1, "{algorithm}: {got}");
+        } else {
+            assert_eq!(got, allowed, "{algorithm}: {got} of 4,000 racing requests passed");
+        }
+    }
+}
+
+#[test]
+fn an_elastic_rule_lends_its_pool_to_keys_over_their_own_limit() {
+    let e = engine("[[l7.rule]]\nname = \"el\"\ndomain = \"api\"\ndescriptor = [{ key = \"u\" }]\nrate = 1\nper = \"1h\"\nmode = \"elastic\"\npool_rate = 3\npool_per = \"1h\"\n");
+    let codes = |who: &str, n: usize| (0..n).map(|_| e.decide_at("api", &d(&[("u", who)]), 1, S).code).collect::<Vec<_>>();
+    assert_eq!(codes("a", 5), ["ok", "ok", "ok", "ok", "over_limit"], "1 own, 3 from the pool");
+    assert_eq!(codes("b", 2), ["ok", "over_limit"], "its own, and the pool is spent");
+    assert_eq!(e.keys(), 2, "the pool is not a key");
+}
+
+#[test]
+fn leases_expire_and_refunds_release() {
+    let e = engine("[[l7.rule]]\nname = \"c\"\ndomain = \"api\"\ndescriptor = [{ key = \"u\" }]\nalgorithm = \"concurrency\"\nmax = 2\nlease = \"10s\"\n");
+    let k = d(&[("u", "x")]);
+    assert_eq!(e.decide_at("api", &k, 1, S).code, "ok");
+    assert_eq!(e.decide_at("api", &k, 1, S).code, "ok");
+    let over = e.decide_at("api", &k, 1, 2 * S);
+    assert_eq!((over.code, over.remaining, over.retry_after_ms), ("over_limit", 0, 9_000));
+    assert_eq!(e.decide_at("api", &k, -1, 3 * S).code, "ok");
+    assert_eq!(e.decide_at("api", &k, 1, 3 * S).code, "ok", "a refund released a permit");
+    assert_eq!(e.decide_at("api", &k, 1, 12 * S).code, "ok", "leaked permits expired after 10 s");
+}
+
+#[test]
+fn token_buckets_pass_their_burst_and_shadow_rules_only_count() {
+    let e = engine("[[l7.rule]]\nname = \"tb\"\ndomain = \"api\"\ndescriptor = [{ key = \"u\" }]\nrate = 10\nburst = 3\n\
+        [[l7.rule]]\nname = \"sh\"\ndomain = \"api\"\ndescriptor = [{ key = \"s\" }]\nrate = 1\naction = \"shadow\"\n");
+    let k = d(&[("u", "x")]);
+    let codes: Vec<&str> = (0..5).map(|_| e.decide_at("api", &k, 1, 5 * S).code).collect();
+    assert_eq!(codes, ["ok", "ok", "ok", "over_limit", "over_limit"]);
+    let s = e.decide_at("api", &k, 1, 5 * S + S / 10);
+    assert_eq!(s.code, "ok", "a token every 100 ms");
+    let sh = d(&[("s", "y")]);
+    for _ in 0..5 {
+        assert_eq!(e.decide_at("api", &sh, 1, 5 * S).code, "ok");
+    }
+    let (_, c) = e.counters().find(|(n, _)| *n == "sh").unwrap();
+    assert_eq!((c.ok.load(Ordering::Relaxed), c.shadow_over.load(Ordering::Relaxed)), (1, 4));
+}
+
+#[test]
+fn a_full_store_charges_newcomers_to_the_overflow_bucket_and_never_evicts_a_limited_key() {
+    let e = engine("[[l7.rule]]\nname = \"one\"\ndomain = \"api\"\ndescriptor = [{ key = \"u\" }]\nrate = 1\nper = \"1h\"\n");
+    let k = |i: u32| d(&[("u", &i.to_string())]);
+    assert_eq!(e.decide_at("api", &k(0), 1, S).code, "ok");
+    assert_eq!(e.decide_at("api", &k(0), 1, S).code, "over_limit");
+    // max_keys = 8: 7 more keys fit, then newcomers share one bucket.
+    let passed = (1..100).filter(|&i| e.decide_at("api", &k(i), 1, S).code == "ok").count();
+    assert_eq!(passed, 7 + 1, "7 own buckets, then one pass from the shared overflow bucket");
+    assert_eq!(e.keys(), 8);
+    assert_eq!(e.decide_at("api", &k(0), 1, 2 * S).code, "over_limit", "the limited key kept its state");
+    assert_eq!(e.collect_at(2 * S), 0, "nothing fresh within the hour");
+    assert_eq!(e.keys(), 8);
+    assert_eq!(e.collect_at(2 * 3600 * S), 8, "all fresh after two hours");
+    assert_eq!(e.keys(), 0);
+    assert_eq!(e.decide_at("api", &k(50), 1, 2 * 3600 * S).code, "ok", "room again: a bucket of its own");
+}
+
+#[test]
+fn a_reload_keeps_the_buckets_of_unchanged_rules() {
+    let e = engine(LOGIN);
+    let k = d(&[("auth_type", "login"), ("remote_address", "a")]);
+    for _ in 0..5 {
+        e.decide_at("auth", &k, 1, S);
+    }
+    let same = Config::from_str(&format!("[default]\nrate = 1\n[l7]\nmax_keys = 8\n{LOGIN}"), "t").unwrap();
+    let e2 = Engine::new(&same.l7, 0, Some(&e));
+    assert_eq!(e2.decide_at("auth", &k, 1, 2 * S).code, "over_limit", "unchanged rule, same bucket");
+    let changed = Config::from_str(&format!("[default]\nrate = 1\n[l7]\nmax_keys = 8\n{}", LOGIN.replace("rate = 5", "rate = 6")), "t").unwrap();
+    let e3 = Engine::new(&changed.l7, 0, Some(&e2));
+    assert_eq!(e3.decide_at("auth", &k, 1, 3 * S).code, "ok", "a changed rule starts fresh");
+    assert_eq!(e3.keys(), 1);
+}
