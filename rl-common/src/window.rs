@@ -34,13 +34,8 @@ pub fn fixed_window(word: u64, now: u64, window_ns: u64, max: u64, cost: u64) ->
     }
     let now_w = (now / window_ns) & FIXED_INDEX_MASK;
     let idx = word >> FIXED_COUNT_BITS;
-    // 0: the word is of now's window, 1: of the next one, more (2 or 3
-    // too for the never-charged word 0, which would otherwise read as the
-    // next window's every 2²⁴ windows): another. (Arithmetic and one
-    // test, so that the verifier's walk stays about as it was.)
-    let empty = never_charged(word);
-    let d = (idx.wrapping_sub(now_w) & FIXED_INDEX_MASK) | empty << 1;
-    let (w, count) = if d <= 1 { (idx, word & FIXED_COUNT_MASK) } else { (now_w, 0) };
+    // (One test, so that the verifier's walk stays about as it was.)
+    let (w, count) = if window_from(idx, now_w, FIXED_INDEX_MASK, word, FIXED_COUNT_MASK) <= 1 { (idx, word & FIXED_COUNT_MASK) } else { (now_w, 0) };
     let next = count + cost;
     if next > max {
         return None;
@@ -54,7 +49,7 @@ pub fn fixed_window(word: u64, now: u64, window_ns: u64, max: u64, cost: u64) ->
 pub fn fixed_refund(word: u64, now: u64, window_ns: u64, cost: u64) -> u64 {
     let now_w = (now / window_ns.max(1)) & FIXED_INDEX_MASK;
     let idx = word >> FIXED_COUNT_BITS;
-    if idx.wrapping_sub(now_w) & FIXED_INDEX_MASK > 1 {
+    if window_from(idx, now_w, FIXED_INDEX_MASK, word, FIXED_COUNT_MASK) > 1 {
         return word;
     }
     idx << FIXED_COUNT_BITS | (word & FIXED_COUNT_MASK).saturating_sub(cost)
@@ -64,13 +59,17 @@ pub fn fixed_refund(word: u64, now: u64, window_ns: u64, cost: u64) -> u64 {
 /// less them (not below 0) if it is of `now`'s window or the next, else
 /// the word as it is (a word of the window before keeps its count, which
 /// now weighs as the previous window's: what passed then stays passed).
+/// While the word's previous count is not 0 its current count stays at
+/// least 1 (one unit not given back): a current count of 0 marks a word
+/// of no window ([`window_from`]), which would forget the previous one.
 pub fn sliding_refund(word: u64, now: u64, window_ns: u64, cost: u64) -> u64 {
     let now_w = (now / window_ns.max(1)) & 0xff;
     let idx = word >> (2 * SLIDE_BITS);
-    if idx.wrapping_sub(now_w) & 0xff > 1 {
+    if window_from(idx, now_w, 0xff, word, SLIDE_MASK) > 1 {
         return word;
     }
-    (word & !SLIDE_MASK) | (word & SLIDE_MASK).saturating_sub(cost)
+    let keep = u64::from((word >> SLIDE_BITS) & SLIDE_MASK != 0);
+    (word & !SLIDE_MASK) | (word & SLIDE_MASK).saturating_sub(cost).max(keep)
 }
 
 /// The fixed-window word of a bucket that used its cap `max` in the window
@@ -84,11 +83,20 @@ pub fn fixed_drained(now: u64, window_ns: u64, max: u64) -> u64 {
     w << FIXED_COUNT_BITS | if max < FIXED_COUNT_MASK { max } else { FIXED_COUNT_MASK }
 }
 
-/// 1 for the never-charged word 0, else 0 (without a branch: BPF has no
-/// conditional move, and each branch here multiplies the verifier's walk).
+/// Where window index `idx` of state `word` lies from now's window `now_w`
+/// (indexes kept mod `mask + 1`): 0 now's, 1 the next one, `mask` the one
+/// before, else another. A word whose current count (`count_mask`) is 0,
+/// the never-charged word 0 above all, is never now's or the next:
+/// without that, index 0 would read as the next window's once per wrap of
+/// the index. (Every charge leaves a count of at least 1, and a sliding
+/// refund keeps 1 while the previous count is not 0.) Without a branch:
+/// BPF has no conditional move, and each branch here multiplies the
+/// verifier's walk (the whole-word test `word == 0` walked 128,000 more
+/// instructions than this one).
 #[inline(always)]
-const fn never_charged(word: u64) -> u64 {
-    ((word | word.wrapping_neg()) >> 63) ^ 1
+const fn window_from(idx: u64, now_w: u64, mask: u64, word: u64, count_mask: u64) -> u64 {
+    let never_charged = (word & count_mask).wrapping_sub(1) >> 63;
+    (idx.wrapping_sub(now_w) & mask) | never_charged << 1
 }
 
 /// Sliding window: `[window index mod 2⁸ : 8 | previous : 28 | current : 28]`.
@@ -120,12 +128,9 @@ pub fn sliding_window(word: u64, now: u64, window_ns: u64, max: u64, cost: u64) 
     let into = now - full * window_ns;
     let now_w = full & 0xff;
     let idx = word >> (2 * SLIDE_BITS);
-    // 0: the word is of now's window, 1: of the next one (then all of its
-    // window is still ahead: `into` 0), 255: of the one before, more:
-    // another. As in [`fixed_window`], the never-charged word 0 is never
-    // of now's or the next window.
-    let empty = never_charged(word);
-    let d = (idx.wrapping_sub(now_w) & 0xff) | empty << 1;
+    // Of now's window, of the next one (then all of its window is still
+    // ahead: `into` 0), of the one before (255), or another.
+    let d = window_from(idx, now_w, 0xff, word, SLIDE_MASK);
     let (w, prev, cur, into) = if d <= 1 {
         (idx, (word >> SLIDE_BITS) & SLIDE_MASK, word & SLIDE_MASK, into * (d ^ 1))
     } else if d == 0xff {
@@ -338,6 +343,19 @@ mod tests {
         assert_eq!(first >> FIXED_COUNT_BITS, (1 << 24) - 1);
         let first = sliding_window(0, 255 * SEC, SEC, max, max).unwrap();
         assert_eq!(first >> (2 * SLIDE_BITS), 255);
+    }
+
+    /// A refund never forgets a sliding word's previous count: with it
+    /// not 0, the current count stays at least 1.
+    #[test]
+    fn a_sliding_refund_keeps_the_previous_windows_count() {
+        let w = sliding_window(0, 10 * SEC, SEC, 10, 8).unwrap();
+        let w = sliding_window(w, 11 * SEC, SEC, 10, 2).unwrap();
+        let refunded = sliding_refund(w, 11 * SEC, SEC, 5);
+        assert_eq!((refunded >> SLIDE_BITS) & SLIDE_MASK, 8, "window 10's 8 kept");
+        assert_eq!(refunded & SLIDE_MASK, 1, "one unit kept so the word stays of window 11");
+        assert_eq!(sliding_window(refunded, 11 * SEC, SEC, 10, 2), None, "8 + 1 of 10: 2 more do not fit");
+        assert_eq!(fixed_refund(fixed_window(0, 11 * SEC, SEC, 10, 3).unwrap(), 11 * SEC, SEC, 5) & FIXED_COUNT_MASK, 0);
     }
 
     #[test]
