@@ -30,6 +30,7 @@ fn config(redis: &str, node: &str, on_failure: &str, tb_burst: u64) -> String {
          [[l7.rule]]\nname = \"log\"\ndomain = \"d\"\ndescriptor = [{{ key = \"log\" }}]\nrate = {LIMIT}\nper = \"1m\"\nalgorithm = \"sliding_log\"\nscope = \"cluster\"\n\
          [[l7.rule]]\nname = \"sem\"\ndomain = \"d\"\ndescriptor = [{{ key = \"sem\" }}]\nalgorithm = \"concurrency\"\nmax = 3\nscope = \"cluster\"\n\
          [[l7.rule]]\nname = \"bt\"\ndomain = \"d\"\ndescriptor = [{{ key = \"bt\" }}]\nrate = 20\nper = \"1s\"\nburst = 5\nscope = \"cluster\"\nbatch = \"20ms\"\n\
+         [[l7.rule]]\nname = \"two\"\ndomain = \"d\"\ndescriptor = [{{ key = \"two\" }}]\nlimits = [{{ rate = 2, per = \"10s\" }}, {{ rate = 2, per = \"1h\" }}]\nscope = \"cluster\"\n\
          [[l7.rule]]\nname = \"here\"\ndomain = \"d\"\ndescriptor = [{{ key = \"here\" }}]\nrate = 1\nper = \"1h\"\nburst = 2\n"
     )
 }
@@ -92,7 +93,7 @@ fn two_daemons_share_one_exact_limit_and_each_failure_mode_does_what_it_says() {
     let bad = write(&dir, "bad.toml", &config(&redis.url(), "host-2", "closed", LIMIT + 1));
     clear_of_the_hour();
     let d1 = Daemon::serving(&l1, &c1, &[]).unwrap();
-    assert!(d1.log().contains("joined the cluster: 6 cluster rules shared"), "{}", d1.log());
+    assert!(d1.log().contains("joined the cluster: 7 cluster rules shared"), "{}", d1.log());
 
     // Another definition of "tb" is refused, before anything is attached.
     let (status, out) = run_once(Some(&l2.b), &["run", "--iface", "vb", "--config", bad.to_str().unwrap(), "--no-watch", "--detach-on-exit"]).unwrap();
@@ -123,11 +124,19 @@ fn two_daemons_share_one_exact_limit_and_each_failure_mode_does_what_it_says() {
         }
         assert_eq!(oks, (0..LIMIT).collect::<Vec<_>>(), "{rule}: exactly the first {LIMIT} of {} alternating checks pass", 2 * LIMIT);
     }
-    // Only the semaphore takes refunds: a negative charge gives nothing back.
+    // A refund on one host gives its hits back to the shared bucket: 2
+    // more pass on the other host, then none.
     for rule in ["tb", "fw", "sw", "log"] {
-        check(&l1, rule, "k1", -5);
-        assert_eq!(check(&l2, rule, "k1", 1).0, 429, "{rule}: a refund must not refill the bucket");
+        assert_eq!(check(&l1, rule, "k1", -2).0, 200, "{rule}");
+        let after: Vec<u16> = (0..3).map(|_| check(&l2, rule, "k1", 1).0).collect();
+        assert_eq!(after, [200, 200, 429], "{rule}: a refund of 2 gives back exactly 2");
     }
+    // Both limits of "two" out of room: the retry time is the hour's
+    // (the 10 s limit frees up first, and a retry then is refused again).
+    assert_eq!(check(&l1, "two", "k1", 2).0, 200);
+    let (status, v) = check(&l2, "two", "k1", 1);
+    assert_eq!(status, 429, "{v}");
+    assert!(v["statuses"][0]["retry_after_ms"].as_u64().unwrap() > 10_000, "the retry waits for the hour's limit: {v}");
     // The semaphore: 3 in flight over both hosts; a refund on the other
     // host frees one.
     let sem: Vec<u16> = (0..4).map(|i| check(if i % 2 == 0 { &l1 } else { &l2 }, "sem", "job", 1).0).collect();

@@ -4,7 +4,7 @@
 -- KEYS[2..]: sorted sets, one per limit (sliding log) or one (concurrency).
 -- Every key carries the same hash tag: one slot.
 -- ARGV: algorithm (gcra | fixed | sliding | log | sem), hits (negative: a
--- refund, sem only), n, then per limit: amount, period in µs, burst
+-- refund), n, then per limit: amount, period in µs, burst
 -- (sem: max, lease in µs, 0).
 -- Returns {ok (1|0), index of the limit that speaks (0-based), remaining,
 -- reset ms, retry-after ms}.
@@ -17,10 +17,6 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local algo, hits, n = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local K = KEYS[1]
--- Only the semaphore takes refunds here: elsewhere a negative charge is
--- read as 0 (this host's own buckets take refunds; Redis's do not yet).
-if algo ~= 'sem' and hits < 0 then hits = 0 end
-
 local function ms(us)
   if us <= 0 then return 0 end
   return math.ceil(us / 1000)
@@ -45,122 +41,168 @@ local function limit(i)
   return tonumber(ARGV[b]), tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
 end
 
--- Per limit: the state it reads, whether `hits` fit, the state to write.
+-- Per limit, after the decision: `remaining`, `reset` (µs until full) and
+-- `wait(k)` (µs until k more fit under it; k at most what it ever holds).
+-- The request fits if every limit has room for it; then all are charged,
+-- else none. A refund (hits < 0) gives the hits back to every limit: a
+-- token bucket never past full, a window's count never below 0 (of the
+-- window the refund arrives in), a log's oldest entries, the permits that
+-- expire first (which hits come back is not known).
 local ok = true
 local states = {}
 local life = 1
-if algo == 'gcra' or algo == 'fixed' or algo == 'sliding' then
+
+-- The first time in [from, to) at which `fits(t)` (monotone), or nil.
+local function first(from, to, fits)
+  if from >= to or not fits(to - 1) then return nil end
+  if fits(from) then return from end
+  local lo, hi = from, to - 1
+  while lo + 1 < hi do
+    local mid = math.floor((lo + hi) / 2)
+    if fits(mid) then hi = mid else lo = mid end
+  end
+  return hi
+end
+
+-- A log's or semaphore's wait for k more under `cap`, its entries leaving
+-- at their score + `after` µs: when the entry that makes room leaves.
+local function entries_wait(z, count, cap, k, after)
+  local leave = count + math.min(k, cap) - cap
+  if leave <= 0 then return 0 end
+  local e = redis.call('ZRANGE', z, leave - 1, leave - 1, 'WITHSCORES')
+  return e[2] and math.max(tonumber(e[2]) + after - now, 0) or 0
+end
+
+if algo == 'gcra' then
   for i = 0, n - 1 do
     local amount, per, burst = limit(i)
-    local s = {}
-    if algo == 'gcra' then
-      local v = redis.call('HMGET', K, 't' .. i, 'f' .. i)
-      local tat, f = tonumber(v[1] or now), tonumber(v[2] or 0)
-      -- How far ahead of now the bucket is, in 1/amount µs.
-      local ahead = (tat - now) * amount + f
-      if ahead < 0 then ahead = 0 end
-      local span, inc = burst * per, hits * per
-      s.fits = ahead + inc <= span
-      s.after = s.fits and ahead + inc or ahead
-      s.remaining = math.floor((span - s.after) / per)
-      s.reset = s.after / amount
-      s.retry = (s.after + inc - span) / amount
-      s.write = function()
-        local whole = math.floor(s.after / amount)
-        redis.call('HSET', K, 't' .. i, now + whole, 'f' .. i, s.after - whole * amount)
-      end
-      life = math.max(life, ms(s.reset) + 1)
-    else
-      local w = math.floor(now / per)
-      local v = redis.call('HMGET', K, 'w' .. i, 'c' .. i, 'p' .. i)
-      local sw, c, p = tonumber(v[1] or -1), tonumber(v[2] or 0), tonumber(v[3] or 0)
-      local prev, cur = 0, 0
-      if sw == w then prev, cur = p, c elseif sw == w - 1 then prev, cur = c, 0 end
-      local weighted = 0
-      if algo == 'sliding' then
-        -- rl-common's weighting: the share of the window still ahead, in 1/65536.
-        local left = math.floor((per - (now - w * per)) * 65536 / per)
-        weighted = math.floor((prev * left + 65535) / 65536)
-      end
-      s.fits = weighted + cur + hits <= amount
-      local used = weighted + cur + (s.fits and hits or 0)
-      s.remaining = math.max(amount - used, 0)
-      s.reset = (w + 1) * per - now
-      if algo == 'sliding' then s.reset = s.reset + per end
-      s.retry = (w + 1) * per - now
-      s.write = function()
-        redis.call('HSET', K, 'w' .. i, w, 'c' .. i, cur + hits, 'p' .. i, prev)
-      end
+    local v = redis.call('HMGET', K, 't' .. i, 'f' .. i)
+    local tat, f = tonumber(v[1] or now), tonumber(v[2] or 0)
+    -- How far ahead of now the bucket is, in 1/amount µs.
+    local ahead = math.max((tat - now) * amount + f, 0)
+    local span = burst * per
+    local s = { ahead = ahead }
+    if hits > 0 then ok = ok and ahead + hits * per <= span end
+    s.settle = function(charged)
+      if hits < 0 then s.ahead = math.max(ahead + hits * per, 0)
+      elseif charged then s.ahead = ahead + hits * per end
+      s.remaining = math.max(math.floor((span - s.ahead) / per), 0)
+      s.reset = s.ahead / amount
+      s.wait = function(k) return math.max(s.ahead + math.min(k, burst) * per - span, 0) / amount end
+      local whole = math.floor(s.ahead / amount)
+      redis.call('HSET', K, 't' .. i, now + whole, 'f' .. i, s.ahead - whole * amount)
       life = math.max(life, ms(s.reset) + 1)
     end
-    ok = ok and s.fits
     states[i] = s
   end
-  if ok then
-    for i = 0, n - 1 do states[i].write() end
+elseif algo == 'fixed' or algo == 'sliding' then
+  for i = 0, n - 1 do
+    local amount, per = limit(i)
+    local w = math.floor(now / per)
+    local v = redis.call('HMGET', K, 'w' .. i, 'c' .. i, 'p' .. i)
+    local sw, c, p = tonumber(v[1] or -1), tonumber(v[2] or 0), tonumber(v[3] or 0)
+    local prev, cur = 0, 0
+    if sw == w then prev, cur = p, c elseif sw == w - 1 then prev, cur = c, 0 end
+    -- rl-common's weighting: the previous count times the share of the
+    -- window still ahead at t, in 1/65536, rounded up.
+    local function weighted(count, t)
+      if algo == 'fixed' or count == 0 then return 0 end
+      local left = math.floor((per - (t - math.floor(t / per) * per)) * 65536 / per)
+      return math.floor((count * left + 65535) / 65536)
+    end
+    local s = {}
+    if hits > 0 then ok = ok and weighted(prev, now) + cur + hits <= amount end
+    s.settle = function(charged)
+      if hits < 0 then cur = math.max(cur + hits, 0) elseif charged then cur = cur + hits end
+      s.remaining = math.max(amount - weighted(prev, now) - cur, 0)
+      s.reset = (w + 1) * per - now
+      if algo == 'sliding' then s.reset = s.reset + per end
+      -- Room at t: this window's, the next one's (this count then weighs
+      -- as the previous), or the whole limit after that.
+      local function room(t)
+        local wt = math.floor(t / per)
+        if wt == w then return amount - weighted(prev, t) - cur end
+        if wt == w + 1 then return amount - weighted(cur, t) end
+        return amount
+      end
+      s.wait = function(k)
+        k = math.min(k, amount)
+        local fits = function(t) return room(t) >= k end
+        local t = first(now, (w + 1) * per, fits) or first((w + 1) * per, (w + 2) * per, fits) or (w + 2) * per
+        return t - now
+      end
+      redis.call('HSET', K, 'w' .. i, w, 'c' .. i, cur, 'p' .. i, prev)
+      life = math.max(life, ms(s.reset) + 1)
+    end
+    states[i] = s
   end
-  redis.call('PEXPIRE', K, life)
 elseif algo == 'log' then
   for i = 0, n - 1 do
     local amount, per = limit(i)
     local z = KEYS[2 + i]
     redis.call('ZREMRANGEBYSCORE', z, '-inf', now - per)
+    if hits < 0 then redis.call('ZPOPMIN', z, -hits) end
     local s = { count = redis.call('ZCARD', z), z = z, per = per, amount = amount }
-    s.fits = s.count + hits <= amount
-    ok = ok and s.fits
+    if hits > 0 then ok = ok and s.count + hits <= amount end
     states[i] = s
   end
   local seq = 0
   if ok and hits > 0 then seq = redis.call('HINCRBY', K, 'seq', hits) end
   for i = 0, n - 1 do
     local s = states[i]
-    if ok then
-      add(s.z, now, seq, hits)
-      s.count = s.count + hits
+    s.settle = function(charged)
+      if charged and hits > 0 then
+        add(s.z, now, seq, hits)
+        s.count = s.count + hits
+      end
+      local newest = redis.call('ZRANGE', s.z, -1, -1, 'WITHSCORES')
+      s.remaining = math.max(s.amount - s.count, 0)
+      s.reset = newest[2] and (tonumber(newest[2]) + s.per - now) or 0
+      s.wait = function(k) return entries_wait(s.z, s.count, s.amount, k, s.per) end
+      redis.call('PEXPIRE', s.z, ms(s.per) + 1)
+      life = math.max(life, ms(s.per) + 1)
     end
-    local oldest = redis.call('ZRANGE', s.z, 0, 0, 'WITHSCORES')
-    local newest = redis.call('ZRANGE', s.z, -1, -1, 'WITHSCORES')
-    s.remaining = math.max(s.amount - s.count, 0)
-    s.reset = newest[2] and (tonumber(newest[2]) + s.per - now) or 0
-    s.retry = oldest[2] and (tonumber(oldest[2]) + s.per - now) or 0
-    redis.call('PEXPIRE', s.z, ms(s.per) + 1)
-    life = math.max(life, ms(s.per) + 1)
   end
-  redis.call('PEXPIRE', K, life)
 elseif algo == 'sem' then
   local max, lease = limit(0)
   local z = KEYS[2]
   redis.call('ZREMRANGEBYSCORE', z, '-inf', now)
+  if hits < 0 then redis.call('ZPOPMIN', z, -hits) end
   local count = redis.call('ZCARD', z)
-  if hits < 0 then
-    -- A refund releases the permits that expire first.
-    if count > 0 then redis.call('ZPOPMIN', z, math.min(-hits, count)) end
-  elseif count + hits <= max then
-    local seq = redis.call('HINCRBY', K, 'seq', hits)
-    add(z, now + lease, seq, hits)
-  else
-    ok = false
+  if hits > 0 then ok = count + hits <= max end
+  local s = {}
+  s.settle = function(charged)
+    if charged and hits > 0 then
+      local seq = redis.call('HINCRBY', K, 'seq', hits)
+      add(z, now + lease, seq, hits)
+      count = count + hits
+    end
+    local last = redis.call('ZRANGE', z, -1, -1, 'WITHSCORES')
+    s.remaining = math.max(max - count, 0)
+    s.reset = last[2] and (tonumber(last[2]) - now) or 0
+    s.wait = function(k) return entries_wait(z, count, max, k, 0) end
+    redis.call('PEXPIRE', z, ms(lease) + 1)
+    life = ms(lease) + 1
   end
-  count = redis.call('ZCARD', z)
-  local first = redis.call('ZRANGE', z, 0, 0, 'WITHSCORES')
-  local last = redis.call('ZRANGE', z, -1, -1, 'WITHSCORES')
-  local s = { remaining = math.max(max - count, 0) }
-  s.reset = last[2] and (tonumber(last[2]) - now) or 0
-  s.retry = first[2] and (tonumber(first[2]) - now) or 0
   states[0] = s
   n = 1
-  redis.call('PEXPIRE', z, ms(lease) + 1)
-  redis.call('PEXPIRE', K, ms(lease) + 1)
 else
   return redis.error_reply('unknown algorithm ' .. algo)
 end
 
--- The tightest limit speaks.
+for i = 0, n - 1 do states[i].settle(ok) end
+redis.call('PEXPIRE', K, life)
+
+-- The tightest limit speaks; the retry time is when the request (denied)
+-- or one more (none left) fits under every limit.
 local best = 0
 for i = 1, n - 1 do
   if states[i].remaining < states[best].remaining then best = i end
 end
 local s = states[best]
 local retry = 0
-if not ok or s.remaining == 0 then retry = ms(s.retry) end
+if not ok or s.remaining == 0 then
+  local k = ok and 1 or math.max(hits, 1)
+  for i = 0, n - 1 do retry = math.max(retry, ms(states[i].wait(k))) end
+end
 return { ok and 1 or 0, best, s.remaining, ms(s.reset), retry }

@@ -64,13 +64,21 @@ fn log_charge(c: &Compiled, logs: &mut [std::collections::VecDeque<u64>], now: u
     let window = l.rate.per_secs * NS;
     let remaining = l.rate.amount.saturating_sub(log.len() as u64);
     let newest = log.back().map_or(0, |&t| (t + window).saturating_sub(now));
+    // When the request (over) or one more fits under every limit.
+    let wanted = if fits { 1 } else { units.max(1) };
+    let retry = logs
+        .iter()
+        .zip(&rule.limits)
+        .map(|(log, l)| until_room(log.iter().map(|&t| t + l.rate.per_secs * NS), l.rate.amount, wanted, now))
+        .max()
+        .unwrap_or(0);
     Status {
         code: if fits { "ok" } else { "over_limit" },
         limit: l.rate.amount,
         per_secs: l.rate.per_secs,
         remaining,
         reset_ms: ceil_ms(newest),
-        retry_after_ms: ceil_ms(until_room(log.iter().map(|&t| t + window), l.rate.amount, if fits { 1 } else { units.max(1) }, now)),
+        retry_after_ms: ceil_ms(retry),
         ..base
     }
 }
@@ -143,21 +151,21 @@ fn packet_charge(c: &Compiled, a: Algorithm, words: &mut [u64], now: u64, hits: 
     if let Some(n) = next {
         words.copy_from_slice(&n);
     }
-    // The headers speak for the tightest limit.
-    let (i, q) = c
-        .limits
-        .iter()
-        .zip(words.iter())
-        .map(|(l, w)| quota(l, *w, now, epoch))
-        .enumerate()
-        .min_by_key(|(_, q)| q.remaining)
-        .expect("a rule has a limit");
-    // Over for several hits: when all of them fit under every limit.
-    let retry_ns = if over && units > 1 {
-        c.limits.iter().zip(words.iter()).map(|(l, w)| rl_common::quota::wait_for(l, *w, now, epoch, units)).max().unwrap_or(0)
-    } else {
-        q.retry_after_ns
-    };
+    // The headers speak for the tightest limit; the retry time is when
+    // one more (or, over, all of the hits) fits under every limit: limits
+    // out of room at once may free up at different times.
+    let (mut tightest, mut retry_ns) = ((0, None::<rl_common::quota::Quota>), 0);
+    for (i, (l, w)) in c.limits.iter().zip(words.iter()).enumerate() {
+        let q = quota(l, *w, now, epoch);
+        retry_ns = retry_ns.max(q.retry_after_ns);
+        if tightest.1.is_none_or(|t| q.remaining < t.remaining) {
+            tightest = (i, Some(q));
+        }
+    }
+    let (i, q) = (tightest.0, tightest.1.expect("a rule has a limit"));
+    if over && units > 1 {
+        retry_ns = c.limits.iter().zip(words.iter()).map(|(l, w)| rl_common::quota::wait_for(l, *w, now, epoch, units)).max().unwrap_or(0);
+    }
     Status {
         code: if over { "over_limit" } else { "ok" },
         limit: rule.limits[i].rate.amount,

@@ -147,6 +147,28 @@ fn the_retry_time_of_several_hits_is_when_they_fit() {
     assert_eq!((st.code, st.remaining, st.retry_after_ms), ("over_limit", 2, 3_000));
 }
 
+/// Two limits out of room at once: the retry time is when both have room
+/// again, not when the first listed does (a client retrying then is
+/// refused again).
+#[test]
+fn the_retry_time_waits_for_every_limit_out_of_room() {
+    for algorithm in ["token_bucket", "fixed_window", "sliding_window", "sliding_log"] {
+        let e = engine(&format!(
+            "[[l7.rule]]\nname = \"r\"\ndomain = \"api\"\ndescriptor = [{{ key = \"user\" }}]\nalgorithm = \"{algorithm}\"\n\
+             limits = [{{ rate = 2, per = \"10s\" }}, {{ rate = 2, per = \"1h\" }}]\n"
+        ));
+        let user = d(&[("user", "u")]);
+        // Windows align to the epoch: start one second into an hour.
+        let t0 = 3601 * S;
+        assert_eq!(e.decide_at("api", &user, 2, t0).code, "ok", "{algorithm}");
+        let st = e.decide_at("api", &user, 1, t0);
+        assert_eq!(st.code, "over_limit", "{algorithm}");
+        assert!(st.retry_after_ms > 10_000, "{algorithm}: the hour's limit is out of room too, yet retry after {} ms", st.retry_after_ms);
+        // Out of room without being over: the wait for one more is the hour's too.
+        assert!(e.decide_at("api", &d(&[("user", "v")]), 2, t0).retry_after_ms > 10_000, "{algorithm}");
+    }
+}
+
 #[test]
 fn the_sliding_log_never_allows_more_than_rate_in_any_window() {
     let e = engine(LOGIN);
