@@ -101,7 +101,9 @@ fn parse(text: &str) -> Result<DocumentMut, EditError> {
 
 /// The document's `[[key]]` tables, created empty if absent.
 fn tables<'a>(doc: &'a mut DocumentMut, key: &str) -> Result<&'a mut ArrayOfTables, EditError> {
-    if doc.get(key).is_none() {
+    // Absent, or an empty list (`ban = []`, as a PUT of what GET returned
+    // writes for no bans): a list of tables to add to.
+    if doc.get(key).is_none_or(|i| i.as_array().is_some_and(|a| a.is_empty())) {
         doc.insert(key, Item::ArrayOfTables(ArrayOfTables::new()));
     }
     doc.get_mut(key)
@@ -186,7 +188,9 @@ pub fn remove_rule(text: &str, name: &str) -> Result<String, EditError> {
 pub fn set_ban(text: &str, cidr: &str, until: u64, reason: &str) -> Result<String, EditError> {
     let mut doc = parse(text)?;
     let bans = tables(&mut doc, "ban")?;
-    bans.retain(|t| t.get("cidr").and_then(|c| c.as_str()) != Some(cidr));
+    // The same prefix however it is written (`192.0.2.7` is `192.0.2.7/32`).
+    let same = |t: &str| t == cidr || super::units::parse_cidr(t).ok().zip(super::units::parse_cidr(cidr).ok()).is_some_and(|(a, b)| a == b);
+    bans.retain(|t| !t.get("cidr").and_then(|c| c.as_str()).is_some_and(same));
     let mut t = toml_edit::Table::new();
     t.insert("cidr", toml_edit::value(cidr));
     t.insert("until", toml_edit::value(until as i64));
@@ -259,5 +263,21 @@ mod tests {
         let (text, n) = remove_bans(&text, |cidr, _| cidr == "192.0.2.0/24").unwrap();
         assert_eq!(n, 1);
         assert!(Config::from_str(&text, "x").unwrap().bans.is_empty());
+        // A ban written by hand in another form is the same prefix: replaced.
+        let hand = format!("{FILE}\n[[ban]]\ncidr = \"2001:DB8::/32\"\nuntil = 2000000000\n");
+        let text = set_ban(&hand, "2001:db8::/32", 1_900_000_000, "").unwrap();
+        let c = Config::from_str(&text, "x").unwrap();
+        assert_eq!(c.bans.iter().map(|b| b.until).collect::<Vec<_>>(), [1_900_000_000]);
+    }
+
+    /// A PUT of what GET returned writes `ban = []` and `rule = []` for
+    /// none: adding a ban or a rule to that still works.
+    #[test]
+    fn a_document_put_back_as_read_still_takes_bans_and_rules() {
+        let text = from_json(&to_json("[default]\nrate = 100\n")).unwrap();
+        let text = set_ban(&text, "198.51.100.0/24", 2_000_000_000, "").unwrap();
+        let text = add_rule(&text, &serde_json::json!({"name": "x", "rate": 1})).unwrap();
+        let c = Config::from_str(&text, "x").unwrap();
+        assert_eq!((c.bans.len(), c.rules.len()), (1, 1), "{text}");
     }
 }
