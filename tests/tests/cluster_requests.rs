@@ -245,6 +245,24 @@ fn two_daemons_share_one_exact_limit_and_each_failure_mode_does_what_it_says() {
     assert_eq!(again, (0..LIMIT).collect::<Vec<_>>(), "after an empty restart");
     assert!(redis.cli(&["HGETALL", "rl:def:{l7:tb}"]).unwrap().contains("host-1"), "registrations come back after an empty restart");
 
+    // A flapping Redis (hung 400 ms of every 800, 10 times): each failure
+    // degrades at once, but each recovery soon after one waits for more
+    // answered probes, so the hosts do not flip every sync interval.
+    let spells = |lab: &Lab| cluster_state(lab)["degraded_spells"].as_u64().unwrap();
+    let before = spells(&l1);
+    let mut waiting = 0;
+    for _ in 0..10 {
+        redis.signal(libc::SIGSTOP);
+        std::thread::sleep(Duration::from_millis(400));
+        redis.signal(libc::SIGCONT);
+        std::thread::sleep(Duration::from_millis(400));
+        waiting = waiting.max(cluster_state(&l1)["probes_to_recover"].as_u64().unwrap());
+    }
+    let flaps = spells(&l1) - before;
+    assert!((1..=6).contains(&flaps), "{flaps} degraded spells over 10 hangs of 400 ms in 8 s");
+    assert!(waiting > 1, "a recovery soon after a failure waits for more than one answered probe");
+    wait_state(&l1, "ok", Duration::from_secs(5));
+
     for (d, name) in [(d1, "host 1"), (d2, "host 2")] {
         let (status, log) = d.stop(libc::SIGTERM).unwrap();
         assert!(status.success(), "{name}: {log}");

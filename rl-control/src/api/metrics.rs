@@ -178,6 +178,8 @@ fn cluster(out: &mut String, c: &crate::cluster::Cluster) {
     let st = c.status();
     family(out, "rl_cluster_degraded", "gauge", "1 while Redis does not answer within [cluster] timeout: cluster rules enforce on_failure.");
     let _ = writeln!(out, "rl_cluster_degraded{{on_failure=\"{}\"}} {}", st.on_failure, u8::from(st.state == "degraded"));
+    family(out, "rl_cluster_degraded_spells_total", "counter", "Degraded spells since the start: more than a few an hour is a flapping Redis (each recovery after one waits for more answered probes).");
+    let _ = writeln!(out, "rl_cluster_degraded_spells_total {}", st.degraded_spells);
     family(out, "rl_cluster_redis_calls_total", "counter", "Redis script calls by result.");
     let _ = writeln!(out, "rl_cluster_redis_calls_total{{result=\"ok\"}} {}\nrl_cluster_redis_calls_total{{result=\"failed\"}} {}", st.calls_ok, st.calls_failed);
     family(out, "rl_cluster_fallbacks_total", "counter", "Cluster decisions answered by on_failure instead of Redis.");

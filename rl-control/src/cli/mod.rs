@@ -308,6 +308,12 @@ pub fn status(v: &Value) -> String {
             s(&c["on_failure"])
         ),
     };
+    if c["probes_to_recover"].as_u64().is_some_and(|n| n > 1) {
+        cluster += &format!(
+            "                 Redis failed again soon after recovering: shared again after {} answered probes in a row\n",
+            c["probes_to_recover"]
+        );
+    }
     if !mismatched.is_empty() {
         cluster += &format!("                 defined differently by another host (not shared here): {}\n", mismatched.join(", "));
     }

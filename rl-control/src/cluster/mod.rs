@@ -9,9 +9,11 @@
 //! Redis is never on the packet path, and never holds a decision longer
 //! than `timeout`: a call that fails or is slower marks the cluster
 //! degraded, cluster rules then enforce `on_failure` without calling Redis,
-//! and a probe every `sync_interval` brings them back.
+//! and probes every `sync_interval` bring them back ([`health`]: after
+//! more answers in a row each time it failed again soon after).
 
 pub mod batched;
+pub mod health;
 pub mod members;
 pub mod packets;
 pub mod requests;
@@ -58,6 +60,11 @@ pub struct Health {
     pub calls_failed: AtomicU64,
     /// Decisions answered by `on_failure` instead of Redis.
     pub fallbacks: AtomicU64,
+    /// Degraded spells announced (events and warnings) since the start.
+    pub spells: AtomicU64,
+    /// Whether the degraded spell under way was announced (the one before
+    /// the first probe is not, unless that probe fails).
+    announced: AtomicBool,
     last_error: Mutex<String>,
 }
 
@@ -76,6 +83,12 @@ pub struct ClusterStatus {
     pub calls_ok: u64,
     pub calls_failed: u64,
     pub fallbacks: u64,
+    /// Degraded spells since the start.
+    pub degraded_spells: u64,
+    /// Degraded: probes answered in a row still needed before the cluster
+    /// is shared again (more than 1 after it failed again within a minute
+    /// of a recovery; 0 when healthy).
+    pub probes_to_recover: u32,
     /// Cluster rules another daemon defines differently: they stay in
     /// `on_failure` until the definitions agree.
     pub mismatched: Vec<String>,
@@ -95,6 +108,8 @@ pub struct Cluster {
     transitions: Mutex<Vec<Transition>>,
     /// The packet-rule sync's counts, as of its last round.
     pub sync: Mutex<packets::SyncStats>,
+    /// When a degraded cluster is healthy again.
+    breaker: Mutex<health::Breaker>,
 }
 
 impl Cluster {
@@ -102,15 +117,18 @@ impl Cluster {
     /// daemon running with cluster rules in `on_failure`.
     pub fn new(config: ClusterConfig) -> Arc<Cluster> {
         let c = Arc::new(Cluster {
-            config,
             conn: tokio::sync::RwLock::new(None),
             health: Health::default(),
             mismatched: Mutex::new(Vec::new()),
             transitions: Mutex::new(Vec::new()),
             sync: Mutex::new(packets::SyncStats::default()),
+            breaker: Mutex::new(health::Breaker::new(Duration::from_millis(config.sync_interval_ms))),
+            config,
         });
-        // Degraded until the first probe answers.
-        c.set_degraded("not connected yet".into());
+        // Degraded until the first probe answers; announced only if it
+        // does not.
+        c.health.degraded.store(true, Relaxed);
+        *c.health.last_error.lock().unwrap_or_else(|e| e.into_inner()) = "not connected yet".into();
         c
     }
 
@@ -122,18 +140,38 @@ impl Cluster {
         self.health.degraded.load(Relaxed)
     }
 
+    fn breaker(&self) -> std::sync::MutexGuard<'_, health::Breaker> {
+        self.breaker.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     fn set_degraded(&self, why: String) {
         *self.health.last_error.lock().unwrap_or_else(|e| e.into_inner()) = why.clone();
-        if !self.health.degraded.swap(true, Relaxed) {
-            self.health.since_ms.store(crate::config::unix_now() * 1000, Relaxed);
+        let mut breaker = self.breaker();
+        if self.health.degraded.swap(true, Relaxed) {
+            breaker.failed();
+        } else {
+            breaker.degraded(std::time::Instant::now());
+        }
+        if !self.health.announced.swap(true, Relaxed) {
+            self.health.since_ms.store(crate::config::unix_now_ms(), Relaxed);
+            self.health.spells.fetch_add(1, Relaxed);
             warn!(on_failure = self.config.on_failure.name(), "cluster degraded: {why}; cluster rules enforce on_failure = \"{}\" until Redis answers again", self.config.on_failure.name());
             self.transitions.lock().unwrap_or_else(|e| e.into_inner()).push(("cluster_degraded", why));
         }
     }
 
-    fn set_healthy(&self) {
-        if self.health.degraded.swap(false, Relaxed) {
-            self.health.since_ms.store(0, Relaxed);
+    /// A probe answered: healthy again if the breaker says so.
+    fn answered(&self) {
+        if !self.is_degraded() {
+            return;
+        }
+        let mut breaker = self.breaker();
+        if !breaker.answered(std::time::Instant::now()) {
+            return;
+        }
+        self.health.degraded.store(false, Relaxed);
+        self.health.since_ms.store(0, Relaxed);
+        if self.health.announced.swap(false, Relaxed) {
             info!("cluster healthy: Redis answers again; cluster rules are shared again");
             self.transitions.lock().unwrap_or_else(|e| e.into_inner()).push(("cluster_recovered", String::new()));
         }
@@ -149,7 +187,7 @@ impl Cluster {
     #[cfg(test)]
     pub fn set_mismatched(&self, rules: Vec<String>) {
         *self.mismatched.lock().unwrap_or_else(|e| e.into_inner()) = rules;
-        self.set_healthy();
+        self.answered();
     }
 
     pub fn is_mismatched(&self, rule: &str) -> bool {
@@ -169,6 +207,8 @@ impl Cluster {
             calls_ok: h.calls_ok.load(Relaxed),
             calls_failed: h.calls_failed.load(Relaxed),
             fallbacks: h.fallbacks.load(Relaxed),
+            degraded_spells: h.spells.load(Relaxed),
+            probes_to_recover: if self.is_degraded() { self.breaker().to_go() } else { 0 },
             mismatched: self.mismatched.lock().unwrap_or_else(|e| e.into_inner()).clone(),
         }
     }
@@ -252,7 +292,7 @@ impl Cluster {
     }
 
     /// Registers this daemon's cluster rules (see [`members`]) and, if that
-    /// answers, marks the cluster healthy. Called at start and every
+    /// answers, counts toward the cluster's recovery ([`health`]). Called at start and every
     /// `sync_interval`.
     pub async fn probe(&self, definitions: &[(String, u64)]) -> Result<(), Failure> {
         let clashes = members::register(self, definitions).await?;
@@ -264,7 +304,7 @@ impl Cluster {
         }
         *m = clashes.into_iter().map(|(r, _)| r).collect();
         drop(m);
-        self.set_healthy();
+        self.answered();
         Ok(())
     }
 
