@@ -14,7 +14,7 @@ use std::{
 
 use rl_tests::{
     daemon::{run_once, write, Daemon},
-    http::{get, json, request},
+    http::{get, json, parse_prometheus, request},
     lab::Lab,
 };
 use serde_json::json;
@@ -102,6 +102,50 @@ fn an_api_edit_never_overwrites_an_unapplied_edit_of_the_file() {
     assert_eq!(request(&lab.b, "POST", "/v1/bans", json(&ban), None).unwrap().status, 201);
     let text = std::fs::read_to_string(&cfg).unwrap();
     assert!(text.contains("# operator's note") && text.contains("name = \"ops\"") && text.contains("198.51.100.0/24"), "{text}");
+    let (status, log) = d.stop(libc::SIGTERM).unwrap();
+    assert!(status.success(), "{log}");
+}
+
+/// A reload that refuses the file does not make it the running one: the
+/// next API change still refuses to write over it, a ban that expires
+/// meanwhile is lifted in the datapath without writing the file, and a
+/// file that cannot be read is a failed reload on record (SIGHUP answers
+/// no one: the log and the counters must say it).
+#[test]
+fn a_refused_reload_leaves_the_edit_unapplied_and_expiring_bans_never_write_over_it() {
+    let lab = Lab::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write(&dir, "rl.toml", "[default]\nrate = 100\n");
+    let d = Daemon::serving(&lab, &cfg, &[]).unwrap(); // --no-watch
+    let ban = |cidr: &str, ttl: u64| request(&lab.b, "POST", "/v1/bans", json(&json!({"cidr": cidr, "ttl_secs": ttl})), None).unwrap();
+    assert_eq!(ban("198.51.100.0/24", 2).status, 201);
+    let banned_at = Instant::now();
+    std::thread::sleep(Duration::from_millis(20));
+    let edited = format!("{}# operator's half-done edit\n[[rule]]\nname = \"ops\"\nrate = \"fast\"\n", std::fs::read_to_string(&cfg).unwrap());
+    std::fs::write(&cfg, &edited).unwrap();
+    let (status, out) = run_once(Some(&lab.b), &["reload"]).unwrap();
+    assert!(!status.success(), "the broken edit was applied: {out}");
+    let a = ban("203.0.113.0/24", 60);
+    assert_eq!(a.status, 409, "a refused reload made the file the running one: {}", a.body);
+    assert_eq!(std::fs::read_to_string(&cfg).unwrap(), edited, "the operator's edit was overwritten");
+    // The first ban's time is up: lifted (the running rules hold no ban),
+    // the file left as the operator wrote it, no failed change recorded.
+    std::thread::sleep(Duration::from_secs(2).saturating_sub(banned_at.elapsed()) + Duration::from_millis(2500));
+    let st = get(&lab.b, "/v1/status").json();
+    assert!(st["last_reload"]["trigger"].as_str().unwrap().starts_with("ban(s) expired (lifted, the config file not written"), "{st}");
+    assert_eq!(st["last_reload"]["ok"], true, "{st}");
+    assert!(get(&lab.b, "/v1/rules").json()["bans"].as_array().unwrap().is_empty(), "the expired ban is still in the running rules");
+    assert_eq!(std::fs::read_to_string(&cfg).unwrap(), edited, "lifting a ban wrote over the operator's edit");
+    let failed = |lab: &Lab| parse_prometheus(&get(&lab.b, "/metrics").body)["rl_reloads_total{result=\"failed\"}"];
+    assert_eq!(failed(&lab), 2.0, "the reload and the 409 ban, nothing else");
+    // The file gone: a reload by SIGHUP fails on record.
+    std::fs::rename(&cfg, dir.path().join("moved.toml")).unwrap();
+    d.signal(libc::SIGHUP);
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(failed(&lab), 3.0, "an unreadable file is a failed reload");
+    let st = get(&lab.b, "/v1/status").json();
+    assert!(st["last_reload"]["message"].as_str().unwrap().contains("cannot read"), "{st}");
+    assert!(d.log().contains("SIGHUP: reload rejected"), "{}", d.log());
     let (status, log) = d.stop(libc::SIGTERM).unwrap();
     assert!(status.success(), "{log}");
 }

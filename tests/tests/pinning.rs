@@ -256,6 +256,12 @@ fn take_over_in(
         .unwrap()
 }
 
+/// The known-keys filter pinned in `dir` (word 0: its control word).
+fn known_word(dir: &std::path::Path) -> aya::maps::Array<aya::maps::MapData, u64> {
+    use aya::maps::{Array, Map, MapData};
+    Array::try_from(Map::Array(MapData::from_pin(dir.join(rl_common::MAP_KNOWN)).unwrap())).unwrap()
+}
+
 /// The config entry pinned in `dir`.
 fn config_entry(dir: &std::path::Path) -> aya::maps::Array<aya::maps::MapData, rl_common::DatapathConfig> {
     use aya::maps::{Array, Map, MapData};
@@ -461,12 +467,16 @@ fn an_adopted_datapath_swaps_its_program_in_before_it_writes_a_rule() {
     let pinned_program = lab.xdp_prog_ids().unwrap();
     as_an_older_build_left_it(&dir);
     let settings = config_entry(&dir).get(&0, 0).unwrap();
+    // The pinned program's known-keys filter valid (as a walk leaves it):
+    // a start that fails before its swap leaves it so.
+    known_word(&dir).set(0, rl_common::KNOWN_VALID, 0).unwrap();
     let (dp, taken) = take_over(changed(), Some("swap"));
     let err = taken.expect_err("the swap refused");
     assert!(err.to_string().contains("keeps its program") && err.to_string().contains("rl-control detach"), "{err}");
     assert_eq!(lab.xdp_prog_ids().unwrap(), pinned_program, "the pinned link keeps its program");
     assert!(dir.join(format!("link-native-{VB}")).exists(), "and its pin");
     assert_eq!(config_entry(&dir).get(&0, 0).unwrap(), settings, "the settings put back");
+    assert_eq!(known_word(&dir).get(&0, 0).unwrap(), rl_common::KNOWN_VALID, "the pinned filter put back (off, a flood pays table lookups)");
     assert_eq!(rl_tests::offer(&dp, &w, 1), (0, 1), "the pinned rule still in force");
     drop(dp);
 

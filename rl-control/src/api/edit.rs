@@ -67,7 +67,7 @@ pub(super) async fn put_rules(AxState(api): AxState<Api>, headers: HeaderMap, bo
         document::from_json(&json_body(&body)?)?
     };
     let summary = change(&api, move |sh| {
-        apply::apply(sh, "api: PUT /v1/rules", |_| Ok::<_, ApiError>(Change { text, origin: "<PUT /v1/rules>".into(), persist: true }))
+        apply::apply(sh, "api: PUT /v1/rules", |_| Ok::<_, ApiError>(Change { text, origin: "<PUT /v1/rules>".into(), persist: true, read_as: None }))
     })
     .await?;
     Ok(Json(Applied { summary }))
@@ -81,7 +81,7 @@ pub(super) async fn post_rule(AxState(api): AxState<Api>, body: Result<Bytes, By
     let summary = change(&api, move |sh| {
         apply::apply(sh, "api: POST /v1/rules", |s| {
             let text = document::add_rule(&s.text, &rule)?;
-            Ok::<_, ApiError>(Change { text, origin: "<POST /v1/rules> (the rule file with the new rule last)".into(), persist: true })
+            Ok::<_, ApiError>(Change { text, origin: "<POST /v1/rules> (the rule file with the new rule last)".into(), persist: true, read_as: None })
         })
     })
     .await?;

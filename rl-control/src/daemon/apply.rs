@@ -42,6 +42,8 @@ pub struct Change {
     pub origin: String,
     /// Write it back to the config file.
     pub persist: bool,
+    /// The stamp of the config file the text was read from (a reload).
+    pub read_as: Option<crate::daemon::state::FileStamp>,
 }
 
 /// Applies the change `make` computes from the running state. All or
@@ -61,28 +63,23 @@ pub fn apply<E: From<ApplyError>>(
     // outside the lock.
     let change = make(&running)?;
     let path = running.path.clone();
-    let persist = change.persist;
+    let (persist, read_as) = (change.persist, change.read_as);
     let result = install(shared, change, path.as_deref(), stamp);
     let mut s = lock(shared);
-    let message = match &result {
-        Ok((summary, _, _)) => summary.clone(),
-        Err(e) => e.to_string(),
-    };
-    match &result {
-        Ok(_) => {
-            s.reloads_ok += 1;
-            info!("{trigger}: reloaded, now enforcing {message}");
-        }
-        Err(_) => {
-            s.reloads_failed += 1;
-            error!("{trigger}: reload rejected, keeping the running config: {message}");
+    record(&mut s, trigger, result.as_ref().map(|(summary, _, _)| summary.as_str()));
+    if let Some(st) = read_as {
+        // Read and refused, the file is not what runs: an API change must
+        // not write over it (and the watcher need not read it again).
+        s.seen = Some(st);
+        if result.is_ok() {
+            s.stamp = Some(st);
         }
     }
-    s.last_reload = Some(ReloadRecord { at: unix_now(), ok: result.is_ok(), trigger: trigger.into(), message });
     let (summary, config, text) = result?;
     if persist {
         if let Some(p) = &path {
             s.stamp = file_stamp(p);
+            s.seen = s.stamp;
         }
     }
     // The request limiter too, keeping the buckets of unchanged l7 rules.
@@ -92,6 +89,23 @@ pub fn apply<E: From<ApplyError>>(
     s.config = Arc::new(config);
     s.text = Arc::from(text);
     Ok(summary)
+}
+
+/// Logs and counts a change's outcome (`Ok`: the rules now enforced).
+fn record(s: &mut crate::daemon::state::State, trigger: &str, result: Result<&str, &ApplyError>) {
+    let message = match result {
+        Ok(summary) => {
+            s.reloads_ok += 1;
+            info!("{trigger}: reloaded, now enforcing {summary}");
+            summary.to_string()
+        }
+        Err(e) => {
+            s.reloads_failed += 1;
+            error!("{trigger}: reload rejected, keeping the running config: {e}");
+            e.to_string()
+        }
+    };
+    s.last_reload = Some(ReloadRecord { at: unix_now(), ok: result.is_ok(), trigger: trigger.into(), message });
 }
 
 /// `config` compiled as it stands: as written, or in its `on_failure`
@@ -244,11 +258,14 @@ fn install(
                     // Put the old rules back: the file and the datapath agree.
                     let mut s = lock(shared);
                     let old = compiled_for(&s.config, s.failure_mode);
-                    let _ = s.dp.install(&old.rules);
-                    return Err(failed(
-                        &format!("cannot write {} (nothing changed; check its directory is writable)", p.display()),
-                        &e,
-                    ));
+                    let what = match s.dp.install(&old.rules) {
+                        Ok(_) => "nothing changed; check its directory is writable".to_string(),
+                        Err(back) => format!(
+                            "and putting the old rules back failed too ({back}): the datapath enforces the new rules \
+                             while the status and the file show the old ones, until the next reload"
+                        ),
+                    };
+                    return Err(failed(&format!("cannot write {} ({what})", p.display()), &e));
                 }
             }
             None => warn!(
@@ -276,35 +293,51 @@ pub fn apply_edit<E: From<ApplyError>>(
     trigger: &str,
     edit: impl FnOnce(&Running) -> Result<String, E>,
 ) -> Result<String, E> {
-    apply(shared, trigger, |s| Ok(Change { text: edit(s)?, origin: s.origin(), persist: true }))
+    apply(shared, trigger, |s| Ok(Change { text: edit(s)?, origin: s.origin(), persist: true, read_as: None }))
 }
 
-/// Re-reads the config file and applies it. The file's stamp is taken
-/// before it is read, valid or not: a later edit triggers the next reload.
+/// Re-reads the config file and applies it. The file is read under the
+/// change lock (a change confirmed meanwhile is in what it reads), its
+/// stamp first: valid or not, a later edit triggers the next reload.
 pub fn reload_file(shared: &Shared, trigger: &str) -> Result<String, ApplyError> {
     let Some(path) = lock(shared).path.clone() else {
         let e = ApplyError::Invalid("running on the embedded default: there is no file to reload".into());
         warn!("{trigger}: {e}");
         return Err(e);
     };
-    // Read outside every lock; the stamp first, valid file or not.
-    let stamp = file_stamp(&path);
-    let read = std::fs::read_to_string(&path).map_err(|e| ApplyError::Failed(format!("cannot read {}: {e}", path.display())));
-    let r = apply(shared, trigger, |_| Ok(Change { text: read?, origin: path.display().to_string(), persist: false }));
-    lock(shared).stamp = stamp;
-    r
+    apply(shared, trigger, |_| {
+        let read_as = file_stamp(&path);
+        match std::fs::read_to_string(&path) {
+            Ok(text) => Ok(Change { text, origin: path.display().to_string(), persist: false, read_as }),
+            Err(e) => {
+                let e = ApplyError::Failed(format!("cannot read {}: {e} (restore the file, then reload)", path.display()));
+                let mut s = lock(shared);
+                s.seen = read_as;
+                record(&mut s, trigger, Err(&e));
+                Err(e)
+            }
+        }
+    })
 }
 
-/// Lifts bans whose time is up (written back to the file).
+/// Lifts bans whose time is up, written back to the file; while the file
+/// holds an edit not applied yet, in the datapath only (the file's expired
+/// ban is inert, and the edit is not overwritten).
 pub fn expire_bans(shared: &Shared) {
     let now = unix_now();
-    if !lock(shared).config.bans.iter().any(|b| b.until <= now) {
-        return;
-    }
-    let r = apply_edit(shared, "ban(s) expired", |s| {
-        crate::config::document::remove_bans(&s.text, |_, until| until <= now)
+    let pending = {
+        let s = lock(shared);
+        if !s.config.bans.iter().any(|b| b.until <= now) {
+            return;
+        }
+        s.path.as_deref().is_some_and(|p| file_stamp(p) != s.stamp)
+    };
+    let trigger = if pending { "ban(s) expired (lifted, the config file not written: it holds an edit not applied yet)" } else { "ban(s) expired" };
+    let r = apply(shared, trigger, |s| {
+        let text = crate::config::document::remove_bans(&s.text, |_, until| until <= now)
             .map(|(text, _)| text)
-            .map_err(|e| ApplyError::Failed(format!("cannot lift expired bans: {e:?}")))
+            .map_err(|e| ApplyError::Failed(format!("cannot lift expired bans: {e:?}")))?;
+        Ok::<_, ApplyError>(Change { text, origin: s.origin(), persist: !pending, read_as: None })
     });
     if let Err(e) = r {
         error!("{e}");
@@ -335,5 +368,10 @@ pub fn write_atomic(path: &Path, text: &str) -> std::io::Result<()> {
     f.sync_all().map_err(cleanup)?;
     drop(f);
     std::fs::rename(&tmp, &real).map_err(cleanup)?;
-    std::fs::File::open(dir)?.sync_all()
+    // Renamed, the file holds the new text: a failed sync of the directory
+    // only leaves the rename less durable across a crash.
+    if let Err(e) = std::fs::File::open(dir).and_then(|d| d.sync_all()) {
+        warn!("{} written, but syncing {} failed ({e}): a crash now may bring back the old file", real.display(), dir.display());
+    }
+    Ok(())
 }

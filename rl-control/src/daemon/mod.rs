@@ -270,9 +270,13 @@ impl Stopping {
             c.abort();
             let _ = c.await;
         }
+        // A change under way finishes (its client sees the answer) before
+        // the datapath is left or taken off; none starts after.
+        let _changes = crate::daemon::apply::hold_changes();
         let (totals, gone) = {
             let s = lock(&state);
-            (s.dp.counters()?, s.dp.not_attached())
+            let totals = s.dp.counters().map_or_else(|e| format!("unavailable ({e})"), |t| t.to_string());
+            (totals, s.dp.not_attached())
         };
         if self.detach {
             // Detaches at once, whoever still holds the link.
@@ -386,7 +390,8 @@ fn serve_requests(
 async fn until_stopped(state: &Shared, mut signals: Signals, watched: Option<PathBuf>, stats_interval: Duration) -> Result<()> {
     let mut tick = tokio::time::interval(stats_interval);
     tick.tick().await;
-    let mut last = lock(state).dp.counters()?;
+    // A failed read of the counters costs a log line, never the daemon.
+    let mut last = lock(state).dp.counters().map_err(|e| warn!("reading the counters failed ({e}): the stats line skips a tick")).ok();
     let mut watch = tokio::time::interval(WATCH_INTERVAL);
     loop {
         tokio::select! {
@@ -403,23 +408,31 @@ async fn until_stopped(state: &Shared, mut signals: Signals, watched: Option<Pat
                 let _ = tokio::task::spawn_blocking(move || {
                     crate::daemon::apply::expire_bans(&st);
                     let now = watched.as_deref().and_then(file_stamp);
-                    if now.is_some() && now != lock(&st).stamp {
+                    if now.is_some() && now != lock(&st).seen {
                         info!("the config file changed on disk: reloading");
                         let _ = crate::daemon::apply::reload_file(&st, "file change");
                     }
                 }).await;
             }
             _ = tick.tick() => {
-                let now = lock(state).dp.counters()?;
-                let d = now.since(&last);
-                let secs = stats_interval.as_secs_f64();
-                info!(
-                    "last {:.0}s: passed {:.0} pkt/s, dropped {:.0} pkt/s; totals: {now}",
-                    secs,
-                    d.get(rl_common::STAT_PASSED_PKTS) as f64 / secs,
-                    d.get(rl_common::STAT_DROPPED_PKTS) as f64 / secs,
-                );
-                last = now;
+                let now = match lock(state).dp.counters() {
+                    Ok(now) => now,
+                    Err(e) => {
+                        warn!("reading the counters failed ({e}): the stats line skips a tick");
+                        continue;
+                    }
+                };
+                if let Some(last) = &last {
+                    let d = now.since(last);
+                    let secs = stats_interval.as_secs_f64();
+                    info!(
+                        "last {:.0}s: passed {:.0} pkt/s, dropped {:.0} pkt/s; totals: {now}",
+                        secs,
+                        d.get(rl_common::STAT_PASSED_PKTS) as f64 / secs,
+                        d.get(rl_common::STAT_DROPPED_PKTS) as f64 / secs,
+                    );
+                }
+                last = Some(now);
             }
         }
     }

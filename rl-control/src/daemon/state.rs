@@ -74,8 +74,13 @@ pub struct State {
     pub text: Arc<str>,
     /// The config file (`None`: the embedded default, nothing to persist).
     pub path: Option<PathBuf>,
-    /// The file's stamp when last read or written by the daemon.
+    /// The file's stamp as the running rules stand: when the daemon last
+    /// applied it or wrote it. An API change refuses to write over a file
+    /// whose stamp differs (an edit not applied).
     pub stamp: Option<FileStamp>,
+    /// The file's stamp when the daemon last read it, applied or refused:
+    /// the watcher reloads when the file's differs.
+    pub seen: Option<FileStamp>,
     /// Every interface the limiter is attached to, and its mode.
     pub attachments: Vec<Attachment>,
     pub program_id: Option<u32>,
@@ -172,6 +177,7 @@ impl State {
             text: Arc::from(file.text),
             path: file.path,
             stamp: file.stamp,
+            seen: file.stamp,
             attachments,
             started: std::time::Instant::now(),
             last_reload: None,

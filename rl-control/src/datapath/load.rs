@@ -177,6 +177,7 @@ impl Datapath {
             pins: opts.pin.clone(),
             adopted: plan.adopted,
             pinned_config: None,
+            pinned_known: None,
             took_over: false,
             cells_from_tables: plan.cells_from_tables,
             old_arrays: plan.old_arrays,
@@ -238,6 +239,9 @@ impl Datapath {
         // buckets without their bits), and a bucket whose bits are clear is
         // skipped in a flood: a limited key would start afresh.
         let mut known: Array<&mut MapData, u64> = map_mut(&mut self.ebpf, MAP_KNOWN)?;
+        if self.adopted {
+            self.pinned_known = known.get(&0, 0).ok();
+        }
         known.set(0, if self.adopted { 0 } else { KNOWN_VALID }, 0).map_err(|e| map_error(MAP_KNOWN, e))?;
         if pinned {
             let mut layout: Array<&mut MapData, u32> = map_mut(&mut self.ebpf, MAP_LAYOUT)?;
@@ -253,6 +257,13 @@ impl Datapath {
     pub(super) fn put_back_config(&mut self, config: DatapathConfig) {
         if let Err(e) = self.write_config(config) {
             warn!("could not put the pinned config entry back after a failed start ({e}): the pinned program runs with this build's settings");
+        }
+        // The pinned program's filter, valid again (its own inserts set its bits).
+        if let Some(word) = self.pinned_known {
+            let put = map_mut::<Array<&mut MapData, u64>>(&mut self.ebpf, MAP_KNOWN).and_then(|mut k| k.set(0, word, 0).map_err(|e| map_error(MAP_KNOWN, e)));
+            if let Err(e) = put {
+                warn!("could not put the pinned known-keys filter back after a failed start ({e}): it is off until a daemon's first walk (a flood costs table lookups)");
+            }
         }
     }
 

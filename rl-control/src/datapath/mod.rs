@@ -279,6 +279,9 @@ pub struct Datapath {
     /// on enforcing those rules until this build's replaces it, and only
     /// then are the rules written (see [`Datapath::take_over`]).
     pinned_config: Option<DatapathConfig>,
+    /// Adopted: the known-keys filter's control word as found (put back,
+    /// with the config entry, by a start that fails before its swap).
+    pinned_known: Option<u64>,
     /// This process has swapped its program into a pinned link.
     took_over: bool,
     /// Adopted from a build without cell arrays, or from a daemon stopped
