@@ -115,6 +115,18 @@ fn every_route_answers_metrics_equal_stats_and_the_openapi_document_is_complete(
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(!text.contains("No module named"), "openapi-spec-validator is missing: run `cargo xtask test`, which installs it\n{text}");
     assert!(out.status.success() && text.contains("OK"), "the OpenAPI document does not validate:\n{text}");
+    // Every /v1 operation needs the token; every change may answer 409
+    // (an edit of the file not applied yet) and 422, as the daemon does.
+    for (method, path) in ROUTES.iter().filter(|(_, p)| p.starts_with("/v1/")) {
+        let op = &doc["paths"][path][method];
+        assert_eq!(op["security"][0]["bearer"], serde_json::json!([]), "{method} {path} does not say it needs the token");
+        assert!(op["responses"]["401"].is_object(), "{method} {path}: no 401");
+        if *method != "get" {
+            for code in ["409", "422", "500"] {
+                assert!(op["responses"][code].is_object(), "{method} {path}: no {code}");
+            }
+        }
+    }
     let paths = doc["paths"].as_object().unwrap().len();
     assert_eq!(paths, 14, "paths in the document: {:?}", doc["paths"].as_object().unwrap().keys().collect::<Vec<_>>());
 
@@ -125,6 +137,13 @@ fn every_route_answers_metrics_equal_stats_and_the_openapi_document_is_complete(
     let a = request(&lab.b, "PATCH", "/v1/rules", None, None).unwrap();
     assert_eq!(a.status, 405);
     assert!(a.json()["error"].is_string());
+    // A path parameter that is not UTF-8 once decoded: JSON too.
+    for path in ["/v1/sources/%FF", "/v1/bans/%FF", "/v1/rules/%FF"] {
+        let method = if path.starts_with("/v1/sources") { "GET" } else { "DELETE" };
+        let a = request(&lab.b, method, path, None, None).unwrap();
+        assert_eq!(a.status, 400, "{path}: {}", a.body);
+        assert!(a.json()["error"].as_str().is_some_and(|e| e.starts_with("the path")), "{path}: {}", a.body);
+    }
     stop(d);
 }
 

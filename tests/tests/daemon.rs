@@ -22,6 +22,24 @@ fn error_line(out: &str) -> String {
     errors[0].to_string()
 }
 
+/// The rule file rl ships (`dist/rules.toml`, what the unit starts with)
+/// passes `check-config` and starts the daemon as it is, serving its
+/// read-only metrics listener. (It served the admin API over TCP without
+/// a token, which the daemon refuses: the unit never started.)
+#[test]
+fn the_shipped_rule_file_starts_the_daemon_as_it_is() {
+    let lab = Lab::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write(&dir, "rules.toml", include_str!("../../dist/rules.toml"));
+    let (status, out) = run_once(None, &["check-config", cfg.to_str().unwrap()]).unwrap();
+    assert!(status.success(), "{out}");
+    let d = Daemon::serving(&lab, &cfg, &[]).unwrap();
+    let health = rl_tests::http::request_tcp(&lab.b, "127.0.0.1:9101", "GET", "/healthz", None, None).unwrap();
+    assert_eq!(health.status, 200, "{}", health.body);
+    let (status, log) = d.stop(libc::SIGTERM).unwrap();
+    assert!(status.success(), "{log}");
+}
+
 #[test]
 fn daemon_limits_a_flood_and_detaches_on_sigterm() {
     let lab = Lab::new().unwrap();

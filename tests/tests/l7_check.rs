@@ -66,6 +66,11 @@ fn the_check_answers_429_with_rate_limit_headers_past_the_limit() {
     assert_eq!(state("192.0.2.99")["remaining"], 5, "looking charged nothing");
     let (status, out) = rl_tests::daemon::run_once(Some(&lab.b), &["l7-state", "--domain", "auth", "auth_type=login", "remote_address=192.0.2.7"]).unwrap();
     assert!(status.success() && out.contains("over the limit") && out.contains("login-per-ip"), "{out}");
+    // A value with `+`, `&`, `=` and a space reaches the daemon as given.
+    let odd = "a+b&c=d e";
+    assert_eq!(check(&lab, &login(odd)).status, 200);
+    let (status, out) = rl_tests::daemon::run_once(Some(&lab.b), &["l7-state", "--domain", "auth", "auth_type=login", &format!("remote_address={odd}")]).unwrap();
+    assert!(status.success() && out.contains("remaining:   4"), "the CLI looked up another key than {odd:?}: {out}");
     assert_eq!(get(&lab.b, "/v1/l7/state?auth_type=login").status, 400);
     // Unmatched descriptors are not limited.
     let a = check(&lab, &json!({"domain": "auth", "descriptors": [[{"key": "auth_type", "value": "signup"}]]}));

@@ -4,14 +4,14 @@
 
 use axum::{
     body::Bytes,
-    extract::{rejection::BytesRejection, Path, State as AxState},
+    extract::{rejection::BytesRejection, State as AxState},
     http::{header, HeaderMap, StatusCode},
     Json,
 };
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use super::{Api, ApiError, ApiResult, ErrorBody};
+use super::{Api, ApiError, ApiResult, ErrorBody, Segment};
 use crate::{
     config::{document, unix_now, units::parse_cidr},
     daemon::{apply::{self, Change}, state::{lock, Shared}},
@@ -91,7 +91,7 @@ pub(super) async fn post_rule(AxState(api): AxState<Api>, body: Result<Bytes, By
 /// Removes the rule `name`.
 #[utoipa::path(delete, path = "/v1/rules/{name}", params(("name" = String, Path, description = "the rule's name")),
     responses((status = 200, body = Applied), (status = 404, body = ErrorBody)))]
-pub(super) async fn delete_rule(AxState(api): AxState<Api>, Path(name): Path<String>) -> ApiResult<Json<Applied>> {
+pub(super) async fn delete_rule(AxState(api): AxState<Api>, Segment(name): Segment) -> ApiResult<Json<Applied>> {
     let summary = change(&api, move |sh| {
         apply::apply_edit(sh, &format!("api: DELETE /v1/rules/{name}"), |s| Ok::<_, ApiError>(document::remove_rule(&s.text, &name)?))
     })
@@ -120,7 +120,7 @@ pub struct BanView {
 }
 
 /// The longest ban accepted: one year.
-const MAX_BAN_SECS: u64 = 365 * 86_400;
+const MAX_BAN_SECS: u64 = 366 * 86_400; // as long as any period (`--ttl 366d` passes the CLI)
 
 /// Drops everything from a prefix until its TTL runs out (allowed CIDRs
 /// excepted: `allow` wins over bans as over `deny`).
@@ -163,7 +163,7 @@ pub(super) async fn get_bans(AxState(api): AxState<Api>) -> Json<Vec<BanView>> {
 /// Lifts a ban now (URL-encode the `/`: `198.51.100.0%2F24`).
 #[utoipa::path(delete, path = "/v1/bans/{cidr}", params(("cidr" = String, Path, description = "the banned prefix, URL-encoded")),
     responses((status = 200, body = Applied), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
-pub(super) async fn delete_ban(AxState(api): AxState<Api>, Path(cidr): Path<String>) -> ApiResult<Json<Applied>> {
+pub(super) async fn delete_ban(AxState(api): AxState<Api>, Segment(cidr): Segment) -> ApiResult<Json<Applied>> {
     let c = parse_cidr(&cidr).map_err(|m| ApiError(StatusCode::BAD_REQUEST, format!("cidr: {m}")))?;
     let summary = change(&api, move |sh| {
         apply::apply_edit(sh, &format!("api: lift the ban on {c}"), |s| {

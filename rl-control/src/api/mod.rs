@@ -50,6 +50,21 @@ pub struct ErrorBody {
     pub error: String,
 }
 
+/// One path parameter, refused (not UTF-8 once decoded, say) as JSON like
+/// every other error, not axum's plain text.
+pub(super) struct Segment(pub String);
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for Segment {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut axum::http::request::Parts, state: &S) -> Result<Segment, ApiError> {
+        axum::extract::Path::<String>::from_request_parts(parts, state)
+            .await
+            .map(|axum::extract::Path(s)| Segment(s))
+            .map_err(|e| ApiError(e.status(), format!("the path: {}", e.body_text())))
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         (self.0, Json(ErrorBody { error: self.1 })).into_response()
@@ -202,14 +217,49 @@ async fn status(AxState(api): AxState<Api>) -> Json<Status> {
 )]
 pub struct ApiDoc;
 
-/// Declares the bearer token scheme (used when `[api] token_file` is set).
+/// Declares the bearer token scheme (used when `[api] token_file` is set)
+/// and requires it of every `/v1` operation (401 without it), and the
+/// answers every change can give: 409 (the file holds an edit not applied,
+/// or a conflicting rule), 413 (a body over the limit), 422 (the result
+/// does not validate), 500 (the install or the write failed, nothing
+/// changed); a path parameter's 400.
 struct BearerAuth;
 
 impl utoipa::Modify for BearerAuth {
     fn modify(&self, doc: &mut utoipa::openapi::OpenApi) {
-        use utoipa::openapi::security::{Http, HttpAuthScheme, SecurityScheme};
+        use utoipa::openapi::{
+            security::{Http, HttpAuthScheme, SecurityRequirement, SecurityScheme},
+            ContentBuilder, Ref, ResponseBuilder,
+        };
         let components = doc.components.get_or_insert_with(Default::default);
         components.add_security_scheme("bearer", SecurityScheme::Http(Http::new(HttpAuthScheme::Bearer)));
+        let error = |what: &str| {
+            ResponseBuilder::new()
+                .description(what)
+                .content("application/json", ContentBuilder::new().schema(Some(Ref::from_schema_name("ErrorBody"))).build())
+                .build()
+        };
+        for (path, item) in doc.paths.paths.iter_mut().filter(|(p, _)| p.starts_with("/v1/")) {
+            let param = path.contains('{');
+            let ops = [(&mut item.get, false), (&mut item.put, true), (&mut item.post, true), (&mut item.delete, true)];
+            for (op, changes) in ops {
+                let Some(op) = op.as_mut() else { continue };
+                op.security = Some(vec![SecurityRequirement::new("bearer", Vec::<String>::new())]);
+                let mut add = |code: &str, what: &str| {
+                    op.responses.responses.entry(code.into()).or_insert_with(|| error(what).into());
+                };
+                add("401", "missing or wrong bearer token ([api] token_file is set)");
+                if param {
+                    add("400", "the path parameter is not valid");
+                }
+                if changes {
+                    add("409", "the config file holds an edit not applied yet, or the change conflicts with the rules");
+                    add("413", "the body is over the limit");
+                    add("422", "the resulting rule set does not validate (line and column given)");
+                    add("500", "installing the rules or writing the file failed: nothing changed");
+                }
+            }
+        }
     }
 }
 
@@ -224,7 +274,8 @@ async fn auth(AxState(api): AxState<Api>, req: Request, next: Next) -> Response 
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
+            // The scheme's name is case-insensitive (RFC 9110).
+            .and_then(|v| v.split_once(' ').filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer")).map(|(_, t)| t));
         let ok = given.is_some_and(|g| constant_time_eq(g.as_bytes(), token.as_bytes()));
         if !ok {
             let mut r = ApiError(StatusCode::UNAUTHORIZED, "missing or wrong bearer token: send `Authorization: Bearer <token>` (see [api] token_file)".into()).into_response();

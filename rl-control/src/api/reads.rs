@@ -5,7 +5,7 @@
 use std::net::IpAddr;
 
 use axum::{
-    extract::{rejection::QueryRejection, Path, Query, State as AxState},
+    extract::{rejection::QueryRejection, Query, State as AxState},
     http::StatusCode,
     Json,
 };
@@ -13,7 +13,7 @@ use rl_common::quota::ceil_ms;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use super::{Api, ApiError, ApiResult, ErrorBody};
+use super::{Api, ApiError, ApiResult, ErrorBody, Segment};
 use crate::daemon::state::{lock, State};
 
 /// Packets and bytes under one rule (or allow, deny, default).
@@ -127,7 +127,7 @@ pub struct SourceState {
 /// bucket that charges it now (its own, or a flood's shared fallback).
 #[utoipa::path(get, path = "/v1/sources/{ip}", params(("ip" = String, Path, description = "an IPv4 or IPv6 address")),
     responses((status = 200, body = SourceState), (status = 400, body = ErrorBody)))]
-pub(super) async fn source(AxState(api): AxState<Api>, Path(ip): Path<String>) -> ApiResult<Json<SourceState>> {
+pub(super) async fn source(AxState(api): AxState<Api>, Segment(ip): Segment) -> ApiResult<Json<SourceState>> {
     let addr: IpAddr = ip
         .parse()
         .map_err(|_| ApiError(StatusCode::BAD_REQUEST, format!("\"{ip}\" is not an IP address")))?;

@@ -497,9 +497,20 @@ pub fn ban(v: &Value) -> String {
         v["reason"].as_str().filter(|r| !r.is_empty()).map_or(String::new(), |r| format!(": {r}")))
 }
 
-/// `/` in a CIDR becomes `%2F` in a path segment.
+/// `text` percent-encoded for a path segment or a query value: every byte
+/// but letters, digits, `-._~` and `:` (IPv6 addresses read as written),
+/// so `/` in a CIDR, and `+`, `&`, `=`, `#` or a space in a descriptor
+/// value, arrive as given.
 pub fn encode_segment(text: &str) -> String {
-    text.replace('%', "%25").replace('/', "%2F")
+    let mut out = String::with_capacity(text.len());
+    for b in text.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~:".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -511,6 +522,8 @@ mod tests {
         let t = table(&["A", "LONG"], &[vec!["xyz".into(), "1".into()]]);
         assert_eq!(t, "A    LONG\nxyz  1\n");
         assert_eq!(encode_segment("10.0.0.0/8"), "10.0.0.0%2F8");
+        assert_eq!(encode_segment("2001:db8::/32"), "2001:db8::%2F32");
+        assert_eq!(encode_segment("a+b&c=d #é"), "a%2Bb%26c%3Dd%20%23%C3%A9");
     }
 
     /// A host's event prints "-" where it names no rule, limit or source.

@@ -347,6 +347,14 @@ impl Config {
             metrics_listen: address(&raw.api.metrics_listen, "api.metrics_listen", "127.0.0.1:9101")?,
             token_file: raw.api.token_file.as_ref().map(|t| t.get_ref().into()),
         };
+        if let (Some(l), None) = (&raw.api.listen, &api.token_file) {
+            return Err(loc.at(
+                l.span(),
+                "api.listen serves the admin API over TCP, which needs api.token_file (a file holding the bearer token): \
+                 add it, or drop listen and use the Unix socket (root only)"
+                    .into(),
+            ));
+        }
         let bans = bans_of(&loc, &raw.ban)?;
         if allow.len() + deny.len() + bans.len() > MAX_LIST_CIDRS {
             return Err(loc.at(
@@ -549,7 +557,14 @@ mod tests {
     fn the_shipped_example_is_valid() {
         let c = Config::from_str(include_str!("../../../dist/rules.toml"), "dist/rules.toml").unwrap();
         assert_eq!(c.rules.len(), 3);
-        assert_eq!(c.api.listen, Some("127.0.0.1:9100".parse().unwrap()));
+        assert_eq!(c.api.metrics_listen, Some("127.0.0.1:9101".parse().unwrap()));
+        assert_eq!(c.api.listen, None, "the admin API over TCP needs a token file the example cannot ship");
+    }
+
+    #[test]
+    fn an_api_listener_without_a_token_is_refused_where_it_is_written() {
+        let e = error_of("[default]\nrate = 1\n[api]\nlisten = \"127.0.0.1:9100\"\n");
+        assert!(e.starts_with("rules.toml:4:10: api.listen serves the admin API over TCP, which needs api.token_file"), "{e}");
     }
 
     #[test]

@@ -212,6 +212,13 @@ fn install(
     let new = Config::from_str(&change.text, &change.origin).map_err(|e| ApplyError::Invalid(e.to_string()))?;
     let running = lock(shared).config.clone();
     sized_at_load(&new.datapath, &running.datapath)?;
+    if new.api != running.api {
+        return Err(ApplyError::Invalid(
+            "[api] differs from the running daemon's: its listeners and token are set up at start, so a reload cannot apply them \
+             (a token rotated here would leave the old one working): restore it in the file, or restart the daemon to apply it"
+                .into(),
+        ));
+    }
     if new.cluster != running.cluster {
         return Err(ApplyError::Invalid(
             "[cluster] differs from the running daemon's, and it changes only on restart: \
@@ -362,7 +369,9 @@ pub fn write_atomic(path: &Path, text: &str) -> std::io::Result<()> {
     };
     if let Ok(m) = std::fs::metadata(&real) {
         f.set_permissions(m.permissions()).map_err(cleanup)?;
-        let _ = std::os::unix::fs::fchown(&f, Some(m.uid()), Some(m.gid()));
+        if let Err(e) = std::os::unix::fs::fchown(&f, Some(m.uid()), Some(m.gid())) {
+            warn!("{} keeps its mode but not its owner {}:{} ({e}: the daemon lacks CAP_CHOWN)", real.display(), m.uid(), m.gid());
+        }
     }
     f.write_all(text.as_bytes()).map_err(cleanup)?;
     f.sync_all().map_err(cleanup)?;
