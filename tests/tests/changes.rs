@@ -208,6 +208,11 @@ fn a_reload_that_changes_the_prefix_cells_the_tables_or_the_pins_is_refused() {
         assert!(!status.success(), "{toml}: {out}");
         assert!(out.contains("datapath.pin_dir and datapath.interfaces are read when the daemon starts") && out.contains("restart the daemon"), "{toml}: {out}");
     }
+    // [api] too: its listeners and token are set up at start (a token
+    // rotated by a reload would have left the old one working).
+    std::fs::write(&cfg, "[default]\nrate = 100\n[api]\nmetrics_listen = \"127.0.0.1:9101\"\n").unwrap();
+    let (status, out) = run_once(Some(&lab.b), &["reload"]).unwrap();
+    assert!(!status.success() && out.contains("[api] differs from the running daemon's"), "{out}");
     // The aggregation prefixes apply, with a warning that keys start afresh.
     std::fs::write(&cfg, "[datapath]\nipv4_prefix = 24\n[default]\nrate = 100\n").unwrap();
     let (status, out) = run_once(Some(&lab.b), &["reload"]).unwrap();
