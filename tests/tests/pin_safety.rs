@@ -79,6 +79,21 @@ fn interface_pin_directories_are_roots_alone() {
     std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
     let e = prepare_pins(pins.path(), &open).expect_err("a directory anyone may write");
     assert!(e.to_string().contains("only root may hold rl's pins"), "{e}");
+
+    // A pin directory another user made first (on a bpffs anyone may
+    // write): they could move root's interface directory away. Refused.
+    let squatted = pins.path().join("rl");
+    std::fs::create_dir(&squatted).unwrap();
+    std::os::unix::fs::chown(&squatted, Some(1000), Some(1000)).unwrap();
+    let e = prepare_pins(&squatted, &squatted.join("eth0")).expect_err("a pin directory a user owns");
+    assert!(e.to_string().contains("owned by uid 1000") && e.to_string().contains("can move rl's pins away"), "{e}");
+    // A sticky one anyone may write (as /sys/fs/bpf may be mounted) is fine.
+    std::os::unix::fs::chown(&squatted, Some(0), Some(0)).unwrap();
+    std::fs::set_permissions(&squatted, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    prepare_pins(&squatted, &squatted.join("eth0")).unwrap();
+    std::fs::set_permissions(&squatted, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let e = prepare_pins(&squatted, &squatted.join("eth1")).expect_err("a pin directory anyone may write, not sticky");
+    assert!(e.to_string().contains("mode 777"), "{e}");
 }
 
 #[test]

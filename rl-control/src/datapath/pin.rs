@@ -114,7 +114,37 @@ pub fn prepare(pin_dir: &Path, dir: &Path) -> Result<(), DatapathError> {
             }
         }
     }
-    own_dir(dir)
+    own_dir(dir)?;
+    safe_ancestors(dir)
+}
+
+/// Refuses pins under a directory of the bpffs that another user owns, or
+/// that group or others may write (unless sticky): its owner, or any
+/// writer, could rename rl's directory away and put one of their own in
+/// its place (a user who made `/sys/fs/bpf/rl` on a bpffs mounted 1777,
+/// say). Checked up to the bpffs' mount point.
+fn safe_ancestors(dir: &Path) -> Result<(), DatapathError> {
+    use std::os::unix::fs::MetadataExt;
+    let me = unsafe { libc::geteuid() };
+    for up in dir.ancestors().skip(1).filter(|a| !a.as_os_str().is_empty()) {
+        if !is_bpffs(up) {
+            break;
+        }
+        let meta = std::fs::metadata(up).map_err(|e| pin_error(up, e))?;
+        let writable = meta.mode() & 0o022 != 0 && meta.mode() & 0o1000 == 0;
+        if meta.uid() != me || writable {
+            return Err(pin_error(
+                up,
+                format!(
+                    "it is owned by uid {} with mode {:o}: whoever owns or may write it can move rl's pins away; \
+                     make it root's and not writable by others (chown root, chmod 0700), or pin elsewhere (--pin-dir)",
+                    meta.uid(),
+                    meta.mode() & 0o7777
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Makes `dir` exist as root's alone (0700, owned by this process's user),
