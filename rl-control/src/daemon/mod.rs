@@ -167,6 +167,9 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     let cluster = cluster::join(&config).await?;
     let pin_dir = opts.pin_dir.clone().unwrap_or_else(|| config.datapath.pin_dir.clone());
     let pins = pin_dir.join(crate::datapath::pin_group(&ifaces));
+    // The request threads before anything is attached: a start that
+    // fails after attaching leaves it attached with no daemon.
+    let threads = request_threads(&config, l7_listener.is_some() || grpc_listener.is_some())?;
     let (mut dp, attachments) = enforce(&config, &ifaces, opts.mode, &pin_dir, &pins)?;
     let on = log_attached(&config, &attachments);
     if let Some(logger) = dp.take_logger() {
@@ -176,7 +179,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     let events = dp.take_events();
     let l7: crate::l7::http::Shared =
         Arc::new(std::sync::RwLock::new(Arc::new(crate::l7::engine::Engine::new(&config.l7, dp.epoch_offset_ns(), None).with_cluster(cluster.clone()))));
-    let _threads = serve_requests(&config, &l7, l7_listener, grpc_listener)?;
+    let _threads = serve_requests(&config, &l7, threads, l7_listener, grpc_listener);
     let file = Loaded { config, text, path: opts.config.clone(), stamp };
     let state: Shared = Arc::new(Mutex::new(State::new(dp, file, l7, cluster.clone(), attachments.clone())));
     let (servers, _socket_file) = api::listen::serve(listeners, state.clone());
@@ -360,16 +363,22 @@ fn enforce(
 /// Serves request decisions (the HTTP check and Envoy's rate-limit
 /// service), thread per core, both on the same threads, if either listens;
 /// returns the threads, kept for the daemon's life.
+/// The request front ends' threads, if any listener needs them.
+fn request_threads(config: &Config, needed: bool) -> Result<Option<crate::l7::threads::Threads>> {
+    if !needed {
+        return Ok(None);
+    }
+    Ok(Some(crate::l7::threads::Threads::start(crate::l7::threads::thread_count(config.l7.grpc_threads))?))
+}
+
 fn serve_requests(
     config: &Config,
     l7: &crate::l7::http::Shared,
+    threads: Option<crate::l7::threads::Threads>,
     http: Option<tokio::net::TcpListener>,
     grpc: Option<tokio::net::TcpListener>,
-) -> Result<Option<crate::l7::threads::Threads>> {
-    if http.is_none() && grpc.is_none() {
-        return Ok(None);
-    }
-    let threads = crate::l7::threads::Threads::start(crate::l7::threads::thread_count(config.l7.grpc_threads))?;
+) -> Option<crate::l7::threads::Threads> {
+    let threads = threads?;
     if let Some(listener) = http {
         let addr = listener.local_addr().ok();
         crate::l7::http::serve(listener, &threads, l7.clone());
@@ -381,7 +390,7 @@ fn serve_requests(
         crate::l7::grpc_threads::serve(listener, &threads, || crate::l7::grpc::Service { l7: l7.clone(), draft_headers });
         info!("Envoy rate-limit service on {} (envoy.service.ratelimit.v3, {} threads)", addr.map(|a| a.to_string()).unwrap_or_default(), threads.count());
     }
-    Ok(Some(threads))
+    Some(threads)
 }
 
 /// The daemon's loop until SIGINT or SIGTERM: reloads on SIGHUP and when
