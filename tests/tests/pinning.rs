@@ -465,18 +465,25 @@ fn an_adopted_datapath_swaps_its_program_in_before_it_writes_a_rule() {
     // the pinned link, its pin and its program, and fails the start.
     take_over(changed(), None).1.unwrap();
     let pinned_program = lab.xdp_prog_ids().unwrap();
+    let valid = rl_common::KNOWN_VALID | rl_common::KNOWN_HALF;
+    known_word(&dir).set(0, valid, 0).unwrap();
+    // Loaded, not yet swapped in: the filter off, in the half the pinned
+    // program marks meanwhile (had it been switched, a put-back word
+    // would trust a half without their bits).
+    drop(load_pinned(&changed(), &dir));
+    assert_eq!(known_word(&dir).get(&0, 0).unwrap(), rl_common::KNOWN_HALF, "off, the same half");
     as_an_older_build_left_it(&dir);
     let settings = config_entry(&dir).get(&0, 0).unwrap();
     // The pinned program's known-keys filter valid (as a walk leaves it):
     // a start that fails before its swap leaves it so.
-    known_word(&dir).set(0, rl_common::KNOWN_VALID, 0).unwrap();
+    known_word(&dir).set(0, valid, 0).unwrap();
     let (dp, taken) = take_over(changed(), Some("swap"));
     let err = taken.expect_err("the swap refused");
     assert!(err.to_string().contains("keeps its program") && err.to_string().contains("rl-control detach"), "{err}");
     assert_eq!(lab.xdp_prog_ids().unwrap(), pinned_program, "the pinned link keeps its program");
     assert!(dir.join(format!("link-native-{VB}")).exists(), "and its pin");
     assert_eq!(config_entry(&dir).get(&0, 0).unwrap(), settings, "the settings put back");
-    assert_eq!(known_word(&dir).get(&0, 0).unwrap(), rl_common::KNOWN_VALID, "the pinned filter put back (off, a flood pays table lookups)");
+    assert_eq!(known_word(&dir).get(&0, 0).unwrap(), valid, "the pinned filter put back (left off, a flood would pay table lookups until a walk)");
     assert_eq!(rl_tests::offer(&dp, &w, 1), (0, 1), "the pinned rule still in force");
     drop(dp);
 

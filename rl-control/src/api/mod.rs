@@ -254,7 +254,9 @@ impl utoipa::Modify for BearerAuth {
                 }
                 if changes {
                     add("409", "the config file holds an edit not applied yet, or the change conflicts with the rules");
-                    add("413", "the body is over the limit");
+                    if !param {
+                        add("413", "the body is over the limit");
+                    }
                     add("422", "the resulting rule set does not validate (line and column given)");
                     add("500", "installing the rules or writing the file failed: nothing changed");
                 }

@@ -48,14 +48,15 @@ impl Breaker {
     }
 
     /// A probe answered while degraded: whether the cluster is healthy
-    /// again.
-    pub fn answered(&mut self, now: Instant) -> bool {
+    /// again. A spell never announced (the start's, until its first probe)
+    /// was no recovery: a failure soon after is no flap.
+    pub fn answered(&mut self, now: Instant, announced: bool) -> bool {
         self.good += 1;
         if self.good < self.needed {
             return false;
         }
         self.good = 0;
-        self.recovered_at = Some(now);
+        self.recovered_at = announced.then_some(now);
         true
     }
 
@@ -81,7 +82,7 @@ mod tests {
         b.degraded(now);
         for _ in 0..40 {
             now += T;
-            if b.answered(now) {
+            if b.answered(now, true) {
                 recoveries += 1;
                 // The next call fails again at once.
                 b.degraded(now);
@@ -96,21 +97,26 @@ mod tests {
     fn a_failure_starts_the_run_over_and_a_held_recovery_resets_the_backoff() {
         let (mut b, mut now) = (Breaker::new(T), Instant::now());
         b.degraded(now);
-        assert!(b.answered(now), "a first spell recovers at the first answer");
+        assert!(b.answered(now, true), "a first spell recovers at the first answer");
         b.degraded(now + T);
-        assert!(!b.answered(now + 2 * T), "degraded again within the window: 2 answers needed");
+        assert!(!b.answered(now + 2 * T, true), "degraded again within the window: 2 answers needed");
         b.failed();
-        assert!(!b.answered(now + 3 * T), "a failure started the run over");
-        assert!(b.answered(now + 4 * T));
+        assert!(!b.answered(now + 3 * T, true), "a failure started the run over");
+        assert!(b.answered(now + 4 * T, true));
         // Held for the window: the next spell recovers at once again.
         now += FLAP_WINDOW + 5 * T;
         b.degraded(now);
         assert_eq!(b.to_go(), 1);
+        // The start's first answer (no spell announced) is no recovery.
+        let mut b = Breaker::new(T);
+        assert!(b.answered(now, false));
+        b.degraded(now + T);
+        assert_eq!(b.to_go(), 1, "a failure soon after the start is no flap");
         // Never more than MAX_WAIT worth of probes.
         let mut b = Breaker::new(T);
         for _ in 0..20 {
             b.degraded(now);
-            while !b.answered(now) {}
+            while !b.answered(now, true) {}
         }
         b.degraded(now);
         assert_eq!(b.to_go(), 300);

@@ -166,7 +166,7 @@ impl Cluster {
             return;
         }
         let mut breaker = self.breaker();
-        if !breaker.answered(std::time::Instant::now()) {
+        if !breaker.answered(std::time::Instant::now(), self.health.announced.load(Relaxed)) {
             return;
         }
         self.health.degraded.store(false, Relaxed);

@@ -242,7 +242,15 @@ impl Datapath {
         if self.adopted {
             self.pinned_known = known.get(&0, 0).ok();
         }
-        known.set(0, if self.adopted { 0 } else { KNOWN_VALID }, 0).map_err(|e| map_error(MAP_KNOWN, e))?;
+        // Adopted: off, in the half the pinned program marks (it runs until
+        // the swap; a failed start puts the word back, its marks where the
+        // word says).
+        let word = match self.pinned_known {
+            Some(w) => w & rl_common::KNOWN_HALF,
+            None if self.adopted => 0,
+            None => KNOWN_VALID,
+        };
+        known.set(0, word, 0).map_err(|e| map_error(MAP_KNOWN, e))?;
         if pinned {
             let mut layout: Array<&mut MapData, u32> = map_mut(&mut self.ebpf, MAP_LAYOUT)?;
             layout.set(0, LAYOUT_VERSION, 0).map_err(|e| map_error(MAP_LAYOUT, e))?;
