@@ -393,14 +393,19 @@ fn serve_requests(
     Some(threads)
 }
 
+/// The datapath's counters for the stats line: a failed read costs a
+/// warning and that line, never the daemon.
+fn counters_or_warn(state: &Shared) -> Option<crate::datapath::Counters> {
+    lock(state).dp.counters().map_err(|e| warn!("reading the counters failed ({e}): the stats line skips a tick")).ok()
+}
+
 /// The daemon's loop until SIGINT or SIGTERM: reloads on SIGHUP and when
 /// the `watched` file changes, expires bans, and logs the traffic every
 /// `stats_interval`.
 async fn until_stopped(state: &Shared, mut signals: Signals, watched: Option<PathBuf>, stats_interval: Duration) -> Result<()> {
     let mut tick = tokio::time::interval(stats_interval);
     tick.tick().await;
-    // A failed read of the counters costs a log line, never the daemon.
-    let mut last = lock(state).dp.counters().map_err(|e| warn!("reading the counters failed ({e}): the stats line skips a tick")).ok();
+    let mut last = counters_or_warn(state);
     let mut watch = tokio::time::interval(WATCH_INTERVAL);
     loop {
         tokio::select! {
@@ -424,13 +429,7 @@ async fn until_stopped(state: &Shared, mut signals: Signals, watched: Option<Pat
                 }).await;
             }
             _ = tick.tick() => {
-                let now = match lock(state).dp.counters() {
-                    Ok(now) => now,
-                    Err(e) => {
-                        warn!("reading the counters failed ({e}): the stats line skips a tick");
-                        continue;
-                    }
-                };
+                let Some(now) = counters_or_warn(state) else { continue };
                 if let Some(last) = &last {
                     let d = now.since(last);
                     let secs = stats_interval.as_secs_f64();

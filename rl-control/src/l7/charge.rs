@@ -154,15 +154,15 @@ fn packet_charge(c: &Compiled, a: Algorithm, words: &mut [u64], now: u64, hits: 
     // The headers speak for the tightest limit; the retry time is when
     // one more (or, over, all of the hits) fits under every limit: limits
     // out of room at once may free up at different times.
-    let (mut tightest, mut retry_ns) = ((0, None::<rl_common::quota::Quota>), 0);
+    let (mut tightest, mut retry_ns) = (None::<(usize, rl_common::quota::Quota)>, 0);
     for (i, (l, w)) in c.limits.iter().zip(words.iter()).enumerate() {
         let q = quota(l, *w, now, epoch);
         retry_ns = retry_ns.max(q.retry_after_ns);
-        if tightest.1.is_none_or(|t| q.remaining < t.remaining) {
-            tightest = (i, Some(q));
+        if tightest.is_none_or(|(_, t)| q.remaining < t.remaining) {
+            tightest = Some((i, q));
         }
     }
-    let (i, q) = (tightest.0, tightest.1.expect("a rule has a limit"));
+    let (i, q) = tightest.expect("a rule has a limit");
     if over && units > 1 {
         retry_ns = c.limits.iter().zip(words.iter()).map(|(l, w)| rl_common::quota::wait_for(l, *w, now, epoch, units)).max().unwrap_or(0);
     }
