@@ -95,7 +95,10 @@ pub(super) struct Compiled {
     /// The rule's number in bucket keys: kept with `id` by reloads.
     slot: u32,
     pub(super) limits: Vec<LimitEntry>,
-    counters: Counters,
+    /// Shared with the previous engine's rule of the same name: the
+    /// exported counters go on across reloads (and count what the old
+    /// engine still decides while it is swapped out).
+    counters: Arc<Counters>,
 }
 
 /// A request bucket, kept small (16 bytes, its key 16): a million keys must
@@ -170,7 +173,7 @@ pub struct Engine {
     next_slot: Arc<std::sync::atomic::AtomicU32>,
     max_keys: u64,
     epoch_offset_ns: u64,
-    pub unmatched: AtomicU64,
+    pub unmatched: Arc<AtomicU64>,
     /// The shared Redis, for `scope = "cluster"` rules.
     pub(super) cluster: Option<Arc<crate::cluster::Cluster>>,
     /// Hits of `batch` rules on their way to Redis (kept across reloads).
@@ -219,7 +222,9 @@ impl Engine {
                 cluster: (r.scope == crate::config::rules::Scope::Cluster).then(|| crate::cluster::requests::Prepared::new(r)),
                 batch_ns: r.batch_ms.map(|ms| ms * 1_000_000),
                 rule: r.clone(),
-                counters: Counters::default(),
+                counters: previous
+                    .and_then(|p| p.rules.iter().find(|q| q.rule.name == r.name))
+                    .map_or_else(Arc::default, |q| q.counters.clone()),
             })
             .collect();
         let mut by_domain: HashMap<String, Vec<usize>> = HashMap::new();
@@ -245,7 +250,8 @@ impl Engine {
             None => (Arc::new((0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect()), Arc::new(AtomicU64::new(0))),
         };
         let batch = previous.map(|p| p.batch.clone()).unwrap_or_default();
-        Engine { rules, by_domain, shards, keys, next_slot, max_keys: config.max_keys, epoch_offset_ns, unmatched: AtomicU64::new(0), cluster: None, batch }
+        let unmatched = previous.map(|p| p.unmatched.clone()).unwrap_or_default();
+        Engine { rules, by_domain, shards, keys, next_slot, max_keys: config.max_keys, epoch_offset_ns, unmatched, cluster: None, batch }
     }
 
     /// This engine deciding `scope = "cluster"` rules through `cluster`
@@ -293,7 +299,7 @@ impl Engine {
 
     /// Per-rule counters, in file order.
     pub fn counters(&self) -> impl Iterator<Item = (&str, &Counters)> {
-        self.rules.iter().map(|c| (c.rule.name.as_str(), &c.counters))
+        self.rules.iter().map(|c| (c.rule.name.as_str(), &*c.counters))
     }
 
     /// The first rule of `domain` whose descriptor matches `entries`.

@@ -334,3 +334,27 @@ fn a_reload_keeps_the_buckets_of_unchanged_rules() {
     assert_eq!(e3.decide_at("auth", &k, 1, 3 * S).code, "ok", "a changed rule starts fresh");
     assert_eq!(e3.keys(), 1);
 }
+
+/// The exported counters are Prometheus counters: a reload (any rule or
+/// ban change) must not take them back to 0, a changed rule's included
+/// (its metrics are by name), and a decision the old engine makes after
+/// the swap still counts.
+#[test]
+fn a_reload_keeps_counting_where_the_counters_were() {
+    let e = engine(LOGIN);
+    let k = d(&[("auth_type", "login"), ("remote_address", "a")]);
+    for _ in 0..7 {
+        e.decide_at("auth", &k, 1, S);
+    }
+    e.decide_at("other", &k, 1, S);
+    let changed = Config::from_str(&format!("[default]\nrate = 1\n[l7]\nmax_keys = 8\n{}", LOGIN.replace("rate = 5", "rate = 6")), "t").unwrap();
+    let e2 = Engine::new(&changed.l7, 0, Some(&e));
+    e.decide_at("auth", &k, 1, S);
+    e2.decide_at("auth", &k, 1, 2 * S);
+    e2.decide_at("other", &k, 1, 2 * S);
+    let (_, c) = e2.counters().next().unwrap();
+    // The old engine's decision after the swap finds its bucket gone (the
+    // changed rule's slot was swept): ok, and counted.
+    assert_eq!((c.ok.load(Ordering::Relaxed), c.over.load(Ordering::Relaxed)), (7, 2), "5 ok + 2 over, then one on each engine");
+    assert_eq!(e2.unmatched.load(Ordering::Relaxed), 2);
+}
