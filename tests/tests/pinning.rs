@@ -207,6 +207,20 @@ fn an_incompatible_pinned_layout_is_refused_with_what_differs() {
     assert!(line.contains("its prefix cells are IPv4 /24 and IPv6 /48 (datapath.flood_prefix_v4/v6), this configuration's /16 and /48"), "{line}");
     assert_eq!(lab.xdp_prog_ids().unwrap(), vec![prog]);
 
+    // A map of the right shape made without BPF_F_MMAPABLE (as a
+    // development build might pin): refused, the daemon could not map it.
+    let known = pins.path().join(VB).join(rl_common::MAP_KNOWN);
+    let held = aya::maps::MapData::from_pin(&known).unwrap();
+    std::fs::remove_file(&known).unwrap();
+    let plain: aya::maps::Array<aya::maps::MapData, u64> = aya::maps::Array::create(rl_common::KNOWN_ENTRIES, 0).unwrap();
+    plain.pin(&known).unwrap();
+    let (status, out) = run_once(Some(&lab.b), &["run", "--iface", VB, "--config", small.to_str().unwrap(), "--pin-dir", pins.arg()]).unwrap();
+    assert_eq!(status.code(), Some(1), "{out}");
+    assert!(out.contains("RL_KNOWN was created with flags 0x0, this build's are 0x400"), "{out}");
+    assert_eq!(lab.xdp_prog_ids().unwrap(), vec![prog]);
+    std::fs::remove_file(&known).unwrap();
+    held.pin(&known).unwrap();
+
     // Another layout version (as a future build would pin): refused too.
     set_layout_version(&pins.path().join(VB), 999);
     let (status, out) = run_once(Some(&lab.b), &["run", "--iface", VB, "--config", small.to_str().unwrap(), "--pin-dir", pins.arg()]).unwrap();

@@ -45,6 +45,9 @@ pub(super) struct MapSpec {
     pub key_size: u32,
     pub value_size: u32,
     pub max_entries: u32,
+    /// `BPF_F_*` creation flags: the daemon mmaps the arrays made with
+    /// `BPF_F_MMAPABLE`, and a map made without would not map.
+    pub flags: u32,
 }
 
 /// The maps of `object` that are pinned (rl's own: `RL_*`), with the
@@ -61,6 +64,7 @@ pub(super) fn specs(object: &[u8], sized: &[(&str, u32)]) -> Result<Vec<MapSpec>
             key_size: m.key_size(),
             value_size: m.value_size(),
             max_entries: sized.iter().find(|(n, _)| n == name).map_or(m.max_entries(), |(_, e)| *e),
+            flags: m.map_flags(),
         })
         .collect();
     out.sort_by(|a, b| a.name.cmp(&b.name));
@@ -266,6 +270,14 @@ pub(super) fn check(dir: &Path, specs: &[MapSpec]) -> Result<bool, DatapathError
             return Err(mismatch(format!(
                 "{} is a type-{t} map of {k}-byte keys and {v}-byte values, this build's is type {} with {} and {}",
                 s.name, s.map_type, s.key_size, s.value_size
+            )));
+        }
+        if info.map_flags() != s.flags {
+            return Err(mismatch(format!(
+                "{} was created with flags {:#x}, this build's are {:#x}",
+                s.name,
+                info.map_flags(),
+                s.flags
             )));
         }
         if n != s.max_entries {
