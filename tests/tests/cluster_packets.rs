@@ -126,3 +126,45 @@ fn three_hosts_hold_one_source_to_one_limit_within_the_documented_bound() {
         assert!(status.success(), "host {i}: {log}");
     }
 }
+
+/// `sync.lua`'s ledger on a real Redis: how much of a report it charges to
+/// a bucket, read from the bucket's `t` (µs, 1,000 µs a packet; far ahead
+/// of now, so the backdating never applies).
+#[test]
+fn the_ledger_charges_each_packet_once_and_never_forgets_a_host_that_forgot() {
+    let hub = rl_tests::redis::Hub::new(250 + std::process::id() % 5).unwrap();
+    let redis = rl_tests::redis::Redis::start(&hub, 6390).unwrap();
+    const SYNC: &str = include_str!("../../rl-control/src/cluster/sync.lua");
+    const K: &str = "rl:p:{r:0:0:0}:0a000001";
+    let t = || -> f64 { redis.cli(&["HGET", K, "t"]).unwrap().trim().parse().unwrap() };
+    let report = |me: &str, cum: u64, delta: u64| -> f64 {
+        let before = redis.cli(&["HGET", K, "t"]).unwrap().trim().parse::<f64>().unwrap_or(0.0);
+        let (cum, delta) = (cum.to_string(), delta.to_string());
+        redis.cli(&["EVAL", SYNC, "1", K, me, "1000", "100000", "600000", &cum, &delta]).unwrap();
+        (t() - before) / 1000.0
+    };
+    // Far ahead of Redis' clock: 100,000 packets.
+    report("a", 100_000, 100_000);
+    assert_eq!(report("a", 102_000, 2_000), 2_000.0, "new packets charged");
+    assert_eq!(report("a", 102_000, 2_000), 0.0, "a report applied twice is charged once");
+    assert_eq!(report("a", 102_500, 2_500), 500.0, "a retry of a timed-out report: only what is new");
+    // The host forgot the bucket (idle past its forget time) while another
+    // host kept the hash alive: its count starts again below the ledger's.
+    report("b", 10, 10);
+    assert_eq!(report("a", 300, 300), 300.0, "a host that forgot its count is charged in full");
+    assert_eq!(report("a", 400, 100), 100.0, "and from there on as before");
+    // Redis back from an older snapshot: its ledger is behind the host's
+    // acknowledged count. Only the packets not acknowledged are charged.
+    redis.cli(&["HSET", K, "c:a", "100"]).unwrap();
+    assert_eq!(report("a", 500, 100), 100.0, "a stale ledger charges what was acknowledged again");
+    // 70 daemon runs quiet for the keep-alive (restarted hosts): dropped
+    // once the hash holds more than 64 runs; the live ones stay.
+    for i in 0..70 {
+        redis.cli(&["HSET", K, &format!("c:old{i}"), "5", &format!("a:old{i}"), "0"]).unwrap();
+    }
+    report("a", 600, 100);
+    let fields = redis.cli(&["HKEYS", K]).unwrap();
+    let mut fields: Vec<&str> = fields.lines().collect();
+    fields.sort();
+    assert_eq!(fields, ["a:a", "a:b", "c:a", "c:b", "t"], "the quiet runs dropped, the live ones kept");
+}

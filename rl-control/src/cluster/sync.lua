@@ -8,6 +8,8 @@
 --   c:<reporter> packets this daemon run reported in total (idempotent:
 --                a report that timed out but was applied later, or arrives
 --                twice, is charged once)
+--   a:<reporter> when it last reported (µs): a reporter silent for
+--                keep-alive is dropped from the hash once it holds many
 -- ARGV[1]: this daemon run's name (node:boot); ARGV[2]: µs per packet;
 -- ARGV[3]: the sync interval in µs (reported packets passed within it);
 -- ARGV[4]: keep-alive in ms; then per key: cumulative, delta (packets since
@@ -23,12 +25,30 @@ for i, K in ipairs(KEYS) do
   local v = redis.call('HMGET', K, 't', 'c:' .. me)
   local tat = tonumber(v[1] or 0)
   local reported = tonumber(v[2] or -1)
-  local charge = delta
-  if reported >= 0 then charge = math.max(cum - reported, 0) end
+  -- What the ledger says is new, never more than the sender's own count
+  -- of packets not acknowledged: a ledger older than the sender's (Redis
+  -- back from a snapshot, a lagging replica) charges no packet twice. A
+  -- count below the ledger's means the sender forgot this bucket while
+  -- other hosts kept the hash alive: its delta is all new, and the
+  -- ledger starts again from its count.
+  local charge, ledger = delta, cum
+  if reported >= 0 and cum >= reported then charge = math.min(cum - reported, delta) end
   -- The packets passed during the last interval, not all at this instant.
   if tat < now - span then tat = now - span end
   tat = tat + charge * cost
-  redis.call('HSET', K, 't', tat, 'c:' .. me, math.max(cum, reported))
+  redis.call('HSET', K, 't', tat, 'c:' .. me, ledger, 'a:' .. me, now)
+  if redis.call('HLEN', K) > 129 then
+    -- Each daemon run reports under a name of its own: drop the runs
+    -- gone quiet for keep-alive (restarted hosts), or a key some host
+    -- keeps hot gains a field per restart for ever.
+    local f = redis.call('HGETALL', K)
+    for j = 1, #f, 2 do
+      local name = f[j]
+      if string.sub(name, 1, 2) == 'a:' and tonumber(f[j + 1]) < now - keep * 1000 then
+        redis.call('HDEL', K, name, 'c:' .. string.sub(name, 3))
+      end
+    end
+  end
   redis.call('PEXPIRE', K, keep)
   out[i] = math.max(math.floor(tat - now), 0)
 end
