@@ -168,3 +168,39 @@ fn the_ledger_charges_each_packet_once_and_never_forgets_a_host_that_forgot() {
     fields.sort();
     assert_eq!(fields, ["a:a", "a:b", "c:a", "c:b", "t"], "the quiet runs dropped, the live ones kept");
 }
+
+/// `register.lua` on a real Redis: a registration is alive for its own
+/// host's ttl (hosts with another `sync_interval` have another), so a host
+/// with a short one cannot take a slower host's entry for stale, register
+/// another definition and stop the rule being shared everywhere.
+#[test]
+fn a_host_with_a_shorter_ttl_cannot_push_a_live_definition_out() {
+    let hub = rl_tests::redis::Hub::new(245 + std::process::id() % 5).unwrap();
+    let redis = rl_tests::redis::Redis::start(&hub, 6391).unwrap();
+    const REGISTER: &str = include_str!("../../rl-control/src/cluster/register.lua");
+    const K: &str = "rl:def:{packet:r}";
+    const T: &str = "rl:def:{packet:r}:ttl";
+    let register = |node: &str, def: &str, ttl_ms: u64| redis.cli(&["EVAL", REGISTER, "2", K, T, node, def, &ttl_ms.to_string()]).unwrap();
+    let time = redis.cli(&["TIME"]).unwrap();
+    let mut parts = time.lines().map(|l| l.trim().parse::<u64>().unwrap());
+    let now_ms = parts.next().unwrap() * 1000 + parts.next().unwrap() / 1000;
+    // a1 renews every 8 s or so (ttl 30 s); its entry is 5 s old.
+    redis.cli(&["HSET", K, "a1", &format!("00aa:{}", now_ms - 5000)]).unwrap();
+    redis.cli(&["HSET", T, "a1", "30000"]).unwrap();
+    redis.cli(&["PEXPIRE", K, "30000"]).unwrap();
+    assert_eq!(register("b", "00bb", 3000).trim(), "a1", "b (ttl 3 s, another definition) must be refused");
+    assert!(redis.cli(&["HGET", K, "a1"]).unwrap().starts_with("00aa:"), "a1's entry stays");
+    // Same definition, shorter ttl: registered, and a1's entry keeps its life.
+    assert_eq!(register("c", "00aa", 3000).trim(), "", "c defines the rule as a1 does");
+    let pttl: u64 = redis.cli(&["PTTL", K]).unwrap().trim().parse().unwrap();
+    assert!(pttl > 20_000, "c's short ttl cut the hash's life to {pttl} ms");
+    // An entry past its own ttl is stale, whoever looks.
+    redis.cli(&["HSET", K, "a2", &format!("00dd:{}", now_ms - 5000)]).unwrap();
+    redis.cli(&["HSET", T, "a2", "2000"]).unwrap();
+    assert_eq!(register("d", "00aa", 30000).trim(), "", "a2 is 5 s past a 2 s ttl: gone");
+    assert_eq!(redis.cli(&["HEXISTS", K, "a2"]).unwrap().trim(), "0");
+    assert_eq!(redis.cli(&["HEXISTS", T, "a2"]).unwrap().trim(), "0");
+    // An entry of an older rl (no ttl of its own) is judged by the caller's.
+    redis.cli(&["HSET", K, "old", &format!("00ee:{}", now_ms - 5000)]).unwrap();
+    assert_eq!(register("e", "00aa", 3000).trim(), "", "old is 5 s past e's 3 s: gone");
+}

@@ -57,7 +57,8 @@ impl Batch {
     /// The lines to send now (keys with hits not yet acknowledged), and the
     /// keys they belong to. What a key took beyond two batches and its
     /// burst since its last line (an outage) is not sent. Keys idle for
-    /// `forget_ns` are forgotten: Redis has dropped their ledger by then.
+    /// `forget_ns` are forgotten: a later line of theirs counts from 0, which
+    /// Redis charges in full if its ledger still holds the old count.
     pub fn take(&self, now: u64, forget_ns: u64) -> Vec<(LocalKey, Line)> {
         let mut a = self.accounts.lock().unwrap_or_else(|e| e.into_inner());
         a.retain(|_, acc| acc.unsent + acc.unacked > 0 || now.saturating_sub(acc.last_ns) < forget_ns);

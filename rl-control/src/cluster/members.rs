@@ -30,7 +30,7 @@ pub async fn register(cluster: &Cluster, definitions: &[(String, u64)]) -> Resul
     let mut clashes = Vec::new();
     for (rule, def) in definitions {
         let mut inv = REGISTER.prepare_invoke();
-        inv.key(key(rule)).arg(&cluster.config.node).arg(format!("{def:016x}")).arg(ttl);
+        inv.key(key(rule)).key(format!("{}:ttl", key(rule))).arg(&cluster.config.node).arg(format!("{def:016x}")).arg(ttl);
         let other: Option<String> = cluster.call_anyway(&inv).await?;
         if let Some(node) = other {
             clashes.push((rule.clone(), node));
