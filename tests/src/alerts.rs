@@ -280,7 +280,11 @@ fn filter_map(v: Vec<(BTreeMap<String, String>, f64)>, f: impl Fn(f64) -> Option
 /// selector of theirs names a series it exports. Returns the names of the
 /// alerts whose condition holds on it.
 pub fn check(scrape: &HashMap<String, f64>, present: &[&str]) -> Vec<String> {
-    let series = series(scrape);
+    // What Prometheus adds to every scrape it made (job "rl", as in the
+    // README's scrape config): this one was made.
+    let mut scrape = scrape.clone();
+    scrape.insert("up{job=\"rl\"}".into(), 1.0);
+    let series = series(&scrape);
     let mut firing = Vec::new();
     for a in shipped().iter().filter(|a| present.contains(&a.component.as_str())) {
         let missing = a.missing(&series);
@@ -305,6 +309,7 @@ mod tests {
         let alerts = shipped();
         assert!(alerts.len() >= 8);
         let calm = scrape(&[
+            ("up{job=\"rl\",instance=\"a:9101\"}", 1.0),
             ("rl_uptime_seconds", 5.0),
             ("rl_flood_mode", 0.0),
             ("rl_table_occupancy_ratio{table=\"sources\",family=\"ipv4\"}", 0.5),
@@ -319,6 +324,7 @@ mod tests {
         ])]
         .concat();
         let hot = scrape(&[
+            ("up{job=\"rl\",instance=\"a:9101\"}", 0.0),
             ("rl_collector_up{reader=\"flood_reading\"}", 0.0),
             ("rl_collector_last_pass_timestamp_seconds{reader=\"walk\"}", now - 90.0),
             ("rl_flood_mode", 1.0),
@@ -333,6 +339,14 @@ mod tests {
             let a = alert(name);
             assert_eq!((a.holds(&calm), a.holds(&hot)), (Some(on_calm), Some(on_hot)), "{name}");
         }
+        // One Prometheus, two rl hosts, one of them down: RlDown holds for it
+        // although the other still exports rl_uptime_seconds.
+        let two = scrape(&[
+            ("up{job=\"rl\",instance=\"a:9101\"}", 1.0),
+            ("rl_uptime_seconds{job=\"rl\",instance=\"a:9101\"}", 5.0),
+            ("up{job=\"rl\",instance=\"b:9101\"}", 0.0),
+        ]);
+        assert_eq!(alert("RlDown").holds(&two), Some(true), "one host of two down");
         assert_eq!(alert("RlReloadFailed").holds(&calm), None, "increase() needs two scrapes");
         assert_eq!(alert("RlFloodMode").missing(&scrape(&[("rl_flood_modes", 1.0)])), ["rl_flood_mode"]);
         assert_eq!(labels_of(r#"rule="a\"b",verdict="passed""#), BTreeMap::from([("rule".into(), "a\"b".into()), ("verdict".into(), "passed".into())]));

@@ -144,6 +144,11 @@ fn every_route_answers_metrics_equal_stats_and_the_openapi_document_is_complete(
         assert_eq!(a.status, 400, "{path}: {}", a.body);
         assert!(a.json()["error"].as_str().is_some_and(|e| e.starts_with("the path")), "{path}: {}", a.body);
     }
+    // Probes of routes that do not exist, and wrong methods, are counted
+    // (once each).
+    let samples = parse_prometheus(&get(&lab.b, "/metrics").body);
+    assert_eq!(samples.get("rl_api_requests_total{route=\"unmatched\",status=\"404\"}"), Some(&1.0), "{samples:?}");
+    assert_eq!(samples.get("rl_api_requests_total{route=\"/v1/rules\",status=\"405\"}"), Some(&1.0), "{samples:?}");
     stop(d);
 }
 

@@ -59,12 +59,12 @@ fn wait_state(lab: &Lab, want: &str, within: Duration) -> Value {
 }
 
 /// Waits (up to 2 s: a sync interval and a timeout) for `event` in the log.
-fn wait_event(lab: &Lab, event: &str) {
+fn wait_event(lab: &Lab, event: &str) -> serde_json::Value {
     let deadline = Instant::now() + Duration::from_secs(2);
     loop {
         let ev = get(&lab.b, "/v1/events").json();
-        if ev["events"].as_array().is_some_and(|a| a.iter().any(|e| e["event"] == event)) {
-            return;
+        if let Some(e) = ev["events"].as_array().and_then(|a| a.iter().find(|e| e["event"] == event)) {
+            return e.clone();
         }
         assert!(Instant::now() < deadline, "no {event} event within 2 s: {ev}");
         std::thread::sleep(Duration::from_millis(50));
@@ -191,7 +191,10 @@ fn two_daemons_share_one_exact_limit_and_each_failure_mode_does_what_it_says() {
         let firing = rl_tests::alerts::check(&m, &["daemon", "datapath", "l7", "cluster"]);
         assert!(firing.contains(&"RlClusterDegraded".to_string()), "Redis hung: {firing:?}");
         assert!(get(&lab.b, "/healthz").status == 200, "health stays 200 while degraded");
-        wait_event(lab, "cluster_degraded");
+        let e = wait_event(lab, "cluster_degraded");
+        // The Redis error is the event's detail, not its rule.
+        assert_eq!(e["rule"], "", "{e}");
+        assert!(e["detail"].as_str().is_some_and(|d| !d.is_empty()), "{e}");
     }
     // Local rules are never slowed by Redis.
     let t = Instant::now();

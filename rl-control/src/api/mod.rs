@@ -300,6 +300,13 @@ async fn count(AxState(api): AxState<Api>, req: Request, next: Next) -> Response
     r
 }
 
+/// The admin router's fallback: no route layer runs for it, so it counts
+/// itself (probes of paths that do not exist show in `/metrics`).
+async fn not_found_counted(AxState(api): AxState<Api>) -> ApiError {
+    *lock(&api.state).api_requests.entry(("unmatched".to_string(), 404)).or_default() += 1;
+    not_found().await
+}
+
 async fn not_found() -> ApiError {
     ApiError(StatusCode::NOT_FOUND, "no such route: GET /openapi.json lists them".into())
 }
@@ -341,7 +348,7 @@ pub fn router(api: Api) -> Router {
         .route("/metrics", get(metrics::metrics))
         .route("/openapi.json", get(openapi))
         .merge(v1)
-        .fallback(not_found)
+        .fallback(not_found_counted)
         .method_not_allowed_fallback(method_not_allowed)
         .route_layer(middleware::from_fn_with_state(api.clone(), count))
         .layer(DefaultBodyLimit::max(MAX_BODY))

@@ -482,10 +482,10 @@ pub fn events(v: &Value) -> String {
             let or_dash = |v: &Value| Some(s(v)).filter(|t| !t.is_empty()).unwrap_or_else(|| "-".into());
             let at = e["at_unix_ms"].as_u64().map_or_else(|| s(&e["at_unix_ms"]), |ms| format!("{}.{:03}", utc(ms / 1000).trim_end_matches(" UTC"), ms % 1000));
             let limit = if limited { s(&e["limit_index"]) } else { "-".into() };
-            vec![at, s(&e["event"]), or_dash(&e["rule"]), limit, or_dash(&e["source"])]
+            vec![at, s(&e["event"]), or_dash(&e["rule"]), limit, or_dash(&e["source"]), or_dash(&e["detail"])]
         })
         .collect();
-    table(&["AT (UTC)", "EVENT", "RULE", "LIMIT#", "SOURCE"], &rows)
+    table(&["AT (UTC)", "EVENT", "RULE", "LIMIT#", "SOURCE", "DETAIL"], &rows)
 }
 
 pub fn applied(v: &Value) -> String {
@@ -532,11 +532,13 @@ mod tests {
         let v = serde_json::json!({"events": [
             {"at_unix_ms": 1_795_800_000_123u64, "event": "flood_started", "rule": "", "limit_index": 0, "source": ""},
             {"at_unix_ms": 1_795_800_000_000u64, "event": "limited", "rule": "dns", "limit_index": 0, "source": "10.0.0.1"},
+            {"at_unix_ms": 1_795_800_000_000u64, "event": "cluster_degraded", "rule": "", "limit_index": 0, "source": "", "detail": "timed-out"},
         ]});
         let out = events(&v);
         let lines: Vec<Vec<&str>> = out.lines().map(|l| l.split_whitespace().collect()).collect();
-        assert_eq!(lines[1], ["2026-11-27", "17:20:00.123", "flood_started", "-", "-", "-"], "{out}");
-        assert_eq!(lines[2], ["2026-11-27", "17:20:00.000", "limited", "dns", "0", "10.0.0.1"], "{out}");
+        assert_eq!(lines[1], ["2026-11-27", "17:20:00.123", "flood_started", "-", "-", "-", "-"], "{out}");
+        assert_eq!(lines[2], ["2026-11-27", "17:20:00.000", "limited", "dns", "0", "10.0.0.1", "-"], "{out}");
+        assert_eq!(lines[3], ["2026-11-27", "17:20:00.000", "cluster_degraded", "-", "-", "-", "timed-out"], "{out}");
     }
 
     /// Times read as dates (checked against `date -u -d @SECS`), leap days

@@ -108,7 +108,7 @@ fn log_transitions(state: &Shared, cluster: &Cluster) {
     }
     let mut s = lock(state);
     for (event, why) in changes {
-        s.push_notice(EventView { at_unix_ms: crate::config::unix_now_ms(), event: event.into(), rule: why, limit_index: 0, source: String::new() });
+        s.push_notice(EventView { at_unix_ms: crate::config::unix_now_ms(), event: event.into(), rule: String::new(), limit_index: 0, source: String::new(), detail: why });
     }
 }
 

@@ -4,6 +4,7 @@
 //! and ranks the top sources.
 
 use std::{
+    collections::BTreeMap,
     net::IpAddr,
     sync::Arc,
     time::{Duration, Instant},
@@ -406,11 +407,7 @@ fn wide_rules(s: &mut State, pass: &Pass) {
             Err(_) => return,
         },
     };
-    let now: Vec<WideCellRule> = pass
-        .wide_rules
-        .iter()
-        .filter_map(|(id, &(ipv4, ipv6))| Some(WideCellRule { rule: names.get(id)?.clone(), ipv4, ipv6 }))
-        .collect();
+    let now = by_name(&pass.wide_rules, &names);
     let had = |list: &[WideCellRule], rule: &str| list.iter().any(|w| w.rule == rule);
     let (at, before) = (unix_now_ms(), std::mem::take(&mut s.pressure.wide_cell_rules));
     for w in now.iter().filter(|w| !had(&before, &w.rule)) {
@@ -426,9 +423,31 @@ fn wide_rules(s: &mut State, pass: &Pass) {
     s.pressure.wide_cell_rules = now;
 }
 
+/// Wide cells per rule name from counts per rule id: a rule changed under
+/// the same name has a new id, and its old id's cells live on while the
+/// other rule set holds it; one name is one entry (one metric series).
+fn by_name(per_id: &BTreeMap<u32, (u64, u64)>, names: &BTreeMap<u32, String>) -> Vec<WideCellRule> {
+    let mut out: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
+    for (id, &(ipv4, ipv6)) in per_id {
+        if let Some(name) = names.get(id) {
+            let e = out.entry(name).or_default();
+            (e.0, e.1) = (e.0 + ipv4, e.1 + ipv6);
+        }
+    }
+    out.into_iter().map(|(rule, (ipv4, ipv6))| WideCellRule { rule: rule.to_string(), ipv4, ipv6 }).collect()
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{cells_full, table_full};
+    use super::{by_name, cells_full, table_full};
+
+    #[test]
+    fn a_rule_changed_under_its_name_has_one_entry_of_wide_cells() {
+        let per_id = [(1, (1, 0)), (2, (2, 1)), (3, (0, 4)), (9, (5, 5))].into_iter().collect();
+        let names = [(1, "x".to_string()), (2, "x".to_string()), (3, "y".to_string())].into_iter().collect();
+        let got: Vec<(String, u64, u64)> = by_name(&per_id, &names).into_iter().map(|w| (w.rule, w.ipv4, w.ipv6)).collect();
+        assert_eq!(got, [("x".to_string(), 3, 1), ("y".to_string(), 0, 4)], "an id no rule set names is left out");
+    }
     use std::time::{Duration, Instant};
 
     #[test]

@@ -481,6 +481,7 @@ async fn forward_events(state: Shared, ring: aya::maps::RingBuf<aya::maps::MapDa
                 rule: s.dp.rule_name_of_key(e.rule).unwrap_or("(replaced rule)").to_string(),
                 limit_index: e.rule & 7,
                 source: bytes_to_addr(if e.family == 4 { &e.addr[..4] } else { &e.addr[..] }).to_string(),
+                detail: String::new(),
             };
             info!(event = "limited", rule = %view.rule, limit = view.limit_index, source = %view.source, "source started being limited");
             s.push_event(view);

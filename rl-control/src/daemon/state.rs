@@ -416,6 +416,10 @@ pub struct EventView {
     /// The source as the rule keys it (masked to its prefix), for
     /// `limited` (else empty).
     pub source: String,
+    /// Why, for the cluster's events (the Redis error of
+    /// `cluster_degraded`), else empty.
+    #[serde(default)]
+    pub detail: String,
 }
 
 impl State {
@@ -438,7 +442,7 @@ impl State {
 
     /// Records an event of one rule's (its wide cells) at `at_unix_ms`.
     pub fn push_rule_event(&mut self, event: &str, rule: &str, at_unix_ms: u64) {
-        self.push_notice(EventView { at_unix_ms, event: event.into(), rule: rule.into(), limit_index: 0, source: String::new() });
+        self.push_notice(EventView { at_unix_ms, event: event.into(), rule: rule.into(), limit_index: 0, source: String::new(), detail: String::new() });
     }
 }
 
@@ -471,7 +475,7 @@ mod tests {
     use super::*;
 
     fn event(at_unix_ms: u64, event: &str) -> EventView {
-        EventView { at_unix_ms, event: event.into(), rule: String::new(), limit_index: 0, source: String::new() }
+        EventView { at_unix_ms, event: event.into(), rule: String::new(), limit_index: 0, source: String::new(), detail: String::new() }
     }
 
     /// A long flood's "limited" events do not push out when it began, and

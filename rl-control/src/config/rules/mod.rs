@@ -242,6 +242,8 @@ pub(crate) fn validate_rules(loc: &Located, raw: &[Spanned<RawRule>], has_cluste
             format!("{} rules: the datapath holds at most {MAX_RULES}", raw.len()),
         ));
     }
+    /// The names of the built-in rows of the per-rule counters.
+    const RESERVED_NAMES: [&str; 3] = ["default", "allow", "deny"];
     let mut seen: HashMap<String, usize> = HashMap::new();
     let mut rules = Vec::with_capacity(raw.len());
     let mut ports_total = 0usize;
@@ -252,6 +254,12 @@ pub(crate) fn validate_rules(loc: &Located, raw: &[Spanned<RawRule>], has_cluste
             loc.at(table.clone(), format!("rule #{}: missing name: every rule needs a unique `name` ([a-z0-9_-], 1..=48 characters)", i + 1))
         })?;
         let n = checked_name(loc, "rule", name)?;
+        if RESERVED_NAMES.contains(&n.as_str()) {
+            return Err(loc.at(
+                name.span(),
+                format!("rule name \"{n}\" is reserved: stats and metrics count [default], allow CIDRs and bans under default, allow and deny; pick another name"),
+            ));
+        }
         if let Some(first) = seen.insert(n.clone(), name.span().start) {
             let (line, _) = loc.line_col(first);
             return Err(loc.at(name.span(), format!("rule name \"{n}\" is already used on line {line}: names must be unique")));
@@ -516,6 +524,11 @@ action = "shadow"
         assert_error("[[rule]]\nrate = 1\n", 3, 1, "missing name");
         assert_error("[[rule]]\nname = \"SSH\"\nrate = 1\n", 4, 8, "a-z, 0-9, _ and -");
         assert_error(&format!("[[rule]]\nname = \"{}\"\nrate = 1\n", "a".repeat(49)), 4, 8, "1..=48");
+        // The per-rule counters' built-in rows: a rule of that name would
+        // be summed with them.
+        for n in ["default", "allow", "deny"] {
+            assert_error(&format!("[[rule]]\nname = \"{n}\"\nrate = 1\n"), 4, 8, &format!("rule name \"{n}\" is reserved"));
+        }
     }
 
     #[test]
