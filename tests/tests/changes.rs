@@ -221,6 +221,16 @@ fn a_reload_that_changes_the_prefix_cells_the_tables_or_the_pins_is_refused() {
     std::fs::write(&cfg, "[default]\nrate = 100\n[api]\nmetrics_listen = \"127.0.0.1:9101\"\n").unwrap();
     let (status, out) = run_once(Some(&lab.b), &["reload"]).unwrap();
     assert!(!status.success() && out.contains("[api] differs from the running daemon's"), "{out}");
+    // And [l7]'s listeners, threads and gRPC headers (a reload said
+    // "reloaded", showed them in /v1/config, and applied nothing).
+    for toml in ["draft_headers = true", "grpc_threads = 1", "http_listen = \"127.0.0.1:8099\""] {
+        std::fs::write(&cfg, format!("[default]\nrate = 100\n[l7]\n{toml}\n")).unwrap();
+        let (status, out) = run_once(Some(&lab.b), &["reload"]).unwrap();
+        assert!(!status.success() && out.contains("[l7] grpc_listen, http_listen, grpc_threads or draft_headers differ"), "{toml}: {out}");
+    }
+    std::fs::write(&cfg, "[default]\nrate = 100\n[l7]\nmax_keys = 1000\n").unwrap();
+    let (status, out) = run_once(Some(&lab.b), &["reload"]).unwrap();
+    assert!(status.success(), "max_keys reloads: {out}");
     // The aggregation prefixes apply, with a warning that keys start afresh.
     std::fs::write(&cfg, "[datapath]\nipv4_prefix = 24\n[default]\nrate = 100\n").unwrap();
     let (status, out) = run_once(Some(&lab.b), &["reload"]).unwrap();

@@ -18,6 +18,7 @@ fn config(login_rate: u32) -> String {
          [[l7.rule]]\nname = \"login-per-ip\"\ndomain = \"auth\"\n\
          descriptor = [{{ key = \"auth_type\", value = \"login\" }}, {{ key = \"remote_address\" }}]\n\
          rate = {login_rate}\nper = \"1m\"\nalgorithm = \"sliding_log\"\n\
+         [[l7.rule]]\nname = \"per-user\"\ndomain = \"auth\"\ndescriptor = [{{ key = \"user\" }}]\nrate = 1\nper = \"1h\"\n\
          [[l7.rule]]\nname = \"reads\"\ndomain = \"api\"\ndescriptor = [{{ key = \"user\" }}]\nrate = 2\nper = \"1h\"\naction = \"shadow\"\n"
     )
 }
@@ -111,6 +112,31 @@ fn the_check_answers_429_with_rate_limit_headers_past_the_limit() {
     std::fs::write(&cfg, text).unwrap();
     assert_eq!(request(&lab.b, "POST", "/v1/reload", None, None).unwrap().status, 200);
     assert_eq!(check(&lab, &login("192.0.2.7")).status, 429, "the unchanged rule kept its log");
+
+    // Two descriptors over their limits: Retry-After is when the request
+    // passes under both (the hour's), not the first's minute.
+    let both = |user: &str| json!({"domain": "auth", "descriptors": [
+        [{"key": "auth_type", "value": "login"}, {"key": "remote_address", "value": "192.0.2.7"}],
+        [{"key": "user", "value": user}],
+    ]});
+    assert_eq!(check(&lab, &json!({"domain": "auth", "descriptors": [[{"key": "user", "value": "bob"}]]})).status, 200);
+    let h = headers_of(&lab, &both("bob"));
+    assert_eq!(h.status, 429);
+    assert_eq!(h.get("ratelimit-policy"), "\"login-per-ip\";q=5;w=60", "the first over-limit descriptor speaks");
+    let retry: u64 = h.get("retry-after").parse().unwrap();
+    assert!(retry > 3000, "retry-after {retry} s: a retry then meets the hour's limit again");
+
+    // The largest valid check (16 descriptors of 16 entries of 256-byte
+    // keys and values, about 140 KB) is decided; a body past 1 MiB gets a
+    // JSON 413.
+    let entry = |i: usize| json!({"key": format!("{i:0>256}"), "value": "v".repeat(256)});
+    let big = json!({"domain": "big", "descriptors": vec![(0..16).map(entry).collect::<Vec<_>>(); 16]});
+    let a = check(&lab, &big);
+    assert_eq!((a.status, a.json()["overall"].as_str()), (200, Some("ok")), "{}", &a.body[..a.body.len().min(200)]);
+    let huge = json!({"domain": "big", "descriptors": [[{"key": "k", "value": "\u{1}".repeat(200_000)}]]});
+    let a = check(&lab, &huge);
+    assert_eq!(a.status, 413);
+    assert!(a.json()["error"].as_str().is_some_and(|e| e.contains("at most 1048576 bytes")), "{}", a.body);
 
     // Bad input: 400 with a message, never a decision.
     for bad in [

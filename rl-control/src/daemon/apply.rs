@@ -226,6 +226,14 @@ fn install(
                 .into(),
         ));
     }
+    let (l7, was) = (&new.l7, &running.l7);
+    if (l7.grpc_listen, l7.http_listen, l7.grpc_threads, l7.draft_headers) != (was.grpc_listen, was.http_listen, was.grpc_threads, was.draft_headers) {
+        return Err(ApplyError::Invalid(
+            "[l7] grpc_listen, http_listen, grpc_threads or draft_headers differ from the running daemon's: they are set up at start, \
+             so a reload cannot apply them: restore them in the file, or restart the daemon to apply them ([l7] rules and max_keys reload)"
+                .into(),
+        ));
+    }
     let failed = |what: &str, e: &dyn std::fmt::Display| ApplyError::Failed(format!("{what}: {e}"));
     if change.persist {
         if let Some(p) = path {

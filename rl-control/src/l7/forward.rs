@@ -87,14 +87,16 @@ pub fn descriptor(q: &str, headers: &HeaderMap) -> Result<Option<Vec<DescriptorE
 /// The value of a bare `key` from the forwarded request's headers (see the
 /// module's documentation).
 fn forwarded(key: &str, headers: &HeaderMap) -> Result<Option<String>, String> {
-    // A header's first value (as most applications read it), its bytes
-    // kept even when they are not UTF-8: a value the check cannot read is
-    // still charged, never skips its limit.
-    let header = |name: &str| headers.get(name).map(|v| fitted(&String::from_utf8_lossy(v.as_bytes())));
+    // A header's first value (as most applications read it), even when it
+    // is not UTF-8: a value the check cannot read is still charged, never
+    // skips its limit.
+    let header = |name: &str| headers.get(name).map(|v| text(v.as_bytes()));
     let first_of = |names: [&str; 2]| names.iter().find_map(|n| header(n));
-    Ok(match key {
+    let value = match key {
         "remote_address" => Some(remote_address(headers)?),
         "method" => first_of(["x-forwarded-method", "x-original-method"]),
+        // The query goes before a long path is cut: past the cut it would
+        // be in the hash, and each query string a bucket of its own.
         "path" => first_of(["x-forwarded-uri", "x-original-uri"]).map(|u| u.split('?').next().unwrap_or("").to_string()),
         "host" => header("x-forwarded-host"),
         name => {
@@ -103,7 +105,23 @@ fn forwarded(key: &str, headers: &HeaderMap) -> Result<Option<String>, String> {
             }
             header(name)
         }
-    })
+    };
+    Ok(value.map(|v| fitted(&v)))
+}
+
+/// A header value's bytes as text: UTF-8 as it is; other bytes as U+FFFD
+/// followed by a hash of the raw bytes, so that values differing only in
+/// bytes that are not UTF-8 stay distinct (one cannot spend another's
+/// limit).
+fn text(raw: &[u8]) -> String {
+    match std::str::from_utf8(raw) {
+        Ok(s) => s.to_string(),
+        Err(_) => {
+            let mut h = std::collections::hash_map::DefaultHasher::new();
+            std::hash::Hash::hash(raw, &mut h);
+            format!("{}#{:016x}", String::from_utf8_lossy(raw), std::hash::Hasher::finish(&h))
+        }
+    }
 }
 
 /// A forwarded value as a descriptor value: one longer than descriptors
@@ -188,13 +206,21 @@ mod tests {
         assert_eq!(descriptor("user=alice&x-user", &h).unwrap(), None, "an absent header: the descriptor does not apply");
         let mut odd = HeaderMap::new();
         odd.insert("x-api-key", axum::http::HeaderValue::from_bytes(b"k\xff").unwrap());
-        assert_eq!(entries("x-api-key", &odd), [("x-api-key".to_string(), "k\u{fffd}".to_string())], "a value that is not ASCII is still a key");
+        let k_ff = entries("x-api-key", &odd)[0].1.clone();
+        assert!(k_ff.starts_with("k\u{fffd}#"), "a value that is not UTF-8 is still a key: {k_ff}");
+        let mut other = HeaderMap::new();
+        other.insert("x-api-key", axum::http::HeaderValue::from_bytes(b"k\xfe").unwrap());
+        assert_ne!(entries("x-api-key", &other)[0].1, k_ff, "values differing in bytes that are not UTF-8 stay distinct");
         odd.append("x-api-key", "second".parse().unwrap());
-        assert_eq!(entries("x-api-key", &odd)[0].1, "k\u{fffd}", "the first value, as applications read it");
+        assert_eq!(entries("x-api-key", &odd)[0].1, k_ff, "the first value, as applications read it");
         let long = format!("/{}", "p".repeat(400));
         let (a, b) = (headers(&[("x-forwarded-uri", Box::leak(long.clone().into_boxed_str()))]), headers(&[("x-forwarded-uri", Box::leak(format!("{long}q").into_boxed_str()))]));
         let (a, b) = (entries("path", &a)[0].1.clone(), entries("path", &b)[0].1.clone());
         assert!(a.len() <= MAX_VALUE_LEN && a != b, "a long value fits, and stays distinct: {a} {b}");
+        // A long path's query is dropped before the cut: it cannot make a
+        // bucket per query string.
+        let (a, b) = (headers(&[("x-forwarded-uri", Box::leak(format!("{long}?x=1").into_boxed_str()))]), headers(&[("x-forwarded-uri", Box::leak(format!("{long}?x=2").into_boxed_str()))]));
+        assert_eq!(entries("path", &a), entries("path", &b));
         assert!(descriptor("", &h).is_err());
         assert!(descriptor("bad%20name", &h).is_err());
     }

@@ -28,6 +28,10 @@ pub type Shared = Arc<RwLock<Arc<Engine>>>;
 
 /// Most descriptors in one check.
 pub const MAX_DESCRIPTORS: usize = 16;
+/// Largest check body: the largest valid check (16 descriptors of 16
+/// entries of 256-byte keys and values) with every byte JSON-escaped
+/// (`\u0001`: six bytes) fits, as in the gRPC port's 1 MiB.
+pub const MAX_BODY: usize = 1 << 20;
 /// Largest `|hits|`.
 pub const MAX_HITS: i64 = 1_000_000;
 
@@ -74,9 +78,10 @@ pub fn deciding(statuses: &[Status]) -> Option<&Status> {
     statuses.iter().find(|s| s.code == "over_limit").or_else(|| enforced.min_by_key(|s| s.remaining))
 }
 
-/// `X-RateLimit-*`, IETF `RateLimit-Policy` / `RateLimit`, and `Retry-After`
-/// when over.
-pub fn headers(s: &Status, over: bool) -> HeaderMap {
+/// `X-RateLimit-*`, IETF `RateLimit-Policy` / `RateLimit` of `s`, and
+/// `Retry-After` when over (`retry_after_ms`: when the request passes
+/// under every descriptor's limits, which may be later than `s`'s).
+pub fn headers(s: &Status, retry_after_ms: Option<u64>) -> HeaderMap {
     // Names made once (an `&str` name is parsed on every insert).
     const LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
     const REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
@@ -95,13 +100,18 @@ pub fn headers(s: &Status, over: bool) -> HeaderMap {
     put(RESET, secs(s.reset_ms).to_string());
     put(POLICY, format!("\"{}\";q={};w={}", s.rule, s.limit, s.per_secs));
     put(RATELIMIT, format!("\"{}\";r={};t={}", s.rule, s.remaining, secs(s.reset_ms)));
-    if over {
-        put(axum::http::header::RETRY_AFTER, secs(s.retry_after_ms).max(1).to_string());
+    if let Some(ms) = retry_after_ms {
+        put(axum::http::header::RETRY_AFTER, secs(ms).max(1).to_string());
     }
     h
 }
 
-async fn check(State(l7): State<Shared>, body: Bytes) -> Response {
+async fn check(State(l7): State<Shared>, body: Result<Bytes, axum::extract::rejection::BytesRejection>) -> Response {
+    let body = match body {
+        Ok(b) => b,
+        // Past MAX_BODY (or unreadable): JSON like every other error.
+        Err(e) => return (e.status(), Json(serde_json::json!({ "error": format!("the request body: {e} (at most {MAX_BODY} bytes)") }))).into_response(),
+    };
     let t = std::time::Instant::now();
     let r = answer(l7, body).await;
     super::HTTP_LATENCY.record(t.elapsed());
@@ -178,7 +188,10 @@ async fn decided(l7: Shared, c: Check) -> Response {
 fn answered(statuses: &[Status]) -> Response {
     let over = statuses.iter().any(|s| s.code == "over_limit");
     let code = if over { StatusCode::TOO_MANY_REQUESTS } else { StatusCode::OK };
-    let hdrs = deciding(statuses).map(|s| headers(s, over)).unwrap_or_default();
+    // Retrying sooner than the latest over-limit descriptor allows only
+    // meets another 429.
+    let retry = over.then(|| statuses.iter().filter(|s| s.code == "over_limit").map(|s| s.retry_after_ms).max().unwrap_or(0));
+    let hdrs = deciding(statuses).map(|s| headers(s, retry)).unwrap_or_default();
     // Serialized straight from the statuses (a `json!` value built a map
     // per status first: a tenth of the daemon's CPU per check).
     let body = serde_json::to_vec(&Answer { overall: if over { "over_limit" } else { "ok" }, statuses }).unwrap_or_default();
@@ -222,6 +235,6 @@ pub fn router(l7: Shared) -> Router {
         .route("/v1/check", post(check))
         .route("/v1/forward-auth/{domain}", any(forward_auth))
         .route("/healthz", get(healthz))
-        .layer(axum::extract::DefaultBodyLimit::max(64 << 10))
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         .with_state(l7)
 }
