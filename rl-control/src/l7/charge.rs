@@ -7,6 +7,7 @@ use rl_common::{quota, quota::ceil_ms, LimitEntry};
 use super::{
     engine::{Bucket, Compiled, Status},
     rules::L7Algorithm,
+    runs::Runs,
 };
 use crate::config::rules::{Action, Algorithm};
 
@@ -37,39 +38,37 @@ pub(super) fn charge(c: &Compiled, bucket: &mut Bucket, now: u64, hits: i64, epo
 
 /// The sliding log: a hit's times kept per limit for a window; the
 /// request fits if every limit's log has room for it.
-fn log_charge(c: &Compiled, logs: &mut [std::collections::VecDeque<u64>], now: u64, hits: i64, base: Status) -> Status {
+fn log_charge(c: &Compiled, logs: &mut [Runs], now: u64, hits: i64, base: Status) -> Status {
     let rule = &c.rule;
     let units = hits.max(0) as u64;
     for (log, l) in logs.iter_mut().zip(&rule.limits) {
         let window = l.rate.per_secs * NS;
-        while log.front().is_some_and(|&t| t + window <= now) {
-            log.pop_front();
-        }
+        log.expire(|t| t + window <= now);
         // A refund takes back the oldest hits: which hits it gives back is
         // not known, and the oldest were to leave first anyway (taking the
         // newest would make room a request still in the window had taken).
-        log.drain(..log.len().min(hits.min(0).unsigned_abs() as usize));
+        log.take_oldest(hits.min(0).unsigned_abs());
     }
-    let fits = logs.iter().zip(&rule.limits).all(|(log, l)| log.len() as u64 + units <= l.rate.amount);
+    let fits = logs.iter().zip(&rule.limits).all(|(log, l)| log.len() + units <= l.rate.amount);
     if fits {
         for log in logs.iter_mut() {
-            log.extend(std::iter::repeat_n(now, units as usize));
+            log.push(now, units);
         }
     }
     let (log, l) = logs
         .iter()
         .zip(&rule.limits)
-        .min_by_key(|(log, l)| l.rate.amount.saturating_sub(log.len() as u64))
+        .min_by_key(|(log, l)| l.rate.amount.saturating_sub(log.len()))
         .expect("a rule has a limit");
     let window = l.rate.per_secs * NS;
-    let remaining = l.rate.amount.saturating_sub(log.len() as u64);
-    let newest = log.back().map_or(0, |&t| (t + window).saturating_sub(now));
+    let remaining = l.rate.amount.saturating_sub(log.len());
+    let newest = log.newest().map_or(0, |t| (t + window).saturating_sub(now));
     // When the request (over) or one more fits under every limit.
     let wanted = if fits { 1 } else { units.max(1) };
     let retry = logs
         .iter()
         .zip(&rule.limits)
-        .map(|(log, l)| until_room(log.iter().map(|&t| t + l.rate.per_secs * NS), l.rate.amount, wanted, now))
+        .map(|(log, l)| log.until_room(l.rate.per_secs * NS, l.rate.amount, wanted, now))
         .max()
         .unwrap_or(0);
     Status {
@@ -84,47 +83,32 @@ fn log_charge(c: &Compiled, logs: &mut [std::collections::VecDeque<u64>], now: u
 }
 
 /// The semaphore: up to `max` leases held at once, each for `lease_secs`
-/// unless given back (negative hits release the oldest).
-fn lease_charge(leases: &mut std::collections::VecDeque<u64>, max: u64, lease_secs: u64, now: u64, hits: i64, base: Status) -> Status {
-    while leases.front().is_some_and(|&e| e <= now) {
-        leases.pop_front();
-    }
+/// unless given back (negative hits release the oldest). `leases` holds
+/// the times they were taken.
+fn lease_charge(leases: &mut Runs, max: u64, lease_secs: u64, now: u64, hits: i64, base: Status) -> Status {
+    let life = lease_secs * NS;
+    leases.expire(|t| t + life <= now);
     let ok = if hits < 0 {
         // A refund releases the oldest permits.
-        for _ in 0..hits.unsigned_abs().min(leases.len() as u64) {
-            leases.pop_front();
-        }
+        leases.take_oldest(hits.unsigned_abs());
         true
-    } else if leases.len() as u64 + hits as u64 <= max {
-        leases.extend(std::iter::repeat_n(now + lease_secs * NS, hits as usize));
+    } else if leases.len() + hits as u64 <= max {
+        leases.push(now, hits as u64);
         true
     } else {
         false
     };
-    let remaining = max.saturating_sub(leases.len() as u64);
+    let remaining = max.saturating_sub(leases.len());
     let wanted = if ok { 1 } else { hits.max(1) as u64 };
     Status {
         code: if ok { "ok" } else { "over_limit" },
         limit: max,
         per_secs: lease_secs,
         remaining,
-        reset_ms: ceil_ms(leases.back().map_or(0, |&e| e.saturating_sub(now))),
-        retry_after_ms: ceil_ms(until_room(leases.iter().copied(), max, wanted, now)),
+        reset_ms: ceil_ms(leases.newest().map_or(0, |t| (t + life).saturating_sub(now))),
+        retry_after_ms: ceil_ms(leases.until_room(life, max, wanted, now)),
         ..base
     }
-}
-
-/// How long from `now` until `wanted` more fit under `cap`, the entries
-/// held leaving at `ends` (in order): 0 if they fit now (or none is
-/// held), the time the entry that makes room leaves, or, for more than
-/// `cap` at once (never), until the last leaves.
-fn until_room(ends: impl ExactSizeIterator<Item = u64>, cap: u64, wanted: u64, now: u64) -> u64 {
-    let (n, must_leave) = (ends.len(), (ends.len() as u64 + wanted).saturating_sub(cap));
-    if must_leave == 0 || n == 0 {
-        return 0;
-    }
-    let mut ends = ends;
-    ends.nth((must_leave as usize).min(n) - 1).map_or(0, |t| t.saturating_sub(now))
 }
 
 /// A packet-algorithm charge: every limit's step must pass, or nothing

@@ -14,7 +14,7 @@
 //! fails closed, as packet sources do.
 
 use std::{
-    collections::{HashMap, VecDeque},
+    collections::HashMap,
     hash::{Hash, Hasher},
     sync::{
         atomic::{AtomicU64, Ordering},
@@ -112,10 +112,10 @@ pub(super) enum Bucket {
     One(u64),
     /// The state words of a packet-algorithm rule's limits, one per limit.
     Words(Box<Vec<u64>>),
-    /// One timestamp log per limit.
-    Log(Box<Vec<VecDeque<u64>>>),
-    /// Lease expiries of the permits out.
-    Leases(Box<VecDeque<u64>>),
+    /// One log of hit times per limit.
+    Log(Box<Vec<super::runs::Runs>>),
+    /// When the permits out were taken.
+    Leases(Box<super::runs::Runs>),
 }
 
 const _: () = assert!(std::mem::size_of::<Bucket>() == 16);
@@ -415,7 +415,7 @@ fn new_bucket(c: &Compiled) -> Bucket {
     match c.rule.algorithm {
         L7Algorithm::Packet(_) if c.limits.len() == 1 => Bucket::One(0),
         L7Algorithm::Packet(_) => Bucket::Words(Box::new(vec![0; c.limits.len()])),
-        L7Algorithm::SlidingLog => Bucket::Log(Box::new(vec![VecDeque::new(); c.rule.limits.len()])),
+        L7Algorithm::SlidingLog => Bucket::Log(Box::new(vec![Default::default(); c.rule.limits.len()])),
         L7Algorithm::Concurrency { .. } => Bucket::Leases(Box::default()),
     }
 }

@@ -12,6 +12,7 @@ pub mod grpc;
 pub mod grpc_threads;
 pub mod http;
 pub mod rules;
+mod runs;
 mod scoped;
 pub mod threads;
 

@@ -42,9 +42,12 @@ impl Engine {
                     Bucket::One(w) => !c.limits[0].is_fresh(*w, now, self.epoch_offset_ns),
                     Bucket::Words(w) => !c.limits.iter().zip(w.iter()).all(|(l, w)| l.is_fresh(*w, now, self.epoch_offset_ns)),
                     Bucket::Log(logs) => {
-                        !logs.iter().zip(&c.rule.limits).all(|(log, l)| log.back().is_none_or(|t| t + l.rate.per_secs * NS <= now))
+                        !logs.iter().zip(&c.rule.limits).all(|(log, l)| log.newest().is_none_or(|t| t + l.rate.per_secs * NS <= now))
                     }
-                    Bucket::Leases(leases) => !leases.iter().all(|&expiry| expiry <= now),
+                    Bucket::Leases(leases) => match c.rule.algorithm {
+                        super::L7Algorithm::Concurrency { lease_secs, .. } => !leases.newest().is_none_or(|t| t + lease_secs * NS <= now),
+                        _ => true,
+                    },
                 });
                 if !keep && values != OVERFLOW && values != POOL {
                     gone += 1;

@@ -284,6 +284,34 @@ fn leases_expire_and_refunds_release() {
     assert_eq!(e.decide_at("api", &k, 1, 12 * S).code, "ok", "leaked permits expired after 10 s");
 }
 
+/// A bucket grows by one entry per request admitted, whatever its hits:
+/// one check of a million hits held a million timestamps (8 MB a key,
+/// and `max_keys` bounded the keys, not the memory).
+#[test]
+fn a_request_of_many_hits_is_one_entry_in_a_log_or_a_semaphore() {
+    let e = engine(
+        "[[l7.rule]]\nname = \"c\"\ndomain = \"api\"\ndescriptor = [{ key = \"u\" }]\nalgorithm = \"concurrency\"\nmax = 1000000\nlease = \"10s\"\n\
+         [[l7.rule]]\nname = \"l\"\ndomain = \"api\"\ndescriptor = [{ key = \"v\" }]\nalgorithm = \"sliding_log\"\nrate = 10000\nper = \"1h\"\n",
+    );
+    let (c, l) = (d(&[("u", "x")]), d(&[("v", "x")]));
+    assert_eq!(e.decide_at("api", &c, 1_000_000, S).remaining, 0);
+    assert_eq!(e.decide_at("api", &l, 5_000, S).remaining, 5_000);
+    assert_eq!(e.decide_at("api", &l, 5_000, S).remaining, 0, "the same instant: the same entry");
+    let entries: usize = e
+        .shards
+        .iter()
+        .flat_map(|s| s.lock().unwrap().values().map(|b| match b {
+            Bucket::Leases(r) => r.entries(),
+            Bucket::Log(logs) => logs.iter().map(|r| r.entries()).sum(),
+            _ => 0,
+        }).collect::<Vec<_>>())
+        .sum();
+    assert_eq!(entries, 2);
+    // Refunds and expiry work on the runs.
+    assert_eq!(e.decide_at("api", &c, -999_999, 2 * S).remaining, 999_999);
+    assert_eq!(e.decide_at("api", &c, 1, 12 * S).remaining, 999_999, "the last permit expired after 10 s");
+}
+
 #[test]
 fn token_buckets_pass_their_burst_and_shadow_rules_only_count() {
     let e = engine("[[l7.rule]]\nname = \"tb\"\ndomain = \"api\"\ndescriptor = [{ key = \"u\" }]\nrate = 10\nburst = 3\n\
