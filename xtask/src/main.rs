@@ -66,6 +66,10 @@ enum Cmd {
 
 fn main() {
     let cli = Cli::parse();
+    // rustup's proxies (`rustc +nightly`, `cargo +stable`) would download a
+    // missing toolchain silently, and bpf-linker is tied to the installed
+    // nightly's LLVM: a missing one must stop with bootstrap's message.
+    std::env::set_var("RUSTUP_AUTO_INSTALL", "0");
     let result = match cli.command {
         Cmd::Bootstrap => bootstrap::bootstrap(),
         Cmd::Build { release } => build(release),
@@ -105,7 +109,7 @@ fn build_ebpf() -> Result<()> {
     step!("building the XDP program (rl-ebpf, {} toolchain)", bootstrap::nightly());
     let root = workspace_root();
     run(Command::new("rustup")
-        .args(["run", &bootstrap::nightly(), "cargo", "build", "--release"])
+        .args(["run", &bootstrap::nightly(), "cargo", "build", "--locked", "--release"])
         .args(["--target", "bpfel-unknown-none", "-Z", "build-std=core"])
         .arg("--target-dir")
         .arg(root.join("target/bpf"))
@@ -127,7 +131,7 @@ fn build(release: bool) -> Result<()> {
     build_ebpf()?;
     step!("building host binaries ({})", if release { "release" } else { "debug" });
     let mut c = cargo();
-    c.args(["build", "--workspace", "--bins"]);
+    c.args(["build", "--locked", "--workspace", "--bins"]);
     if release {
         c.arg("--release");
     }
@@ -179,13 +183,48 @@ fn require_root(what: &str) -> Result<()> {
 fn test() -> Result<()> {
     build(false)?;
     step!("unit and property tests (rl-common, rl-control)");
-    run(cargo().args(["test", "--workspace", "--exclude", "rl-tests"]))?;
+    run(cargo().args(["test", "--locked", "--workspace", "--exclude", "rl-tests"]))?;
     require_root("test")?;
+    stale_labs();
     step!("XDP tests: TestRun packets and end-to-end floods in network namespaces (about 1 minute)");
     // One at a time: floods share two CPUs and their timing is the measurement.
-    run(cargo().args(["test", "-p", "rl-tests", "--", "--test-threads=1"]))?;
+    run(cargo().args(["test", "--locked", "-p", "rl-tests", "--", "--test-threads=1"]))?;
     step!("all tests passed");
     Ok(())
+}
+
+/// Labs a killed run left behind (a test's cleanup runs on panic, not on
+/// SIGKILL): network namespaces named as the lab names them with no
+/// process in them, and the lab's bpffs mounts under the temp dir that
+/// have not changed for an hour.
+fn stale_labs() {
+    let Ok(list) = std::process::Command::new("ip").args(["netns", "list"]).output() else { return };
+    for name in String::from_utf8_lossy(&list.stdout).lines().filter_map(|l| l.split_whitespace().next()) {
+        if !(name.starts_with("rl-lab") || name.starts_with("rl-hub")) {
+            continue;
+        }
+        let pids = std::process::Command::new("ip").args(["netns", "pids", name]).output();
+        if pids.is_ok_and(|p| p.status.success() && p.stdout.is_empty()) {
+            step!("removing network namespace {name}, left behind by an earlier run");
+            let _ = std::process::Command::new("ip").args(["netns", "delete", name]).status();
+        }
+    }
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+    let tmp = std::env::temp_dir();
+    for at in mounts.lines().filter_map(|l| {
+        let mut f = l.split_whitespace();
+        let (_, at, kind) = (f.next()?, f.next()?, f.next()?);
+        (kind == "bpf" && std::path::Path::new(at).parent() == Some(tmp.as_path()) && at.contains("rl-bpffs-")).then(|| at.to_string())
+    }) {
+        // Not one a run going on now (a bench beside the tests) uses.
+        let age = std::fs::metadata(&at).and_then(|m| m.modified()).ok().and_then(|t| t.elapsed().ok());
+        if age.is_none_or(|a| a < std::time::Duration::from_secs(3600)) {
+            continue;
+        }
+        step!("unmounting {at}, left behind by an earlier run");
+        let _ = std::process::Command::new("umount").arg(&at).status();
+        let _ = std::fs::remove_dir(&at);
+    }
 }
 
 fn fuzz(frames: u64, seed: Option<u64>, config_cases: u32) -> Result<()> {
