@@ -123,6 +123,13 @@ fn two_daemons_share_one_exact_limit_and_each_failure_mode_does_what_it_says() {
             }
         }
         assert_eq!(oks, (0..LIMIT).collect::<Vec<_>>(), "{rule}: exactly the first {LIMIT} of {} alternating checks pass", 2 * LIMIT);
+        // The key's state is Redis', whichever host is asked: spent.
+        for lab in [&l1, &l2] {
+            let s = get(&lab.b, &format!("/v1/l7/state?domain=d&{rule}=k1")).json();
+            assert_eq!((s["code"].as_str(), s["remaining"].as_u64()), (Some("over_limit"), Some(0)), "{rule}: {s}");
+        }
+        let s = get(&l1.b, &format!("/v1/l7/state?domain=d&{rule}=fresh")).json();
+        assert_eq!((s["code"].as_str(), s["remaining"].as_u64()), (Some("ok"), Some(LIMIT)), "{rule}: {s}");
     }
     // A refund on one host gives its hits back to the shared bucket: 2
     // more pass on the other host, then none.

@@ -29,5 +29,5 @@ pub async fn l7_state(AxState(api): AxState<Api>, RawQuery(q): RawQuery) -> ApiR
     }
     let entries: Vec<DescriptorEntry> = entries.iter().map(|(k, v)| DescriptorEntry { key: k.clone(), value: v.clone() }).collect();
     let engine = crate::daemon::state::lock(&api.state).l7.read().unwrap_or_else(|e| e.into_inner()).clone();
-    Ok(Json(engine.peek(domain, &entries)))
+    Ok(Json(engine.peek_scoped(domain, &entries).await))
 }

@@ -66,6 +66,37 @@ impl Engine {
     }
 }
 
+impl Engine {
+    /// What the next request with this descriptor would meet, without
+    /// charging anything, wherever its rule keeps the state: an unbatched
+    /// `scope = "cluster"` rule's is in Redis (asked with 0 hits, which
+    /// changes nothing; while Redis does not answer, `on_failure`'s), the
+    /// rest here.
+    pub async fn peek_scoped(&self, domain: &str, entries: &[DescriptorEntry]) -> Status {
+        let Some(c) = self.matching(domain, entries) else {
+            return Status::unmatched();
+        };
+        let (Some(prepared), Some(cluster), None) = (&c.cluster, &self.cluster, c.batch_ns) else {
+            return self.peek(domain, entries);
+        };
+        if cluster.is_mismatched(&crate::cluster::requests::member_name(&c.rule)) && cluster.config.on_failure == OnFailure::Local {
+            return self.peek(domain, entries);
+        }
+        let answer = match cluster.is_mismatched(&crate::cluster::requests::member_name(&c.rule)) {
+            true => None,
+            false => Box::pin(prepared.decide(cluster, values_key(entries), 0)).await.ok(),
+        };
+        let mut st = match (answer, cluster.config.on_failure) {
+            (Some(a), _) => from_answer(c, a),
+            (None, OnFailure::Local) => return self.peek(domain, entries),
+            (None, OnFailure::Open) => fixed(c, true),
+            (None, OnFailure::Closed) => fixed(c, false),
+        };
+        st.code = if st.remaining > 0 { "ok" } else { "over_limit" };
+        st
+    }
+}
+
 /// The descriptor's values as every daemon hashes them (128 bits).
 fn values_key(entries: &[DescriptorEntry]) -> [u64; 2] {
     let values: Vec<&str> = entries.iter().map(|e| e.value.as_str()).collect();
