@@ -311,6 +311,13 @@ fn main() -> ExitCode {
             };
             tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
+                // aya learns the number of possible CPUs once per thread,
+                // from a file, at the thread's first read of a per-CPU map:
+                // learnt at each thread's start, a daemon out of file
+                // descriptors still reads its counters (/metrics, stats).
+                .on_thread_start(|| {
+                    let _ = aya::util::nr_cpus();
+                })
                 .enable_all()
                 .build()
                 .map_err(anyhow::Error::from)
