@@ -6,7 +6,7 @@
 //!
 //! The evaluator covers what one scrape can answer: selectors, numbers,
 //! arithmetic and comparisons (one-to-one on identical label sets, as
-//! Prometheus matches them by default), `absent` and `time()` (the
+//! Prometheus matches them by default), `or`, `absent` and `time()` (the
 //! test's clock, which is the daemon's). Expressions over time
 //! (`rate`, `increase`) are not evaluated, but their selectors must still
 //! name series the daemon exports.
@@ -212,7 +212,8 @@ fn eval(e: &Expr, scrape: &Series) -> Option<Value> {
             let Some(Value::Vector(v)) = eval(c.args.args.first()?, scrape) else { return None };
             Value::Vector(if v.is_empty() { vec![(BTreeMap::new(), 1.0)] } else { Vec::new() })
         }
-        Expr::Binary(b) if b.modifier.is_none() => {
+        // (A set operator's modifier only says many-to-many.)
+        Expr::Binary(b) if b.modifier.is_none() || b.op.to_string() == "or" => {
             let (op, l, r) = (b.op.to_string(), eval(&b.lhs, scrape)?, eval(&b.rhs, scrape)?);
             binary(&op, l, r)?
         }
@@ -223,6 +224,17 @@ fn eval(e: &Expr, scrape: &Series) -> Option<Value> {
 /// `l op r`: arithmetic gives the computed value, a comparison keeps the
 /// left side's samples where it holds (Prometheus' filter semantics).
 fn binary(op: &str, l: Value, r: Value) -> Option<Value> {
+    if op == "or" {
+        // The left side's samples, and the right side's whose labels the
+        // left has not.
+        let (Value::Vector(mut a), Value::Vector(b)) = (l, r) else { return None };
+        for (labels, y) in b {
+            if !a.iter().any(|(l, _)| *l == labels) {
+                a.push((labels, y));
+            }
+        }
+        return Some(Value::Vector(a));
+    }
     let apply = |a: f64, b: f64| -> Option<(f64, bool)> {
         Some(match op {
             "+" => (a + b, true),
@@ -347,6 +359,7 @@ mod tests {
             ("up{job=\"rl\",instance=\"b:9101\"}", 0.0),
         ]);
         assert_eq!(alert("RlDown").holds(&two), Some(true), "one host of two down");
+        assert_eq!(alert("RlDown").holds(&scrape(&[("rl_uptime_seconds", 5.0)])), Some(true), "no rl target scraped at all (a job of another name)");
         assert_eq!(alert("RlReloadFailed").holds(&calm), None, "increase() needs two scrapes");
         assert_eq!(alert("RlFloodMode").missing(&scrape(&[("rl_flood_modes", 1.0)])), ["rl_flood_mode"]);
         assert_eq!(labels_of(r#"rule="a\"b",verdict="passed""#), BTreeMap::from([("rule".into(), "a\"b".into()), ("verdict".into(), "passed".into())]));

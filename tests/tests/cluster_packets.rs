@@ -131,7 +131,7 @@ fn three_hosts_hold_one_source_to_one_limit_within_the_documented_bound() {
 /// a bucket, read from the bucket's `t` (µs, 1,000 µs a packet; far ahead
 /// of now, so the backdating never applies).
 #[test]
-fn the_ledger_charges_each_packet_once_and_never_forgets_a_host_that_forgot() {
+fn the_ledger_charges_each_packet_once_and_never_more_than_its_host_has_unacknowledged() {
     let hub = rl_tests::redis::Hub::new(250 + std::process::id() % 5).unwrap();
     let redis = rl_tests::redis::Redis::start(&hub, 6390).unwrap();
     const SYNC: &str = include_str!("../../rl-control/src/cluster/sync.lua");
@@ -149,20 +149,23 @@ fn the_ledger_charges_each_packet_once_and_never_forgets_a_host_that_forgot() {
     assert_eq!(report("a", 102_000, 2_000), 0.0, "a report applied twice is charged once");
     assert_eq!(report("a", 102_500, 2_500), 500.0, "a retry of a timed-out report: only what is new");
     // The host forgot the bucket (idle past its forget time) while another
-    // host kept the hash alive: its count starts again below the ledger's.
+    // host kept the hash alive: it counts on from all it reported this run
+    // (the daemon's base), above its old count, and its delta is charged.
     report("b", 10, 10);
-    assert_eq!(report("a", 300, 300), 300.0, "a host that forgot its count is charged in full");
-    assert_eq!(report("a", 400, 100), 100.0, "and from there on as before");
+    assert_eq!(report("a", 150_000, 300), 300.0, "a bucket tracked anew: its delta, never the gap to the ledger");
+    assert_eq!(report("a", 150_100, 100), 100.0, "and from there on as before");
+    assert_eq!(report("a", 149_000, 50), 0.0, "a stale report (applied after a newer one) is charged nothing");
+    assert_eq!(report("a", 150_200, 100), 100.0, "and leaves the ledger where it was");
     // Redis back from an older snapshot: its ledger is behind the host's
     // acknowledged count. Only the packets not acknowledged are charged.
     redis.cli(&["HSET", K, "c:a", "100"]).unwrap();
-    assert_eq!(report("a", 500, 100), 100.0, "a stale ledger charges what was acknowledged again");
+    assert_eq!(report("a", 150_300, 100), 100.0, "a stale ledger charges what was acknowledged again");
     // 70 daemon runs quiet for the keep-alive (restarted hosts): dropped
     // once the hash holds more than 64 runs; the live ones stay.
     for i in 0..70 {
         redis.cli(&["HSET", K, &format!("c:old{i}"), "5", &format!("a:old{i}"), "0"]).unwrap();
     }
-    report("a", 600, 100);
+    report("a", 150_400, 100);
     let fields = redis.cli(&["HKEYS", K]).unwrap();
     let mut fields: Vec<&str> = fields.lines().collect();
     fields.sort();

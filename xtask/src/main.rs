@@ -194,13 +194,18 @@ fn test() -> Result<()> {
 }
 
 /// Labs a killed run left behind (a test's cleanup runs on panic, not on
-/// SIGKILL): network namespaces named as the lab names them with no
-/// process in them, and the lab's bpffs mounts under the temp dir that
-/// have not changed for an hour.
+/// SIGKILL): network namespaces named as the lab names them, with no
+/// process in them, and the lab's bpffs mounts under the temp dir, each
+/// unchanged for an hour (a run going on beside this one keeps its own).
 fn stale_labs() {
     let Ok(list) = std::process::Command::new("ip").args(["netns", "list"]).output() else { return };
     for name in String::from_utf8_lossy(&list.stdout).lines().filter_map(|l| l.split_whitespace().next()) {
         if !(name.starts_with("rl-lab") || name.starts_with("rl-hub")) {
+            continue;
+        }
+        // `ip netns pids` sees processes, not threads a lab moved into the
+        // namespace: only an hour-old one is taken for left behind.
+        if !hour_old(&std::path::Path::new("/run/netns").join(name)) {
             continue;
         }
         let pids = std::process::Command::new("ip").args(["netns", "pids", name]).output();
@@ -217,14 +222,19 @@ fn stale_labs() {
         (kind == "bpf" && std::path::Path::new(at).parent() == Some(tmp.as_path()) && at.contains("rl-bpffs-")).then(|| at.to_string())
     }) {
         // Not one a run going on now (a bench beside the tests) uses.
-        let age = std::fs::metadata(&at).and_then(|m| m.modified()).ok().and_then(|t| t.elapsed().ok());
-        if age.is_none_or(|a| a < std::time::Duration::from_secs(3600)) {
+        if !hour_old(std::path::Path::new(&at)) {
             continue;
         }
         step!("unmounting {at}, left behind by an earlier run");
         let _ = std::process::Command::new("umount").arg(&at).status();
         let _ = std::fs::remove_dir(&at);
     }
+}
+
+/// Whether `path` has not changed for an hour.
+fn hour_old(path: &std::path::Path) -> bool {
+    let age = std::fs::metadata(path).and_then(|m| m.modified()).ok().and_then(|t| t.elapsed().ok());
+    age.is_some_and(|a| a >= std::time::Duration::from_secs(3600))
 }
 
 fn fuzz(frames: u64, seed: Option<u64>, config_cases: u32) -> Result<()> {

@@ -36,7 +36,18 @@ pub type LocalKey = crate::l7::engine::Key;
 /// reload swaps in, like the buckets.
 #[derive(Default)]
 pub struct Batch {
-    accounts: Mutex<HashMap<LocalKey, Account>>,
+    accounts: Mutex<Accounts>,
+}
+
+#[derive(Default)]
+struct Accounts {
+    by_key: HashMap<LocalKey, Account>,
+    /// Every hit this daemon run sent, summed: a new account (a key never
+    /// sent, or forgotten while Redis kept its ledger) counts on from here,
+    /// so its count is above any this run sent for that key before, and
+    /// Redis charges its hits in full (a count below its ledger is a stale
+    /// report, charged nothing).
+    base: u64,
 }
 
 impl Batch {
@@ -46,9 +57,10 @@ impl Batch {
     #[allow(clippy::too_many_arguments)]
     pub fn record(&self, local: LocalKey, hits: u64, ns_per_unit: u64, burst_ns: u64, interval_ns: u64, now: u64, names: impl FnOnce() -> (String, String)) {
         let mut a = self.accounts.lock().unwrap_or_else(|e| e.into_inner());
-        let acc = a.entry(local).or_insert_with(|| {
+        let base = a.base;
+        let acc = a.by_key.entry(local).or_insert_with(|| {
             let (key, slot) = names();
-            Account { key, slot, ns_per_unit, interval_ns, burst_ns, unsent: 0, unacked: 0, cum: 0, last_ns: now }
+            Account { key, slot, ns_per_unit, interval_ns, burst_ns, unsent: 0, unacked: 0, cum: base, last_ns: now }
         });
         acc.unsent += hits;
         acc.last_ns = now;
@@ -57,17 +69,20 @@ impl Batch {
     /// The lines to send now (keys with hits not yet acknowledged), and the
     /// keys they belong to. What a key took beyond two batches and its
     /// burst since its last line (an outage) is not sent. Keys idle for
-    /// `forget_ns` are forgotten: a later line of theirs counts from 0, which
-    /// Redis charges in full if its ledger still holds the old count.
+    /// `forget_ns` are forgotten: a later line of theirs counts on from the
+    /// run's base, above the old count, so Redis charges it in full.
     pub fn take(&self, now: u64, forget_ns: u64) -> Vec<(LocalKey, Line)> {
         let mut a = self.accounts.lock().unwrap_or_else(|e| e.into_inner());
-        a.retain(|_, acc| acc.unsent + acc.unacked > 0 || now.saturating_sub(acc.last_ns) < forget_ns);
-        a.iter_mut()
+        let Accounts { by_key, base } = &mut *a;
+        by_key.retain(|_, acc| acc.unsent + acc.unacked > 0 || now.saturating_sub(acc.last_ns) < forget_ns);
+        by_key
+            .iter_mut()
             .filter(|(_, acc)| acc.unsent + acc.unacked > 0)
             .map(|(k, acc)| {
                 let cap = (2 * acc.interval_ns + acc.burst_ns) / acc.ns_per_unit.max(1) + 1;
                 acc.unsent = acc.unsent.min(cap);
                 acc.cum += acc.unsent;
+                *base += acc.unsent;
                 acc.unacked += acc.unsent;
                 acc.unsent = 0;
                 let line = Line {
@@ -85,7 +100,7 @@ impl Batch {
 
     /// Redis holds what `local` sent up to `cum`.
     pub fn acknowledge(&self, local: &LocalKey, cum: u64) {
-        if let Some(acc) = self.accounts.lock().unwrap_or_else(|e| e.into_inner()).get_mut(local) {
+        if let Some(acc) = self.accounts.lock().unwrap_or_else(|e| e.into_inner()).by_key.get_mut(local) {
             if acc.cum == cum {
                 acc.unacked = 0;
             }
@@ -94,10 +109,33 @@ impl Batch {
 
     /// Keys with an account.
     pub fn len(&self) -> usize {
-        self.accounts.lock().unwrap_or_else(|e| e.into_inner()).len()
+        self.accounts.lock().unwrap_or_else(|e| e.into_inner()).by_key.len()
     }
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A key forgotten while Redis kept its ledger counts on above its old
+    /// count: Redis charges its new hits in full.
+    #[test]
+    fn a_forgotten_key_counts_on_above_its_old_count() {
+        let b = Batch::default();
+        let k = LocalKey::new(1, (7, 7));
+        let names = || ("rl:k".to_string(), "s".to_string());
+        b.record(k, 500, 1_000, 0, 10_000_000, 0, names);
+        let lines = b.take(0, 1_000);
+        let old = lines[0].1.cum;
+        b.acknowledge(&k, old);
+        assert!(b.take(5_000, 1_000).is_empty() && b.is_empty(), "idle past forget_ns: forgotten");
+        b.record(k, 3, 1_000, 0, 10_000_000, 6_000, names);
+        let line = &b.take(6_000, 1_000)[0].1;
+        assert_eq!(line.delta, 3);
+        assert!(line.cum >= old + 3, "{} after {old}", line.cum);
     }
 }

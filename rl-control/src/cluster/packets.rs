@@ -118,6 +118,12 @@ pub struct Ledger {
     /// Whether the next round takes the tables' counts as reported (see
     /// [`Ledger::from_the_tables`]).
     baseline: bool,
+    /// Every packet this run reported, summed: a bucket tracked anew (never
+    /// reported, or forgotten while Redis kept its ledger) counts on from
+    /// here, so its count is above any this run sent for it before and
+    /// Redis charges its packets in full (a count below Redis' ledger is a
+    /// stale report, charged nothing).
+    base: u64,
     pub stats: SyncStats,
 }
 
@@ -134,6 +140,7 @@ impl Ledger {
             forget_after_ns: 2 * keep_ms * 1_000_000,
             complete: None,
             baseline: false,
+            base: 0,
             stats: SyncStats::default(),
         }
     }
@@ -168,7 +175,7 @@ impl Ledger {
                     (t.passed, t.dropped, t.recorded_ns) = (0, 0, now);
                 }
                 None if passed > 0 && room => {
-                    self.tracked.insert(r.id, Tracked { passed: 0, dropped: 0, cum: 0, at_ns: 0, seen_ns: 0, carry: passed, recorded_ns: now });
+                    self.tracked.insert(r.id, Tracked { passed: 0, dropped: 0, cum: self.base, at_ns: 0, seen_ns: 0, carry: passed, recorded_ns: now });
                 }
                 None => {}
             }
@@ -188,7 +195,7 @@ impl Ledger {
             // reports its count, capped as any.)
             for sb in buckets.iter().filter(|sb| shares.contains_key(&sb.id.limit())).take(TRACKED_FROM_RECORDS) {
                 let (passed, dropped) = (sb.bucket.passed, sb.bucket.dropped);
-                self.tracked.insert(sb.id, Tracked { passed, dropped, cum: 0, at_ns: now, seen_ns: now, carry: 0, recorded_ns: 0 });
+                self.tracked.insert(sb.id, Tracked { passed, dropped, cum: self.base, at_ns: now, seen_ns: now, carry: 0, recorded_ns: 0 });
             }
             return Vec::new();
         }
@@ -201,7 +208,10 @@ impl Ledger {
                 t.seen_ns = now;
                 *t
             });
-            out.extend(report(sb.id, &sb.bucket, t, share, interval_ns, now));
+            if let Some(r) = report(sb.id, &sb.bucket, t, share, interval_ns, now, self.base) {
+                self.base += r.line.delta;
+                out.push(r);
+            }
         }
         // Collected with packets unreported, and not made again (yet): they
         // travel once they reach θ, as a live bucket's.
@@ -209,7 +219,10 @@ impl Ledger {
             self.tracked.iter().filter(|(_, t)| t.carry > 0 && t.seen_ns != now).map(|(id, t)| (*id, *t)).collect();
         for (id, t) in absent {
             if let Some(share) = shares.get(&id.limit()) {
-                out.extend(report(id, &rl_common::Bucket::default(), Some(t), share, interval_ns, now));
+                if let Some(r) = report(id, &rl_common::Bucket::default(), Some(t), share, interval_ns, now, self.base) {
+                    self.base += r.line.delta;
+                    out.push(r);
+                }
             }
         }
         // Without complete records, a tracked bucket of a shared rule that
@@ -252,9 +265,9 @@ impl Ledger {
 /// per source): past it such records are let go, as before records.
 pub const TRACKED_FROM_RECORDS: usize = 1 << 18;
 
-/// The report of bucket `id` holding `b` (tracked as `t`), if it travels
-/// this round.
-fn report(id: BucketId, b: &rl_common::Bucket, t: Option<Tracked>, share: &Share, interval_ns: u64, now: u64) -> Option<Report> {
+/// The report of bucket `id` holding `b` (tracked as `t`; if not, its
+/// count starts at the run's `base`), if it travels this round.
+fn report(id: BucketId, b: &rl_common::Bucket, t: Option<Tracked>, share: &Share, interval_ns: u64, now: u64, base: u64) -> Option<Report> {
     // Only reported buckets are tracked: the rest have reported nothing,
     // so all they passed is unreported.
     let (passed0, dropped0, cum0, carry) = match t {
@@ -262,7 +275,7 @@ fn report(id: BucketId, b: &rl_common::Bucket, t: Option<Tracked>, share: &Share
         // A bucket collected and made again counts from zero in the
         // kernel; its reports go on from the count Redis holds.
         Some(t) => (0, 0, t.cum, t.carry),
-        None => (0, 0, 0, 0),
+        None => (0, 0, base, 0),
     };
     let mut delta = b.passed - passed0 + carry;
     let theta = (interval_ns / share.ns_per_packet.max(1) / 4).max(1);
@@ -427,6 +440,26 @@ mod tests {
                 assert_eq!((r.len(), r[0].id, r[0].line.delta, r[0].line.cum), (1, id, 30, 30));
             }
         }
+    }
+
+    /// A bucket forgotten (idle past `forget_after`) while Redis may still
+    /// hold its count (other hosts kept the hash alive) counts on from all
+    /// the run reported: above its old count, so Redis charges its new
+    /// packets in full (from 0 they were charged nothing until they passed
+    /// the old count).
+    #[test]
+    fn a_forgotten_bucket_counts_on_above_its_old_count() {
+        let (_, shares, bucket, mut ledger) = one_bucket(0x100);
+        let r = ledger.reports(&[bucket(2_000)], &shares, INTERVAL, INTERVAL);
+        let old = r[0].line.cum;
+        ledger.acknowledge(&r[0], INTERVAL);
+        ledger.collected(&[bucket(2_000)], true, 2 * INTERVAL);
+        // Past forget_after (20 s here): gone from the ledger.
+        assert!(ledger.reports(&[], &shares, INTERVAL, 30_000_000_000).is_empty());
+        assert!(ledger.tracked.is_empty());
+        let r = ledger.reports(&[bucket(300)], &shares, INTERVAL, 31_000_000_000);
+        assert_eq!(r[0].line.delta, 300);
+        assert!(r[0].line.cum >= old + 300, "{} after {old}: Redis would charge it {} of 300", r[0].line.cum, r[0].line.cum.saturating_sub(old).min(300));
     }
 
     /// Records dropped in a round without reports (degraded) still make

@@ -28,19 +28,22 @@ for i, K in ipairs(KEYS) do
   -- What the ledger says is new, never more than the sender's own count
   -- of packets not acknowledged: a ledger older than the sender's (Redis
   -- back from a snapshot, a lagging replica) charges no packet twice. A
-  -- count below the ledger's means the sender forgot this bucket while
-  -- other hosts kept the hash alive: its delta is all new, and the
-  -- ledger starts again from its count.
-  local charge, ledger = delta, cum
-  if reported >= 0 and cum >= reported then charge = math.min(cum - reported, delta) end
+  -- sender counts a bucket it tracks anew (never reported, or forgotten
+  -- while other hosts kept the hash alive) on from all it reported, above
+  -- its old count: all its delta is charged. A count below the ledger's
+  -- is a stale report (applied after a newer one): charged nothing.
+  local charge = delta
+  if reported >= 0 then charge = math.max(math.min(cum - reported, delta), 0) end
+  local ledger = math.max(cum, reported)
   -- The packets passed during the last interval, not all at this instant.
   if tat < now - span then tat = now - span end
   tat = tat + charge * cost
   redis.call('HSET', K, 't', tat, 'c:' .. me, ledger, 'a:' .. me, now)
   if redis.call('HLEN', K) > 129 then
-    -- Each daemon run reports under a name of its own: drop the runs
-    -- gone quiet for keep-alive (restarted hosts), or a key some host
-    -- keeps hot gains a field per restart for ever.
+    -- Past 64 runs (t, and c: and a: per run). Each daemon run reports
+    -- under a name of its own: drop the runs gone quiet for keep-alive
+    -- (restarted hosts), or a key some host keeps hot gains a field per
+    -- restart for ever.
     local f = redis.call('HGETALL', K)
     for j = 1, #f, 2 do
       local name = f[j]

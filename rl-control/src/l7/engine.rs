@@ -135,7 +135,7 @@ pub struct Key {
 }
 
 impl Key {
-    fn new(slot: u32, (hi, lo): (u32, u64)) -> Key {
+    pub(crate) fn new(slot: u32, (hi, lo): (u32, u64)) -> Key {
         Key { slot, hi, lo }
     }
 

@@ -90,14 +90,16 @@ fn forwarded(key: &str, headers: &HeaderMap) -> Result<Option<String>, String> {
     // A header's first value (as most applications read it), even when it
     // is not UTF-8: a value the check cannot read is still charged, never
     // skips its limit.
-    let header = |name: &str| headers.get(name).map(|v| text(v.as_bytes()));
-    let first_of = |names: [&str; 2]| names.iter().find_map(|n| header(n));
+    let raw = |name: &str| headers.get(name).map(|v| v.as_bytes());
+    let header = |name: &str| raw(name).map(text);
+    let first_of = |names: [&str; 2]| names.iter().find_map(|n| raw(n));
     let value = match key {
         "remote_address" => Some(remote_address(headers)?),
-        "method" => first_of(["x-forwarded-method", "x-original-method"]),
-        // The query goes before a long path is cut: past the cut it would
-        // be in the hash, and each query string a bucket of its own.
-        "path" => first_of(["x-forwarded-uri", "x-original-uri"]).map(|u| u.split('?').next().unwrap_or("").to_string()),
+        "method" => first_of(["x-forwarded-method", "x-original-method"]).map(text),
+        // The query goes first, from the bytes: past a long path's cut (or
+        // in the hash of bytes that are not UTF-8) it would make each query
+        // string a bucket of its own.
+        "path" => first_of(["x-forwarded-uri", "x-original-uri"]).map(|u| text(u.split(|&b| b == b'?').next().unwrap_or_default())),
         "host" => header("x-forwarded-host"),
         name => {
             if axum::http::HeaderName::from_bytes(name.as_bytes()).is_err() {
@@ -116,11 +118,9 @@ fn forwarded(key: &str, headers: &HeaderMap) -> Result<Option<String>, String> {
 fn text(raw: &[u8]) -> String {
     match std::str::from_utf8(raw) {
         Ok(s) => s.to_string(),
-        Err(_) => {
-            let mut h = std::collections::hash_map::DefaultHasher::new();
-            std::hash::Hash::hash(raw, &mut h);
-            format!("{}#{:016x}", String::from_utf8_lossy(raw), std::hash::Hasher::finish(&h))
-        }
+        // A hash every build computes alike: cluster rules' keys are
+        // shared between daemons.
+        Err(_) => format!("{}#{:016x}", String::from_utf8_lossy(raw), crate::compile::stable_hash(&raw, 0)),
     }
 }
 
@@ -135,9 +135,7 @@ fn fitted(v: &str) -> String {
     while !v.is_char_boundary(cut) {
         cut -= 1;
     }
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    std::hash::Hash::hash(v, &mut h);
-    format!("{}#{:016x}", &v[..cut], std::hash::Hasher::finish(&h))
+    format!("{}#{:016x}", &v[..cut], crate::compile::stable_hash(&v, 0))
 }
 
 /// The client's address as the gateway saw it: the last entry of the last
@@ -221,6 +219,18 @@ mod tests {
         // bucket per query string.
         let (a, b) = (headers(&[("x-forwarded-uri", Box::leak(format!("{long}?x=1").into_boxed_str()))]), headers(&[("x-forwarded-uri", Box::leak(format!("{long}?x=2").into_boxed_str()))]));
         assert_eq!(entries("path", &a), entries("path", &b));
+        // And a path that is not UTF-8: the query goes before the hash.
+        let with = |q: &[u8]| {
+            let mut h = HeaderMap::new();
+            h.insert("x-forwarded-uri", axum::http::HeaderValue::from_bytes(&[b"/a\xff", q].concat()).unwrap());
+            entries("path", &h)[0].1.clone()
+        };
+        assert_eq!(with(b"?x=1"), with(b""), "the query does not make another bucket");
+        assert_ne!(with(b""), {
+            let mut h = HeaderMap::new();
+            h.insert("x-forwarded-uri", axum::http::HeaderValue::from_bytes(b"/a\xfe?x=1").unwrap());
+            entries("path", &h)[0].1.clone()
+        }, "paths differing in bytes that are not UTF-8 stay apart");
         assert!(descriptor("", &h).is_err());
         assert!(descriptor("bad%20name", &h).is_err());
     }
