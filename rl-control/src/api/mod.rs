@@ -296,14 +296,18 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 async fn count(AxState(api): AxState<Api>, req: Request, next: Next) -> Response {
     let route = req.extensions().get::<MatchedPath>().map_or("unmatched".to_string(), |m| m.as_str().to_string());
     let r = next.run(req).await;
-    *lock(&api.state).api_requests.entry((route, r.status().as_u16())).or_default() += 1;
+    tally(&api, route, r.status().as_u16());
     r
+}
+
+fn tally(api: &Api, route: String, status: u16) {
+    *lock(&api.state).api_requests.entry((route, status)).or_default() += 1;
 }
 
 /// The admin router's fallback: no route layer runs for it, so it counts
 /// itself (probes of paths that do not exist show in `/metrics`).
 async fn not_found_counted(AxState(api): AxState<Api>) -> ApiError {
-    *lock(&api.state).api_requests.entry(("unmatched".to_string(), 404)).or_default() += 1;
+    tally(&api, "unmatched".to_string(), 404);
     not_found().await
 }
 

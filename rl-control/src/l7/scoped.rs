@@ -64,9 +64,7 @@ impl Engine {
         };
         self.counted(c, st)
     }
-}
 
-impl Engine {
     /// What the next request with this descriptor would meet, without
     /// charging anything, wherever its rule keeps the state: an unbatched
     /// `scope = "cluster"` rule's is in Redis (asked with 0 hits, which
@@ -79,9 +77,6 @@ impl Engine {
         let (Some(prepared), Some(cluster), None) = (&c.cluster, &self.cluster, c.batch_ns) else {
             return self.peek(domain, entries);
         };
-        if cluster.is_mismatched(&crate::cluster::requests::member_name(&c.rule)) && cluster.config.on_failure == OnFailure::Local {
-            return self.peek(domain, entries);
-        }
         let answer = match cluster.is_mismatched(&crate::cluster::requests::member_name(&c.rule)) {
             true => None,
             false => Box::pin(prepared.decide(cluster, values_key(entries), 0)).await.ok(),
