@@ -59,21 +59,24 @@ pub fn write(dir: &tempfile::TempDir, name: &str, text: &str) -> PathBuf {
 
 /// Runs `rl-control args…` inside `ns` (or the current namespace) to completion.
 pub fn run_once(ns: Option<&Netns>, args: &[&str]) -> Result<(ExitStatus, String)> {
-    let out = command(ns, args).output().context("running rl-control")?;
+    let out = command(ns, &[], args).output().context("running rl-control")?;
     let mut text = String::from_utf8_lossy(&out.stdout).into_owned();
     text.push_str(&String::from_utf8_lossy(&out.stderr));
     Ok((out.status, text))
 }
 
-fn command(ns: Option<&Netns>, args: &[&str]) -> Command {
-    let mut c = match ns {
-        Some(ns) => {
-            let mut c = Command::new("ip");
-            c.args(["netns", "exec", &ns.name]).arg(binary());
-            c
-        }
-        None => Command::new(binary()),
-    };
+/// `rl-control args…` in `ns`, run through `wrapper` (e.g. `setpriv …`)
+/// when it is not empty.
+fn command(ns: Option<&Netns>, wrapper: &[&str], args: &[&str]) -> Command {
+    let bin = binary();
+    let mut line: Vec<&std::ffi::OsStr> = Vec::new();
+    if let Some(ns) = ns {
+        line.extend(["ip", "netns", "exec", ns.name.as_str()].map(std::ffi::OsStr::new));
+    }
+    line.extend(wrapper.iter().map(std::ffi::OsStr::new));
+    line.push(bin.as_os_str());
+    let mut c = Command::new(line[0]);
+    c.args(&line[1..]);
     c.args(args).env("RUST_LOG", "info");
     if let Some(ns) = ns {
         c.env("RL_RUNTIME_DIR", ns.runtime_dir());
@@ -91,7 +94,14 @@ impl Daemon {
     /// Starts `rl-control args…` in `ns` (`ip netns exec` execs it, so the
     /// child's pid is the daemon's).
     pub fn spawn(ns: &Netns, args: &[&str]) -> Result<Daemon> {
-        let mut child = command(Some(ns), args)
+        Daemon::spawn_under(ns, &[], args)
+    }
+
+    /// [`Daemon::spawn`] through `wrapper` (a command that execs the rest
+    /// of its arguments, e.g. `setpriv --bounding-set …`): the child's pid
+    /// is still the daemon's.
+    pub fn spawn_under(ns: &Netns, wrapper: &[&str], args: &[&str]) -> Result<Daemon> {
+        let mut child = command(Some(ns), wrapper, args)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()

@@ -42,7 +42,7 @@ pub fn load_pinned(compiled: &rl_control::compile::Compiled, dir: &std::path::Pa
 /// runs it every second.
 pub fn collector_pass(dp: &Datapath) -> rl_control::datapath::Pass {
     let limits = dp.limits_by_key().expect("the limits of both slots");
-    rl_control::datapath::collect(dp.table_ids().expect("table ids"), dp.epoch_offset_ns(), &limits, &dp.known_filter().expect("the known-keys filter"))
+    rl_control::datapath::collect(&dp.table_maps().expect("table maps"), dp.epoch_offset_ns(), &limits, &dp.known_filter().expect("the known-keys filter"))
         .expect("a collector pass")
 }
 

@@ -146,3 +146,65 @@ fn tcp_is_refused_without_a_private_token_and_guards_every_change_with_it() {
     let (status, log) = d.stop(libc::SIGTERM).unwrap();
     assert!(status.success(), "{log}");
 }
+
+/// The capabilities `dist/rl-control.service` grants, as `setpriv`'s
+/// `--bounding-set` argument (`-all,+bpf,+net_admin,…`).
+fn unit_capabilities() -> String {
+    let unit = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../dist/rl-control.service")).unwrap();
+    let line = unit.lines().find_map(|l| l.strip_prefix("CapabilityBoundingSet=")).expect("the unit sets CapabilityBoundingSet");
+    let caps: Vec<String> = line.split_whitespace().map(|c| format!("+{}", c.trim_start_matches("CAP_").to_lowercase())).collect();
+    assert!(caps.len() >= 3, "{line}");
+    format!("-all,{}", caps.join(","))
+}
+
+/// The shipped service runs as root with only the unit's capabilities:
+/// with them the daemon loads, attaches and pins, and its readers (the
+/// collector's walk and flood reading, the sources and cells scans, which
+/// open the maps a handle of their own) work too, also after a restart
+/// that adopts the pins.
+#[test]
+fn the_service_units_capabilities_run_everything() {
+    let lab = Lab::new().unwrap();
+    let pins = rl_tests::lab::BpfFs::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write(&dir, "rules.toml", "[datapath]\nmax_sources = 1024\n[default]\nrate = 100\n[[rule]]\nname = \"slow\"\nproto = \"any\"\nrate = 1\nper = \"1h\"\n");
+    let caps = unit_capabilities();
+    let wrapper = ["setpriv", "--bounding-set", caps.as_str(), "--inh-caps=-all"];
+    let args = ["run", "--iface", VB, "--config", cfg.to_str().unwrap(), "--no-watch", "--pin-dir", pins.arg()];
+    for round in ["first start", "restart on the pins"] {
+        let mut d = Daemon::spawn_under(&lab.b, &wrapper, &args).unwrap();
+        d.wait_for("admin API on", std::time::Duration::from_secs(20)).unwrap();
+        let pid = d.pid();
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        let eff = status.lines().find_map(|l| l.strip_prefix("CapEff:")).unwrap().trim().to_string();
+        assert_ne!(eff, "000001ffffffffff", "{round}: setpriv left every capability");
+        assert_eq!(u64::from_str_radix(&eff, 16).unwrap() & (1 << 21), 0, "{round}: CAP_SYS_ADMIN is not the unit's");
+        rl_tests::traffic::join(rl_tests::traffic::flood(&lab.a, lab.v4(1), lab.v4(2), std::time::Duration::from_millis(300), None)).unwrap();
+        let start = std::time::Instant::now();
+        loop {
+            let v = get(&lab.b, "/v1/status").json();
+            let h = &v["pressure"]["collector"];
+            let ok = |r: &Value| r["last_ok_unix_ms"].is_u64() && r.get("error").is_none();
+            if ok(&h["walk"]) && ok(&h["flood_reading"]) && v["pressure"]["buckets_ipv4"].as_u64() > Some(0) {
+                break;
+            }
+            assert!(start.elapsed() < std::time::Duration::from_secs(10), "{round}: the collector's readers fail: {h}\n{}", d.log());
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+        let s = get(&lab.b, &format!("/v1/sources/{}", lab.v4(1)));
+        assert_eq!(s.status, 200, "{round}: {}", s.body);
+        assert!(s.body.contains("\"own\""), "{round}: the sender's own bucket is not found: {}", s.body);
+        let start = std::time::Instant::now();
+        while !get(&lab.b, "/v1/sources?top=5").body.contains(&lab.v4(1).to_string()) {
+            assert!(start.elapsed() < std::time::Duration::from_secs(12), "{round}: the sources scan never lists the sender:\n{}", d.log());
+            std::thread::sleep(std::time::Duration::from_millis(300));
+        }
+        let c = get(&lab.b, "/v1/cells");
+        assert_eq!(c.status, 200, "{round}: {}", c.body);
+        let (status, log) = d.stop(libc::SIGTERM).unwrap();
+        assert!(status.success(), "{round}: {log}");
+        assert!(!log.contains("Operation not permitted"), "{round}: {log}");
+    }
+    let (status, out) = run_once(Some(&lab.b), &["detach", "--iface", VB, "--pin-dir", pins.arg()]).unwrap();
+    assert!(status.success(), "{out}");
+}

@@ -44,7 +44,7 @@ fn flood_twice<S: Copy + Eq + std::hash::Hash>(dp: &rl_control::datapath::Datapa
     // of one 67 ms window (2,000/s: 134 host-wide), far from max_sources.
     assert!(c.get(STAT_NEW_SOURCES) < MAX_SOURCES as u64 / 4, "flood mode stopped creating buckets early: {c}");
     assert_eq!(c.get(rl_common::STAT_TABLE_FULL), 0, "no insert was refused: the table never filled: {c}");
-    let flood = rl_control::datapath::flood_mode(dp.table_ids().unwrap()).unwrap();
+    let flood = rl_control::datapath::flood_mode(&dp.table_maps().unwrap()).unwrap();
     assert!(flood.on, "the flood detector reports flood mode: {flood:?}");
 }
 
@@ -114,7 +114,7 @@ fn a_full_table_fails_closed_and_newcomers_share_their_prefix_cell() {
 
 /// The program's count of own buckets (`RL_OWNED`, IPv4): what the cap reads.
 fn owned_v4(dp: &rl_control::datapath::Datapath) -> aya::maps::Array<aya::maps::MapData, u64> {
-    let data = aya::maps::MapData::from_id(dp.table_ids().unwrap().owned).unwrap();
+    let data = dp.table_maps().unwrap().owned.open().unwrap();
     aya::maps::Array::try_from(aya::maps::Map::Array(data)).unwrap()
 }
 
@@ -296,7 +296,7 @@ fn in_flood_mode() -> rl_control::datapath::Datapath {
 fn a_source_that_keeps_sending_after_a_flood_gets_its_bucket_and_flood_mode_ends() {
     let dp = in_flood_mode();
     let stat = |i| dp.counters().unwrap().get(i);
-    assert!(rl_control::datapath::flood_mode(dp.table_ids().unwrap()).unwrap().on, "the flood tripped flood mode");
+    assert!(rl_control::datapath::flood_mode(&dp.table_maps().unwrap()).unwrap().on, "the flood tripped flood mode");
     // For half a second (7 windows), 500 packets every 20 ms from one
     // source: far over this CPU's share (33 a window).
     let heavy = [172, 16, 7, 1];

@@ -295,7 +295,7 @@ fn a_cluster_rules_counts_take_a_fragmented_datagram_once() {
         ))
         .unwrap();
         assert_eq!(offer_all(&dp, &datagram4(SRC, 40, 6666, 3)), (4, 0), "{charged}: the datagram passes whole");
-        let shared = rl_control::datapath::share::scan_shared(dp.table_ids().unwrap(), |_| true).unwrap();
+        let shared = rl_control::datapath::share::scan_shared(&dp.table_maps().unwrap(), |_| true).unwrap();
         let passed: u64 = shared.iter().map(|b| b.bucket.passed).sum();
         assert!(!shared.is_empty(), "{charged}: the cluster rule's bucket is shared");
         assert_eq!(passed, 1, "{charged}: one datagram, one packet for the cluster: {shared:?}");

@@ -27,7 +27,7 @@ fn filter(dp: &Datapath) -> KnownFilter {
 
 fn rebuild(dp: &Datapath, known: &KnownFilter) -> rl_control::datapath::Pass {
     let limits = dp.limits_by_key().unwrap();
-    collect(dp.table_ids().unwrap(), dp.epoch_offset_ns(), &limits, known).expect("a collector pass")
+    collect(&dp.table_maps().unwrap(), dp.epoch_offset_ns(), &limits, known).expect("a collector pass")
 }
 
 fn active(known: &KnownFilter) -> u32 {

@@ -141,15 +141,15 @@ fn the_cluster_sync_reads_and_raises_cells() {
     assert_eq!(offer(&dp, &to([10, 7, 7, 1], 6666), 3), (1, 2));
     let key = cell_key(3, [10, 7, 7, 0]);
     let rule = key.rule & !KEY_CELL;
-    let ids = dp.table_ids().unwrap();
-    let shared = scan_shared(ids, |r| r == rule).unwrap();
+    let ids = dp.table_maps().unwrap();
+    let shared = scan_shared(&ids, |r| r == rule).unwrap();
     let cell = shared.iter().find(|b| b.id == BucketId::V4(key)).unwrap_or_else(|| panic!("the cell is shared: {shared:?}"));
     assert_eq!((cell.bucket.passed, cell.bucket.dropped), (1, 2), "with its counts");
     assert!(ahead(cell.bucket.tat_ns), "and its state");
     // Another /24's cell, fresh: raised by the cluster to an hour ahead.
     assert_eq!(offer(&dp, &to([10, 7, 8, 1], 9999), 1), (1, 0));
     let fresh = cell_key(2, [10, 7, 8, 0]);
-    let mut tables = Tables::open(ids).unwrap();
+    let mut tables = Tables::open(&ids).unwrap();
     let hour_ahead = rl_control::datapath::monotonic_ns() + 3_600_000_000_000;
     assert!(tables.raise(&BucketId::V4(fresh), hour_ahead), "the cell moved up");
     assert!(!tables.raise(&BucketId::V4(fresh), hour_ahead - 1), "never down");
@@ -184,7 +184,7 @@ fn a_cell_an_older_build_kept_in_the_sources_table_moves_to_the_array_and_keeps_
         let dp = load();
         assert!(!dp.cells_in_tables(), "fresh pins");
         let mut table: HashMap<MapData, Key4, Bucket> =
-            HashMap::try_from(Map::HashMap(MapData::from_id(dp.table_ids().unwrap().tables.0).unwrap())).unwrap();
+            HashMap::try_from(Map::HashMap(dp.table_maps().unwrap().tables.0.open().unwrap())).unwrap();
         table.insert(key, Bucket { tat_ns: drained, passed: 1, ..Bucket::default() }, 0).unwrap();
     }
     for name in rl_common::CELL_MAPS {
@@ -196,9 +196,9 @@ fn a_cell_an_older_build_kept_in_the_sources_table_moves_to_the_array_and_keeps_
     assert!(dp.adopted() && dp.cells_in_tables(), "the daemon must move the cells before its swap");
     // (The pin directory is held by `dp`: a second load would be refused.)
     let load_again_sees_cells_in_tables = |d: &std::path::Path| !d.join(rl_common::MAP_CELL_COUNT).exists();
-    let ids = dp.table_ids().unwrap();
+    let ids = dp.table_maps().unwrap();
     let mut table: HashMap<MapData, Key4, Bucket> =
-        HashMap::try_from(Map::HashMap(MapData::from_id(ids.tables.0).unwrap())).unwrap();
+        HashMap::try_from(Map::HashMap(ids.tables.0.open().unwrap())).unwrap();
     let cells = dp.cells_v4().unwrap();
     assert!(cells.find(&key).is_none());
     // The daemon copies it before it swaps its program in: the new program
@@ -317,7 +317,7 @@ fn a_cell_an_older_build_kept_in_a_64_byte_array_moves_to_the_new_arrays_with_it
     assert!(cells.find(&key).is_none());
     assert_eq!(dp.move_old_cells().unwrap(), 2, "copied before the swap");
     let further = drained + 1_200_000_000_000;
-    assert!(Tables::open(dp.table_ids().unwrap()).unwrap().raise(&BucketId::V4(key2), further));
+    assert!(Tables::open(&dp.table_maps().unwrap()).unwrap().raise(&BucketId::V4(key2), further));
     let i = cells.find(&key).expect("the new array holds it");
     assert_eq!(cells.get(i).bucket.tat_ns, drained, "with its state");
     assert_eq!(cells.get(i).key, key);
@@ -537,7 +537,7 @@ fn daemon_upgrade(old: OldCells) {
         let cell = cells.get(cells.find(&key).expect("this build kept the cell in its array"));
         if old == OldCells::Tables {
             let mut table: HashMap<MapData, Key4, Bucket> =
-                HashMap::try_from(Map::HashMap(MapData::from_id(dp.table_ids().unwrap().tables.0).unwrap())).unwrap();
+                HashMap::try_from(Map::HashMap(dp.table_maps().unwrap().tables.0.open().unwrap())).unwrap();
             table.insert(key, cell.bucket, 0).unwrap();
         }
         cell
@@ -604,7 +604,7 @@ fn the_collector_records_the_deletes_of_shared_limits_for_the_cluster_sync() {
         let collect = |dp: &Datapath| {
             let limits = dp.limits_by_key().unwrap();
             let known = dp.known_filter().unwrap();
-            rl_control::datapath::collect_handing(dp.table_ids().unwrap(), dp.epoch_offset_ns(), &limits, &known, Some(&handoff)).unwrap()
+            rl_control::datapath::collect_handing(&dp.table_maps().unwrap(), dp.epoch_offset_ns(), &limits, &known, Some(&handoff)).unwrap()
         };
         collect(&dp);
         assert!(handoff.lock().deleted.is_empty(), "{kind}: nothing fresh for a second yet");
@@ -640,7 +640,7 @@ fn a_bucket_charged_while_the_collector_waits_for_the_records_lock_stays() {
         std::thread::spawn(move || {
             let limits = dp.limits_by_key().unwrap();
             let known = dp.known_filter().unwrap();
-            rl_control::datapath::collect_handing(dp.table_ids().unwrap(), dp.epoch_offset_ns(), &limits, &known, Some(&handoff)).unwrap()
+            rl_control::datapath::collect_handing(&dp.table_maps().unwrap(), dp.epoch_offset_ns(), &limits, &known, Some(&handoff)).unwrap()
         })
     };
     // The walk found the idle bucket and now waits for the lock: the
@@ -655,7 +655,7 @@ fn a_bucket_charged_while_the_collector_waits_for_the_records_lock_stays() {
     let pass = walker.join().unwrap();
     assert_eq!((pass.collected, pass.kept_on_second_look), (0, 1), "read idle, then kept: {pass:?}");
     assert!(handoff.lock().deleted.is_empty(), "nothing recorded");
-    let shared = scan_shared(dp.table_ids().unwrap(), |r| r == own.rule).unwrap();
+    let shared = scan_shared(&dp.table_maps().unwrap(), |r| r == own.rule).unwrap();
     let b = shared.iter().find(|b| b.id == BucketId::V4(own)).expect("the charged bucket stays");
     assert_eq!(b.bucket.passed, 4);
 }

@@ -316,7 +316,7 @@ fn ipv6_wide_cells_are_slash_32s() {
         let k = compiled.rules.entries[2].key6(0, &[u32::from_ne_bytes([0x20, 0x01, 0x0d, b]), 0, 0, 0]);
         Key6 { rule: k.rule | KEY_WIDE, addr: k.addr }
     };
-    let cells = dp.table_ids().unwrap().cell_arrays().unwrap().1;
+    let cells = dp.table_maps().unwrap().cell_arrays().unwrap().1;
     let b = (0xb9..=0xff).find(|&b| cells.room_for(&wide(b))).expect("a /32 whose set has room");
     assert_eq!(offer(&dp, &six([0x0d, b, 0, 1], 9999), 1), (0, 1));
     assert_eq!(offer(&dp, &six([0x0d, b, 0x77, 1], 9999), 1), (0, 1));

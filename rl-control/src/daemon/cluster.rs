@@ -145,7 +145,7 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
     if lock(&state).dp.adopted() {
         ledger = ledger.from_the_tables();
     }
-    let Ok(ids) = lock(&state).dp.table_ids() else {
+    let Ok(ids) = lock(&state).dp.table_maps() else {
         warn!("cluster sync: the bucket tables cannot be read; cluster packet rules enforce on each host alone");
         return;
     };
@@ -178,9 +178,10 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
         }
         let wanted: std::collections::HashSet<u32> = shares.keys().copied().collect();
         // The records and the scan under one lock (see `Collected`).
+        let scanning = ids.clone();
         let scanned = under_records(&collected, move |records| {
             records.limits.clone_from(&wanted);
-            (take_records(records), scan_shared(ids, |r| wanted.contains(&r)))
+            (take_records(records), scan_shared(&scanning, |r| wanted.contains(&r)))
         });
         let buckets = match scanned.await {
             Some(((records, complete), scan)) => {
@@ -200,7 +201,7 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
         let reports = ledger.reports(&buckets, &shares, interval_ns, now);
         let (answers, _failure) = ledger.exchange(&cluster, &reports, keep_ms).await;
         let raises: Vec<_> = answers.iter().filter(|(_, ahead)| *ahead > 0).map(|&(i, ahead_us)| (reports[i].id, ahead_us)).collect();
-        ledger.stats.raised += raise(&collected, ids, raises).await;
+        ledger.stats.raised += raise(&collected, &ids, raises).await;
         for (i, _) in answers {
             ledger.acknowledge(&reports[i], now);
         }
@@ -233,12 +234,13 @@ fn shares_in_force(cache: &mut SharesCache, config: &Arc<Config>, cluster: &Clus
 /// ahead, in µs) up to the cluster's; returns how many moved. Under the
 /// collector's lock: it decides a delete again under it, so it never
 /// deletes a bucket just raised.
-async fn raise(collected: &Arc<crate::datapath::share::Collected>, ids: crate::datapath::TableIds, raises: Vec<(BucketId, u64)>) -> u64 {
+async fn raise(collected: &Arc<crate::datapath::share::Collected>, ids: &crate::datapath::TableMaps, raises: Vec<(BucketId, u64)>) -> u64 {
     if raises.is_empty() {
         return 0;
     }
+    let ids = ids.clone();
     let raised = under_records(collected, move |_| -> Result<u64, crate::datapath::DatapathError> {
-        let mut tables = Tables::open(ids)?;
+        let mut tables = Tables::open(&ids)?;
         let now = crate::datapath::monotonic_ns();
         Ok(raises.into_iter().filter(|(id, ahead_us)| tables.raise(id, now + ahead_us * 1000)).count() as u64)
     })

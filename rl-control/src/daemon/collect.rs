@@ -15,7 +15,7 @@ use tracing::{info, warn};
 use crate::{
     config::unix_now_ms,
     daemon::state::{lock, Pressure, Shared, State, WideCellRule},
-    datapath::{DatapathError, KnownFilter, Pass, TableIds},
+    datapath::{DatapathError, KnownFilter, Pass, TableMaps},
 };
 
 /// How often the collector walks the bucket tables.
@@ -53,7 +53,7 @@ pub(super) async fn sweep_requests(l7: crate::l7::http::Shared) {
 /// passes ranks sources by their drops. A pass that fails is reported
 /// (`pressure.collector.walk`, a `walk_failing` event) and tried again a
 /// second later: the collector never stops for good while the daemon runs.
-pub(super) async fn watch_pressure(state: Shared, ids: TableIds) {
+pub(super) async fn watch_pressure(state: Shared, ids: TableMaps) {
     let mut every = tokio::time::interval(COLLECT_INTERVAL);
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut collector = Collector::default();
@@ -61,11 +61,11 @@ pub(super) async fn watch_pressure(state: Shared, ids: TableIds) {
     loop {
         every.tick().await;
         let walk = collector.plan(&state);
-        let (st, filter) = (state.clone(), known.clone());
+        let (st, filter, ids) = (state.clone(), known.clone(), ids.clone());
         let walked = tokio::task::spawn_blocking(move || {
             let filter = match filter {
                 Some(f) => f,
-                None => Arc::new(KnownFilter::open(ids.known)?),
+                None => Arc::new(KnownFilter::open(&ids.known)?),
             };
             // No rule change during the walk: its limits stay exact.
             let _changes = crate::daemon::apply::hold_changes();
@@ -75,7 +75,7 @@ pub(super) async fn watch_pressure(state: Shared, ids: TableIds) {
                         let s = lock(&st);
                         (s.dp.limits_by_key()?, s.collected.clone())
                     };
-                    Some(crate::datapath::collect_handing(ids, offset, &limits, &filter, Some(&collected))?)
+                    Some(crate::datapath::collect_handing(&ids, offset, &limits, &filter, Some(&collected))?)
                 }
                 None => None,
             };

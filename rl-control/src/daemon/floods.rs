@@ -12,7 +12,7 @@ use crate::{
         collect::{outcome, tried, Reader},
         state::{lock, Shared, State},
     },
-    datapath::{FloodReading, TableIds},
+    datapath::{FloodReading, TableMaps},
 };
 
 /// How often the detectors are read: under `FLOOD_REPORT_HOLD_NS` (2 s),
@@ -21,12 +21,12 @@ const READ_INTERVAL: Duration = Duration::from_secs(1);
 
 /// Reads the flood detectors every second; a reading that fails is
 /// reported (`pressure.collector.flood_reading`) and tried again.
-pub(super) async fn watch_floods(state: Shared, ids: TableIds) {
+pub(super) async fn watch_floods(state: Shared, ids: TableMaps) {
     let mut every = tokio::time::interval(READ_INTERVAL);
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         every.tick().await;
-        let read = outcome(tokio::task::spawn_blocking(move || crate::datapath::flood_mode(ids)).await);
+        let read = outcome(tokio::task::spawn_blocking({ let ids = ids.clone(); move || crate::datapath::flood_mode(&ids) }).await);
         let mut s = lock(&state);
         match read {
             Ok(flood) => {

@@ -175,7 +175,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     if let Some(logger) = dp.take_logger() {
         tokio::spawn(forward_kernel_logs(logger));
     }
-    let map_ids = dp.table_ids();
+    let maps = dp.table_maps();
     let events = dp.take_events();
     let l7: crate::l7::http::Shared =
         Arc::new(std::sync::RwLock::new(Arc::new(crate::l7::engine::Engine::new(&config.l7, dp.epoch_offset_ns(), None).with_cluster(cluster.clone()))));
@@ -183,7 +183,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     let file = Loaded { config, text, path: opts.config.clone(), stamp };
     let state: Shared = Arc::new(Mutex::new(State::new(dp, file, l7, cluster.clone(), attachments.clone())));
     let (servers, _socket_file) = api::listen::serve(listeners, state.clone());
-    let counter = spawn_jobs(&state, map_ids, events, cluster);
+    let counter = spawn_jobs(&state, maps, events, cluster);
     let _pid_file = opts.pid_file.as_ref().and_then(|p| PidFile::write(p));
     until_stopped(&state, signals, watched, opts.stats_interval).await?;
     let stopping = Stopping { servers, counter, pins, detach: opts.detach_on_exit, on, first: attachments[0].iface.clone() };
@@ -214,7 +214,7 @@ fn log_attached(config: &Config, attachments: &[crate::datapath::Attachment]) ->
 /// sweep, the cluster's links, and the "limited" events' feed.
 fn spawn_jobs(
     state: &Shared,
-    map_ids: Result<crate::datapath::TableIds, crate::datapath::DatapathError>,
+    maps: Result<crate::datapath::TableMaps, crate::datapath::DatapathError>,
     events: Result<aya::maps::RingBuf<aya::maps::MapData>, crate::datapath::DatapathError>,
     cluster: Option<Arc<crate::cluster::Cluster>>,
 ) -> Option<tokio::task::JoinHandle<()>> {
@@ -230,9 +230,9 @@ fn spawn_jobs(
         }
         Err(e) => warn!("\"limited\" events are unavailable: {e}"),
     }
-    match map_ids {
+    match maps {
         Ok(ids) => {
-            let (walk, floods) = (collect::watch_pressure(state.clone(), ids), floods::watch_floods(state.clone(), ids));
+            let (walk, floods) = (collect::watch_pressure(state.clone(), ids.clone()), floods::watch_floods(state.clone(), ids));
             Some(tokio::spawn(async move {
                 tokio::join!(walk, floods);
             }))

@@ -12,7 +12,7 @@ use rl_common::{
     cell_claim, cell_dying, cell_set, cell_way, cell_writing, Bucket, Cell, CellKey, KnownKey, OldCell, Way, CELL_CLAIM_OFFSET, CELL_TAT_OFFSET, CELL_WAYS,
 };
 
-use super::{map_error, DatapathError};
+use super::{map_error, DatapathError, MapRef};
 
 /// An mmapable array map, mapped read-write.
 pub(super) struct Mapped {
@@ -29,8 +29,8 @@ unsafe impl Sync for Mapped {}
 
 impl Mapped {
     /// Maps array `name` (kernel id `id`) after checking its value size.
-    pub fn open(id: u32, name: &'static str, value_size: usize) -> Result<Mapped, DatapathError> {
-        let map = MapData::from_id(id).map_err(|e| map_error(name, e))?;
+    pub fn open(id: &MapRef, name: &'static str, value_size: usize) -> Result<Mapped, DatapathError> {
+        let map = id.open()?;
         let info = map.info().map_err(|e| map_error(name, e))?;
         if info.value_size() as usize != value_size {
             return Err(DatapathError::Load(format!(
@@ -94,7 +94,7 @@ pub struct CellArray<K> {
 const CELL: usize = std::mem::size_of::<Cell>();
 
 impl<K: KnownKey + Copy + PartialEq + Default> CellArray<K> {
-    pub(super) fn open(ids: (u32, u32), names: (&'static str, &'static str), seed: u64) -> Result<CellArray<K>, DatapathError> {
+    pub(super) fn open(ids: (&MapRef, &MapRef), names: (&'static str, &'static str), seed: u64) -> Result<CellArray<K>, DatapathError> {
         let hot = Mapped::open(ids.0, names.0, CELL)?;
         if !hot.len.is_power_of_two() || hot.len < CELL_WAYS {
             return Err(DatapathError::Load(format!("map {} holds {} cells, not a power of two of at least {CELL_WAYS}", names.0, hot.len)));
@@ -248,15 +248,14 @@ impl<K: KnownKey + Copy + PartialEq + Default> CellArray<K> {
 /// `path`: its live cells, to be moved into this build's arrays.
 pub(super) fn old_cells<K: KnownKey + Copy + PartialEq>(path: &std::path::Path, name: &'static str) -> Result<Vec<(K, Bucket)>, DatapathError> {
     let map = MapData::from_pin(path).map_err(|e| map_error(name, e))?;
-    let id = map.info().map_err(|e| map_error(name, e))?.id();
-    let mem = Mapped::open(id, name, std::mem::size_of::<OldCell<K>>())?;
+    let mem = Mapped::open(&MapRef::of(&map, name)?, name, std::mem::size_of::<OldCell<K>>())?;
     Ok((0..mem.len).map(|i| mem.read::<OldCell<K>>(i)).filter(|c| c.live()).map(|c| (c.key, c.bucket)).collect())
 }
 
 /// The cell seed in the map with kernel id `id`.
-pub(super) fn cell_seed(id: u32) -> Result<u64, DatapathError> {
+pub(super) fn cell_seed(id: &MapRef) -> Result<u64, DatapathError> {
     let name = rl_common::MAP_CELL_SEED;
-    let map = MapData::from_id(id).map_err(|e| map_error(name, e))?;
+    let map = id.open()?;
     let arr: aya::maps::Array<MapData, u64> = aya::maps::Array::try_from(aya::maps::Map::Array(map)).map_err(|e| map_error(name, e))?;
     arr.get(&0, 0).map_err(|e| map_error(name, e))
 }
@@ -264,7 +263,7 @@ pub(super) fn cell_seed(id: u32) -> Result<u64, DatapathError> {
 impl super::Datapath {
     /// This datapath's IPv4 prefix cells, mapped.
     pub fn cells_v4(&self) -> Result<CellArray<rl_common::Key4>, DatapathError> {
-        Ok(self.table_ids()?.cell_arrays()?.0)
+        Ok(self.table_maps()?.cell_arrays()?.0)
     }
 
     /// Gives the cells a random seed if theirs is 0 (just created); a

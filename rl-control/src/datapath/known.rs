@@ -12,7 +12,7 @@ use rl_common::{
     known_holds, known_mask, known_region, known_word, KnownKey, KNOWN_ENTRIES, KNOWN_HALF, KNOWN_REBUILDING, KNOWN_VALID, KNOWN_WORDS, MAP_KNOWN,
 };
 
-use super::{cells::Mapped, DatapathError};
+use super::{cells::Mapped, DatapathError, MapRef};
 
 /// Every XDP program run that could have set a bit before the half was
 /// zeroed has inserted its bucket long before this (runs take microseconds
@@ -26,7 +26,7 @@ pub struct KnownFilter {
 
 impl KnownFilter {
     /// Maps the filter of the map with kernel id `id`.
-    pub fn open(id: u32) -> Result<KnownFilter, DatapathError> {
+    pub fn open(id: &MapRef) -> Result<KnownFilter, DatapathError> {
         let mem = Mapped::open(id, MAP_KNOWN, 8)?;
         if mem.len != KNOWN_ENTRIES {
             return Err(DatapathError::Load(format!(
@@ -106,6 +106,6 @@ impl KnownFilter {
 impl super::Datapath {
     /// This datapath's known-keys filter, mapped (see [`KnownFilter::open`]).
     pub fn known_filter(&self) -> Result<KnownFilter, DatapathError> {
-        KnownFilter::open(self.map_id(MAP_KNOWN)?)
+        KnownFilter::open(&self.map_ref(MAP_KNOWN)?)
     }
 }

@@ -49,9 +49,9 @@ pub use install::Plan;
 pub use cells::CellArray;
 pub use known::KnownFilter;
 pub use load::{table_capacity, LoadOptions, LAST_RESORT_ROOM};
-pub use pressure::{collect, collect_handing, flood_mode, FloodReading, LimitsByKey, Pass, TableIds, COLLECT_IDLE_NS};
+pub use pressure::{collect, collect_handing, flood_mode, FloodReading, LimitsByKey, Pass, TableMaps, COLLECT_IDLE_NS};
 pub use pin::{detach as detach_pinned, dirs_with as pin_dirs_with, group_name as pin_group, prepare as prepare_pins};
-pub use read::{scan_buckets, ChargedBy, ChargedCell, ChargedCells, Source, SourceQuota, CHARGED_CELLS_KEPT};
+pub use read::{scan_buckets, MapRef, ChargedBy, ChargedCell, ChargedCells, Source, SourceQuota, CHARGED_CELLS_KEPT};
 
 /// The XDP object, built by `cargo xtask build` and embedded at compile time.
 static OBJECT: &[u8] = aya::include_bytes_aligned!(env!("RL_EBPF_OBJ"));

@@ -17,7 +17,7 @@ use super::{
 /// for a cell whose set has no room, its rule's last resort in the
 /// family's table (`table`, `name`).
 pub(super) struct FamilyMove<'a, K> {
-    pub(super) table: u32,
+    pub(super) table: &'a MapRef,
     pub(super) name: &'static str,
     pub(super) cells: &'a CellArray<K>,
     pub(super) limits: &'a LimitsByKey,
@@ -63,7 +63,7 @@ impl<K: BucketKey + KnownKey + PartialEq> FamilyMove<'_, K> {
         if self.cells.adopt(k, *b, merge) {
             return Ok(());
         }
-        let data = MapData::from_id(self.table).map_err(|e| map_error(self.name, e))?;
+        let data = self.table.open()?;
         let mut table: aya::maps::HashMap<MapData, K, Bucket> =
             aya::maps::HashMap::try_from(Map::HashMap(data)).map_err(|e| map_error(self.name, e))?;
         let last = k.last_resort();
@@ -82,19 +82,19 @@ impl<K: BucketKey + KnownKey + PartialEq> FamilyMove<'_, K> {
 /// The tables, the limits and the cell arrays a move of an older build's
 /// cells writes to.
 struct MoveTargets {
-    ids: TableIds,
+    ids: TableMaps,
     limits: LimitsByKey,
     cells: (CellArray<Key4>, CellArray<Key6>),
 }
 
 impl MoveTargets {
     fn v4(&self, epoch_offset_ns: u64) -> FamilyMove<'_, Key4> {
-        let (table, name) = (self.ids.tables.0, MAP_SOURCES_V4);
+        let (table, name) = (&self.ids.tables.0, MAP_SOURCES_V4);
         FamilyMove { table, name, cells: &self.cells.0, limits: &self.limits, epoch_offset_ns }
     }
 
     fn v6(&self, epoch_offset_ns: u64) -> FamilyMove<'_, Key6> {
-        let (table, name) = (self.ids.tables.1, MAP_SOURCES_V6);
+        let (table, name) = (&self.ids.tables.1, MAP_SOURCES_V6);
         FamilyMove { table, name, cells: &self.cells.1, limits: &self.limits, epoch_offset_ns }
     }
 }
@@ -119,7 +119,7 @@ impl Datapath {
 
     /// What a move of an older build's cells writes to, opened once.
     fn move_targets(&self) -> Result<MoveTargets, DatapathError> {
-        let ids = self.table_ids()?;
+        let ids = self.table_maps()?;
         Ok(MoveTargets { limits: self.limits_by_key()?, cells: ids.cell_arrays()?, ids })
     }
 

@@ -18,31 +18,31 @@ use super::{
     *,
 };
 
-/// Kernel ids of the tables the collector walks and of the flood detector.
-#[derive(Clone, Copy, Debug)]
-pub struct TableIds {
-    pub tables: (u32, u32),
+/// The tables the collector walks and the flood detector.
+#[derive(Clone, Debug)]
+pub struct TableMaps {
+    pub tables: (MapRef, MapRef),
     /// The prefix-cell arrays (IPv4, IPv6), their key arrays and their
     /// claimed counts.
-    pub cells: (u32, u32),
-    pub cell_keys: (u32, u32),
-    pub cell_seed: u32,
-    pub cell_count: u32,
+    pub cells: (MapRef, MapRef),
+    pub cell_keys: (MapRef, MapRef),
+    pub cell_seed: MapRef,
+    pub cell_count: MapRef,
     /// The wide cells' counts (`rl_common::MAP_WIDE_COUNT`).
-    pub wide_count: u32,
+    pub wide_count: MapRef,
     /// The own buckets' counts and cap (`rl_common::MAP_OWNED`).
-    pub owned: u32,
-    pub flood: u32,
-    pub known: u32,
+    pub owned: MapRef,
+    pub flood: MapRef,
+    pub known: MapRef,
 }
 
-impl TableIds {
+impl TableMaps {
     /// Both families' cell arrays, mapped.
     pub fn cell_arrays(&self) -> Result<(CellArray<Key4>, CellArray<Key6>), DatapathError> {
-        let seed = super::cells::cell_seed(self.cell_seed)?;
+        let seed = super::cells::cell_seed(&self.cell_seed)?;
         Ok((
-            CellArray::open((self.cells.0, self.cell_keys.0), (MAP_CELLS_V4, MAP_CELL_KEYS_V4), seed)?,
-            CellArray::open((self.cells.1, self.cell_keys.1), (MAP_CELLS_V6, MAP_CELL_KEYS_V6), seed)?,
+            CellArray::open((&self.cells.0, &self.cell_keys.0), (MAP_CELLS_V4, MAP_CELL_KEYS_V4), seed)?,
+            CellArray::open((&self.cells.1, &self.cell_keys.1), (MAP_CELLS_V6, MAP_CELL_KEYS_V6), seed)?,
         ))
     }
 }
@@ -86,18 +86,18 @@ pub struct Pass {
 pub type LimitsByKey = StdHashMap<u32, LimitEntry>;
 
 impl Datapath {
-    /// The ids the collector needs.
-    pub fn table_ids(&self) -> Result<TableIds, DatapathError> {
-        Ok(TableIds {
-            tables: self.source_map_ids()?,
-            cells: (self.map_id(MAP_CELLS_V4)?, self.map_id(MAP_CELLS_V6)?),
-            cell_keys: (self.map_id(MAP_CELL_KEYS_V4)?, self.map_id(MAP_CELL_KEYS_V6)?),
-            cell_seed: self.map_id(MAP_CELL_SEED)?,
-            cell_count: self.map_id(MAP_CELL_COUNT)?,
-            wide_count: self.map_id(MAP_WIDE_COUNT)?,
-            owned: self.map_id(MAP_OWNED)?,
-            flood: self.map_id(MAP_FLOOD)?,
-            known: self.map_id(MAP_KNOWN)?,
+    /// The maps the collector, the flood reader and the cluster sync open.
+    pub fn table_maps(&self) -> Result<TableMaps, DatapathError> {
+        Ok(TableMaps {
+            tables: self.source_maps()?,
+            cells: (self.map_ref(MAP_CELLS_V4)?, self.map_ref(MAP_CELLS_V6)?),
+            cell_keys: (self.map_ref(MAP_CELL_KEYS_V4)?, self.map_ref(MAP_CELL_KEYS_V6)?),
+            cell_seed: self.map_ref(MAP_CELL_SEED)?,
+            cell_count: self.map_ref(MAP_CELL_COUNT)?,
+            wide_count: self.map_ref(MAP_WIDE_COUNT)?,
+            owned: self.map_ref(MAP_OWNED)?,
+            flood: self.map_ref(MAP_FLOOD)?,
+            known: self.map_ref(MAP_KNOWN)?,
         })
     }
 
@@ -105,7 +105,7 @@ impl Datapath {
     /// rules' entries of `rl_common::MAP_WIDE_COUNT`): never below the wide
     /// cells there are.
     pub fn wide_counts(&self) -> Result<(u64, u64), DatapathError> {
-        let m = Mapped::open(self.map_id(MAP_WIDE_COUNT)?, MAP_WIDE_COUNT, 8)?;
+        let m = Mapped::open(&self.map_ref(MAP_WIDE_COUNT)?, MAP_WIDE_COUNT, 8)?;
         let sum = |family: u32| -> u64 { wide_entries(family).map(|e| m.word(e as usize * 8).load(std::sync::atomic::Ordering::Acquire)).sum() };
         Ok((sum(0), sum(1)))
     }
@@ -150,14 +150,14 @@ impl Datapath {
 /// flips it, so a failed one leaves the old half in use (stale bits cost
 /// lookups, never verdicts). Then it frees the prefix cells that are fresh
 /// (or whose rule is gone) in the cell arrays.
-pub fn collect(ids: TableIds, epoch_offset_ns: u64, limits: &LimitsByKey, known: &KnownFilter) -> Result<Pass, DatapathError> {
+pub fn collect(ids: &TableMaps, epoch_offset_ns: u64, limits: &LimitsByKey, known: &KnownFilter) -> Result<Pass, DatapathError> {
     collect_handing(ids, epoch_offset_ns, limits, known, None)
 }
 
 /// [`collect`], recording in `handoff` the deletes of the limits it names
 /// (the cluster rules': see [`Collected`](super::share::Collected)).
 pub fn collect_handing(
-    ids: TableIds,
+    ids: &TableMaps,
     epoch_offset_ns: u64,
     limits: &LimitsByKey,
     known: &KnownFilter,
@@ -166,21 +166,21 @@ pub fn collect_handing(
     let mut pass = Pass::default();
     let half = known.begin();
     let (cells4, cells6) = ids.cell_arrays()?;
-    let owned = Mapped::open(ids.owned, MAP_OWNED, 8)?;
+    let owned = Mapped::open(&ids.owned, MAP_OWNED, 8)?;
     let mut walk = Walk { limits, epoch_offset_ns, known, half, own: 0, moved: 0, handoff };
     let before = walk.owned_before(&owned, OWNED_V4);
-    scan_table_each::<Key4>(ids.tables.0, MAP_SOURCES_V4, |k, b| walk.sweep(ids.tables.0, MAP_SOURCES_V4, &cells4, k, b, &mut pass))?;
+    scan_table_each::<Key4>(&ids.tables.0, MAP_SOURCES_V4, |k, b| walk.sweep(&ids.tables.0, MAP_SOURCES_V4, &cells4, k, b, &mut pass))?;
     pass.own.0 = walk.owned_after(&owned, OWNED_V4, before);
     let before = walk.owned_before(&owned, OWNED_V6);
-    scan_table_each::<Key6>(ids.tables.1, MAP_SOURCES_V6, |k, b| walk.sweep(ids.tables.1, MAP_SOURCES_V6, &cells6, k, b, &mut pass))?;
+    scan_table_each::<Key6>(&ids.tables.1, MAP_SOURCES_V6, |k, b| walk.sweep(&ids.tables.1, MAP_SOURCES_V6, &cells6, k, b, &mut pass))?;
     pass.own.1 = walk.owned_after(&owned, OWNED_V6, before);
-    let counts = Mapped::open(ids.wide_count, MAP_WIDE_COUNT, 8)?;
+    let counts = Mapped::open(&ids.wide_count, MAP_WIDE_COUNT, 8)?;
     pass.cells = (walk.cells(&cells4, &counts, 0, &mut pass), walk.cells(&cells6, &counts, 1, &mut pass));
     pass.wide = pass.wide_rules.values().fold((0, 0), |(a, b), (w4, w6)| (a + w4, b + w6));
     pass.charged_cells.settle();
     known.finish(half);
     pass.known_fill = (known.fill(0), known.fill(1));
-    let count = Mapped::open(ids.cell_count, MAP_CELL_COUNT, 8)?;
+    let count = Mapped::open(&ids.cell_count, MAP_CELL_COUNT, 8)?;
     count.word(0).store(pass.cells.0, std::sync::atomic::Ordering::Relaxed);
     count.word(8).store(pass.cells.1, std::sync::atomic::Ordering::Relaxed);
     if walk.moved > 0 {
@@ -230,7 +230,7 @@ impl Walk<'_> {
     #[allow(clippy::too_many_arguments)]
     fn sweep<K: BucketKey + KnownKey + PartialEq>(
         &mut self,
-        id: u32,
+        id: &MapRef,
         name: &'static str,
         cells: &CellArray<K>,
         keys: &[K],
@@ -265,7 +265,7 @@ impl Walk<'_> {
         if dead.is_empty() {
             return Ok(());
         }
-        let data = MapData::from_id(id).map_err(|e| map_error(name, e))?;
+        let data = id.open()?;
         let fd = data.fd().as_fd().as_raw_fd();
         let Some(handoff) = self.handoff else {
             let keys: Vec<K> = dead.iter().map(|(k, _)| *k).collect();
@@ -282,7 +282,7 @@ impl Walk<'_> {
         let again = |k: &K| key_kind(k.rule()) == KeyKind::Own && (waited || records.limits.contains(&limit_of_key(k.rule())));
         if dead.iter().any(|(k, _)| again(k)) {
             let table: aya::maps::HashMap<MapData, K, Bucket> =
-                aya::maps::HashMap::try_from(aya::maps::Map::HashMap(MapData::from_id(id).map_err(|e| map_error(name, e))?))
+                aya::maps::HashMap::try_from(aya::maps::Map::HashMap(id.open()?))
                     .map_err(|e| map_error(name, e))?;
             let now = monotonic_ns();
             let mut still = Vec::with_capacity(dead.len());
@@ -492,8 +492,8 @@ pub struct FloodReading {
 pub const FLOOD_REPORT_HOLD_NS: u64 = 2_000_000_000;
 
 /// Reads the flood detectors.
-pub fn flood_mode(ids: TableIds) -> Result<FloodReading, DatapathError> {
-    let data = MapData::from_id(ids.flood).map_err(|e| map_error(MAP_FLOOD, e))?;
+pub fn flood_mode(ids: &TableMaps) -> Result<FloodReading, DatapathError> {
+    let data = ids.flood.open()?;
     let arr: PerCpuArray<MapData, FloodState> =
         PerCpuArray::try_from(Map::PerCpuArray(data)).map_err(|e| map_error(MAP_FLOOD, e))?;
     let per_cpu = arr.get(&0, 0).map_err(|e| map_error(MAP_FLOOD, e))?;

@@ -92,7 +92,7 @@ impl Datapath {
 
     /// Every bucket the datapath holds, IPv4 then IPv6.
     pub fn sources(&self) -> Result<Vec<Source>, DatapathError> {
-        scan_buckets(self.source_map_ids()?)
+        scan_buckets(self.source_maps()?)
     }
 
     /// The quota of `addr` under every limit of the active rule set, as
@@ -109,7 +109,7 @@ impl Datapath {
         let rules: Array<&MapData, RuleEntry> = map_ref(&self.ebpf, MAP_RULES)?;
         let v4: HashMap<&MapData, Key4, Bucket> = map_ref(&self.ebpf, MAP_SOURCES_V4)?;
         let v6: HashMap<&MapData, Key6, Bucket> = map_ref(&self.ebpf, MAP_SOURCES_V6)?;
-        let (cfg, cells) = (self.config()?, self.table_ids()?.cell_arrays()?);
+        let (cfg, cells) = (self.config()?, self.table_maps()?.cell_arrays()?);
         let now = monotonic_ns();
         let mut out = Vec::new();
         for i in 0..names.len() as u32 {
@@ -160,19 +160,49 @@ impl Datapath {
         self.slots[self.active? as usize].names.get(index as usize).map(String::as_str)
     }
 
-    /// The kernel ids of the source maps (IPv4, IPv6), for [`scan_buckets`].
-    pub fn source_map_ids(&self) -> Result<(u32, u32), DatapathError> {
-        Ok((self.map_id(MAP_SOURCES_V4)?, self.map_id(MAP_SOURCES_V6)?))
+    /// The source maps (IPv4, IPv6), for [`scan_buckets`].
+    pub fn source_maps(&self) -> Result<(MapRef, MapRef), DatapathError> {
+        Ok((self.map_ref(MAP_SOURCES_V4)?, self.map_ref(MAP_SOURCES_V6)?))
     }
 
-    /// The kernel id of map `name`, to open a handle of one's own.
-    pub(super) fn map_id(&self, name: &'static str) -> Result<u32, DatapathError> {
+    /// Map `name`, for a reader to open a handle of its own.
+    pub(super) fn map_ref(&self, name: &'static str) -> Result<MapRef, DatapathError> {
         let map = self.ebpf.map(name).ok_or_else(|| DatapathError::Load(format!("map {name} is missing")))?;
         let data = match map {
             aya::maps::Map::HashMap(d) | aya::maps::Map::PerCpuArray(d) | aya::maps::Map::Array(d) => d,
             _ => return Err(DatapathError::Load(format!("map {name} is not of the type rl-common describes"))),
         };
-        Ok(data.info().map_err(|e| map_error(name, e))?.id())
+        MapRef::of(data, name)
+    }
+}
+
+/// One of the datapath's maps, for readers on other threads: each
+/// [`MapRef::open`] makes a handle of its own from a duplicate of the
+/// daemon's descriptor. (Opening a map by kernel id would take
+/// `CAP_SYS_ADMIN`, which the shipped service does not grant.)
+#[derive(Clone, Debug)]
+pub struct MapRef {
+    fd: std::sync::Arc<std::os::fd::OwnedFd>,
+    name: &'static str,
+}
+
+impl MapRef {
+    pub(super) fn of(data: &MapData, name: &'static str) -> Result<MapRef, DatapathError> {
+        use std::os::fd::AsFd;
+        let fd = data.fd().as_fd().try_clone_to_owned().map_err(|e| map_error(name, e))?;
+        Ok(MapRef { fd: std::sync::Arc::new(fd), name })
+    }
+
+    /// A handle of one's own on the map.
+    pub fn open(&self) -> Result<MapData, DatapathError> {
+        // `F_DUPFD_CLOEXEC` says EINVAL, not EMFILE, when the open-files
+        // limit leaves no descriptor: say what it means.
+        let fd = self.fd.try_clone().map_err(|e| match e.raw_os_error() {
+            Some(libc::EINVAL) => std::io::Error::from_raw_os_error(libc::EMFILE),
+            _ => e,
+        });
+        let fd = fd.map_err(|e| map_error(self.name, e))?;
+        MapData::from_fd(fd).map_err(|e| map_error(self.name, e))
     }
 }
 
@@ -405,9 +435,9 @@ pub(super) fn add_stats<'a>(into: &mut RuleStats, from: impl Iterator<Item = &'a
 /// handles of the caller's own (a walk of a million buckets never needs a
 /// [`Datapath`] or its lock), with one `BPF_MAP_LOOKUP_BATCH` per 16,384
 /// buckets.
-pub fn scan_buckets(ids: (u32, u32)) -> Result<Vec<Source>, DatapathError> {
-    let v4 = scan_table::<Key4>(ids.0, MAP_SOURCES_V4)?;
-    let v6 = scan_table::<Key6>(ids.1, MAP_SOURCES_V6)?;
+pub fn scan_buckets(maps: (MapRef, MapRef)) -> Result<Vec<Source>, DatapathError> {
+    let v4 = scan_table::<Key4>(&maps.0, MAP_SOURCES_V4)?;
+    let v6 = scan_table::<Key6>(&maps.1, MAP_SOURCES_V6)?;
     Ok(sources_of(&v4).chain(sources_of(&v6)).collect())
 }
 
@@ -419,7 +449,7 @@ pub(super) fn sources_of<K: BucketKey>(entries: &[(K, Bucket)]) -> impl Iterator
 
 /// Every entry of the bucket table (sources or prefix cells) with kernel id
 /// `id`, through a handle of our own.
-pub(super) fn scan_table<K: BucketKey>(id: u32, name: &'static str) -> Result<Vec<(K, Bucket)>, DatapathError> {
+pub(super) fn scan_table<K: BucketKey>(id: &MapRef, name: &'static str) -> Result<Vec<(K, Bucket)>, DatapathError> {
     let mut out = Vec::new();
     scan_table_each::<K>(id, name, |k, b| {
         out.extend(k.iter().copied().zip(b.iter().copied()));
@@ -431,12 +461,12 @@ pub(super) fn scan_table<K: BucketKey>(id: u32, name: &'static str) -> Result<Ve
 /// [`scan_table`] a chunk at a time (up to 16,384 entries): memory stays
 /// bounded whatever the table holds.
 pub(super) fn scan_table_each<K: BucketKey>(
-    id: u32,
+    id: &MapRef,
     name: &'static str,
     mut f: impl FnMut(&[K], &[Bucket]) -> Result<(), DatapathError>,
 ) -> Result<(), DatapathError> {
     use std::os::fd::{AsFd, AsRawFd};
-    let data = MapData::from_id(id).map_err(|e| map_error(name, e))?;
+    let data = id.open()?;
     // The kernel writes key_size and value_size bytes per entry into
     // our buffers: they must be exactly K and Bucket.
     let info = data.info().map_err(|e| map_error(name, e))?;

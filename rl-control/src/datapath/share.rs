@@ -120,14 +120,14 @@ impl CollectedRecords {
 /// Every own bucket and prefix cell whose limit `wanted` accepts (by
 /// `RuleEntry::id | index`, kind bits cleared), IPv4 then IPv6, a chunk at
 /// a time, then the cells.
-pub fn scan_shared(ids: TableIds, wanted: impl Fn(u32) -> bool) -> Result<Vec<SharedBucket>, DatapathError> {
+pub fn scan_shared(ids: &TableMaps, wanted: impl Fn(u32) -> bool) -> Result<Vec<SharedBucket>, DatapathError> {
     let mut out = Vec::new();
     let keep = |rule: u32| key_kind(rule) == KeyKind::Own && wanted(rule);
-    scan_table_each::<Key4>(ids.tables.0, MAP_SOURCES_V4, |k, b| {
+    scan_table_each::<Key4>(&ids.tables.0, MAP_SOURCES_V4, |k, b| {
         out.extend(k.iter().zip(b).filter(|(k, _)| keep(k.rule)).map(|(k, b)| SharedBucket { id: BucketId::V4(*k), bucket: *b }));
         Ok(())
     })?;
-    scan_table_each::<Key6>(ids.tables.1, MAP_SOURCES_V6, |k, b| {
+    scan_table_each::<Key6>(&ids.tables.1, MAP_SOURCES_V6, |k, b| {
         out.extend(k.iter().zip(b).filter(|(k, _)| keep(k.rule)).map(|(k, b)| SharedBucket { id: BucketId::V6(*k), bucket: *b }));
         Ok(())
     })?;
@@ -156,11 +156,10 @@ pub struct Tables {
 }
 
 impl Tables {
-    pub fn open(ids: TableIds) -> Result<Tables, DatapathError> {
-        let open = |id, name| MapData::from_id(id).map_err(|e| map_error(name, e));
-        let (t4, t6) = ids.tables;
-        let v4 = HashMap::try_from(aya::maps::Map::HashMap(open(t4, MAP_SOURCES_V4)?)).map_err(|e| map_error(MAP_SOURCES_V4, e))?;
-        let v6 = HashMap::try_from(aya::maps::Map::HashMap(open(t6, MAP_SOURCES_V6)?)).map_err(|e| map_error(MAP_SOURCES_V6, e))?;
+    pub fn open(ids: &TableMaps) -> Result<Tables, DatapathError> {
+        let (t4, t6) = &ids.tables;
+        let v4 = HashMap::try_from(aya::maps::Map::HashMap(t4.open()?)).map_err(|e| map_error(MAP_SOURCES_V4, e))?;
+        let v6 = HashMap::try_from(aya::maps::Map::HashMap(t6.open()?)).map_err(|e| map_error(MAP_SOURCES_V6, e))?;
         let (cells4, cells6) = ids.cell_arrays()?;
         Ok(Tables { v4, v6, cells4, cells6 })
     }

@@ -206,15 +206,15 @@ async fn sync(url: String, redis: &Redis) -> Result<()> {
 fn walk() -> Result<()> {
     use aya::maps::{HashMap, Map, MapData};
     let dp = rl_tests::datapath("[default]\nrate = 1000\n[datapath]\nmax_sources = 1048576\n[[rule]]\nname = \"udp\"\nproto = \"udp\"\nrate = 1000\n")?;
-    let ids = dp.table_ids()?;
-    let mut map: HashMap<MapData, Key4, Bucket> = HashMap::try_from(Map::HashMap(MapData::from_id(ids.tables.0)?))?;
+    let ids = dp.table_maps()?;
+    let mut map: HashMap<MapData, Key4, Bucket> = HashMap::try_from(Map::HashMap(ids.tables.0.open()?))?;
     let t = Instant::now();
     for i in 0..1_000_000u32 {
         map.insert(Key4 { rule: 8, addr: i }, Bucket { passed: 1, ..Default::default() }, 0).context("filling the bucket table")?;
     }
     let filled = t.elapsed();
     let t = Instant::now();
-    let n = scan_shared(ids, |r| r == 8)?.len();
+    let n = scan_shared(&ids, |r| r == 8)?.len();
     let walked = t.elapsed();
     println!("  walk of the kernel tables: {n} buckets of the cluster rule in {:.0} ms (filled in {:.1} s)", walked.as_secs_f64() * 1e3, filled.as_secs_f64());
     Ok(())
