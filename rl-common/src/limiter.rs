@@ -51,7 +51,8 @@ pub const CAS_RETRIES: u32 = 16;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Limit {
-    /// Nanoseconds one packet costs: `per / rate`, rounded to nearest.
+    /// Nanoseconds one packet costs: `per / rate`, rounded up, so the
+    /// limit is never looser than written.
     pub interval_ns: u64,
     /// How far the TAT may run ahead of `now`: `burst × interval_ns`.
     pub burst_span_ns: u64,
@@ -74,11 +75,13 @@ impl Limit {
         if rate == 0 || burst == 0 || per_ns == 0 {
             return Err(LimitError::Zero);
         }
-        // Round to nearest: the error per packet is at most 0.5 ns.
-        let interval_ns = (per_ns + rate / 2) / rate;
-        if interval_ns == 0 {
+        // Rounded up: a packet costs at most 1 ns more than `per / rate`,
+        // never less (to nearest, 95,238,096/s came out at 10 ns and passed
+        // 100M/s).
+        if rate > per_ns {
             return Err(LimitError::RateTooHigh);
         }
+        let interval_ns = per_ns.div_ceil(rate);
         match interval_ns.checked_mul(burst) {
             Some(burst_span_ns) => Ok(Limit {
                 interval_ns,
@@ -209,7 +212,8 @@ mod tests {
                 burst_span_ns: 2_000_000_000
             })
         );
-        assert_eq!(Limit::per_second(3, 1).unwrap().interval_ns, 333_333_333);
+        assert_eq!(Limit::per_second(3, 1).unwrap().interval_ns, 333_333_334);
+        assert_eq!(Limit::per_second(95_238_096, 1).unwrap().interval_ns, 11, "never looser than written");
         assert_eq!(Limit::per_second(0, 1), Err(LimitError::Zero));
         assert_eq!(Limit::per_second(1, 0), Err(LimitError::Zero));
         assert_eq!(

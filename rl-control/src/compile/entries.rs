@@ -68,14 +68,14 @@ pub fn limit_entry(algorithm: Algorithm, unit: Unit, rate: &Rate) -> LimitEntry 
 }
 
 /// A token bucket: GCRA with ns per unit in fixed point, as fine as fits
-/// (a 64 KiB packet times the cost must stay below 2⁶³). The cost rounds to
-/// nearest and the bucket holds exactly `burst` units of it, the arithmetic
+/// (a 64 KiB packet times the cost must stay below 2⁶³). The cost rounds up
+/// (never looser than written) and the bucket holds exactly `burst` units of it, the arithmetic
 /// of [`rl_common::Limit`] (for packets, `shift = 0`, the very same values).
 pub(super) fn gcra(unit: Unit, rate: &Rate) -> LimitEntry {
     let per_ns = rate.per_secs as u128 * NS;
     let amount = rate.amount as u128;
     let mut shift = 0;
-    let cost = |s: u32| ((per_ns << s) + amount / 2) / amount;
+    let cost = |s: u32| (per_ns << s).div_ceil(amount);
     if unit == Unit::Bytes {
         while shift < 32 && cost(shift + 1) * 65_536 < (1u128 << 63) {
             shift += 1;
@@ -98,6 +98,9 @@ pub(super) fn window(kind: u32, cap: u64, unit: Unit, rate: &Rate) -> LimitEntry
     while rate.amount >> shift > cap {
         shift += 1;
     }
+    // Packets and requests never count in units of several (validation
+    // keeps them within the cap): only bytes do.
+    debug_assert!(shift == 0 || unit == Unit::Bytes, "a packet window over its cap");
     LimitEntry {
         kind: kind | if unit == Unit::Bytes { LIMIT_BYTES } else { 0 },
         shift,

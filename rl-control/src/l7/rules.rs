@@ -207,6 +207,10 @@ fn validate_rule(loc: &Located, i: usize, spanned: &Spanned<RawL7Rule>, has_clus
         _ => L7Algorithm::SlidingLog,
     };
     let limits = request_limits(loc, &who, r, algorithm, table.clone())?;
+    if algorithm == L7Algorithm::Packet(Algorithm::SlidingWindow) {
+        let span = r.rate.as_ref().map(|v| v.span()).or(r.limits.as_ref().map(|v| v.span())).unwrap_or(table.clone());
+        crate::config::rules::sliding_fits(loc, &who, &limits, mode, span)?;
+    }
     let batch_ms = batch_of(loc, &who, r, scope, algorithm, limits.len())?;
     let rule = L7Rule { name: n.clone(), domain, descriptor, algorithm, limits, action, mode, scope, batch_ms };
     if scope == Scope::Cluster {
@@ -365,6 +369,8 @@ mod tests {
             (rule("rate = 1\npool_rate = 5\n"), "rules.toml:8:13:", "pool_rate and pool_per need mode = \"elastic\""),
             (rule("rate = 1\nalgorithm = \"sliding_log\"\nmode = \"soft\"\n"), "rules.toml:9:8:", "mode = \"soft\" applies to token_bucket"),
             (rule("algorithm = \"concurrency\"\nmax = 3\nmode = \"soft\"\n"), "rules.toml:9:8:", "mode = \"soft\" applies to token_bucket"),
+            (rule("rate = 300000000\nper = \"1h\"\nalgorithm = \"sliding_window\"\n"), "rules.toml:7:8:", "more than a sliding window counts"),
+            (rule("limits = [{ rate = 300000000, per = \"1h\" }]\nalgorithm = \"sliding_window\"\n"), "rules.toml:7:10:", "more than a sliding window counts"),
         ];
         for (text, at, needle) in cases {
             let e = error_of(&text);

@@ -184,3 +184,24 @@ pub(crate) fn limits_of(
     }
     Ok(out)
 }
+
+/// A sliding window keeps each window's count in 28 bits of one word: a
+/// packet or request limit (as its mode enforces it) above
+/// [`rl_common::window::SLIDING_MAX`] per window would count in units of
+/// several and pass fewer than written. (Byte limits count in units of
+/// 2^k bytes by design.)
+pub(crate) fn sliding_fits(loc: &Located, who: &str, limits: &[RuleLimit], mode: Mode, span: Range<usize>) -> Result<(), ConfigError> {
+    let max = rl_common::window::SLIDING_MAX;
+    match limits.iter().find(|l| l.unit == Unit::Packets && l.enforced(mode).amount > max) {
+        Some(l) => Err(loc.at(
+            span,
+            format!(
+                "{who}: rate {} per {}s{} is more than a sliding window counts ({max} per window): shorten per, or use algorithm = \"fixed_window\" or \"token_bucket\"",
+                l.rate.amount,
+                l.rate.per_secs,
+                if l.enforced(mode).amount != l.rate.amount { format!(" ({} with its soft margin)", l.enforced(mode).amount) } else { String::new() }
+            ),
+        )),
+        None => Ok(()),
+    }
+}

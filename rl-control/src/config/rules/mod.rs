@@ -223,7 +223,7 @@ impl RawLimit {
 // ---- Validation ---------------------------------------------------------
 
 mod fields;
-pub(crate) use fields::{checked_name, choice, duration, int_in, int_or, limits_of, mode_of, ModeFields};
+pub(crate) use fields::{checked_name, choice, duration, int_in, int_or, limits_of, mode_of, sliding_fits, ModeFields};
 
 pub(crate) fn validate_list(loc: &Located, which: &str, raw: &[RawList]) -> Result<Vec<Cidr>, ConfigError> {
     raw.iter()
@@ -317,6 +317,10 @@ fn rule_of(loc: &Located, r: &RawRule, table: Range<usize>, name: String, has_cl
     let action = choice(loc, &format!("{who}: action"), &r.action, &[("drop", Action::Drop), ("shadow", Action::Shadow)])?;
     let fields = ModeFields { mode: &r.mode, soft_percent: &r.soft_percent, pool_rate: &r.pool_rate, pool_per: &r.pool_per };
     let mode = mode_of(loc, &who, fields, table.clone(), "packets", None)?;
+    if algorithm == Algorithm::SlidingWindow {
+        let span = r.rate.as_ref().map(|v| v.span()).or(r.limits.as_ref().map(|v| v.span())).unwrap_or(table.clone());
+        sliding_fits(loc, &who, &limits, mode, span)?;
+    }
     let scope = scope_of(loc, &who, &r.scope, has_cluster)?;
     if scope == Scope::Cluster {
         let why = if algorithm != Algorithm::TokenBucket {
@@ -627,6 +631,21 @@ action = "shadow"
         assert_error("[[rule]]\nname = \"a\"\nrate = 1\nmode = \"soft\"\nsoft_percent = 0\n", 7, 16, "soft_percent = 0 is out of range");
         assert_error("[[rule]]\nname = \"a\"\nrate = 1\nmode = \"elastic\"\n", 6, 8, "needs pool_rate");
         assert_error("[[rule]]\nname = \"a\"\nrate = 1\npool_rate = 5\n", 6, 13, "need mode = \"elastic\"");
+        // A sliding window counts at most 2^28 - 1 a window (it passed
+        // half of a larger rate), with its soft margin too; bytes and the
+        // other algorithms are not capped so.
+        let sliding = "is more than a sliding window counts (268435455 per window)";
+        assert_error("[[rule]]\nname = \"a\"\nrate = 300000000\nper = \"1h\"\nalgorithm = \"sliding_window\"\n", 5, 8, sliding);
+        assert_error("[[rule]]\nname = \"a\"\nlimits = [{ rate = 5 }, { rate = 268435456, per = \"1h\" }]\nalgorithm = \"sliding_window\"\n", 5, 10, sliding);
+        assert_error("[[rule]]\nname = \"a\"\nrate = 250000000\nalgorithm = \"sliding_window\"\nmode = \"soft\"\n", 5, 8, "(275000000 with its soft margin)");
+        for ok in [
+            "rate = 268435455\nalgorithm = \"sliding_window\"\n",
+            "rate = 300000000\nper = \"1h\"\nalgorithm = \"fixed_window\"\n",
+            "bytes = \"1TB\"\nalgorithm = \"sliding_window\"\n",
+        ] {
+            let text = format!("[default]\nrate = 5\n[[rule]]\nname = \"a\"\n{ok}");
+            assert!(Config::from_str(&text, "rules.toml").is_ok(), "{ok}");
+        }
     }
 
     #[test]

@@ -45,7 +45,7 @@ impl Engine {
                         !logs.iter().zip(&c.rule.limits).all(|(log, l)| log.newest().is_none_or(|t| t + l.rate.per_secs * NS <= now))
                     }
                     Bucket::Leases(leases) => match c.rule.algorithm {
-                        super::L7Algorithm::Concurrency { lease_secs, .. } => !leases.newest().is_none_or(|t| t + lease_secs * NS <= now),
+                        super::L7Algorithm::Concurrency { lease_secs, .. } => leases.newest().is_some_and(|t| t + lease_secs * NS > now),
                         _ => true,
                     },
                 });
