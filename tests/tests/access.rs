@@ -205,6 +205,17 @@ fn the_service_units_capabilities_run_everything() {
         assert!(status.success(), "{round}: {log}");
         assert!(!log.contains("Operation not permitted"), "{round}: {log}");
     }
+    // Not root: refused with why, not "nothing to detach" and exit 0,
+    // whether the pin directory (0700, as /sys/fs/bpf is) or only the
+    // interface's own is out of reach.
+    for mode in [0o755, 0o700] {
+        std::fs::set_permissions(pins.arg(), std::fs::Permissions::from_mode(mode)).unwrap();
+        let (code, out) = as_nobody(&lab, &["detach", "--iface", VB, "--pin-dir", pins.arg()]);
+        assert_eq!(code, 1, "{mode:o}: {out}");
+        assert!(out.contains("permission denied while reading") && out.contains("run rl-control") && out.contains("as root"), "{mode:o}: {out}");
+        assert!(lab.xdp_attached().unwrap(), "{mode:o}: still attached");
+    }
     let (status, out) = run_once(Some(&lab.b), &["detach", "--iface", VB, "--pin-dir", pins.arg()]).unwrap();
-    assert!(status.success(), "{out}");
+    assert!(status.success() && out.contains("detached rl from"), "{out}");
+    assert!(!lab.xdp_attached().unwrap());
 }

@@ -308,4 +308,23 @@ fn a_changed_file_and_the_reload_command_both_reload() {
     let (status, out) = run_once(None, &["reload", "--pid-file", pid_arg]).unwrap();
     assert_eq!(status.code(), Some(1), "{out}");
     assert!(error_line(&out).contains("is rl-control running?"), "{out}");
+
+    // A stale pid file (a killed daemon leaves it) naming another process:
+    // not signalled (SIGHUP would have ended this sleep).
+    let mut other = std::process::Command::new("sleep").arg("600").spawn().unwrap();
+    std::fs::write(&pid, format!("{}\n", other.id())).unwrap();
+    let (status, out) = run_once(None, &["reload", "--pid-file", pid_arg]).unwrap();
+    assert_eq!(status.code(), Some(1), "{out}");
+    assert!(error_line(&out).contains("is sleep, not rl-control: the pid file is stale"), "{out}");
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(other.try_wait().unwrap().is_none(), "the other process was signalled");
+    let _ = other.kill();
+    let _ = other.wait();
+    // Nor a process group, nor every process.
+    for bad in ["0", "-1"] {
+        std::fs::write(&pid, bad).unwrap();
+        let (status, out) = run_once(None, &["reload", "--pid-file", pid_arg]).unwrap();
+        assert_eq!(status.code(), Some(1), "{bad}: {out}");
+        assert!(error_line(&out).contains("not a process id"), "{bad}: {out}");
+    }
 }

@@ -55,7 +55,10 @@ pub struct RunOptions {
 /// `rl-control detach`: removes rl's program, links and pins from `iface`
 /// and from the interfaces that share its datapath.
 pub fn detach(iface: &str, pin_dir: &std::path::Path) -> Result<()> {
-    let dirs = crate::datapath::pin_dirs_with(pin_dir, iface);
+    let dirs = crate::datapath::pin_dirs_with(pin_dir, iface).map_err(|e| match e.kind() {
+        std::io::ErrorKind::PermissionDenied => anyhow::anyhow!("permission denied while reading the pin directory {}: run rl-control detach as root", pin_dir.display()),
+        _ => anyhow::anyhow!("cannot read the pin directory {}: {e}", pin_dir.display()),
+    })?;
     if dirs.is_empty() {
         println!("nothing of rl is pinned for {iface} in {}: nothing to detach", pin_dir.display());
     }
@@ -79,6 +82,25 @@ pub fn signal_reload(pid_file: &std::path::Path) -> Result<()> {
         .trim()
         .parse()
         .with_context(|| format!("{} does not hold a process id", pid_file.display()))?;
+    if pid <= 0 {
+        anyhow::bail!("{} holds {pid}, not a process id: check the file, or reload through the API (`rl-control reload`)", pid_file.display());
+    }
+    // A pid file a killed daemon left may now name another process:
+    // SIGHUP would stop most programs.
+    let name = |exe: std::path::PathBuf| exe.file_name().map(|n| n.to_string_lossy().trim_end_matches(" (deleted)").to_string());
+    let theirs = std::fs::read_link(format!("/proc/{pid}/exe")).ok().and_then(name);
+    let ours = std::env::current_exe().ok().and_then(name);
+    match (&theirs, &ours) {
+        (Some(t), Some(o)) if t == o => {}
+        (None, _) if !std::path::Path::new(&format!("/proc/{pid}")).exists() => {
+            anyhow::bail!("no process {pid} (from {}): is rl-control running? A daemon that was killed leaves its pid file behind", pid_file.display())
+        }
+        (None, _) => anyhow::bail!("cannot tell which program process {pid} (from {}) runs: run rl-control reload as root", pid_file.display()),
+        (Some(t), _) => anyhow::bail!(
+            "process {pid} (from {}) is {t}, not rl-control: the pid file is stale (a killed daemon leaves it); not signalled",
+            pid_file.display()
+        ),
+    }
     if unsafe { libc::kill(pid, libc::SIGHUP) } != 0 {
         let e = std::io::Error::last_os_error();
         anyhow::bail!("cannot signal rl-control (pid {pid} from {}): {e}; is it still running?", pid_file.display());

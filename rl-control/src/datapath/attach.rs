@@ -280,7 +280,7 @@ impl Datapath {
             .pins
             .as_deref()
             .and_then(|own| own.parent().map(|p| (p, own)))
-            .and_then(|(p, own)| super::pin::dirs_with(p, iface).into_iter().find(|d| d != own));
+            .and_then(|(p, own)| super::pin::dirs_with(p, iface).ok()?.into_iter().find(|d| d != own));
         let prog: &mut Xdp = self
             .ebpf
             .program_mut(name)

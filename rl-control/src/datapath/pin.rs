@@ -375,14 +375,20 @@ pub(super) fn pin_link(dir: &Path, iface: &str, mode: &str, link: FdLink) -> Res
 }
 
 /// The pin directories under `pin_dir` that hold `iface` (a directory per
-/// set of interfaces sharing one datapath).
-pub fn dirs_with(pin_dir: &Path, iface: &str) -> Vec<PathBuf> {
-    let Ok(entries) = std::fs::read_dir(pin_dir) else { return Vec::new() };
-    entries
+/// set of interfaces sharing one datapath). None when `pin_dir` does not
+/// exist; an error when it cannot be read (not root: the directory is
+/// 0700), never "nothing pinned".
+pub fn dirs_with(pin_dir: &Path, iface: &str) -> std::io::Result<Vec<PathBuf>> {
+    let entries = match std::fs::read_dir(pin_dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e),
+    };
+    Ok(entries
         .flatten()
         .filter(|e| e.path().is_dir() && e.file_name().to_string_lossy().split('+').any(|i| i == iface))
         .map(|e| e.path())
-        .collect()
+        .collect())
 }
 
 /// Removes rl from the interface whose pins are in `dir`: detaches its link
@@ -393,7 +399,10 @@ pub fn detach(dir: &Path) -> Result<bool, DatapathError> {
         return Ok(false);
     }
     let entries: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(|e| pin_error(dir, e))?
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::PermissionDenied => DatapathError::NoPrivilege { doing: "reading rl's pin directory" },
+            _ => pin_error(dir, e),
+        })?
         .map(|e| e.map(|e| e.path()).map_err(|e| pin_error(dir, e)))
         .collect::<Result<_, _>>()?;
     // Links first: the program leaves every interface before its maps go.
