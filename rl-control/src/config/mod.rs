@@ -326,7 +326,9 @@ impl Config {
         let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError {
             origin: origin.to_string(),
             at: e.span().map(|s| line_col(text, s.start)),
-            message: e.message().trim().to_string(),
+            // toml's parser says what it found and what it expected on two
+            // lines: errors are one line (logs, 422 bodies, the CLI).
+            message: e.message().lines().map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join("; "),
         })?;
         let loc = Located { text, origin };
         let datapath = datapath_of(&loc, &raw.datapath)?;
@@ -421,7 +423,12 @@ fn default_of(loc: &Located, def: &Option<Spanned<RawDefault>>) -> Result<Defaul
     let burst = int_or(loc, "default.burst", &def.get_ref().burst, 1, MAX_BURST as i64, rate)?;
     // The arithmetic's own limits (interval ≥ 1 ns, span fits 64 bits).
     if let Err(e) = rl_common::Limit::per_second(rate, burst) {
-        return Err(loc.at(def.span(), format!("[default] rate {rate} with burst {burst} cannot be represented: {e:?}")));
+        let why = match e {
+            rl_common::limiter::LimitError::Zero => "a zero",
+            rl_common::limiter::LimitError::RateTooHigh => "more than one packet per nanosecond",
+            rl_common::limiter::LimitError::BurstTooLarge => "a burst longer than 2^64 ns",
+        };
+        return Err(loc.at(def.span(), format!("[default] rate {rate} with burst {burst} cannot be represented ({why})")));
     }
     Ok(DefaultLimit { rate, burst })
 }
@@ -482,6 +489,16 @@ mod tests {
         let c = Config::from_str("[default]\nrate = 50\n", "x").unwrap();
         assert_eq!(c.default.burst, 50, "burst defaults to rate");
         assert_eq!(c.datapath.ipv6_prefix, 64);
+    }
+
+    #[test]
+    fn syntax_errors_are_one_line() {
+        for (text, want) in [
+            ("[default]\nrate = = 1\n", "rules.toml:2:8: invalid string; expected `\"`, `'`"),
+            ("[default]\nrate = 1\n[[rule]\n", "rules.toml:3:7: invalid table header; expected `.`, `]]`"),
+        ] {
+            assert_eq!(error_of(text), want);
+        }
     }
 
     #[test]
