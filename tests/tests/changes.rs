@@ -243,3 +243,52 @@ fn a_reload_that_changes_the_prefix_cells_the_tables_or_the_pins_is_refused() {
     assert!(status.success(), "{log}");
     assert!(log.contains("datapath.ipv4_prefix/ipv6_prefix change from /32//64 to /24//64") && log.contains("full burst"), "{log}");
 }
+
+/// A read-only tmpfs holding the rule file, unmounted on drop.
+struct ReadOnlyDir(tempfile::TempDir);
+
+impl ReadOnlyDir {
+    fn with(name: &str, text: &str) -> (ReadOnlyDir, std::path::PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let at = dir.path().to_str().unwrap().to_string();
+        let mount = |args: &[&str]| assert!(std::process::Command::new("mount").args(args).status().unwrap().success(), "mount {args:?}");
+        mount(&["-t", "tmpfs", "-o", "size=1m", "tmpfs", &at]);
+        let file = dir.path().join(name);
+        std::fs::write(&file, text).unwrap();
+        mount(&["-o", "remount,ro", &at]);
+        (ReadOnlyDir(dir), file)
+    }
+}
+
+impl Drop for ReadOnlyDir {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(self.0.path()).status();
+    }
+}
+
+/// A ban expiring while the rule file cannot be written (read-only mount,
+/// full disk) is lifted in the datapath once, with the failure on record
+/// once: not tried again, failed and put back every second.
+#[test]
+fn an_expired_ban_in_a_file_that_cannot_be_written_is_lifted_once() {
+    let lab = Lab::new().unwrap();
+    let until = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() + 3;
+    let (_ro, cfg) = ReadOnlyDir::with("rl.toml", &format!("[default]\nrate = 100\n[[ban]]\ncidr = \"198.51.100.0/24\"\nuntil = {until}\n"));
+    let d = Daemon::serving(&lab, &cfg, &[]).unwrap();
+    assert_eq!(get(&lab.b, "/v1/rules").json()["bans"].as_array().unwrap().len(), 1);
+    let failed = |lab: &Lab| parse_prometheus(&get(&lab.b, "/metrics").body)["rl_reloads_total{result=\"failed\"}"];
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !get(&lab.b, "/v1/rules").json()["bans"].as_array().unwrap().is_empty() {
+        assert!(Instant::now() < deadline, "the expired ban was never lifted:\n{}", d.log());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let st = get(&lab.b, "/v1/status").json();
+    assert!(st["last_reload"]["trigger"].as_str().unwrap().contains("writing it failed"), "{st}");
+    assert_eq!(st["last_reload"]["ok"], true, "{st}");
+    // Some passes of the expiry job later: the one failed write, no more.
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(failed(&lab), 1.0, "{}", d.log());
+    assert_eq!(d.log().matches(&format!("cannot write {}", cfg.display())).count(), 1, "{}", d.log());
+    let (status, log) = d.stop(libc::SIGTERM).unwrap();
+    assert!(status.success(), "{log}");
+}

@@ -348,14 +348,28 @@ pub fn expire_bans(shared: &Shared) {
         s.path.as_deref().is_some_and(|p| file_stamp(p) != s.stamp)
     };
     let trigger = if pending { "ban(s) expired (lifted, the config file not written: it holds an edit not applied yet)" } else { "ban(s) expired" };
-    let r = apply(shared, trigger, |s| {
-        let text = crate::config::document::remove_bans(&s.text, |_, until| until <= now)
-            .map(|(text, _)| text)
-            .map_err(|e| ApplyError::Failed(format!("cannot lift expired bans: {e:?}")))?;
-        Ok::<_, ApplyError>(Change { text, origin: s.origin(), persist: !pending, read_as: None })
-    });
-    if let Err(e) = r {
-        error!("{e}");
+    let lift = |persist: bool| {
+        move |s: &Running| {
+            let text = crate::config::document::remove_bans(&s.text, |_, until| until <= now)
+                .map(|(text, _)| text)
+                .map_err(|e| ApplyError::Failed(format!("cannot lift expired bans: {}", edit_message(&e))))?;
+            Ok::<_, ApplyError>(Change { text, origin: s.origin(), persist, read_as: None })
+        }
+    };
+    // A failure is logged and recorded by `apply`.
+    if apply(shared, trigger, lift(!pending)).is_ok() || pending {
+        return;
+    }
+    // The file cannot be written (read-only, full): lift them in the
+    // datapath anyway, once, or the same failure would repeat every second.
+    let trigger = "ban(s) expired (lifted, the config file not written: writing it failed)";
+    let _ = apply(shared, trigger, lift(false));
+}
+
+fn edit_message(e: &crate::config::document::EditError) -> &str {
+    use crate::config::document::EditError::*;
+    match e {
+        Invalid(m) | Conflict(m) | NotFound(m) => m,
     }
 }
 
