@@ -186,11 +186,102 @@ fn test() -> Result<()> {
     run(cargo().args(["test", "--locked", "--workspace", "--exclude", "rl-tests"]))?;
     require_root("test")?;
     stale_labs();
-    step!("XDP tests: TestRun packets and end-to-end floods in network namespaces (about 1 minute)");
-    // One at a time: floods share two CPUs and their timing is the measurement.
-    run(cargo().args(["test", "--locked", "-p", "rl-tests", "--", "--test-threads=1"]))?;
+    step!("XDP tests: TestRun packets and end-to-end floods in network namespaces (about 14 minutes)");
+    run_test_binaries()?;
     step!("all tests passed");
     Ok(())
+}
+
+/// How long one test binary of rl-tests may run before it is killed
+/// (`RL_TEST_TIMEOUT_SECS`): the slowest takes under two minutes, and a
+/// hang must not use up CI's 90.
+const TEST_BINARY_TIMEOUT_SECS: u64 = 600;
+
+/// Builds rl-tests' test binaries, then runs each one at a time (floods
+/// share two CPUs and their timing is the measurement), each under a time
+/// limit, all of them even after a failure; prints each one's time and
+/// fails naming every binary that failed.
+fn run_test_binaries() -> Result<()> {
+    let out = cargo()
+        .args(["test", "--locked", "-p", "rl-tests", "--no-run", "--message-format=json-render-diagnostics"])
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .context("building the rl-tests binaries")?;
+    if !out.status.success() {
+        bail!("building the rl-tests binaries failed ({})", out.status);
+    }
+    let mut binaries = test_executables(&String::from_utf8_lossy(&out.stdout));
+    binaries.sort();
+    if binaries.is_empty() {
+        bail!("cargo built no rl-tests test binary");
+    }
+    let limit = std::env::var("RL_TEST_TIMEOUT_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(TEST_BINARY_TIMEOUT_SECS);
+    let (mut failed, mut times) = (Vec::new(), Vec::new());
+    for (name, exe) in &binaries {
+        let start = std::time::Instant::now();
+        let result = run_limited(Command::new(exe).arg("--test-threads=1").current_dir(workspace_root().join("tests")), limit);
+        let secs = start.elapsed().as_secs_f64();
+        match result {
+            Ok(()) => step!("{name}: passed in {secs:.1} s"),
+            Err(e) => {
+                step!("{name}: FAILED in {secs:.1} s: {e:#}");
+                failed.push(name.clone());
+            }
+        }
+        times.push((secs, name.clone()));
+    }
+    times.sort_by(|a, b| b.0.total_cmp(&a.0));
+    let total: f64 = times.iter().map(|t| t.0).sum();
+    let slowest: Vec<String> = times.iter().take(5).map(|(s, n)| format!("{n} {s:.0} s")).collect();
+    step!("{} test binaries in {total:.0} s; slowest: {}", times.len(), slowest.join(", "));
+    if !failed.is_empty() {
+        bail!("{} of {} test binaries failed: {} (rerun one: `cargo test -p rl-tests --test NAME -- --test-threads=1`)", failed.len(), binaries.len(), failed.join(", "));
+    }
+    Ok(())
+}
+
+/// (name, path) of each test executable in cargo's JSON messages.
+fn test_executables(messages: &str) -> Vec<(String, PathBuf)> {
+    let field = |line: &str, key: &str| -> Option<String> {
+        let at = line.find(&format!("\"{key}\":\""))? + key.len() + 4;
+        Some(line[at..].split('"').next()?.to_string())
+    };
+    messages
+        .lines()
+        .filter(|l| l.contains("\"reason\":\"compiler-artifact\""))
+        .filter_map(|l| {
+            let exe = field(l, "executable")?;
+            // Test harnesses live in deps/; the plain binaries beside them
+            // are tools (benches, the demo).
+            if !exe.contains("/deps/") {
+                return None;
+            }
+            let name = l.find("\"target\":").and_then(|at| field(&l[at..], "name")).unwrap_or_else(|| exe.clone());
+            Some((name, PathBuf::from(exe)))
+        })
+        .collect()
+}
+
+/// Runs `cmd`, killing it (and what it started in its process group) after
+/// `secs` seconds.
+fn run_limited(cmd: &mut Command, secs: u64) -> Result<()> {
+    use std::os::unix::process::CommandExt;
+    let mut child = cmd.process_group(0).spawn().with_context(|| format!("starting {cmd:?}"))?;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    loop {
+        if let Some(status) = child.try_wait()? {
+            return if status.success() { Ok(()) } else { Err(anyhow::anyhow!("{status}")) };
+        }
+        if std::time::Instant::now() >= deadline {
+            unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
+            let _ = child.wait();
+            bail!(
+                "still running after {secs} s (RL_TEST_TIMEOUT_SECS): killed; the network namespaces it made are removed by a later \
+                 `cargo xtask test` once an hour old, or now with `ip netns delete`"
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
 }
 
 /// Labs a killed run left behind (a test's cleanup runs on panic, not on
