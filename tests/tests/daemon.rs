@@ -152,6 +152,7 @@ fn bad_input_to_run_fails_cleanly_and_leaves_nothing_attached() {
         let line = error_line(&out);
         assert!(line.contains(want.as_str()), "{args:?}: got {line:?}, want {want:?}");
         assert!(!lab.xdp_attached().unwrap(), "{args:?} left XDP attached");
+        assert!(!lab.b.runtime_dir().join("api.sock").exists(), "{args:?} left its admin socket behind");
     }
 
     // Missing privileges: root without capabilities (empty bounding set).
@@ -327,4 +328,37 @@ fn a_changed_file_and_the_reload_command_both_reload() {
         assert_eq!(status.code(), Some(1), "{bad}: {out}");
         assert!(error_line(&out).contains("not a process id"), "{bad}: {out}");
     }
+}
+
+/// The runtime directory holds one daemon's admin socket: a stale socket
+/// (a killed daemon's) is replaced, a second daemon on the directory stops
+/// before touching it (the first keeps answering), and a directory others
+/// may write is refused (they could put a socket of their own there).
+#[test]
+fn one_daemon_serves_a_runtime_directory() {
+    use std::os::unix::fs::PermissionsExt;
+    let lab = Lab::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let good = write(&dir, "good.toml", "[default]\nrate = 10\n");
+    let good = good.to_str().unwrap();
+    let run_dir = lab.b.runtime_dir();
+    std::fs::create_dir_all(&run_dir).unwrap();
+    drop(std::os::unix::net::UnixListener::bind(run_dir.join("api.sock")).unwrap());
+    let first = Daemon::spawn(&lab.b, &["run", "--iface", VB, "--config", good, "--detach-on-exit"]).unwrap();
+    let mut first = first;
+    first.wait_for(ATTACHED, START).unwrap();
+    assert_eq!(rl_tests::http::get(&lab.b, "/v1/status").status, 200, "the stale socket was not replaced");
+    let (status, out) = run_once(Some(&lab.b), &["run", "--iface", "lo", "--config", good]).unwrap();
+    assert_eq!(status.code(), Some(1), "{out}");
+    assert!(error_line(&out).contains("another rl-control is serving"), "{out}");
+    assert_eq!(rl_tests::http::get(&lab.b, "/v1/status").status, 200, "the second start took the first's socket");
+    let (status, log) = first.stop(libc::SIGTERM).unwrap();
+    assert!(status.success(), "{log}");
+
+    std::fs::set_permissions(&run_dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let (status, out) = run_once(Some(&lab.b), &["run", "--iface", VB, "--config", good]).unwrap();
+    assert_eq!(status.code(), Some(1), "{out}");
+    assert!(error_line(&out).contains("only root may write where the admin socket lives"), "{out}");
+    assert!(!lab.xdp_attached().unwrap());
+    std::fs::set_permissions(&run_dir, std::fs::Permissions::from_mode(0o755)).unwrap();
 }

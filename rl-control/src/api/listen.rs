@@ -26,6 +26,9 @@ use crate::{cli::API_SOCKET, config::Config, daemon::state::Shared};
 pub struct Listeners {
     socket: UnixListener,
     socket_path: PathBuf,
+    /// Removes the socket when dropped: also when the start fails after
+    /// binding it.
+    socket_file: SocketFile,
     tcp: Option<TcpListener>,
     metrics: Option<TcpListener>,
     token: Option<Arc<str>>,
@@ -68,14 +71,17 @@ pub async fn bind(runtime_dir: &Path, api: Option<SocketAddr>, config: &Config) 
     }
     std::fs::create_dir_all(runtime_dir)
         .with_context(|| format!("cannot create the runtime directory {} (--runtime-dir)", runtime_dir.display()))?;
+    root_only(runtime_dir)?;
     let socket_path = runtime_dir.join(API_SOCKET);
-    if socket_path.exists() {
-        if std::os::unix::net::UnixStream::connect(&socket_path).is_ok() {
-            bail!(
-                "another rl-control is serving {}: stop it first, or give this one another --runtime-dir",
-                socket_path.display()
-            );
+    // Held for the daemon's life: of two starts on one runtime directory,
+    // one serves and the other stops before touching the socket.
+    let lock = lock_runtime_dir(runtime_dir).map_err(|e| match e.kind() {
+        std::io::ErrorKind::WouldBlock => {
+            anyhow::anyhow!("another rl-control is serving {}: stop it first, or give this one another --runtime-dir", socket_path.display())
         }
+        _ => anyhow::anyhow!("cannot lock {}: {e}: run rl-control as root", runtime_dir.join("api.lock").display()),
+    })?;
+    if socket_path.exists() {
         std::fs::remove_file(&socket_path).with_context(|| format!("cannot remove the stale socket {}", socket_path.display()))?;
     }
     // Created 0600 from the start: no moment in which others may connect.
@@ -83,9 +89,45 @@ pub async fn bind(runtime_dir: &Path, api: Option<SocketAddr>, config: &Config) 
     let socket = UnixListener::bind(&socket_path);
     unsafe { libc::umask(old) };
     let socket = socket.with_context(|| format!("cannot listen on {} for the admin API", socket_path.display()))?;
+    let socket_file = SocketFile(socket_path.clone(), lock);
     let tcp = bind_tcp(tcp_addr, "the admin API", "--api").await?;
     let metrics = bind_tcp(config.api.metrics_listen, "the metrics listener", "[api] metrics_listen").await?;
-    Ok(Listeners { socket, socket_path, tcp, metrics, token })
+    Ok(Listeners { socket, socket_path, socket_file, tcp, metrics, token })
+}
+
+/// Refuses a runtime directory that another user owns or that group or
+/// others may write: whoever may write there may put a socket of their own
+/// in place of the daemon's (and the CLI would send them its token).
+fn root_only(dir: &Path) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(dir).with_context(|| format!("cannot read the runtime directory {}", dir.display()))?;
+    let me = unsafe { libc::geteuid() };
+    if meta.uid() != me || meta.mode() & 0o022 != 0 {
+        bail!(
+            "the runtime directory {} is owned by uid {} with mode {:o}: only root may write where the admin socket lives; \
+             make it root's and not group- or world-writable, or give another --runtime-dir",
+            dir.display(),
+            meta.uid(),
+            meta.mode() & 0o7777
+        );
+    }
+    Ok(())
+}
+
+/// Takes `api.lock` in `dir` (made 0600), failing if another daemon holds it.
+fn lock_runtime_dir(dir: &Path) -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::{fd::AsRawFd, unix::fs::OpenOptionsExt};
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(dir.join("api.lock"))?;
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(f.into())
 }
 
 /// Binds `addr`, if given, for `what` (set by `setting`), failing with one
@@ -130,11 +172,12 @@ pub fn serve(l: Listeners, state: Shared) -> (Vec<tokio::task::JoinHandle<()>>, 
         }));
         info!("metrics on http://{addr}/metrics (read-only, no token)");
     }
-    (tasks, SocketFile(l.socket_path))
+    (tasks, l.socket_file)
 }
 
-/// Removes the socket file when the daemon exits.
-pub struct SocketFile(PathBuf);
+/// Removes the socket file when the daemon exits, then lets the runtime
+/// directory's lock go.
+pub struct SocketFile(PathBuf, #[allow(dead_code)] std::os::fd::OwnedFd);
 
 impl Drop for SocketFile {
     fn drop(&mut self) {

@@ -367,8 +367,10 @@ fn enforce(
         Ok(a) => a,
         Err(e) => {
             if !adopted {
-                drop(dp);
+                // Unpinned while this start still holds the pins' lock:
+                // another start must not adopt them half made.
                 let _ = crate::datapath::detach_pinned(pins);
+                drop(dp);
             }
             return Err(e.into());
         }

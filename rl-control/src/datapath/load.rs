@@ -141,12 +141,16 @@ impl Datapath {
             None => PinPlan::default(),
         };
         let fresh = opts.pin.clone().filter(|_| !plan.adopted);
+        // The lock outlives a failed load until its pins are gone: another
+        // start must not adopt them meanwhile (a duplicate holds the flock).
+        let still_held = held.as_ref().and_then(|fd| fd.try_clone().ok());
         let loaded = Datapath::load_planned(compiled, &opts, &sized, &specs, plan, cell_slots, held);
         if let (Err(_), Some(dir)) = (&loaded, &fresh) {
             // Nothing was in force there before: leave no pins that the next
             // start would take for a datapath to keep.
             let _ = pin::remove_pins(dir);
         }
+        drop(still_held);
         loaded
     }
 

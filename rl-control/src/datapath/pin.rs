@@ -157,8 +157,10 @@ fn safe_ancestors(dir: &Path) -> Result<(), DatapathError> {
 /// it may take its lock and keep the daemon from starting.
 fn own_dir(dir: &Path) -> Result<(), DatapathError> {
     use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
-    if !dir.exists() {
-        std::fs::DirBuilder::new().mode(0o700).create(dir).map_err(|e| pin_error(dir, e))?;
+    // Another start may make it first: that is no error (the lock decides).
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(pin_error(dir, e)),
+        _ => {}
     }
     let meta = std::fs::metadata(dir).map_err(|e| pin_error(dir, e))?;
     let me = unsafe { libc::geteuid() };
