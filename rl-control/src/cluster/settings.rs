@@ -223,7 +223,7 @@ mod tests {
                 "cannot be scope = \"cluster\"",
             ),
             (
-                format!("{REDIS}[[l7.rule]]\nname = \"a\"\ndomain = \"d\"\ndescriptor = [{{ key = \"k\" }}]\nrate = 1\nper = \"1d\"\nburst = 200000\nscope = \"cluster\"\n"),
+                format!("{REDIS}[[l7.rule]]\nname = \"a\"\ndomain = \"d\"\ndescriptor = [{{ key = \"k\" }}]\nrate = 1\nper = \"1d\"\nburst = 105000\nscope = \"cluster\"\n"),
                 "rl.toml:12:9:",
                 "at most 2^53",
             ),

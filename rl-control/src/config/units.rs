@@ -172,6 +172,14 @@ pub fn parse_cidr(text: &str) -> Result<Cidr, String> {
         let net = bytes_to_addr(&masked);
         return Err(format!("\"{text}\" has host bits set: did you mean \"{net}/{len}\"?"));
     }
+    // An IPv4-mapped block (::ffff:a.b.c.d) never matches: IPv4 packets
+    // are IPv4 on the wire, and an IPv6 packet carrying such a source is
+    // forged (an allow there would let it through).
+    if let (IpAddr::V6(v6), 96..) = (addr, len) {
+        if let Some(v4) = v6.to_ipv4_mapped() {
+            return Err(format!("\"{text}\" is an IPv4-mapped IPv6 block, which no packet rl sees carries: write \"{v4}/{}\"", len - 96));
+        }
+    }
     Ok(cidr)
 }
 
@@ -281,6 +289,11 @@ mod tests {
         assert!(!net.covers(&parse_cidr("11.0.0.0/16").unwrap()));
         assert!(!parse_cidr("10.2.0.0/16").unwrap().covers(&net));
         assert!(!parse_cidr("::/0").unwrap().covers(&net), "families never cover each other");
+        // IPv4-mapped blocks never match a packet: refused with the IPv4 form.
+        assert!(parse_cidr("::ffff:198.51.100.0/120").unwrap_err().contains("write \"198.51.100.0/24\""));
+        assert!(parse_cidr("::ffff:0:0/96").unwrap_err().contains("write \"0.0.0.0/0\""));
+        assert!(parse_cidr("::ffff:192.0.2.7").unwrap_err().contains("write \"192.0.2.7/32\""));
+        assert_eq!(parse_cidr("::/64").unwrap().len, 64, "a wider block holding the mapped one is fine");
     }
 
     #[test]

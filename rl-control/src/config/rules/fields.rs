@@ -153,8 +153,9 @@ pub(crate) fn limits_of(
     if let Some(rate) = &raw.rate {
         let amount = int_in(loc, &format!("{who}: rate"), rate, 1, MAX_RULE_RATE as i64)?;
         let burst = int_or(loc, &format!("{who}: burst"), &raw.burst, 1, MAX_RULE_RATE as i64, amount)?;
-        if rl_common::Limit::new(amount, per_secs * 1_000_000_000, burst).is_err() {
-            return Err(loc.at(rate.span(), format!("{who}: rate {amount} per {per_secs}s with burst {burst} cannot be represented (at most one packet per nanosecond)")));
+        // The bucket's span (burst × interval) is kept within 2^63 ns.
+        if rl_common::Limit::new(amount, per_secs * 1_000_000_000, burst).map_or(true, |l| l.burst_span_ns > u64::MAX / 2) {
+            return Err(loc.at(rate.span(), format!("{who}: rate {amount} per {per_secs}s with burst {burst} cannot be represented (at most one packet per nanosecond, and a burst lasting at most 292 years)")));
         }
         out.push(RuleLimit { unit: Unit::Packets, rate: Rate { amount, per_secs, burst } });
     } else if let Some(b) = &raw.burst {
@@ -173,6 +174,10 @@ pub(crate) fn limits_of(
                 bytes.span(),
                 format!("{who}: bytes {amount} per {per_secs}s is slower than one byte per 39 hours, which a token bucket cannot charge a whole frame against: raise bytes or shorten per"),
             ));
+        }
+        if u128::from(per_secs) * 1_000_000_000 * u128::from(burst) / u128::from(amount) > u128::from(u64::MAX / 2) {
+            let span = raw.byte_burst.as_ref().map_or(bytes.span(), |b| b.span());
+            return Err(loc.at(span, format!("{who}: a burst of {burst} bytes at {amount} per {per_secs}s lasts more than 292 years, which a bucket cannot hold: lower byte_burst")));
         }
         out.push(RuleLimit { unit: Unit::Bytes, rate: Rate { amount, per_secs, burst } });
     } else if let Some(b) = &raw.byte_burst {

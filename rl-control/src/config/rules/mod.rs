@@ -634,6 +634,9 @@ action = "shadow"
         // A sliding window counts at most 2^28 - 1 a window (it passed
         // half of a larger rate), with its soft margin too; bytes and the
         // other algorithms are not capped so.
+        // A bucket holds at most 2^63 ns of burst: more was silently cut.
+        assert_error("[[rule]]\nname = \"a\"\nrate = 1\nper = \"366d\"\nburst = 300\n", 5, 8, "a burst lasting at most 292 years");
+        assert_error("[[rule]]\nname = \"a\"\nbytes = \"1MB\"\nper = \"1d\"\nbyte_burst = \"1TB\"\n", 7, 14, "lasts more than 292 years");
         let sliding = "is more than a sliding window counts (268435455 per window)";
         assert_error("[[rule]]\nname = \"a\"\nrate = 300000000\nper = \"1h\"\nalgorithm = \"sliding_window\"\n", 5, 8, sliding);
         assert_error("[[rule]]\nname = \"a\"\nlimits = [{ rate = 5 }, { rate = 268435456, per = \"1h\" }]\nalgorithm = \"sliding_window\"\n", 5, 10, sliding);
