@@ -98,8 +98,21 @@ fn tcp_is_refused_without_a_private_token_and_guards_every_change_with_it() {
     ));
     let (status, out) = run_once(Some(&lab.b), &["run", "--iface", VB, "--config", cfg.to_str().unwrap()]).unwrap();
     assert_eq!(status.code(), Some(1), "{out}");
-    assert!(out.contains("can be read by group or others (mode 644)") && out.contains("chmod 600"), "{out}");
+    assert!(out.contains("can be read or written by group or others (mode 644)") && out.contains("chmod 600"), "{out}");
     assert!(!lab.xdp_attached().unwrap());
+    // One others may write (they could put their own token in), or one
+    // another user owns (whoever owns it holds the API): refused too.
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o622)).unwrap();
+    let (status, out) = run_once(Some(&lab.b), &["run", "--iface", VB, "--config", cfg.to_str().unwrap()]).unwrap();
+    assert_eq!(status.code(), Some(1), "{out}");
+    assert!(out.contains("can be read or written by group or others (mode 622)"), "{out}");
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
+    std::os::unix::fs::chown(&token, Some(65534), None).unwrap();
+    let (status, out) = run_once(Some(&lab.b), &["run", "--iface", VB, "--config", cfg.to_str().unwrap()]).unwrap();
+    assert_eq!(status.code(), Some(1), "{out}");
+    assert!(out.contains("is owned by uid 65534, not this daemon's user (0)"), "{out}");
+    assert!(!lab.xdp_attached().unwrap());
+    std::os::unix::fs::chown(&token, Some(0), None).unwrap();
 
     // The API's port is taken: one clear error, nothing attached.
     std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();

@@ -104,7 +104,7 @@ pub(super) async fn delete_rule(AxState(api): AxState<Api>, Segment(name): Segme
 pub struct NewBan {
     /// An IPv4 or IPv6 prefix, e.g. `198.51.100.0/24`.
     pub cidr: String,
-    /// Seconds until the ban lifts by itself (1 ..= 31,536,000).
+    /// Seconds until the ban lifts by itself (1 ..= 31,622,400: 366 days).
     pub ttl_secs: u64,
     #[serde(default)]
     pub reason: String,

@@ -34,22 +34,30 @@ pub struct Listeners {
     token: Option<Arc<str>>,
 }
 
-/// Reads `[api] token_file`, refusing one that group or others can read.
+/// Reads `[api] token_file`, refusing one that group or others can read or
+/// write, or that another user owns (whoever can change it holds the API).
+/// Checked on the open file: what is read is what was checked.
 fn read_token(config: &Config) -> Result<Option<Arc<str>>> {
+    use std::{io::Read, os::unix::fs::MetadataExt};
     let Some(f) = &config.api.token_file else { return Ok(None) };
-    let mode = std::fs::metadata(f)
-        .with_context(|| format!("cannot read the API token file {} ([api] token_file)", f.display()))?
-        .permissions()
-        .mode();
-    if mode & 0o044 != 0 {
+    let cannot = || format!("cannot read the API token file {} ([api] token_file)", f.display());
+    let mut file = std::fs::File::open(f).with_context(cannot)?;
+    let meta = file.metadata().with_context(cannot)?;
+    let mode = meta.permissions().mode();
+    if mode & 0o066 != 0 {
         bail!(
-            "the API token file {} can be read by group or others (mode {:03o}): make it the owner's alone with `chmod 600 {}`",
+            "the API token file {} can be read or written by group or others (mode {:03o}): make it the owner's alone with `chmod 600 {}`",
             f.display(),
             mode & 0o777,
             f.display()
         );
     }
-    let t = std::fs::read_to_string(f).with_context(|| format!("cannot read the API token file {} ([api] token_file)", f.display()))?;
+    let me = unsafe { libc::geteuid() };
+    if meta.uid() != me {
+        bail!("the API token file {} is owned by uid {}, not this daemon's user ({me}): whoever owns it holds the API; `chown {me} {}`", f.display(), meta.uid(), f.display());
+    }
+    let mut t = String::new();
+    file.read_to_string(&mut t).with_context(cannot)?;
     let t = t.trim();
     if t.is_empty() {
         bail!("the API token file {} is empty: put a long random token in it", f.display());

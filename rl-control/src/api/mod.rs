@@ -319,14 +319,18 @@ async fn method_not_allowed() -> ApiError {
     ApiError(StatusCode::METHOD_NOT_ALLOWED, "method not allowed on this route: GET /openapi.json lists them".into())
 }
 
+async fn metrics_only() -> ApiError {
+    ApiError(StatusCode::NOT_FOUND, "this listener serves GET /metrics and GET /healthz only: the admin API is on the daemon's socket".into())
+}
+
 /// The scrapers' router (`[api] metrics_listen`): `/metrics` and
 /// `/healthz`, nothing else.
 pub fn metrics_router(api: Api) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
         .route("/metrics", get(metrics::metrics))
-        .fallback(not_found)
-        .method_not_allowed_fallback(method_not_allowed)
+        .fallback(metrics_only)
+        .method_not_allowed_fallback(metrics_only)
         .with_state(api)
 }
 
