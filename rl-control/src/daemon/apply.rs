@@ -65,6 +65,17 @@ pub fn apply<E: From<ApplyError>>(
     let path = running.path.clone();
     let (persist, read_as) = (change.persist, change.read_as);
     let result = install(shared, change, path.as_deref(), stamp);
+    // The request limiter too, keeping the buckets of unchanged l7 rules:
+    // built outside the state lock (dropping a changed rule's buckets
+    // walks every request key), swapped in under it.
+    let engine = result.as_ref().ok().map(|(_, config, _)| {
+        let (old, offset, cluster) = {
+            let s = lock(shared);
+            let old = s.l7.read().unwrap_or_else(|e| e.into_inner()).clone();
+            (old, s.dp.epoch_offset_ns(), s.cluster.clone())
+        };
+        crate::l7::engine::Engine::new(&config.l7, offset, Some(&old)).with_cluster(cluster)
+    });
     let mut s = lock(shared);
     record(&mut s, trigger, result.as_ref().map(|(summary, _, _)| summary.as_str()));
     if let Some(st) = read_as {
@@ -82,10 +93,9 @@ pub fn apply<E: From<ApplyError>>(
             s.seen = s.stamp;
         }
     }
-    // The request limiter too, keeping the buckets of unchanged l7 rules.
-    let old = s.l7.read().unwrap_or_else(|e| e.into_inner()).clone();
-    let engine = crate::l7::engine::Engine::new(&config.l7, s.dp.epoch_offset_ns(), Some(&old)).with_cluster(s.cluster.clone());
-    *s.l7.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(engine);
+    if let Some(engine) = engine {
+        *s.l7.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(engine);
+    }
     s.config = Arc::new(config);
     s.text = Arc::from(text);
     Ok(summary)

@@ -233,9 +233,11 @@ impl Engine {
         }
         let (shards, keys) = match previous {
             Some(p) => {
-                // The buckets of rules that are gone go now.
+                // The buckets of rules that are gone go now (a walk of
+                // every key: only when a rule went or changed).
                 let live: std::collections::HashSet<u32> = rules.iter().map(|c| c.slot).collect();
-                for s in p.shards.iter() {
+                let any_gone = p.rules.iter().any(|q| !live.contains(&q.slot));
+                for s in p.shards.iter().filter(|_| any_gone) {
                     let mut m = s.lock().unwrap_or_else(|e| e.into_inner());
                     let mut gone = 0u64;
                     m.retain(|key, _| {
