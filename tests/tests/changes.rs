@@ -289,6 +289,11 @@ fn an_expired_ban_in_a_file_that_cannot_be_written_is_lifted_once() {
     std::thread::sleep(Duration::from_secs(3));
     assert_eq!(failed(&lab), 1.0, "{}", d.log());
     assert_eq!(d.log().matches(&format!("cannot write {}", cfg.display())).count(), 1, "{}", d.log());
+    // An API change on that file: refused before anything is installed.
+    let a = request(&lab.b, "POST", "/v1/bans", json(&json!({"cidr": "203.0.113.0/24", "ttl_secs": 60})), None).unwrap();
+    assert_eq!(a.status, 500, "{}", a.body);
+    assert!(a.body.contains("nothing changed"), "{}", a.body);
+    assert!(get(&lab.b, "/v1/rules").json()["bans"].as_array().unwrap().is_empty());
     let (status, log) = d.stop(libc::SIGTERM).unwrap();
     assert!(status.success(), "{log}");
 }

@@ -68,7 +68,7 @@ pub fn apply<E: From<ApplyError>>(
     // The request limiter too, keeping the buckets of unchanged l7 rules:
     // built outside the state lock (dropping a changed rule's buckets
     // walks every request key), swapped in under it.
-    let engine = result.as_ref().ok().map(|(_, config, _)| {
+    let engine = result.as_ref().ok().map(|(_, config, _, _)| {
         let (old, offset, cluster) = {
             let s = lock(shared);
             let old = s.l7.read().unwrap_or_else(|e| e.into_inner()).clone();
@@ -77,7 +77,7 @@ pub fn apply<E: From<ApplyError>>(
         crate::l7::engine::Engine::new(&config.l7, offset, Some(&old)).with_cluster(cluster)
     });
     let mut s = lock(shared);
-    record(&mut s, trigger, result.as_ref().map(|(summary, _, _)| summary.as_str()));
+    record(&mut s, trigger, result.as_ref().map(|(summary, _, _, _)| summary.as_str()));
     if let Some(st) = read_as {
         // Read and refused, the file is not what runs: an API change must
         // not write over it (and the watcher need not read it again).
@@ -86,12 +86,12 @@ pub fn apply<E: From<ApplyError>>(
             s.stamp = Some(st);
         }
     }
-    let (summary, config, text) = result?;
-    if persist {
-        if let Some(p) = &path {
-            s.stamp = file_stamp(p);
-            s.seen = s.stamp;
-        }
+    let (summary, config, text, written) = result?;
+    if persist && path.is_some() {
+        // The stamp of the file as written (an edit after it is seen by
+        // the watcher).
+        s.stamp = written;
+        s.seen = s.stamp;
     }
     if let Some(engine) = engine {
         *s.l7.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(engine);
@@ -217,7 +217,7 @@ fn install(
     change: Change,
     path: Option<&Path>,
     stamp: Option<crate::daemon::state::FileStamp>,
-) -> Result<(String, Config, String), ApplyError> {
+) -> Result<(String, Config, String, Option<crate::daemon::state::FileStamp>), ApplyError> {
     let t0 = Instant::now();
     let new = Config::from_str(&change.text, &change.origin).map_err(|e| ApplyError::Invalid(e.to_string()))?;
     let running = lock(shared).config.clone();
@@ -245,17 +245,30 @@ fn install(
         ));
     }
     let failed = |what: &str, e: &dyn std::fmt::Display| ApplyError::Failed(format!("{what}: {e}"));
-    if change.persist {
-        if let Some(p) = path {
+    let conflict = |p: &Path| {
+        format!(
+            "{} changed on disk since the daemon last read it, and that edit is not applied: \
+             apply it first (`rl-control reload`), then repeat this change",
+            p.display()
+        )
+    };
+    // Written beside the file before anything is installed: a write that
+    // fails changes nothing.
+    let staged = match (change.persist, path) {
+        (true, Some(p)) => {
             if file_stamp(p) != stamp {
-                return Err(ApplyError::Conflict(format!(
-                    "{} changed on disk since the daemon last read it, and that edit is not applied: \
-                     apply it first (`rl-control reload`), then repeat this change",
-                    p.display()
-                )));
+                return Err(ApplyError::Conflict(conflict(p)));
             }
+            let staged = Staged::write(p, &change.text)
+                .map_err(|e| failed(&format!("cannot write {} (nothing changed; check its directory is writable)", p.display()), &e))?;
+            Some((p, staged))
         }
-    }
+        (true, None) => {
+            warn!("running on the embedded default: this change lasts until the daemon stops (start with --config to keep changes)");
+            None
+        }
+        (false, _) => None,
+    };
     let failure_mode = lock(shared).failure_mode;
     let compiled = compiled_for(&new, failure_mode);
     // The differences are worked out against a snapshot, outside the lock;
@@ -276,26 +289,29 @@ fn install(
     for note in notes {
         warn!("{note}");
     }
-    if change.persist {
-        match path {
-            Some(p) => {
-                if let Err(e) = write_atomic(p, &change.text) {
-                    // Put the old rules back: the file and the datapath agree.
-                    let mut s = lock(shared);
-                    let old = compiled_for(&s.config, s.failure_mode);
-                    let what = match s.dp.install(&old.rules) {
-                        Ok(_) => "nothing changed; check its directory is writable".to_string(),
-                        Err(back) => format!(
-                            "and putting the old rules back failed too ({back}): the datapath enforces the new rules \
-                             while the status and the file show the old ones, until the next reload"
-                        ),
-                    };
-                    return Err(failed(&format!("cannot write {} ({what})", p.display()), &e));
-                }
+    let mut written = None;
+    if let Some((p, staged)) = staged {
+        // An edit that landed while this change was installed is not
+        // written over: the file keeps it, and the old rules go back.
+        let placed = match file_stamp(p) == stamp {
+            true => staged.commit().map_err(|e| ApplyError::Failed(format!("cannot write {}: {e}", p.display()))),
+            false => Err(ApplyError::Conflict(conflict(p))),
+        };
+        match placed {
+            Ok(st) => written = Some(st),
+            Err(e) => {
+                let back = match put_back(shared) {
+                    Ok(()) => "the old rules are back in force".to_string(),
+                    Err(back) => format!(
+                        "putting the old rules back failed ({back}): the datapath enforces the new rules \
+                         while the status and the file show the old ones, until the next reload"
+                    ),
+                };
+                return Err(match e {
+                    ApplyError::Conflict(m) => ApplyError::Conflict(format!("{m} ({back})")),
+                    other => ApplyError::Failed(format!("{other} ({back})")),
+                });
             }
-            None => warn!(
-                "running on the embedded default: this change lasts until the daemon stops (start with --config to keep changes)"
-            ),
         }
     }
     warn_fresh_keys(&new.datapath, &running.datapath);
@@ -308,7 +324,21 @@ fn install(
         ms(t2 - t1),
         ms(t2.elapsed())
     );
-    Ok((summary, new, change.text))
+    Ok((summary, new, change.text, written.flatten()))
+}
+
+/// Puts the running config's rules back in force after an install whose
+/// file could not be put in place (waits made without the state lock).
+fn put_back(shared: &Shared) -> Result<(), crate::datapath::DatapathError> {
+    let (config, mode, basis, ready) = {
+        let s = lock(shared);
+        (s.config.clone(), s.failure_mode, s.dp.basis(), s.dp.ready_at())
+    };
+    let old = compiled_for(&config, mode);
+    let mut plan = Plan::new(basis, &old.rules)?;
+    prepare_unlocked(shared, &mut plan, ready)?;
+    lock(shared).dp.execute(plan)?;
+    Ok(())
 }
 
 /// Applies an edit of the running text (one rule or ban added or removed)
@@ -383,36 +413,63 @@ fn edit_message(e: &crate::config::document::EditError) -> &str {
     }
 }
 
-/// Writes `text` to `path` so that readers see the old file or the new one,
-/// never a mix, even across a crash: a uniquely named temporary file next to
-/// the real file (a symlink is followed), with its mode and owner, fsync,
-/// rename, fsync of the directory.
-pub fn write_atomic(path: &Path, text: &str) -> std::io::Result<()> {
-    use std::{io::Write, os::unix::fs::MetadataExt, sync::atomic::{AtomicU64, Ordering}};
-    static SEQ: AtomicU64 = AtomicU64::new(0);
-    let real: PathBuf = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
-    let dir = real.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    let name = real.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let tmp = dir.join(format!(".{name}.rl-tmp.{}.{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed)));
-    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
-    let cleanup = |e: std::io::Error| {
-        let _ = std::fs::remove_file(&tmp);
-        e
-    };
-    if let Ok(m) = std::fs::metadata(&real) {
-        f.set_permissions(m.permissions()).map_err(cleanup)?;
-        if let Err(e) = std::os::unix::fs::fchown(&f, Some(m.uid()), Some(m.gid())) {
-            warn!("{} keeps its mode but not its owner {}:{} ({e}: the daemon lacks CAP_CHOWN)", real.display(), m.uid(), m.gid());
+/// `text` written beside the file it will replace, synced, not yet in
+/// place: readers see the old file or the new one, never a mix, even across
+/// a crash. A uniquely named temporary file next to the real file (a
+/// symlink is followed), with its mode and owner; [`Staged::commit`]
+/// renames it over the file and syncs the directory; dropped uncommitted,
+/// it is removed.
+pub struct Staged {
+    tmp: PathBuf,
+    real: PathBuf,
+    stamp: Option<crate::daemon::state::FileStamp>,
+    committed: bool,
+}
+
+impl Staged {
+    pub fn write(path: &Path, text: &str) -> std::io::Result<Staged> {
+        use std::{io::Write, os::unix::fs::MetadataExt, sync::atomic::{AtomicU64, Ordering}};
+        static SEQ: AtomicU64 = AtomicU64::new(0);
+        let real: PathBuf = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+        let dir = real.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let name = real.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let tmp = dir.join(format!(".{name}.rl-tmp.{}.{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed)));
+        let mut f = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+        // From here the guard removes the file on any failure.
+        let mut staged = Staged { tmp, real, stamp: None, committed: false };
+        if let Ok(m) = std::fs::metadata(&staged.real) {
+            f.set_permissions(m.permissions())?;
+            if let Err(e) = std::os::unix::fs::fchown(&f, Some(m.uid()), Some(m.gid())) {
+                warn!("{} keeps its mode but not its owner {}:{} ({e}: the daemon lacks CAP_CHOWN)", staged.real.display(), m.uid(), m.gid());
+            }
+        }
+        f.write_all(text.as_bytes())?;
+        f.sync_all()?;
+        // What the file's stamp will be once renamed (a rename keeps the
+        // inode, size and mtime): taken from the file written, not read
+        // back from the path, where an edit may land after the rename.
+        staged.stamp = crate::daemon::state::file_stamp(&staged.tmp);
+        Ok(staged)
+    }
+
+    /// Puts the text in place of the file; its stamp.
+    pub fn commit(mut self) -> std::io::Result<Option<crate::daemon::state::FileStamp>> {
+        std::fs::rename(&self.tmp, &self.real)?;
+        self.committed = true;
+        // Renamed, the file holds the new text: a failed sync of the
+        // directory only leaves the rename less durable across a crash.
+        let dir = self.real.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        if let Err(e) = std::fs::File::open(dir).and_then(|d| d.sync_all()) {
+            warn!("{} written, but syncing {} failed ({e}): a crash now may bring back the old file", self.real.display(), dir.display());
+        }
+        Ok(self.stamp)
+    }
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = std::fs::remove_file(&self.tmp);
         }
     }
-    f.write_all(text.as_bytes()).map_err(cleanup)?;
-    f.sync_all().map_err(cleanup)?;
-    drop(f);
-    std::fs::rename(&tmp, &real).map_err(cleanup)?;
-    // Renamed, the file holds the new text: a failed sync of the directory
-    // only leaves the rename less durable across a crash.
-    if let Err(e) = std::fs::File::open(dir).and_then(|d| d.sync_all()) {
-        warn!("{} written, but syncing {} failed ({e}): a crash now may bring back the old file", real.display(), dir.display());
-    }
-    Ok(())
 }
