@@ -58,6 +58,35 @@ fn a_first_start_that_fails_or_is_stopped_before_it_enforces_leaves_nothing_to_r
     // A datapath that was in force (its version written) is adopted as before.
     let dp = Datapath::load_with(&compiled, opts()).unwrap();
     assert!(dp.adopted());
+    drop(dp);
+    rl_control::datapath::detach_pinned(&dir).unwrap();
+
+    // As the daemon loads (the version written only as its first link is
+    // pinned), then killed before attaching: the next start clears the
+    // pins, even with tables of another size (it was refused: "detach").
+    let lab = Lab::new().unwrap();
+    prepare_pins(pins.path(), &dir).unwrap();
+    let daemon = || LoadOptions { pin: Some(dir.clone()), layout_at_attach: true, ..Default::default() };
+    drop(Datapath::load_with(&compiled, daemon()).unwrap());
+    let bigger = compile(&Config::from_str(&RULES.replace("1024", "4096"), "<test>").unwrap());
+    let dp = Datapath::load_with(&bigger, daemon()).expect("a start after one killed between load and attach");
+    assert!(!dp.adopted(), "nothing was in force there to adopt");
+    // Attached, it is in force: the next start adopts it (and refuses
+    // other sizes).
+    let rules = bigger.rules.clone();
+    let dp = lab
+        .b
+        .run(move || {
+            let mut dp = dp;
+            dp.take_over(&rules, &[VB.to_string()], rl_control::datapath::AttachMode::Native)?;
+            Ok(dp)
+        })
+        .unwrap();
+    drop(dp); // a pinned link outlives it, as when a daemon is killed
+    let e = Datapath::load_with(&compiled, daemon()).err().expect("other sizes on a datapath in force");
+    assert!(e.to_string().contains("max_sources") || e.to_string().contains("size"), "{e}");
+    assert!(Datapath::load_with(&bigger, daemon()).unwrap().adopted());
+    rl_control::datapath::detach_pinned(&dir).unwrap();
 }
 
 #[test]

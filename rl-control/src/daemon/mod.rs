@@ -361,7 +361,7 @@ fn enforce(
 ) -> Result<(Datapath, Vec<crate::datapath::Attachment>)> {
     let compiled = compile(config);
     crate::datapath::prepare_pins(pin_dir, pins)?;
-    let mut dp = Datapath::load_with(&compiled, LoadOptions { pin: Some(pins.to_path_buf()), ..Default::default() })?;
+    let mut dp = Datapath::load_with(&compiled, LoadOptions { pin: Some(pins.to_path_buf()), layout_at_attach: true, ..Default::default() })?;
     let adopted = dp.adopted();
     let attachments = match dp.take_over(&compiled.rules, ifaces, mode) {
         Ok(a) => a,

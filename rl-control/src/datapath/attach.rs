@@ -158,6 +158,10 @@ impl Datapath {
                     mode: used,
                     cause: format!("the link cannot be pinned ({}): pinning needs bpf_link XDP attachment (Linux 5.9+)", chain(&e)),
                 })?;
+                // In force from here: a later start adopts these pins.
+                if self.layout_pending {
+                    self.write_layout()?;
+                }
                 let (fd, path) = pin::pin_link(&dir, iface, &used.to_string(), fd)?;
                 self.links.push(fd);
                 Fresh::Pinned(path)

@@ -27,6 +27,13 @@ pub struct LoadOptions {
     /// Tests only: leave the kernel tick unmeasured, as when its
     /// measurement fails; every clock then reads `bpf_ktime_get_ns`.
     pub without_tick: bool,
+    /// Pinned afresh: write the pins' layout version (what tells a later
+    /// start that a datapath was in force here, to adopt) just before the
+    /// first link is pinned, not at load. The daemon's way: a start killed
+    /// between its load and its attach leaves pins the next start clears,
+    /// whatever its settings. (Without it, a load alone is adoptable, as
+    /// tests and tools that never attach need.)
+    pub layout_at_attach: bool,
 }
 
 const GLOBAL_BENCH_NEW_SOURCES: &str = "RL_BENCH_NEW_SOURCES";
@@ -187,6 +194,7 @@ impl Datapath {
             old_arrays: plan.old_arrays,
             links: Vec::new(),
             _held: held,
+            layout_pending: opts.layout_at_attach && opts.pin.is_some() && !plan.adopted,
             failpoint: None,
         };
         dp.seed_cells()?;
@@ -227,6 +235,14 @@ impl Datapath {
         Ok(dp)
     }
 
+    /// Marks the pins as holding a datapath of this layout (in force).
+    pub(super) fn write_layout(&mut self) -> Result<(), DatapathError> {
+        let mut layout: Array<&mut MapData, u32> = map_mut(&mut self.ebpf, MAP_LAYOUT)?;
+        layout.set(0, LAYOUT_VERSION, 0).map_err(|e| map_error(MAP_LAYOUT, e))?;
+        self.layout_pending = false;
+        Ok(())
+    }
+
     /// What a loaded datapath writes before its program first runs: the
     /// own buckets' cap, a fresh filter's validity and the pins' layout
     /// version; then a read of the counters and sources, so that maps that
@@ -255,9 +271,8 @@ impl Datapath {
             None => KNOWN_VALID,
         };
         known.set(0, word, 0).map_err(|e| map_error(MAP_KNOWN, e))?;
-        if pinned {
-            let mut layout: Array<&mut MapData, u32> = map_mut(&mut self.ebpf, MAP_LAYOUT)?;
-            layout.set(0, LAYOUT_VERSION, 0).map_err(|e| map_error(MAP_LAYOUT, e))?;
+        if pinned && !self.layout_pending {
+            self.write_layout()?;
         }
         self.counters()?;
         self.sources()?;

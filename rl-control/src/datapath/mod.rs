@@ -295,6 +295,9 @@ pub struct Datapath {
     links: Vec<FdLink>,
     /// The lock on the pin directory (one daemon per pinned datapath).
     _held: Option<std::os::fd::OwnedFd>,
+    /// The pins' layout version is still to be written, just before the
+    /// first link is pinned ([`LoadOptions::layout_at_attach`]).
+    layout_pending: bool,
     /// Tests only: the install step that fails next, after passing it
     /// this many times (see [`Datapath::fail_install_at`]).
     failpoint: Option<(&'static str, u32)>,

@@ -182,7 +182,8 @@ fn own_dir(dir: &Path) -> Result<(), DatapathError> {
 }
 
 /// Removes the pins an interrupted first start left in `dir`: maps, but no
-/// link and no layout version (written last, before anything attaches),
+/// link and no layout version (the daemon writes it just before it pins
+/// its first link; a load alone writes it last),
 /// so no datapath was ever in force there and no bucket is lost. The
 /// directory stays (the caller holds its lock). `true` if it removed any.
 pub(super) fn clear_interrupted(dir: &Path) -> Result<bool, DatapathError> {
