@@ -87,6 +87,7 @@ impl From<ApplyError> for ApiError {
             ApplyError::Invalid(m) => ApiError(StatusCode::UNPROCESSABLE_ENTITY, m),
             ApplyError::Failed(m) => ApiError(StatusCode::INTERNAL_SERVER_ERROR, m),
             ApplyError::Conflict(m) => ApiError(StatusCode::CONFLICT, m),
+            ApplyError::Stopping(m) => ApiError(StatusCode::SERVICE_UNAVAILABLE, m),
         }
     }
 }

@@ -34,6 +34,18 @@ pub fn hold_changes() -> std::sync::MutexGuard<'static, ()> {
     WRITER.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Set once the daemon stops: a change still waiting for [`WRITER`] (an
+/// open connection outlives the server's task) is refused, not applied
+/// after the daemon said it stopped.
+static STOPPING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Refuses every change from now on; waits for one under way.
+pub fn stop_changes() -> std::sync::MutexGuard<'static, ()> {
+    let guard = hold_changes();
+    STOPPING.store(true, std::sync::atomic::Ordering::SeqCst);
+    guard
+}
+
 /// A change, computed from the running state.
 pub struct Change {
     /// The new rule file text.
@@ -55,6 +67,9 @@ pub fn apply<E: From<ApplyError>>(
     make: impl FnOnce(&Running) -> Result<Change, E>,
 ) -> Result<String, E> {
     let _writer = WRITER.lock().unwrap_or_else(|e| e.into_inner());
+    if STOPPING.load(std::sync::atomic::Ordering::SeqCst) {
+        return Err(ApplyError::Stopping("the daemon is stopping: nothing changed; repeat this once it runs again".into()).into());
+    }
     let (running, stamp) = {
         let s = lock(shared);
         (Running { config: s.config.clone(), text: s.text.clone(), path: s.path.clone() }, s.stamp)

@@ -296,8 +296,8 @@ impl Stopping {
             let _ = c.await;
         }
         // A change under way finishes (its client sees the answer) before
-        // the datapath is left or taken off; none starts after.
-        let _changes = crate::daemon::apply::hold_changes();
+        // the datapath is left or taken off; one still waiting is refused.
+        let _changes = crate::daemon::apply::stop_changes();
         let (totals, gone) = {
             let s = lock(&state);
             let totals = s.dp.counters().map_or_else(|e| format!("unavailable ({e})"), |t| t.to_string());

@@ -47,12 +47,14 @@ pub enum ApplyError {
     /// The config file changed on disk since the daemon last read or wrote
     /// it: writing this change back would lose the operator's edit.
     Conflict(String),
+    /// The daemon is stopping: no change starts any more.
+    Stopping(String),
 }
 
 impl std::fmt::Display for ApplyError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            ApplyError::Invalid(m) | ApplyError::Failed(m) | ApplyError::Conflict(m) => f.write_str(m),
+            ApplyError::Invalid(m) | ApplyError::Failed(m) | ApplyError::Conflict(m) | ApplyError::Stopping(m) => f.write_str(m),
         }
     }
 }
