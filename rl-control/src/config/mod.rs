@@ -335,9 +335,14 @@ impl Config {
         let default = default_of(&loc, &raw.default)?;
         let allow = validate_list(&loc, "allow", &raw.allow)?;
         let deny = validate_list(&loc, "deny", &raw.deny)?;
+        // Totals over the limit are located at the entry past it.
+        let past = |n: usize| {
+            let cidrs = raw.allow.iter().chain(&raw.deny).map(|l| l.cidr.span()).chain(raw.ban.iter().map(|b| b.cidr.span()));
+            cidrs.clone().nth(n).unwrap_or(0..0)
+        };
         if allow.len() + deny.len() > MAX_LIST_CIDRS {
             return Err(loc.at(
-                0..0,
+                past(MAX_LIST_CIDRS),
                 format!("{} allow and {} deny CIDRs: the datapath holds at most {MAX_LIST_CIDRS} together", allow.len(), deny.len()),
             ));
         }
@@ -360,7 +365,7 @@ impl Config {
         let bans = bans_of(&loc, &raw.ban)?;
         if allow.len() + deny.len() + bans.len() > MAX_LIST_CIDRS {
             return Err(loc.at(
-                0..0,
+                past(MAX_LIST_CIDRS),
                 format!("{} allow, {} deny and {} ban CIDRs: the datapath holds at most {MAX_LIST_CIDRS} together", allow.len(), deny.len(), bans.len()),
             ));
         }
@@ -489,6 +494,23 @@ mod tests {
         let c = Config::from_str("[default]\nrate = 50\n", "x").unwrap();
         assert_eq!(c.default.burst, 50, "burst defaults to rate");
         assert_eq!(c.datapath.ipv6_prefix, 64);
+    }
+
+    #[test]
+    fn totals_over_the_datapath_are_located_at_the_entry_past_them() {
+        let cidr = |i: usize| format!("cidr = \"10.{}.{}.{}\"\n", i >> 16, (i >> 8) & 255, i & 255);
+        let mut text = String::from("[default]\nrate = 1\n");
+        for i in 0..MAX_LIST_CIDRS - 1 {
+            text += &format!("[[allow]]\n{}", cidr(i));
+        }
+        // Allow and deny fill the datapath; the first ban is one too many.
+        text += &format!("[[deny]]\n{}", cidr(MAX_LIST_CIDRS - 1));
+        for i in [MAX_LIST_CIDRS, MAX_LIST_CIDRS + 1] {
+            text += &format!("[[ban]]\n{}until = 4102444800\n", cidr(i));
+        }
+        let first_ban = 2 + 2 * MAX_LIST_CIDRS + 2;
+        let e = error_of(&text);
+        assert!(e.starts_with(&format!("rules.toml:{first_ban}:8: ")) && e.contains("262143 allow, 1 deny and 2 ban CIDRs"), "{e}");
     }
 
     #[test]

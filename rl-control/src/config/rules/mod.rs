@@ -157,7 +157,7 @@ impl<T> std::hash::Hash for NotState<T> {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct RawList {
-    cidr: Spanned<String>,
+    pub(crate) cidr: Spanned<String>,
 }
 
 #[derive(Deserialize)]
@@ -268,7 +268,14 @@ pub(crate) fn validate_rules(loc: &Located, raw: &[Spanned<RawRule>], has_cluste
     }
     let src_total: usize = rules.iter().map(|r| r.src.len()).sum();
     if src_total > MAX_SRC_CIDRS {
-        return Err(loc.at(0..0, format!("{src_total} src CIDRs over all rules: the datapath holds at most {MAX_SRC_CIDRS}")));
+        // At the CIDR past the limit.
+        let mut before = 0;
+        let span = raw.iter().filter_map(|r| r.get_ref().src.as_ref()).find_map(|list| {
+            let here = list.get_ref().get(MAX_SRC_CIDRS.checked_sub(before)?).map(|c| c.span());
+            before += list.get_ref().len();
+            here
+        });
+        return Err(loc.at(span.unwrap_or(0..0), format!("{src_total} src CIDRs over all rules: the datapath holds at most {MAX_SRC_CIDRS}")));
     }
     Ok(rules)
 }
@@ -649,6 +656,19 @@ action = "shadow"
             let text = format!("[default]\nrate = 5\n[[rule]]\nname = \"a\"\n{ok}");
             assert!(Config::from_str(&text, "rules.toml").is_ok(), "{ok}");
         }
+    }
+
+    #[test]
+    fn more_src_cidrs_than_the_datapath_holds_are_located() {
+        let list = |from: usize, n: usize| (from..from + n).map(|i| format!("\"{}.{}.{}.0/24\"", 10 + (i >> 16), (i >> 8) & 255, i & 255)).collect::<Vec<_>>().join(", ");
+        let body = format!(
+            "[[rule]]\nname = \"a\"\nrate = 1\nsrc = [{}]\n[[rule]]\nname = \"b\"\nrate = 1\nsrc = [{}]\n",
+            list(0, MAX_SRC_CIDRS - 2),
+            list(MAX_SRC_CIDRS, 3)
+        );
+        // b's third CIDR is the one past the limit.
+        let col = body.lines().nth(7).unwrap().rfind("\"11.").unwrap() + 1;
+        assert_error(&body, 10, col, &format!("{} src CIDRs over all rules: the datapath holds at most {MAX_SRC_CIDRS}", MAX_SRC_CIDRS + 1));
     }
 
     #[test]
