@@ -166,7 +166,16 @@ fn write_back_follows_a_symlink_and_keeps_the_file_mode() {
     std::fs::set_permissions(&real, std::fs::Permissions::from_mode(0o640)).unwrap();
     let link = dir.path().join("rl.toml");
     std::os::unix::fs::symlink(&real, &link).unwrap();
+    // What a change killed mid-way leaves (pid 4194305 is above any
+    // pid_max): removed at start; one of a live process is not.
+    let stale = dir.path().join(".real.toml.rl-tmp.4194305.0");
+    let live = dir.path().join(format!(".real.toml.rl-tmp.{}.0", std::process::id()));
+    std::fs::write(&stale, "half").unwrap();
+    std::fs::write(&live, "in use").unwrap();
     let d = Daemon::serving(&lab, &link, &[]).unwrap();
+    assert!(!stale.exists(), "a killed change's temporary file was left");
+    assert!(live.exists(), "a live process's temporary file was removed");
+    std::fs::remove_file(&live).unwrap();
     let a = request(&lab.b, "POST", "/v1/bans", json(&json!({"cidr": "203.0.113.0/24", "ttl_secs": 60})), None).unwrap();
     assert_eq!(a.status, 201, "{}", a.body);
     assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink(), "the symlink was replaced by a file");

@@ -354,6 +354,15 @@ fn one_daemon_serves_a_runtime_directory() {
     assert_eq!(rl_tests::http::get(&lab.b, "/v1/status").status, 200, "the second start took the first's socket");
     let (status, log) = first.stop(libc::SIGTERM).unwrap();
     assert!(status.success(), "{log}");
+    // A live socket with no lock (an older build's daemon takes none):
+    // refused too, and left serving.
+    let older = std::os::unix::net::UnixListener::bind(run_dir.join("api.sock")).unwrap();
+    let (status, out) = run_once(Some(&lab.b), &["run", "--iface", VB, "--config", good]).unwrap();
+    assert_eq!(status.code(), Some(1), "{out}");
+    assert!(error_line(&out).contains("another rl-control is serving"), "{out}");
+    assert!(run_dir.join("api.sock").exists(), "the older daemon's socket was removed");
+    drop(older);
+    std::fs::remove_file(run_dir.join("api.sock")).unwrap();
 
     std::fs::set_permissions(&run_dir, std::fs::Permissions::from_mode(0o777)).unwrap();
     let (status, out) = run_once(Some(&lab.b), &["run", "--iface", VB, "--config", good]).unwrap();

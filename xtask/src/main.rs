@@ -218,6 +218,9 @@ fn run_test_binaries() -> Result<()> {
     let limit = std::env::var("RL_TEST_TIMEOUT_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(TEST_BINARY_TIMEOUT_SECS);
     let (mut failed, mut times) = (Vec::new(), Vec::new());
     for (name, exe) in &binaries {
+        if INTERRUPTED.load(std::sync::atomic::Ordering::SeqCst) {
+            bail!("interrupted: the remaining test binaries did not run");
+        }
         let start = std::time::Instant::now();
         let result = run_limited(Command::new(exe).arg("--test-threads=1").current_dir(workspace_root().join("tests")), limit);
         let secs = start.elapsed().as_secs_f64();
@@ -235,7 +238,7 @@ fn run_test_binaries() -> Result<()> {
     let slowest: Vec<String> = times.iter().take(5).map(|(s, n)| format!("{n} {s:.0} s")).collect();
     step!("{} test binaries in {total:.0} s; slowest: {}", times.len(), slowest.join(", "));
     if !failed.is_empty() {
-        bail!("{} of {} test binaries failed: {} (rerun one: `cargo test -p rl-tests --test NAME -- --test-threads=1`)", failed.len(), binaries.len(), failed.join(", "));
+        bail!("{} of {} test binaries failed: {} (rerun one: `cargo test -p rl-tests --test NAME -- --test-threads=1`; `--lib` for rl_tests)", failed.len(), binaries.len(), failed.join(", "));
     }
     Ok(())
 }
@@ -262,19 +265,48 @@ fn test_executables(messages: &str) -> Vec<(String, PathBuf)> {
         .collect()
 }
 
+/// The process group of the test binary running now (0: none), for
+/// [`forward`]: in a group of its own, it does not get the terminal's
+/// Ctrl-C itself.
+static RUNNING_GROUP: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+static INTERRUPTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// SIGINT/SIGTERM to xtask: passed on to the running test binary's group,
+/// and no further binary starts.
+extern "C" fn forward(signal: libc::c_int) {
+    INTERRUPTED.store(true, std::sync::atomic::Ordering::SeqCst);
+    let group = RUNNING_GROUP.load(std::sync::atomic::Ordering::SeqCst);
+    if group > 0 {
+        unsafe { libc::kill(-group, signal) };
+    }
+}
+
 /// Runs `cmd`, killing it (and what it started in its process group) after
 /// `secs` seconds.
 fn run_limited(cmd: &mut Command, secs: u64) -> Result<()> {
     use std::os::unix::process::CommandExt;
+    if INTERRUPTED.load(std::sync::atomic::Ordering::SeqCst) {
+        bail!("interrupted");
+    }
+    unsafe {
+        libc::signal(libc::SIGINT, forward as extern "C" fn(libc::c_int) as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, forward as extern "C" fn(libc::c_int) as libc::sighandler_t);
+    }
     let mut child = cmd.process_group(0).spawn().with_context(|| format!("starting {cmd:?}"))?;
+    RUNNING_GROUP.store(child.id() as i32, std::sync::atomic::Ordering::SeqCst);
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
     loop {
         if let Some(status) = child.try_wait()? {
+            RUNNING_GROUP.store(0, std::sync::atomic::Ordering::SeqCst);
+            if INTERRUPTED.load(std::sync::atomic::Ordering::SeqCst) {
+                bail!("interrupted");
+            }
             return if status.success() { Ok(()) } else { Err(anyhow::anyhow!("{status}")) };
         }
         if std::time::Instant::now() >= deadline {
             unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
             let _ = child.wait();
+            RUNNING_GROUP.store(0, std::sync::atomic::Ordering::SeqCst);
             bail!(
                 "still running after {secs} s (RL_TEST_TIMEOUT_SECS): killed; the network namespaces it made are removed by a later \
                  `cargo xtask test` once an hour old, or now with `ip netns delete`"

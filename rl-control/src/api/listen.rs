@@ -10,7 +10,7 @@
 
 use std::{
     net::SocketAddr,
-    os::unix::fs::PermissionsExt,
+    os::unix::fs::{DirBuilderExt, PermissionsExt},
     path::{Path, PathBuf},
     sync::Arc,
 };
@@ -77,7 +77,11 @@ pub async fn bind(runtime_dir: &Path, api: Option<SocketAddr>, config: &Config) 
              could change the rules; set [api] token_file, or use the Unix socket in the runtime directory (root only, the default)"
         );
     }
-    std::fs::create_dir_all(runtime_dir)
+    // Made 0755 whatever the umask leaves (a group-writable one is refused).
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o755)
+        .create(runtime_dir)
         .with_context(|| format!("cannot create the runtime directory {} (--runtime-dir)", runtime_dir.display()))?;
     root_only(runtime_dir)?;
     let socket_path = runtime_dir.join(API_SOCKET);
@@ -90,6 +94,10 @@ pub async fn bind(runtime_dir: &Path, api: Option<SocketAddr>, config: &Config) 
         _ => anyhow::anyhow!("cannot lock {}: {e}: run rl-control as root", runtime_dir.join("api.lock").display()),
     })?;
     if socket_path.exists() {
+        // A daemon of an older build takes no lock: its socket answers.
+        if std::os::unix::net::UnixStream::connect(&socket_path).is_ok() {
+            bail!("another rl-control is serving {}: stop it first, or give this one another --runtime-dir", socket_path.display());
+        }
         std::fs::remove_file(&socket_path).with_context(|| format!("cannot remove the stale socket {}", socket_path.display()))?;
     }
     // Created 0600 from the start: no moment in which others may connect.

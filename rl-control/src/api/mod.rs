@@ -85,7 +85,7 @@ impl From<ApplyError> for ApiError {
     fn from(e: ApplyError) -> Self {
         match e {
             ApplyError::Invalid(m) => ApiError(StatusCode::UNPROCESSABLE_ENTITY, m),
-            ApplyError::Failed(m) => ApiError(StatusCode::INTERNAL_SERVER_ERROR, m),
+            ApplyError::Failed(m) | ApplyError::Unwritable(m) => ApiError(StatusCode::INTERNAL_SERVER_ERROR, m),
             ApplyError::Conflict(m) => ApiError(StatusCode::CONFLICT, m),
             ApplyError::Stopping(m) => ApiError(StatusCode::SERVICE_UNAVAILABLE, m),
         }

@@ -15,23 +15,12 @@ pub fn key_prefixes(r: &Rule, v4_default: u8, v6_default: u8) -> (u8, u8) {
 
 /// What rule `r`'s buckets mean, hashed into its id: the rule (matching
 /// fields too: a rule that now matches other traffic starts fresh) and the
-/// prefixes that key it. Its `src` and `dst_ports` as sets (sorted, once
-/// each): listing them in another order matches the same traffic, and keeps
-/// the buckets. (Lists already in order hash as they always did.)
-pub(super) fn rule_definition(r: &Rule, v4_default: u8, v6_default: u8) -> (std::borrow::Cow<'_, Rule>, u8, u8) {
+/// prefixes that key it. Its `src` and `dst_ports` hash as listed: taking
+/// them as sets would change the ids of rules listed out of order, and an
+/// upgrade would hand their keys a fresh burst.
+pub(super) fn rule_definition(r: &Rule, v4_default: u8, v6_default: u8) -> (&Rule, u8, u8) {
     let (v4, v6) = key_prefixes(r, v4_default, v6_default);
-    fn as_set<T: Ord>(v: &[T]) -> bool {
-        v.windows(2).all(|w| w[0] < w[1])
-    }
-    if as_set(&r.src) && as_set(&r.dst_ports) {
-        return (std::borrow::Cow::Borrowed(r), v4, v6);
-    }
-    let mut set = r.clone();
-    set.src.sort_unstable();
-    set.src.dedup();
-    set.dst_ports.sort_unstable();
-    set.dst_ports.dedup();
-    (std::borrow::Cow::Owned(set), v4, v6)
+    (r, v4, v6)
 }
 
 /// The datapath's entry for rule `r` (its bucket id, masks and limits as

@@ -39,6 +39,13 @@ pub fn hold_changes() -> std::sync::MutexGuard<'static, ()> {
 /// after the daemon said it stopped.
 static STOPPING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
+fn refuse_if_stopping() -> Result<(), ApplyError> {
+    match STOPPING.load(std::sync::atomic::Ordering::SeqCst) {
+        true => Err(ApplyError::Stopping("the daemon is stopping: nothing changed; repeat this once it runs again".into())),
+        false => Ok(()),
+    }
+}
+
 /// Refuses every change from now on; waits for one under way.
 pub fn stop_changes() -> std::sync::MutexGuard<'static, ()> {
     let guard = hold_changes();
@@ -67,9 +74,7 @@ pub fn apply<E: From<ApplyError>>(
     make: impl FnOnce(&Running) -> Result<Change, E>,
 ) -> Result<String, E> {
     let _writer = WRITER.lock().unwrap_or_else(|e| e.into_inner());
-    if STOPPING.load(std::sync::atomic::Ordering::SeqCst) {
-        return Err(ApplyError::Stopping("the daemon is stopping: nothing changed; repeat this once it runs again".into()).into());
-    }
+    refuse_if_stopping()?;
     let (running, stamp) = {
         let s = lock(shared);
         (Running { config: s.config.clone(), text: s.text.clone(), path: s.path.clone() }, s.stamp)
@@ -158,6 +163,8 @@ fn prepare_unlocked(shared: &Shared, plan: &mut Plan, ready: Instant) -> Result<
 /// (`None`), unless they stand so already.
 pub fn set_failure_mode(shared: &Shared, mode: Option<crate::cluster::OnFailure>) -> Result<(), ApplyError> {
     let _writer = WRITER.lock().unwrap_or_else(|e| e.into_inner());
+    // Stopped, the datapath is left with the rules it had.
+    refuse_if_stopping()?;
     let (config, basis, ready) = {
         let s = lock(shared);
         if s.failure_mode == mode {
@@ -275,7 +282,7 @@ fn install(
                 return Err(ApplyError::Conflict(conflict(p)));
             }
             let staged = Staged::write(p, &change.text)
-                .map_err(|e| failed(&format!("cannot write {} (nothing changed; check its directory is writable)", p.display()), &e))?;
+                .map_err(|e| ApplyError::Unwritable(format!("cannot write {} (nothing changed; check its directory is writable): {e}", p.display())))?;
             Some((p, staged))
         }
         (true, None) => {
@@ -309,7 +316,7 @@ fn install(
         // An edit that landed while this change was installed is not
         // written over: the file keeps it, and the old rules go back.
         let placed = match file_stamp(p) == stamp {
-            true => staged.commit().map_err(|e| ApplyError::Failed(format!("cannot write {}: {e}", p.display()))),
+            true => staged.commit().map_err(|e| ApplyError::Unwritable(format!("cannot write {}: {e}", p.display()))),
             false => Err(ApplyError::Conflict(conflict(p))),
         };
         match placed {
@@ -324,6 +331,7 @@ fn install(
                 };
                 return Err(match e {
                     ApplyError::Conflict(m) => ApplyError::Conflict(format!("{m} ({back})")),
+                    ApplyError::Unwritable(m) => ApplyError::Unwritable(format!("{m} ({back})")),
                     other => ApplyError::Failed(format!("{other} ({back})")),
                 });
             }
@@ -412,13 +420,13 @@ pub fn expire_bans(shared: &Shared) {
         }
     };
     // A failure is logged and recorded by `apply`.
-    if apply(shared, trigger, lift(!pending)).is_ok() || pending {
-        return;
-    }
+    let r = apply(shared, trigger, lift(!pending));
     // The file cannot be written (read-only, full): lift them in the
     // datapath anyway, once, or the same failure would repeat every second.
-    let trigger = "ban(s) expired (lifted, the config file not written: writing it failed)";
-    let _ = apply(shared, trigger, lift(false));
+    if matches!(r, Err(ApplyError::Unwritable(_))) {
+        let trigger = "ban(s) expired (lifted, the config file not written: writing it failed)";
+        let _ = apply(shared, trigger, lift(false));
+    }
 }
 
 fn edit_message(e: &crate::config::document::EditError) -> &str {
@@ -478,6 +486,26 @@ impl Staged {
             warn!("{} written, but syncing {} failed ({e}): a crash now may bring back the old file", self.real.display(), dir.display());
         }
         Ok(self.stamp)
+    }
+}
+
+/// Removes what a change killed mid-way (SIGKILL, OOM) left beside the
+/// config file: temporary files of processes that no longer run.
+pub fn remove_stale_staged(path: &Path) {
+    let real: PathBuf = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    let dir = real.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let Some(name) = real.file_name().map(|n| n.to_string_lossy().into_owned()) else { return };
+    let prefix = format!(".{name}.rl-tmp.");
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for e in entries.flatten() {
+        let file = e.file_name().to_string_lossy().into_owned();
+        let Some(pid) = file.strip_prefix(&prefix).and_then(|rest| rest.split('.').next()).and_then(|p| p.parse::<u32>().ok()) else { continue };
+        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+            match std::fs::remove_file(e.path()) {
+                Ok(()) => info!("removed {}, left by a change that was killed mid-way", e.path().display()),
+                Err(err) => warn!("cannot remove {}, left by a change that was killed mid-way: {err}", e.path().display()),
+            }
+        }
     }
 }
 

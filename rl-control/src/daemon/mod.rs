@@ -177,6 +177,9 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         );
     }
     let listeners = api::listen::bind(&opts.runtime_dir, opts.api, &config).await?;
+    if let Some(p) = &opts.config {
+        apply::remove_stale_staged(p);
+    }
     let l7_listener = api::listen::bind_tcp(config.l7.http_listen, "the request check", "[l7] http_listen").await?;
     let grpc_listener = api::listen::bind_tcp(config.l7.grpc_listen, "Envoy's rate-limit service", "[l7] grpc_listen").await?;
     let ifaces = if opts.ifaces.is_empty() { config.datapath.interfaces.clone() } else { opts.ifaces.clone() };

@@ -49,12 +49,15 @@ pub enum ApplyError {
     Conflict(String),
     /// The daemon is stopping: no change starts any more.
     Stopping(String),
+    /// The config file could not be written (read-only, full): nothing
+    /// changed.
+    Unwritable(String),
 }
 
 impl std::fmt::Display for ApplyError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            ApplyError::Invalid(m) | ApplyError::Failed(m) | ApplyError::Conflict(m) | ApplyError::Stopping(m) => f.write_str(m),
+            ApplyError::Invalid(m) | ApplyError::Failed(m) | ApplyError::Conflict(m) | ApplyError::Stopping(m) | ApplyError::Unwritable(m) => f.write_str(m),
         }
     }
 }
