@@ -85,6 +85,12 @@ fn a_first_start_that_fails_or_is_stopped_before_it_enforces_leaves_nothing_to_r
     drop(dp); // a pinned link outlives it, as when a daemon is killed
     let e = Datapath::load_with(&compiled, daemon()).err().expect("other sizes on a datapath in force");
     assert!(e.to_string().contains("max_sources") || e.to_string().contains("size"), "{e}");
+    // Another max_sources and flood_prefixes sizing the same tables
+    // (4096 + 65536 = 9632 + 60000; 2 × 60000 cells round up to 2^17):
+    // refused as well, by the pinned cap of own buckets.
+    let alike = compile(&Config::from_str("[datapath]\nmax_sources = 9632\nflood_prefixes = 60000\n[default]\nrate = 100\n", "<test>").unwrap());
+    let e = Datapath::load_with(&alike, daemon()).err().expect("other settings sizing the tables alike");
+    assert!(e.to_string().contains("made with max_sources = 4096, this configuration says 9632"), "{e}");
     assert!(Datapath::load_with(&bigger, daemon()).unwrap().adopted());
     rl_control::datapath::detach_pinned(&dir).unwrap();
 }

@@ -89,6 +89,14 @@ impl PinPlan {
         if !adopted {
             return Ok(PinPlan::default());
         }
+        // max_sources and flood_prefixes size the tables, which another
+        // pair can size alike: the pinned cap of own buckets tells.
+        if let Some(cap) = pin::owned_cap(dir)?.filter(|&c| c != 0 && c != u64::from(compiled.max_sources)) {
+            return Err(DatapathError::Layout {
+                dir: dir.to_path_buf(),
+                what: format!("the datapath was made with max_sources = {cap}, this configuration says {} (datapath.max_sources changed?)", compiled.max_sources),
+            });
+        }
         let pinned = pin::config(dir)?.filter(|c| c.enabled != 0);
         if let Some(cfg) = &pinned {
             cells_fit(cfg, &compiled.rules.tuning).map_err(|what| DatapathError::Layout { dir: dir.to_path_buf(), what })?;

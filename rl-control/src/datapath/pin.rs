@@ -181,6 +181,19 @@ fn own_dir(dir: &Path) -> Result<(), DatapathError> {
     Ok(())
 }
 
+/// The cap of own buckets pinned in `dir` (`max_sources` of the datapath
+/// made there), if its map is pinned (an older build may lack it).
+pub(super) fn owned_cap(dir: &Path) -> Result<Option<u64>, DatapathError> {
+    let path = dir.join(rl_common::MAP_OWNED);
+    if !path.exists() {
+        return Ok(None);
+    }
+    let map = aya::maps::MapData::from_pin(&path).map_err(|e| pin_error(&path, chain(&e)))?;
+    let owned: aya::maps::Array<aya::maps::MapData, u64> =
+        aya::maps::Array::try_from(aya::maps::Map::Array(map)).map_err(|e| pin_error(&path, chain(&e)))?;
+    owned.get(&rl_common::OWNED_CAP, 0).map(Some).map_err(|e| pin_error(&path, chain(&e)))
+}
+
 /// Removes the pins an interrupted first start left in `dir`: maps, but no
 /// link and no layout version (the daemon writes it just before it pins
 /// its first link; a load alone writes it last),
