@@ -251,16 +251,18 @@ fn main() -> ExitCode {
 
     let result = match cli.command {
         Command::CheckConfig { file } => Config::from_file(&file)
-            .map(|c| {
-                println!("{}: ok ({}; up to {} sources)", file.display(), c.summary(), c.datapath.max_sources);
+            .map_err(anyhow::Error::from)
+            .and_then(|c| {
                 // As a fresh datapath would install them.
                 let mut rules = rl_control::compile::compile(&c).rules;
+                rl_control::datapath::fits(&rules).map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+                println!("{}: ok ({}; up to {} sources)", file.display(), c.summary(), c.datapath.max_sources);
                 rl_control::compile::part_wide_counts(&mut rules.entries, &Default::default());
                 for note in rl_control::compile::wide_count_notes(&rules.entries, &rules.names) {
                     println!("note: {note}");
                 }
-            })
-            .map_err(anyhow::Error::from),
+                Ok(())
+            }),
         Command::Reload { pid_file: Some(pid_file), .. } => daemon::signal_reload(&pid_file),
         Command::Reload { pid_file: None, remote } => remote_call(&remote, "POST", "/v1/reload", None, cli::applied),
         Command::Status { remote } => remote_call(&remote, "GET", "/v1/status", None, cli::status),

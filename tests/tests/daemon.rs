@@ -125,6 +125,21 @@ fn check_config_accepts_valid_and_locates_errors() {
         let line = error_line(&out);
         assert!(line.contains(want), "{name}: got {line:?}, want {want:?}");
     }
+    // Valid line by line, but more rule decisions than the datapath holds
+    // (port classes × source classes): refused here, not only at start.
+    let mut text = String::from("[default]\nrate = 5\n");
+    for x in 0..100 {
+        text += &format!("[[rule]]\nname = \"p{x}\"\nproto = \"udp\"\ndst_ports = [{}]\nsrc = [\"10.{x}.0.0/16\"]\nrate = 1\n", 1000 + x);
+    }
+    for y in 0..105 {
+        let src: Vec<String> = (0..100).map(|x| format!("\"10.{x}.{y}.0/24\"")).collect();
+        text += &format!("[[rule]]\nname = \"q{y}\"\nsrc = [{}]\nrate = 1\n", src.join(", "));
+    }
+    let big = write(&dir, "decisions.toml", &text);
+    let (status, out) = run_once(None, &["check-config", big.to_str().unwrap()]).unwrap();
+    assert_eq!(status.code(), Some(1), "{out}");
+    assert!(error_line(&out).contains("decisions.toml: the rule set needs 1048577 or more rule decision entries"), "{out}");
+
     let (status, out) = run_once(None, &["check-config", "/nonexistent/rules.toml"]).unwrap();
     assert_eq!(status.code(), Some(1));
     assert!(error_line(&out).contains("/nonexistent/rules.toml: cannot read the config file"), "{out}");

@@ -167,11 +167,17 @@ pub(super) fn compile_l4(rules: &[Rule], src_classes: &[BTreeSet<u32>]) -> (Vec<
             l4[x as usize] = L4Entry::pack(class, first as u16);
         }
     }
+    // Up to one entry more than a slot holds: a rule set past that is
+    // refused (`fits`), and building all of it could take minutes (port
+    // classes × source classes, up to millions of each).
     let mut decide = Vec::new();
-    for (ci, pre) in classes.iter().enumerate() {
+    'classes: for (ci, pre) in classes.iter().enumerate() {
         for (si, set) in src_classes.iter().enumerate() {
             if let Some(r) = pre.iter().find(|r| set.contains(r)) {
                 decide.push(((ci as u16 + 1, si as u16), *r));
+                if decide.len() > rl_common::DECIDE_SLOT_LEN as usize {
+                    break 'classes;
+                }
             }
         }
     }

@@ -364,6 +364,29 @@ mod tests {
         assert!(a.rules.entries.iter().all(|e| e.id & 7 == 0));
     }
 
+    /// A file within every documented limit whose port classes × source
+    /// classes need more decision entries than a slot holds (100 port
+    /// rules with a /16 each, 105 portless rules with a /24 in each of
+    /// those: 101 × 10,600 classes; 250 of each made 15.7M and compiled for
+    /// minutes) is
+    /// refused by `fits` (and `check-config`), and compiling it stops at
+    /// one entry past the slot instead of building all of them.
+    #[test]
+    fn a_decision_table_past_the_slot_is_cut_short_and_refused() {
+        let mut text = String::from("[default]\nrate = 5\n");
+        for x in 0..100 {
+            text += &format!("[[rule]]\nname = \"p{x}\"\nproto = \"udp\"\ndst_ports = [{}]\nsrc = [\"10.{x}.0.0/16\"]\nrate = 1\n", 1000 + x);
+        }
+        for y in 0..105 {
+            let src: Vec<String> = (0..100).map(|x| format!("\"10.{x}.{y}.0/24\"")).collect();
+            text += &format!("[[rule]]\nname = \"q{y}\"\nsrc = [{}]\nrate = 1\n", src.join(", "));
+        }
+        let rules = compile(&config(&text)).rules;
+        assert_eq!(rules.decide.len(), rl_common::DECIDE_SLOT_LEN as usize + 1);
+        let e = crate::datapath::fits(&rules).unwrap_err().to_string();
+        assert!(e.contains("1048577 or more rule decision entries"), "{e}");
+    }
+
     #[test]
     fn rule_ids_do_not_depend_on_the_process_or_the_build() {
         // A restarted or upgraded daemon adopts the pinned buckets by these

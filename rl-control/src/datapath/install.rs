@@ -506,8 +506,9 @@ fn sorted_diff<K: Ord + Copy, V: PartialEq + Copy>(old: &[(K, V)], new: &[(K, V)
     (remove, write)
 }
 
-/// Refuses a rule set the slot's tables cannot hold, before anything is written.
-pub(super) fn fits(rules: &RuleSet) -> Result<(), DatapathError> {
+/// Refuses a rule set the slot's tables cannot hold, before anything is
+/// written (and in `check-config`).
+pub fn fits(rules: &RuleSet) -> Result<(), DatapathError> {
     let v4 = rules.lpm.iter().filter(|(c, _)| c.addr.is_ipv4()).count();
     let v6 = rules.lpm.len() - v4;
     let hint = "list fewer CIDRs (merge them into shorter prefixes)";

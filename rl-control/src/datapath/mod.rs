@@ -45,7 +45,7 @@ pub mod share;
 
 mod pressure;
 
-pub use install::Plan;
+pub use install::{fits, Plan};
 pub use cells::CellArray;
 pub use known::KnownFilter;
 pub use load::{table_capacity, LoadOptions, LAST_RESORT_ROOM};
@@ -118,7 +118,7 @@ pub enum DatapathError {
     Held(std::path::PathBuf),
     #[error("pinning at {}: {cause} (pins need bpffs; set [datapath] pin_dir or --pin-dir to a directory on one)", at.display())]
     Pin { at: std::path::PathBuf, cause: String },
-    #[error("the rule set needs {needed} {what} entries, more than the {capacity} a slot holds: {hint}")]
+    #[error("the rule set needs {needed}{} {what} entries, more than the {capacity} a slot holds: {hint}", if *needed > *capacity as usize + 1 { "" } else { " or more" })]
     TooLarge { what: &'static str, needed: usize, capacity: u32, hint: &'static str },
     #[error("test run of program {program} failed: {cause}")]
     TestRun { program: &'static str, cause: String },
