@@ -170,6 +170,45 @@ fn the_ledger_charges_each_packet_once_and_never_more_than_its_host_has_unacknow
     let mut fields: Vec<&str> = fields.lines().collect();
     fields.sort();
     assert_eq!(fields, ["a:a", "a:b", "c:a", "c:b", "t"], "the quiet runs dropped, the live ones kept");
+
+    // A slow rule (1 packet/s here) whose bucket is ahead of now for far
+    // longer than keep-alive (10 s): the key lives while it carries the
+    // charges, then keep-alive more. (It expired after keep-alive: every
+    // host then passed its full rate again.)
+    const SLOW: &str = "rl:p:{r:0:0:1}:0a000001";
+    redis.cli(&["EVAL", SYNC, "1", SLOW, "a", "1000000", "100000", "10000", "100", "100"]).unwrap();
+    let ahead_ms = (redis.cli(&["HGET", SLOW, "t"]).unwrap().trim().parse::<f64>().unwrap() / 1000.0) as i64 - redis_now_ms(&redis);
+    let ttl: i64 = redis.cli(&["PTTL", SLOW]).unwrap().trim().parse().unwrap();
+    assert!(ahead_ms > 90_000, "{ahead_ms} ms ahead");
+    assert!(ttl >= ahead_ms + 9_000, "the key expires in {ttl} ms while its bucket is {ahead_ms} ms ahead");
+}
+
+/// `decide.lua` on a real Redis whose clock is behind the window a bucket
+/// was opened in (a failover to a replica with a slower clock): the window
+/// is charged as it stands, not opened a second time with a fresh count.
+#[test]
+fn a_window_opened_on_a_clock_ahead_is_never_opened_again() {
+    let hub = rl_tests::redis::Hub::new(245 + std::process::id() % 5).unwrap();
+    let redis = rl_tests::redis::Redis::start(&hub, 6391).unwrap();
+    const DECIDE: &str = include_str!("../../rl-control/src/cluster/decide.lua");
+    let per_us: i64 = 60_000_000;
+    for algo in ["fixed", "sliding"] {
+        let k = format!("rl:l7:{{w:{algo}}}");
+        let next = redis_now_ms(&redis) * 1000 / per_us + 1;
+        // The next window, full (5 of 5), opened on a clock a minute ahead.
+        redis.cli(&["HSET", &k, "w0", &next.to_string(), "c0", "5", "p0", "0"]).unwrap();
+        let out = redis.cli(&["EVAL", DECIDE, "1", &k, algo, "1", "1", "5", &per_us.to_string(), "0"]).unwrap();
+        assert_eq!(out.lines().next().map(str::trim), Some("0"), "{algo}: a full window was opened again: {out}");
+        assert_eq!(redis.cli(&["HGET", &k, "w0"]).unwrap().trim(), next.to_string(), "{algo}: the window went back");
+    }
+}
+
+/// Redis' clock (ms).
+fn redis_now_ms(redis: &rl_tests::redis::Redis) -> i64 {
+    let t = redis.cli(&["TIME"]).unwrap();
+    let mut f = t.lines().map(|l| l.trim().parse::<i64>().unwrap());
+    let (s, us) = (f.next().unwrap(), f.next().unwrap());
+    s * 1000 + us / 1000
 }
 
 /// `register.lua` on a real Redis: a registration is alive for its own

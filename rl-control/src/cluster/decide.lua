@@ -103,6 +103,10 @@ elseif algo == 'fixed' or algo == 'sliding' then
     local sw, c, p = tonumber(v[1] or -1), tonumber(v[2] or 0), tonumber(v[3] or 0)
     local prev, cur = 0, 0
     if sw == w then prev, cur = p, c elseif sw == w - 1 then prev, cur = c, 0 end
+    -- A window already opened on a clock ahead of this one (Redis failed
+    -- over to a replica whose clock is behind): charged as it stands, as
+    -- rl-common does, never opened a second time.
+    if sw > w then w, prev, cur = sw, p, c end
     -- rl-common's weighting: the previous count times the share of the
     -- window still ahead at t, in 1/65536, rounded up.
     local function weighted(count, t)

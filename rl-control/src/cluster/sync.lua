@@ -52,7 +52,10 @@ for i, K in ipairs(KEYS) do
       end
     end
   end
-  redis.call('PEXPIRE', K, keep)
+  -- Kept while it carries other hosts' charges (a slow rule's bucket may
+  -- be ahead of now for far longer than keep-alive: forgotten, every host
+  -- would pass its full rate again), then keep-alive more.
+  redis.call('PEXPIRE', K, keep + math.max(math.ceil((tat - now) / 1000), 0))
   out[i] = math.max(math.floor(tat - now), 0)
 end
 return out
