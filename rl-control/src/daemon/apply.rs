@@ -453,8 +453,8 @@ impl Staged {
     pub fn write(path: &Path, text: &str) -> std::io::Result<Staged> {
         use std::{io::Write, os::unix::fs::MetadataExt, sync::atomic::{AtomicU64, Ordering}};
         static SEQ: AtomicU64 = AtomicU64::new(0);
-        let real: PathBuf = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
-        let dir = real.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let real = real_path(path);
+        let dir = dir_of(&real);
         let name = real.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         let tmp = dir.join(format!(".{name}.rl-tmp.{}.{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed)));
         let mut f = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
@@ -481,7 +481,7 @@ impl Staged {
         self.committed = true;
         // Renamed, the file holds the new text: a failed sync of the
         // directory only leaves the rename less durable across a crash.
-        let dir = self.real.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        let dir = dir_of(&self.real);
         if let Err(e) = std::fs::File::open(dir).and_then(|d| d.sync_all()) {
             warn!("{} written, but syncing {} failed ({e}): a crash now may bring back the old file", self.real.display(), dir.display());
         }
@@ -489,11 +489,21 @@ impl Staged {
     }
 }
 
+/// The config file a path names (a symlink followed).
+fn real_path(path: &Path) -> PathBuf {
+    std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf())
+}
+
+/// The directory holding `file` (`.` for a bare name).
+fn dir_of(file: &Path) -> &Path {
+    file.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."))
+}
+
 /// Removes what a change killed mid-way (SIGKILL, OOM) left beside the
 /// config file: temporary files of processes that no longer run.
 pub fn remove_stale_staged(path: &Path) {
-    let real: PathBuf = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
-    let dir = real.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let real = real_path(path);
+    let dir = dir_of(&real);
     let Some(name) = real.file_name().map(|n| n.to_string_lossy().into_owned()) else { return };
     let prefix = format!(".{name}.rl-tmp.");
     let Ok(entries) = std::fs::read_dir(dir) else { return };
