@@ -17,5 +17,8 @@ fn main() {
             obj.display()
         );
     }
-    println!("cargo:rustc-env=RL_EBPF_OBJ={}", obj.canonicalize().unwrap().display());
+    println!(
+        "cargo:rustc-env=RL_EBPF_OBJ={}",
+        obj.canonicalize().unwrap().display()
+    );
 }

@@ -54,7 +54,9 @@
 //! drained; a flood over one /8 then reads 256 lines of the array instead
 //! of 65,536.
 
-use crate::{limit_of_key, Bucket, DatapathConfig, Key4, Key6, KnownKey, KEY_CELL, KEY_LAST, KEY_WIDE};
+use crate::{
+    limit_of_key, Bucket, DatapathConfig, Key4, Key6, KnownKey, KEY_CELL, KEY_LAST, KEY_WIDE,
+};
 
 /// IPv4 cells: `Array<Cell>`, [`cell_slots`] entries, mappable.
 pub const MAP_CELLS_V4: &str = "RL_CELLS4";
@@ -80,11 +82,24 @@ pub const MAP_CELL_SEED: &str = "RL_CELLSEED";
 
 /// The maps of the prefix cells (builds that kept cells in the sources'
 /// tables had none of them).
-pub const CELL_MAPS: [&str; 7] =
-    [MAP_CELLS_V4, MAP_CELLS_V6, MAP_CELL_KEYS_V4, MAP_CELL_KEYS_V6, MAP_CELL_SEED, MAP_CELL_SCRATCH, MAP_CELL_COUNT];
+pub const CELL_MAPS: [&str; 7] = [
+    MAP_CELLS_V4,
+    MAP_CELLS_V6,
+    MAP_CELL_KEYS_V4,
+    MAP_CELL_KEYS_V6,
+    MAP_CELL_SEED,
+    MAP_CELL_SCRATCH,
+    MAP_CELL_COUNT,
+];
 /// The maps of [`CELL_MAPS`] that are pinned together or not at all: the
 /// cells, their keys and the seed that finds them.
-pub const CELL_STATE_MAPS: [&str; 5] = [MAP_CELLS_V4, MAP_CELLS_V6, MAP_CELL_KEYS_V4, MAP_CELL_KEYS_V6, MAP_CELL_SEED];
+pub const CELL_STATE_MAPS: [&str; 5] = [
+    MAP_CELLS_V4,
+    MAP_CELLS_V6,
+    MAP_CELL_KEYS_V4,
+    MAP_CELL_KEYS_V6,
+    MAP_CELL_SEED,
+];
 
 /// Cells claimed per family (`Array<u64>`, entries 0 IPv4 and 1 IPv6,
 /// mappable): the program adds one per claim, the collector stores the
@@ -158,9 +173,19 @@ pub fn wide_mask4(cell_mask4: u32) -> u32 {
 /// [`WIDE_BITS_V6`] bits shorter: /48 ➜ /32.
 #[inline(always)]
 pub fn wide_mask6(m: &[u32; 4]) -> [u32; 4] {
-    let h = [u32::from_be(m[0]), u32::from_be(m[1]), u32::from_be(m[2]), u32::from_be(m[3])];
+    let h = [
+        u32::from_be(m[0]),
+        u32::from_be(m[1]),
+        u32::from_be(m[2]),
+        u32::from_be(m[3]),
+    ];
     let (s, r) = (WIDE_BITS_V6, 32 - WIDE_BITS_V6);
-    [(h[0] << s | h[1] >> r).to_be(), (h[1] << s | h[2] >> r).to_be(), (h[2] << s | h[3] >> r).to_be(), (h[3] << s).to_be()]
+    [
+        (h[0] << s | h[1] >> r).to_be(),
+        (h[1] << s | h[2] >> r).to_be(),
+        (h[2] << s | h[3] >> r).to_be(),
+        (h[3] << s).to_be(),
+    ]
 }
 
 /// The keys a source's bucket key falls back to when it has no bucket of
@@ -186,11 +211,17 @@ pub const fn last_resort_rule(rule: u32) -> u32 {
 impl FallbackKeys for Key4 {
     #[inline(always)]
     fn cell(&self, cfg: &DatapathConfig) -> Self {
-        Key4 { rule: self.rule | KEY_CELL, addr: self.addr & cfg.cell_mask4 }
+        Key4 {
+            rule: self.rule | KEY_CELL,
+            addr: self.addr & cfg.cell_mask4,
+        }
     }
     #[inline(always)]
     fn wide(&self, cfg: &DatapathConfig) -> Self {
-        Key4 { rule: self.rule | KEY_WIDE, addr: self.addr & wide_mask4(cfg.cell_mask4) }
+        Key4 {
+            rule: self.rule | KEY_WIDE,
+            addr: self.addr & wide_mask4(cfg.cell_mask4),
+        }
     }
 }
 
@@ -198,12 +229,18 @@ impl FallbackKeys for Key6 {
     #[inline(always)]
     fn cell(&self, cfg: &DatapathConfig) -> Self {
         let (m, a) = (&cfg.cell_mask6, &self.addr);
-        Key6 { rule: self.rule | KEY_CELL, addr: [a[0] & m[0], a[1] & m[1], a[2] & m[2], a[3] & m[3]] }
+        Key6 {
+            rule: self.rule | KEY_CELL,
+            addr: [a[0] & m[0], a[1] & m[1], a[2] & m[2], a[3] & m[3]],
+        }
     }
     #[inline(always)]
     fn wide(&self, cfg: &DatapathConfig) -> Self {
         let (m, a) = (wide_mask6(&cfg.cell_mask6), &self.addr);
-        Key6 { rule: self.rule | KEY_WIDE, addr: [a[0] & m[0], a[1] & m[1], a[2] & m[2], a[3] & m[3]] }
+        Key6 {
+            rule: self.rule | KEY_WIDE,
+            addr: [a[0] & m[0], a[1] & m[1], a[2] & m[2], a[3] & m[3]],
+        }
     }
 }
 
@@ -284,7 +321,11 @@ pub const fn cell_room(flood_prefixes: u32) -> u32 {
 /// a power of two, so that sets rarely overflow while the cells in use stay
 /// within `flood_prefixes`.
 pub const fn cell_slots(flood_prefixes: u32) -> u32 {
-    let want = if flood_prefixes < 1 << 24 { flood_prefixes } else { 1 << 24 };
+    let want = if flood_prefixes < 1 << 24 {
+        flood_prefixes
+    } else {
+        1 << 24
+    };
     let n = (want as u64 * 2).next_power_of_two();
     if n < CELL_WAYS as u64 {
         CELL_WAYS
@@ -373,7 +414,11 @@ mod tests {
         assert_eq!(wide_entry(id, 0) % 4, 0);
         assert_eq!(wide_entry(id, 1), wide_entry(id, 0) + 2);
         for which in 0..8 {
-            assert_eq!(wide_entry(id | which | KEY_CELL, 0), wide_entry(id, 0), "every limit and kind of a rule");
+            assert_eq!(
+                wide_entry(id | which | KEY_CELL, 0),
+                wide_entry(id, 0),
+                "every limit and kind of a rule"
+            );
         }
         assert!(wide_entry(u32::MAX, 1) + 1 < WIDE_ENTRIES);
         assert_ne!(wide_entry(0x2047_19f0, 0), wide_entry(id, 0));
@@ -387,7 +432,9 @@ mod tests {
         // Before saturation: a wide flood makes wide cells while its
         // prefixes could still claim cells of their own.
         for slots in [2u32, 512, 131_072] {
-            assert!(cells_wide(slots as u64 / 2, slots) && cells_saturated(slots as u64 / 2, slots));
+            assert!(
+                cells_wide(slots as u64 / 2, slots) && cells_saturated(slots as u64 / 2, slots)
+            );
         }
     }
 
@@ -403,25 +450,56 @@ mod tests {
             assert_eq!(wide_mask6(&prefix_mask_words::<4>(len)), want, "/{len}");
         }
         let a = u32::from_ne_bytes([10, 9, 8, 7]);
-        assert_eq!(a & wide_mask4(prefix_mask_words::<1>(24)[0]), u32::from_ne_bytes([10, 9, 0, 0]));
+        assert_eq!(
+            a & wide_mask4(prefix_mask_words::<1>(24)[0]),
+            u32::from_ne_bytes([10, 9, 0, 0])
+        );
     }
 
     #[test]
     fn fallback_keys_keep_the_limit_and_mask_the_address() {
         use crate::{key_kind, limit_of_key, prefix_mask_words, KeyKind};
-        let cfg = DatapathConfig { cell_mask4: prefix_mask_words::<1>(24)[0], cell_mask6: prefix_mask_words::<4>(48), ..Default::default() };
-        let own = Key4 { rule: 0x1931_c660 | 3, addr: u32::from_ne_bytes([10, 9, 8, 7]) };
+        let cfg = DatapathConfig {
+            cell_mask4: prefix_mask_words::<1>(24)[0],
+            cell_mask6: prefix_mask_words::<4>(48),
+            ..Default::default()
+        };
+        let own = Key4 {
+            rule: 0x1931_c660 | 3,
+            addr: u32::from_ne_bytes([10, 9, 8, 7]),
+        };
         let (cell, wide) = (own.cell(&cfg), own.wide(&cfg));
-        assert_eq!(cell, Key4 { rule: own.rule | KEY_CELL, addr: u32::from_ne_bytes([10, 9, 8, 0]) });
-        assert_eq!(wide, Key4 { rule: own.rule | KEY_WIDE, addr: u32::from_ne_bytes([10, 9, 0, 0]) });
-        assert_eq!((key_kind(cell.rule), key_kind(wide.rule)), (KeyKind::Cell, KeyKind::Cell));
+        assert_eq!(
+            cell,
+            Key4 {
+                rule: own.rule | KEY_CELL,
+                addr: u32::from_ne_bytes([10, 9, 8, 0])
+            }
+        );
+        assert_eq!(
+            wide,
+            Key4 {
+                rule: own.rule | KEY_WIDE,
+                addr: u32::from_ne_bytes([10, 9, 0, 0])
+            }
+        );
+        assert_eq!(
+            (key_kind(cell.rule), key_kind(wide.rule)),
+            (KeyKind::Cell, KeyKind::Cell)
+        );
         // Every kind of key of a limit names the same last resort.
         for k in [own, cell, wide] {
             assert_eq!(last_resort_rule(k.rule), limit_of_key(own.rule) | KEY_LAST);
             assert_eq!(key_kind(last_resort_rule(k.rule)), KeyKind::LastResort);
         }
-        let own6 = Key6 { rule: 8, addr: [0x2001_0db8u32.to_be(), 0x1234_5678u32.to_be(), 1, 2] };
-        assert_eq!(own6.cell(&cfg).addr, [0x2001_0db8u32.to_be(), 0x1234_0000u32.to_be(), 0, 0]);
+        let own6 = Key6 {
+            rule: 8,
+            addr: [0x2001_0db8u32.to_be(), 0x1234_5678u32.to_be(), 1, 2],
+        };
+        assert_eq!(
+            own6.cell(&cfg).addr,
+            [0x2001_0db8u32.to_be(), 0x1234_0000u32.to_be(), 0, 0]
+        );
         assert_eq!(own6.wide(&cfg).addr, [0x2001_0db8u32.to_be(), 0, 0, 0]);
     }
 
@@ -437,7 +515,10 @@ mod tests {
         for n in [1, 256, 1_000, 65_536, 100_000, 16_777_216] {
             let (room, slots) = (cell_room(n), cell_slots(n));
             assert!(room >= n, "{n}: room {room}");
-            assert!(cells_saturated(room as u64, slots) && !cells_saturated(room as u64 - 1, slots), "{n}");
+            assert!(
+                cells_saturated(room as u64, slots) && !cells_saturated(room as u64 - 1, slots),
+                "{n}"
+            );
         }
     }
 
@@ -459,7 +540,10 @@ mod tests {
         let mut used = std::vec![0u8; slots as usize / CELL_WAYS as usize];
         let mut overflow = 0;
         for i in 0..65_536u32 {
-            let k = Key4 { rule: 8 | KEY_CELL, addr: (10 << 24 | i << 8).to_be() };
+            let k = Key4 {
+                rule: 8 | KEY_CELL,
+                addr: (10 << 24 | i << 8).to_be(),
+            };
             let set = cell_set(&k, SEED, slots);
             assert_eq!(set % CELL_WAYS, 0);
             assert!(set < slots);
@@ -477,7 +561,10 @@ mod tests {
     #[test]
     fn a_claims_states_are_never_free_nor_another_keys_claim() {
         for i in 0..100_000u32 {
-            let k = Key4 { rule: 8 | KEY_CELL, addr: i.wrapping_mul(0x9e37_79b9) };
+            let k = Key4 {
+                rule: 8 | KEY_CELL,
+                addr: i.wrapping_mul(0x9e37_79b9),
+            };
             let c = cell_claim(&k, SEED);
             let (w, d) = (cell_writing(c), cell_dying(c));
             assert!(c != 0 && w != 0 && d != 0);
@@ -486,7 +573,13 @@ mod tests {
             assert_eq!(cell_way(w, c), Way::Busy, "being written");
             assert_eq!(cell_way(d, c), Way::Busy, "being freed");
             assert_eq!(cell_way(0, c), Way::Free);
-            let other = cell_claim(&Key4 { addr: k.addr ^ 0x100, ..k }, SEED);
+            let other = cell_claim(
+                &Key4 {
+                    addr: k.addr ^ 0x100,
+                    ..k
+                },
+                SEED,
+            );
             assert_eq!(cell_way(other, c), Way::Other);
             assert_eq!(cell_way(cell_writing(other), c), Way::Other);
         }
@@ -496,14 +589,33 @@ mod tests {
     #[test]
     fn keys_that_collide_in_the_filters_hash_or_in_an_unseeded_chain_have_their_own_claims() {
         // `known_hash` XORs the rule into the address's second word.
-        let (a, b) = (Key6 { rule: 8 | KEY_CELL, addr: [1, 2, 0, 0] }, Key6 { rule: 9 | KEY_CELL, addr: [1, 3, 0, 0] });
-        assert_eq!(a.known_hash(), b.known_hash(), "the filter's hash does collide");
+        let (a, b) = (
+            Key6 {
+                rule: 8 | KEY_CELL,
+                addr: [1, 2, 0, 0],
+            },
+            Key6 {
+                rule: 9 | KEY_CELL,
+                addr: [1, 3, 0, 0],
+            },
+        );
+        assert_eq!(
+            a.known_hash(),
+            b.known_hash(),
+            "the filter's hash does collide"
+        );
         // A seedless chain `fmix(fmix(r ^ c) ^ w1) ^ w2)` collides for
         // `(r, w1)` and `(r', w1 ^ fmix(r ^ c) ^ fmix(r' ^ c))`, found by a
         // review: these two keys.
         let (c, d) = (
-            Key6 { rule: 8 | KEY_CELL, addr: [0x2001_0db8, 0x700, 0, 0] },
-            Key6 { rule: 16 | KEY_CELL, addr: [0x595b_0aab, 0x1c57_4c78, 0, 0] },
+            Key6 {
+                rule: 8 | KEY_CELL,
+                addr: [0x2001_0db8, 0x700, 0, 0],
+            },
+            Key6 {
+                rule: 16 | KEY_CELL,
+                addr: [0x595b_0aab, 0x1c57_4c78, 0, 0],
+            },
         );
         for seed in [SEED, 0, u64::MAX, 0x0123_4567_89ab_cdef] {
             assert_ne!(cell_claim(&a, seed), cell_claim(&b, seed));
@@ -514,7 +626,10 @@ mod tests {
         for rule in [8u32, 16, 1 << 20] {
             for which in 0..8u32 {
                 for x in 0..256u32 {
-                    let k = Key6 { rule: (rule | which) | KEY_CELL, addr: [0x2001_0db8, 0x0000_0700 ^ x ^ which, 0, 0] };
+                    let k = Key6 {
+                        rule: (rule | which) | KEY_CELL,
+                        addr: [0x2001_0db8, 0x0000_0700 ^ x ^ which, 0, 0],
+                    };
                     assert!(claims.insert(cell_claim(&k, SEED)), "{k:?} shares a claim");
                 }
             }
@@ -527,7 +642,10 @@ mod tests {
         let slots = cell_slots(65_536);
         let moved = (0..1_000u32)
             .filter(|&i| {
-                let k = Key4 { rule: 8 | KEY_CELL, addr: (10 << 24 | i << 8).to_be() };
+                let k = Key4 {
+                    rule: 8 | KEY_CELL,
+                    addr: (10 << 24 | i << 8).to_be(),
+                };
                 cell_set(&k, 1, slots) != cell_set(&k, 2, slots)
             })
             .count();
@@ -536,11 +654,35 @@ mod tests {
 
     #[test]
     fn an_old_cell_is_live_only_with_its_keys_claim() {
-        let key = Key4 { rule: 8 | KEY_CELL, addr: 0x0a01_0200 };
-        let live = OldCell { claim: key.known_hash() | 1, bucket: Bucket::default(), key };
+        let key = Key4 {
+            rule: 8 | KEY_CELL,
+            addr: 0x0a01_0200,
+        };
+        let live = OldCell {
+            claim: key.known_hash() | 1,
+            bucket: Bucket::default(),
+            key,
+        };
         assert!(live.live());
-        assert!(OldCell { claim: (key.known_hash() & !3) | 2, ..live }.live(), "being freed: still charged");
+        assert!(
+            OldCell {
+                claim: (key.known_hash() & !3) | 2,
+                ..live
+            }
+            .live(),
+            "being freed: still charged"
+        );
         assert!(!OldCell { claim: 0, ..live }.live());
-        assert!(!OldCell { key: Key4 { addr: 0x0a01_0300, ..key }, ..live }.live(), "claimed, another key not yet overwritten");
+        assert!(
+            !OldCell {
+                key: Key4 {
+                    addr: 0x0a01_0300,
+                    ..key
+                },
+                ..live
+            }
+            .live(),
+            "claimed, another key not yet overwritten"
+        );
     }
 }

@@ -64,7 +64,10 @@ impl TickClock {
         // 1e9 / HZ. A busy machine sees each edge a little late, so the
         // measurement is off by up to a few percent; anything further from
         // every known HZ is not trusted (limits then read ktime).
-        let tick_ns = KERNEL_HZ.iter().map(|hz| 1_000_000_000 / hz).find(|&t| measured.abs_diff(t) <= t / 20)?;
+        let tick_ns = KERNEL_HZ
+            .iter()
+            .map(|hz| 1_000_000_000 / hz)
+            .find(|&t| measured.abs_diff(t) <= t / 20)?;
         Some(TickClock {
             tick_ns,
             offset_ns: a.1.wrapping_sub(a.0.wrapping_mul(tick_ns)),
@@ -74,7 +77,9 @@ impl TickClock {
     /// Nanoseconds at `jiffies` on the ktime scale.
     #[inline(always)]
     pub fn at(&self, jiffies: u64) -> u64 {
-        jiffies.wrapping_mul(self.tick_ns).wrapping_add(self.offset_ns)
+        jiffies
+            .wrapping_mul(self.tick_ns)
+            .wrapping_add(self.offset_ns)
     }
 
     /// The latest ktime a reading of `jiffies` may stand for: the end of
@@ -120,7 +125,11 @@ mod tests {
     #[test]
     fn edges_give_the_kernel_tick() {
         // HZ=250, readings a few µs after each tick.
-        let c = TickClock::from_edges((4_294_967_296, 10_000_003_000), (4_294_967_306, 10_040_004_500)).unwrap();
+        let c = TickClock::from_edges(
+            (4_294_967_296, 10_000_003_000),
+            (4_294_967_306, 10_040_004_500),
+        )
+        .unwrap();
         assert_eq!(c.tick_ns, 4_000_000);
         assert_eq!(c.at(4_294_967_296), 10_000_003_000);
         assert_eq!(c.at(4_294_967_297), 10_004_003_000);
@@ -130,25 +139,48 @@ mod tests {
         // Seen 16 µs late on a busy machine (measured in CI): still HZ=250.
         let c = TickClock::from_edges((10, 0), (11, 4_016_064)).unwrap();
         assert_eq!(c.tick_ns, 4_000_000);
-        assert_eq!(TickClock::from_edges((10, 0), (11, 7_000_000)), None, "no HZ near 7 ms");
+        assert_eq!(
+            TickClock::from_edges((10, 0), (11, 7_000_000)),
+            None,
+            "no HZ near 7 ms"
+        );
     }
 
     #[test]
     fn only_limits_with_long_bursts_use_ticks() {
-        let c = TickClock { tick_ns: 4_000_000, offset_ns: 0 };
+        let c = TickClock {
+            tick_ns: 4_000_000,
+            offset_ns: 0,
+        };
         assert!(c.suits(&Limit::per_second(1000, 2000).unwrap()));
-        assert!(c.suits(&Limit::per_second(10_000, 321).unwrap()), "32 ms beyond one packet");
+        assert!(
+            c.suits(&Limit::per_second(10_000, 321).unwrap()),
+            "32 ms beyond one packet"
+        );
         assert!(!c.suits(&Limit::per_second(10_000, 320).unwrap()));
-        assert!(!c.suits(&Limit::per_second(8, 1).unwrap()), "burst 1: 125 ms per packet, no tolerance");
-        assert!(c.suits(&Limit::new(1, 3_600_000_000_000, 1).unwrap()), "1 per hour: a pass loses at most a tick of an hour");
+        assert!(
+            !c.suits(&Limit::per_second(8, 1).unwrap()),
+            "burst 1: 125 ms per packet, no tolerance"
+        );
+        assert!(
+            c.suits(&Limit::new(1, 3_600_000_000_000, 1).unwrap()),
+            "1 per hour: a pass loses at most a tick of an hour"
+        );
         assert!(!c.suits(&Limit::new(1, 3_999_000_000, 1).unwrap()));
         assert!(!TickClock::default().suits(&Limit::per_second(1, 1000).unwrap()));
     }
 
     #[test]
     fn the_latest_time_a_tick_stands_for_allows_five_late_ticks_and_8_ms() {
-        for (tick, late) in [(1_000_000, 8_000_000), (4_000_000, 20_000_000), (10_000_000, 50_000_000)] {
-            let c = TickClock { tick_ns: tick, offset_ns: 123 };
+        for (tick, late) in [
+            (1_000_000, 8_000_000),
+            (4_000_000, 20_000_000),
+            (10_000_000, 50_000_000),
+        ] {
+            let c = TickClock {
+                tick_ns: tick,
+                offset_ns: 123,
+            };
             // Any ktime within the tick of jiffy 7, up to `late` after its
             // end, is at or before the latest: a jiffies update the kernel
             // let stall for its five ticks is still covered.

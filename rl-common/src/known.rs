@@ -169,7 +169,10 @@ mod tests {
         let mut seen = [(0u32, 0u32); 4];
         for family in 0..2 {
             for half in 0..2 {
-                let r = (known_word(family, half, 0), known_word(family, half, u64::MAX));
+                let r = (
+                    known_word(family, half, 0),
+                    known_word(family, half, u64::MAX),
+                );
                 assert!(r.0 >= 1 && r.1 < KNOWN_ENTRIES);
                 assert_eq!(r.0, known_region(family, half));
                 assert_eq!(r.1 - r.0 + 1, KNOWN_WORDS);
@@ -191,17 +194,49 @@ mod tests {
         let place = |h: u64| (h >> (64 - KNOWN_WORDS_LOG2), known_mask(h));
         for i in 0..65_536u32 {
             places.insert(place(Key4 { rule: 8, addr: i }.known_hash()));
-            places.insert(place(Key4 { rule: 8, addr: 0x4d0a | i << 16 }.known_hash()));
-            places.insert(place(Key4 { rule: 8 | crate::KEY_CELL, addr: i << 8 }.known_hash()));
-            places.insert(place(Key6 { rule: 8, addr: [0x2001_0db8, i, 0, 0] }.known_hash()));
-            places.insert(place(Key6 { rule: 8, addr: [0xb80d_0120, i << 16, 0, 0] }.known_hash()));
+            places.insert(place(
+                Key4 {
+                    rule: 8,
+                    addr: 0x4d0a | i << 16,
+                }
+                .known_hash(),
+            ));
+            places.insert(place(
+                Key4 {
+                    rule: 8 | crate::KEY_CELL,
+                    addr: i << 8,
+                }
+                .known_hash(),
+            ));
+            places.insert(place(
+                Key6 {
+                    rule: 8,
+                    addr: [0x2001_0db8, i, 0, 0],
+                }
+                .known_hash(),
+            ));
+            places.insert(place(
+                Key6 {
+                    rule: 8,
+                    addr: [0xb80d_0120, i << 16, 0, 0],
+                }
+                .known_hash(),
+            ));
         }
         // A random function would hit m(1 − e^(−n/m)) distinct places
         // (word, two bits: about 2¹⁶ × 2¹² of them).
         let (n, m) = (5.0 * 65_536.0, (1u64 << (KNOWN_WORDS_LOG2 + 12)) as f64);
         let random = m * (1.0 - (-n / m).exp());
-        assert!(places.len() as f64 > 0.99 * random, "{} distinct places, a random hash would give {random:.0}", places.len());
+        assert!(
+            places.len() as f64 > 0.99 * random,
+            "{} distinct places, a random hash would give {random:.0}",
+            places.len()
+        );
         let words: std::collections::HashSet<_> = places.iter().map(|p| p.0).collect();
-        assert!(words.len() as u32 > KNOWN_WORDS * 99 / 100, "{} of {KNOWN_WORDS} words used", words.len());
+        assert!(
+            words.len() as u32 > KNOWN_WORDS * 99 / 100,
+            "{} of {KNOWN_WORDS} words used",
+            words.len()
+        );
     }
 }

@@ -91,7 +91,13 @@ impl LimitEntry {
     /// A window step: the count is in `2^shift`-unit steps, rounded up, and
     /// windows are aligned to the Unix epoch (`now + epoch_offset_ns`).
     #[inline(always)]
-    pub fn window_step(&self, word: u64, now: u64, epoch_offset_ns: u64, units: u64) -> Option<u64> {
+    pub fn window_step(
+        &self,
+        word: u64,
+        now: u64,
+        epoch_offset_ns: u64,
+        units: u64,
+    ) -> Option<u64> {
         let shift = self.shift & 63;
         let cost = (units + (1 << shift) - 1) >> shift;
         let epoch_ns = now.wrapping_add(epoch_offset_ns);
@@ -184,7 +190,11 @@ impl LimitEntry {
     pub fn with_clock(mut self, clock: &TickClock) -> Self {
         let suits = if self.kind & 0xff == LIMIT_GCRA {
             let cost = |units: u64| units.saturating_mul(self.a) >> (self.shift & 63);
-            let (most, least) = if self.kind & LIMIT_BYTES != 0 { (MAX_FRAME_BYTES, 1) } else { (1, 1) };
+            let (most, least) = if self.kind & LIMIT_BYTES != 0 {
+                (MAX_FRAME_BYTES, 1)
+            } else {
+                (1, 1)
+            };
             clock.suits_bucket(self.b, cost(most), cost(least))
         } else {
             clock.suits_span(self.a)
@@ -208,20 +218,47 @@ mod tests {
 
     #[test]
     fn a_byte_limit_reads_the_tick_clock_only_with_tolerance_after_a_jumbo_frame() {
-        let clock = TickClock { tick_ns: 4_000_000, offset_ns: 0 };
+        let clock = TickClock {
+            tick_ns: 4_000_000,
+            offset_ns: 0,
+        };
         let coarse = |l: LimitEntry| l.with_clock(&clock).kind & LIMIT_COARSE != 0;
         // 2 KB/s: 500 µs a byte.
-        let bytes = |burst: u64| LimitEntry { kind: LIMIT_GCRA | LIMIT_BYTES, shift: 0, a: 500_000, b: burst * 500_000 };
-        assert!(!coarse(bytes(1_500)), "a burst under a jumbo frame: no tolerance for large packets");
+        let bytes = |burst: u64| LimitEntry {
+            kind: LIMIT_GCRA | LIMIT_BYTES,
+            shift: 0,
+            a: 500_000,
+            b: burst * 500_000,
+        };
+        assert!(
+            !coarse(bytes(1_500)),
+            "a burst under a jumbo frame: no tolerance for large packets"
+        );
         assert!(!coarse(bytes(MAX_FRAME_BYTES)));
-        assert!(coarse(bytes(MAX_FRAME_BYTES + 64)), "32 ms of tolerance after a jumbo frame");
+        assert!(
+            coarse(bytes(MAX_FRAME_BYTES + 64)),
+            "32 ms of tolerance after a jumbo frame"
+        );
         // Packets: 8/s with burst 1 has no tolerance and costs 125 ms.
-        let packets = |burst: u64| LimitEntry { kind: LIMIT_GCRA, shift: 0, a: 125_000_000, b: burst * 125_000_000 };
+        let packets = |burst: u64| LimitEntry {
+            kind: LIMIT_GCRA,
+            shift: 0,
+            a: 125_000_000,
+            b: burst * 125_000_000,
+        };
         assert!(!coarse(packets(1)) && coarse(packets(2)));
         // Windows of 1 s and more always suit; a merge waits out their first tick.
-        let window = LimitEntry { kind: LIMIT_SLIDING, shift: 0, a: 1_000_000_000, b: 5 };
+        let window = LimitEntry {
+            kind: LIMIT_SLIDING,
+            shift: 0,
+            a: 1_000_000_000,
+            b: 5,
+        };
         assert!(coarse(window));
-        assert_eq!(window.merge_wait_ns(7_000_000_000 + 4_000_000, 0), MERGE_SETTLE_NS - 4_000_000);
+        assert_eq!(
+            window.merge_wait_ns(7_000_000_000 + 4_000_000, 0),
+            MERGE_SETTLE_NS - 4_000_000
+        );
         assert_eq!(window.merge_wait_ns(7_000_000_000 + MERGE_SETTLE_NS, 0), 0);
         assert_eq!(packets(1).merge_wait_ns(7_000_000_000, 0), 0);
     }

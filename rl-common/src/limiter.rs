@@ -168,8 +168,8 @@ pub fn admit_with<W: SharedWord, F: Fn(u64) -> Option<u64>>(cell: &W, step: F) -
 mod tests {
     extern crate std;
     use super::*;
-    use proptest::prelude::*;
     use core::sync::atomic::AtomicU64;
+    use proptest::prelude::*;
     use std::vec::Vec;
 
     /// The reference model: a textbook token bucket holding "credit" in
@@ -213,7 +213,11 @@ mod tests {
             })
         );
         assert_eq!(Limit::per_second(3, 1).unwrap().interval_ns, 333_333_334);
-        assert_eq!(Limit::per_second(95_238_096, 1).unwrap().interval_ns, 11, "never looser than written");
+        assert_eq!(
+            Limit::per_second(95_238_096, 1).unwrap().interval_ns,
+            11,
+            "never looser than written"
+        );
         assert_eq!(Limit::per_second(0, 1), Err(LimitError::Zero));
         assert_eq!(Limit::per_second(1, 0), Err(LimitError::Zero));
         assert_eq!(

@@ -416,7 +416,10 @@ impl RuleEntry {
     /// word as read from the packet): masked to the rule's key scope.
     #[inline(always)]
     pub fn key4(&self, which: u32, addr: u32) -> Key4 {
-        Key4 { rule: self.id | which, addr: addr & self.v4_mask }
+        Key4 {
+            rule: self.id | which,
+            addr: addr & self.v4_mask,
+        }
     }
 
     /// The IPv6 bucket key of limit `which` for a source (four
@@ -424,7 +427,15 @@ impl RuleEntry {
     #[inline(always)]
     pub fn key6(&self, which: u32, addr: &[u32; 4]) -> Key6 {
         let m = &self.v6_mask;
-        Key6 { rule: self.id | which, addr: [addr[0] & m[0], addr[1] & m[1], addr[2] & m[2], addr[3] & m[3]] }
+        Key6 {
+            rule: self.id | which,
+            addr: [
+                addr[0] & m[0],
+                addr[1] & m[1],
+                addr[2] & m[2],
+                addr[3] & m[3],
+            ],
+        }
     }
 }
 
@@ -439,7 +450,11 @@ pub fn prefix_mask_words<const N: usize>(prefix: u8) -> [u32; N] {
     for w in out.iter_mut() {
         let bits = if left >= 32 { 32 } else { left };
         left -= bits;
-        let host = if bits == 0 { 0 } else { u32::MAX << (32 - bits) };
+        let host = if bits == 0 {
+            0
+        } else {
+            u32::MAX << (32 - bits)
+        };
         *w = u32::from_ne_bytes(host.to_be_bytes());
     }
     out
@@ -656,14 +671,32 @@ mod tests {
     #[test]
     fn a_moved_id_gives_its_natural_id_back() {
         let top = crate::RULE_ID_MASK;
-        for (natural, k) in [(0x0100_0000, 0), (0x0100_0000, 1), (top, 3), (top - 8, 32_767)] {
+        for (natural, k) in [
+            (0x0100_0000, 0),
+            (0x0100_0000, 1),
+            (top, 3),
+            (top - 8, 32_767),
+        ] {
             let id = natural.wrapping_add(8 * k) & crate::RULE_ID_MASK;
             assert_eq!(steps_between(natural, id), k);
             let flags = RULE_UNNAMED | RULE_NO_WIDE | RULE_CLUSTER | k << RULE_STEPS_SHIFT;
             assert_eq!(natural_id(id, flags), natural, "{natural:#x} + {k} steps");
-            assert_eq!(flags & RULE_STEPS_MASK, k << RULE_STEPS_SHIFT, "the steps overlap no flag");
+            assert_eq!(
+                flags & RULE_STEPS_MASK,
+                k << RULE_STEPS_SHIFT,
+                "the steps overlap no flag"
+            );
         }
-        assert_eq!(RULE_STEPS_MASK & (RULE_UNNAMED | RULE_GLOBAL | RULE_NO_WIDE | RULE_CLUSTER | RULE_ELASTIC | RULE_SHADOW), 0);
+        assert_eq!(
+            RULE_STEPS_MASK
+                & (RULE_UNNAMED
+                    | RULE_GLOBAL
+                    | RULE_NO_WIDE
+                    | RULE_CLUSTER
+                    | RULE_ELASTIC
+                    | RULE_SHADOW),
+            0
+        );
     }
 
     #[test]
@@ -683,9 +716,20 @@ mod tests {
 
     #[test]
     fn key_bytes_are_network_order() {
-        let k = Key4 { rule: 0, addr: u32::from_ne_bytes([192, 0, 2, 7]) };
+        let k = Key4 {
+            rule: 0,
+            addr: u32::from_ne_bytes([192, 0, 2, 7]),
+        };
         assert_eq!(k.addr_bytes(), [192, 0, 2, 7]);
-        let k = Key6 { rule: 0, addr: [u32::from_ne_bytes([0xfd, 0, 0, 1]), 0, 0, u32::from_ne_bytes([0, 0, 0, 9])] };
+        let k = Key6 {
+            rule: 0,
+            addr: [
+                u32::from_ne_bytes([0xfd, 0, 0, 1]),
+                0,
+                0,
+                u32::from_ne_bytes([0, 0, 0, 9]),
+            ],
+        };
         assert_eq!(k.addr_bytes()[0], 0xfd);
         assert_eq!(k.addr_bytes()[15], 9);
     }

@@ -165,7 +165,11 @@ impl FloodState {
     pub fn see(&mut self, now_ns: u64, cap: u32) -> Unseen {
         let w = now_ns >> FLOOD_WINDOW_SHIFT;
         if self.window != w {
-            self.prev_unseen = if self.window.wrapping_add(1) == w { self.unseen } else { 0 };
+            self.prev_unseen = if self.window.wrapping_add(1) == w {
+                self.unseen
+            } else {
+                0
+            };
             self.unseen = 0;
             self.window = w;
         }
@@ -225,7 +229,11 @@ mod tests {
         for _ in 0..10 {
             assert_eq!(s.see(t, 10), Unseen::Insert);
         }
-        assert_eq!(s.see(t + 1, 10), Unseen::Offered, "the 11th unseen key in a window: flood mode, offered a bucket");
+        assert_eq!(
+            s.see(t + 1, 10),
+            Unseen::Offered,
+            "the 11th unseen key in a window: flood mode, offered a bucket"
+        );
         assert_eq!(s.see(t + 1, 10), Unseen::Fallback, "the 12th");
         assert!(s.flooding(t + 2, W));
         // The next window still remembers the flood.
@@ -254,12 +262,25 @@ mod tests {
                     Unseen::Fallback => {}
                 }
             }
-            assert_eq!((inserts, offers), (cap, 1), "the share, then one offered (share {cap})");
+            assert_eq!(
+                (inserts, offers),
+                (cap, 1),
+                "the share, then one offered (share {cap})"
+            );
             // The next window: one source, over the share.
-            let first = (1..=u64::from(cap) + 1).find(|&i| s.see(t + W + i, cap) == Unseen::Offered);
-            assert_eq!(first, Some(u64::from(cap) + 1), "its packet past the share is offered a bucket (share {cap})");
+            let first =
+                (1..=u64::from(cap) + 1).find(|&i| s.see(t + W + i, cap) == Unseen::Offered);
+            assert_eq!(
+                first,
+                Some(u64::from(cap) + 1),
+                "its packet past the share is offered a bucket (share {cap})"
+            );
             // It is no longer unseen: nothing is counted in the window after.
-            assert_eq!(s.see(t + 3 * W, cap), Unseen::Insert, "two windows on, calm (share {cap})");
+            assert_eq!(
+                s.see(t + 3 * W, cap),
+                Unseen::Insert,
+                "two windows on, calm (share {cap})"
+            );
             assert!(!s.flooding(t + 3 * W + W + 1, W));
         }
         // A full table, and flood mode always (0), offer none.

@@ -71,7 +71,13 @@ pub fn capacity(limit: &LimitEntry, now: u64, epoch_offset_ns: u64) -> u64 {
 /// arithmetic, so state words of unlike limits (token buckets, windows,
 /// other rates) compare by what they leave, at a cost a walk over a
 /// flood's cells can pay.
-pub fn room_eighths(limit: &LimitEntry, word: u64, now: u64, epoch_offset_ns: u64, capacity: u64) -> u8 {
+pub fn room_eighths(
+    limit: &LimitEntry,
+    word: u64,
+    now: u64,
+    epoch_offset_ns: u64,
+    capacity: u64,
+) -> u8 {
     let fits = |e: u64| {
         let units = (capacity.saturating_mul(e)).div_ceil(8);
         units == 0 || limit.step(word, now, epoch_offset_ns, units).is_some()
@@ -111,9 +117,16 @@ fn first_time(now: u64, horizon: u64, ok: impl Fn(u64) -> bool) -> u64 {
 /// limit while some room is left ([`Quota::retry_after_ns`] is for one).
 /// More than the limit ever holds: the wait until it is full again.
 pub fn wait_for(limit: &LimitEntry, word: u64, now: u64, epoch_offset_ns: u64, units: u64) -> u64 {
-    let horizon = if limit.kind & 0xff == LIMIT_GCRA { limit.b } else { limit.a.saturating_mul(2) }.saturating_add(1);
+    let horizon = if limit.kind & 0xff == LIMIT_GCRA {
+        limit.b
+    } else {
+        limit.a.saturating_mul(2)
+    }
+    .saturating_add(1);
     let want = units.min(capacity(limit, now, epoch_offset_ns).max(1));
-    first_time(now, horizon, |t| remaining(limit, word, t, epoch_offset_ns) >= want)
+    first_time(now, horizon, |t| {
+        remaining(limit, word, t, epoch_offset_ns) >= want
+    })
 }
 
 /// The quota of `limit` for a key in state `word` at `now` (ktime ns; the
@@ -144,7 +157,12 @@ fn packet_bucket(l: &LimitEntry, word: u64, now: u64) -> Quota {
         }
     };
     let limit = l.b / per;
-    Quota { limit, remaining: l.b.saturating_sub(ahead) / per, retry_after_ns: wait(per), reset_ns: wait(limit * per) }
+    Quota {
+        limit,
+        remaining: l.b.saturating_sub(ahead) / per,
+        retry_after_ns: wait(per),
+        reset_ns: wait(limit * per),
+    }
 }
 
 /// [`quota`] by searching the step functions: windows, byte buckets.
@@ -152,7 +170,12 @@ fn searched(limit: &LimitEntry, word: u64, now: u64, epoch_offset_ns: u64) -> Qu
     let rem = |t: u64| remaining(limit, word, t, epoch_offset_ns);
     let full = remaining(limit, 0, now, epoch_offset_ns).max(rem(now));
     // A token bucket refills within its burst span, a window within two windows.
-    let horizon = if limit.kind & 0xff == LIMIT_GCRA { limit.b } else { limit.a.saturating_mul(2) }.saturating_add(1);
+    let horizon = if limit.kind & 0xff == LIMIT_GCRA {
+        limit.b
+    } else {
+        limit.a.saturating_mul(2)
+    }
+    .saturating_add(1);
     Quota {
         limit: full,
         remaining: rem(now),
@@ -171,7 +194,12 @@ mod tests {
 
     fn gcra(rate_per_s: u64, burst: u64) -> LimitEntry {
         let interval = S / rate_per_s;
-        LimitEntry { kind: LIMIT_GCRA, shift: 0, a: interval, b: burst * interval }
+        LimitEntry {
+            kind: LIMIT_GCRA,
+            shift: 0,
+            a: interval,
+            b: burst * interval,
+        }
     }
 
     /// Sends `n` packets at `t`; returns the state and how many passed.
@@ -194,10 +222,20 @@ mod tests {
         assert_eq!(passed, q.remaining, "{q:?}");
         assert_eq!(q.retry_after_ns == 0, q.remaining > 0, "{q:?}");
         if q.retry_after_ns > 0 {
-            assert!(l.step(word, now + q.retry_after_ns, off, 1).is_some(), "{q:?}");
-            assert!(l.step(word, now + q.retry_after_ns - 1, off, 1).is_none(), "{q:?}");
+            assert!(
+                l.step(word, now + q.retry_after_ns, off, 1).is_some(),
+                "{q:?}"
+            );
+            assert!(
+                l.step(word, now + q.retry_after_ns - 1, off, 1).is_none(),
+                "{q:?}"
+            );
         }
-        assert_eq!(quota(l, word, now + q.reset_ns, off).remaining, q.limit, "{q:?}");
+        assert_eq!(
+            quota(l, word, now + q.reset_ns, off).remaining,
+            q.limit,
+            "{q:?}"
+        );
         assert!(q.reset_ns >= q.retry_after_ns);
     }
 
@@ -205,11 +243,22 @@ mod tests {
     fn a_fresh_bucket_has_its_burst_and_an_empty_one_waits_one_interval() {
         let l = gcra(10, 5);
         let q = quota(&l, 0, 100 * S, 0);
-        assert_eq!(q, Quota { limit: 5, remaining: 5, retry_after_ns: 0, reset_ns: 0 });
+        assert_eq!(
+            q,
+            Quota {
+                limit: 5,
+                remaining: 5,
+                retry_after_ns: 0,
+                reset_ns: 0
+            }
+        );
         let (word, passed) = send(&l, 0, 100 * S, 10, 0);
         assert_eq!(passed, 5);
         let q = quota(&l, word, 100 * S, 0);
-        assert_eq!((q.remaining, q.retry_after_ns, q.reset_ns), (0, S / 10, S / 2));
+        assert_eq!(
+            (q.remaining, q.retry_after_ns, q.reset_ns),
+            (0, S / 10, S / 2)
+        );
         check(&l, word, 100 * S, 0);
     }
 
@@ -221,18 +270,35 @@ mod tests {
         let (word, _) = send(&l, 0, 100 * S, 8, 0);
         assert_eq!(wait_for(&l, word, 100 * S, 0, 5), 3 * S);
         assert_eq!(wait_for(&l, word, 100 * S, 0, 2), 0);
-        assert_eq!(wait_for(&l, word, 100 * S, 0, 50), 8 * S, "more than the burst: until full");
-        let w = LimitEntry { kind: LIMIT_FIXED, shift: 0, a: 10 * S, b: 3 };
+        assert_eq!(
+            wait_for(&l, word, 100 * S, 0, 50),
+            8 * S,
+            "more than the burst: until full"
+        );
+        let w = LimitEntry {
+            kind: LIMIT_FIXED,
+            shift: 0,
+            a: 10 * S,
+            b: 3,
+        };
         let (word, _) = send(&w, 0, 104 * S, 2, 0);
         assert_eq!(wait_for(&w, word, 104 * S, 0, 2), 6 * S, "the next window");
     }
 
     #[test]
     fn a_fixed_window_resets_at_its_boundary() {
-        let l = LimitEntry { kind: LIMIT_FIXED, shift: 0, a: 10 * S, b: 3 };
+        let l = LimitEntry {
+            kind: LIMIT_FIXED,
+            shift: 0,
+            a: 10 * S,
+            b: 3,
+        };
         let (word, _) = send(&l, 0, 104 * S, 3, 0);
         let q = quota(&l, word, 104 * S, 0);
-        assert_eq!((q.limit, q.remaining, q.retry_after_ns, q.reset_ns), (3, 0, 6 * S, 6 * S));
+        assert_eq!(
+            (q.limit, q.remaining, q.retry_after_ns, q.reset_ns),
+            (3, 0, 6 * S, 6 * S)
+        );
         check(&l, word, 104 * S, 0);
     }
 

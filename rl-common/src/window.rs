@@ -35,7 +35,11 @@ pub fn fixed_window(word: u64, now: u64, window_ns: u64, max: u64, cost: u64) ->
     let now_w = (now / window_ns) & FIXED_INDEX_MASK;
     let idx = word >> FIXED_COUNT_BITS;
     // (One test, so that the verifier's walk stays about as it was.)
-    let (w, count) = if window_from(idx, now_w, FIXED_INDEX_MASK, word, FIXED_COUNT_MASK) <= 1 { (idx, word & FIXED_COUNT_MASK) } else { (now_w, 0) };
+    let (w, count) = if window_from(idx, now_w, FIXED_INDEX_MASK, word, FIXED_COUNT_MASK) <= 1 {
+        (idx, word & FIXED_COUNT_MASK)
+    } else {
+        (now_w, 0)
+    };
     let next = count + cost;
     if next > max {
         return None;
@@ -80,7 +84,12 @@ pub fn fixed_drained(now: u64, window_ns: u64, max: u64) -> u64 {
         return 0;
     }
     let w = (now / window_ns) & FIXED_INDEX_MASK;
-    w << FIXED_COUNT_BITS | if max < FIXED_COUNT_MASK { max } else { FIXED_COUNT_MASK }
+    w << FIXED_COUNT_BITS
+        | if max < FIXED_COUNT_MASK {
+            max
+        } else {
+            FIXED_COUNT_MASK
+        }
 }
 
 /// Where window index `idx` of state `word` lies from now's window `now_w`
@@ -132,7 +141,12 @@ pub fn sliding_window(word: u64, now: u64, window_ns: u64, max: u64, cost: u64) 
     // ahead: `into` 0), of the one before (255), or another.
     let d = window_from(idx, now_w, 0xff, word, SLIDE_MASK);
     let (w, prev, cur, into) = if d <= 1 {
-        (idx, (word >> SLIDE_BITS) & SLIDE_MASK, word & SLIDE_MASK, into * (d ^ 1))
+        (
+            idx,
+            (word >> SLIDE_BITS) & SLIDE_MASK,
+            word & SLIDE_MASK,
+            into * (d ^ 1),
+        )
     } else if d == 0xff {
         (now_w, word & SLIDE_MASK, 0, into)
     } else {
@@ -190,7 +204,8 @@ fn behind(now: u64, idx: u64, bits: u32) -> Option<u64> {
 /// later time: empty, or of a window strictly before `now`'s.
 pub fn fixed_is_over(word: u64, now: u64, window_ns: u64) -> bool {
     let current = now / window_ns.max(1);
-    word & FIXED_COUNT_MASK == 0 || behind(current, word >> FIXED_COUNT_BITS, FIXED_INDEX_BITS).is_some_and(|d| d != 0)
+    word & FIXED_COUNT_MASK == 0
+        || behind(current, word >> FIXED_COUNT_BITS, FIXED_INDEX_BITS).is_some_and(|d| d != 0)
 }
 
 /// Whether a sliding-window word is over at `now` (epoch ns) and at every
@@ -198,7 +213,8 @@ pub fn fixed_is_over(word: u64, now: u64, window_ns: u64) -> bool {
 /// counts of such windows are never read).
 pub fn sliding_is_over(word: u64, now: u64, window_ns: u64) -> bool {
     let current = now / window_ns.max(1);
-    word & ((1 << (2 * SLIDE_BITS)) - 1) == 0 || behind(current, word >> (2 * SLIDE_BITS), 8).is_some_and(|d| d >= 2)
+    word & ((1 << (2 * SLIDE_BITS)) - 1) == 0
+        || behind(current, word >> (2 * SLIDE_BITS), 8).is_some_and(|d| d >= 2)
 }
 
 /// How far the datapath's clock may lag the daemon's `CLOCK_MONOTONIC`: a
@@ -258,7 +274,13 @@ pub fn sliding_merge(a: u64, b: u64, now: u64, window_ns: u64) -> u64 {
     if !live(a) || !live(b) {
         return if live(a) { a } else { b };
     }
-    let split = |x: u64| (x >> (2 * SLIDE_BITS), (x >> SLIDE_BITS) & SLIDE_MASK, x & SLIDE_MASK);
+    let split = |x: u64| {
+        (
+            x >> (2 * SLIDE_BITS),
+            (x >> SLIDE_BITS) & SLIDE_MASK,
+            x & SLIDE_MASK,
+        )
+    };
     let ((ia, pa, ca), (ib, pb, cb)) = (split(a), split(b));
     let word = |i: u64, p: u64, c: u64| i << (2 * SLIDE_BITS) | p << SLIDE_BITS | c;
     if ia == ib {
@@ -295,12 +317,21 @@ mod tests {
 
     #[test]
     fn fixed_window_resets_on_epoch_aligned_boundaries() {
-        let times: Vec<u64> = (0..100).map(|i| 1_000 * SEC + 990_000_000 + i * 1_000_000).collect();
+        let times: Vec<u64> = (0..100)
+            .map(|i| 1_000 * SEC + 990_000_000 + i * 1_000_000)
+            .collect();
         // 10 ms before the boundary at 1001 s, then 90 ms after it.
         let passed = run(|w, t| fixed_window(w, t, SEC, 5, 1), &times);
         assert_eq!(passed.len(), 10, "5 before the boundary, 5 after");
-        assert!(passed[5] >= 1_001 * SEC, "the 6th passes only in the new window");
-        assert_eq!(fixed_window(0, 7 * SEC, SEC, 4, 5), None, "a cost above the cap never passes");
+        assert!(
+            passed[5] >= 1_001 * SEC,
+            "the 6th passes only in the new window"
+        );
+        assert_eq!(
+            fixed_window(0, 7 * SEC, SEC, 4, 5),
+            None,
+            "a cost above the cap never passes"
+        );
     }
 
     #[test]
@@ -324,19 +355,34 @@ mod tests {
         // then a read 2 ms before it starts: charged against window 11.
         let (max, at, behind) = (5, 11 * SEC + 1_000_000, 11 * SEC - 2_000_000);
         let full = (0..max).fold(0, |w, _| fixed_window(w, at, SEC, max, 1).unwrap());
-        assert_eq!(fixed_window(full, behind, SEC, max, 1), None, "fixed: the count of window 11 stands");
+        assert_eq!(
+            fixed_window(full, behind, SEC, max, 1),
+            None,
+            "fixed: the count of window 11 stands"
+        );
         let one = fixed_window(0, at, SEC, max, 1).unwrap();
         let two = fixed_window(one, behind, SEC, max, 1).unwrap();
         assert_eq!(two >> FIXED_COUNT_BITS, 11, "fixed: still window 11's word");
         assert_eq!(two & FIXED_COUNT_MASK, 2);
-        assert!(fixed_window(full, 12 * SEC, SEC, max, 1).is_some(), "fixed: window 12 starts afresh");
+        assert!(
+            fixed_window(full, 12 * SEC, SEC, max, 1).is_some(),
+            "fixed: window 12 starts afresh"
+        );
         let full = (0..max).fold(0, |w, _| sliding_window(w, at, SEC, max, 1).unwrap());
-        assert_eq!(sliding_window(full, behind, SEC, max, 1), None, "sliding: the count of window 11 stands");
+        assert_eq!(
+            sliding_window(full, behind, SEC, max, 1),
+            None,
+            "sliding: the count of window 11 stands"
+        );
         // Ahead, its previous count weighs in full: 3 of window 10 and 2
         // more in window 11 (charged early) leave none for the 6th.
         let w = sliding_window(0, 10 * SEC + 1, SEC, max, 3).unwrap();
         let w = sliding_window(w, at, SEC, max, 2).unwrap();
-        assert_eq!(sliding_window(w, behind, SEC, max, 1), None, "sliding: window 10's 3 weigh in full");
+        assert_eq!(
+            sliding_window(w, behind, SEC, max, 1),
+            None,
+            "sliding: window 10's 3 weigh in full"
+        );
         // A word never charged is of no window, even where its index 0
         // is the next window's: its first charge counts in now's window.
         let first = fixed_window(0, ((1 << 24) - 1) * SEC, SEC, max, max).unwrap();
@@ -352,10 +398,30 @@ mod tests {
         let w = sliding_window(0, 10 * SEC, SEC, 10, 8).unwrap();
         let w = sliding_window(w, 11 * SEC, SEC, 10, 2).unwrap();
         let refunded = sliding_refund(w, 11 * SEC, SEC, 5);
-        assert_eq!((refunded >> SLIDE_BITS) & SLIDE_MASK, 8, "window 10's 8 kept");
-        assert_eq!(refunded & SLIDE_MASK, 1, "one unit kept so the word stays of window 11");
-        assert_eq!(sliding_window(refunded, 11 * SEC, SEC, 10, 2), None, "8 + 1 of 10: 2 more do not fit");
-        assert_eq!(fixed_refund(fixed_window(0, 11 * SEC, SEC, 10, 3).unwrap(), 11 * SEC, SEC, 5) & FIXED_COUNT_MASK, 0);
+        assert_eq!(
+            (refunded >> SLIDE_BITS) & SLIDE_MASK,
+            8,
+            "window 10's 8 kept"
+        );
+        assert_eq!(
+            refunded & SLIDE_MASK,
+            1,
+            "one unit kept so the word stays of window 11"
+        );
+        assert_eq!(
+            sliding_window(refunded, 11 * SEC, SEC, 10, 2),
+            None,
+            "8 + 1 of 10: 2 more do not fit"
+        );
+        assert_eq!(
+            fixed_refund(
+                fixed_window(0, 11 * SEC, SEC, 10, 3).unwrap(),
+                11 * SEC,
+                SEC,
+                5
+            ) & FIXED_COUNT_MASK,
+            0
+        );
     }
 
     #[test]
@@ -383,7 +449,10 @@ mod tests {
         let new = sliding_window(0, now, w, 1, 1).unwrap();
         assert_eq!(sliding_merge(old, new, now, w), new);
         assert_eq!(sliding_merge(new, old, now, w), new);
-        assert!(sliding_window(sliding_merge(old, new, now, w), now + 1, w, 1, 1).is_none(), "the merge still holds the limit");
+        assert!(
+            sliding_window(sliding_merge(old, new, now, w), now + 1, w, 1, 1).is_none(),
+            "the merge still holds the limit"
+        );
         // One window apart, the earlier count becomes the previous one.
         let prev = sliding_window(0, now - w, w, 5, 3).unwrap();
         let m = sliding_merge(new, prev, now, w);

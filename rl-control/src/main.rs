@@ -229,10 +229,19 @@ enum Command {
     },
 }
 
-
 /// One API call, printed as a table or JSON.
-fn remote_call(remote: &Remote, method: &str, path: &str, body: Option<&serde_json::Value>, human: fn(&serde_json::Value) -> String) -> anyhow::Result<()> {
-    let c = cli::Client::new(&remote.runtime_dir, remote.api.as_deref(), remote.token_file.as_ref())?;
+fn remote_call(
+    remote: &Remote,
+    method: &str,
+    path: &str,
+    body: Option<&serde_json::Value>,
+    human: fn(&serde_json::Value) -> String,
+) -> anyhow::Result<()> {
+    let c = cli::Client::new(
+        &remote.runtime_dir,
+        remote.api.as_deref(),
+        remote.token_file.as_ref(),
+    )?;
     let v = c.call(method, path, body)?;
     cli::print(&v, remote.json, human);
     Ok(())
@@ -255,50 +264,112 @@ fn main() -> ExitCode {
             .and_then(|c| {
                 // As a fresh datapath would install them.
                 let mut rules = rl_control::compile::compile(&c).rules;
-                rl_control::datapath::fits(&rules).map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
-                println!("{}: ok ({}; up to {} sources)", file.display(), c.summary(), c.datapath.max_sources);
+                rl_control::datapath::fits(&rules)
+                    .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+                println!(
+                    "{}: ok ({}; up to {} sources)",
+                    file.display(),
+                    c.summary(),
+                    c.datapath.max_sources
+                );
                 rl_control::compile::part_wide_counts(&mut rules.entries, &Default::default());
                 for note in rl_control::compile::wide_count_notes(&rules.entries, &rules.names) {
                     println!("note: {note}");
                 }
                 Ok(())
             }),
-        Command::Reload { pid_file: Some(pid_file), .. } => daemon::signal_reload(&pid_file),
-        Command::Reload { pid_file: None, remote } => remote_call(&remote, "POST", "/v1/reload", None, cli::applied),
+        Command::Reload {
+            pid_file: Some(pid_file),
+            ..
+        } => daemon::signal_reload(&pid_file),
+        Command::Reload {
+            pid_file: None,
+            remote,
+        } => remote_call(&remote, "POST", "/v1/reload", None, cli::applied),
         Command::Status { remote } => remote_call(&remote, "GET", "/v1/status", None, cli::status),
         Command::Rules { remote } => remote_call(&remote, "GET", "/v1/rules", None, cli::rules),
         Command::Stats { remote } => remote_call(&remote, "GET", "/v1/stats", None, cli::stats),
-        Command::Top { count, remote } => remote_call(&remote, "GET", &format!("/v1/sources?top={count}"), None, cli::top),
-        Command::Cells { count, remote } => remote_call(&remote, "GET", &format!("/v1/cells?top={count}"), None, cli::cells),
-        Command::Events { count, remote } => remote_call(&remote, "GET", &format!("/v1/events?limit={count}"), None, cli::events),
-        Command::Source { ip, remote } => {
-            remote_call(&remote, "GET", &format!("/v1/sources/{}", cli::encode_segment(&ip)), None, cli::source)
-        }
-        Command::Ban { cidr, ttl, reason, remote } => rl_control::config::units::parse_duration(&ttl)
+        Command::Top { count, remote } => remote_call(
+            &remote,
+            "GET",
+            &format!("/v1/sources?top={count}"),
+            None,
+            cli::top,
+        ),
+        Command::Cells { count, remote } => remote_call(
+            &remote,
+            "GET",
+            &format!("/v1/cells?top={count}"),
+            None,
+            cli::cells,
+        ),
+        Command::Events { count, remote } => remote_call(
+            &remote,
+            "GET",
+            &format!("/v1/events?limit={count}"),
+            None,
+            cli::events,
+        ),
+        Command::Source { ip, remote } => remote_call(
+            &remote,
+            "GET",
+            &format!("/v1/sources/{}", cli::encode_segment(&ip)),
+            None,
+            cli::source,
+        ),
+        Command::Ban {
+            cidr,
+            ttl,
+            reason,
+            remote,
+        } => rl_control::config::units::parse_duration(&ttl)
             .map_err(|e| anyhow::anyhow!("--ttl {ttl}: {e}"))
             .and_then(|secs| {
                 let body = serde_json::json!({ "cidr": cidr, "ttl_secs": secs, "reason": reason });
                 remote_call(&remote, "POST", "/v1/bans", Some(&body), cli::ban)
             }),
-        Command::Unban { cidr, remote } => {
-            remote_call(&remote, "DELETE", &format!("/v1/bans/{}", cli::encode_segment(&cidr)), None, cli::applied)
-        }
-        Command::L7State { domain, entries, remote } => {
+        Command::Unban { cidr, remote } => remote_call(
+            &remote,
+            "DELETE",
+            &format!("/v1/bans/{}", cli::encode_segment(&cidr)),
+            None,
+            cli::applied,
+        ),
+        Command::L7State {
+            domain,
+            entries,
+            remote,
+        } => {
             let mut q = format!("/v1/l7/state?domain={}", cli::encode_segment(&domain));
             let mut bad = None;
             for e in &entries {
                 match e.split_once('=') {
-                    Some((k, v)) => q += &format!("&{}={}", cli::encode_segment(k), cli::encode_segment(v)),
+                    Some((k, v)) => {
+                        q += &format!("&{}={}", cli::encode_segment(k), cli::encode_segment(v))
+                    }
                     None => bad = Some(e.clone()),
                 }
             }
             match bad {
-                Some(e) => Err(anyhow::anyhow!("{e:?} is not key=value: give the descriptor's entries as key=value, in order")),
+                Some(e) => Err(anyhow::anyhow!(
+                    "{e:?} is not key=value: give the descriptor's entries as key=value, in order"
+                )),
                 None => remote_call(&remote, "GET", &q, None, cli::l7_state),
             }
         }
         Command::Detach { iface, pin_dir } => daemon::detach(&iface, &pin_dir),
-        Command::Run { ifaces, config, mode, stats_interval, runtime_dir, pid_file, no_watch, api, pin_dir, detach_on_exit } => {
+        Command::Run {
+            ifaces,
+            config,
+            mode,
+            stats_interval,
+            runtime_dir,
+            pid_file,
+            no_watch,
+            api,
+            pin_dir,
+            detach_on_exit,
+        } => {
             let opts = daemon::RunOptions {
                 ifaces,
                 config,

@@ -71,22 +71,44 @@ fn read() -> Vec<Alert> {
     let file: RuleFile = serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{FILE}: {e}"));
     let mut alerts = Vec::new();
     for group in file.groups {
-        assert!(!group.name.is_empty() && !group.rules.is_empty(), "{FILE}: group {:?} is empty", group.name);
+        assert!(
+            !group.name.is_empty() && !group.rules.is_empty(),
+            "{FILE}: group {:?} is empty",
+            group.name
+        );
         for r in group.rules {
             let who = format!("{FILE}: alert {}", r.alert);
-            let expr = parser::parse(&r.expr).unwrap_or_else(|e| panic!("{who}: expr {:?}: {e}", r.expr));
+            let expr =
+                parser::parse(&r.expr).unwrap_or_else(|e| panic!("{who}: expr {:?}: {e}", r.expr));
             if let Some(d) = &r.for_ {
-                promql_parser::util::parse_duration(d).unwrap_or_else(|e| panic!("{who}: for {d:?}: {e}"));
+                promql_parser::util::parse_duration(d)
+                    .unwrap_or_else(|e| panic!("{who}: for {d:?}: {e}"));
             }
             let severity = r.labels.get("severity").map(String::as_str);
-            assert!(matches!(severity, Some("info" | "warning" | "critical")), "{who}: severity {severity:?}");
+            assert!(
+                matches!(severity, Some("info" | "warning" | "critical")),
+                "{who}: severity {severity:?}"
+            );
             let component = r.labels.get("component").cloned().unwrap_or_default();
-            assert!(["daemon", "datapath", "l7", "cluster"].contains(&component.as_str()), "{who}: component {component:?}");
+            assert!(
+                ["daemon", "datapath", "l7", "cluster"].contains(&component.as_str()),
+                "{who}: component {component:?}"
+            );
             for a in ["summary", "description"] {
-                assert!(r.annotations.get(a).is_some_and(|t| !t.trim().is_empty()), "{who}: no {a}");
+                assert!(
+                    r.annotations.get(a).is_some_and(|t| !t.trim().is_empty()),
+                    "{who}: no {a}"
+                );
             }
-            assert!(!alerts.iter().any(|x: &Alert| x.name == r.alert), "{who}: named twice");
-            alerts.push(Alert { name: r.alert, component, expr });
+            assert!(
+                !alerts.iter().any(|x: &Alert| x.name == r.alert),
+                "{who}: named twice"
+            );
+            alerts.push(Alert {
+                name: r.alert,
+                component,
+                expr,
+            });
         }
     }
     alerts
@@ -94,7 +116,10 @@ fn read() -> Vec<Alert> {
 
 /// The shipped alert `name`.
 pub fn alert(name: &str) -> &'static Alert {
-    shipped().iter().find(|a| a.name == name).unwrap_or_else(|| panic!("{FILE} has no alert {name}"))
+    shipped()
+        .iter()
+        .find(|a| a.name == name)
+        .unwrap_or_else(|| panic!("{FILE} has no alert {name}"))
 }
 
 /// A scrape by series: metric name, then its labels.
@@ -105,7 +130,9 @@ pub fn series(scrape: &HashMap<String, f64>) -> Series {
     scrape
         .iter()
         .map(|(k, v)| {
-            let (name, labels) = k.split_once('{').map_or((k.as_str(), ""), |(n, l)| (n, l.trim_end_matches('}')));
+            let (name, labels) = k
+                .split_once('{')
+                .map_or((k.as_str(), ""), |(n, l)| (n, l.trim_end_matches('}')));
             (name.to_string(), labels_of(labels), *v)
         })
         .collect()
@@ -184,15 +211,25 @@ fn selectors(e: &Expr, f: &mut dyn FnMut(&VectorSelector)) {
 /// The samples `vs` selects (equality matchers only: the shipped rules
 /// use no others, and a test that meets one says so).
 fn select(vs: &VectorSelector, scrape: &Series) -> Vec<(BTreeMap<String, String>, f64)> {
-    assert!(vs.offset.is_none() && vs.at.is_none() && vs.matchers.or_matchers.is_empty(), "{vs}: not evaluated here");
-    let name = vs.name.as_deref().unwrap_or_else(|| panic!("{vs}: a selector without a metric name"));
+    assert!(
+        vs.offset.is_none() && vs.at.is_none() && vs.matchers.or_matchers.is_empty(),
+        "{vs}: not evaluated here"
+    );
+    let name = vs
+        .name
+        .as_deref()
+        .unwrap_or_else(|| panic!("{vs}: a selector without a metric name"));
     scrape
         .iter()
         .filter(|(n, labels, _)| {
             n == name
                 && vs.matchers.matchers.iter().all(|m| match &m.op {
-                    MatchOp::Equal => labels.get(&m.name).map_or(m.value.is_empty(), |v| *v == m.value),
-                    MatchOp::NotEqual => labels.get(&m.name).map_or(!m.value.is_empty(), |v| *v != m.value),
+                    MatchOp::Equal => labels
+                        .get(&m.name)
+                        .map_or(m.value.is_empty(), |v| *v == m.value),
+                    MatchOp::NotEqual => labels
+                        .get(&m.name)
+                        .map_or(!m.value.is_empty(), |v| *v != m.value),
                     other => panic!("{vs}: matcher {other:?} not evaluated here"),
                 })
         })
@@ -205,16 +242,29 @@ fn eval(e: &Expr, scrape: &Series) -> Option<Value> {
         Expr::NumberLiteral(n) => Value::Scalar(n.val),
         Expr::VectorSelector(vs) => Value::Vector(select(vs, scrape)),
         Expr::Paren(p) => eval(&p.expr, scrape)?,
-        Expr::Call(c) if c.func.name == "time" => {
-            Value::Scalar(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).ok()?.as_secs_f64())
-        }
+        Expr::Call(c) if c.func.name == "time" => Value::Scalar(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .ok()?
+                .as_secs_f64(),
+        ),
         Expr::Call(c) if c.func.name == "absent" => {
-            let Some(Value::Vector(v)) = eval(c.args.args.first()?, scrape) else { return None };
-            Value::Vector(if v.is_empty() { vec![(BTreeMap::new(), 1.0)] } else { Vec::new() })
+            let Some(Value::Vector(v)) = eval(c.args.args.first()?, scrape) else {
+                return None;
+            };
+            Value::Vector(if v.is_empty() {
+                vec![(BTreeMap::new(), 1.0)]
+            } else {
+                Vec::new()
+            })
         }
         // (A set operator's modifier only says many-to-many.)
         Expr::Binary(b) if b.modifier.is_none() || b.op.to_string() == "or" => {
-            let (op, l, r) = (b.op.to_string(), eval(&b.lhs, scrape)?, eval(&b.rhs, scrape)?);
+            let (op, l, r) = (
+                b.op.to_string(),
+                eval(&b.lhs, scrape)?,
+                eval(&b.rhs, scrape)?,
+            );
             binary(&op, l, r)?
         }
         _ => return None,
@@ -227,7 +277,9 @@ fn binary(op: &str, l: Value, r: Value) -> Option<Value> {
     if op == "or" {
         // The left side's samples, and the right side's whose labels the
         // left has not.
-        let (Value::Vector(mut a), Value::Vector(b)) = (l, r) else { return None };
+        let (Value::Vector(mut a), Value::Vector(b)) = (l, r) else {
+            return None;
+        };
         for (labels, y) in b {
             if !a.iter().any(|(l, _)| *l == labels) {
                 a.push((labels, y));
@@ -254,12 +306,18 @@ fn binary(op: &str, l: Value, r: Value) -> Option<Value> {
     Some(match (l, r) {
         (Value::Scalar(a), Value::Scalar(b)) => {
             let (v, keep) = apply(a, b)?;
-            Value::Scalar(if comparison { f64::from(u8::from(keep)) } else { v })
+            Value::Scalar(if comparison {
+                f64::from(u8::from(keep))
+            } else {
+                v
+            })
         }
         (Value::Vector(v), Value::Scalar(s)) => Value::Vector(filter_map(v, |x| apply(x, s))?),
         (Value::Scalar(s), Value::Vector(v)) => {
             // A comparison keeps the vector's own value, on whichever side.
-            Value::Vector(filter_map(v, |x| apply(s, x).map(|(r, keep)| (if comparison { x } else { r }, keep)))?)
+            Value::Vector(filter_map(v, |x| {
+                apply(s, x).map(|(r, keep)| (if comparison { x } else { r }, keep))
+            })?)
         }
         (Value::Vector(a), Value::Vector(b)) => {
             let mut out = Vec::new();
@@ -276,7 +334,10 @@ fn binary(op: &str, l: Value, r: Value) -> Option<Value> {
     })
 }
 
-fn filter_map(v: Vec<(BTreeMap<String, String>, f64)>, f: impl Fn(f64) -> Option<(f64, bool)>) -> Option<Vec<(BTreeMap<String, String>, f64)>> {
+fn filter_map(
+    v: Vec<(BTreeMap<String, String>, f64)>,
+    f: impl Fn(f64) -> Option<(f64, bool)>,
+) -> Option<Vec<(BTreeMap<String, String>, f64)>> {
     let mut out = Vec::new();
     for (labels, x) in v {
         let (r, keep) = f(x)?;
@@ -298,9 +359,16 @@ pub fn check(scrape: &HashMap<String, f64>, present: &[&str]) -> Vec<String> {
     scrape.insert("up{job=\"rl\"}".into(), 1.0);
     let series = series(&scrape);
     let mut firing = Vec::new();
-    for a in shipped().iter().filter(|a| present.contains(&a.component.as_str())) {
+    for a in shipped()
+        .iter()
+        .filter(|a| present.contains(&a.component.as_str()))
+    {
         let missing = a.missing(&series);
-        assert!(missing.is_empty(), "alert {} reads series the daemon does not export: {missing:?}", a.name);
+        assert!(
+            missing.is_empty(),
+            "alert {} reads series the daemon does not export: {missing:?}",
+            a.name
+        );
         if a.holds(&series) == Some(true) {
             firing.push(a.name.clone());
         }
@@ -324,32 +392,60 @@ mod tests {
             ("up{job=\"rl\",instance=\"a:9101\"}", 1.0),
             ("rl_uptime_seconds", 5.0),
             ("rl_flood_mode", 0.0),
-            ("rl_table_occupancy_ratio{table=\"sources\",family=\"ipv4\"}", 0.5),
+            (
+                "rl_table_occupancy_ratio{table=\"sources\",family=\"ipv4\"}",
+                0.5,
+            ),
             ("rl_l7_keys", 10.0),
             ("rl_l7_max_keys", 100.0),
             ("rl_wide_cells{family=\"ipv4\"}", 0.0),
         ]);
-        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
-        let calm = [calm, scrape(&[
-            ("rl_collector_up{reader=\"walk\"}", 1.0),
-            ("rl_collector_last_pass_timestamp_seconds{reader=\"walk\"}", now - 1.0),
-        ])]
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64();
+        let calm = [
+            calm,
+            scrape(&[
+                ("rl_collector_up{reader=\"walk\"}", 1.0),
+                (
+                    "rl_collector_last_pass_timestamp_seconds{reader=\"walk\"}",
+                    now - 1.0,
+                ),
+            ]),
+        ]
         .concat();
         let hot = scrape(&[
             ("up{job=\"rl\",instance=\"a:9101\"}", 0.0),
             ("rl_collector_up{reader=\"flood_reading\"}", 0.0),
-            ("rl_collector_last_pass_timestamp_seconds{reader=\"walk\"}", now - 90.0),
+            (
+                "rl_collector_last_pass_timestamp_seconds{reader=\"walk\"}",
+                now - 90.0,
+            ),
             ("rl_flood_mode", 1.0),
             ("rl_wide_cells{family=\"ipv4\"}", 3.0),
-            ("rl_table_occupancy_ratio{table=\"cells\",family=\"ipv6\"}", 0.95),
+            (
+                "rl_table_occupancy_ratio{table=\"cells\",family=\"ipv6\"}",
+                0.95,
+            ),
             ("rl_l7_keys", 91.0),
             ("rl_l7_max_keys", 100.0),
         ]);
-        for (name, on_calm, on_hot) in
-            [("RlDown", false, true), ("RlFloodMode", false, true), ("RlWideCells", false, true), ("RlTableNearlyFull", false, true), ("RlRequestKeysNearlyFull", false, true), ("RlCollectorFailing", false, true), ("RlCollectorStalled", false, true)]
-        {
+        for (name, on_calm, on_hot) in [
+            ("RlDown", false, true),
+            ("RlFloodMode", false, true),
+            ("RlWideCells", false, true),
+            ("RlTableNearlyFull", false, true),
+            ("RlRequestKeysNearlyFull", false, true),
+            ("RlCollectorFailing", false, true),
+            ("RlCollectorStalled", false, true),
+        ] {
             let a = alert(name);
-            assert_eq!((a.holds(&calm), a.holds(&hot)), (Some(on_calm), Some(on_hot)), "{name}");
+            assert_eq!(
+                (a.holds(&calm), a.holds(&hot)),
+                (Some(on_calm), Some(on_hot)),
+                "{name}"
+            );
         }
         // One Prometheus, two rl hosts, one of them down: RlDown holds for it
         // although the other still exports rl_uptime_seconds.
@@ -358,10 +454,31 @@ mod tests {
             ("rl_uptime_seconds{job=\"rl\",instance=\"a:9101\"}", 5.0),
             ("up{job=\"rl\",instance=\"b:9101\"}", 0.0),
         ]);
-        assert_eq!(alert("RlDown").holds(&two), Some(true), "one host of two down");
-        assert_eq!(alert("RlDown").holds(&scrape(&[("rl_uptime_seconds", 5.0)])), Some(true), "no rl target scraped at all (a job of another name)");
-        assert_eq!(alert("RlReloadFailed").holds(&calm), None, "increase() needs two scrapes");
-        assert_eq!(alert("RlFloodMode").missing(&scrape(&[("rl_flood_modes", 1.0)])), ["rl_flood_mode"]);
-        assert_eq!(labels_of(r#"rule="a\"b",verdict="passed""#), BTreeMap::from([("rule".into(), "a\"b".into()), ("verdict".into(), "passed".into())]));
+        assert_eq!(
+            alert("RlDown").holds(&two),
+            Some(true),
+            "one host of two down"
+        );
+        assert_eq!(
+            alert("RlDown").holds(&scrape(&[("rl_uptime_seconds", 5.0)])),
+            Some(true),
+            "no rl target scraped at all (a job of another name)"
+        );
+        assert_eq!(
+            alert("RlReloadFailed").holds(&calm),
+            None,
+            "increase() needs two scrapes"
+        );
+        assert_eq!(
+            alert("RlFloodMode").missing(&scrape(&[("rl_flood_modes", 1.0)])),
+            ["rl_flood_mode"]
+        );
+        assert_eq!(
+            labels_of(r#"rule="a\"b",verdict="passed""#),
+            BTreeMap::from([
+                ("rule".into(), "a\"b".into()),
+                ("verdict".into(), "passed".into())
+            ])
+        );
     }
 }

@@ -46,7 +46,10 @@ impl ClusterLab {
     /// One host per `on_failure` entry, each running the shared rule.
     pub fn new(hub_id: u32, on_failure: &[&str]) -> Result<ClusterLab> {
         let mut hub = Hub::new(hub_id)?;
-        let labs: Vec<Lab> = on_failure.iter().map(|_| Lab::new()).collect::<Result<_>>()?;
+        let labs: Vec<Lab> = on_failure
+            .iter()
+            .map(|_| Lab::new())
+            .collect::<Result<_>>()?;
         for lab in &labs {
             hub.join_lab(lab)?;
         }
@@ -54,10 +57,20 @@ impl ClusterLab {
         let dir = tempfile::tempdir()?;
         let mut daemons = Vec::new();
         for (i, (lab, mode)) in labs.iter().zip(on_failure).enumerate() {
-            let cfg = write(&dir, &format!("h{i}.toml"), &config(&redis.url(), &format!("host-{i}"), mode));
+            let cfg = write(
+                &dir,
+                &format!("h{i}.toml"),
+                &config(&redis.url(), &format!("host-{i}"), mode),
+            );
             daemons.push(Daemon::serving(lab, &cfg, &[])?);
         }
-        Ok(ClusterLab { daemons, redis, labs, hub, _dir: dir })
+        Ok(ClusterLab {
+            daemons,
+            redis,
+            labs,
+            hub,
+            _dir: dir,
+        })
     }
 
     /// The documented bound for `secs` of traffic from every host (δ taken
@@ -72,11 +85,14 @@ impl ClusterLab {
     /// `on_failure = "open"`).
     pub fn passed(&self, i: usize) -> u64 {
         let r = &get(&self.labs[i].b, "/v1/stats").json()["rules"][RULE];
-        r["passed_packets"].as_u64().unwrap_or(0) + r["shadow_dropped_packets"].as_u64().unwrap_or(0)
+        r["passed_packets"].as_u64().unwrap_or(0)
+            + r["shadow_dropped_packets"].as_u64().unwrap_or(0)
     }
 
     pub fn dropped(&self, i: usize) -> u64 {
-        get(&self.labs[i].b, "/v1/stats").json()["rules"][RULE]["dropped_packets"].as_u64().unwrap_or(0)
+        get(&self.labs[i].b, "/v1/stats").json()["rules"][RULE]["dropped_packets"]
+            .as_u64()
+            .unwrap_or(0)
     }
 
     pub fn total(&self) -> u64 {
@@ -85,14 +101,24 @@ impl ClusterLab {
 
     /// `count` frames from [`SOURCE`] to the rule's port at `pps` on host `i`.
     pub fn flood(&self, i: usize, count: u64, pps: u64) -> std::thread::JoinHandle<Result<Sent>> {
-        forged(&self.labs[i].a, VA, eth(&[], ETH_P_IP, &ipv4(SOURCE, UDP, &[], &udp(PORT))), count, pps, None, |_| SOURCE)
+        forged(
+            &self.labs[i].a,
+            VA,
+            eth(&[], ETH_P_IP, &ipv4(SOURCE, UDP, &[], &udp(PORT))),
+            count,
+            pps,
+            None,
+            |_| SOURCE,
+        )
     }
 
     /// Every host floods `count` frames at `pps` at once; returns what they
     /// passed together and how long the longest sender took.
     pub fn flood_all(&self, count: u64, pps: u64) -> Result<(u64, f64)> {
         let before = self.total();
-        let senders: Vec<_> = (0..self.labs.len()).map(|i| self.flood(i, count, pps)).collect();
+        let senders: Vec<_> = (0..self.labs.len())
+            .map(|i| self.flood(i, count, pps))
+            .collect();
         let mut took: f64 = 0.0;
         for h in senders {
             took = took.max(join(h)?.seconds());

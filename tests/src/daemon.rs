@@ -59,7 +59,9 @@ pub fn write(dir: &tempfile::TempDir, name: &str, text: &str) -> PathBuf {
 
 /// Runs `rl-control args…` inside `ns` (or the current namespace) to completion.
 pub fn run_once(ns: Option<&Netns>, args: &[&str]) -> Result<(ExitStatus, String)> {
-    let out = command(ns, &[], args).output().context("running rl-control")?;
+    let out = command(ns, &[], args)
+        .output()
+        .context("running rl-control")?;
     let mut text = String::from_utf8_lossy(&out.stdout).into_owned();
     text.push_str(&String::from_utf8_lossy(&out.stderr));
     Ok((out.status, text))
@@ -130,7 +132,12 @@ impl Daemon {
 
     /// Like [`Daemon::serving`], pinned in `pins` (a [`crate::lab::BpfFs`])
     /// and left attached on exit, as in production.
-    pub fn pinned(lab: &crate::lab::Lab, cfg: &std::path::Path, pins: &crate::lab::BpfFs, extra: &[&str]) -> Result<Daemon> {
+    pub fn pinned(
+        lab: &crate::lab::Lab,
+        cfg: &std::path::Path,
+        pins: &crate::lab::BpfFs,
+        extra: &[&str],
+    ) -> Result<Daemon> {
         let mut args = vec!["--pin-dir", pins.arg()];
         args.extend_from_slice(extra);
         Daemon::on_lab(lab, cfg, &args)
@@ -138,8 +145,20 @@ impl Daemon {
 
     fn on_lab(lab: &crate::lab::Lab, cfg: &std::path::Path, extra: &[&str]) -> Result<Daemon> {
         let pid = cfg.with_extension("pid");
-        let (cfg, pid) = (cfg.to_str().context("config path")?, pid.to_str().context("pid path")?);
-        let mut args = vec!["run", "--iface", crate::lab::VB, "--config", cfg, "--pid-file", pid, "--no-watch"];
+        let (cfg, pid) = (
+            cfg.to_str().context("config path")?,
+            pid.to_str().context("pid path")?,
+        );
+        let mut args = vec![
+            "run",
+            "--iface",
+            crate::lab::VB,
+            "--config",
+            cfg,
+            "--pid-file",
+            pid,
+            "--no-watch",
+        ];
         args.extend_from_slice(extra);
         let mut d = Daemon::spawn(&lab.b, &args)?;
         d.wait_for("admin API on", Duration::from_secs(20))?;
@@ -164,11 +183,17 @@ impl Daemon {
             }
             if let Some(status) = self.child.try_wait()? {
                 std::thread::sleep(Duration::from_millis(100));
-                bail!("rl-control exited ({status}) before logging {needle:?}:\n{}", self.log());
+                bail!(
+                    "rl-control exited ({status}) before logging {needle:?}:\n{}",
+                    self.log()
+                );
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        bail!("rl-control did not log {needle:?} within {timeout:?}:\n{}", self.log())
+        bail!(
+            "rl-control did not log {needle:?} within {timeout:?}:\n{}",
+            self.log()
+        )
     }
 
     /// Sends `signal` to the daemon.
@@ -187,7 +212,10 @@ impl Daemon {
                 return Ok((status, self.log()));
             }
             if Instant::now() > deadline {
-                bail!("rl-control did not exit within 10 s of signal {signal}:\n{}", self.log());
+                bail!(
+                    "rl-control did not exit within 10 s of signal {signal}:\n{}",
+                    self.log()
+                );
             }
             std::thread::sleep(Duration::from_millis(20));
         }

@@ -37,7 +37,11 @@ pub fn start(ns: &Netns, dir: &std::path::Path, config: &str, admin_port: u16) -
         .args(["--disable-hot-restart", "--log-level", "warn", "--log-path"])
         .arg(&log)
         .stderr(Stdio::null());
-    let ready = || ns.run(move || Ok(get_status(&format!("127.0.0.1:{admin_port}"), "/ready").unwrap_or(0))).unwrap_or(0) == 200;
+    let ready = || {
+        ns.run(move || Ok(get_status(&format!("127.0.0.1:{admin_port}"), "/ready").unwrap_or(0)))
+            .unwrap_or(0)
+            == 200
+    };
     Gateway::run(cmd, log, "envoy", &ready)
 }
 
@@ -46,10 +50,17 @@ pub fn start(ns: &Netns, dir: &std::path::Path, config: &str, admin_port: u16) -
 fn get_status(addr: &str, path: &str) -> Result<u16> {
     let mut s = std::net::TcpStream::connect(addr)?;
     s.set_read_timeout(Some(Duration::from_secs(2)))?;
-    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )?;
     let mut buf = String::new();
     s.read_to_string(&mut buf)?;
-    Ok(buf.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0))
+    Ok(buf
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0))
 }
 
 /// An HTTP upstream on 127.0.0.1:`port` in `ns` answering 200 "ok" to

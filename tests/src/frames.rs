@@ -93,7 +93,14 @@ pub fn ipv6_fragment(next: u8, offset: u16, more: bool, id: u32, rest: &[u8]) ->
 
 /// An IPv4 fragment from `src` to 10.0.0.2: identification `id`, `offset`
 /// in 8-byte units, `more` sets MF; `payload` is its share of the datagram.
-pub fn ipv4_fragment(src: [u8; 4], proto: u8, id: u16, offset: u16, more: bool, payload: &[u8]) -> Vec<u8> {
+pub fn ipv4_fragment(
+    src: [u8; 4],
+    proto: u8,
+    id: u16,
+    offset: u16,
+    more: bool,
+    payload: &[u8],
+) -> Vec<u8> {
     let mut h = ipv4(src, proto, &[], payload);
     h[4..6].copy_from_slice(&id.to_be_bytes());
     h[6..8].copy_from_slice(&((more as u16) << 13 | offset).to_be_bytes());

@@ -21,7 +21,13 @@ impl Answer {
 /// `method path` to the admin socket of the daemon running in `ns` (see
 /// `Netns::runtime_dir`), with an optional body (content type, bytes) and
 /// bearer token.
-pub fn request(ns: &Netns, method: &str, path: &str, body: Option<(&str, Vec<u8>)>, token: Option<&str>) -> Result<Answer> {
+pub fn request(
+    ns: &Netns,
+    method: &str,
+    path: &str,
+    body: Option<(&str, Vec<u8>)>,
+    token: Option<&str>,
+) -> Result<Answer> {
     let sock = ns.runtime_dir().join(rl_control::cli::API_SOCKET);
     let content = body.as_ref().map(|(t, b)| (*t, b.as_slice()));
     let (status, body) = rl_control::cli::unix_request(&sock, method, path, content, token)
@@ -30,12 +36,21 @@ pub fn request(ns: &Netns, method: &str, path: &str, body: Option<(&str, Vec<u8>
 }
 
 /// `method path` over TCP to `addr` from inside `ns`.
-pub fn request_tcp(ns: &Netns, addr: &str, method: &str, path: &str, body: Option<(&str, Vec<u8>)>, token: Option<&str>) -> Result<Answer> {
+pub fn request_tcp(
+    ns: &Netns,
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: Option<(&str, Vec<u8>)>,
+    token: Option<&str>,
+) -> Result<Answer> {
     let (method, url) = (method.to_string(), format!("http://{addr}{path}"));
     let body = body.map(|(t, b)| (t.to_string(), b));
     let token = token.map(str::to_string);
     ns.run(move || {
-        let agent = ureq::AgentBuilder::new().timeout(std::time::Duration::from_secs(30)).build();
+        let agent = ureq::AgentBuilder::new()
+            .timeout(std::time::Duration::from_secs(30))
+            .build();
         let mut req = agent.request(&method, &url);
         if let Some(t) = &token {
             req = req.set("Authorization", &format!("Bearer {t}"));
@@ -50,7 +65,10 @@ pub fn request_tcp(ns: &Netns, addr: &str, method: &str, path: &str, body: Optio
             Err(e) => return Err(e).with_context(|| format!("{method} {url}")),
         };
         let status = r.status();
-        Ok(Answer { status, body: r.into_string().context("reading the answer")? })
+        Ok(Answer {
+            status,
+            body: r.into_string().context("reading the answer")?,
+        })
     })
 }
 
@@ -80,12 +98,25 @@ pub fn parse_prometheus(text: &str) -> std::collections::HashMap<String, f64> {
         if line.starts_with('#') || line.is_empty() {
             continue;
         }
-        let (series, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("bad sample line: {line}"));
+        let (series, value) = line
+            .rsplit_once(' ')
+            .unwrap_or_else(|| panic!("bad sample line: {line}"));
         let name = series.split('{').next().unwrap();
-        let family = ["_bucket", "_sum", "_count"].iter().find_map(|x| name.strip_suffix(x)).filter(|f| typed.contains(*f));
-        assert!(typed.contains(name) || family.is_some(), "sample before its TYPE: {line}");
+        let family = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|x| name.strip_suffix(x))
+            .filter(|f| typed.contains(*f));
+        assert!(
+            typed.contains(name) || family.is_some(),
+            "sample before its TYPE: {line}"
+        );
         assert!(!series.contains('{') || series.ends_with('}'), "{line}");
-        out.insert(series.to_string(), value.parse::<f64>().unwrap_or_else(|_| panic!("bad value: {line}")));
+        out.insert(
+            series.to_string(),
+            value
+                .parse::<f64>()
+                .unwrap_or_else(|_| panic!("bad value: {line}")),
+        );
     }
     out
 }

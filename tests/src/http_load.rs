@@ -34,9 +34,17 @@ pub struct Checks {
 
 impl Checks {
     pub async fn connect(addr: std::net::SocketAddr) -> Result<(TcpStream, Checks)> {
-        let tcp = TcpStream::connect(addr).await.with_context(|| format!("connecting to the HTTP check on {addr}"))?;
+        let tcp = TcpStream::connect(addr)
+            .await
+            .with_context(|| format!("connecting to the HTTP check on {addr}"))?;
         tcp.set_nodelay(true)?;
-        let c = Checks { host: addr.to_string(), waiting: Default::default(), in_flight: None, input: vec![0; 16 << 10], filled: 0 };
+        let c = Checks {
+            host: addr.to_string(),
+            waiting: Default::default(),
+            in_flight: None,
+            input: vec![0; 16 << 10],
+            filled: 0,
+        };
         Ok((tcp, c))
     }
 
@@ -56,7 +64,9 @@ impl Checks {
         if self.in_flight.is_some() {
             return Ok(());
         }
-        let Some((due, body)) = self.waiting.pop_front() else { return Ok(()) };
+        let Some((due, body)) = self.waiting.pop_front() else {
+            return Ok(());
+        };
         let head = format!(
             "POST /v1/check HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
             self.host,
@@ -72,17 +82,26 @@ impl Checks {
     /// Reads what has arrived (after `tcp.readable()`); the request in
     /// flight if its answer is now whole.
     pub fn read(&mut self, tcp: &TcpStream) -> Result<Option<Done>> {
-        let Some(due) = self.in_flight else { bail!("an answer came with no request in flight") };
+        let Some(due) = self.in_flight else {
+            bail!("an answer came with no request in flight")
+        };
         if self.filled == self.input.len() {
             self.input.resize(2 * self.input.len(), 0);
         }
-        match crate::read_available(tcp, &mut self.input[self.filled..]).context("reading an answer")? {
+        match crate::read_available(tcp, &mut self.input[self.filled..])
+            .context("reading an answer")?
+        {
             Some(0) => bail!("the daemon closed the connection"),
             Some(n) => self.filled += n,
             None => {}
         }
-        let Some(len) = answer_len(&self.input[..self.filled])? else { return Ok(None) };
-        let status = std::str::from_utf8(&self.input[9..12]).ok().and_then(|s| s.parse::<u16>().ok()).unwrap_or(0);
+        let Some(len) = answer_len(&self.input[..self.filled])? else {
+            return Ok(None);
+        };
+        let status = std::str::from_utf8(&self.input[9..12])
+            .ok()
+            .and_then(|s| s.parse::<u16>().ok())
+            .unwrap_or(0);
         self.input.copy_within(len..self.filled, 0);
         self.filled -= len;
         self.in_flight = None;
@@ -118,13 +137,24 @@ pub struct Pool {
 }
 
 impl Pool {
-    pub async fn connect(addr: std::net::SocketAddr, connections: usize, dispatch: Dispatch) -> Result<Pool> {
+    pub async fn connect(
+        addr: std::net::SocketAddr,
+        connections: usize,
+        dispatch: Dispatch,
+    ) -> Result<Pool> {
         let mut conns = Vec::with_capacity(connections);
         for _ in 0..connections {
             conns.push(Checks::connect(addr).await?);
         }
         let idle = (0..connections).rev().collect();
-        Ok(Pool { conns, dispatch, idle, backlog: Default::default(), next: 0, ready: Vec::new() })
+        Ok(Pool {
+            conns,
+            dispatch,
+            idle,
+            backlog: Default::default(),
+            next: 0,
+            ready: Vec::new(),
+        })
     }
 
     /// Checks not yet answered.
@@ -163,7 +193,11 @@ impl Pool {
                     ready.push(i);
                 }
             }
-            if ready.is_empty() { std::task::Poll::Pending } else { std::task::Poll::Ready(()) }
+            if ready.is_empty() {
+                std::task::Poll::Pending
+            } else {
+                std::task::Poll::Ready(())
+            }
         })
         .await;
         for k in 0..self.ready.len() {
@@ -189,14 +223,23 @@ impl Pool {
 /// The length of the whole answer at the start of `b` (head and
 /// `Content-Length` body), once it is all there.
 fn answer_len(b: &[u8]) -> Result<Option<usize>> {
-    let Some(end) = b.windows(4).position(|w| w == b"\r\n\r\n") else { return Ok(None) };
+    let Some(end) = b.windows(4).position(|w| w == b"\r\n\r\n") else {
+        return Ok(None);
+    };
     if !b.starts_with(b"HTTP/1.1 ") || end < 12 {
-        bail!("not an HTTP/1.1 answer: {:?}", String::from_utf8_lossy(&b[..end.min(80)]));
+        bail!(
+            "not an HTTP/1.1 answer: {:?}",
+            String::from_utf8_lossy(&b[..end.min(80)])
+        );
     }
     let head = std::str::from_utf8(&b[..end]).context("an answer's head")?;
     let body = head
         .split("\r\n")
-        .find_map(|l| l.split_once(':').filter(|(k, _)| k.eq_ignore_ascii_case("content-length")).map(|(_, v)| v.trim()))
+        .find_map(|l| {
+            l.split_once(':')
+                .filter(|(k, _)| k.eq_ignore_ascii_case("content-length"))
+                .map(|(_, v)| v.trim())
+        })
         .context("an answer without Content-Length")?
         .parse::<usize>()
         .context("an answer's Content-Length")?;

@@ -72,9 +72,17 @@ impl Netns {
 
     /// Runs `program args…` inside the namespace.
     pub fn exec(&self, program: &str, args: &[&str]) -> Result<()> {
-        let out = Command::new("ip").args(["netns", "exec", &self.name, program]).args(args).output()?;
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.name, program])
+            .args(args)
+            .output()?;
         if !out.status.success() {
-            bail!("{program} {} in {}: {}", args.join(" "), self.name, String::from_utf8_lossy(&out.stderr));
+            bail!(
+                "{program} {} in {}: {}",
+                args.join(" "),
+                self.name,
+                String::from_utf8_lossy(&out.stderr)
+            );
         }
         Ok(())
     }
@@ -86,7 +94,10 @@ impl Netns {
 
     /// Runs `f` on a new thread that has entered this namespace, and returns
     /// its result. The calling thread's namespace is never changed.
-    pub fn run<T: Send + 'static>(&self, f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
+    pub fn run<T: Send + 'static>(
+        &self,
+        f: impl FnOnce() -> Result<T> + Send + 'static,
+    ) -> Result<T> {
         self.spawn(f)
             .join()
             .map_err(|_| anyhow::anyhow!("a thread in namespace {} panicked", self.name))?
@@ -171,32 +182,83 @@ impl Lab {
             ns.sysctl("net.ipv6.conf.all.accept_dad", "0")?;
             ns.sysctl("net.ipv6.conf.default.accept_dad", "0")?;
         }
-        lab.a.ip(&["addr", "add", &format!("{}/24", lab.v4(1)), "dev", VA])?;
-        lab.b.ip(&["addr", "add", &format!("{}/24", lab.v4(2)), "dev", VB])?;
-        lab.a.ip(&["addr", "add", &format!("{}/64", lab.v6(1)), "dev", VA, "nodad"])?;
-        lab.b.ip(&["addr", "add", &format!("{}/64", lab.v6(2)), "dev", VB, "nodad"])?;
+        lab.a
+            .ip(&["addr", "add", &format!("{}/24", lab.v4(1)), "dev", VA])?;
+        lab.b
+            .ip(&["addr", "add", &format!("{}/24", lab.v4(2)), "dev", VB])?;
+        lab.a.ip(&[
+            "addr",
+            "add",
+            &format!("{}/64", lab.v6(1)),
+            "dev",
+            VA,
+            "nodad",
+        ])?;
+        lab.b.ip(&[
+            "addr",
+            "add",
+            &format!("{}/64", lab.v6(2)),
+            "dev",
+            VB,
+            "nodad",
+        ])?;
         // A queue on the sending end: when the receiving veth's ring is full
         // the kernel then holds senders back (and their sockets block)
         // instead of silently dropping frames before XDP ever sees them, so
         // every packet a test sends reaches rl.
-        lab.a.exec("tc", &["qdisc", "replace", "dev", VA, "root", "pfifo", "limit", "10000"])?;
+        lab.a.exec(
+            "tc",
+            &[
+                "qdisc", "replace", "dev", VA, "root", "pfifo", "limit", "10000",
+            ],
+        )?;
         lab.a.ip(&["link", "set", VA, "up"])?;
         lab.b.ip(&["link", "set", VB, "up"])?;
         // Static neighbours: no ARP/ND exchange is needed (or counted).
         let mac_b = lab.mac(&lab.b, VB)?;
         let mac_a = lab.mac(&lab.a, VA)?;
-        lab.a.ip(&["neigh", "replace", &lab.v4(2).to_string(), "lladdr", &mac_b, "dev", VA])?;
-        lab.a.ip(&["neigh", "replace", &lab.v6(2).to_string(), "lladdr", &mac_b, "dev", VA])?;
-        lab.b.ip(&["neigh", "replace", &lab.v4(1).to_string(), "lladdr", &mac_a, "dev", VB])?;
+        lab.a.ip(&[
+            "neigh",
+            "replace",
+            &lab.v4(2).to_string(),
+            "lladdr",
+            &mac_b,
+            "dev",
+            VA,
+        ])?;
+        lab.a.ip(&[
+            "neigh",
+            "replace",
+            &lab.v6(2).to_string(),
+            "lladdr",
+            &mac_b,
+            "dev",
+            VA,
+        ])?;
+        lab.b.ip(&[
+            "neigh",
+            "replace",
+            &lab.v4(1).to_string(),
+            "lladdr",
+            &mac_a,
+            "dev",
+            VB,
+        ])?;
         Ok(lab)
     }
 
     /// A second veth pair, `va2` (in `a`) to `vb2` (in `b`), up, without
     /// addresses: for forged frames, and for rl on two interfaces.
     pub fn second_pair(&self) -> Result<()> {
-        self.a.ip(&["link", "add", VA2, "type", "veth", "peer", "name", VB2])?;
+        self.a
+            .ip(&["link", "add", VA2, "type", "veth", "peer", "name", VB2])?;
         self.a.ip(&["link", "set", VB2, "netns", &self.b.name])?;
-        self.a.exec("tc", &["qdisc", "replace", "dev", VA2, "root", "pfifo", "limit", "10000"])?;
+        self.a.exec(
+            "tc",
+            &[
+                "qdisc", "replace", "dev", VA2, "root", "pfifo", "limit", "10000",
+            ],
+        )?;
         self.a.ip(&["link", "set", VA2, "up"])?;
         self.b.ip(&["link", "set", VB2, "up"])?;
         Ok(())
@@ -214,7 +276,9 @@ impl Lab {
 
     /// `fd77:<id>:0:<net>::<host>`: a different /64 for each `net`.
     pub fn v6_net(&self, net: u16, host: u16) -> IpAddr {
-        format!("fd77:{:x}:0:{net:x}::{host:x}", self.id).parse().unwrap()
+        format!("fd77:{:x}:0:{net:x}::{host:x}", self.id)
+            .parse()
+            .unwrap()
     }
 
     fn mac(&self, ns: &Netns, dev: &str) -> Result<String> {
@@ -254,7 +318,6 @@ impl Lab {
     }
 }
 
-
 /// A bpffs mounted on a fresh directory outside `/sys` (which `ip netns
 /// exec` remounts, taking any bpffs under it along), so pins made by a
 /// daemon in a lab outlive that daemon. On drop, whatever rl pinned there is
@@ -266,10 +329,21 @@ pub struct BpfFs {
 impl BpfFs {
     pub fn new() -> Result<BpfFs> {
         require_root();
-        let dir = tempfile::Builder::new().prefix("rl-bpffs-").tempdir().context("a directory for bpffs")?;
-        let out = Command::new("mount").args(["-t", "bpf", "bpf"]).arg(dir.path()).output().context("running mount")?;
+        let dir = tempfile::Builder::new()
+            .prefix("rl-bpffs-")
+            .tempdir()
+            .context("a directory for bpffs")?;
+        let out = Command::new("mount")
+            .args(["-t", "bpf", "bpf"])
+            .arg(dir.path())
+            .output()
+            .context("running mount")?;
         if !out.status.success() {
-            bail!("mount -t bpf on {}: {}", dir.path().display(), String::from_utf8_lossy(&out.stderr));
+            bail!(
+                "mount -t bpf on {}: {}",
+                dir.path().display(),
+                String::from_utf8_lossy(&out.stderr)
+            );
         }
         Ok(BpfFs { dir })
     }
@@ -289,13 +363,20 @@ impl Drop for BpfFs {
         if let Ok(entries) = std::fs::read_dir(self.dir.path()) {
             for e in entries.flatten().filter(|e| e.path().is_dir()) {
                 if let Err(err) = rl_control::datapath::detach_pinned(&e.path()) {
-                    eprintln!("warning: could not detach the pins in {}: {err}", e.path().display());
+                    eprintln!(
+                        "warning: could not detach the pins in {}: {err}",
+                        e.path().display()
+                    );
                 }
             }
         }
         let c = std::ffi::CString::new(self.dir.path().as_os_str().as_encoded_bytes()).unwrap();
         if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } != 0 {
-            eprintln!("warning: could not unmount bpffs at {}: {}", self.dir.path().display(), std::io::Error::last_os_error());
+            eprintln!(
+                "warning: could not unmount bpffs at {}: {}",
+                self.dir.path().display(),
+                std::io::Error::last_os_error()
+            );
         }
     }
 }

@@ -10,8 +10,8 @@ pub mod frames;
 pub mod gateway;
 pub mod http;
 pub mod http_load;
-pub mod redis;
 pub mod lab;
+pub mod redis;
 pub mod reference;
 pub mod rls;
 pub mod rls_load;
@@ -22,7 +22,11 @@ use rl_control::{compile::compile, config::Config, datapath::Datapath};
 
 /// One rule's counters, by name (zero if it has none yet).
 pub fn rule_stats(dp: &Datapath, name: &str) -> rl_common::RuleStats {
-    dp.rule_stats().unwrap().get(name).copied().unwrap_or_default()
+    dp.rule_stats()
+        .unwrap()
+        .get(name)
+        .copied()
+        .unwrap_or_default()
 }
 
 /// Loads the limiter with the config in `toml` (not attached).
@@ -34,7 +38,10 @@ pub fn datapath(toml: &str) -> Result<Datapath> {
 /// `compiled`'s datapath pinned in `dir` (a directory of a
 /// [`lab::BpfFs`]), as the daemon loads it: adopted if pinned there before.
 pub fn load_pinned(compiled: &rl_control::compile::Compiled, dir: &std::path::Path) -> Datapath {
-    let opts = rl_control::datapath::LoadOptions { pin: Some(dir.to_path_buf()), ..Default::default() };
+    let opts = rl_control::datapath::LoadOptions {
+        pin: Some(dir.to_path_buf()),
+        ..Default::default()
+    };
     Datapath::load_with(compiled, opts).expect("loading the pinned datapath")
 }
 
@@ -42,8 +49,13 @@ pub fn load_pinned(compiled: &rl_control::compile::Compiled, dir: &std::path::Pa
 /// runs it every second.
 pub fn collector_pass(dp: &Datapath) -> rl_control::datapath::Pass {
     let limits = dp.limits_by_key().expect("the limits of both slots");
-    rl_control::datapath::collect(&dp.table_maps().expect("table maps"), dp.epoch_offset_ns(), &limits, &dp.known_filter().expect("the known-keys filter"))
-        .expect("a collector pass")
+    rl_control::datapath::collect(
+        &dp.table_maps().expect("table maps"),
+        dp.epoch_offset_ns(),
+        &limits,
+        &dp.known_filter().expect("the known-keys filter"),
+    )
+    .expect("a collector pass")
 }
 
 /// Loads the limiter with `toml` and attaches it to the lab's protected
@@ -82,15 +94,27 @@ pub fn flood_rules(max_sources: u64) -> String {
 /// wide-cell count (`rl_common::wide_entry`): searched among candidate
 /// names, since ids are hashes of the definitions (not of their place in
 /// the file), each sharing with odds of 1 in 1,024.
-pub fn sharing_a_wide_count(base: &str, prefix: &str, x: impl Fn(&str) -> String, y: &str) -> String {
+pub fn sharing_a_wide_count(
+    base: &str,
+    prefix: &str,
+    x: impl Fn(&str) -> String,
+    y: &str,
+) -> String {
     (0..10)
         .find_map(|batch| {
-            let names: Vec<String> = (batch * 1000..(batch + 1) * 1000).map(|n| format!("{prefix}{n}")).collect();
-            let text = format!("{base}{}{y}", names.iter().map(|n| x(n)).collect::<String>());
+            let names: Vec<String> = (batch * 1000..(batch + 1) * 1000)
+                .map(|n| format!("{prefix}{n}"))
+                .collect();
+            let text = format!(
+                "{base}{}{y}",
+                names.iter().map(|n| x(n)).collect::<String>()
+            );
             let set = compile(&Config::from_str(&text, "<test>").expect("a valid rule file")).rules;
             let at = |i: usize| rl_common::wide_entry(set.entries[i].id, 0);
             let (first, last) = (set.entries.len() - 1 - names.len(), set.entries.len() - 1);
-            (first..last).find(|&i| at(i) == at(last)).map(|i| names[i - first].clone())
+            (first..last)
+                .find(|&i| at(i) == at(last))
+                .map(|i| names[i - first].clone())
         })
         .expect("among 10,000 candidates one shares y's wide count")
 }
@@ -145,9 +169,13 @@ pub fn proc_status_kib(pid: u32, field: &str) -> Result<u64> {
 pub fn process_cpu_secs(pid: u32) -> Result<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
     // Fields after the command (in parentheses, which may hold spaces).
-    let rest = stat.rsplit_once(')').map(|(_, r)| r).context("a /proc/PID/stat line")?;
+    let rest = stat
+        .rsplit_once(')')
+        .map(|(_, r)| r)
+        .context("a /proc/PID/stat line")?;
     let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: u64 = f.get(11).and_then(|v| v.parse().ok()).unwrap_or(0) + f.get(12).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    let ticks: u64 = f.get(11).and_then(|v| v.parse().ok()).unwrap_or(0)
+        + f.get(12).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
     Ok(ticks as f64 / hz)
 }
@@ -156,7 +184,13 @@ pub fn process_cpu_secs(pid: u32) -> Result<f64> {
 /// system, idle, iowait, irq, softirq, steal, …
 pub fn cpu_ticks() -> Vec<u64> {
     let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
-    stat.lines().next().unwrap_or("").split_whitespace().skip(1).filter_map(|v| v.parse().ok()).collect()
+    stat.lines()
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|v| v.parse().ok())
+        .collect()
 }
 
 /// Busy CPU time over all CPUs between [`BusyClock::start`] and
@@ -195,7 +229,9 @@ struct Affinity(libc::cpu_set_t);
 impl Affinity {
     fn save() -> Option<Affinity> {
         let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-        let ok = unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) } == 0;
+        let ok =
+            unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) }
+                == 0;
         ok.then_some(Affinity(set))
     }
 }
@@ -239,7 +275,11 @@ fn idle_us() -> Option<u64> {
 impl BusyClock {
     pub fn start() -> BusyClock {
         let at = std::time::Instant::now();
-        BusyClock { at, idle_us: idle_us(), ticks: cpu_ticks() }
+        BusyClock {
+            at,
+            idle_us: idle_us(),
+            ticks: cpu_ticks(),
+        }
     }
 
     /// Busy ns over all CPUs since [`BusyClock::start`].
@@ -271,7 +311,12 @@ impl BusyClock {
 /// (a [`cpu_ticks`] reading), in ns, over all CPUs.
 pub fn busy_ns_since(before: &[u64]) -> f64 {
     let now = cpu_ticks();
-    let busy = |t: &[u64]| [0, 1, 2, 5, 6].iter().map(|&i| t.get(i).copied().unwrap_or(0)).sum::<u64>();
+    let busy = |t: &[u64]| {
+        [0, 1, 2, 5, 6]
+            .iter()
+            .map(|&i| t.get(i).copied().unwrap_or(0))
+            .sum::<u64>()
+    };
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
     (busy(&now) - busy(before)) as f64 * 1e9 / hz
 }
@@ -299,7 +344,10 @@ impl StealMeter {
                 share * 100.0
             )
         } else {
-            format!("CPU steal during the run: {:.2}% (quiet enough to trust the figures)", share * 100.0)
+            format!(
+                "CPU steal during the run: {:.2}% (quiet enough to trust the figures)",
+                share * 100.0
+            )
         };
         (share, verdict)
     }
@@ -311,7 +359,10 @@ impl StealMeter {
 /// readiness (by answering WouldBlock, as tokio does for its own reads)
 /// rather than leaving a read that only says EAGAIN for later; data that
 /// comes after is a new event.
-pub fn read_available(tcp: &tokio::net::TcpStream, room: &mut [u8]) -> std::io::Result<Option<usize>> {
+pub fn read_available(
+    tcp: &tokio::net::TcpStream,
+    room: &mut [u8],
+) -> std::io::Result<Option<usize>> {
     use std::os::fd::AsRawFd;
     let (want, mut got) = (room.len(), 0);
     let read = tcp.try_io(tokio::io::Interest::READABLE, || {

@@ -44,10 +44,14 @@ impl Hub {
     pub fn join(&mut self, ns: &Netns) -> Result<IpAddr> {
         self.joined += 1;
         let port = format!("hp{}", self.joined);
-        self.ns.ip(&["link", "add", &port, "type", "veth", "peer", "name", VR])?;
+        self.ns
+            .ip(&["link", "add", &port, "type", "veth", "peer", "name", VR])?;
         self.ns.ip(&["link", "set", VR, "netns", &ns.name])?;
-        self.ns.ip(&["link", "set", &port, "master", BRIDGE, "up"])?;
-        let addr: IpAddr = format!("10.88.{}.{}", self.id, 10 + self.joined).parse().unwrap();
+        self.ns
+            .ip(&["link", "set", &port, "master", BRIDGE, "up"])?;
+        let addr: IpAddr = format!("10.88.{}.{}", self.id, 10 + self.joined)
+            .parse()
+            .unwrap();
         ns.ip(&["addr", "add", &format!("{addr}/24"), "dev", VR])?;
         ns.ip(&["link", "set", VR, "up"])?;
         Ok(addr)
@@ -77,11 +81,22 @@ impl Redis {
 
     /// Starts Redis in `ns` on `host:port` with `extra` server arguments.
     pub fn start_with(ns: &Netns, host: IpAddr, port: u16, extra: &[&str]) -> Result<Redis> {
-        if Command::new("redis-server").arg("--version").output().is_err() {
+        if Command::new("redis-server")
+            .arg("--version")
+            .output()
+            .is_err()
+        {
             bail!("redis-server is missing: install Debian's redis-server (`cargo xtask bootstrap` does)");
         }
         let dir = tempfile::Builder::new().prefix("rl-redis-").tempdir()?;
-        let mut r = Redis { child: None, ns: ns.name.clone(), host, port, dir, extra: extra.iter().map(|s| s.to_string()).collect() };
+        let mut r = Redis {
+            child: None,
+            ns: ns.name.clone(),
+            host,
+            port,
+            dir,
+            extra: extra.iter().map(|s| s.to_string()).collect(),
+        };
         r.launch()?;
         Ok(r)
     }
@@ -89,8 +104,28 @@ impl Redis {
     fn launch(&mut self) -> Result<()> {
         let port = self.port.to_string();
         let child = Command::new("ip")
-            .args(["netns", "exec", &self.ns, "redis-server", "--port", &port, "--bind", &self.host.to_string()])
-            .args(["--save", "", "--appendonly", "no", "--protected-mode", "no", "--daemonize", "no", "--loglevel", "warning"])
+            .args([
+                "netns",
+                "exec",
+                &self.ns,
+                "redis-server",
+                "--port",
+                &port,
+                "--bind",
+                &self.host.to_string(),
+            ])
+            .args([
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "no",
+                "--daemonize",
+                "no",
+                "--loglevel",
+                "warning",
+            ])
             .arg("--dir")
             .arg(self.dir.path())
             .args(&self.extra)
@@ -106,7 +141,11 @@ impl Redis {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        bail!("redis-server on {}:{} did not answer PING within 10 s", self.host, self.port)
+        bail!(
+            "redis-server on {}:{} did not answer PING within 10 s",
+            self.host,
+            self.port
+        )
     }
 
     /// `redis://HOST:PORT`
@@ -144,12 +183,25 @@ impl Redis {
     pub fn cli(&self, args: &[&str]) -> Result<String> {
         let port = self.port.to_string();
         let out = Command::new("ip")
-            .args(["netns", "exec", &self.ns, "redis-cli", "-h", &self.host.to_string(), "-p", &port])
+            .args([
+                "netns",
+                "exec",
+                &self.ns,
+                "redis-cli",
+                "-h",
+                &self.host.to_string(),
+                "-p",
+                &port,
+            ])
             .args(args)
             .output()
             .context("running redis-cli (install Debian's redis-tools)")?;
         if !out.status.success() {
-            bail!("redis-cli {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr));
+            bail!(
+                "redis-cli {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr)
+            );
         }
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
@@ -173,7 +225,12 @@ pub struct RedisCluster {
 }
 
 impl RedisCluster {
-    pub fn start(hub: &Hub, first_port: u16, masters: usize, replicas: usize) -> Result<RedisCluster> {
+    pub fn start(
+        hub: &Hub,
+        first_port: u16,
+        masters: usize,
+        replicas: usize,
+    ) -> Result<RedisCluster> {
         let mut nodes = Vec::new();
         for i in 0..masters * (1 + replicas) {
             let port = first_port + i as u16;
@@ -182,25 +239,54 @@ impl RedisCluster {
                 &hub.ns,
                 hub.addr(),
                 port,
-                &["--cluster-enabled", "yes", "--cluster-config-file", &conf, "--cluster-node-timeout", "1000", "--repl-diskless-sync-delay", "0"],
+                &[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    &conf,
+                    "--cluster-node-timeout",
+                    "1000",
+                    "--repl-diskless-sync-delay",
+                    "0",
+                ],
             )?);
         }
-        let addrs: Vec<String> = nodes.iter().map(|n| format!("{}:{}", n.host, n.port)).collect();
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("{}:{}", n.host, n.port))
+            .collect();
         let out = Command::new("ip")
-            .args(["netns", "exec", &hub.ns.name, "redis-cli", "--cluster", "create"])
+            .args([
+                "netns",
+                "exec",
+                &hub.ns.name,
+                "redis-cli",
+                "--cluster",
+                "create",
+            ])
             .args(&addrs)
             .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
             .output()
             .context("running redis-cli --cluster create")?;
         if !out.status.success() {
-            bail!("redis-cli --cluster create: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+            bail!(
+                "redis-cli --cluster create: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
         }
-        let c = RedisCluster { nodes, ns: hub.ns.name.clone() };
+        let c = RedisCluster {
+            nodes,
+            ns: hub.ns.name.clone(),
+        };
         c.wait_ok(Duration::from_secs(20))?;
         // A replica that never synchronised cannot take over: wait for every
         // replica's link to its master.
         let deadline = Instant::now() + Duration::from_secs(20);
-        while !c.nodes.iter().all(|n| n.cli(&["INFO", "replication"]).is_ok_and(|i| i.contains("role:master") || i.contains("master_link_status:up"))) {
+        while !c.nodes.iter().all(|n| {
+            n.cli(&["INFO", "replication"])
+                .is_ok_and(|i| i.contains("role:master") || i.contains("master_link_status:up"))
+        }) {
             if Instant::now() > deadline {
                 bail!("the Redis Cluster's replicas did not synchronise with their masters within 20 s");
             }
@@ -213,12 +299,18 @@ impl RedisCluster {
     pub fn wait_ok(&self, within: Duration) -> Result<()> {
         let deadline = Instant::now() + within;
         loop {
-            let ok = self.nodes.iter().filter(|n| n.child.is_some()).all(|n| n.cli(&["CLUSTER", "INFO"]).is_ok_and(|i| i.contains("cluster_state:ok")));
+            let ok = self.nodes.iter().filter(|n| n.child.is_some()).all(|n| {
+                n.cli(&["CLUSTER", "INFO"])
+                    .is_ok_and(|i| i.contains("cluster_state:ok"))
+            });
             if ok {
                 return Ok(());
             }
             if Instant::now() >= deadline {
-                bail!("the Redis Cluster in {} did not reach cluster_state:ok within {within:?}", self.ns);
+                bail!(
+                    "the Redis Cluster in {} did not reach cluster_state:ok within {within:?}",
+                    self.ns
+                );
             }
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -230,15 +322,27 @@ impl RedisCluster {
     pub fn wait_failover(&self, victim: usize, within: Duration) -> Result<Duration> {
         let t = Instant::now();
         let port = format!(":{}@", self.nodes[victim].port);
-        let live = (0..self.nodes.len()).find(|&n| n != victim).context("no live node")?;
+        let live = (0..self.nodes.len())
+            .find(|&n| n != victim)
+            .context("no live node")?;
         loop {
-            let nodes = self.nodes[live].cli(&["CLUSTER", "NODES"]).unwrap_or_default();
-            let failed = nodes.lines().any(|l| l.contains(&port) && l.split_whitespace().nth(2).is_some_and(|f| f.split(',').any(|x| x == "fail")));
+            let nodes = self.nodes[live]
+                .cli(&["CLUSTER", "NODES"])
+                .unwrap_or_default();
+            let failed = nodes.lines().any(|l| {
+                l.contains(&port)
+                    && l.split_whitespace()
+                        .nth(2)
+                        .is_some_and(|f| f.split(',').any(|x| x == "fail"))
+            });
             if failed && self.wait_ok(Duration::ZERO).is_ok() {
                 return Ok(t.elapsed());
             }
             if t.elapsed() > within {
-                bail!("no replica took over from node {} within {within:?}:\n{nodes}", self.nodes[victim].port);
+                bail!(
+                    "no replica took over from node {} within {within:?}:\n{nodes}",
+                    self.nodes[victim].port
+                );
             }
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -254,7 +358,8 @@ impl RedisCluster {
         self.nodes.iter().position(|n| {
             n.child.is_some()
                 && n.cli(&["ROLE"]).is_ok_and(|r| r.starts_with("master"))
-                && n.cli(&["KEYS", pattern]).is_ok_and(|k| !k.trim().is_empty())
+                && n.cli(&["KEYS", pattern])
+                    .is_ok_and(|k| !k.trim().is_empty())
         })
     }
 }

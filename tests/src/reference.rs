@@ -41,13 +41,17 @@ fn be16(f: &[u8], at: usize) -> Option<u16> {
 /// Ethernet, up to two VLAN tags, IPv4 or IPv6 (six extension headers at
 /// most), then TCP/UDP/ICMP/ICMPv6 headers.
 pub fn parse(f: &[u8]) -> Parsed {
-    let Some(mut ethertype) = be16(f, 12) else { return Parsed::NotIp };
+    let Some(mut ethertype) = be16(f, 12) else {
+        return Parsed::NotIp;
+    };
     let mut off = 14;
     for _ in 0..2 {
         if ethertype != 0x8100 && ethertype != 0x88a8 {
             break;
         }
-        let Some(inner) = be16(f, off + 2) else { return Parsed::NotIp };
+        let Some(inner) = be16(f, off + 2) else {
+            return Parsed::NotIp;
+        };
         ethertype = inner;
         off += 4;
     }
@@ -68,14 +72,24 @@ fn l4_min(proto: u8) -> usize {
 }
 
 fn ipv4(f: &[u8], off: usize) -> Parsed {
-    let Some(h) = f.get(off..off + 20) else { return Parsed::Malformed };
+    let Some(h) = f.get(off..off + 20) else {
+        return Parsed::Malformed;
+    };
     let ihl = (h[0] & 15) as usize * 4;
     if h[0] >> 4 != 4 || ihl < 20 || f.len() < off + ihl {
         return Parsed::Malformed;
     }
     let mut src = [0u8; 16];
     src[12..].copy_from_slice(&h[12..16]);
-    let mut p = Packet { v6: false, src, proto: h[9], port: 0, flags: 0, frag: Frag::No, data: 0 };
+    let mut p = Packet {
+        v6: false,
+        src,
+        proto: h[9],
+        port: 0,
+        flags: 0,
+        frag: Frag::No,
+        data: 0,
+    };
     let field = u16::from_be_bytes([h[6], h[7]]);
     let dst = u32::from_ne_bytes([h[16], h[17], h[18], h[19]]);
     let id = u16::from_be_bytes([h[4], h[5]]) as u32;
@@ -93,13 +107,23 @@ fn ipv4(f: &[u8], off: usize) -> Parsed {
 }
 
 fn ipv6(f: &[u8], off: usize) -> Parsed {
-    let Some(h) = f.get(off..off + 40) else { return Parsed::Malformed };
+    let Some(h) = f.get(off..off + 40) else {
+        return Parsed::Malformed;
+    };
     if h[0] >> 4 != 6 {
         return Parsed::Malformed;
     }
     let mut src = [0u8; 16];
     src.copy_from_slice(&h[8..24]);
-    let mut p = Packet { v6: true, src, proto: h[6], port: 0, flags: 0, frag: Frag::No, data: 0 };
+    let mut p = Packet {
+        v6: true,
+        src,
+        proto: h[6],
+        port: 0,
+        flags: 0,
+        frag: Frag::No,
+        data: 0,
+    };
     let ip_end = off + 40 + u16::from_be_bytes([h[4], h[5]]) as usize;
     let w = |i: usize| u32::from_ne_bytes([h[i], h[i + 1], h[i + 2], h[i + 3]]);
     let dst = w(24) ^ w(28) ^ w(32) ^ w(36);
@@ -108,17 +132,23 @@ fn ipv6(f: &[u8], off: usize) -> Parsed {
     for _ in 0..6 {
         match p.proto {
             0 | 43 | 60 => {
-                let Some(e) = f.get(at..at + 2) else { return Parsed::Malformed };
+                let Some(e) = f.get(at..at + 2) else {
+                    return Parsed::Malformed;
+                };
                 p.proto = e[0];
                 at += (e[1] as usize + 1) * 8;
             }
             51 => {
-                let Some(e) = f.get(at..at + 2) else { return Parsed::Malformed };
+                let Some(e) = f.get(at..at + 2) else {
+                    return Parsed::Malformed;
+                };
                 p.proto = e[0];
                 at += (e[1] as usize + 2) * 4;
             }
             44 => {
-                let Some(e) = f.get(at..at + 8) else { return Parsed::Malformed };
+                let Some(e) = f.get(at..at + 8) else {
+                    return Parsed::Malformed;
+                };
                 p.proto = e[0];
                 let field = u16::from_be_bytes([e[2], e[3]]);
                 let id = u32::from_be_bytes([e[4], e[5], e[6], e[7]]);
@@ -150,7 +180,9 @@ fn l4(f: &[u8], at: usize, first_end: usize, mut p: Packet) -> Parsed {
     }
     match p.proto {
         6 => {
-            let Some(t) = f.get(at..at + 20) else { return Parsed::Malformed };
+            let Some(t) = f.get(at..at + 20) else {
+                return Parsed::Malformed;
+            };
             let doff = (t[12] >> 4) as usize;
             if doff < 5 || (first_end != 0 && at + doff * 4 > first_end) {
                 return Parsed::Malformed;
@@ -159,7 +191,9 @@ fn l4(f: &[u8], at: usize, first_end: usize, mut p: Packet) -> Parsed {
             p.flags = t[13];
         }
         17 => {
-            let Some(u) = f.get(at..at + 8) else { return Parsed::Malformed };
+            let Some(u) = f.get(at..at + 8) else {
+                return Parsed::Malformed;
+            };
             p.port = u16::from_be_bytes([u[2], u[3]]);
         }
         1 | 58 if f.len() < at + 4 => return Parsed::Malformed,
@@ -238,7 +272,15 @@ burst = 5
 
 /// Rule names in [`FUZZ_RULES`] order, and their bursts (in packets, or
 /// for [`BYTE_RULE`] in bytes: frames' lengths).
-pub const FUZZ_RULE_NAMES: [(&str, u32); 7] = [("dns", 3), ("syn", 2), ("web", 4), ("icmp", 2), ("lab", 1), ("bulk", 4000), ("rest", 5)];
+pub const FUZZ_RULE_NAMES: [(&str, u32); 7] = [
+    ("dns", 3),
+    ("syn", 2),
+    ("web", 4),
+    ("icmp", 2),
+    ("lab", 1),
+    ("bulk", 4000),
+    ("rest", 5),
+];
 
 /// The rule of [`FUZZ_RULES`] limited by bytes (a byte a day, 4,000 at
 /// once; its packet limit, a million a day, never bites): every fragment's
@@ -297,7 +339,13 @@ impl Reference {
             Parsed::Ip(p) => p,
         };
         // In 10.<n>.0.0/16 or fd0<n>::/16.
-        let in_net = |n: u8| if p.v6 { p.src[..2] == [0xfd, n] } else { p.src[12..14] == [10, n] };
+        let in_net = |n: u8| {
+            if p.v6 {
+                p.src[..2] == [0xfd, n]
+            } else {
+                p.src[12..14] == [10, n]
+            }
+        };
         if in_net(1) {
             return (true, Counted::Allow);
         }
@@ -313,7 +361,9 @@ impl Reference {
         };
         let (mut rule, mut packets) = (self.classify(&p, in_net(3)), 1);
         let datagram = match p.frag {
-            Frag::First(dst, id) | Frag::Later(dst, id) => Some((p.v6, p.src, dst, if p.v6 { 0 } else { p.proto }, id)),
+            Frag::First(dst, id) | Frag::Later(dst, id) => {
+                Some((p.v6, p.src, dst, if p.v6 { 0 } else { p.proto }, id))
+            }
             Frag::No => None,
         };
         if let (Frag::Later(..), Some(dg)) = (p.frag, datagram) {
@@ -338,7 +388,11 @@ impl Reference {
             }
         }
         // The byte rule charges every fragment's bytes (the frame's length).
-        let units = if rule == BYTE_RULE { frame.len() as u32 } else { packets };
+        let units = if rule == BYTE_RULE {
+            frame.len() as u32
+        } else {
+            packets
+        };
         let used = self.buckets.entry((rule, key(&p))).or_insert(0);
         let pass = *used + units <= FUZZ_RULE_NAMES[rule].1;
         if pass {

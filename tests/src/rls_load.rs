@@ -24,7 +24,9 @@ use std::{collections::VecDeque, net::SocketAddr, time::Instant};
 
 use anyhow::{bail, Context, Result};
 use bytes::Bytes;
-use envoy_types::pb::envoy::service::ratelimit::v3::{rate_limit_response::Code, RateLimitResponse};
+use envoy_types::pb::envoy::service::ratelimit::v3::{
+    rate_limit_response::Code, RateLimitResponse,
+};
 use prost::Message;
 use tokio::net::TcpStream;
 
@@ -97,7 +99,9 @@ fn literal(block: &mut Vec<u8>, s: &[u8]) {
 impl Load {
     /// Connects (the socket, no Nagle delay) and starts HTTP/2 on it.
     pub async fn connect(addr: SocketAddr) -> Result<(TcpStream, Load)> {
-        let tcp = TcpStream::connect(addr).await.with_context(|| format!("connecting to {addr}"))?;
+        let tcp = TcpStream::connect(addr)
+            .await
+            .with_context(|| format!("connecting to {addr}"))?;
         tcp.set_nodelay(true)?;
         // :method POST, :scheme http (static table), then literals without
         // indexing: :path, :authority, content-type, te.
@@ -130,7 +134,13 @@ impl Load {
         settings.extend_from_slice(&[0, 4]);
         settings.extend_from_slice(&WINDOW.to_be_bytes());
         frame(&mut load.out, SETTINGS, 0, 0, &settings);
-        frame(&mut load.out, WINDOW_UPDATE, 0, 0, &(WINDOW - 65_535).to_be_bytes());
+        frame(
+            &mut load.out,
+            WINDOW_UPDATE,
+            0,
+            0,
+            &(WINDOW - 65_535).to_be_bytes(),
+        );
         load.flush(&tcp).await?;
         Ok((tcp, load))
     }
@@ -149,7 +159,9 @@ impl Load {
 
     fn start_waiting(&mut self) {
         while self.in_flight < self.max_streams {
-            let Some((_, m)) = self.waiting.front() else { break };
+            let Some((_, m)) = self.waiting.front() else {
+                break;
+            };
             if (m.len() as i64) > self.send_window {
                 break;
             }
@@ -159,7 +171,11 @@ impl Load {
             frame(&mut self.out, HEADERS, END_HEADERS, id, &self.headers);
             frame(&mut self.out, DATA, END_STREAM, id, &m);
             self.send_window -= m.len() as i64;
-            self.calls.push_back(Some(Call { token, sent: Instant::now(), message: Vec::new() }));
+            self.calls.push_back(Some(Call {
+                token,
+                sent: Instant::now(),
+                message: Vec::new(),
+            }));
             self.in_flight += 1;
         }
     }
@@ -187,7 +203,9 @@ impl Load {
                 // A frame larger than what is held: room for it.
                 self.input.resize(2 * self.input.len(), 0);
             }
-            match crate::read_available(tcp, &mut self.input[self.filled..]).context("reading answers")? {
+            match crate::read_available(tcp, &mut self.input[self.filled..])
+                .context("reading answers")?
+            {
                 Some(0) => {
                     open = false;
                     break;
@@ -219,19 +237,34 @@ impl Load {
         self.filled -= at;
         self.input = input;
         if self.unacked > (WINDOW / 2) as u64 {
-            frame(&mut self.out, WINDOW_UPDATE, 0, 0, &(self.unacked as u32).to_be_bytes());
+            frame(
+                &mut self.out,
+                WINDOW_UPDATE,
+                0,
+                0,
+                &(self.unacked as u32).to_be_bytes(),
+            );
             self.unacked = 0;
         }
         self.start_waiting();
         Ok(open)
     }
 
-    fn frame_in(&mut self, kind: u8, flags: u8, stream: u32, payload: &[u8], done: &mut Vec<Done>) -> Result<()> {
+    fn frame_in(
+        &mut self,
+        kind: u8,
+        flags: u8,
+        stream: u32,
+        payload: &[u8],
+        done: &mut Vec<Done>,
+    ) -> Result<()> {
         match kind {
             DATA => {
                 self.unacked += payload.len() as u64;
                 let body = match payload.split_first() {
-                    Some((&pad, rest)) if flags & PADDED != 0 => &rest[..rest.len().saturating_sub(pad as usize)],
+                    Some((&pad, rest)) if flags & PADDED != 0 => {
+                        &rest[..rest.len().saturating_sub(pad as usize)]
+                    }
                     _ => payload,
                 };
                 if let Some(c) = self.slot(stream) {
@@ -253,9 +286,14 @@ impl Load {
                 frame(&mut self.out, SETTINGS, ACK, 0, &[]);
             }
             PING if flags & ACK == 0 => frame(&mut self.out, PING, ACK, 0, payload),
-            GOAWAY => bail!("the server sent GOAWAY: {:?}", String::from_utf8_lossy(payload.get(8..).unwrap_or_default())),
+            GOAWAY => bail!(
+                "the server sent GOAWAY: {:?}",
+                String::from_utf8_lossy(payload.get(8..).unwrap_or_default())
+            ),
             WINDOW_UPDATE if stream == 0 && payload.len() == 4 => {
-                self.send_window += (u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]) & 0x7fff_ffff) as i64;
+                self.send_window +=
+                    (u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]])
+                        & 0x7fff_ffff) as i64;
             }
             // Response headers, CONTINUATION, PRIORITY, stream windows:
             // nothing to do (requests are far smaller than a stream window).
@@ -270,14 +308,22 @@ impl Load {
     }
 
     fn finish(&mut self, stream: u32, done: &mut Vec<Done>, failed: Option<String>) {
-        let Some(i) = (stream.wrapping_sub(1) / 2).checked_sub(self.first) else { return };
-        let Some(call) = self.calls.get_mut(i as usize).and_then(Option::take) else { return };
+        let Some(i) = (stream.wrapping_sub(1) / 2).checked_sub(self.first) else {
+            return;
+        };
+        let Some(call) = self.calls.get_mut(i as usize).and_then(Option::take) else {
+            return;
+        };
         self.in_flight -= 1;
         let result = match failed {
             Some(e) => Err(e),
             None => answer(&call.message),
         };
-        done.push(Done { token: call.token, sent: call.sent, result });
+        done.push(Done {
+            token: call.token,
+            sent: call.sent,
+            result,
+        });
         while let Some(None) = self.calls.front() {
             self.calls.pop_front();
             self.first += 1;
@@ -290,6 +336,10 @@ fn answer(m: &[u8]) -> Result<Code, String> {
     if m.len() < 5 {
         return Err("an answer without a message (a failed call)".into());
     }
-    let r = RateLimitResponse::decode(&m[5..]).map_err(|e| format!("an undecodable answer: {e}"))?;
-    Code::try_from(r.overall_code).ok().filter(|c| *c != Code::Unknown).ok_or_else(|| "an answer without a code".into())
+    let r =
+        RateLimitResponse::decode(&m[5..]).map_err(|e| format!("an undecodable answer: {e}"))?;
+    Code::try_from(r.overall_code)
+        .ok()
+        .filter(|c| *c != Code::Unknown)
+        .ok_or_else(|| "an answer without a code".into())
 }

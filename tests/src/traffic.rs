@@ -71,7 +71,12 @@ fn send_for(duration: Duration, mut send: impl FnMut() -> bool) -> Sent {
             break;
         }
     }
-    Sent { packets, started: first.unwrap_or(began), ended: last, stalls }
+    Sent {
+        packets,
+        started: first.unwrap_or(began),
+        ended: last,
+        stalls,
+    }
 }
 
 /// Sends as fast as one thread can from `src` to `dst` for `duration`,
@@ -94,13 +99,26 @@ pub fn flood(
 }
 
 /// Sends `count` packets from `src` to `dst`, evenly paced at `pps`.
-pub fn paced(ns: &Netns, src: IpAddr, dst: IpAddr, pps: u64, count: u64) -> JoinHandle<Result<Sent>> {
+pub fn paced(
+    ns: &Netns,
+    src: IpAddr,
+    dst: IpAddr,
+    pps: u64,
+    count: u64,
+) -> JoinHandle<Result<Sent>> {
     paced_datagrams(ns, src, dst, pps, count, PAYLOAD.len())
 }
 
 /// [`paced`] with `size`-byte datagrams: above the MTU, the sending kernel
 /// fragments each one.
-pub fn paced_datagrams(ns: &Netns, src: IpAddr, dst: IpAddr, pps: u64, count: u64, size: usize) -> JoinHandle<Result<Sent>> {
+pub fn paced_datagrams(
+    ns: &Netns,
+    src: IpAddr,
+    dst: IpAddr,
+    pps: u64,
+    count: u64,
+    size: usize,
+) -> JoinHandle<Result<Sent>> {
     ns.spawn(move || {
         let payload = vec![0x5a; size];
         let sock = socket(src)?;
@@ -116,13 +134,19 @@ pub fn paced_datagrams(ns: &Netns, src: IpAddr, dst: IpAddr, pps: u64, count: u6
             sock.send_to(&payload, to).context("paced send")?;
             packets += 1;
         }
-        Ok(Sent { packets, started, ended: Instant::now(), stalls: Vec::new() })
+        Ok(Sent {
+            packets,
+            started,
+            ended: Instant::now(),
+            stalls: Vec::new(),
+        })
     })
 }
 
 /// Joins a sender thread, surfacing any error.
 pub fn join(h: JoinHandle<Result<Sent>>) -> Result<Sent> {
-    h.join().map_err(|_| anyhow::anyhow!("sender thread panicked"))?
+    h.join()
+        .map_err(|_| anyhow::anyhow!("sender thread panicked"))?
 }
 
 /// An AF_PACKET socket bound to `dev` in the current namespace.
@@ -151,7 +175,10 @@ fn packet_socket(dev: &str) -> Result<std::os::fd::OwnedFd> {
         )
     };
     if rc != 0 {
-        anyhow::bail!("binding AF_PACKET to {dev}: {}", std::io::Error::last_os_error());
+        anyhow::bail!(
+            "binding AF_PACKET to {dev}: {}",
+            std::io::Error::last_os_error()
+        );
     }
     Ok(fd)
 }
@@ -159,7 +186,12 @@ fn packet_socket(dev: &str) -> Result<std::os::fd::OwnedFd> {
 /// Sends the hand-built Ethernet `frame` on `dev` as fast as one thread can
 /// for `duration` (for frames the kernel cannot build itself, such as VLAN
 /// tags on a kernel without VLAN support).
-pub fn raw_flood(ns: &Netns, dev: &'static str, frame: Vec<u8>, duration: Duration) -> JoinHandle<Result<Sent>> {
+pub fn raw_flood(
+    ns: &Netns,
+    dev: &'static str,
+    frame: Vec<u8>,
+    duration: Duration,
+) -> JoinHandle<Result<Sent>> {
     ns.spawn(move || {
         let fd = packet_socket(dev)?;
         Ok(send_for(duration, || {
@@ -187,7 +219,10 @@ pub fn forged(
         if let Some(cpu) = cpu {
             pin_to_cpu(cpu)?;
         }
-        anyhow::ensure!(frame.len() >= SRC.end && frame[12..14] == [0x08, 0x00], "forged() needs an untagged IPv4 frame");
+        anyhow::ensure!(
+            frame.len() >= SRC.end && frame[12..14] == [0x08, 0x00],
+            "forged() needs an untagged IPv4 frame"
+        );
         let fd = packet_socket(dev)?;
         let started = Instant::now();
         for i in 0..count {
@@ -200,13 +235,24 @@ pub fn forged(
             }
             frame[SRC].copy_from_slice(&source(i));
             let mut tries = 0;
-            while unsafe { libc::send(fd.as_raw_fd(), frame.as_ptr().cast(), frame.len(), 0) } != frame.len() as isize {
+            while unsafe { libc::send(fd.as_raw_fd(), frame.as_ptr().cast(), frame.len(), 0) }
+                != frame.len() as isize
+            {
                 tries += 1;
-                anyhow::ensure!(tries < 1000, "AF_PACKET send on {dev}: {}", std::io::Error::last_os_error());
+                anyhow::ensure!(
+                    tries < 1000,
+                    "AF_PACKET send on {dev}: {}",
+                    std::io::Error::last_os_error()
+                );
                 std::thread::sleep(Duration::from_micros(100));
             }
         }
-        Ok(Sent { packets: count, started, ended: Instant::now(), stalls: Vec::new() })
+        Ok(Sent {
+            packets: count,
+            started,
+            ended: Instant::now(),
+            stalls: Vec::new(),
+        })
     })
 }
 
@@ -235,12 +281,25 @@ pub struct Receiver {
 /// timeout so the receiver notices when to stop.
 fn prepare_receive(fd: std::os::fd::RawFd) {
     let size: libc::c_int = 64 << 20;
-    let tv = libc::timeval { tv_sec: 0, tv_usec: 50_000 };
+    let tv = libc::timeval {
+        tv_sec: 0,
+        tv_usec: 50_000,
+    };
     unsafe {
-        libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVBUFFORCE,
-            &size as *const _ as *const libc::c_void, std::mem::size_of::<libc::c_int>() as u32);
-        libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVTIMEO,
-            &tv as *const _ as *const libc::c_void, std::mem::size_of::<libc::timeval>() as u32);
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_RCVBUFFORCE,
+            &size as *const _ as *const libc::c_void,
+            std::mem::size_of::<libc::c_int>() as u32,
+        );
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            &tv as *const _ as *const libc::c_void,
+            std::mem::size_of::<libc::timeval>() as u32,
+        );
     }
 }
 
@@ -252,7 +311,9 @@ impl Receiver {
                 .context("binding the receiver")?;
             prepare_receive(sock.as_raw_fd());
             Ok(move |buf: &mut [u8]| -> Option<Received> {
-                sock.recv_from(buf).ok().map(|(_, from)| Some(from.ip().to_canonical()))
+                sock.recv_from(buf)
+                    .ok()
+                    .map(|(_, from)| Some(from.ip().to_canonical()))
             })
         })
     }
@@ -267,21 +328,35 @@ impl Receiver {
                 let mut sll: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
                 let mut len = std::mem::size_of::<libc::sockaddr_ll>() as u32;
                 let n = unsafe {
-                    libc::recvfrom(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0,
-                        &mut sll as *mut _ as *mut libc::sockaddr, &mut len)
+                    libc::recvfrom(
+                        fd.as_raw_fd(),
+                        buf.as_mut_ptr().cast(),
+                        buf.len(),
+                        0,
+                        &mut sll as *mut _ as *mut libc::sockaddr,
+                        &mut len,
+                    )
                 };
                 if n <= 0 {
                     return None;
                 }
                 let incoming = sll.sll_pkttype != libc::PACKET_OUTGOING;
-                Some(incoming.then(|| crate::frames::source_of(&buf[..n as usize])).flatten())
+                Some(
+                    incoming
+                        .then(|| crate::frames::source_of(&buf[..n as usize]))
+                        .flatten(),
+                )
             })
         })
     }
 
     /// Runs `open` in `ns`, then calls the receive function it returns
     /// (`None` on timeout) until stopped and drained.
-    fn spawn<R>(ns: &Netns, what: &'static str, open: impl FnOnce() -> Result<R> + Send + 'static) -> Result<Receiver>
+    fn spawn<R>(
+        ns: &Netns,
+        what: &'static str,
+        open: impl FnOnce() -> Result<R> + Send + 'static,
+    ) -> Result<Receiver>
     where
         R: FnMut(&mut [u8]) -> Option<Received>,
     {

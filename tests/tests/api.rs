@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use rl_tests::{
-    daemon::{write, run_once, Daemon},
+    daemon::{run_once, write, Daemon},
     http::{get, json, parse_prometheus, request},
     lab::Lab,
     traffic::{join, paced, Receiver},
@@ -61,7 +61,14 @@ fn every_route_answers_metrics_equal_stats_and_the_openapi_document_is_complete(
     assert_eq!(burst_of(&lab, lab.v4(1), 50), 10);
 
     let st = get(&lab.b, "/v1/status").json();
-    assert_eq!((st["iface"].as_str(), st["xdp_mode"].as_str(), st["rules"].as_u64()), (Some("vb"), Some("native"), Some(1)));
+    assert_eq!(
+        (
+            st["iface"].as_str(),
+            st["xdp_mode"].as_str(),
+            st["rules"].as_u64()
+        ),
+        (Some("vb"), Some("native"), Some(1))
+    );
     assert!(st["program_id"].as_u64().unwrap() > 0);
     let rules = get(&lab.b, "/v1/rules").json();
     assert_eq!(rules["rules"][0]["name"], "udp-7777");
@@ -69,7 +76,11 @@ fn every_route_answers_metrics_equal_stats_and_the_openapi_document_is_complete(
 
     let stats = get(&lab.b, "/v1/stats").json();
     let r = &stats["rules"]["udp-7777"];
-    assert_eq!((r["passed_packets"].as_u64(), r["dropped_packets"].as_u64()), (Some(10), Some(40)), "{stats}");
+    assert_eq!(
+        (r["passed_packets"].as_u64(), r["dropped_packets"].as_u64()),
+        (Some(10), Some(40)),
+        "{stats}"
+    );
     for name in ["default", "allow", "deny"] {
         assert!(stats["rules"][name].is_object(), "{stats}");
     }
@@ -78,16 +89,34 @@ fn every_route_answers_metrics_equal_stats_and_the_openapi_document_is_complete(
     assert_eq!(m.status, 200);
     let samples = parse_prometheus(&m.body);
     for (name, c) in stats["rules"].as_object().unwrap() {
-        for (verdict, key) in [("passed", "passed"), ("dropped", "dropped"), ("shadow_dropped", "shadow_dropped")] {
+        for (verdict, key) in [
+            ("passed", "passed"),
+            ("dropped", "dropped"),
+            ("shadow_dropped", "shadow_dropped"),
+        ] {
             let series = format!("rl_packets_total{{rule=\"{name}\",verdict=\"{verdict}\"}}");
-            assert_eq!(samples[&series] as u64, c[format!("{key}_packets")].as_u64().unwrap(), "{series}");
+            assert_eq!(
+                samples[&series] as u64,
+                c[format!("{key}_packets")].as_u64().unwrap(),
+                "{series}"
+            );
             let series = format!("rl_bytes_total{{rule=\"{name}\",verdict=\"{verdict}\"}}");
-            assert_eq!(samples[&series] as u64, c[format!("{key}_bytes")].as_u64().unwrap(), "{series}");
+            assert_eq!(
+                samples[&series] as u64,
+                c[format!("{key}_bytes")].as_u64().unwrap(),
+                "{series}"
+            );
         }
     }
     assert_eq!(samples["rl_source_capacity"], 1_048_576.0);
     assert_eq!(samples["rl_active_bans"], 0.0);
-    assert!(samples.keys().any(|k| k.starts_with("rl_api_requests_total{route=\"/v1/stats\",status=\"200\"}")), "{}", m.body);
+    assert!(
+        samples
+            .keys()
+            .any(|k| k.starts_with("rl_api_requests_total{route=\"/v1/stats\",status=\"200\"}")),
+        "{}",
+        m.body
+    );
 
     // The OpenAPI document: every route, every operation answers something,
     // and every schema reference resolves.
@@ -95,14 +124,25 @@ fn every_route_answers_metrics_equal_stats_and_the_openapi_document_is_complete(
     assert!(doc["openapi"].as_str().unwrap().starts_with("3."), "{doc}");
     for (method, path) in ROUTES {
         let op = &doc["paths"][path][method];
-        assert!(op.is_object(), "{method} {path} missing from the OpenAPI document");
-        assert!(op["responses"].as_object().is_some_and(|r| !r.is_empty()), "{method} {path} has no responses");
+        assert!(
+            op.is_object(),
+            "{method} {path} missing from the OpenAPI document"
+        );
+        assert!(
+            op["responses"].as_object().is_some_and(|r| !r.is_empty()),
+            "{method} {path} has no responses"
+        );
     }
     let text = doc.to_string();
     for r in text.split("\"$ref\":\"").skip(1) {
         let target = r.split('"').next().unwrap();
-        let name = target.strip_prefix("#/components/schemas/").unwrap_or_else(|| panic!("odd $ref {target}"));
-        assert!(doc["components"]["schemas"][name].is_object(), "$ref {target} does not resolve");
+        let name = target
+            .strip_prefix("#/components/schemas/")
+            .unwrap_or_else(|| panic!("odd $ref {target}"));
+        assert!(
+            doc["components"]["schemas"][name].is_object(),
+            "$ref {target} does not resolve"
+        );
     }
     // And the reference validator agrees (installed by `cargo xtask test`).
     let file = dir.path().join("openapi.json");
@@ -112,23 +152,48 @@ fn every_route_answers_metrics_equal_stats_and_the_openapi_document_is_complete(
         .arg(&file)
         .output()
         .expect("python3 is needed to validate the OpenAPI document: run `cargo xtask test`, which installs it");
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(!text.contains("No module named"), "openapi-spec-validator is missing: run `cargo xtask test`, which installs it\n{text}");
-    assert!(out.status.success() && text.contains("OK"), "the OpenAPI document does not validate:\n{text}");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        !text.contains("No module named"),
+        "openapi-spec-validator is missing: run `cargo xtask test`, which installs it\n{text}"
+    );
+    assert!(
+        out.status.success() && text.contains("OK"),
+        "the OpenAPI document does not validate:\n{text}"
+    );
     // Every /v1 operation needs the token; every change may answer 409
     // (an edit of the file not applied yet) and 422, as the daemon does.
     for (method, path) in ROUTES.iter().filter(|(_, p)| p.starts_with("/v1/")) {
         let op = &doc["paths"][path][method];
-        assert_eq!(op["security"][0]["bearer"], serde_json::json!([]), "{method} {path} does not say it needs the token");
-        assert!(op["responses"]["401"].is_object(), "{method} {path}: no 401");
+        assert_eq!(
+            op["security"][0]["bearer"],
+            serde_json::json!([]),
+            "{method} {path} does not say it needs the token"
+        );
+        assert!(
+            op["responses"]["401"].is_object(),
+            "{method} {path}: no 401"
+        );
         if *method != "get" {
             for code in ["409", "422", "500"] {
-                assert!(op["responses"][code].is_object(), "{method} {path}: no {code}");
+                assert!(
+                    op["responses"][code].is_object(),
+                    "{method} {path}: no {code}"
+                );
             }
         }
     }
     let paths = doc["paths"].as_object().unwrap().len();
-    assert_eq!(paths, 14, "paths in the document: {:?}", doc["paths"].as_object().unwrap().keys().collect::<Vec<_>>());
+    assert_eq!(
+        paths,
+        14,
+        "paths in the document: {:?}",
+        doc["paths"].as_object().unwrap().keys().collect::<Vec<_>>()
+    );
 
     // Errors are JSON with the right status.
     let a = get(&lab.b, "/v1/nope");
@@ -139,16 +204,34 @@ fn every_route_answers_metrics_equal_stats_and_the_openapi_document_is_complete(
     assert!(a.json()["error"].is_string());
     // A path parameter that is not UTF-8 once decoded: JSON too.
     for path in ["/v1/sources/%FF", "/v1/bans/%FF", "/v1/rules/%FF"] {
-        let method = if path.starts_with("/v1/sources") { "GET" } else { "DELETE" };
+        let method = if path.starts_with("/v1/sources") {
+            "GET"
+        } else {
+            "DELETE"
+        };
         let a = request(&lab.b, method, path, None, None).unwrap();
         assert_eq!(a.status, 400, "{path}: {}", a.body);
-        assert!(a.json()["error"].as_str().is_some_and(|e| e.starts_with("the path")), "{path}: {}", a.body);
+        assert!(
+            a.json()["error"]
+                .as_str()
+                .is_some_and(|e| e.starts_with("the path")),
+            "{path}: {}",
+            a.body
+        );
     }
     // Probes of routes that do not exist, and wrong methods, are counted
     // (once each).
     let samples = parse_prometheus(&get(&lab.b, "/metrics").body);
-    assert_eq!(samples.get("rl_api_requests_total{route=\"unmatched\",status=\"404\"}"), Some(&1.0), "{samples:?}");
-    assert_eq!(samples.get("rl_api_requests_total{route=\"/v1/rules\",status=\"405\"}"), Some(&1.0), "{samples:?}");
+    assert_eq!(
+        samples.get("rl_api_requests_total{route=\"unmatched\",status=\"404\"}"),
+        Some(&1.0),
+        "{samples:?}"
+    );
+    assert_eq!(
+        samples.get("rl_api_requests_total{route=\"/v1/rules\",status=\"405\"}"),
+        Some(&1.0),
+        "{samples:?}"
+    );
     stop(d);
 }
 
@@ -166,45 +249,133 @@ fn rule_changes_are_validated_atomic_enforced_and_survive_a_restart_and_a_file_r
     assert_eq!(a.status, 201, "{}", a.body);
     assert_eq!(burst_of(&lab, lab.v4(1), 20), 3);
     let file = std::fs::read_to_string(&cfg).unwrap();
-    assert!(file.contains("# operator's comment") && file.contains("slow-udp"), "{file}");
+    assert!(
+        file.contains("# operator's comment") && file.contains("slow-udp"),
+        "{file}"
+    );
 
     // Conflicts, absent names, bad bodies and invalid rules change nothing.
-    assert_eq!(request(&lab.b, "POST", "/v1/rules", json(&rule), None).unwrap().status, 409);
-    assert_eq!(request(&lab.b, "DELETE", "/v1/rules/absent", None, None).unwrap().status, 404);
-    let a = request(&lab.b, "POST", "/v1/rules", Some(("application/json", b"{not json".to_vec())), None).unwrap();
+    assert_eq!(
+        request(&lab.b, "POST", "/v1/rules", json(&rule), None)
+            .unwrap()
+            .status,
+        409
+    );
+    assert_eq!(
+        request(&lab.b, "DELETE", "/v1/rules/absent", None, None)
+            .unwrap()
+            .status,
+        404
+    );
+    let a = request(
+        &lab.b,
+        "POST",
+        "/v1/rules",
+        Some(("application/json", b"{not json".to_vec())),
+        None,
+    )
+    .unwrap();
     assert_eq!(a.status, 400);
-    assert!(a.json()["error"].as_str().unwrap().contains("not valid JSON"));
-    let a = request(&lab.b, "POST", "/v1/rules", json(&json!({"name": "bad", "proto": "sctp", "rate": 1})), None).unwrap();
+    assert!(a.json()["error"]
+        .as_str()
+        .unwrap()
+        .contains("not valid JSON"));
+    let a = request(
+        &lab.b,
+        "POST",
+        "/v1/rules",
+        json(&json!({"name": "bad", "proto": "sctp", "rate": 1})),
+        None,
+    )
+    .unwrap();
     assert_eq!(a.status, 422);
-    assert!(a.json()["error"].as_str().unwrap().contains("proto"), "{}", a.body);
-    let a = request(&lab.b, "PUT", "/v1/rules", Some(("application/toml", b"[default]\nrate = 0\n".to_vec())), None).unwrap();
+    assert!(
+        a.json()["error"].as_str().unwrap().contains("proto"),
+        "{}",
+        a.body
+    );
+    let a = request(
+        &lab.b,
+        "PUT",
+        "/v1/rules",
+        Some(("application/toml", b"[default]\nrate = 0\n".to_vec())),
+        None,
+    )
+    .unwrap();
     assert_eq!(a.status, 422);
-    assert!(a.json()["error"].as_str().unwrap().contains(":2:8: default.rate = 0 is out of range"), "{}", a.body);
+    assert!(
+        a.json()["error"]
+            .as_str()
+            .unwrap()
+            .contains(":2:8: default.rate = 0 is out of range"),
+        "{}",
+        a.body
+    );
     let big = vec![b' '; 17 << 20];
-    let a = request(&lab.b, "PUT", "/v1/rules", Some(("application/json", big)), None).unwrap();
+    let a = request(
+        &lab.b,
+        "PUT",
+        "/v1/rules",
+        Some(("application/json", big)),
+        None,
+    )
+    .unwrap();
     assert_eq!(a.status, 413);
     assert!(a.json()["error"].is_string());
-    assert!(std::fs::read_to_string(&cfg).unwrap().contains("slow-udp"), "a refused change left the file alone");
-    assert_eq!(get(&lab.b, "/healthz").status, 200, "bad input did not stop the daemon");
+    assert!(
+        std::fs::read_to_string(&cfg).unwrap().contains("slow-udp"),
+        "a refused change left the file alone"
+    );
+    assert_eq!(
+        get(&lab.b, "/healthz").status,
+        200,
+        "bad input did not stop the daemon"
+    );
 
     // PUT the whole set as JSON: old rule gone, new one in.
     let set = json!({"default": {"rate": 1000}, "rules": [{"name": "udp-2", "proto": "udp", "rate": 2, "per": "1m", "burst": 2}]});
     let a = request(&lab.b, "PUT", "/v1/rules", json(&set), None).unwrap();
     assert_eq!(a.status, 200, "{}", a.body);
     assert_eq!(burst_of(&lab, lab.v4(1), 10), 2);
-    assert_eq!(request(&lab.b, "DELETE", "/v1/rules/udp-2", None, None).unwrap().status, 200);
-    let a = request(&lab.b, "POST", "/v1/rules", json(&json!({"name": "kept", "proto": "udp", "rate": 4, "per": "1m", "burst": 4})), None).unwrap();
+    assert_eq!(
+        request(&lab.b, "DELETE", "/v1/rules/udp-2", None, None)
+            .unwrap()
+            .status,
+        200
+    );
+    let a = request(
+        &lab.b,
+        "POST",
+        "/v1/rules",
+        json(&json!({"name": "kept", "proto": "udp", "rate": 4, "per": "1m", "burst": 4})),
+        None,
+    )
+    .unwrap();
     assert_eq!(a.status, 201);
     stop(d);
 
     // A restart keeps the API's changes, and a file reload does not undo them.
     let d = start(&lab, &cfg, &[]);
-    let names: Vec<Value> = get(&lab.b, "/v1/rules").json()["rules"].as_array().unwrap().iter().map(|r| r["name"].clone()).collect();
+    let names: Vec<Value> = get(&lab.b, "/v1/rules").json()["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["name"].clone())
+        .collect();
     assert_eq!(names, vec![json!("kept")]);
-    assert_eq!(request(&lab.b, "POST", "/v1/reload", None, None).unwrap().status, 200);
+    assert_eq!(
+        request(&lab.b, "POST", "/v1/reload", None, None)
+            .unwrap()
+            .status,
+        200
+    );
     assert_eq!(burst_of(&lab, lab.v4(1), 10), 4);
     let st = get(&lab.b, "/v1/status").json();
-    assert_eq!((st["rules"].as_u64(), st["last_reload"]["ok"].as_bool()), (Some(1), Some(true)), "{st}");
+    assert_eq!(
+        (st["rules"].as_u64(), st["last_reload"]["ok"].as_bool()),
+        (Some(1), Some(true)),
+        "{st}"
+    );
     stop(d);
 }
 
@@ -226,17 +397,32 @@ fn source_quota_agrees_with_what_the_datapath_lets_through_next() {
     assert_eq!(quota(), None, "no state before the first packet");
     assert_eq!(burst_of(&lab, src, 1), 1);
     let q = quota().unwrap();
-    assert_eq!((q["rule"].as_str(), q["limit"].as_u64(), q["remaining"].as_u64()), (Some("default"), Some(3), Some(2)), "{q}");
+    assert_eq!(
+        (
+            q["rule"].as_str(),
+            q["limit"].as_u64(),
+            q["remaining"].as_u64()
+        ),
+        (Some("default"), Some(3), Some(2)),
+        "{q}"
+    );
     assert_eq!(q["retry_after_ms"], 0);
     // Its own bucket (no flood), keyed by the source as `ipv4_prefix` (32)
     // aggregates it.
-    assert_eq!((q["charged_to"].as_str(), q["prefix"].as_str()), (Some("own"), Some(format!("{src}/32").as_str())), "{q}");
+    assert_eq!(
+        (q["charged_to"].as_str(), q["prefix"].as_str()),
+        (Some("own"), Some(format!("{src}/32").as_str())),
+        "{q}"
+    );
     // `remaining` pass, one more drops.
     assert_eq!(burst_of(&lab, src, 3), 2);
     let q = quota().unwrap();
     assert_eq!(q["remaining"], 0, "{q}");
     let wait = q["retry_after_ms"].as_u64().unwrap();
-    assert!((1..=1020).contains(&wait), "retry after {wait} ms for a 1 s refill: {q}");
+    assert!(
+        (1..=1020).contains(&wait),
+        "retry after {wait} ms for a 1 s refill: {q}"
+    );
     assert!(q["reset_ms"].as_u64().unwrap() >= 2000, "{q}");
     // After `retry_after_ms` one passes, and the next drops.
     std::thread::sleep(Duration::from_millis(wait));
@@ -261,19 +447,32 @@ fn a_ban_drops_at_once_lifts_after_its_ttl_and_is_kept_across_a_restart() {
     assert_eq!(burst_of(&lab, lab.v4(1), 10), 10);
 
     // Through the CLI, with --json.
-    let (status, out) = run_once(Some(&lab.b), &["ban", &cidr, "--ttl", "3s", "--reason", "test", "--json"]).unwrap();
+    let (status, out) = run_once(
+        Some(&lab.b),
+        &["ban", &cidr, "--ttl", "3s", "--reason", "test", "--json"],
+    )
+    .unwrap();
     assert!(status.success(), "{out}");
     let v: Value = serde_json::from_str(out.trim()).unwrap();
-    assert_eq!((v["cidr"].as_str(), v["ttl_secs"].as_u64()), (Some(cidr.as_str()), Some(3)));
+    assert_eq!(
+        (v["cidr"].as_str(), v["ttl_secs"].as_u64()),
+        (Some(cidr.as_str()), Some(3))
+    );
     let banned_at = std::time::Instant::now();
     assert_eq!(burst_of(&lab, lab.v4(1), 10), 0, "a ban drops at once");
     let bans = get(&lab.b, "/v1/bans").json();
     assert_eq!(bans[0]["cidr"], cidr.as_str());
     assert_eq!(bans[0]["reason"], "test");
     assert!(std::fs::read_to_string(&cfg).unwrap().contains("[[ban]]"));
-    assert_eq!(parse_prometheus(&get(&lab.b, "/metrics").body)["rl_active_bans"], 1.0);
+    assert_eq!(
+        parse_prometheus(&get(&lab.b, "/metrics").body)["rl_active_bans"],
+        1.0
+    );
     let stats = get(&lab.b, "/v1/stats").json();
-    assert_eq!(stats["rules"]["deny"]["dropped_packets"], 10, "bans count as deny: {stats}");
+    assert_eq!(
+        stats["rules"]["deny"]["dropped_packets"], 10,
+        "bans count as deny: {stats}"
+    );
 
     // It lifts by itself (checked every second) and leaves the file: not
     // before its TTL (whole seconds: 2 s at least), and within about a
@@ -281,26 +480,52 @@ fn a_ban_drops_at_once_lifts_after_its_ttl_and_is_kept_across_a_restart() {
     std::thread::sleep(Duration::from_millis(1800).saturating_sub(banned_at.elapsed()));
     assert_eq!(burst_of(&lab, lab.v4(1), 10), 0, "lifted before its TTL");
     while burst_of(&lab, lab.v4(1), 10) == 0 {
-        assert!(banned_at.elapsed() < Duration::from_secs(6), "the ban did not lift within 3 s of its TTL:\n{}", d.log());
+        assert!(
+            banned_at.elapsed() < Duration::from_secs(6),
+            "the ban did not lift within 3 s of its TTL:\n{}",
+            d.log()
+        );
         std::thread::sleep(Duration::from_millis(200));
     }
     assert_eq!(get(&lab.b, "/v1/bans").json(), json!([]));
     assert!(!std::fs::read_to_string(&cfg).unwrap().contains("[[ban]]"));
 
     // A ban outlives a restart; unban lifts it; bad input is refused.
-    let a = request(&lab.b, "POST", "/v1/bans", json(&json!({"cidr": cidr, "ttl_secs": 600})), None).unwrap();
+    let a = request(
+        &lab.b,
+        "POST",
+        "/v1/bans",
+        json(&json!({"cidr": cidr, "ttl_secs": 600})),
+        None,
+    )
+    .unwrap();
     assert_eq!(a.status, 201, "{}", a.body);
-    for bad in [json!({"cidr": "10.0.0.1/33", "ttl_secs": 5}), json!({"cidr": "10.0.0.0/8", "ttl_secs": 0}), json!({"cidr": "10.0.0.0/8"})] {
+    for bad in [
+        json!({"cidr": "10.0.0.1/33", "ttl_secs": 5}),
+        json!({"cidr": "10.0.0.0/8", "ttl_secs": 0}),
+        json!({"cidr": "10.0.0.0/8"}),
+    ] {
         let a = request(&lab.b, "POST", "/v1/bans", json(&bad), None).unwrap();
         assert_eq!(a.status, 400, "{bad}: {}", a.body);
     }
     stop(d);
     let d = start(&lab, &cfg, &[]);
-    assert_eq!(burst_of(&lab, lab.v4(1), 10), 0, "the ban survived the restart");
+    assert_eq!(
+        burst_of(&lab, lab.v4(1), 10),
+        0,
+        "the ban survived the restart"
+    );
     let (status, out) = run_once(Some(&lab.b), &["unban", &cidr]).unwrap();
     assert!(status.success(), "{out}");
     assert_eq!(burst_of(&lab, lab.v4(1), 10), 10);
-    let a = request(&lab.b, "DELETE", &format!("/v1/bans/{}", cidr.replace('/', "%2F")), None, None).unwrap();
+    let a = request(
+        &lab.b,
+        "DELETE",
+        &format!("/v1/bans/{}", cidr.replace('/', "%2F")),
+        None,
+        None,
+    )
+    .unwrap();
     assert_eq!(a.status, 404);
     stop(d);
 }
@@ -311,37 +536,74 @@ fn top_sources_and_limited_events_name_the_flooder() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = write(&dir, "rules.toml", "[default]\nrate = 100000\n[[rule]]\nname = \"udp-flood\"\nproto = \"udp\"\nrate = 50\nburst = 10\n");
     let d = start(&lab, &cfg, &[]);
-    let flooder = rl_tests::traffic::flood(&lab.a, lab.v4(1), lab.v4(2), Duration::from_secs(7), None);
+    let flooder =
+        rl_tests::traffic::flood(&lab.a, lab.v4(1), lab.v4(2), Duration::from_secs(7), None);
     // Sources are scanned every 5 s; the top list covers the last interval.
     let deadline = std::time::Instant::now() + Duration::from_secs(14);
     let top = loop {
         std::thread::sleep(Duration::from_millis(500));
         let top = get(&lab.b, "/v1/sources?top=5").json();
-        if top["sources"].as_array().is_some_and(|s| !s.is_empty()) || std::time::Instant::now() > deadline {
+        if top["sources"].as_array().is_some_and(|s| !s.is_empty())
+            || std::time::Instant::now() > deadline
+        {
             break top;
         }
     };
     let sent = join(flooder).unwrap();
     let first = &top["sources"][0];
-    assert_eq!((first["source"].as_str(), first["rule"].as_str()), (Some(lab.v4(1).to_string().as_str()), Some("udp-flood")), "{top}");
-    let (drops, dps, seen) = (first["drops"].as_u64().unwrap(), first["drops_per_sec"].as_f64().unwrap(), first["rate_seen_pps"].as_f64().unwrap());
+    assert_eq!(
+        (first["source"].as_str(), first["rule"].as_str()),
+        (Some(lab.v4(1).to_string().as_str()), Some("udp-flood")),
+        "{top}"
+    );
+    let (drops, dps, seen) = (
+        first["drops"].as_u64().unwrap(),
+        first["drops_per_sec"].as_f64().unwrap(),
+        first["rate_seen_pps"].as_f64().unwrap(),
+    );
     assert!(drops > 0 && dps > 50.0, "{top}");
-    assert!(seen > dps && seen - dps < 60.0, "seen {seen} pkt/s = drops {dps}/s + about 50/s passed: {top}");
+    assert!(
+        seen > dps && seen - dps < 60.0,
+        "seen {seen} pkt/s = drops {dps}/s + about 50/s passed: {top}"
+    );
     assert!(sent.packets > drops, "{top}");
 
     // One "limited" event for the flood's one episode, naming source and rule.
     let ev = get(&lab.b, "/v1/events").json();
-    let mine: Vec<&Value> = ev["events"].as_array().unwrap().iter().filter(|e| e["source"] == lab.v4(1).to_string().as_str()).collect();
+    let mine: Vec<&Value> = ev["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["source"] == lab.v4(1).to_string().as_str())
+        .collect();
     assert_eq!(mine.len(), 1, "{ev}");
-    assert_eq!((mine[0]["event"].as_str(), mine[0]["rule"].as_str(), mine[0]["limit_index"].as_u64()), (Some("limited"), Some("udp-flood"), Some(0)));
-    let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as u64;
+    assert_eq!(
+        (
+            mine[0]["event"].as_str(),
+            mine[0]["rule"].as_str(),
+            mine[0]["limit_index"].as_u64()
+        ),
+        (Some("limited"), Some("udp-flood"), Some(0))
+    );
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
     let at = mine[0]["at_unix_ms"].as_u64().unwrap();
-    assert!(at <= now_ms && now_ms - at < 20_000, "event time {at} vs now {now_ms}");
+    assert!(
+        at <= now_ms && now_ms - at < 20_000,
+        "event time {at} vs now {now_ms}"
+    );
     let m = parse_prometheus(&get(&lab.b, "/metrics").body);
     assert!(m["rl_datapath_events_total{event=\"events\"}"] >= 1.0);
 
     // Bad queries are 400 with JSON; the CLI shows both lists.
-    for q in ["/v1/sources?top=0", "/v1/sources?top=abc", "/v1/events?limit=0", "/v1/events?bogus=1"] {
+    for q in [
+        "/v1/sources?top=0",
+        "/v1/sources?top=abc",
+        "/v1/events?limit=0",
+        "/v1/events?bogus=1",
+    ] {
         let a = get(&lab.b, q);
         assert_eq!(a.status, 400, "{q}: {}", a.body);
         assert!(a.json()["error"].is_string());
@@ -352,6 +614,9 @@ fn top_sources_and_limited_events_name_the_flooder() {
         serde_json::from_str::<Value>(out.trim()).unwrap_or_else(|e| panic!("{cmd:?}: {e}: {out}"));
     }
     let (_, out) = run_once(Some(&lab.b), &["events"]).unwrap();
-    assert!(out.contains("limited") && out.contains("udp-flood"), "{out}");
+    assert!(
+        out.contains("limited") && out.contains("udp-flood"),
+        "{out}"
+    );
     stop(d);
 }

@@ -39,12 +39,22 @@ fn config(seeds: &[String], node: &str) -> String {
 
 fn check(lab: &Lab, key: &str, value: &str) -> u16 {
     let body = json!({"domain": "d", "descriptors": [[{"key": key, "value": value}]]});
-    request_tcp(&lab.b, CHECK, "POST", "/v1/check", Some(("application/json", serde_json::to_vec(&body).unwrap())), None).map_or(0, |a| a.status)
+    request_tcp(
+        &lab.b,
+        CHECK,
+        "POST",
+        "/v1/check",
+        Some(("application/json", serde_json::to_vec(&body).unwrap())),
+        None,
+    )
+    .map_or(0, |a| a.status)
 }
 
 /// Alternating checks on both hosts: which of `2 × LIMIT` passed.
 fn alternating(labs: &[&Lab; 2], key: &str, value: &str) -> Vec<u64> {
-    (0..2 * LIMIT).filter(|&i| check(labs[(i % 2) as usize], key, value) == 200).collect()
+    (0..2 * LIMIT)
+        .filter(|&i| check(labs[(i % 2) as usize], key, value) == 200)
+        .collect()
 }
 
 fn state(lab: &Lab) -> serde_json::Value {
@@ -62,45 +72,90 @@ fn a_redis_cluster_shares_limits_and_survives_a_master_failover_during_traffic()
     let dir = tempfile::tempdir().unwrap();
     let d1 = Daemon::serving(&l1, &write(&dir, "h1.toml", &config(&seeds, "host-1")), &[]).unwrap();
     let d2 = Daemon::serving(&l2, &write(&dir, "h2.toml", &config(&seeds, "host-2")), &[]).unwrap();
-    assert!(d1.log().contains("joined the cluster: 3 cluster rules shared"), "{}", d1.log());
+    assert!(
+        d1.log()
+            .contains("joined the cluster: 3 cluster rules shared"),
+        "{}",
+        d1.log()
+    );
     let labs = [&l1, &l2];
 
     // A packet rule over the Redis Cluster: 64 forged sources (spread over
     // the slots) flood both hosts at once; each source is held to one limit
     // within the bound R·τ + N·B + (N−1)·R·(T+δ) + N·θ.
-    let frame = eth(&[], ETH_P_IP, &ipv4([198, 51, 100, 0], UDP, &[], &udp(9000)));
+    let frame = eth(
+        &[],
+        ETH_P_IP,
+        &ipv4([198, 51, 100, 0], UDP, &[], &udp(9000)),
+    );
     let src = |i: u64| [198, 51, 100, (i % 64) as u8];
-    let floods: Vec<_> = labs.iter().map(|lab| forged(&lab.a, VA, frame.clone(), 64 * 1000, 32_000, None, src)).collect();
-    let took = floods.into_iter().map(|h| join(h).unwrap().seconds()).fold(0.0, f64::max);
+    let floods: Vec<_> = labs
+        .iter()
+        .map(|lab| forged(&lab.a, VA, frame.clone(), 64 * 1000, 32_000, None, src))
+        .collect();
+    let took = floods
+        .into_iter()
+        .map(|h| join(h).unwrap().seconds())
+        .fold(0.0, f64::max);
     std::thread::sleep(Duration::from_millis(300));
-    let passed: u64 = labs.iter().map(|lab| get(&lab.b, "/v1/stats").json()["rules"]["udp"]["passed_packets"].as_u64().unwrap()).sum();
+    let passed: u64 = labs
+        .iter()
+        .map(|lab| {
+            get(&lab.b, "/v1/stats").json()["rules"]["udp"]["passed_packets"]
+                .as_u64()
+                .unwrap()
+        })
+        .sum();
     let per_source = passed as f64 / 64.0;
     let bound = 200.0 * took + 2.0 * 20.0 + 200.0 * 0.11 + 2.0 * 5.0;
     eprintln!("packet rule over the Redis Cluster: {per_source:.0} passed per source in {took:.2} s; bound {bound:.0}; each host alone {:.0}", 2.0 * (200.0 * took + 20.0));
-    assert!(per_source <= bound, "{per_source:.0} passed per source, over the bound {bound:.0}");
-    assert!(per_source >= 200.0 * took * 0.8, "{per_source:.0} passed per source: starved");
+    assert!(
+        per_source <= bound,
+        "{per_source:.0} passed per source, over the bound {bound:.0}"
+    );
+    assert!(
+        per_source >= 200.0 * took * 0.8,
+        "{per_source:.0} passed per source: starved"
+    );
     let slots: std::collections::HashSet<usize> = (0..cluster.nodes.len())
         .filter(|&n| {
             let node = &cluster.nodes[n];
-            node.cli(&["ROLE"]).is_ok_and(|r| r.starts_with("master")) && node.cli(&["KEYS", "rl:p:*"]).is_ok_and(|k| !k.trim().is_empty())
+            node.cli(&["ROLE"]).is_ok_and(|r| r.starts_with("master"))
+                && node
+                    .cli(&["KEYS", "rl:p:*"])
+                    .is_ok_and(|k| !k.trim().is_empty())
         })
         .collect();
-    assert!(slots.len() > 1, "the packet buckets spread over the masters: {slots:?}");
+    assert!(
+        slots.len() > 1,
+        "the packet buckets spread over the masters: {slots:?}"
+    );
 
     // Keys over every master, exact for both algorithms.
     for i in 0..8 {
         for rule in ["user", "ip"] {
             let v = format!("v{i}");
-            assert_eq!(alternating(&labs, rule, &v), (0..LIMIT).collect::<Vec<_>>(), "{rule}={v}");
+            assert_eq!(
+                alternating(&labs, rule, &v),
+                (0..LIMIT).collect::<Vec<_>>(),
+                "{rule}={v}"
+            );
         }
     }
     let holders: Vec<usize> = (0..cluster.nodes.len())
         .filter(|&n| {
             let node = &cluster.nodes[n];
-            node.cli(&["ROLE"]).is_ok_and(|r| r.starts_with("master")) && node.cli(&["KEYS", "rl:l7:*"]).is_ok_and(|k| !k.trim().is_empty())
+            node.cli(&["ROLE"]).is_ok_and(|r| r.starts_with("master"))
+                && node
+                    .cli(&["KEYS", "rl:l7:*"])
+                    .is_ok_and(|k| !k.trim().is_empty())
         })
         .collect();
-    assert_eq!(holders.len(), MASTERS, "the buckets spread over all {MASTERS} masters: {holders:?}");
+    assert_eq!(
+        holders.len(),
+        MASTERS,
+        "the buckets spread over all {MASTERS} masters: {holders:?}"
+    );
 
     // Traffic on both hosts while a master dies.
     let stop = AtomicBool::new(false);
@@ -124,12 +179,17 @@ fn a_redis_cluster_shares_limits_and_survives_a_master_failover_during_traffic()
         }
         std::thread::sleep(Duration::from_millis(500));
         // The master holding the token-bucket rule's buckets.
-        victim = cluster.master_holding("rl:l7:{tb:*").expect("a master holds the tb buckets");
+        victim = cluster
+            .master_holding("rl:l7:{tb:*")
+            .expect("a master holds the tb buckets");
         let t = Instant::now();
         cluster.nodes[victim].kill();
         let settled = cluster.wait_failover(victim, Duration::from_secs(20));
         let deadline = Instant::now() + Duration::from_secs(20);
-        while settled.is_ok() && (state(&l1) != "ok" || state(&l2) != "ok") && Instant::now() < deadline {
+        while settled.is_ok()
+            && (state(&l1) != "ok" || state(&l2) != "ok")
+            && Instant::now() < deadline
+        {
             std::thread::sleep(Duration::from_millis(100));
         }
         recovered = t.elapsed();
@@ -142,23 +202,39 @@ fn a_redis_cluster_shares_limits_and_survives_a_master_failover_during_traffic()
         state(&l1) == "ok" && state(&l2) == "ok",
         "the daemons did not recover from the failover: {}\n{}{}",
         get(&l1.b, "/v1/status").json()["cluster"],
-        cluster.nodes[live].cli(&["CLUSTER", "NODES"]).unwrap_or_default(),
-        cluster.nodes[live].cli(&["CLUSTER", "INFO"]).unwrap_or_default()
+        cluster.nodes[live]
+            .cli(&["CLUSTER", "NODES"])
+            .unwrap_or_default(),
+        cluster.nodes[live]
+            .cli(&["CLUSTER", "INFO"])
+            .unwrap_or_default()
     );
     eprintln!(
         "failover: master {victim} killed, replica in charge and both daemons shared again after {recovered:?}; {} checks answered, {} not",
         answered.load(Ordering::Relaxed),
         unanswered.load(Ordering::Relaxed)
     );
-    assert_eq!(unanswered.load(Ordering::Relaxed), 0, "every check is answered during the failover");
+    assert_eq!(
+        unanswered.load(Ordering::Relaxed),
+        0,
+        "every check is answered during the failover"
+    );
 
     // After the failover: exhausted keys stay exhausted (the replica had
     // them), fresh keys are exact again.
     for i in 0..8 {
-        assert_eq!(check(&l1, "user", &format!("v{i}")), 429, "user=v{i} kept its state through the failover");
+        assert_eq!(
+            check(&l1, "user", &format!("v{i}")),
+            429,
+            "user=v{i} kept its state through the failover"
+        );
     }
     for i in 20..26 {
-        assert_eq!(alternating(&labs, "user", &format!("v{i}")), (0..LIMIT).collect::<Vec<_>>(), "user=v{i} after the failover");
+        assert_eq!(
+            alternating(&labs, "user", &format!("v{i}")),
+            (0..LIMIT).collect::<Vec<_>>(),
+            "user=v{i} after the failover"
+        );
     }
     for (d, name) in [(d1, "host 1"), (d2, "host 2")] {
         let (status, log) = d.stop(libc::SIGTERM).unwrap();

@@ -44,7 +44,14 @@ fn measure(flood_prefixes: u32, flooded: u32, wide: bool) -> (f64, f64) {
         let passed: u32 = srcs.iter().map(|s| offer(&dp, &to(*s), EACH).0).sum();
         f64::from(passed) / f64::from(NEWCOMERS * EACH)
     };
-    let inside = share((0..NEWCOMERS).map(|i| { let [a, b, c] = prefix(i * flooded / NEWCOMERS); [a, b, c, 200] }).collect());
+    let inside = share(
+        (0..NEWCOMERS)
+            .map(|i| {
+                let [a, b, c] = prefix(i * flooded / NEWCOMERS);
+                [a, b, c, 200]
+            })
+            .collect(),
+    );
     let elsewhere = share((0..NEWCOMERS).map(|i| [172, 16, i as u8, 200]).collect());
     eprintln!(
         "flood over {flooded} /24s, {} cell slots, wide cells {wide}: newcomers inside them passed {:.1}%, elsewhere {:.1}%",
@@ -56,11 +63,15 @@ fn measure(flood_prefixes: u32, flooded: u32, wide: bool) -> (f64, f64) {
 }
 
 #[test]
-fn newcomers_inside_a_flooded_prefix_share_its_cell_and_elsewhere_keep_their_burst_while_cells_hold() {
+fn newcomers_inside_a_flooded_prefix_share_its_cell_and_elsewhere_keep_their_burst_while_cells_hold(
+) {
     require_root();
     // Room for every flooded prefix: the last resort is never charged.
     let (inside, elsewhere) = measure(65_536, 64, true);
-    assert!(inside <= 0.1, "inside a flooded /24 the cell is spent: {inside}");
+    assert!(
+        inside <= 0.1,
+        "inside a flooded /24 the cell is spent: {inside}"
+    );
     assert_eq!(elsewhere, 1.0, "elsewhere a new cell starts full");
 }
 
@@ -75,7 +86,10 @@ fn once_cells_overflow_newcomers_everywhere_start_from_the_drained_last_resort()
     for wide in [false, true] {
         for (slots_for, flooded) in [(4096, 4096), (256, 2048)] {
             let (inside, elsewhere) = measure(slots_for, flooded, wide);
-            assert!(inside <= 0.1, "inside a flooded /24 (wide cells {wide}): {inside}");
+            assert!(
+                inside <= 0.1,
+                "inside a flooded /24 (wide cells {wide}): {inside}"
+            );
             assert!(elsewhere <= 0.1, "elsewhere, a new cell copies the drained last resort (wide cells {wide}): {elsewhere}");
         }
     }

@@ -42,11 +42,17 @@ impl KeptOpen {
             if let Some(code) = l.strip_prefix("HTTP/1.1 ") {
                 status = code[..3].parse().unwrap();
             } else if let Some((name, value)) = l.split_once(':') {
-                assert_ne!(status, 0, "GET {path}: a header before the status line: {l:?}");
+                assert_ne!(
+                    status, 0,
+                    "GET {path}: a header before the status line: {l:?}"
+                );
                 if name.eq_ignore_ascii_case("content-length") {
                     length = value.trim().parse().unwrap();
                 }
-                assert!(!name.eq_ignore_ascii_case("transfer-encoding"), "GET {path}: {l:?} is not read here");
+                assert!(
+                    !name.eq_ignore_ascii_case("transfer-encoding"),
+                    "GET {path}: {l:?} is not read here"
+                );
             } else {
                 panic!("GET {path}: not an HTTP answer: {l:?}");
             }
@@ -65,25 +71,47 @@ impl KeptOpen {
 
 /// Sets the daemon's soft open-files limit; the old one.
 fn nofile(pid: u32, soft: u64) -> u64 {
-    let mut old = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    let mut old = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
     let mut new = old;
     let r = unsafe { libc::prlimit(pid as i32, libc::RLIMIT_NOFILE, std::ptr::null(), &mut old) };
-    assert_eq!(r, 0, "reading the daemon's limit: {}", std::io::Error::last_os_error());
+    assert_eq!(
+        r,
+        0,
+        "reading the daemon's limit: {}",
+        std::io::Error::last_os_error()
+    );
     (new.rlim_cur, new.rlim_max) = (soft, old.rlim_max);
     let r = unsafe { libc::prlimit(pid as i32, libc::RLIMIT_NOFILE, &new, std::ptr::null_mut()) };
-    assert_eq!(r, 0, "setting the daemon's limit: {}", std::io::Error::last_os_error());
+    assert_eq!(
+        r,
+        0,
+        "setting the daemon's limit: {}",
+        std::io::Error::last_os_error()
+    );
     old.rlim_cur
 }
 
 /// Waits up to `within` for `cond` on the daemon's status.
-fn until(c: &mut KeptOpen, within: Duration, what: &str, cond: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
+fn until(
+    c: &mut KeptOpen,
+    within: Duration,
+    what: &str,
+    cond: impl Fn(&serde_json::Value) -> bool,
+) -> serde_json::Value {
     let start = Instant::now();
     loop {
         let v = c.status();
         if cond(&v) {
             return v;
         }
-        assert!(start.elapsed() < within, "{what} within {within:?}: {}", v["pressure"]["collector"]);
+        assert!(
+            start.elapsed() < within,
+            "{what} within {within:?}: {}",
+            v["pressure"]["collector"]
+        );
         std::thread::sleep(Duration::from_millis(200));
     }
 }
@@ -98,49 +126,112 @@ fn a_failing_collector_is_reported_tried_again_and_recovers() {
     let mut d = Daemon::serving(&lab, &cfg, &[]).unwrap();
     // A bucket to walk, charged for an hour (a fresh one would be
     // collected): with one held, the walk runs every few passes.
-    join(flood(&lab.a, lab.v4(1), lab.v4(2), Duration::from_millis(300), None)).unwrap();
-    let mut c = KeptOpen(BufReader::new(UnixStream::connect(lab.b.runtime_dir().join(rl_control::cli::API_SOCKET)).unwrap()));
+    join(flood(
+        &lab.a,
+        lab.v4(1),
+        lab.v4(2),
+        Duration::from_millis(300),
+        None,
+    ))
+    .unwrap();
+    let mut c = KeptOpen(BufReader::new(
+        UnixStream::connect(lab.b.runtime_dir().join(rl_control::cli::API_SOCKET)).unwrap(),
+    ));
     let ok = |r: &serde_json::Value| r["last_ok_unix_ms"].is_u64() && r.get("error").is_none();
     until(&mut c, Duration::from_secs(10), "both readers pass", |v| {
         let h = &v["pressure"]["collector"];
-        ok(&h["walk"]) && ok(&h["flood_reading"]) && v["pressure"]["buckets_ipv4"].as_u64() > Some(0)
+        ok(&h["walk"])
+            && ok(&h["flood_reading"])
+            && v["pressure"]["buckets_ipv4"].as_u64() > Some(0)
     });
 
     let old = nofile(d.pid(), 0);
-    let failing = |r: &serde_json::Value| r["error"].as_str().is_some_and(|e| e.contains("Too many open files")) && r["failing_since_unix_ms"].is_u64();
-    let v = until(&mut c, Duration::from_secs(12), "both readers fail with EMFILE", |v| {
-        let h = &v["pressure"]["collector"];
-        failing(&h["walk"]) && failing(&h["flood_reading"])
-    });
+    let failing = |r: &serde_json::Value| {
+        r["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("Too many open files"))
+            && r["failing_since_unix_ms"].is_u64()
+    };
+    let v = until(
+        &mut c,
+        Duration::from_secs(12),
+        "both readers fail with EMFILE",
+        |v| {
+            let h = &v["pressure"]["collector"];
+            failing(&h["walk"]) && failing(&h["flood_reading"])
+        },
+    );
     let (code, text) = c.get("/metrics");
     assert_eq!(code, 200, "{text}");
     let m = parse_prometheus(&text);
     for reader in ["walk", "flood_reading"] {
-        assert_eq!(m.get(&format!("rl_collector_up{{reader=\"{reader}\"}}")), Some(&0.0), "{reader}");
+        assert_eq!(
+            m.get(&format!("rl_collector_up{{reader=\"{reader}\"}}")),
+            Some(&0.0),
+            "{reader}"
+        );
     }
-    assert!(alerts::check(&m, &["daemon", "datapath", "l7"]).contains(&"RlCollectorFailing".to_string()), "the shipped alert holds");
+    assert!(
+        alerts::check(&m, &["daemon", "datapath", "l7"])
+            .contains(&"RlCollectorFailing".to_string()),
+        "the shipped alert holds"
+    );
     // Still failing some passes later: tried again, not stopped, and
     // reported once, not at every pass.
     let since = v["pressure"]["collector"]["flood_reading"]["failing_since_unix_ms"].clone();
     std::thread::sleep(Duration::from_secs(3));
     let v = c.status();
-    assert_eq!(v["pressure"]["collector"]["flood_reading"]["failing_since_unix_ms"], since, "one failing spell");
+    assert_eq!(
+        v["pressure"]["collector"]["flood_reading"]["failing_since_unix_ms"], since,
+        "one failing spell"
+    );
     nofile(d.pid(), old);
 
     // Recovered by itself: both pass again, and the events tell the story.
-    until(&mut c, Duration::from_secs(12), "both readers recover", |v| {
-        let h = &v["pressure"]["collector"];
-        ok(&h["walk"]) && ok(&h["flood_reading"])
-    });
+    until(
+        &mut c,
+        Duration::from_secs(12),
+        "both readers recover",
+        |v| {
+            let h = &v["pressure"]["collector"];
+            ok(&h["walk"]) && ok(&h["flood_reading"])
+        },
+    );
     let events = get(&lab.b, "/v1/events?limit=50").json();
-    let names: Vec<&str> = events["events"].as_array().unwrap().iter().filter_map(|e| e["event"].as_str()).collect();
-    for e in ["walk_failing", "walk_recovered", "flood_reading_failing", "flood_reading_recovered"] {
-        assert_eq!(names.iter().filter(|n| **n == e).count(), 1, "{e} raised once: {names:?}");
+    let names: Vec<&str> = events["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| e["event"].as_str())
+        .collect();
+    for e in [
+        "walk_failing",
+        "walk_recovered",
+        "flood_reading_failing",
+        "flood_reading_recovered",
+    ] {
+        assert_eq!(
+            names.iter().filter(|n| **n == e).count(),
+            1,
+            "{e} raised once: {names:?}"
+        );
     }
     let m = parse_prometheus(&get(&lab.b, "/metrics").body);
-    assert!(!alerts::check(&m, &["daemon", "datapath", "l7"]).iter().any(|a| a.starts_with("RlCollector")), "the alerts clear");
+    assert!(
+        !alerts::check(&m, &["daemon", "datapath", "l7"])
+            .iter()
+            .any(|a| a.starts_with("RlCollector")),
+        "the alerts clear"
+    );
     let log = d.log();
-    assert_eq!(log.matches("the collector's flood reading fails").count(), 1, "logged once:\n{log}");
-    assert!(log.contains("Too many open files") && log.contains("the collector's walk works again"), "{log}");
+    assert_eq!(
+        log.matches("the collector's flood reading fails").count(),
+        1,
+        "logged once:\n{log}"
+    );
+    assert!(
+        log.contains("Too many open files") && log.contains("the collector's walk works again"),
+        "{log}"
+    );
     d.wait_for("works again", Duration::from_secs(1)).unwrap();
 }

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use rl_tests::{
-    daemon::{write, final_counter, run_once, Daemon},
+    daemon::{final_counter, run_once, write, Daemon},
     expected_passed,
     lab::{Lab, VB},
     tolerance,
@@ -18,7 +18,11 @@ const START: Duration = Duration::from_secs(20);
 /// The error line of a failed run: exactly one line starting with `error: `.
 fn error_line(out: &str) -> String {
     let errors: Vec<&str> = out.lines().filter(|l| l.starts_with("error: ")).collect();
-    assert_eq!(errors.len(), 1, "expected exactly one error line in:\n{out}");
+    assert_eq!(
+        errors.len(),
+        1,
+        "expected exactly one error line in:\n{out}"
+    );
     errors[0].to_string()
 }
 
@@ -34,7 +38,9 @@ fn the_shipped_rule_file_starts_the_daemon_as_it_is() {
     let (status, out) = run_once(None, &["check-config", cfg.to_str().unwrap()]).unwrap();
     assert!(status.success(), "{out}");
     let d = Daemon::serving(&lab, &cfg, &[]).unwrap();
-    let health = rl_tests::http::request_tcp(&lab.b, "127.0.0.1:9101", "GET", "/healthz", None, None).unwrap();
+    let health =
+        rl_tests::http::request_tcp(&lab.b, "127.0.0.1:9101", "GET", "/healthz", None, None)
+            .unwrap();
     assert_eq!(health.status, 200, "{}", health.body);
     let (status, log) = d.stop(libc::SIGTERM).unwrap();
     assert!(status.success(), "{log}");
@@ -44,40 +50,92 @@ fn the_shipped_rule_file_starts_the_daemon_as_it_is() {
 fn daemon_limits_a_flood_and_detaches_on_sigterm() {
     let lab = Lab::new().unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let cfg = write(&dir, "rules.toml", "[datapath]\nmax_sources = 1024\n[default]\nrate = 100\nburst = 50\n");
-    let mut d = Daemon::spawn(&lab.b, &["run", "--iface", VB, "--config", cfg.to_str().unwrap(), "--stats-interval", "1", "--detach-on-exit"]).unwrap();
+    let cfg = write(
+        &dir,
+        "rules.toml",
+        "[datapath]\nmax_sources = 1024\n[default]\nrate = 100\nburst = 50\n",
+    );
+    let mut d = Daemon::spawn(
+        &lab.b,
+        &[
+            "run",
+            "--iface",
+            VB,
+            "--config",
+            cfg.to_str().unwrap(),
+            "--stats-interval",
+            "1",
+            "--detach-on-exit",
+        ],
+    )
+    .unwrap();
     d.wait_for(ATTACHED, START).unwrap();
     assert!(lab.xdp_attached().unwrap());
     let rx = Receiver::start(&lab.b).unwrap();
-    let sent = join(flood(&lab.a, lab.v4(1), lab.v4(2), Duration::from_millis(3200), None)).unwrap();
+    let sent = join(flood(
+        &lab.a,
+        lab.v4(1),
+        lab.v4(2),
+        Duration::from_millis(3200),
+        None,
+    ))
+    .unwrap();
     let got = rx.finish().unwrap();
     // Let a periodic report happen, then stop.
     d.wait_for("pkt/s", Duration::from_secs(5)).unwrap();
     let (status, log) = d.stop(libc::SIGTERM).unwrap();
     assert!(status.success(), "exit {status}:\n{log}");
-    assert!(log.contains("SIGTERM received: stopping") && log.contains("detached and unpinned"), "{log}");
-    assert!(!lab.xdp_attached().unwrap(), "XDP still attached after SIGTERM");
+    assert!(
+        log.contains("SIGTERM received: stopping") && log.contains("detached and unpinned"),
+        "{log}"
+    );
+    assert!(
+        !lab.xdp_attached().unwrap(),
+        "XDP still attached after SIGTERM"
+    );
 
     let passed = got.get(&lab.v4(1)).copied().unwrap_or(0);
     let expected = expected_passed(100, 50, sent.seconds());
-    assert!((passed as f64 - expected).abs() <= tolerance(expected), "passed {passed}, expected {expected:.1}");
+    assert!(
+        (passed as f64 - expected).abs() <= tolerance(expected),
+        "passed {passed}, expected {expected:.1}"
+    );
     let dropped = final_counter(&log, "dropped_packets").expect("final counters in the log");
-    assert!(dropped as f64 > sent.packets as f64 * 0.5, "dropped {dropped} of {} sent:\n{log}", sent.packets);
+    assert!(
+        dropped as f64 > sent.packets as f64 * 0.5,
+        "dropped {dropped} of {} sent:\n{log}",
+        sent.packets
+    );
 }
 
 #[test]
 fn daemon_without_config_runs_the_embedded_default_and_detaches_on_sigint() {
     let lab = Lab::new().unwrap();
-    let mut d = Daemon::spawn(&lab.b, &["run", "--iface", VB, "--mode", "skb", "--detach-on-exit"]).unwrap();
+    let mut d = Daemon::spawn(
+        &lab.b,
+        &["run", "--iface", VB, "--mode", "skb", "--detach-on-exit"],
+    )
+    .unwrap();
     d.wait_for(ATTACHED, START).unwrap();
     let log = d.log();
-    assert!(log.contains("no --config given: using the embedded default (1000 packets/s, burst 2000 per source)"), "{log}");
+    assert!(
+        log.contains(
+            "no --config given: using the embedded default (1000 packets/s, burst 2000 per source)"
+        ),
+        "{log}"
+    );
     assert!(log.contains("mode=skb"), "{log}");
     assert!(lab.xdp_attached().unwrap());
     let (status, log) = d.stop(libc::SIGINT).unwrap();
     assert!(status.success(), "exit {status}:\n{log}");
-    assert!(log.contains("SIGINT received: stopping") && log.contains("detached and unpinned"), "{log}");
-    assert!(!lab.xdp_attached().unwrap(), "XDP still attached after SIGINT");
+    assert!(
+        log.contains("SIGINT received: stopping") && log.contains("detached and unpinned"),
+        "{log}"
+    );
+    assert!(
+        !lab.xdp_attached().unwrap(),
+        "XDP still attached after SIGINT"
+    );
 }
 
 #[test]
@@ -85,16 +143,33 @@ fn sighup_reloads_a_valid_file_and_keeps_running_on_an_invalid_one() {
     let lab = Lab::new().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let cfg = write(&dir, "rules.toml", "[default]\nrate = 100\n");
-    let mut d = Daemon::spawn(&lab.b, &["run", "--iface", VB, "--config", cfg.to_str().unwrap()]).unwrap();
+    let mut d = Daemon::spawn(
+        &lab.b,
+        &["run", "--iface", VB, "--config", cfg.to_str().unwrap()],
+    )
+    .unwrap();
     d.wait_for(ATTACHED, START).unwrap();
     std::fs::write(&cfg, "[default]\nrate = 100\nburst = -1\n").unwrap();
     d.signal(libc::SIGHUP);
-    d.wait_for("reload rejected, keeping the running config:", Duration::from_secs(5)).unwrap();
-    assert!(d.log().contains("rules.toml:3:9: default.burst = -1 is out of range"), "{}", d.log());
+    d.wait_for(
+        "reload rejected, keeping the running config:",
+        Duration::from_secs(5),
+    )
+    .unwrap();
+    assert!(
+        d.log()
+            .contains("rules.toml:3:9: default.burst = -1 is out of range"),
+        "{}",
+        d.log()
+    );
     assert!(lab.xdp_attached().unwrap());
     std::fs::write(&cfg, "[default]\nrate = 7\nburst = 9\n").unwrap();
     d.signal(libc::SIGHUP);
-    d.wait_for("every source held to 7 packets/s, burst 9", Duration::from_secs(5)).unwrap();
+    d.wait_for(
+        "every source held to 7 packets/s, burst 9",
+        Duration::from_secs(5),
+    )
+    .unwrap();
     let (status, log) = d.stop(libc::SIGTERM).unwrap();
     assert!(status.success(), "{log}");
 }
@@ -102,7 +177,11 @@ fn sighup_reloads_a_valid_file_and_keeps_running_on_an_invalid_one() {
 #[test]
 fn check_config_accepts_valid_and_locates_errors() {
     let dir = tempfile::tempdir().unwrap();
-    let ok = write(&dir, "ok.toml", "[datapath]\nmax_sources = 100\n[default]\nrate = 5\nburst = 10\n");
+    let ok = write(
+        &dir,
+        "ok.toml",
+        "[datapath]\nmax_sources = 100\n[default]\nrate = 5\nburst = 10\n",
+    );
     let (status, out) = run_once(None, &["check-config", ok.to_str().unwrap()]).unwrap();
     assert!(status.success(), "{out}");
     assert!(out.contains("ok (0 rules, 0 allow and 0 deny CIDRs; by default every source held to 5 packets/s, burst 10; up to 100 sources)"), "{out}");
@@ -133,16 +212,26 @@ fn check_config_accepts_valid_and_locates_errors() {
     }
     for y in 0..105 {
         let src: Vec<String> = (0..100).map(|x| format!("\"10.{x}.{y}.0/24\"")).collect();
-        text += &format!("[[rule]]\nname = \"q{y}\"\nsrc = [{}]\nrate = 1\n", src.join(", "));
+        text += &format!(
+            "[[rule]]\nname = \"q{y}\"\nsrc = [{}]\nrate = 1\n",
+            src.join(", ")
+        );
     }
     let big = write(&dir, "decisions.toml", &text);
     let (status, out) = run_once(None, &["check-config", big.to_str().unwrap()]).unwrap();
     assert_eq!(status.code(), Some(1), "{out}");
-    assert!(error_line(&out).contains("decisions.toml: the rule set needs 1048577 or more rule decision entries"), "{out}");
+    assert!(
+        error_line(&out)
+            .contains("decisions.toml: the rule set needs 1048577 or more rule decision entries"),
+        "{out}"
+    );
 
     let (status, out) = run_once(None, &["check-config", "/nonexistent/rules.toml"]).unwrap();
     assert_eq!(status.code(), Some(1));
-    assert!(error_line(&out).contains("/nonexistent/rules.toml: cannot read the config file"), "{out}");
+    assert!(
+        error_line(&out).contains("/nonexistent/rules.toml: cannot read the config file"),
+        "{out}"
+    );
 }
 
 /// Every bad input to `run`: one error line, exit 1, nothing attached.
@@ -153,26 +242,55 @@ fn bad_input_to_run_fails_cleanly_and_leaves_nothing_attached() {
     let bad = write(&dir, "bad.toml", "[default]\nrate = 0\n");
     let unknown = write(&dir, "unknown.toml", "[default]\nrate = 10\n[extra]\n");
     let good = write(&dir, "good.toml", "[default]\nrate = 10\n");
-    let (bad, unknown, good) = (bad.to_str().unwrap(), unknown.to_str().unwrap(), good.to_str().unwrap());
+    let (bad, unknown, good) = (
+        bad.to_str().unwrap(),
+        unknown.to_str().unwrap(),
+        good.to_str().unwrap(),
+    );
 
     let cases: Vec<(Vec<&str>, String)> = vec![
-        (vec!["run", "--iface", VB, "--config", "/nonexistent.toml"], "cannot read the config file".into()),
-        (vec!["run", "--iface", VB, "--config", bad], "bad.toml:2:8: default.rate = 0 is out of range".into()),
-        (vec!["run", "--iface", VB, "--config", unknown], "unknown.toml:3:2: unknown field `extra`".into()),
-        (vec!["run", "--iface", "nosuch0", "--config", good], "interface `nosuch0` does not exist".into()),
+        (
+            vec!["run", "--iface", VB, "--config", "/nonexistent.toml"],
+            "cannot read the config file".into(),
+        ),
+        (
+            vec!["run", "--iface", VB, "--config", bad],
+            "bad.toml:2:8: default.rate = 0 is out of range".into(),
+        ),
+        (
+            vec!["run", "--iface", VB, "--config", unknown],
+            "unknown.toml:3:2: unknown field `extra`".into(),
+        ),
+        (
+            vec!["run", "--iface", "nosuch0", "--config", good],
+            "interface `nosuch0` does not exist".into(),
+        ),
     ];
     for (args, want) in &cases {
         let (status, out) = run_once(Some(&lab.b), args).unwrap();
         assert_eq!(status.code(), Some(1), "{args:?}: {out}");
         let line = error_line(&out);
-        assert!(line.contains(want.as_str()), "{args:?}: got {line:?}, want {want:?}");
+        assert!(
+            line.contains(want.as_str()),
+            "{args:?}: got {line:?}, want {want:?}"
+        );
         assert!(!lab.xdp_attached().unwrap(), "{args:?} left XDP attached");
-        assert!(!lab.b.runtime_dir().join("api.sock").exists(), "{args:?} left its admin socket behind");
+        assert!(
+            !lab.b.runtime_dir().join("api.sock").exists(),
+            "{args:?} left its admin socket behind"
+        );
     }
 
     // Missing privileges: root without capabilities (empty bounding set).
     let out = std::process::Command::new("ip")
-        .args(["netns", "exec", &lab.b.name, "setpriv", "--bounding-set=-all", "--inh-caps=-all"])
+        .args([
+            "netns",
+            "exec",
+            &lab.b.name,
+            "setpriv",
+            "--bounding-set=-all",
+            "--inh-caps=-all",
+        ])
         .arg(rl_tests::daemon::binary())
         .args(["run", "--iface", VB, "--config", good])
         .output()
@@ -180,22 +298,40 @@ fn bad_input_to_run_fails_cleanly_and_leaves_nothing_attached() {
     let text = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{text}");
     assert!(
-        error_line(&text).contains("permission denied while mounting bpffs for the pins (that takes CAP_SYS_ADMIN") && error_line(&text).contains("run rl-control as root"),
+        error_line(&text).contains(
+            "permission denied while mounting bpffs for the pins (that takes CAP_SYS_ADMIN"
+        ) && error_line(&text).contains("run rl-control as root"),
         "{text}"
     );
     assert!(!lab.xdp_attached().unwrap());
 
     // An interface that already carries another XDP program, in every mode.
-    let mut first = Daemon::spawn(&lab.b, &["run", "--iface", VB, "--config", good, "--detach-on-exit"]).unwrap();
+    let mut first = Daemon::spawn(
+        &lab.b,
+        &["run", "--iface", VB, "--config", good, "--detach-on-exit"],
+    )
+    .unwrap();
     first.wait_for(ATTACHED, START).unwrap();
     for mode in ["auto", "native", "skb"] {
         // Its own runtime directory: the first daemon holds the lab's socket.
         let second = dir.path().join("second");
-        let args = ["run", "--iface", VB, "--config", good, "--mode", mode, "--runtime-dir", second.to_str().unwrap()];
+        let args = [
+            "run",
+            "--iface",
+            VB,
+            "--config",
+            good,
+            "--mode",
+            mode,
+            "--runtime-dir",
+            second.to_str().unwrap(),
+        ];
         let (status, out) = run_once(Some(&lab.b), &args).unwrap();
         assert_eq!(status.code(), Some(1), "{mode}: {out}");
         assert!(
-            error_line(&out).contains(&format!("interface `{VB}` already has an XDP program attached")),
+            error_line(&out).contains(&format!(
+                "interface `{VB}` already has an XDP program attached"
+            )),
             "{mode}: {out}"
         );
     }
@@ -209,7 +345,11 @@ fn bad_input_to_run_fails_cleanly_and_leaves_nothing_attached() {
 /// Rules for the reload test: source 1 under "changing", source 3 under
 /// "steady", source 4 allowed.
 fn reload_rules(lab: &Lab, changing_rate: u64, extra_rule: bool) -> String {
-    let extra = if extra_rule { "[[rule]]\nname = \"added\"\nproto = \"tcp\"\nrate = 1\n" } else { "" };
+    let extra = if extra_rule {
+        "[[rule]]\nname = \"added\"\nproto = \"tcp\"\nrate = 1\n"
+    } else {
+        ""
+    };
     format!(
         "[datapath]\nmax_sources = 1024\n[default]\nrate = 1000000\n\
          [[allow]]\ncidr = \"{}/32\"\n{extra}\
@@ -239,7 +379,16 @@ fn reload_under_a_flood_applies_new_limits_keeps_unchanged_state_and_loses_no_al
     let pid = dir.path().join("pid");
     let mut d = Daemon::spawn(
         &lab.b,
-        &["run", "--iface", VB, "--config", cfg.to_str().unwrap(), "--pid-file", pid.to_str().unwrap(), "--no-watch"],
+        &[
+            "run",
+            "--iface",
+            VB,
+            "--config",
+            cfg.to_str().unwrap(),
+            "--pid-file",
+            pid.to_str().unwrap(),
+            "--no-watch",
+        ],
     )
     .unwrap();
     d.wait_for(ATTACHED, START).unwrap();
@@ -256,7 +405,11 @@ fn reload_under_a_flood_applies_new_limits_keeps_unchanged_state_and_loses_no_al
     d.signal(libc::SIGHUP);
     d.wait_for("reloaded", Duration::from_secs(5)).unwrap();
     let seen = std::time::Instant::now();
-    let (c, s, al) = (join(changing).unwrap(), join(steady).unwrap(), join(allowed).unwrap());
+    let (c, s, al) = (
+        join(changing).unwrap(),
+        join(steady).unwrap(),
+        join(allowed).unwrap(),
+    );
     let got = rx.finish().unwrap();
     let n = |ip| got.get(&ip).copied().unwrap_or(0);
 
@@ -277,22 +430,48 @@ fn reload_under_a_flood_applies_new_limits_keeps_unchanged_state_and_loses_no_al
     // The unchanged rule kept its bucket: no second burst.
     let expected = expected_passed(200, 100, s.seconds());
     let passed = n(lab.v4(3)) as f64;
-    assert!((passed - expected).abs() <= tolerance(expected), "unchanged rule passed {passed}, expected {expected:.1} (a reset would add 100)");
-    assert_eq!(n(lab.v4(4)), al.packets, "allowed traffic lost packets across the reload");
+    assert!(
+        (passed - expected).abs() <= tolerance(expected),
+        "unchanged rule passed {passed}, expected {expected:.1} (a reset would add 100)"
+    );
+    assert_eq!(
+        n(lab.v4(4)),
+        al.packets,
+        "allowed traffic lost packets across the reload"
+    );
 
     // An invalid file changes nothing: the new rules keep enforcing.
     replace(&cfg, "[default]\nrate = 0\n");
     d.signal(libc::SIGHUP);
-    d.wait_for("reload rejected, keeping the running config:", Duration::from_secs(5)).unwrap();
-    assert!(d.log().contains("rules.toml:2:8: default.rate = 0 is out of range"), "{}", d.log());
+    d.wait_for(
+        "reload rejected, keeping the running config:",
+        Duration::from_secs(5),
+    )
+    .unwrap();
+    assert!(
+        d.log()
+            .contains("rules.toml:2:8: default.rate = 0 is out of range"),
+        "{}",
+        d.log()
+    );
     let idle_from = c.ended;
     let rx = Receiver::start(&lab.b).unwrap();
-    let again = join(flood(&lab.a, lab.v4(1), lab.v4(2), Duration::from_millis(1600), None)).unwrap();
+    let again = join(flood(
+        &lab.a,
+        lab.v4(1),
+        lab.v4(2),
+        Duration::from_millis(1600),
+        None,
+    ))
+    .unwrap();
     let got = rx.finish().unwrap();
     let refill = (400.0 * (again.started - idle_from).as_secs_f64()).min(50.0);
     let expected = refill + 400.0 * again.seconds();
     let passed = got.get(&lab.v4(1)).copied().unwrap_or(0) as f64;
-    assert!((passed - expected).abs() <= tolerance(expected) + 1.0, "after a rejected reload passed {passed}, expected {expected:.1}");
+    assert!(
+        (passed - expected).abs() <= tolerance(expected) + 1.0,
+        "after a rejected reload passed {passed}, expected {expected:.1}"
+    );
     let (status, log) = d.stop(libc::SIGTERM).unwrap();
     assert!(status.success(), "{log}");
     assert!(!pid.exists(), "the pid file is removed on exit");
@@ -305,18 +484,40 @@ fn a_changed_file_and_the_reload_command_both_reload() {
     let cfg = write(&dir, "rules.toml", "[default]\nrate = 100\n");
     let pid = dir.path().join("pid");
     let pid_arg = pid.to_str().unwrap();
-    let mut d = Daemon::spawn(&lab.b, &["run", "--iface", VB, "--config", cfg.to_str().unwrap(), "--pid-file", pid_arg]).unwrap();
+    let mut d = Daemon::spawn(
+        &lab.b,
+        &[
+            "run",
+            "--iface",
+            VB,
+            "--config",
+            cfg.to_str().unwrap(),
+            "--pid-file",
+            pid_arg,
+        ],
+    )
+    .unwrap();
     d.wait_for(ATTACHED, START).unwrap();
     replace(&cfg, "[default]\nrate = 7\nburst = 9\n");
-    d.wait_for("the config file changed on disk: reloading", Duration::from_secs(5)).unwrap();
-    d.wait_for("every source held to 7 packets/s, burst 9", Duration::from_secs(5)).unwrap();
+    d.wait_for(
+        "the config file changed on disk: reloading",
+        Duration::from_secs(5),
+    )
+    .unwrap();
+    d.wait_for(
+        "every source held to 7 packets/s, burst 9",
+        Duration::from_secs(5),
+    )
+    .unwrap();
 
     std::fs::write(&cfg, "[default]\nrate = 8\n").unwrap();
     let (status, out) = run_once(None, &["reload", "--pid-file", pid_arg]).unwrap();
     assert!(status.success(), "{out}");
     assert!(out.contains("asked rl-control"), "{out}");
-    d.wait_for("SIGHUP received: reloading", Duration::from_secs(5)).unwrap();
-    d.wait_for("every source held to 8 packets/s", Duration::from_secs(5)).unwrap();
+    d.wait_for("SIGHUP received: reloading", Duration::from_secs(5))
+        .unwrap();
+    d.wait_for("every source held to 8 packets/s", Duration::from_secs(5))
+        .unwrap();
     let (status, log) = d.stop(libc::SIGTERM).unwrap();
     assert!(status.success(), "{log}");
 
@@ -327,13 +528,22 @@ fn a_changed_file_and_the_reload_command_both_reload() {
 
     // A stale pid file (a killed daemon leaves it) naming another process:
     // not signalled (SIGHUP would have ended this sleep).
-    let mut other = std::process::Command::new("sleep").arg("600").spawn().unwrap();
+    let mut other = std::process::Command::new("sleep")
+        .arg("600")
+        .spawn()
+        .unwrap();
     std::fs::write(&pid, format!("{}\n", other.id())).unwrap();
     let (status, out) = run_once(None, &["reload", "--pid-file", pid_arg]).unwrap();
     assert_eq!(status.code(), Some(1), "{out}");
-    assert!(error_line(&out).contains("is sleep, not rl-control: the pid file is stale"), "{out}");
+    assert!(
+        error_line(&out).contains("is sleep, not rl-control: the pid file is stale"),
+        "{out}"
+    );
     std::thread::sleep(Duration::from_millis(100));
-    assert!(other.try_wait().unwrap().is_none(), "the other process was signalled");
+    assert!(
+        other.try_wait().unwrap().is_none(),
+        "the other process was signalled"
+    );
     let _ = other.kill();
     let _ = other.wait();
     // Nor a process group, nor every process.
@@ -341,7 +551,10 @@ fn a_changed_file_and_the_reload_command_both_reload() {
         std::fs::write(&pid, bad).unwrap();
         let (status, out) = run_once(None, &["reload", "--pid-file", pid_arg]).unwrap();
         assert_eq!(status.code(), Some(1), "{bad}: {out}");
-        assert!(error_line(&out).contains("not a process id"), "{bad}: {out}");
+        assert!(
+            error_line(&out).contains("not a process id"),
+            "{bad}: {out}"
+        );
     }
 }
 
@@ -359,14 +572,30 @@ fn one_daemon_serves_a_runtime_directory() {
     let run_dir = lab.b.runtime_dir();
     std::fs::create_dir_all(&run_dir).unwrap();
     drop(std::os::unix::net::UnixListener::bind(run_dir.join("api.sock")).unwrap());
-    let first = Daemon::spawn(&lab.b, &["run", "--iface", VB, "--config", good, "--detach-on-exit"]).unwrap();
+    let first = Daemon::spawn(
+        &lab.b,
+        &["run", "--iface", VB, "--config", good, "--detach-on-exit"],
+    )
+    .unwrap();
     let mut first = first;
     first.wait_for(ATTACHED, START).unwrap();
-    assert_eq!(rl_tests::http::get(&lab.b, "/v1/status").status, 200, "the stale socket was not replaced");
-    let (status, out) = run_once(Some(&lab.b), &["run", "--iface", "lo", "--config", good]).unwrap();
+    assert_eq!(
+        rl_tests::http::get(&lab.b, "/v1/status").status,
+        200,
+        "the stale socket was not replaced"
+    );
+    let (status, out) =
+        run_once(Some(&lab.b), &["run", "--iface", "lo", "--config", good]).unwrap();
     assert_eq!(status.code(), Some(1), "{out}");
-    assert!(error_line(&out).contains("another rl-control is serving"), "{out}");
-    assert_eq!(rl_tests::http::get(&lab.b, "/v1/status").status, 200, "the second start took the first's socket");
+    assert!(
+        error_line(&out).contains("another rl-control is serving"),
+        "{out}"
+    );
+    assert_eq!(
+        rl_tests::http::get(&lab.b, "/v1/status").status,
+        200,
+        "the second start took the first's socket"
+    );
     let (status, log) = first.stop(libc::SIGTERM).unwrap();
     assert!(status.success(), "{log}");
     // A live socket with no lock (an older build's daemon takes none):
@@ -374,15 +603,24 @@ fn one_daemon_serves_a_runtime_directory() {
     let older = std::os::unix::net::UnixListener::bind(run_dir.join("api.sock")).unwrap();
     let (status, out) = run_once(Some(&lab.b), &["run", "--iface", VB, "--config", good]).unwrap();
     assert_eq!(status.code(), Some(1), "{out}");
-    assert!(error_line(&out).contains("another rl-control is serving"), "{out}");
-    assert!(run_dir.join("api.sock").exists(), "the older daemon's socket was removed");
+    assert!(
+        error_line(&out).contains("another rl-control is serving"),
+        "{out}"
+    );
+    assert!(
+        run_dir.join("api.sock").exists(),
+        "the older daemon's socket was removed"
+    );
     drop(older);
     std::fs::remove_file(run_dir.join("api.sock")).unwrap();
 
     std::fs::set_permissions(&run_dir, std::fs::Permissions::from_mode(0o777)).unwrap();
     let (status, out) = run_once(Some(&lab.b), &["run", "--iface", VB, "--config", good]).unwrap();
     assert_eq!(status.code(), Some(1), "{out}");
-    assert!(error_line(&out).contains("only root may write where the admin socket lives"), "{out}");
+    assert!(
+        error_line(&out).contains("only root may write where the admin socket lives"),
+        "{out}"
+    );
     assert!(!lab.xdp_attached().unwrap());
     std::fs::set_permissions(&run_dir, std::fs::Permissions::from_mode(0o755)).unwrap();
 }

@@ -21,8 +21,16 @@ fn config(rate: u64, burst: u64, extra: &str) -> String {
 
 /// The first and the last send of the flood `sent`.
 fn bounds(sent: &[Sent]) -> (std::time::Instant, std::time::Instant) {
-    let start = sent.iter().map(|s| s.started).min().expect("a flood has senders");
-    let end = sent.iter().map(|s| s.ended).max().expect("a flood has senders");
+    let start = sent
+        .iter()
+        .map(|s| s.started)
+        .min()
+        .expect("a flood has senders");
+    let end = sent
+        .iter()
+        .map(|s| s.ended)
+        .max()
+        .expect("a flood has senders");
     (start, end)
 }
 
@@ -69,7 +77,9 @@ fn idle_beyond_burst(sent: &[Sent], burst_secs: f64) -> f64 {
             .filter(|(a, b)| b > a)
             .collect();
     }
-    idle.iter().fold(0.0, |sum, (a, b)| sum + ((*b - *a).as_secs_f64() - burst_secs).max(0.0))
+    idle.iter().fold(0.0, |sum, (a, b)| {
+        sum + ((*b - *a).as_secs_f64() - burst_secs).max(0.0)
+    })
 }
 
 fn assert_accurate(what: &str, passed: u64, rate: u64, burst: u64, sent: &[Sent]) {
@@ -89,7 +99,10 @@ fn assert_accurate(what: &str, passed: u64, rate: u64, burst: u64, sent: &[Sent]
          expected {expected:.1} ± {tol:.1}",
         idle * 1e3
     );
-    assert!(offered as f64 > 3.0 * expected, "{what}: the flood was not far above the limit: offered {offered}");
+    assert!(
+        offered as f64 > 3.0 * expected,
+        "{what}: the flood was not far above the limit: offered {offered}"
+    );
     assert!(
         (passed as f64 - expected).abs() <= tol,
         "{what}: passed {passed}, expected {expected:.1} ± {tol:.1} (offered {offered} in {secs:.3} s, \
@@ -100,19 +113,34 @@ fn assert_accurate(what: &str, passed: u64, rate: u64, burst: u64, sent: &[Sent]
 
 /// One source floods for 3.2 s from the given CPUs; returns what reached the receiver.
 /// `coarse`: whether the limit must read the tick clock (else ktime).
-fn single_source_flood(rate: u64, burst: u64, mode: AttachMode, cpus: &[Option<usize>], coarse: bool) {
+fn single_source_flood(
+    rate: u64,
+    burst: u64,
+    mode: AttachMode,
+    cpus: &[Option<usize>],
+    coarse: bool,
+) {
     let lab = Lab::new().unwrap();
     let dp = attach(&lab, &config(rate, burst, ""), mode).unwrap();
     let clock = dp.clock();
     assert!(
-        [100, 250, 300, 1000].iter().any(|hz| clock.tick_ns == 1_000_000_000 / hz),
+        [100, 250, 300, 1000]
+            .iter()
+            .any(|hz| clock.tick_ns == 1_000_000_000 / hz),
         "the measured kernel tick {} ns is not 1e9/HZ for any usual HZ",
         clock.tick_ns
     );
     let kind = dp.active_rule(0).unwrap().limits[0].kind;
-    assert_eq!(kind & rl_common::LIMIT_COARSE != 0, coarse, "clock choice for {rate} pps burst {burst}");
+    assert_eq!(
+        kind & rl_common::LIMIT_COARSE != 0,
+        coarse,
+        "clock choice for {rate} pps burst {burst}"
+    );
     let rx = Receiver::start(&lab.b).unwrap();
-    let senders: Vec<_> = cpus.iter().map(|cpu| flood(&lab.a, lab.v4(1), lab.v4(2), FLOOD, *cpu)).collect();
+    let senders: Vec<_> = cpus
+        .iter()
+        .map(|cpu| flood(&lab.a, lab.v4(1), lab.v4(2), FLOOD, *cpu))
+        .collect();
     let sent: Vec<Sent> = senders.into_iter().map(|h| join(h).unwrap()).collect();
     let got = rx.finish().unwrap();
     let passed = got.get(&lab.v4(1)).copied().unwrap_or(0);
@@ -120,10 +148,16 @@ fn single_source_flood(rate: u64, burst: u64, mode: AttachMode, cpus: &[Option<u
     // that passed too few from a receiver that lost some.
     let c = dp.counters().unwrap();
     let ip_passed = c.get(STAT_PASSED_PKTS) - c.get(rl_common::STAT_NON_IP);
-    let what = format!("{rate} pps, burst {burst}, {mode} mode, {} sender(s), XDP passed {ip_passed} ({c})", cpus.len());
+    let what = format!(
+        "{rate} pps, burst {burst}, {mode} mode, {} sender(s), XDP passed {ip_passed} ({c})",
+        cpus.len()
+    );
     assert_accurate(&what, passed, rate, burst, &sent);
     // The datapath's own count agrees with the receiver's.
-    assert!(ip_passed >= passed && ip_passed <= passed + 10, "XDP passed {ip_passed} IP packets, receiver got {passed}: {c}");
+    assert!(
+        ip_passed >= passed && ip_passed <= passed + 10,
+        "XDP passed {ip_passed} IP packets, receiver got {passed}: {c}"
+    );
     if cpus.len() > 1 {
         let per_cpu = dp.counters_per_cpu().unwrap();
         for cpu in cpus.iter().flatten() {
@@ -156,7 +190,9 @@ fn flood_with_a_burst_of_a_few_ms_is_as_accurate_on_ktime() {
 /// senders pinned to CPUs 0 and 1 make both CPUs update one bucket at once.
 #[test]
 fn one_source_flooding_from_two_cpus_is_held_exactly() {
-    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let cpus = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
     assert!(cpus >= 2, "this test needs 2 CPUs; found {cpus}");
     single_source_flood(10_000, 1_000, AttachMode::Skb, &[Some(0), Some(1)], true);
 }
@@ -178,7 +214,11 @@ fn sources_are_independent_and_a_source_under_its_limit_loses_nothing() {
     let n = |ip: IpAddr| got.get(&ip).copied().unwrap_or(0);
     assert_accurate("flooding source 1", n(lab.v4(1)), rate, burst, &[s1]);
     assert_accurate("flooding source 2", n(lab.v4(3)), rate, burst, &[s3]);
-    assert_eq!(n(lab.v4(4)), sc.packets, "the source under its limit lost packets");
+    assert_eq!(
+        n(lab.v4(4)),
+        sc.packets,
+        "the source under its limit lost packets"
+    );
 }
 
 #[test]
@@ -202,14 +242,34 @@ fn ipv6_is_limited_per_64_by_default() {
     let sent: Vec<Sent> = hs.into_iter().map(|h| join(h).unwrap()).collect();
     let got = rx.finish().unwrap();
     let n = |ip: IpAddr| got.get(&ip).copied().unwrap_or(0);
-    assert_accurate("IPv6 source alone in its /64", n(alone), rate, burst, &sent[0..1]);
-    assert_accurate("two IPv6 hosts in one /64 (one shared bucket)", n(shared_a) + n(shared_b), rate, burst, &sent[1..3]);
-    assert!(n(shared_a) > 0 && n(shared_b) > 0, "both hosts of the shared /64 got some packets through");
+    assert_accurate(
+        "IPv6 source alone in its /64",
+        n(alone),
+        rate,
+        burst,
+        &sent[0..1],
+    );
+    assert_accurate(
+        "two IPv6 hosts in one /64 (one shared bucket)",
+        n(shared_a) + n(shared_b),
+        rate,
+        burst,
+        &sent[1..3],
+    );
+    assert!(
+        n(shared_a) > 0 && n(shared_b) > 0,
+        "both hosts of the shared /64 got some packets through"
+    );
     assert_accurate("IPv6 /64 number 3", n(apart_a), rate, burst, &sent[3..4]);
     assert_accurate("IPv6 /64 number 4", n(apart_b), rate, burst, &sent[4..5]);
     // Buckets: nets 1, 2, 3, 4 (plus link-local sources of neighbour discovery).
     let in_lab = |a: &IpAddr| matches!(a, IpAddr::V6(v6) if v6.octets()[0] == 0xfd);
-    let keys = dp.sources().unwrap().iter().filter(|s| in_lab(&s.addr)).count();
+    let keys = dp
+        .sources()
+        .unwrap()
+        .iter()
+        .filter(|s| in_lab(&s.addr))
+        .count();
     assert_eq!(keys, 4, "expected one bucket per /64");
 }
 
@@ -226,20 +286,34 @@ fn vlan_and_qinq_traffic_is_limited_like_untagged() {
     let tagged = |tags: &[(u16, u16)], src| eth(tags, ETH_P_IP, &ipv4(src, UDP, &[], &udp(53)));
     let hs = [
         raw_flood(&lab.a, VA, tagged(&[(ETH_P_8021Q, 100)], q), FLOOD),
-        raw_flood(&lab.a, VA, tagged(&[(ETH_P_8021AD, 200), (ETH_P_8021Q, 300)], qinq), FLOOD),
+        raw_flood(
+            &lab.a,
+            VA,
+            tagged(&[(ETH_P_8021AD, 200), (ETH_P_8021Q, 300)], qinq),
+            FLOOD,
+        ),
         raw_flood(&lab.a, VA, tagged(&[], plain), FLOOD),
     ];
     let sent: Vec<Sent> = hs.into_iter().map(|h| join(h).unwrap()).collect();
     let got = rx.finish().unwrap();
     let n = |ip: [u8; 4]| got.get(&IpAddr::from(ip)).copied().unwrap_or(0);
     assert_accurate("802.1Q tagged source", n(q), rate, burst, &sent[0..1]);
-    assert_accurate("802.1ad+802.1Q (QinQ) tagged source", n(qinq), rate, burst, &sent[1..2]);
+    assert_accurate(
+        "802.1ad+802.1Q (QinQ) tagged source",
+        n(qinq),
+        rate,
+        burst,
+        &sent[1..2],
+    );
     assert_accurate("untagged source", n(plain), rate, burst, &sent[2..3]);
 }
 
 /// Wall-clock (Unix epoch) seconds at `t`.
 fn epoch_secs(t: std::time::Instant) -> f64 {
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
     now - t.elapsed().as_secs_f64()
 }
 
@@ -263,8 +337,15 @@ fn windows_hold_a_real_flood_to_their_documented_bounds() {
         let passed = rx.finish().unwrap().get(&lab.v4(1)).copied().unwrap_or(0);
         let (start, end) = (epoch_secs(sent.started), epoch_secs(sent.ended));
         let secs = end - start;
-        eprintln!("{algorithm}: offered {} from epoch {start:.3} to {end:.3}, passed {passed}", sent.packets);
-        assert_eq!(dp.rule_stats().unwrap()["w"].passed_pkts, passed, "{algorithm}: the rule's counter agrees with the receiver");
+        eprintln!(
+            "{algorithm}: offered {} from epoch {start:.3} to {end:.3}, passed {passed}",
+            sent.packets
+        );
+        assert_eq!(
+            dp.rule_stats().unwrap()["w"].passed_pkts,
+            passed,
+            "{algorithm}: the rule's counter agrees with the receiver"
+        );
         if algorithm == "fixed_window" {
             // Boundaries within 10 ms of the ends may fall either way (clock
             // tick, send timing): accept each count they allow.

@@ -4,7 +4,10 @@
 
 use std::{net::IpAddr, time::Duration};
 
-use rl_common::{RuleEntry, NO_RULE_ID, RULE_SHADOW, RULE_SLOTS, RULE_UNNAMED, STAT_DROPPED_PKTS, STAT_FRAG_ORPHANS, STAT_PASSED_PKTS};
+use rl_common::{
+    RuleEntry, NO_RULE_ID, RULE_SHADOW, RULE_SLOTS, RULE_UNNAMED, STAT_DROPPED_PKTS,
+    STAT_FRAG_ORPHANS, STAT_PASSED_PKTS,
+};
 use rl_control::datapath::{AttachMode, Datapath};
 use rl_tests::{
     attach, datapath, expected_passed,
@@ -23,9 +26,17 @@ const SRC: [u8; 4] = [192, 0, 2, 1];
 fn datagram4(src: [u8; 4], id: u16, port: u16, later: u16) -> Vec<Vec<u8>> {
     let mut first = udp(port);
     first.resize(600, 0);
-    let mut out = vec![eth(&[], ETH_P_IP, &ipv4_fragment(src, UDP, id, 0, later > 0, &first))];
+    let mut out = vec![eth(
+        &[],
+        ETH_P_IP,
+        &ipv4_fragment(src, UDP, id, 0, later > 0, &first),
+    )];
     for i in 1..=later {
-        out.push(eth(&[], ETH_P_IP, &ipv4_fragment(src, UDP, id, i * 75, i < later, &[7u8; 600])));
+        out.push(eth(
+            &[],
+            ETH_P_IP,
+            &ipv4_fragment(src, UDP, id, i * 75, i < later, &[7u8; 600]),
+        ));
     }
     out
 }
@@ -35,9 +46,21 @@ fn datagram6(last: u8, id: u32, port: u16, later: u16) -> Vec<Vec<u8>> {
     (src[0], src[15]) = (0xfd, last);
     let mut first = udp(port);
     first.resize(600, 0);
-    let mut out = vec![eth(&[], ETH_P_IPV6, &ipv6(src, 44, &ipv6_fragment(UDP, 0, later > 0, id, &first)))];
+    let mut out = vec![eth(
+        &[],
+        ETH_P_IPV6,
+        &ipv6(src, 44, &ipv6_fragment(UDP, 0, later > 0, id, &first)),
+    )];
     for i in 1..=later {
-        out.push(eth(&[], ETH_P_IPV6, &ipv6(src, 44, &ipv6_fragment(UDP, i * 75, i < later, id, &[7u8; 600]))));
+        out.push(eth(
+            &[],
+            ETH_P_IPV6,
+            &ipv6(
+                src,
+                44,
+                &ipv6_fragment(UDP, i * 75, i < later, id, &[7u8; 600]),
+            ),
+        ));
     }
     out
 }
@@ -62,7 +85,10 @@ fn family(v6: bool) -> &'static str {
 
 /// Offers each frame once; the verdicts, as (passed, dropped).
 fn offer_all(dp: &Datapath, frames: &[Vec<u8>]) -> (u32, u32) {
-    frames.iter().map(|f| offer(dp, f, 1)).fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
+    frames
+        .iter()
+        .map(|f| offer(dp, f, 1))
+        .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
 }
 
 const RULES: &str = "[default]\nrate = 1000\n\
@@ -79,33 +105,84 @@ fn later_fragments_take_their_first_fragments_rule_and_verdict() {
         // The packet limit counts datagrams: two of them pass whole, with
         // all their later fragments (no ports: they would fall to
         // [default] on their own); the third is dropped whole.
-        assert_eq!(offer_all(&dp, &dgram(1, 53, 4)), (5, 0), "{family}: datagram 1");
-        assert_eq!(offer_all(&dp, &dgram(2, 53, 1)), (2, 0), "{family}: datagram 2");
-        assert_eq!(offer_all(&dp, &dgram(3, 53, 2)), (0, 3), "{family}: datagram 3, over the limit");
+        assert_eq!(
+            offer_all(&dp, &dgram(1, 53, 4)),
+            (5, 0),
+            "{family}: datagram 1"
+        );
+        assert_eq!(
+            offer_all(&dp, &dgram(2, 53, 1)),
+            (2, 0),
+            "{family}: datagram 2"
+        );
+        assert_eq!(
+            offer_all(&dp, &dgram(3, 53, 2)),
+            (0, 3),
+            "{family}: datagram 3, over the limit"
+        );
         // A late duplicate of a passed datagram's fragment still follows it.
-        assert_eq!(offer_all(&dp, &dgram(1, 53, 1)[1..]), (1, 0), "{family}: duplicate");
+        assert_eq!(
+            offer_all(&dp, &dgram(1, 53, 1)[1..]),
+            (1, 0),
+            "{family}: duplicate"
+        );
         let s = stats(&dp, "pkts");
-        assert_eq!((s.passed_pkts, s.dropped_pkts), (8, 3), "{family}: every fragment counted under the rule");
-        assert_eq!(stats(&dp, "default").passed_pkts, 0, "{family}: nothing fell to [default]");
+        assert_eq!(
+            (s.passed_pkts, s.dropped_pkts),
+            (8, 3),
+            "{family}: every fragment counted under the rule"
+        );
+        assert_eq!(
+            stats(&dp, "default").passed_pkts,
+            0,
+            "{family}: nothing fell to [default]"
+        );
 
         // The byte limit counts every fragment's bytes: 1500 bytes hold
         // the first two fragments of a datagram, not the third.
         let big = dgram(4, 54, 3);
         let sizes: Vec<u64> = big.iter().map(|f| f.len() as u64).collect();
-        assert!(sizes[0] + sizes[1] <= 1500 && sizes[0] + sizes[1] + sizes[2] > 1500, "{sizes:?}");
-        assert_eq!(offer_all(&dp, &big[..2]), (2, 0), "{family}: within the byte limit");
-        assert_eq!(offer_all(&dp, &big[2..]), (0, 2), "{family}: over the byte limit, then the broken datagram");
+        assert!(
+            sizes[0] + sizes[1] <= 1500 && sizes[0] + sizes[1] + sizes[2] > 1500,
+            "{sizes:?}"
+        );
+        assert_eq!(
+            offer_all(&dp, &big[..2]),
+            (2, 0),
+            "{family}: within the byte limit"
+        );
+        assert_eq!(
+            offer_all(&dp, &big[2..]),
+            (0, 2),
+            "{family}: over the byte limit, then the broken datagram"
+        );
         let s = stats(&dp, "bytes");
         assert_eq!(s.passed_bytes, sizes[0] + sizes[1], "{family}");
 
         // Orphans: no first fragment seen (another id, or another source
         // with the same id) ➜ dropped and counted by default.
-        let mut other = if v6 { datagram6(2, 1, 53, 1) } else { datagram4([192, 0, 2, 2], 1, 53, 1) };
-        assert_eq!(offer_all(&dp, &dgram(99, 53, 1)[1..]), (0, 1), "{family}: orphan");
-        assert_eq!(offer_all(&dp, &other.split_off(1)), (0, 1), "{family}: same id, other source");
+        let mut other = if v6 {
+            datagram6(2, 1, 53, 1)
+        } else {
+            datagram4([192, 0, 2, 2], 1, 53, 1)
+        };
+        assert_eq!(
+            offer_all(&dp, &dgram(99, 53, 1)[1..]),
+            (0, 1),
+            "{family}: orphan"
+        );
+        assert_eq!(
+            offer_all(&dp, &other.split_off(1)),
+            (0, 1),
+            "{family}: same id, other source"
+        );
         let c = dp.counters().unwrap();
         assert_eq!(c.get(STAT_FRAG_ORPHANS), 2, "{family}: {c}");
-        assert_eq!(c.get(STAT_PASSED_PKTS) + c.get(STAT_DROPPED_PKTS), 17, "{family}: each frame counted once: {c}");
+        assert_eq!(
+            c.get(STAT_PASSED_PKTS) + c.get(STAT_DROPPED_PKTS),
+            17,
+            "{family}: each frame counted once: {c}"
+        );
     }
 }
 
@@ -164,27 +241,50 @@ fn real_fragmented_datagrams_through_veth_are_held_to_the_limit() {
     let want = expected_passed(20, 20, secs);
     for ip in [p4, p6] {
         let n = datagrams(ip);
-        eprintln!("packet limit, {ip}: {n} of {count} datagrams in {secs:.2} s, expected {want:.0}");
-        assert!((n - want).abs() <= want * 0.15 + 3.0, "{ip}: {n} datagrams passed, expected {want:.0}");
+        eprintln!(
+            "packet limit, {ip}: {n} of {count} datagrams in {secs:.2} s, expected {want:.0}"
+        );
+        assert!(
+            (n - want).abs() <= want * 0.15 + 3.0,
+            "{ip}: {n} datagrams passed, expected {want:.0}"
+        );
     }
     let s = stats(&dp, "pkts");
     assert_eq!(s.passed_pkts % 3, 0, "whole datagrams pass: {s:?}");
-    assert_eq!(s.passed_pkts + s.dropped_pkts, 2 * count * 3, "every fragment counted under the rule: {s:?}");
+    assert_eq!(
+        s.passed_pkts + s.dropped_pkts,
+        2 * count * 3,
+        "every fragment counted under the rule: {s:?}"
+    );
     // Byte limit: 62,000 bytes/s (burst as much) of fragments on the wire;
     // a datagram is 3 fragments, 3,112 bytes with their headers (IPv4).
     let s = stats(&dp, "bytes");
     let budget = 2.0 * expected_passed(62_000, 62_000, secs);
-    eprintln!("byte limit: {} bytes passed, budget {budget:.0}, datagrams {} + {}", s.passed_bytes, datagrams(b4), datagrams(b6));
+    eprintln!(
+        "byte limit: {} bytes passed, budget {budget:.0}, datagrams {} + {}",
+        s.passed_bytes,
+        datagrams(b4),
+        datagrams(b6)
+    );
     assert!(s.passed_bytes as f64 <= budget * 1.05 + 3000.0, "{s:?}");
-    assert!(s.passed_bytes as f64 >= budget * 0.8, "the byte limit passed too little: {s:?}");
+    assert!(
+        s.passed_bytes as f64 >= budget * 0.8,
+        "the byte limit passed too little: {s:?}"
+    );
     for ip in [b4, b6] {
         let n = datagrams(ip);
         // Bytes are counted per fragment: once the burst is spent, refills
         // mostly go to first fragments whose rest no longer fits (the rest
         // of such a datagram is then dropped without spending more), so
         // whole datagrams are about the burst's worth.
-        assert!(n * 3000.0 <= budget / 2.0 * 1.05 + 3000.0, "{ip}: {n} datagrams");
-        assert!(n >= 62_000.0 / 3200.0 * 0.8, "{ip}: only {n} whole datagrams");
+        assert!(
+            n * 3000.0 <= budget / 2.0 * 1.05 + 3000.0,
+            "{ip}: {n} datagrams"
+        );
+        assert!(
+            n >= 62_000.0 / 3200.0 * 0.8,
+            "{ip}: only {n} whole datagrams"
+        );
     }
     assert_eq!(dp.counters().unwrap().get(STAT_FRAG_ORPHANS), 0);
 }
@@ -201,21 +301,41 @@ fn a_datagram_is_its_source_destination_protocol_and_id() {
         let dp = datapath(&format!("[datapath]\nmax_sources = 1024\n{RULES}")).unwrap();
         let frames = datagram(v6, 9, 53, 1);
         let (first, later) = (&frames[0], &frames[1]);
-        assert_eq!(offer(&dp, first, 1), (1, 0), "{family}: the first fragment passes");
+        assert_eq!(
+            offer(&dp, first, 1),
+            (1, 0),
+            "{family}: the first fragment passes"
+        );
         // Another destination: the destination address's last byte.
         let dst_last = if v6 { 14 + 39 } else { 14 + 19 };
         let mut elsewhere = later.clone();
         elsewhere[dst_last] ^= 1;
-        assert_eq!(offer(&dp, &elsewhere, 1), (0, 1), "{family}: same id to another destination");
+        assert_eq!(
+            offer(&dp, &elsewhere, 1),
+            (0, 1),
+            "{family}: same id to another destination"
+        );
         let mut cases = 1;
         if !v6 {
             let mut tcp = later.clone();
             tcp[14 + 9] = TCP;
-            assert_eq!(offer(&dp, &tcp, 1), (0, 1), "{family}: same id, another protocol");
+            assert_eq!(
+                offer(&dp, &tcp, 1),
+                (0, 1),
+                "{family}: same id, another protocol"
+            );
             cases += 1;
         }
-        assert_eq!(dp.counters().unwrap().get(STAT_FRAG_ORPHANS), cases, "{family}: counted as orphans");
-        assert_eq!(offer(&dp, later, 1), (1, 0), "{family}: its own later fragment still follows it");
+        assert_eq!(
+            dp.counters().unwrap().get(STAT_FRAG_ORPHANS),
+            cases,
+            "{family}: counted as orphans"
+        );
+        assert_eq!(
+            offer(&dp, later, 1),
+            (1, 0),
+            "{family}: its own later fragment still follows it"
+        );
     }
 }
 
@@ -229,18 +349,45 @@ fn a_datagrams_later_fragments_stop_where_an_ip_datagram_ends() {
     require_root();
     for v6 in [false, true] {
         let family = family(v6);
-        let dp = datapath(&format!("[datapath]\nmax_sources = 1024\nfragment_ttl_ms = 60000\n{RULES}")).unwrap();
+        let dp = datapath(&format!(
+            "[datapath]\nmax_sources = 1024\nfragment_ttl_ms = 60000\n{RULES}"
+        ))
+        .unwrap();
         let frames = datagram(v6, 20, 53, 1);
-        assert_eq!(offer(&dp, &frames[0], 1), (1, 0), "{family}: the first fragment");
+        assert_eq!(
+            offer(&dp, &frames[0], 1),
+            (1, 0),
+            "{family}: the first fragment"
+        );
         // 600 bytes of data each: 109 fit in 65,535 bytes.
-        assert_eq!(offer(&dp, &frames[1], 120), (109, 11), "{family}: later fragments past 65,535 bytes");
-        assert_eq!(offer(&dp, &frames[1], 5), (0, 5), "{family}: and every one after");
+        assert_eq!(
+            offer(&dp, &frames[1], 120),
+            (109, 11),
+            "{family}: later fragments past 65,535 bytes"
+        );
+        assert_eq!(
+            offer(&dp, &frames[1], 5),
+            (0, 5),
+            "{family}: and every one after"
+        );
         let s = stats(&dp, "pkts");
-        assert_eq!((s.passed_pkts, s.dropped_pkts), (110, 16), "{family}: counted under the datagram's rule");
+        assert_eq!(
+            (s.passed_pkts, s.dropped_pkts),
+            (110, 16),
+            "{family}: counted under the datagram's rule"
+        );
         // A new first fragment with the same id is a new datagram, charged
         // as one (the rule allows 2 per hour).
-        assert_eq!(offer(&dp, &frames[0], 1), (1, 0), "{family}: the id's next datagram");
-        assert_eq!(offer(&dp, &frames[1], 1), (1, 0), "{family}: its later fragment");
+        assert_eq!(
+            offer(&dp, &frames[0], 1),
+            (1, 0),
+            "{family}: the id's next datagram"
+        );
+        assert_eq!(
+            offer(&dp, &frames[1], 1),
+            (1, 0),
+            "{family}: its later fragment"
+        );
         // Later fragments that claim no data count 512 bytes each: 127
         // fit, not an endless stream.
         let (first, empty) = if v6 {
@@ -249,14 +396,36 @@ fn a_datagrams_later_fragments_stop_where_an_ip_datagram_ends() {
             (src[0], src[7]) = (0xfd, 9);
             let mut head = udp(53);
             head.resize(600, 0);
-            let first = eth(&[], ETH_P_IPV6, &ipv6(src, 44, &ipv6_fragment(UDP, 0, true, 23, &head)));
-            (first, eth(&[], ETH_P_IPV6, &ipv6(src, 44, &ipv6_fragment(UDP, 75, false, 23, &[]))))
+            let first = eth(
+                &[],
+                ETH_P_IPV6,
+                &ipv6(src, 44, &ipv6_fragment(UDP, 0, true, 23, &head)),
+            );
+            (
+                first,
+                eth(
+                    &[],
+                    ETH_P_IPV6,
+                    &ipv6(src, 44, &ipv6_fragment(UDP, 75, false, 23, &[])),
+                ),
+            )
         } else {
             let src = [192, 0, 2, 9];
-            (datagram4(src, 23, 53, 1)[0].clone(), eth(&[], ETH_P_IP, &ipv4_fragment(src, UDP, 23, 75, false, &[])))
+            (
+                datagram4(src, 23, 53, 1)[0].clone(),
+                eth(&[], ETH_P_IP, &ipv4_fragment(src, UDP, 23, 75, false, &[])),
+            )
         };
-        assert_eq!(offer(&dp, &first, 1), (1, 0), "{family}: another source's datagram");
-        assert_eq!(offer(&dp, &empty, 200), (127, 73), "{family}: later fragments without data");
+        assert_eq!(
+            offer(&dp, &first, 1),
+            (1, 0),
+            "{family}: another source's datagram"
+        );
+        assert_eq!(
+            offer(&dp, &empty, 200),
+            (127, 73),
+            "{family}: later fragments without data"
+        );
     }
 }
 
@@ -272,10 +441,22 @@ fn a_shadow_rule_passes_later_fragments_past_an_ip_datagrams_end_and_counts_them
         let family = family(v6);
         let dp = datapath(rules).unwrap();
         let frames = datagram(v6, 20, 53, 1);
-        assert_eq!(offer(&dp, &frames[0], 1), (1, 0), "{family}: the first fragment");
-        assert_eq!(offer(&dp, &frames[1], 120), (120, 0), "{family}: a shadow rule drops nothing");
+        assert_eq!(
+            offer(&dp, &frames[0], 1),
+            (1, 0),
+            "{family}: the first fragment"
+        );
+        assert_eq!(
+            offer(&dp, &frames[1], 120),
+            (120, 0),
+            "{family}: a shadow rule drops nothing"
+        );
         let s = stats(&dp, "pkts");
-        assert_eq!((s.passed_pkts, s.shadow_pkts, s.dropped_pkts), (110, 11, 0), "{family}: past the datagram's end counted as shadow drops");
+        assert_eq!(
+            (s.passed_pkts, s.shadow_pkts, s.dropped_pkts),
+            (110, 11, 0),
+            "{family}: past the datagram's end counted as shadow drops"
+        );
     }
 }
 
@@ -294,12 +475,27 @@ fn a_cluster_rules_counts_take_a_fragmented_datagram_once() {
              [[rule]]\nname = \"shared\"\nproto = \"udp\"\ndst_ports = [6666]\nrate = 5\nper = \"1h\"\nscope = \"cluster\"\n"
         ))
         .unwrap();
-        assert_eq!(offer_all(&dp, &datagram4(SRC, 40, 6666, 3)), (4, 0), "{charged}: the datagram passes whole");
-        let shared = rl_control::datapath::share::scan_shared(&dp.table_maps().unwrap(), |_| true).unwrap();
+        assert_eq!(
+            offer_all(&dp, &datagram4(SRC, 40, 6666, 3)),
+            (4, 0),
+            "{charged}: the datagram passes whole"
+        );
+        let shared =
+            rl_control::datapath::share::scan_shared(&dp.table_maps().unwrap(), |_| true).unwrap();
         let passed: u64 = shared.iter().map(|b| b.bucket.passed).sum();
-        assert!(!shared.is_empty(), "{charged}: the cluster rule's bucket is shared");
-        assert_eq!(passed, 1, "{charged}: one datagram, one packet for the cluster: {shared:?}");
-        assert_eq!(stats(&dp, "shared").passed_pkts, 4, "{charged}: every fragment still counted in the rule's stats");
+        assert!(
+            !shared.is_empty(),
+            "{charged}: the cluster rule's bucket is shared"
+        );
+        assert_eq!(
+            passed, 1,
+            "{charged}: one datagram, one packet for the cluster: {shared:?}"
+        );
+        assert_eq!(
+            stats(&dp, "shared").passed_pkts,
+            4,
+            "{charged}: every fragment still counted in the rule's stats"
+        );
     }
 }
 
@@ -314,10 +510,17 @@ fn later_fragments_do_not_keep_their_datagrams_verdict_alive() {
     require_root();
     for v6 in [false, true] {
         let family = family(v6);
-        let dp = datapath(&format!("[datapath]\nmax_sources = 1024\nfragment_ttl_ms = 200\n{RULES}")).unwrap();
+        let dp = datapath(&format!(
+            "[datapath]\nmax_sources = 1024\nfragment_ttl_ms = 200\n{RULES}"
+        ))
+        .unwrap();
         let frames = datagram(v6, 21, 53, 1);
         let start = std::time::Instant::now();
-        assert_eq!(offer(&dp, &frames[0], 1), (1, 0), "{family}: the first fragment");
+        assert_eq!(
+            offer(&dp, &frames[0], 1),
+            (1, 0),
+            "{family}: the first fragment"
+        );
         let first_done = start.elapsed();
         let (mut early, mut late) = (0, 0);
         while start.elapsed() < Duration::from_millis(600) {
@@ -326,15 +529,29 @@ fn later_fragments_do_not_keep_their_datagrams_verdict_alive() {
             let got = offer(&dp, &frames[1], 1);
             let to = start.elapsed();
             if to < Duration::from_millis(180) {
-                assert_eq!(got, (1, 0), "{family}: a later fragment {from:?}–{to:?} after its first");
+                assert_eq!(
+                    got,
+                    (1, 0),
+                    "{family}: a later fragment {from:?}–{to:?} after its first"
+                );
                 early += 1;
             } else if from > first_done + Duration::from_millis(230) {
-                assert_eq!(got, (0, 1), "{family}: a later fragment {from:?} after its first, past the 200 ms");
+                assert_eq!(
+                    got,
+                    (0, 1),
+                    "{family}: a later fragment {from:?} after its first, past the 200 ms"
+                );
                 late += 1;
             }
         }
-        assert!(early >= 1 && late >= 1, "{family}: the test's timing: {early} fragments early, {late} late");
-        assert!(dp.counters().unwrap().get(STAT_FRAG_ORPHANS) >= late, "{family}: the late ones are orphans");
+        assert!(
+            early >= 1 && late >= 1,
+            "{family}: the test's timing: {early} fragments early, {late} late"
+        );
+        assert!(
+            dp.counters().unwrap().get(STAT_FRAG_ORPHANS) >= late,
+            "{family}: the late ones are orphans"
+        );
     }
 }
 
@@ -344,18 +561,45 @@ fn later_fragments_do_not_keep_their_datagrams_verdict_alive() {
 #[test]
 fn a_shadow_rules_broken_datagram_stays_shadow_dropped() {
     require_root();
-    let dp = datapath(&format!("[datapath]\nmax_sources = 1024\n{}", RULES.replace("bytes = 1500\n", "bytes = 1500\naction = \"shadow\"\n"))).unwrap();
+    let dp = datapath(&format!(
+        "[datapath]\nmax_sources = 1024\n{}",
+        RULES.replace("bytes = 1500\n", "bytes = 1500\naction = \"shadow\"\n")
+    ))
+    .unwrap();
     // Three fragments of 634 bytes, then a last one of 74 that alone would
     // still fit the 1,500 bytes.
     let mut big = datagram4(SRC, 30, 54, 2);
-    big[2] = eth(&[], ETH_P_IP, &ipv4_fragment(SRC, UDP, 30, 150, true, &[7u8; 600]));
-    big.push(eth(&[], ETH_P_IP, &ipv4_fragment(SRC, UDP, 30, 225, false, &[7u8; 40])));
+    big[2] = eth(
+        &[],
+        ETH_P_IP,
+        &ipv4_fragment(SRC, UDP, 30, 150, true, &[7u8; 600]),
+    );
+    big.push(eth(
+        &[],
+        ETH_P_IP,
+        &ipv4_fragment(SRC, UDP, 30, 225, false, &[7u8; 40]),
+    ));
     let sizes: Vec<u64> = big.iter().map(|f| f.len() as u64).collect();
-    assert!(sizes[0] + sizes[1] + sizes[3] <= 1500 && sizes[0] + sizes[1] + sizes[2] > 1500, "{sizes:?}");
-    assert_eq!(offer_all(&dp, &big), (4, 0), "a shadow rule passes everything");
+    assert!(
+        sizes[0] + sizes[1] + sizes[3] <= 1500 && sizes[0] + sizes[1] + sizes[2] > 1500,
+        "{sizes:?}"
+    );
+    assert_eq!(
+        offer_all(&dp, &big),
+        (4, 0),
+        "a shadow rule passes everything"
+    );
     let s = stats(&dp, "bytes");
-    assert_eq!(s.passed_bytes, sizes[0] + sizes[1], "the first two fragments within the byte limit");
-    assert_eq!((s.shadow_pkts, s.shadow_bytes), (2, sizes[2] + sizes[3]), "the third would drop, and the rest of its datagram with it");
+    assert_eq!(
+        s.passed_bytes,
+        sizes[0] + sizes[1],
+        "the first two fragments within the byte limit"
+    );
+    assert_eq!(
+        (s.shadow_pkts, s.shadow_bytes),
+        (2, sizes[2] + sizes[3]),
+        "the third would drop, and the rest of its datagram with it"
+    );
 }
 
 /// With `fragment_orphans = "source"`, every orphan is charged as a packet
@@ -371,9 +615,17 @@ fn orphans_limited_by_source_are_each_charged() {
         ))
         .unwrap();
         let frames = datagram(v6, 22, 53, 1);
-        assert_eq!(offer(&dp, &frames[1], 6), (3, 3), "{family}: six orphans of one datagram");
+        assert_eq!(
+            offer(&dp, &frames[1], 6),
+            (3, 3),
+            "{family}: six orphans of one datagram"
+        );
         let s = stats(&dp, "udp");
-        assert_eq!((s.passed_pkts, s.dropped_pkts), (3, 3), "{family}: under the rule for UDP without ports");
+        assert_eq!(
+            (s.passed_pkts, s.dropped_pkts),
+            (3, 3),
+            "{family}: under the rule for UDP without ports"
+        );
         assert_eq!(dp.counters().unwrap().get(STAT_FRAG_ORPHANS), 6, "{family}");
     }
 }
@@ -389,9 +641,13 @@ fn orphans_limited_by_source_are_each_charged() {
 fn a_verdict_lasts_while_its_place_holds_its_rule() {
     require_root();
     let head = "[datapath]\nmax_sources = 1024\nfragment_ttl_ms = 60000\n[default]\nrate = 1000\n";
-    let rule = |name: &str, port: u16, limit: &str| format!("[[rule]]\nname = \"{name}\"\nproto = \"udp\"\ndst_ports = [{port}]\n{limit}\n");
+    let rule = |name: &str, port: u16, limit: &str| {
+        format!("[[rule]]\nname = \"{name}\"\nproto = \"udp\"\ndst_ports = [{port}]\n{limit}\n")
+    };
     let install = |dp: &mut Datapath, rules: &str| {
-        let compiled = rl_control::compile::compile(&rl_control::config::Config::from_str(&format!("{head}{rules}"), "<test>").unwrap());
+        let compiled = rl_control::compile::compile(
+            &rl_control::config::Config::from_str(&format!("{head}{rules}"), "<test>").unwrap(),
+        );
         dp.install(&compiled.rules)
     };
     let tight = "rate = 2\nper = \"1h\"";
@@ -406,20 +662,52 @@ fn a_verdict_lasts_while_its_place_holds_its_rule() {
         assert_eq!(offer_all(&dp, &a[..2]), (2, 0), "{family}");
         install(&mut dp, &rule("b", 53, tight)).unwrap();
         assert_eq!(offer_all(&dp, &b[..2]), (2, 0), "{family}");
-        assert_eq!(offer_all(&dp, &a[2..3]), (1, 0), "{family}: one change later, a's rule is still in its slot");
-        assert_eq!((stats(&dp, "a").passed_pkts, stats(&dp, "b").passed_pkts), (3, 2), "{family}");
+        assert_eq!(
+            offer_all(&dp, &a[2..3]),
+            (1, 0),
+            "{family}: one change later, a's rule is still in its slot"
+        );
+        assert_eq!(
+            (stats(&dp, "a").passed_pkts, stats(&dp, "b").passed_pkts),
+            (3, 2),
+            "{family}"
+        );
         install(&mut dp, &rule("other", 99, "rate = 1000")).unwrap();
         let orphans = dp.counters().unwrap().get(STAT_FRAG_ORPHANS);
-        assert_eq!(offer_all(&dp, &a[3..]), (0, 1), "{family}: a's slot rewritten, its last fragment is an orphan");
-        assert_eq!(dp.counters().unwrap().get(STAT_FRAG_ORPHANS), orphans + 1, "{family}");
-        assert_eq!(stats(&dp, "other").passed_pkts, 0, "{family}: nothing under the rule now in its place");
-        assert_eq!(offer_all(&dp, &b[2..3]), (1, 0), "{family}: b's rule is in the inactive slot");
+        assert_eq!(
+            offer_all(&dp, &a[3..]),
+            (0, 1),
+            "{family}: a's slot rewritten, its last fragment is an orphan"
+        );
+        assert_eq!(
+            dp.counters().unwrap().get(STAT_FRAG_ORPHANS),
+            orphans + 1,
+            "{family}"
+        );
+        assert_eq!(
+            stats(&dp, "other").passed_pkts,
+            0,
+            "{family}: nothing under the rule now in its place"
+        );
+        assert_eq!(
+            offer_all(&dp, &b[2..3]),
+            (1, 0),
+            "{family}: b's rule is in the inactive slot"
+        );
         assert_eq!(stats(&dp, "b").passed_pkts, 3, "{family}");
         // A change that fails after rewriting b's slot's rules.
         dp.fail_next_install_at("rules");
         assert!(install(&mut dp, &rule("other2", 99, "rate = 1000")).is_err());
-        assert_eq!(offer_all(&dp, &b[3..]), (0, 1), "{family}: b's slot was being rewritten, its last fragment is an orphan");
-        assert_eq!(dp.counters().unwrap().get(STAT_FRAG_ORPHANS), orphans + 2, "{family}");
+        assert_eq!(
+            offer_all(&dp, &b[3..]),
+            (0, 1),
+            "{family}: b's slot was being rewritten, its last fragment is an orphan"
+        );
+        assert_eq!(
+            dp.counters().unwrap().get(STAT_FRAG_ORPHANS),
+            orphans + 2,
+            "{family}"
+        );
         assert_eq!(stats(&dp, "b").passed_pkts, 3, "{family}");
         // The datapath still works after the failed change.
         install(&mut dp, &rule("c", 53, tight)).unwrap();
@@ -429,21 +717,52 @@ fn a_verdict_lasts_while_its_place_holds_its_rule() {
         // daemon does): the verdict still names its rule.
         install(&mut dp, &rule("c", 53, tight)).unwrap();
         install(&mut dp, &rule("c", 53, tight)).unwrap();
-        assert_eq!(offer_all(&dp, &c[2..]), (2, 0), "{family}: the same rule rewritten in place");
+        assert_eq!(
+            offer_all(&dp, &c[2..]),
+            (2, 0),
+            "{family}: the same rule rewritten in place"
+        );
         assert_eq!(stats(&dp, "c").passed_pkts, 4, "{family}");
-        assert_eq!(dp.counters().unwrap().get(STAT_FRAG_ORPHANS), orphans + 2, "{family}: no orphan");
+        assert_eq!(
+            dp.counters().unwrap().get(STAT_FRAG_ORPHANS),
+            orphans + 2,
+            "{family}: no orphan"
+        );
         // A rule set that ends before the verdict's place: after two
         // changes that place holds no rule, whatever was left there.
-        let three = format!("{}{}{}", rule("x", 60, tight), rule("y", 61, tight), rule("z", 53, tight));
+        let three = format!(
+            "{}{}{}",
+            rule("x", 60, tight),
+            rule("y", 61, tight),
+            rule("z", 53, tight)
+        );
         install(&mut dp, &three).unwrap();
         let z = dgram(4);
         assert_eq!(offer_all(&dp, &z[..2]), (2, 0), "{family}: z is entry 3");
         install(&mut dp, &rule("x", 60, tight)).unwrap();
         install(&mut dp, &rule("x", 60, tight)).unwrap();
-        assert_eq!(offer_all(&dp, &z[2..]), (0, 2), "{family}: z's place is past the rules: its fragments are orphans");
-        assert_eq!(dp.counters().unwrap().get(STAT_FRAG_ORPHANS), orphans + 4, "{family}");
-        let past = dp.rule_table_entry(dp.active_slot().unwrap() * RULE_SLOTS + 3).unwrap();
-        assert_eq!(past, RuleEntry { id: NO_RULE_ID, flags: RULE_UNNAMED, ..Default::default() }, "{family}: emptied, as older builds read it too");
+        assert_eq!(
+            offer_all(&dp, &z[2..]),
+            (0, 2),
+            "{family}: z's place is past the rules: its fragments are orphans"
+        );
+        assert_eq!(
+            dp.counters().unwrap().get(STAT_FRAG_ORPHANS),
+            orphans + 4,
+            "{family}"
+        );
+        let past = dp
+            .rule_table_entry(dp.active_slot().unwrap() * RULE_SLOTS + 3)
+            .unwrap();
+        assert_eq!(
+            past,
+            RuleEntry {
+                id: NO_RULE_ID,
+                flags: RULE_UNNAMED,
+                ..Default::default()
+            },
+            "{family}: emptied, as older builds read it too"
+        );
         // Filled again (into the other slot, then into this one, stopped
         // before the mark is lifted): under the mark first, like a
         // changed entry.
@@ -452,7 +771,14 @@ fn a_verdict_lasts_while_its_place_holds_its_rule() {
         let z_rule = dp.active_rule(3).unwrap();
         dp.fail_next_install_at("rewritten");
         assert!(install(&mut dp, &three).is_err());
-        assert_eq!(dp.rule_table_entry(emptied).unwrap(), RuleEntry { flags: z_rule.flags | RULE_UNNAMED, ..z_rule }, "{family}: filled under the mark");
+        assert_eq!(
+            dp.rule_table_entry(emptied).unwrap(),
+            RuleEntry {
+                flags: z_rule.flags | RULE_UNNAMED,
+                ..z_rule
+            },
+            "{family}: filled under the mark"
+        );
     }
 }
 
@@ -468,7 +794,10 @@ fn a_rule_changed_in_place_is_unnamed_whole_before_its_rewrite() {
     require_root();
     let conf = "[datapath]\nmax_sources = 1024\nfragment_ttl_ms = 60000\n[default]\nrate = 1000\n\
                 [[rule]]\nname = \"a\"\nproto = \"udp\"\ndst_ports = [53]\nrate = 2\nper = \"1h\"\n";
-    let rules = rl_control::compile::compile(&rl_control::config::Config::from_str(conf, "<test>").unwrap()).rules;
+    let rules = rl_control::compile::compile(
+        &rl_control::config::Config::from_str(conf, "<test>").unwrap(),
+    )
+    .rules;
     // As `compile::with_failure_mode` changes a cluster rule: same id.
     let mut changed = rules.clone();
     changed.entries[1].flags |= RULE_SHADOW;
@@ -477,36 +806,96 @@ fn a_rule_changed_in_place_is_unnamed_whole_before_its_rewrite() {
         let a = datagram(v6, 1, 53, 5);
         let mut dp = datapath(conf).unwrap();
         let entry = dp.active_slot().unwrap() * RULE_SLOTS + 1;
-        let (whole, default) = (dp.rule_table_entry(entry).unwrap(), dp.rule_table_entry(entry - 1).unwrap());
+        let (whole, default) = (
+            dp.rule_table_entry(entry).unwrap(),
+            dp.rule_table_entry(entry - 1).unwrap(),
+        );
         assert_eq!(whole.id, rules.entries[1].id, "{family}");
         assert_eq!(offer_all(&dp, &a[..2]), (2, 0), "{family}");
         // Written into the other slot: the verdict's place is untouched.
         dp.install(&changed).unwrap();
-        assert_eq!(offer_all(&dp, &a[2..3]), (1, 0), "{family}: its place still holds the rule as it was");
+        assert_eq!(
+            offer_all(&dp, &a[2..3]),
+            (1, 0),
+            "{family}: its place still holds the rule as it was"
+        );
         // Into the verdict's slot, stopped right after the marking.
         dp.fail_next_install_at("unnamed");
         assert!(dp.install(&changed).is_err());
         let marked = dp.rule_table_entry(entry).unwrap();
-        assert_eq!(marked, RuleEntry { flags: whole.flags | RULE_UNNAMED, ..whole }, "{family}: marked, the rule kept whole");
-        assert_eq!(dp.rule_table_entry(entry - 1).unwrap(), default, "{family}: [default], unchanged, is not marked");
+        assert_eq!(
+            marked,
+            RuleEntry {
+                flags: whole.flags | RULE_UNNAMED,
+                ..whole
+            },
+            "{family}: marked, the rule kept whole"
+        );
+        assert_eq!(
+            dp.rule_table_entry(entry - 1).unwrap(),
+            default,
+            "{family}: [default], unchanged, is not marked"
+        );
         let orphans = dp.counters().unwrap().get(STAT_FRAG_ORPHANS);
-        assert_eq!(offer_all(&dp, &a[3..4]), (0, 1), "{family}: while its place is marked, a fragment is an orphan");
-        assert_eq!(dp.counters().unwrap().get(STAT_FRAG_ORPHANS), orphans + 1, "{family}");
-        let new = RuleEntry { flags: whole.flags | RULE_SHADOW, ..whole };
+        assert_eq!(
+            offer_all(&dp, &a[3..4]),
+            (0, 1),
+            "{family}: while its place is marked, a fragment is an orphan"
+        );
+        assert_eq!(
+            dp.counters().unwrap().get(STAT_FRAG_ORPHANS),
+            orphans + 1,
+            "{family}"
+        );
+        let new = RuleEntry {
+            flags: whole.flags | RULE_SHADOW,
+            ..whole
+        };
         // Stopped after the new contents went in under the mark.
         dp.fail_next_install_at("rewritten");
         assert!(dp.install(&changed).is_err());
-        assert_eq!(dp.rule_table_entry(entry).unwrap(), RuleEntry { flags: new.flags | RULE_UNNAMED, ..new }, "{family}: new, still marked");
-        assert_eq!(offer_all(&dp, &a[4..5]), (0, 1), "{family}: still an orphan");
-        assert_eq!(dp.counters().unwrap().get(STAT_FRAG_ORPHANS), orphans + 2, "{family}");
+        assert_eq!(
+            dp.rule_table_entry(entry).unwrap(),
+            RuleEntry {
+                flags: new.flags | RULE_UNNAMED,
+                ..new
+            },
+            "{family}: new, still marked"
+        );
+        assert_eq!(
+            offer_all(&dp, &a[4..5]),
+            (0, 1),
+            "{family}: still an orphan"
+        );
+        assert_eq!(
+            dp.counters().unwrap().get(STAT_FRAG_ORPHANS),
+            orphans + 2,
+            "{family}"
+        );
         // Found marked, and changed again (back to the first version): under
         // the mark too.
         dp.fail_next_install_at("rewritten");
         assert!(dp.install(&rules).is_err());
-        assert_eq!(dp.rule_table_entry(entry).unwrap(), marked, "{family}: the first version, marked");
+        assert_eq!(
+            dp.rule_table_entry(entry).unwrap(),
+            marked,
+            "{family}: the first version, marked"
+        );
         dp.install(&changed).unwrap();
-        assert_eq!(dp.rule_table_entry(entry).unwrap(), new, "{family}: rewritten, unmarked");
-        assert_eq!(offer_all(&dp, &a[5..]), (1, 0), "{family}: the rule's new version: the verdict stands under it");
-        assert_eq!(dp.counters().unwrap().get(STAT_FRAG_ORPHANS), orphans + 2, "{family}");
+        assert_eq!(
+            dp.rule_table_entry(entry).unwrap(),
+            new,
+            "{family}: rewritten, unmarked"
+        );
+        assert_eq!(
+            offer_all(&dp, &a[5..]),
+            (1, 0),
+            "{family}: the rule's new version: the verdict stands under it"
+        );
+        assert_eq!(
+            dp.counters().unwrap().get(STAT_FRAG_ORPHANS),
+            orphans + 2,
+            "{family}"
+        );
     }
 }

@@ -35,22 +35,62 @@ fn a_failed_install_changes_nothing_and_the_next_install_is_exact() {
         let e = install(&mut dp, &b).expect_err("the injected failure");
         assert!(e.to_string().contains(step), "{e}");
         // A still enforces: its allow CIDR and its open rule; B's do not.
-        assert_eq!(offer(&dp, &to([198, 51, 100, 1], 9), 5), (5, 0), "after a failure at {step}: A's allow CIDR");
-        assert_eq!(offer(&dp, &to([192, 0, 2, 1], 53), 5), (5, 0), "after a failure at {step}: A's open rule");
-        assert_eq!(offer(&dp, &to([203, 0, 113, 1], 9), 5), (1, 4), "after a failure at {step}: B's allow CIDR is not in force");
-        assert_eq!(offer(&dp, &to([192, 0, 2, 2], 54), 5), (1, 4), "after a failure at {step}: B's rule is not in force");
+        assert_eq!(
+            offer(&dp, &to([198, 51, 100, 1], 9), 5),
+            (5, 0),
+            "after a failure at {step}: A's allow CIDR"
+        );
+        assert_eq!(
+            offer(&dp, &to([192, 0, 2, 1], 53), 5),
+            (5, 0),
+            "after a failure at {step}: A's open rule"
+        );
+        assert_eq!(
+            offer(&dp, &to([203, 0, 113, 1], 9), 5),
+            (1, 4),
+            "after a failure at {step}: B's allow CIDR is not in force"
+        );
+        assert_eq!(
+            offer(&dp, &to([192, 0, 2, 2], 54), 5),
+            (1, 4),
+            "after a failure at {step}: B's rule is not in force"
+        );
 
         // The next install goes into the slot the failed one half wrote: it
         // must hold C exactly, with nothing of B (or A) left.
         install(&mut dp, &c).unwrap();
-        assert_eq!(offer(&dp, &to([100, 64, 0, 1], 9), 5), (5, 0), "C's allow CIDR");
-        assert_eq!(offer(&dp, &to([203, 0, 113, 2], 9), 5), (1, 4), "after C (failure at {step}): B's allow CIDR left behind");
-        assert_eq!(offer(&dp, &to([192, 0, 2, 3], 54), 5), (1, 4), "after C (failure at {step}): B's rule left behind");
-        assert_eq!(offer(&dp, &to([198, 51, 100, 2], 9), 5), (1, 4), "after C (failure at {step}): A's allow CIDR left behind");
+        assert_eq!(
+            offer(&dp, &to([100, 64, 0, 1], 9), 5),
+            (5, 0),
+            "C's allow CIDR"
+        );
+        assert_eq!(
+            offer(&dp, &to([203, 0, 113, 2], 9), 5),
+            (1, 4),
+            "after C (failure at {step}): B's allow CIDR left behind"
+        );
+        assert_eq!(
+            offer(&dp, &to([192, 0, 2, 3], 54), 5),
+            (1, 4),
+            "after C (failure at {step}): B's rule left behind"
+        );
+        assert_eq!(
+            offer(&dp, &to([198, 51, 100, 2], 9), 5),
+            (1, 4),
+            "after C (failure at {step}): A's allow CIDR left behind"
+        );
         // And the install after that (into A's old slot) too.
         install(&mut dp, &b).unwrap();
-        assert_eq!(offer(&dp, &to([203, 0, 113, 3], 9), 5), (5, 0), "B installed after all");
-        assert_eq!(offer(&dp, &to([198, 51, 100, 3], 9), 5), (1, 4), "A's allow CIDR is gone");
+        assert_eq!(
+            offer(&dp, &to([203, 0, 113, 3], 9), 5),
+            (5, 0),
+            "B installed after all"
+        );
+        assert_eq!(
+            offer(&dp, &to([198, 51, 100, 3], 9), 5),
+            (1, 4),
+            "A's allow CIDR is gone"
+        );
     }
 }
 
@@ -60,11 +100,22 @@ fn a_rule_set_too_large_for_its_tables_is_refused_before_anything_is_written() {
     let mut dp = datapath(&config("198.51.100.0/24", 53, "192.0.2.0/24")).unwrap();
     // More decision entries than a slot of RL_DECIDE holds (no valid file
     // reaches this today; the datapath checks whatever it is given).
-    let mut rules = compile(&Config::from_str("[default]\nrate = 1\nburst = 1\n", "<test>").unwrap()).rules;
-    rules.decide = (0..=rl_common::DECIDE_SLOT_LEN).map(|i| ((1 + (i >> 16) as u16, i as u16), 0)).collect();
+    let mut rules =
+        compile(&Config::from_str("[default]\nrate = 1\nburst = 1\n", "<test>").unwrap()).rules;
+    rules.decide = (0..=rl_common::DECIDE_SLOT_LEN)
+        .map(|i| ((1 + (i >> 16) as u16, i as u16), 0))
+        .collect();
     let e = dp.install(&rules).expect_err("too many decisions");
-    assert!(e.to_string().contains("rule decision entries, more than the 1048576"), "{e}");
-    assert_eq!(offer(&dp, &to([198, 51, 100, 1], 9), 5), (5, 0), "the old rule set still enforces");
+    assert!(
+        e.to_string()
+            .contains("rule decision entries, more than the 1048576"),
+        "{e}"
+    );
+    assert_eq!(
+        offer(&dp, &to([198, 51, 100, 1], 9), 5),
+        (5, 0),
+        "the old rule set still enforces"
+    );
     assert_eq!(offer(&dp, &to([192, 0, 2, 1], 53), 5), (5, 0));
 }
 
@@ -93,11 +144,17 @@ fn the_counters_of_rules_that_stay_are_never_hidden_nor_lost() {
         assert_eq!(open(&dp), 5, "after a failure at {step}: not hidden");
         install(&mut dp, &b).unwrap();
         install(&mut dp, &b).unwrap();
-        assert_eq!(open(&dp), 5, "after a failure at {step}: not lost with the slot");
+        assert_eq!(
+            open(&dp),
+            5,
+            "after a failure at {step}: not lost with the slot"
+        );
     }
     // A failure while the counters of a rule that does not stay go to the
     // totals, after "open" stayed: its counters are handed over too.
-    let x = |rate: u32| format!("{a}[[rule]]\nname = \"x\"\nproto = \"udp\"\ndst_ports = [60]\nrate = {rate}\n");
+    let x = |rate: u32| {
+        format!("{a}[[rule]]\nname = \"x\"\nproto = \"udp\"\ndst_ports = [60]\nrate = {rate}\n")
+    };
     // x(5) in both slots, `n` packets to `port` counted in the inactive one,
     // and the next install failing at `step` into it.
     let failed_into_counts = |port: u16, n: u32, step: &'static str| {
@@ -110,7 +167,11 @@ fn the_counters_of_rules_that_stay_are_never_hidden_nor_lost() {
         dp
     };
     let mut dp = failed_into_counts(53, 5, "retiring");
-    assert_eq!(open(&dp), 5, "after a failure while retiring x: open's counts not hidden");
+    assert_eq!(
+        open(&dp),
+        5,
+        "after a failure while retiring x: open's counts not hidden"
+    );
     install(&mut dp, &b).unwrap();
     install(&mut dp, &b).unwrap();
     assert_eq!(open(&dp), 5, "nor lost");
@@ -119,5 +180,9 @@ fn the_counters_of_rules_that_stay_are_never_hidden_nor_lost() {
     // the rule in place finds them where they were, counted once.
     let mut dp = failed_into_counts(60, 3, "zeroing");
     install(&mut dp, &x(5)).unwrap();
-    assert_eq!(dp.rule_stats().unwrap()["x"].passed_pkts, 3, "x's counts after a failed zeroing: counted once");
+    assert_eq!(
+        dp.rule_stats().unwrap()["x"].passed_pkts,
+        3,
+        "x's counts after a failed zeroing: counted once"
+    );
 }

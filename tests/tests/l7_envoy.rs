@@ -82,13 +82,26 @@ fn through_envoy(lab: &Lab, user: &str) -> (u16, std::collections::HashMap<Strin
     let user = user.to_string();
     lab.b
         .run(move || {
-            let agent = ureq::AgentBuilder::new().timeout(Duration::from_secs(5)).build();
-            let r = match agent.get("http://127.0.0.1:10000/").set("x-user", &user).call() {
+            let agent = ureq::AgentBuilder::new()
+                .timeout(Duration::from_secs(5))
+                .build();
+            let r = match agent
+                .get("http://127.0.0.1:10000/")
+                .set("x-user", &user)
+                .call()
+            {
                 Ok(r) => r,
                 Err(ureq::Error::Status(_, r)) => r,
                 Err(e) => return Err(e.into()),
             };
-            let h = r.headers_names().into_iter().filter_map(|n| r.header(&n).map(|v| (n.to_ascii_lowercase(), v.to_string()))).collect();
+            let h = r
+                .headers_names()
+                .into_iter()
+                .filter_map(|n| {
+                    r.header(&n)
+                        .map(|v| (n.to_ascii_lowercase(), v.to_string()))
+                })
+                .collect();
             Ok((r.status(), h))
         })
         .unwrap()
@@ -113,19 +126,33 @@ fn a_real_envoy_limits_through_rl_and_fails_open_while_rl_is_down() {
     }
     let (status, h) = through_envoy(&lab, "alice");
     assert_eq!(status, 429, "{h:?}");
-    assert_eq!(h.get("x-envoy-ratelimited").map(String::as_str), Some("true"), "{h:?}");
+    assert_eq!(
+        h.get("x-envoy-ratelimited").map(String::as_str),
+        Some("true"),
+        "{h:?}"
+    );
     assert_eq!(h["x-ratelimit-remaining"], "0");
     // Another user has a bucket of their own; the shadow rule on the
     // address (1 per hour, long exceeded) never answers 429.
     assert_eq!(through_envoy(&lab, "bob").0, 200);
     let m = parse_prometheus(&get(&lab.b, "/metrics").body);
-    assert!(m["rl_l7_decisions_total{rule=\"per-ip\",result=\"shadow_over\"}"] >= 4.0, "{m:?}");
-    assert_eq!(m["rl_l7_decisions_total{rule=\"per-user\",result=\"over\"}"], 1.0);
+    assert!(
+        m["rl_l7_decisions_total{rule=\"per-ip\",result=\"shadow_over\"}"] >= 4.0,
+        "{m:?}"
+    );
+    assert_eq!(
+        m["rl_l7_decisions_total{rule=\"per-user\",result=\"over\"}"],
+        1.0
+    );
 
     // rl stopped: Envoy's failure mode (allow) applies.
     let (status, log) = d.stop(libc::SIGTERM).unwrap();
     assert!(status.success(), "{log}");
-    assert_eq!(through_envoy(&lab, "alice").0, 200, "failure_mode_deny = false lets requests through");
+    assert_eq!(
+        through_envoy(&lab, "alice").0,
+        200,
+        "failure_mode_deny = false lets requests through"
+    );
     // rl back: decisions resume.
     let d = Daemon::serving(&lab, &cfg, &[]).unwrap();
     let mut got = Vec::new();
@@ -197,26 +224,73 @@ fn envoys_python_grpc_client_gets_several_descriptors_hits_and_refunds_right() {
     let cfg = write(&dir, "rl.toml", &rules());
     let d = Daemon::serving(&lab, &cfg, &[]).unwrap();
     let out = std::process::Command::new("ip")
-        .args(["netns", "exec", &lab.b.name, "python3", "-c", PY_CLIENT, GRPC])
+        .args([
+            "netns",
+            "exec",
+            &lab.b.name,
+            "python3",
+            "-c",
+            PY_CLIENT,
+            GRPC,
+        ])
         .output()
         .expect("python3");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     const OK: u64 = 1;
     const OVER: u64 = 2;
-    let codes = |k: &str| v[k]["codes"].as_array().unwrap().iter().map(|c| c.as_u64().unwrap()).collect::<Vec<_>>();
+    let codes = |k: &str| {
+        v[k]["codes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c.as_u64().unwrap())
+            .collect::<Vec<_>>()
+    };
     assert_eq!(codes("both"), [OK, OK]);
-    assert_eq!(v["both"]["limits"][0], serde_json::json!(["uploads", 2, 2]), "concurrency: max per lease (60 s: a minute)");
-    assert_eq!(v["both"]["limits"][1], serde_json::json!(["reads", 10, 2]), "10 per minute");
+    assert_eq!(
+        v["both"]["limits"][0],
+        serde_json::json!(["uploads", 2, 2]),
+        "concurrency: max per lease (60 s: a minute)"
+    );
+    assert_eq!(
+        v["both"]["limits"][1],
+        serde_json::json!(["reads", 10, 2]),
+        "10 per minute"
+    );
     assert_eq!(v["both"]["remaining"], serde_json::json!([1, 9]));
     assert_eq!(codes("second_upload"), [OK]);
-    assert_eq!((codes("third_upload"), v["third_upload"]["overall"].as_u64()), (vec![OVER], Some(OVER)), "max 2 permits out");
+    assert_eq!(
+        (codes("third_upload"), v["third_upload"]["overall"].as_u64()),
+        (vec![OVER], Some(OVER)),
+        "max 2 permits out"
+    );
     assert_eq!(codes("refund"), [OK]);
     assert_eq!(codes("after_refund"), [OK], "the refund released a permit");
-    assert_eq!((codes("eight_reads"), &v["eight_reads"]["remaining"]), (vec![OK], &serde_json::json!([1])));
-    assert_eq!(codes("two_more"), [OVER], "a descriptor's hits_addend overrides the request's");
-    assert_eq!((codes("unmatched"), v["unmatched"]["overall"].as_u64()), (vec![OK], Some(OK)));
-    assert!(v["both"]["headers"]["ratelimit-policy"].as_str().unwrap().starts_with("\"uploads\";q=2"), "{v}");
+    assert_eq!(
+        (codes("eight_reads"), &v["eight_reads"]["remaining"]),
+        (vec![OK], &serde_json::json!([1]))
+    );
+    assert_eq!(
+        codes("two_more"),
+        [OVER],
+        "a descriptor's hits_addend overrides the request's"
+    );
+    assert_eq!(
+        (codes("unmatched"), v["unmatched"]["overall"].as_u64()),
+        (vec![OK], Some(OK))
+    );
+    assert!(
+        v["both"]["headers"]["ratelimit-policy"]
+            .as_str()
+            .unwrap()
+            .starts_with("\"uploads\";q=2"),
+        "{v}"
+    );
     assert_eq!(v["empty_domain"], "INVALID_ARGUMENT");
     assert_eq!(v["huge_value"], "INVALID_ARGUMENT");
     let (status, log) = d.stop(libc::SIGTERM).unwrap();

@@ -22,14 +22,24 @@ const GRPC: &str = "127.0.0.1:8081";
 fn request(user: &str) -> RateLimitRequest {
     RateLimitRequest {
         domain: "edge".into(),
-        descriptors: vec![RateLimitDescriptor { entries: vec![Entry { key: "user".into(), value: user.into() }], ..Default::default() }],
+        descriptors: vec![RateLimitDescriptor {
+            entries: vec![Entry {
+                key: "user".into(),
+                value: user.into(),
+            }],
+            ..Default::default()
+        }],
         hits_addend: 1,
     }
 }
 
 fn connections(lab: &Lab) -> (f64, f64) {
     let m = parse_prometheus(&get(&lab.b, "/metrics").body);
-    let at = |t: &str| m.get(&format!("rl_l7_grpc_connections{{thread=\"{t}\"}}")).copied().unwrap_or(-1.0);
+    let at = |t: &str| {
+        m.get(&format!("rl_l7_grpc_connections{{thread=\"{t}\"}}"))
+            .copied()
+            .unwrap_or(-1.0)
+    };
     (at("0"), at("1"))
 }
 
@@ -46,16 +56,28 @@ fn connections_are_dealt_over_the_threads_which_share_one_set_of_buckets() {
         .map(|c| c.trim().to_string())
         .collect();
     for want in ["rl-l7-0", "rl-l7-1"] {
-        assert!(names.iter().any(|n| n == want), "no thread {want} in the daemon: {names:?}");
+        assert!(
+            names.iter().any(|n| n == want),
+            "no thread {want} in the daemon: {names:?}"
+        );
     }
-    assert!(!names.iter().any(|n| n == "rl-l7-2"), "more threads than grpc_threads = 2: {names:?}");
-    assert_eq!(connections(&lab), (0.0, 0.0), "connections before any client");
+    assert!(
+        !names.iter().any(|n| n == "rl-l7-2"),
+        "more threads than grpc_threads = 2: {names:?}"
+    );
+    assert_eq!(
+        connections(&lab),
+        (0.0, 0.0),
+        "connections before any client"
+    );
 
     // Four connections, held open until told; one call on each, in turn.
     let (opened, wait_open) = mpsc::channel();
     let (close, closing) = mpsc::channel::<()>();
     let client = lab.b.spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
         rt.block_on(async move {
             let mut conns = Vec::new();
             for _ in 0..4 {
@@ -87,10 +109,22 @@ fn connections_are_dealt_over_the_threads_which_share_one_set_of_buckets() {
             let bad = [
                 conns[0].raw(RLS, garbage).await?.0,
                 conns[1].raw(RLS, encode(&no_domain)).await?.0,
-                conns[2].raw("/envoy.service.ratelimit.v3.RateLimitService/Nope", encode(&request("u"))).await?.0,
-                conns[3].raw("/other.Service/Call", encode(&request("u"))).await?.0,
+                conns[2]
+                    .raw(
+                        "/envoy.service.ratelimit.v3.RateLimitService/Nope",
+                        encode(&request("u")),
+                    )
+                    .await?
+                    .0,
+                conns[3]
+                    .raw("/other.Service/Call", encode(&request("u")))
+                    .await?
+                    .0,
                 conns[0].raw(RLS, frame(&[1, 0, 0, 0, 2, 0x0a, 0])).await?.0,
-                conns[1].raw(RLS, frame(&[0, 0, 0, 0, 10, 0x0a, 0])).await?.0,
+                conns[1]
+                    .raw(RLS, frame(&[0, 0, 0, 0, 10, 0x0a, 0]))
+                    .await?
+                    .0,
                 conns[2].raw(RLS, bytes::Bytes::new()).await?.0,
                 conns[3].raw(RLS, two.into()).await?.0,
                 conns[0].raw(RLS, huge.into()).await?.0,
@@ -102,15 +136,29 @@ fn connections_are_dealt_over_the_threads_which_share_one_set_of_buckets() {
             Ok::<_, anyhow::Error>(())
         })
     });
-    let (codes, bad) = wait_open.recv_timeout(Duration::from_secs(10)).expect("the client did not finish its calls");
-    assert_eq!(codes[..4], [Code::Ok, Code::Ok, Code::Ok, Code::OverLimit], "one bucket across the threads");
+    let (codes, bad) = wait_open
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the client did not finish its calls");
+    assert_eq!(
+        codes[..4],
+        [Code::Ok, Code::Ok, Code::Ok, Code::OverLimit],
+        "one bucket across the threads"
+    );
     // INTERNAL for an undecodable message (as tonic answers it),
     // INVALID_ARGUMENT, UNIMPLEMENTED twice; UNIMPLEMENTED for compression,
     // INTERNAL for a short, a missing and a second message,
     // RESOURCE_EXHAUSTED over the cap.
-    assert_eq!(bad, ["13", "3", "12", "12", "12", "13", "13", "13", "8"], "gRPC statuses of bad calls");
+    assert_eq!(
+        bad,
+        ["13", "3", "12", "12", "12", "13", "13", "13", "8"],
+        "gRPC statuses of bad calls"
+    );
     assert_eq!(codes[4], Code::Ok, "a connection serves on after bad calls");
-    assert_eq!(connections(&lab), (2.0, 2.0), "four connections dealt out in turn over two threads");
+    assert_eq!(
+        connections(&lab),
+        (2.0, 2.0),
+        "four connections dealt out in turn over two threads"
+    );
     close.send(()).unwrap();
     client.join().unwrap().unwrap();
     let mut now = connections(&lab);

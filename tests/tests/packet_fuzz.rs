@@ -16,7 +16,10 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use rl_common::{STAT_DROPPED_BYTES, STAT_DROPPED_PKTS, STAT_FRAG_ORPHANS, STAT_MALFORMED, STAT_NON_IP, STAT_PASSED_BYTES, STAT_PASSED_PKTS};
+use rl_common::{
+    STAT_DROPPED_BYTES, STAT_DROPPED_PKTS, STAT_FRAG_ORPHANS, STAT_MALFORMED, STAT_NON_IP,
+    STAT_PASSED_BYTES, STAT_PASSED_PKTS,
+};
 use rl_control::datapath::Datapath;
 use rl_tests::{
     datapath,
@@ -68,7 +71,10 @@ fn source(r: &mut Rng, v6: bool) -> [u8; 16] {
 
 fn l4_header(r: &mut Rng, proto: u8) -> Vec<u8> {
     match proto {
-        TCP => tcp(r.pick(&[80, 443, 22, 53]), r.pick(&[0x02, 0x12, 0x10, 0x03, 0x00])),
+        TCP => tcp(
+            r.pick(&[80, 443, 22, 53]),
+            r.pick(&[0x02, 0x12, 0x10, 0x03, 0x00]),
+        ),
         UDP => udp(r.pick(&[53, 80, 123, 9000])),
         ICMP | ICMPV6 => icmp_echo(),
         _ => vec![0u8; 8],
@@ -151,7 +157,11 @@ fn train(r: &mut Rng) -> Vec<Vec<u8>> {
         frames.push(ipv6(src, 44, &ipv6_fragment(UDP, 0, true, id, &first)));
         for k in 0..n {
             let data = if r.chance(25) { &small } else { &big };
-            frames.push(ipv6(src, 44, &ipv6_fragment(UDP, 5 + k * 175, k + 1 < n, id, data)));
+            frames.push(ipv6(
+                src,
+                44,
+                &ipv6_fragment(UDP, 5 + k * 175, k + 1 < n, id, data),
+            ));
         }
     } else {
         (src[14], src[15]) = (r.next() as u8, r.next() as u8);
@@ -188,16 +198,31 @@ fn frame(r: &mut Rng) -> Vec<u8> {
     let ip = if v6 { ipv6_frame(r) } else { ipv4_frame(r) };
     // Up to two tags are parsed: a third, or a 0x9100 one, is not IP.
     let tags: Vec<(u16, u16)> = (0..r.pick(&[0usize, 0, 0, 0, 0, 1, 1, 2, 2, 3]))
-        .map(|_| (r.pick(&[ETH_P_8021Q, ETH_P_8021Q, ETH_P_8021AD, ETH_P_8021AD, 0x9100]), r.below(4096) as u16))
+        .map(|_| {
+            (
+                r.pick(&[ETH_P_8021Q, ETH_P_8021Q, ETH_P_8021AD, ETH_P_8021AD, 0x9100]),
+                r.below(4096) as u16,
+            )
+        })
         .collect();
-    let ethertype = if r.chance(3) { ETH_P_ARP } else if v6 { ETH_P_IPV6 } else { ETH_P_IP };
+    let ethertype = if r.chance(3) {
+        ETH_P_ARP
+    } else if v6 {
+        ETH_P_IPV6
+    } else {
+        ETH_P_IP
+    };
     let mut f = eth(&tags, ethertype, &ip);
     let l3 = 14 + 4 * tags.len();
     if r.chance(30) {
         // Flip a few bytes, mostly in the headers.
         for _ in 0..1 + r.below(3) {
             let span = (l3 + 80).min(f.len());
-            let at = if r.chance(80) { r.below(span as u64) } else { r.below(f.len() as u64) } as usize;
+            let at = if r.chance(80) {
+                r.below(span as u64)
+            } else {
+                r.below(f.len() as u64)
+            } as usize;
             f[at] = r.next() as u8;
         }
     }
@@ -245,10 +270,22 @@ fn observed(dp: &Datapath) -> Tally {
         dropped_bytes: c.get(STAT_DROPPED_BYTES),
         rules: HashMap::new(),
     };
-    for name in FUZZ_RULE_NAMES.iter().map(|(n, _)| *n).chain(["allow", "deny"]) {
+    for name in FUZZ_RULE_NAMES
+        .iter()
+        .map(|(n, _)| *n)
+        .chain(["allow", "deny"])
+    {
         let s = stats.get(name).copied().unwrap_or_default();
         if s.passed_pkts + s.dropped_pkts > 0 {
-            t.rules.insert(name, (s.passed_pkts, s.dropped_pkts, s.passed_bytes, s.dropped_bytes));
+            t.rules.insert(
+                name,
+                (
+                    s.passed_pkts,
+                    s.dropped_pkts,
+                    s.passed_bytes,
+                    s.dropped_bytes,
+                ),
+            );
         }
     }
     t
@@ -257,13 +294,22 @@ fn observed(dp: &Datapath) -> Tally {
 #[test]
 fn random_and_mutated_frames_match_the_reference() {
     require_root();
-    let total: u64 = std::env::var("RL_FUZZ_FRAMES").ok().and_then(|v| v.parse().ok()).unwrap_or(1_000_000);
-    let seed: u64 = std::env::var("RL_FUZZ_SEED").ok().and_then(|v| v.parse().ok()).unwrap_or(0x5eed_f00d);
+    let total: u64 = std::env::var("RL_FUZZ_FRAMES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1_000_000);
+    let seed: u64 = std::env::var("RL_FUZZ_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0x5eed_f00d);
     // A fresh datapath and reference per batch: the fragment table (an
     // LRU of 65,536 datagrams) never fills, so its evictions, which the
     // reference does not model, never happen.
     const BATCH: u64 = 100_000;
-    let mut frames = Frames { r: Rng(seed | 1), queue: VecDeque::new() };
+    let mut frames = Frames {
+        r: Rng(seed | 1),
+        queue: VecDeque::new(),
+    };
     let mut done = 0;
     let mut reached = rl_tests::reference::Reached::default();
     while done < total {
@@ -287,10 +333,18 @@ fn random_and_mutated_frames_match_the_reference() {
                 f
             );
             let len = f.len() as u64;
-            if pass { (want.passed += 1, want.passed_bytes += len) } else { (want.dropped += 1, want.dropped_bytes += len) };
+            if pass {
+                (want.passed += 1, want.passed_bytes += len)
+            } else {
+                (want.dropped += 1, want.dropped_bytes += len)
+            };
             let mut count = |name: &'static str| {
                 let e = want.rules.entry(name).or_default();
-                if pass { (e.0 += 1, e.2 += len) } else { (e.1 += 1, e.3 += len) };
+                if pass {
+                    (e.0 += 1, e.2 += len)
+                } else {
+                    (e.1 += 1, e.3 += len)
+                };
             };
             match counted {
                 Counted::NonIp => want.non_ip += 1,
@@ -300,12 +354,18 @@ fn random_and_mutated_frames_match_the_reference() {
                 Counted::Deny => count("deny"),
                 Counted::Rule(i) => count(FUZZ_RULE_NAMES[i].0),
             }
-
         }
-        assert_eq!(observed(&dp), want, "counters after frames {done}.. (seed {seed})");
+        assert_eq!(
+            observed(&dp),
+            want,
+            "counters after frames {done}.. (seed {seed})"
+        );
         reached.add(&reference.reached);
         let took = batch_start.elapsed();
-        assert!(took < std::time::Duration::from_secs(50), "a batch took {took:?}: too close to the 60 s fragment TTL the reference ignores");
+        assert!(
+            took < std::time::Duration::from_secs(50),
+            "a batch took {took:?}: too close to the 60 s fragment TTL the reference ignores"
+        );
         if done == 0 {
             eprintln!("packet fuzz, first batch: {want:?}");
         }
@@ -316,7 +376,10 @@ fn random_and_mutated_frames_match_the_reference() {
     // default size (hundreds of times), or the generator has drifted.
     if total >= 100_000 {
         for (path, n) in [
-            ("a later fragment charged under its passed datagram", reached.later_passed),
+            (
+                "a later fragment charged under its passed datagram",
+                reached.later_passed,
+            ),
             ("a datagram past 65,535 bytes", reached.past_bound),
             ("a datagram broken by a byte limit", reached.broken),
         ] {

@@ -7,9 +7,9 @@ use std::time::{Duration, Instant};
 
 use rl_tests::{
     daemon::{run_once, write, Daemon},
-    load_pinned,
     http::get,
     lab::{BpfFs, Lab, VA, VB},
+    load_pinned,
     traffic::{flood, join, paced, Receiver},
 };
 
@@ -24,9 +24,19 @@ fn config(max_sources: u32) -> String {
 /// the flood ended).
 fn flood_for(lab: &Lab, secs: f64) -> (u64, Instant) {
     let rx = Receiver::start(&lab.b).unwrap();
-    join(flood(&lab.a, lab.v4(1), lab.v4(2), Duration::from_secs_f64(secs), None)).unwrap();
+    join(flood(
+        &lab.a,
+        lab.v4(1),
+        lab.v4(2),
+        Duration::from_secs_f64(secs),
+        None,
+    ))
+    .unwrap();
     let ended = Instant::now();
-    (rx.finish().unwrap().get(&lab.v4(1)).copied().unwrap_or(0), ended)
+    (
+        rx.finish().unwrap().get(&lab.v4(1)).copied().unwrap_or(0),
+        ended,
+    )
 }
 
 /// The most a bucket emptied at `since` can pass until now: `RATE` per
@@ -36,7 +46,9 @@ fn refill_bound(since: Instant) -> u64 {
 }
 
 fn program_id(lab: &Lab) -> u32 {
-    get(&lab.b, "/v1/status").json()["program_id"].as_u64().expect("program_id in /v1/status") as u32
+    get(&lab.b, "/v1/status").json()["program_id"]
+        .as_u64()
+        .expect("program_id in /v1/status") as u32
 }
 
 #[test]
@@ -50,39 +62,77 @@ fn kill_9_leaves_the_limit_enforcing_and_a_restart_adopts_it_without_a_fresh_bur
 
     // The burst goes, then the flood is held to the rate.
     let (passed, emptied) = flood_for(&lab, 1.5);
-    assert!((BURST..=BURST + 200).contains(&passed), "first flood: {passed} passed");
+    assert!(
+        (BURST..=BURST + 200).contains(&passed),
+        "first flood: {passed} passed"
+    );
 
     // kill -9: the program stays attached with its buckets.
     let (status, log) = d.stop(libc::SIGKILL).unwrap();
     assert!(!status.success(), "{log}");
-    assert_eq!(lab.xdp_prog_ids().unwrap(), vec![first_prog], "the program stays attached after kill -9");
+    assert_eq!(
+        lab.xdp_prog_ids().unwrap(),
+        vec![first_prog],
+        "the program stays attached after kill -9"
+    );
     let (passed, _) = flood_for(&lab, 2.0);
     let bound = refill_bound(emptied);
-    assert!(passed <= bound, "with the daemon dead: {passed} passed, at most {bound} (rate only, no fresh burst)");
+    assert!(
+        passed <= bound,
+        "with the daemon dead: {passed} passed, at most {bound} (rate only, no fresh burst)"
+    );
     assert!(passed > 0, "the limit still passes its rate");
 
     // A new daemon adopts the pins: same buckets, its own program, one on
     // the interface.
     let d = Daemon::pinned(&lab, &cfg, &pins, &[]).unwrap();
-    assert!(d.log().contains("adopted the pinned datapath"), "{}", d.log());
+    assert!(
+        d.log().contains("adopted the pinned datapath"),
+        "{}",
+        d.log()
+    );
     let second_prog = program_id(&lab);
-    assert_ne!(second_prog, first_prog, "the new daemon's program replaced the old one");
-    assert_eq!(lab.xdp_prog_ids().unwrap(), vec![second_prog], "exactly one program on the interface");
+    assert_ne!(
+        second_prog, first_prog,
+        "the new daemon's program replaced the old one"
+    );
+    assert_eq!(
+        lab.xdp_prog_ids().unwrap(),
+        vec![second_prog],
+        "exactly one program on the interface"
+    );
     let (passed, _) = flood_for(&lab, 2.0);
     let bound = refill_bound(emptied);
-    assert!(passed <= bound, "after the restart: {passed} passed, at most {bound} (no fresh burst)");
+    assert!(
+        passed <= bound,
+        "after the restart: {passed} passed, at most {bound} (no fresh burst)"
+    );
 
     // A clean stop leaves it enforcing too; `detach` removes it all.
     let (status, log) = d.stop(libc::SIGTERM).unwrap();
-    assert!(status.success() && log.contains("left attached and enforcing"), "{log}");
+    assert!(
+        status.success() && log.contains("left attached and enforcing"),
+        "{log}"
+    );
     assert_eq!(lab.xdp_prog_ids().unwrap(), vec![second_prog]);
-    let (status, out) = run_once(Some(&lab.b), &["detach", "--iface", VB, "--pin-dir", pins.arg()]).unwrap();
+    let (status, out) = run_once(
+        Some(&lab.b),
+        &["detach", "--iface", VB, "--pin-dir", pins.arg()],
+    )
+    .unwrap();
     assert!(status.success(), "{out}");
     assert!(out.contains("detached rl from vb"), "{out}");
     assert!(!lab.xdp_attached().unwrap(), "detach left XDP attached");
     assert!(!pins.path().join(VB).exists(), "detach left pins behind");
-    let (status, out) = run_once(Some(&lab.b), &["detach", "--iface", VB, "--pin-dir", pins.arg()]).unwrap();
-    assert!(status.success() && out.contains("nothing to detach"), "{out}");
+    let (status, out) = run_once(
+        Some(&lab.b),
+        &["detach", "--iface", VB, "--pin-dir", pins.arg()],
+    )
+    .unwrap();
+    assert!(
+        status.success() && out.contains("nothing to detach"),
+        "{out}"
+    );
 }
 
 #[test]
@@ -104,9 +154,15 @@ fn a_restart_under_paced_traffic_swaps_the_program_without_losing_a_packet() {
     let sent = join(sender).unwrap();
     let got = rx.finish().unwrap().get(&lab.v4(1)).copied().unwrap_or(0);
     assert_ne!(before, after, "the program was replaced");
-    assert_eq!(got, sent.packets, "packets lost across the restart and program swap");
+    assert_eq!(
+        got, sent.packets,
+        "packets lost across the restart and program swap"
+    );
     let (status, log) = d.stop(libc::SIGTERM).unwrap();
-    assert!(status.success() && log.contains("detached and unpinned"), "{log}");
+    assert!(
+        status.success() && log.contains("detached and unpinned"),
+        "{log}"
+    );
     assert!(!lab.xdp_attached().unwrap());
 }
 
@@ -114,8 +170,15 @@ fn a_restart_under_paced_traffic_swaps_the_program_without_losing_a_packet() {
 fn program_name(lab: &Lab) -> String {
     let out = lab.b.ip(&["-d", "link", "show", VB]).unwrap();
     let words: Vec<&str> = out.split_whitespace().collect();
-    let at = words.iter().position(|w| w.starts_with("prog/xdp")).expect("an XDP program on vb");
-    words[at..].windows(2).find(|w| w[0] == "name").map(|w| w[1].to_string()).unwrap_or_default()
+    let at = words
+        .iter()
+        .position(|w| w.starts_with("prog/xdp"))
+        .expect("an XDP program on vb");
+    words[at..]
+        .windows(2)
+        .find(|w| w[0] == "name")
+        .map(|w| w[1].to_string())
+        .unwrap_or_default()
 }
 
 #[test]
@@ -135,23 +198,49 @@ fn an_upgrade_between_different_programs_under_paced_traffic_loses_nothing() {
 
     // Another version: a different program (the bare XDP_PASS one) takes
     // the pinned link over, atomically, with the pinned maps.
-    use rl_control::{compile::compile, config::Config, datapath::{Datapath, LoadOptions}};
+    use rl_control::{
+        compile::compile,
+        config::Config,
+        datapath::{Datapath, LoadOptions},
+    };
     let compiled = compile(&Config::from_str(&text, "<test>").unwrap());
-    let mut other = Datapath::load_with(&compiled, LoadOptions { pin: Some(pins.path().join(VB)), ..Default::default() }).unwrap();
+    let mut other = Datapath::load_with(
+        &compiled,
+        LoadOptions {
+            pin: Some(pins.path().join(VB)),
+            ..Default::default()
+        },
+    )
+    .unwrap();
     assert!(other.adopted());
-    let other = lab.b.run(move || {
-        other.attach_baseline(VB)?;
-        Ok(other)
-    }).unwrap();
-    assert_eq!(program_name(&lab), "rl_pass", "the other program did not take the link over");
+    let other = lab
+        .b
+        .run(move || {
+            other.attach_baseline(VB)?;
+            Ok(other)
+        })
+        .unwrap();
+    assert_eq!(
+        program_name(&lab),
+        "rl_pass",
+        "the other program did not take the link over"
+    );
     std::thread::sleep(Duration::from_millis(1500));
     drop(other);
-    assert_eq!(program_name(&lab), "rl_pass", "the link stays pinned with the other program");
+    assert_eq!(
+        program_name(&lab),
+        "rl_pass",
+        "the link stays pinned with the other program"
+    );
 
     // And the limiter again, replacing a program that is not its own.
     let d = Daemon::pinned(&lab, &cfg, &pins, &["--detach-on-exit"]).unwrap();
     assert_eq!(program_name(&lab), "rl");
-    assert_eq!(lab.xdp_prog_ids().unwrap().len(), 1, "exactly one program on the interface");
+    assert_eq!(
+        lab.xdp_prog_ids().unwrap().len(),
+        1,
+        "exactly one program on the interface"
+    );
     let sent = join(sender).unwrap();
     let got = rx.finish().unwrap().get(&lab.v4(1)).copied().unwrap_or(0);
     assert_eq!(got, sent.packets, "packets lost across two program swaps");
@@ -169,11 +258,28 @@ fn a_second_daemon_on_the_same_pins_is_refused() {
     let prog = program_id(&lab);
     // Another runtime directory, so only the pins are shared.
     let other = dir.path().join("other");
-    let args = ["run", "--iface", VB, "--config", cfg.to_str().unwrap(), "--pin-dir", pins.arg(), "--runtime-dir", other.to_str().unwrap()];
+    let args = [
+        "run",
+        "--iface",
+        VB,
+        "--config",
+        cfg.to_str().unwrap(),
+        "--pin-dir",
+        pins.arg(),
+        "--runtime-dir",
+        other.to_str().unwrap(),
+    ];
     let (status, out) = run_once(Some(&lab.b), &args).unwrap();
     assert_eq!(status.code(), Some(1), "{out}");
-    assert!(out.contains("another rl-control is running on the datapath pinned in"), "{out}");
-    assert_eq!(lab.xdp_prog_ids().unwrap(), vec![prog], "the second daemon took the program over");
+    assert!(
+        out.contains("another rl-control is running on the datapath pinned in"),
+        "{out}"
+    );
+    assert_eq!(
+        lab.xdp_prog_ids().unwrap(),
+        vec![prog],
+        "the second daemon took the program over"
+    );
     let (status, log) = d.stop(libc::SIGTERM).unwrap();
     assert!(status.success(), "{log}");
 }
@@ -191,19 +297,68 @@ fn an_incompatible_pinned_layout_is_refused_with_what_differs() {
     assert!(status.success(), "{log}");
 
     // Another capacity: refused, the pinned datapath untouched.
-    let (status, out) = run_once(Some(&lab.b), &["run", "--iface", VB, "--config", big.to_str().unwrap(), "--pin-dir", pins.arg()]).unwrap();
+    let (status, out) = run_once(
+        Some(&lab.b),
+        &[
+            "run",
+            "--iface",
+            VB,
+            "--config",
+            big.to_str().unwrap(),
+            "--pin-dir",
+            pins.arg(),
+        ],
+    )
+    .unwrap();
     assert_eq!(status.code(), Some(1), "{out}");
-    let line = out.lines().find(|l| l.starts_with("error:")).unwrap_or_default().to_string();
-    assert!(line.contains("does not fit this rl-control: RL_SRC4 holds"), "{line}");
-    assert!(line.contains(&format!("rl-control detach --iface {VB} --pin-dir {}", pins.arg())), "{line}");
-    assert_eq!(lab.xdp_prog_ids().unwrap(), vec![prog], "the refused daemon changed the interface");
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("error:"))
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        line.contains("does not fit this rl-control: RL_SRC4 holds"),
+        "{line}"
+    );
+    assert!(
+        line.contains(&format!(
+            "rl-control detach --iface {VB} --pin-dir {}",
+            pins.arg()
+        )),
+        "{line}"
+    );
+    assert_eq!(
+        lab.xdp_prog_ids().unwrap(),
+        vec![prog],
+        "the refused daemon changed the interface"
+    );
 
     // Other prefix cells: refused (a source limited in its /24 cell would
     // find a fresh /16 one).
-    let coarse = write(&dir, "coarse.toml", &config(1024).replace("[datapath]\n", "[datapath]\nflood_prefix_v4 = 16\n"));
-    let (status, out) = run_once(Some(&lab.b), &["run", "--iface", VB, "--config", coarse.to_str().unwrap(), "--pin-dir", pins.arg()]).unwrap();
+    let coarse = write(
+        &dir,
+        "coarse.toml",
+        &config(1024).replace("[datapath]\n", "[datapath]\nflood_prefix_v4 = 16\n"),
+    );
+    let (status, out) = run_once(
+        Some(&lab.b),
+        &[
+            "run",
+            "--iface",
+            VB,
+            "--config",
+            coarse.to_str().unwrap(),
+            "--pin-dir",
+            pins.arg(),
+        ],
+    )
+    .unwrap();
     assert_eq!(status.code(), Some(1), "{out}");
-    let line = out.lines().find(|l| l.starts_with("error:")).unwrap_or_default().to_string();
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("error:"))
+        .unwrap_or_default()
+        .to_string();
     assert!(line.contains("its prefix cells are IPv4 /24 and IPv6 /48 (datapath.flood_prefix_v4/v6), this configuration's /16 and /48"), "{line}");
     assert_eq!(lab.xdp_prog_ids().unwrap(), vec![prog]);
 
@@ -212,20 +367,54 @@ fn an_incompatible_pinned_layout_is_refused_with_what_differs() {
     let known = pins.path().join(VB).join(rl_common::MAP_KNOWN);
     let held = aya::maps::MapData::from_pin(&known).unwrap();
     std::fs::remove_file(&known).unwrap();
-    let plain: aya::maps::Array<aya::maps::MapData, u64> = aya::maps::Array::create(rl_common::KNOWN_ENTRIES, 0).unwrap();
+    let plain: aya::maps::Array<aya::maps::MapData, u64> =
+        aya::maps::Array::create(rl_common::KNOWN_ENTRIES, 0).unwrap();
     plain.pin(&known).unwrap();
-    let (status, out) = run_once(Some(&lab.b), &["run", "--iface", VB, "--config", small.to_str().unwrap(), "--pin-dir", pins.arg()]).unwrap();
+    let (status, out) = run_once(
+        Some(&lab.b),
+        &[
+            "run",
+            "--iface",
+            VB,
+            "--config",
+            small.to_str().unwrap(),
+            "--pin-dir",
+            pins.arg(),
+        ],
+    )
+    .unwrap();
     assert_eq!(status.code(), Some(1), "{out}");
-    assert!(out.contains("RL_KNOWN was created with flags 0x0, this build's are 0x400"), "{out}");
+    assert!(
+        out.contains("RL_KNOWN was created with flags 0x0, this build's are 0x400"),
+        "{out}"
+    );
     assert_eq!(lab.xdp_prog_ids().unwrap(), vec![prog]);
     std::fs::remove_file(&known).unwrap();
     held.pin(&known).unwrap();
 
     // Another layout version (as a future build would pin): refused too.
     set_layout_version(&pins.path().join(VB), 999);
-    let (status, out) = run_once(Some(&lab.b), &["run", "--iface", VB, "--config", small.to_str().unwrap(), "--pin-dir", pins.arg()]).unwrap();
+    let (status, out) = run_once(
+        Some(&lab.b),
+        &[
+            "run",
+            "--iface",
+            VB,
+            "--config",
+            small.to_str().unwrap(),
+            "--pin-dir",
+            pins.arg(),
+        ],
+    )
+    .unwrap();
     assert_eq!(status.code(), Some(1), "{out}");
-    assert!(out.contains(&format!("its layout version is 999, this build's is {}", rl_common::LAYOUT_VERSION)), "{out}");
+    assert!(
+        out.contains(&format!(
+            "its layout version is 999, this build's is {}",
+            rl_common::LAYOUT_VERSION
+        )),
+        "{out}"
+    );
     assert_eq!(lab.xdp_prog_ids().unwrap(), vec![prog]);
 }
 
@@ -238,7 +427,10 @@ fn set_layout_version(dir: &std::path::Path, v: u32) {
 
 /// A rule set with rule "w" (UDP 53, 3 an hour, `algorithm` appended)
 /// compiled, and a pin directory `name` on a fresh bpffs, prepared.
-fn pinned_w(algorithm: &str, name: &str) -> (rl_control::compile::Compiled, BpfFs, std::path::PathBuf) {
+fn pinned_w(
+    algorithm: &str,
+    name: &str,
+) -> (rl_control::compile::Compiled, BpfFs, std::path::PathBuf) {
     use rl_control::{compile::compile, config::Config, datapath::prepare_pins};
     rl_tests::lab::require_root();
     let toml = format!(
@@ -260,11 +452,19 @@ fn take_over_in(
     mut dp: rl_control::datapath::Datapath,
     rules: &rl_control::compile::RuleSet,
     ifaces: &[&str],
-) -> (rl_control::datapath::Datapath, Result<(), rl_control::datapath::DatapathError>) {
-    let (rules, ifaces): (_, Vec<String>) = (rules.clone(), ifaces.iter().map(|i| i.to_string()).collect());
+) -> (
+    rl_control::datapath::Datapath,
+    Result<(), rl_control::datapath::DatapathError>,
+) {
+    let (rules, ifaces): (_, Vec<String>) = (
+        rules.clone(),
+        ifaces.iter().map(|i| i.to_string()).collect(),
+    );
     lab.b
         .run(move || {
-            let taken = dp.take_over(&rules, &ifaces, rl_control::datapath::AttachMode::Native).map(|_| ());
+            let taken = dp
+                .take_over(&rules, &ifaces, rl_control::datapath::AttachMode::Native)
+                .map(|_| ());
             Ok((dp, taken))
         })
         .unwrap()
@@ -273,13 +473,21 @@ fn take_over_in(
 /// The known-keys filter pinned in `dir` (word 0: its control word).
 fn known_word(dir: &std::path::Path) -> aya::maps::Array<aya::maps::MapData, u64> {
     use aya::maps::{Array, Map, MapData};
-    Array::try_from(Map::Array(MapData::from_pin(dir.join(rl_common::MAP_KNOWN)).unwrap())).unwrap()
+    Array::try_from(Map::Array(
+        MapData::from_pin(dir.join(rl_common::MAP_KNOWN)).unwrap(),
+    ))
+    .unwrap()
 }
 
 /// The config entry pinned in `dir`.
-fn config_entry(dir: &std::path::Path) -> aya::maps::Array<aya::maps::MapData, rl_common::DatapathConfig> {
+fn config_entry(
+    dir: &std::path::Path,
+) -> aya::maps::Array<aya::maps::MapData, rl_common::DatapathConfig> {
     use aya::maps::{Array, Map, MapData};
-    Array::try_from(Map::Array(MapData::from_pin(dir.join(rl_common::MAP_CONFIG)).unwrap())).unwrap()
+    Array::try_from(Map::Array(
+        MapData::from_pin(dir.join(rl_common::MAP_CONFIG)).unwrap(),
+    ))
+    .unwrap()
 }
 
 /// Zeroes the cell arrays' size in the config entry pinned in `dir`, as a
@@ -307,7 +515,10 @@ fn an_adopted_datapath_keeps_the_clock_its_windows_were_counted_by() {
     let frame = eth(&[], ETH_P_IP, &ipv4([192, 0, 2, 1], UDP, &[], &udp(53)));
     let dp = load();
     let config = || -> Array<MapData, rl_common::DatapathConfig> {
-        Array::try_from(Map::Array(MapData::from_pin(dir.join(rl_common::MAP_CONFIG)).unwrap())).unwrap()
+        Array::try_from(Map::Array(
+            MapData::from_pin(dir.join(rl_common::MAP_CONFIG)).unwrap(),
+        ))
+        .unwrap()
     };
     let mut cfg = config().get(&0, 0).unwrap();
     let behind = cfg.epoch_offset_ns.wrapping_sub(3_600_000_000_000);
@@ -318,7 +529,11 @@ fn an_adopted_datapath_keeps_the_clock_its_windows_were_counted_by() {
     let dp = load();
     assert!(dp.adopted());
     assert_eq!(dp.epoch_offset_ns(), behind, "the pinned offset is kept");
-    assert_eq!(rl_tests::offer(&dp, &frame, 2), (0, 2), "the window the key spent is still the one it is in");
+    assert_eq!(
+        rl_tests::offer(&dp, &frame, 2),
+        (0, 2),
+        "the window the key spent is still the one it is in"
+    );
 }
 
 /// A restart keeps the pinned tick clock for good, through its take-over:
@@ -333,27 +548,55 @@ fn an_adopted_datapath_keeps_the_pinned_tick_clock_through_its_take_over() {
     use rl_control::datapath::{Datapath, LoadOptions};
     let lab = Lab::new().unwrap();
     let (compiled, _pins, dir) = pinned_w("algorithm = \"fixed_window\"\n", VB);
-    let ktime = LoadOptions { pin: Some(dir.clone()), without_tick: true, ..Default::default() };
-    let (dp, taken) = take_over_in(&lab, Datapath::load_with(&compiled, ktime).unwrap(), &compiled.rules, &[VB]);
+    let ktime = LoadOptions {
+        pin: Some(dir.clone()),
+        without_tick: true,
+        ..Default::default()
+    };
+    let (dp, taken) = take_over_in(
+        &lab,
+        Datapath::load_with(&compiled, ktime).unwrap(),
+        &compiled.rules,
+        &[VB],
+    );
     taken.unwrap();
     drop(dp);
     let dp = load_pinned(&compiled, &dir);
     assert!(dp.adopted());
-    assert_eq!(dp.clock(), rl_common::TickClock::default(), "the pinned datapath read ktime: so does the restart");
+    assert_eq!(
+        dp.clock(),
+        rl_common::TickClock::default(),
+        "the pinned datapath read ktime: so does the restart"
+    );
     let (dp, taken) = take_over_in(&lab, dp, &compiled.rules, &[VB]);
     taken.unwrap();
-    assert_eq!(config_entry(&dir).get(&0, 0).unwrap().clock, rl_common::TickClock::default(), "after the take-over too");
+    assert_eq!(
+        config_entry(&dir).get(&0, 0).unwrap().clock,
+        rl_common::TickClock::default(),
+        "after the take-over too"
+    );
     drop(dp);
 
     // A tick clock measured 3 ms late: kept as it is.
     let mut entry = config_entry(&dir).get(&0, 0).unwrap();
-    entry.clock = rl_common::TickClock { tick_ns: 4_000_000, offset_ns: 3_000_000 };
+    entry.clock = rl_common::TickClock {
+        tick_ns: 4_000_000,
+        offset_ns: 3_000_000,
+    };
     config_entry(&dir).set(0, entry, 0).unwrap();
     let dp = load_pinned(&compiled, &dir);
-    assert_eq!(dp.clock(), entry.clock, "the pinned tick clock, not one measured again");
+    assert_eq!(
+        dp.clock(),
+        entry.clock,
+        "the pinned tick clock, not one measured again"
+    );
     let (dp, taken) = take_over_in(&lab, dp, &compiled.rules, &[VB]);
     taken.unwrap();
-    assert_eq!(config_entry(&dir).get(&0, 0).unwrap().clock, entry.clock, "after the take-over too");
+    assert_eq!(
+        config_entry(&dir).get(&0, 0).unwrap().clock,
+        entry.clock,
+        "after the take-over too"
+    );
     drop(dp);
 }
 
@@ -373,12 +616,22 @@ fn an_adopted_datapath_keeps_its_rules_counts() {
         dp.install(&compiled.rules).unwrap();
         dp
     };
-    let (w, other) = (eth(&[], ETH_P_IP, &ipv4([192, 0, 2, 1], UDP, &[], &udp(53))), eth(&[], ETH_P_IP, &ipv4([192, 0, 2, 1], UDP, &[], &udp(99))));
+    let (w, other) = (
+        eth(&[], ETH_P_IP, &ipv4([192, 0, 2, 1], UDP, &[], &udp(53))),
+        eth(&[], ETH_P_IP, &ipv4([192, 0, 2, 1], UDP, &[], &udp(99))),
+    );
     let dp = start();
     assert_eq!(rl_tests::offer(&dp, &w, 5), (3, 2), "3 an hour");
     assert_eq!(rl_tests::offer(&dp, &other, 4), (4, 0), "[default]");
     let before = dp.rule_stats().unwrap();
-    assert_eq!((before["w"].passed_pkts, before["w"].dropped_pkts, before["default"].passed_pkts), (3, 2, 4));
+    assert_eq!(
+        (
+            before["w"].passed_pkts,
+            before["w"].dropped_pkts,
+            before["default"].passed_pkts
+        ),
+        (3, 2, 4)
+    );
     drop(dp);
     // Two restarts: the counts stay in the pinned tables with their rules.
     drop(start());
@@ -387,7 +640,11 @@ fn an_adopted_datapath_keeps_its_rules_counts() {
     let after = dp.rule_stats().unwrap();
     assert_eq!(after["w"], before["w"], "w's counts go on across restarts");
     assert_eq!(after["default"], before["default"], "[default]'s too");
-    assert_eq!(rl_tests::offer(&dp, &w, 1), (0, 1), "and its bucket is kept");
+    assert_eq!(
+        rl_tests::offer(&dp, &w, 1),
+        (0, 1),
+        "and its bucket is kept"
+    );
     assert_eq!(dp.rule_stats().unwrap()["w"].dropped_pkts, 3);
     let before = dp.rule_stats().unwrap();
     // Restarted again with a rule put before w: w's counts move to this
@@ -397,14 +654,21 @@ fn an_adopted_datapath_keeps_its_rules_counts() {
     let moved = "[datapath]\nmax_sources = 1024\n[default]\nrate = 1000\n[[rule]]\nname = \"v\"\nproto = \"udp\"\ndst_ports = [54]\nrate = 5\n\
         [[rule]]\nname = \"w\"\nproto = \"udp\"\ndst_ports = [53]\nrate = 3\nper = \"1h\"\n";
     let moved = compile(&Config::from_str(moved, "<test>").unwrap());
-    assert_eq!(moved.rules.entries[2].id, compiled.rules.entries[1].id, "w, unchanged, one place on");
+    assert_eq!(
+        moved.rules.entries[2].id, compiled.rules.entries[1].id,
+        "w, unchanged, one place on"
+    );
     assert_eq!(moved.rules.names[2], "w");
     let mut dp = load_pinned(&moved, &dir);
     dp.fail_next_install_at("found");
     assert!(dp.install(&moved.rules).is_err());
     dp.install(&moved.rules).unwrap();
     dp.install(&moved.rules).unwrap();
-    assert_eq!(dp.rule_stats().unwrap()["w"], before["w"], "w's counts, moved with it, counted once");
+    assert_eq!(
+        dp.rule_stats().unwrap()["w"],
+        before["w"],
+        "w's counts, moved with it, counted once"
+    );
 }
 
 /// An adopted datapath's rules are written only once this build's program
@@ -416,19 +680,24 @@ fn an_adopted_datapath_keeps_its_rules_counts() {
 /// find the pinned program. The next start puts the new rules in force.
 #[test]
 fn an_adopted_datapath_swaps_its_program_in_before_it_writes_a_rule() {
-    use rl_control::{compile::{compile, Compiled}, config::Config, datapath::{Datapath, DatapathError}};
+    use rl_control::{
+        compile::{compile, Compiled},
+        config::Config,
+        datapath::{Datapath, DatapathError},
+    };
     use rl_tests::frames::*;
     let lab = Lab::new().unwrap();
     let (compiled, _pins, dir) = pinned_w("", VB);
     // Loads or adopts the pins with `c`, fails its next install at `fail`,
     // and takes VB over.
-    let take_over = |c: Compiled, fail: Option<&'static str>| -> (Datapath, Result<(), DatapathError>) {
-        let mut dp = load_pinned(&c, &dir);
-        if let Some(step) = fail {
-            dp.fail_next_install_at(step);
-        }
-        take_over_in(&lab, dp, &c.rules, &[VB])
-    };
+    let take_over =
+        |c: Compiled, fail: Option<&'static str>| -> (Datapath, Result<(), DatapathError>) {
+            let mut dp = load_pinned(&c, &dir);
+            if let Some(step) = fail {
+                dp.fail_next_install_at(step);
+            }
+            take_over_in(&lab, dp, &c.rules, &[VB])
+        };
     let w = eth(&[], ETH_P_IP, &ipv4([192, 0, 2, 1], UDP, &[], &udp(53)));
     let (dp, taken) = take_over(compiled, None);
     taken.unwrap();
@@ -448,19 +717,45 @@ fn an_adopted_datapath_swaps_its_program_in_before_it_writes_a_rule() {
     let (dp, taken) = take_over(changed(), Some("unnamed"));
     assert!(dp.adopted());
     let err = taken.expect_err("the injected failure");
-    assert!(matches!(err, DatapathError::AfterSwap(_)), "the rules were written before the swap: {err}");
-    assert!(err.to_string().contains("enforces the rule set that was pinned"), "{err}");
+    assert!(
+        matches!(err, DatapathError::AfterSwap(_)),
+        "the rules were written before the swap: {err}"
+    );
+    assert!(
+        err.to_string()
+            .contains("enforces the rule set that was pinned"),
+        "{err}"
+    );
     let now = lab.xdp_prog_ids().unwrap();
-    assert_eq!(now.len(), 1, "exactly one program on the interface: {now:?}");
-    assert_ne!(now, first, "this build's program was swapped in before the first write of a rule");
-    assert_eq!(config_entry(&dir).get(&0, 0).unwrap().cell_slots_log2, ours, "this build's settings stay once its program is in");
-    assert_eq!(rl_tests::offer(&dp, &w, 2), (0, 2), "the pinned rule, and its bucket, still in force");
+    assert_eq!(
+        now.len(),
+        1,
+        "exactly one program on the interface: {now:?}"
+    );
+    assert_ne!(
+        now, first,
+        "this build's program was swapped in before the first write of a rule"
+    );
+    assert_eq!(
+        config_entry(&dir).get(&0, 0).unwrap().cell_slots_log2,
+        ours,
+        "this build's settings stay once its program is in"
+    );
+    assert_eq!(
+        rl_tests::offer(&dp, &w, 2),
+        (0, 2),
+        "the pinned rule, and its bucket, still in force"
+    );
     drop(dp);
 
     let (dp, taken) = take_over(changed(), None);
     taken.unwrap();
     assert_eq!(lab.xdp_prog_ids().unwrap().len(), 1);
-    assert_eq!(rl_tests::offer(&dp, &w, 6), (5, 1), "the new rule in force (a changed rule starts afresh)");
+    assert_eq!(
+        rl_tests::offer(&dp, &w, 6),
+        (5, 1),
+        "the new rule in force (a changed rule starts afresh)"
+    );
     drop(dp);
 
     // Pins whose link is gone (its pin removed: the program detached): the
@@ -469,8 +764,15 @@ fn an_adopted_datapath_swaps_its_program_in_before_it_writes_a_rule() {
     std::fs::remove_file(dir.join(format!("link-native-{VB}"))).unwrap();
     assert!(!lab.xdp_attached().unwrap());
     let (dp, taken) = take_over(changed(), Some("unnamed"));
-    assert!(matches!(taken, Err(DatapathError::AfterSwap(_))), "{:?}", taken.err());
-    assert!(!lab.xdp_attached().unwrap(), "a program attached afresh is detached again");
+    assert!(
+        matches!(taken, Err(DatapathError::AfterSwap(_))),
+        "{:?}",
+        taken.err()
+    );
+    assert!(
+        !lab.xdp_attached().unwrap(),
+        "a program attached afresh is detached again"
+    );
     drop(dp);
 
     // A pinned link whose interface was deleted and made again under the
@@ -485,7 +787,11 @@ fn an_adopted_datapath_swaps_its_program_in_before_it_writes_a_rule() {
     // program marks meanwhile (had it been switched, a put-back word
     // would trust a half without their bits).
     drop(load_pinned(&changed(), &dir));
-    assert_eq!(known_word(&dir).get(&0, 0).unwrap(), rl_common::KNOWN_HALF, "off, the same half");
+    assert_eq!(
+        known_word(&dir).get(&0, 0).unwrap(),
+        rl_common::KNOWN_HALF,
+        "off, the same half"
+    );
     as_an_older_build_left_it(&dir);
     let settings = config_entry(&dir).get(&0, 0).unwrap();
     // The pinned program's known-keys filter valid (as a walk leaves it):
@@ -493,12 +799,35 @@ fn an_adopted_datapath_swaps_its_program_in_before_it_writes_a_rule() {
     known_word(&dir).set(0, valid, 0).unwrap();
     let (dp, taken) = take_over(changed(), Some("swap"));
     let err = taken.expect_err("the swap refused");
-    assert!(err.to_string().contains("keeps its program") && err.to_string().contains("rl-control detach"), "{err}");
-    assert_eq!(lab.xdp_prog_ids().unwrap(), pinned_program, "the pinned link keeps its program");
-    assert!(dir.join(format!("link-native-{VB}")).exists(), "and its pin");
-    assert_eq!(config_entry(&dir).get(&0, 0).unwrap(), settings, "the settings put back");
-    assert_eq!(known_word(&dir).get(&0, 0).unwrap(), valid, "the pinned filter put back (left off, a flood would pay table lookups until a walk)");
-    assert_eq!(rl_tests::offer(&dp, &w, 1), (0, 1), "the pinned rule still in force");
+    assert!(
+        err.to_string().contains("keeps its program")
+            && err.to_string().contains("rl-control detach"),
+        "{err}"
+    );
+    assert_eq!(
+        lab.xdp_prog_ids().unwrap(),
+        pinned_program,
+        "the pinned link keeps its program"
+    );
+    assert!(
+        dir.join(format!("link-native-{VB}")).exists(),
+        "and its pin"
+    );
+    assert_eq!(
+        config_entry(&dir).get(&0, 0).unwrap(),
+        settings,
+        "the settings put back"
+    );
+    assert_eq!(
+        known_word(&dir).get(&0, 0).unwrap(),
+        valid,
+        "the pinned filter put back (left off, a flood would pay table lookups until a walk)"
+    );
+    assert_eq!(
+        rl_tests::offer(&dp, &w, 1),
+        (0, 1),
+        "the pinned rule still in force"
+    );
     drop(dp);
 
     // A failure after the kernel swapped the program in, in this process's
@@ -510,22 +839,49 @@ fn an_adopted_datapath_swaps_its_program_in_before_it_writes_a_rule() {
     let err = taken.expect_err("the injected failure");
     assert!(err.to_string().contains("after step swapped"), "{err}");
     let now = lab.xdp_prog_ids().unwrap();
-    assert_eq!(now.len(), 1, "exactly one program on the interface: {now:?}");
+    assert_eq!(
+        now.len(),
+        1,
+        "exactly one program on the interface: {now:?}"
+    );
     assert_ne!(now, pinned_program, "this build's program is in the link");
-    assert!(dir.join(format!("link-native-{VB}")).exists(), "the link stays pinned");
-    assert_eq!(config_entry(&dir).get(&0, 0).unwrap().cell_slots_log2, ours, "this build's settings stay once its program is in");
-    assert_eq!(rl_tests::offer(&dp, &w, 1), (0, 1), "the pinned rule still in force");
+    assert!(
+        dir.join(format!("link-native-{VB}")).exists(),
+        "the link stays pinned"
+    );
+    assert_eq!(
+        config_entry(&dir).get(&0, 0).unwrap().cell_slots_log2,
+        ours,
+        "this build's settings stay once its program is in"
+    );
+    assert_eq!(
+        rl_tests::offer(&dp, &w, 1),
+        (0, 1),
+        "the pinned rule still in force"
+    );
     drop(dp);
-    assert_eq!(lab.xdp_prog_ids().unwrap(), now, "the link outlives the process that failed");
+    assert_eq!(
+        lab.xdp_prog_ids().unwrap(),
+        now,
+        "the link outlives the process that failed"
+    );
     let (dp, taken) = take_over(changed(), None);
     taken.expect("a restart takes the link over again");
     assert_eq!(lab.xdp_prog_ids().unwrap().len(), 1);
-    assert_eq!(rl_tests::offer(&dp, &w, 1), (0, 1), "the pinned rule's bucket kept");
+    assert_eq!(
+        rl_tests::offer(&dp, &w, 1),
+        (0, 1),
+        "the pinned rule's bucket kept"
+    );
     drop(dp);
 
     lab.b.ip(&["link", "del", VB]).unwrap();
-    lab.a.ip(&["link", "add", VA, "type", "veth", "peer", "name", VB]).unwrap();
-    lab.a.ip(&["link", "set", VB, "netns", &lab.b.name]).unwrap();
+    lab.a
+        .ip(&["link", "add", VA, "type", "veth", "peer", "name", VB])
+        .unwrap();
+    lab.a
+        .ip(&["link", "set", VB, "netns", &lab.b.name])
+        .unwrap();
     lab.b.ip(&["link", "set", VB, "up"]).unwrap();
     assert!(!lab.xdp_attached().unwrap());
     let (dp, taken) = take_over(changed(), None);
@@ -549,8 +905,14 @@ fn an_entry_an_older_build_emptied_is_marked_before_it_is_filled() {
     drop(dp);
     // w's entry (1) and the one past the rules (2), in both slots, as an
     // older build empties a place.
-    let mut rules: Array<MapData, RuleEntry> = Array::try_from(Map::Array(MapData::from_pin(dir.join(rl_common::MAP_RULES)).unwrap())).unwrap();
-    let emptied = RuleEntry { id: NO_RULE_ID, ..Default::default() };
+    let mut rules: Array<MapData, RuleEntry> = Array::try_from(Map::Array(
+        MapData::from_pin(dir.join(rl_common::MAP_RULES)).unwrap(),
+    ))
+    .unwrap();
+    let emptied = RuleEntry {
+        id: NO_RULE_ID,
+        ..Default::default()
+    };
     for slot in 0..2 {
         rules.set(slot * RULE_SLOTS + 1, emptied, 0).unwrap();
         rules.set(slot * RULE_SLOTS + 2, emptied, 0).unwrap();
@@ -560,15 +922,31 @@ fn an_entry_an_older_build_emptied_is_marked_before_it_is_filled() {
     let entry = (dp.active_slot().expect("the pinned slot") ^ 1) * RULE_SLOTS + 1;
     dp.fail_next_install_at("unnamed");
     assert!(dp.install(&compiled.rules).is_err());
-    let marked = RuleEntry { id: NO_RULE_ID, flags: RULE_UNNAMED, ..Default::default() };
-    assert_eq!(dp.rule_table_entry(entry).unwrap(), marked, "marked, and nothing else written, before the fill");
+    let marked = RuleEntry {
+        id: NO_RULE_ID,
+        flags: RULE_UNNAMED,
+        ..Default::default()
+    };
+    assert_eq!(
+        dp.rule_table_entry(entry).unwrap(),
+        marked,
+        "marked, and nothing else written, before the fill"
+    );
     dp.install(&compiled.rules).unwrap();
     let filled = dp.rule_table_entry(entry).unwrap();
-    assert_eq!((filled.id, filled.flags & RULE_UNNAMED), (compiled.rules.entries[1].id, 0), "filled, the mark lifted");
+    assert_eq!(
+        (filled.id, filled.flags & RULE_UNNAMED),
+        (compiled.rules.entries[1].id, 0),
+        "filled, the mark lifted"
+    );
     // Past the rules: marked by the installs into the slot read whole, so
     // that a later change that fills it (this process knows only the
     // entries it wrote) need not.
-    assert_eq!(dp.rule_table_entry(entry + 1).unwrap(), marked, "the place past the rules, marked too");
+    assert_eq!(
+        dp.rule_table_entry(entry + 1).unwrap(),
+        marked,
+        "the place past the rules, marked too"
+    );
 }
 
 /// Adopting writes this build's settings into the pinned config entry (an
@@ -581,7 +959,9 @@ fn an_entry_an_older_build_emptied_is_marked_before_it_is_filled() {
 fn adopting_writes_this_builds_settings_and_a_failed_start_puts_them_back() {
     let lab = Lab::new().unwrap();
     let (compiled, _pins, dir) = pinned_w("", VB);
-    take_over_in(&lab, load_pinned(&compiled, &dir), &compiled.rules, &[VB]).1.unwrap();
+    take_over_in(&lab, load_pinned(&compiled, &dir), &compiled.rules, &[VB])
+        .1
+        .unwrap();
     let pinned_program = lab.xdp_prog_ids().unwrap();
     let entry = || config_entry(&dir);
     // As an older build could have left it.
@@ -593,17 +973,39 @@ fn adopting_writes_this_builds_settings_and_a_failed_start_puts_them_back() {
     assert!(dp.adopted());
     let now = dp.config().unwrap();
     let slots_log2 = rl_common::cell_slots(compiled.flood_prefixes).trailing_zeros() as u16;
-    assert_eq!((now.cell_slots_log2, now.enabled), (slots_log2, 1), "this build's cell arrays");
+    assert_eq!(
+        (now.cell_slots_log2, now.enabled),
+        (slots_log2, 1),
+        "this build's cell arrays"
+    );
     assert_ne!(now.flood_cap, 7, "this build's flood cap");
-    assert_eq!((now.clock, now.slot_flags, now.epoch_offset_ns), (old.clock, old.slot_flags, old.epoch_offset_ns), "the pinned slot, flags and clock");
+    assert_eq!(
+        (now.clock, now.slot_flags, now.epoch_offset_ns),
+        (old.clock, old.slot_flags, old.epoch_offset_ns),
+        "the pinned slot, flags and clock"
+    );
 
     let mut too_large = compiled.rules.clone();
-    too_large.decide = (0..=rl_common::DECIDE_SLOT_LEN).map(|i| ((1 + (i >> 16) as u16, i as u16), 0)).collect();
+    too_large.decide = (0..=rl_common::DECIDE_SLOT_LEN)
+        .map(|i| ((1 + (i >> 16) as u16, i as u16), 0))
+        .collect();
     let (dp, taken) = take_over_in(&lab, dp, &too_large, &[VB]);
     let err = taken.expect_err("a rule set too large");
-    assert!(err.to_string().contains("rule decision entries, more than the"), "{err}");
-    assert_eq!(entry().get(&0, 0).unwrap(), old, "the config entry put back as it was found");
-    assert_eq!(lab.xdp_prog_ids().unwrap(), pinned_program, "the pinned program stays");
+    assert!(
+        err.to_string()
+            .contains("rule decision entries, more than the"),
+        "{err}"
+    );
+    assert_eq!(
+        entry().get(&0, 0).unwrap(),
+        old,
+        "the config entry put back as it was found"
+    );
+    assert_eq!(
+        lab.xdp_prog_ids().unwrap(),
+        pinned_program,
+        "the pinned program stays"
+    );
     drop(dp);
 }
 
@@ -619,21 +1021,51 @@ fn a_start_that_fails_on_a_second_interface_after_a_swap_keeps_this_builds_setti
     let lab = Lab::new().unwrap();
     lab.second_pair().unwrap();
     let (compiled, _pins, dir) = pinned_w("", "two");
-    take_over_in(&lab, load_pinned(&compiled, &dir), &compiled.rules, &[VB]).1.unwrap();
+    take_over_in(&lab, load_pinned(&compiled, &dir), &compiled.rules, &[VB])
+        .1
+        .unwrap();
     let pinned_program = lab.xdp_prog_ids().unwrap();
     // Another program on the second interface, held while the start runs.
     let mut other = rl_tests::datapath("[default]\nrate = 1\n").unwrap();
-    let other = lab.b.run(move || other.attach_baseline(VB2).map(|()| other).map_err(Into::into)).unwrap();
+    let other = lab
+        .b
+        .run(move || {
+            other
+                .attach_baseline(VB2)
+                .map(|()| other)
+                .map_err(Into::into)
+        })
+        .unwrap();
     let ours = as_an_older_build_left_it(&dir);
 
-    let (dp, taken) = take_over_in(&lab, load_pinned(&compiled, &dir), &compiled.rules, &[VB, VB2]);
-    assert!(matches!(taken, Err(DatapathError::InterfaceBusy(ref i)) if i == VB2), "{:?}", taken.err());
+    let (dp, taken) = take_over_in(
+        &lab,
+        load_pinned(&compiled, &dir),
+        &compiled.rules,
+        &[VB, VB2],
+    );
+    assert!(
+        matches!(taken, Err(DatapathError::InterfaceBusy(ref i)) if i == VB2),
+        "{:?}",
+        taken.err()
+    );
     let now = lab.xdp_prog_ids().unwrap();
     assert_eq!(now.len(), 1);
-    assert_ne!(now, pinned_program, "the first interface's pinned link was taken over");
-    assert_eq!(config_entry(&dir).get(&0, 0).unwrap().cell_slots_log2, ours, "this build's settings, which its program needs, stay");
+    assert_ne!(
+        now, pinned_program,
+        "the first interface's pinned link was taken over"
+    );
+    assert_eq!(
+        config_entry(&dir).get(&0, 0).unwrap().cell_slots_log2,
+        ours,
+        "this build's settings, which its program needs, stay"
+    );
     let w = eth(&[], ETH_P_IP, &ipv4([192, 0, 2, 1], UDP, &[], &udp(53)));
-    assert_eq!(rl_tests::offer(&dp, &w, 4), (3, 1), "the pinned rule in force");
+    assert_eq!(
+        rl_tests::offer(&dp, &w, 4),
+        (3, 1),
+        "the pinned rule in force"
+    );
     drop((dp, other));
 }
 
@@ -650,7 +1082,9 @@ fn a_take_over_whose_second_table_fails_still_puts_the_rules_in_force() {
         let toml = format!("[datapath]\nmax_sources = 1024\n[default]\nrate = 1000\n[[rule]]\nname = \"w\"\nproto = \"udp\"\ndst_ports = [53]\nrate = {rate}\nper = \"1h\"\n");
         compile(&Config::from_str(&toml, "<test>").unwrap())
     };
-    take_over_in(&lab, load_pinned(&compiled, &dir), &compiled.rules, &[VB]).1.unwrap();
+    take_over_in(&lab, load_pinned(&compiled, &dir), &compiled.rules, &[VB])
+        .1
+        .unwrap();
     let five = w_at(5);
     let mut dp = load_pinned(&five, &dir);
     // Each install passes "unnamed" once: the second one fails there.
@@ -660,7 +1094,11 @@ fn a_take_over_whose_second_table_fails_still_puts_the_rules_in_force() {
     let w = eth(&[], ETH_P_IP, &ipv4([192, 0, 2, 1], UDP, &[], &udp(53)));
     assert_eq!(rl_tests::offer(&dp, &w, 6), (5, 1), "the new rule in force");
     dp.install(&w_at(7).rules).unwrap();
-    assert_eq!(rl_tests::offer(&dp, &w, 8), (7, 1), "the next change, into the table whose write failed, in force");
+    assert_eq!(
+        rl_tests::offer(&dp, &w, 8),
+        (7, 1),
+        "the next change, into the table whose write failed, in force"
+    );
 }
 
 /// A pinned link whose interface was moved to another network namespace,
@@ -718,9 +1156,26 @@ fn moved_away(same_index: bool) {
     let (dp, taken) = take_over(load_pinned(&compiled, &dir));
     let err = taken.expect_err("a link on another interface");
     assert!(matches!(err, DatapathError::Attach { .. }), "{err}");
-    assert!(err.to_string().contains("moved to another network namespace") && err.to_string().contains("rl-control detach"), "{err}");
-    assert!(!lab.xdp_attached().unwrap(), "the interface here gets no program it would not have");
-    assert!(away.ip(&["-d", "link", "show", VB]).unwrap().contains("prog/xdp"), "the moved interface keeps its program");
-    assert_eq!(config_entry(&dir).get(&0, 0).unwrap(), settings, "its settings put back as they were found");
+    assert!(
+        err.to_string()
+            .contains("moved to another network namespace")
+            && err.to_string().contains("rl-control detach"),
+        "{err}"
+    );
+    assert!(
+        !lab.xdp_attached().unwrap(),
+        "the interface here gets no program it would not have"
+    );
+    assert!(
+        away.ip(&["-d", "link", "show", VB])
+            .unwrap()
+            .contains("prog/xdp"),
+        "the moved interface keeps its program"
+    );
+    assert_eq!(
+        config_entry(&dir).get(&0, 0).unwrap(),
+        settings,
+        "its settings put back as they were found"
+    );
     drop(dp);
 }

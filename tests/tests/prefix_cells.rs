@@ -28,7 +28,10 @@ fn to(src: [u8; 4], port: u16) -> Vec<u8> {
 
 /// `flood_rules` with flood mode always on: every unseen key goes to its cell.
 fn rules() -> String {
-    rl_tests::flood_rules(1024).replace("flood_new_keys_per_sec = 2000", "flood_new_keys_per_sec = 0")
+    rl_tests::flood_rules(1024).replace(
+        "flood_new_keys_per_sec = 2000",
+        "flood_new_keys_per_sec = 0",
+    )
 }
 
 /// [`rules`] and "shared", a cluster rule: its cells keep counts for the
@@ -50,7 +53,10 @@ fn ahead(tat_ns: u64) -> bool {
 fn cell_key(index: usize, src: [u8; 4]) -> Key4 {
     let compiled = compile(&Config::from_str(&cluster_rules(), "<test>").unwrap());
     let k = compiled.rules.entries[index].key4(0, u32::from_ne_bytes(src));
-    Key4 { rule: k.rule | KEY_CELL, addr: k.addr & u32::from_ne_bytes([255, 255, 255, 0]) }
+    Key4 {
+        rule: k.rule | KEY_CELL,
+        addr: k.addr & u32::from_ne_bytes([255, 255, 255, 0]),
+    }
 }
 
 /// A datapath where one packet from `prefix.1` to "once" (1 per hour) made
@@ -61,7 +67,11 @@ fn once_cell(prefix: [u8; 3]) -> (Datapath, CellArray<Key4>, Key4, u32) {
     let cells = dp.cells_v4().unwrap();
     let [a, b, c] = prefix;
     let key = cell_key(2, [a, b, c, 0]);
-    assert_eq!(offer(&dp, &to([a, b, c, 1], 9999), 1), (1, 0), "the hour's one packet passes");
+    assert_eq!(
+        offer(&dp, &to([a, b, c, 1], 9999), 1),
+        (1, 0),
+        "the hour's one packet passes"
+    );
     let i = cells.find(&key).expect("its cell was made");
     (dp, cells, key, i)
 }
@@ -82,11 +92,20 @@ fn unseen_keys_share_their_prefix_cell_and_the_collector_frees_it_once_fresh() {
     let got = offer(&dp, &to([10, 9, 9, 1], 9999), 1).0 + offer(&dp, &to([10, 9, 9, 2], 9999), 1).0;
     assert_eq!(got, 1, "newcomers of one /24 share its 1-per-hour cell");
     let c = dp.counters().unwrap();
-    assert!(c.get(STAT_FALLBACK) >= 2 && c.get(STAT_NEW_CELLS) == 1, "one cell claimed, both charged to it: {c}");
-    let once = cells.find(&cell_key(2, [10, 9, 9, 0])).expect("the cell is in the array");
+    assert!(
+        c.get(STAT_FALLBACK) >= 2 && c.get(STAT_NEW_CELLS) == 1,
+        "one cell claimed, both charged to it: {c}"
+    );
+    let once = cells
+        .find(&cell_key(2, [10, 9, 9, 0]))
+        .expect("the cell is in the array");
     let c = cells.get(once);
     assert!(ahead(c.bucket.tat_ns), "its hour is used: {c:?}");
-    assert_eq!((c.bucket.passed, c.bucket.dropped), (0, 0), "a rule that is not a cluster rule keeps no counts in its cells");
+    assert_eq!(
+        (c.bucket.passed, c.bucket.dropped),
+        (0, 0),
+        "a rule that is not a cluster rule keeps no counts in its cells"
+    );
     // A newcomer of another /24 gets a cell of its own.
     assert_eq!(offer(&dp, &to([10, 9, 10, 1], 9999), 1), (1, 0));
     // Cells under [default] (1,000/s) are fresh again within milliseconds.
@@ -94,10 +113,19 @@ fn unseen_keys_share_their_prefix_cell_and_the_collector_frees_it_once_fresh() {
         assert_eq!(offer(&dp, &to([10, 20, i, 1], 5000), 1), (1, 0));
     }
     let before = pass(&dp);
-    assert_eq!(before.cells.0, 22, "every cell is counted and none is fresh yet for a second: {before:?}");
-    std::thread::sleep(std::time::Duration::from_nanos(COLLECT_IDLE_NS + 200_000_000));
+    assert_eq!(
+        before.cells.0, 22,
+        "every cell is counted and none is fresh yet for a second: {before:?}"
+    );
+    std::thread::sleep(std::time::Duration::from_nanos(
+        COLLECT_IDLE_NS + 200_000_000,
+    ));
     let after = pass(&dp);
-    assert_eq!((after.cells.0, after.collected), (2, 20), "the [default] cells were freed, the 1-per-hour ones kept: {after:?}");
+    assert_eq!(
+        (after.cells.0, after.collected),
+        (2, 20),
+        "the [default] cells were freed, the 1-per-hour ones kept: {after:?}"
+    );
     assert!(cells.find(&cell_key(0, [10, 20, 0, 1])).is_none());
     // The /24 that used its hour stays limited.
     assert_eq!(offer(&dp, &to([10, 9, 9, 3], 9999), 1), (0, 1));
@@ -121,15 +149,29 @@ fn a_cells_drop_raises_a_limited_event_when_its_cpu_saw_no_cell_drop_for_a_secon
     assert_eq!(offer(&dp, &to([10, 8, 1, 1], 9999), 2), (1, 1));
     assert_eq!(offer(&dp, &to([10, 8, 2, 1], 9999), 2), (1, 1));
     let first = read();
-    assert_eq!(first.len(), 1, "one event: the second /24's drop is in this CPU's episode: {first:?}");
+    assert_eq!(
+        first.len(),
+        1,
+        "one event: the second /24's drop is in this CPU's episode: {first:?}"
+    );
     assert_eq!(&first[0].addr[..4], &[10, 8, 1, 1], "it names the source");
-    std::thread::sleep(std::time::Duration::from_nanos(rl_common::LIMITED_GAP_NS + 100_000_000));
+    std::thread::sleep(std::time::Duration::from_nanos(
+        rl_common::LIMITED_GAP_NS + 100_000_000,
+    ));
     assert_eq!(offer(&dp, &to([10, 8, 2, 2], 9999), 1), (0, 1));
     let second = read();
-    assert_eq!(second.len(), 1, "a drop after a quiet second starts a new episode: {second:?}");
+    assert_eq!(
+        second.len(),
+        1,
+        "a drop after a quiet second starts a new episode: {second:?}"
+    );
     assert_eq!(&second[0].addr[..4], &[10, 8, 2, 2]);
     let c = dp.counters().unwrap();
-    assert_eq!(c.get(rl_common::STAT_EVENTS_SUPPRESSED), 0, "none were over the budget: {c}");
+    assert_eq!(
+        c.get(rl_common::STAT_EVENTS_SUPPRESSED),
+        0,
+        "none were over the budget: {c}"
+    );
 }
 
 #[test]
@@ -143,32 +185,65 @@ fn the_cluster_sync_reads_and_raises_cells() {
     let rule = key.rule & !KEY_CELL;
     let ids = dp.table_maps().unwrap();
     let shared = scan_shared(&ids, |r| r == rule).unwrap();
-    let cell = shared.iter().find(|b| b.id == BucketId::V4(key)).unwrap_or_else(|| panic!("the cell is shared: {shared:?}"));
-    assert_eq!((cell.bucket.passed, cell.bucket.dropped), (1, 2), "with its counts");
+    let cell = shared
+        .iter()
+        .find(|b| b.id == BucketId::V4(key))
+        .unwrap_or_else(|| panic!("the cell is shared: {shared:?}"));
+    assert_eq!(
+        (cell.bucket.passed, cell.bucket.dropped),
+        (1, 2),
+        "with its counts"
+    );
     assert!(ahead(cell.bucket.tat_ns), "and its state");
     // Another /24's cell, fresh: raised by the cluster to an hour ahead.
     assert_eq!(offer(&dp, &to([10, 7, 8, 1], 9999), 1), (1, 0));
     let fresh = cell_key(2, [10, 7, 8, 0]);
     let mut tables = Tables::open(&ids).unwrap();
     let hour_ahead = rl_control::datapath::monotonic_ns() + 3_600_000_000_000;
-    assert!(tables.raise(&BucketId::V4(fresh), hour_ahead), "the cell moved up");
-    assert!(!tables.raise(&BucketId::V4(fresh), hour_ahead - 1), "never down");
-    assert_eq!(offer(&dp, &to([10, 7, 8, 2], 9999), 1), (0, 1), "other hosts' usage now limits this /24");
-    assert!(!tables.raise(&BucketId::V4(cell_key(2, [10, 7, 99, 0])), hour_ahead), "no such cell");
+    assert!(
+        tables.raise(&BucketId::V4(fresh), hour_ahead),
+        "the cell moved up"
+    );
+    assert!(
+        !tables.raise(&BucketId::V4(fresh), hour_ahead - 1),
+        "never down"
+    );
+    assert_eq!(
+        offer(&dp, &to([10, 7, 8, 2], 9999), 1),
+        (0, 1),
+        "other hosts' usage now limits this /24"
+    );
+    assert!(
+        !tables.raise(&BucketId::V4(cell_key(2, [10, 7, 99, 0])), hour_ahead),
+        "no such cell"
+    );
 }
 
 /// A bpffs and a pin directory `name` on it, and [`rules`] compiled.
-fn pin_lab(name: &str) -> (rl_tests::lab::BpfFs, std::path::PathBuf, rl_control::compile::Compiled) {
+fn pin_lab(
+    name: &str,
+) -> (
+    rl_tests::lab::BpfFs,
+    std::path::PathBuf,
+    rl_control::compile::Compiled,
+) {
     require_root();
     let pins = rl_tests::lab::BpfFs::new().unwrap();
     let dir = pins.path().join(name);
     rl_control::datapath::prepare_pins(pins.path(), &dir).unwrap();
-    (pins, dir, compile(&Config::from_str(&rules(), "<test>").unwrap()))
+    (
+        pins,
+        dir,
+        compile(&Config::from_str(&rules(), "<test>").unwrap()),
+    )
 }
 
 /// `compiled`'s datapath pinned in (or adopted from) `dir`.
 fn load_pinned(compiled: &rl_control::compile::Compiled, dir: &std::path::Path) -> Datapath {
-    let opts = rl_control::datapath::LoadOptions { pin: Some(dir.to_path_buf()), ..Default::default() };
+    let opts = rl_control::datapath::LoadOptions {
+        pin: Some(dir.to_path_buf()),
+        ..Default::default()
+    };
     Datapath::load_with(compiled, opts).unwrap()
 }
 
@@ -183,9 +258,21 @@ fn a_cell_an_older_build_kept_in_the_sources_table_moves_to_the_array_and_keeps_
     {
         let dp = load();
         assert!(!dp.cells_in_tables(), "fresh pins");
-        let mut table: HashMap<MapData, Key4, Bucket> =
-            HashMap::try_from(Map::HashMap(dp.table_maps().unwrap().tables.0.open().unwrap())).unwrap();
-        table.insert(key, Bucket { tat_ns: drained, passed: 1, ..Bucket::default() }, 0).unwrap();
+        let mut table: HashMap<MapData, Key4, Bucket> = HashMap::try_from(Map::HashMap(
+            dp.table_maps().unwrap().tables.0.open().unwrap(),
+        ))
+        .unwrap();
+        table
+            .insert(
+                key,
+                Bucket {
+                    tat_ns: drained,
+                    passed: 1,
+                    ..Bucket::default()
+                },
+                0,
+            )
+            .unwrap();
     }
     for name in rl_common::CELL_MAPS {
         std::fs::remove_file(dir.join(name)).unwrap();
@@ -193,9 +280,13 @@ fn a_cell_an_older_build_kept_in_the_sources_table_moves_to_the_array_and_keeps_
     // A daemon that stops before it has moved them moves them at its next start.
     assert!(load().cells_in_tables());
     let mut dp = load();
-    assert!(dp.adopted() && dp.cells_in_tables(), "the daemon must move the cells before its swap");
+    assert!(
+        dp.adopted() && dp.cells_in_tables(),
+        "the daemon must move the cells before its swap"
+    );
     // (The pin directory is held by `dp`: a second load would be refused.)
-    let load_again_sees_cells_in_tables = |d: &std::path::Path| !d.join(rl_common::MAP_CELL_COUNT).exists();
+    let load_again_sees_cells_in_tables =
+        |d: &std::path::Path| !d.join(rl_common::MAP_CELL_COUNT).exists();
     let ids = dp.table_maps().unwrap();
     let mut table: HashMap<MapData, Key4, Bucket> =
         HashMap::try_from(Map::HashMap(ids.tables.0.open().unwrap())).unwrap();
@@ -204,35 +295,80 @@ fn a_cell_an_older_build_kept_in_the_sources_table_moves_to_the_array_and_keeps_
     // The daemon copies it before it swaps its program in: the new program
     // finds it at once, not a copy of the rule's last resort.
     assert_eq!(dp.move_old_cells().unwrap(), 1);
-    assert!(load_again_sees_cells_in_tables(&dir), "not marked done before the swap");
+    assert!(
+        load_again_sees_cells_in_tables(&dir),
+        "not marked done before the swap"
+    );
     dp.cells_moved().unwrap();
-    let i = cells.find(&key).expect("the array holds it before any collector pass");
+    let i = cells
+        .find(&key)
+        .expect("the array holds it before any collector pass");
     assert_eq!(cells.get(i).bucket.tat_ns, drained, "with its state");
-    assert_eq!(offer(&dp, &to([10, 5, 5, 9], 9999), 1), (0, 1), "a newcomer of that /24 is charged to it: the hour is still used");
+    assert_eq!(
+        offer(&dp, &to([10, 5, 5, 9], 9999), 1),
+        (0, 1),
+        "a newcomer of that /24 is charged to it: the hour is still used"
+    );
     // The old program charged the table's copy after the copy was taken:
     // the collector merges that in, then deletes the table's copy.
     let later = drained + 600_000_000_000;
-    table.insert(key, Bucket { tat_ns: later, passed: 2, ..Bucket::default() }, 0).unwrap();
+    table
+        .insert(
+            key,
+            Bucket {
+                tat_ns: later,
+                passed: 2,
+                ..Bucket::default()
+            },
+            0,
+        )
+        .unwrap();
     pass(&dp);
     assert!(table.get(&key, 0).is_err(), "the table no longer holds it");
     let i = cells.find(&key).expect("the array still holds it");
-    assert_eq!(cells.get(i).bucket.tat_ns, later, "the old program's last charges are merged in");
+    assert_eq!(
+        cells.get(i).bucket.tat_ns,
+        later,
+        "the old program's last charges are merged in"
+    );
     assert_eq!(offer(&dp, &to([10, 5, 5, 9], 9999), 1), (0, 1));
-    assert_eq!(offer(&dp, &to([10, 5, 6, 9], 9999), 1), (1, 0), "another /24 is not");
+    assert_eq!(
+        offer(&dp, &to([10, 5, 6, 9], 9999), 1),
+        (1, 0),
+        "another /24 is not"
+    );
     drop((cells, table, dp));
-    assert!(!load().cells_in_tables(), "a restart of this build has its arrays pinned: nothing to move");
+    assert!(
+        !load().cells_in_tables(),
+        "a restart of this build has its arrays pinned: nothing to move"
+    );
 }
 
 #[test]
 fn pins_holding_cells_without_their_key_array_or_their_seed_are_refused() {
     let (pins, dir, compiled) = pin_lab("partial");
     drop(load_pinned(&compiled, &dir));
-    for (name, is) in [(rl_common::MAP_CELL_KEYS_V4, "a cell array without its key array"), (rl_common::MAP_CELL_SEED, "cells without their seed")] {
+    for (name, is) in [
+        (
+            rl_common::MAP_CELL_KEYS_V4,
+            "a cell array without its key array",
+        ),
+        (rl_common::MAP_CELL_SEED, "cells without their seed"),
+    ] {
         let kept = pins.path().join("kept");
         std::fs::rename(dir.join(name), &kept).unwrap();
-        let opts = rl_control::datapath::LoadOptions { pin: Some(dir.clone()), ..Default::default() };
-        let e = Datapath::load_with(&compiled, opts).err().unwrap_or_else(|| panic!("{is} adopted")).to_string();
-        assert!(e.contains("of the prefix cells' maps only") && e.contains("rl-control detach"), "{is}: {e}");
+        let opts = rl_control::datapath::LoadOptions {
+            pin: Some(dir.clone()),
+            ..Default::default()
+        };
+        let e = Datapath::load_with(&compiled, opts)
+            .err()
+            .unwrap_or_else(|| panic!("{is} adopted"))
+            .to_string();
+        assert!(
+            e.contains("of the prefix cells' maps only") && e.contains("rl-control detach"),
+            "{is}: {e}"
+        );
         std::fs::rename(&kept, dir.join(name)).unwrap();
     }
     drop(load_pinned(&compiled, &dir));
@@ -240,7 +376,14 @@ fn pins_holding_cells_without_their_key_array_or_their_seed_are_refused() {
 
 /// `bpf(cmd, attr)` for the few commands the old-array test makes itself.
 fn bpf(cmd: i64, attr: &mut [u64; 16]) -> i64 {
-    let r = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr.as_mut_ptr(), std::mem::size_of_val(attr)) };
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd,
+            attr.as_mut_ptr(),
+            std::mem::size_of_val(attr),
+        )
+    };
     assert!(r >= 0, "bpf({cmd}): {}", std::io::Error::last_os_error());
     r
 }
@@ -296,12 +439,23 @@ fn a_cell_an_older_build_kept_in_a_64_byte_array_moves_to_the_new_arrays_with_it
     drop(load());
     // As a build with 64-byte cells left its pins: none of this build's
     // cell maps, its own array holding a drained 1-per-hour cell.
-    for name in rl_common::CELL_MAPS.into_iter().filter(|n| *n != rl_common::MAP_CELL_COUNT) {
+    for name in rl_common::CELL_MAPS
+        .into_iter()
+        .filter(|n| *n != rl_common::MAP_CELL_COUNT)
+    {
         std::fs::remove_file(dir.join(name)).unwrap();
     }
     let key = cell_key(2, [10, 5, 7, 0]);
     let drained = rl_control::datapath::monotonic_ns() + 3_000_000_000_000;
-    let old = OldCell { claim: key.known_hash() | 1, bucket: Bucket { tat_ns: drained, passed: 1, ..Bucket::default() }, key };
+    let old = OldCell {
+        claim: key.known_hash() | 1,
+        bucket: Bucket {
+            tat_ns: drained,
+            passed: 1,
+            ..Bucket::default()
+        },
+        key,
+    };
     let slots = rl_common::cell_slots(compiled.flood_prefixes);
     let old_path = dir.join(rl_common::MAP_OLD_CELLS_V4);
     // (Any slot: a move reads them all.)
@@ -309,31 +463,70 @@ fn a_cell_an_older_build_kept_in_a_64_byte_array_moves_to_the_new_arrays_with_it
     // And another /24's, which this build's program will charge further
     // than the old one did.
     let key2 = cell_key(2, [10, 5, 9, 0]);
-    let old2 = OldCell { claim: key2.known_hash() | 1, key: key2, ..old };
+    let old2 = OldCell {
+        claim: key2.known_hash() | 1,
+        key: key2,
+        ..old
+    };
     pin_old_cell_array(&old_path, slots, &[(at, old), (2, old2)]);
     let mut dp = load();
-    assert!(dp.adopted() && dp.cells_in_old_arrays(), "the daemon must move the cells before its swap");
+    assert!(
+        dp.adopted() && dp.cells_in_old_arrays(),
+        "the daemon must move the cells before its swap"
+    );
     let cells = dp.cells_v4().unwrap();
     assert!(cells.find(&key).is_none());
     assert_eq!(dp.move_old_cells().unwrap(), 2, "copied before the swap");
     let further = drained + 1_200_000_000_000;
-    assert!(Tables::open(&dp.table_maps().unwrap()).unwrap().raise(&BucketId::V4(key2), further));
+    assert!(Tables::open(&dp.table_maps().unwrap())
+        .unwrap()
+        .raise(&BucketId::V4(key2), further));
     let i = cells.find(&key).expect("the new array holds it");
     assert_eq!(cells.get(i).bucket.tat_ns, drained, "with its state");
     assert_eq!(cells.get(i).key, key);
-    assert_eq!(offer(&dp, &to([10, 5, 7, 9], 9999), 1), (0, 1), "a newcomer of that /24 is charged to it: the hour is still used");
+    assert_eq!(
+        offer(&dp, &to([10, 5, 7, 9], 9999), 1),
+        (0, 1),
+        "a newcomer of that /24 is charged to it: the hour is still used"
+    );
     // The old program charged its copy after the copy was taken: merged in
     // once the swap is done, and the old array is unpinned.
     let later = drained + 600_000_000_000;
-    write_old_cell(&pinned_fd(&old_path), at, &OldCell { bucket: Bucket { tat_ns: later, passed: 2, ..old.bucket }, ..old });
+    write_old_cell(
+        &pinned_fd(&old_path),
+        at,
+        &OldCell {
+            bucket: Bucket {
+                tat_ns: later,
+                passed: 2,
+                ..old.bucket
+            },
+            ..old
+        },
+    );
     assert!(old_path.exists(), "kept until the swap");
     assert_eq!(dp.cells_moved().unwrap(), 2);
     assert!(!old_path.exists(), "unpinned once merged");
-    assert_eq!(cells.get(cells.find(&key).unwrap()).bucket.tat_ns, later, "the old program's last charges are merged in");
-    assert_eq!(cells.get(cells.find(&key2).unwrap()).bucket.tat_ns, further, "a merge never takes a cell's state back");
-    assert_eq!(offer(&dp, &to([10, 5, 8, 9], 9999), 1), (1, 0), "another /24 is not limited");
+    assert_eq!(
+        cells.get(cells.find(&key).unwrap()).bucket.tat_ns,
+        later,
+        "the old program's last charges are merged in"
+    );
+    assert_eq!(
+        cells.get(cells.find(&key2).unwrap()).bucket.tat_ns,
+        further,
+        "a merge never takes a cell's state back"
+    );
+    assert_eq!(
+        offer(&dp, &to([10, 5, 8, 9], 9999), 1),
+        (1, 0),
+        "another /24 is not limited"
+    );
     drop((cells, dp));
-    assert!(!load().cells_in_old_arrays(), "a restart has nothing more to move");
+    assert!(
+        !load().cells_in_old_arrays(),
+        "a restart has nothing more to move"
+    );
 }
 
 #[test]
@@ -344,7 +537,13 @@ fn a_cell_charged_while_the_collector_frees_it_is_kept_with_its_charges() {
     let limits = dp.limits_by_key().unwrap();
     let key = cell_key(0, [10, 6, 6, 0]);
     let limit = limits[&(key.rule & !KEY_CELL)];
-    let fresh = |b: &Bucket| limit.is_fresh(b.tat_ns, rl_control::datapath::monotonic_ns(), dp.epoch_offset_ns());
+    let fresh = |b: &Bucket| {
+        limit.is_fresh(
+            b.tat_ns,
+            rl_control::datapath::monotonic_ns(),
+            dp.epoch_offset_ns(),
+        )
+    };
     // A [default] cell (1,000/s, burst 1,000), fresh again after a few ms.
     assert_eq!(offer(&dp, &to([10, 6, 6, 1], 5000), 1), (1, 0));
     std::thread::sleep(std::time::Duration::from_millis(20));
@@ -356,15 +555,25 @@ fn a_cell_charged_while_the_collector_frees_it_is_kept_with_its_charges() {
     let t0 = rl_control::datapath::monotonic_ns();
     let drained = offer(&dp, &to([10, 6, 6, 2], 5000), 1_010);
     let since = std::time::Instant::now();
-    assert!(drained.0 >= 1_000 && drained.1 >= 1, "the burst passed, then drops: {drained:?}");
+    assert!(
+        drained.0 >= 1_000 && drained.1 >= 1,
+        "the burst passed, then drops: {drained:?}"
+    );
     assert_eq!(cells.get(i).claim, seen.claim, "its claim did not change");
     assert!(cells.begin_free(i, &key));
-    assert!(!cells.finish_free(i, &key, fresh), "charged meanwhile: kept");
+    assert!(
+        !cells.finish_free(i, &key, fresh),
+        "charged meanwhile: kept"
+    );
     let kept = cells.get(cells.find(&key).expect("the cell is found again"));
     // 1,000/s: each pass moved the state 1 ms on from (at most a 4 ms tick
     // before) the drain's start.
     let charged = t0 - 10_000_000 + u64::from(drained.0) * 1_000_000;
-    assert!(kept.bucket.tat_ns >= charged, "with every charge: {} < {charged}", kept.bucket.tat_ns);
+    assert!(
+        kept.bucket.tat_ns >= charged,
+        "with every charge: {} < {charged}",
+        kept.bucket.tat_ns
+    );
     // No fresh allowance: a newcomer gets what refilled since the drain (a
     // packet a ms; freeing waits out runs in flight, so some ms pass), far
     // from the 200 a fresh cell (burst 1,000) would pass. The limit reads
@@ -373,7 +582,10 @@ fn a_cell_charged_while_the_collector_frees_it_is_kept_with_its_charges() {
     let (passed, dropped) = offer(&dp, &to([10, 6, 6, 3], 5000), 200);
     let tick_ms = dp.clock().tick_ns.div_ceil(1_000_000) as u32;
     let refilled = since.elapsed().as_millis() as u32 + 1 + tick_ms;
-    assert!(dropped >= 1 && passed <= refilled, "the /24 stays limited: {passed} passed, {refilled} refilled since the drain");
+    assert!(
+        dropped >= 1 && passed <= refilled,
+        "the /24 stays limited: {passed} passed, {refilled} refilled since the drain"
+    );
 }
 
 #[test]
@@ -385,7 +597,11 @@ fn while_a_cell_is_being_freed_its_prefix_is_charged_to_the_last_resort_and_clai
     // "once" allows 1 per hour: its last resort (fresh) passes one packet;
     // no second cell is made for the /24 in the set's other way.
     assert_eq!(offer(&dp, &to([10, 4, 4, 2], 9999), 2), (1, 1));
-    assert_eq!(dp.counters().unwrap().get(STAT_NEW_CELLS), claimed, "nothing claimed while the cell is dying");
+    assert_eq!(
+        dp.counters().unwrap().get(STAT_NEW_CELLS),
+        claimed,
+        "nothing claimed while the cell is dying"
+    );
     assert!(cells.find(&key).is_none());
     // Turned back (it is not fresh): it limits the /24 again, with its state.
     assert!(!cells.finish_free(i, &key, |_| false));
@@ -395,7 +611,11 @@ fn while_a_cell_is_being_freed_its_prefix_is_charged_to_the_last_resort_and_clai
     // next collector pass finishes the free (it is not fresh: kept).
     assert!(cells.begin_free(i, &key));
     let left = pass(&dp);
-    assert_eq!(cells.find(&key), Some(i), "a pass finishes an abandoned free: {left:?}");
+    assert_eq!(
+        cells.find(&key),
+        Some(i),
+        "a pass finishes an abandoned free: {left:?}"
+    );
     // Freed for real, and the next newcomer claims anew.
     assert!(cells.begin_free(i, &key));
     assert!(cells.finish_free(i, &key, |_| true));
@@ -409,7 +629,10 @@ fn while_a_cell_is_being_freed_its_prefix_is_charged_to_the_last_resort_and_clai
 fn a_slot_being_written_is_busy_for_its_key_and_a_pass_frees_one_a_stopped_daemon_left() {
     use std::sync::atomic::Ordering;
     let (dp, cells, key, i) = once_cell([10, 4, 5]);
-    assert!(cells.begin_free(i, &key) && cells.finish_free(i, &key, |_| true), "freed");
+    assert!(
+        cells.begin_free(i, &key) && cells.finish_free(i, &key, |_| true),
+        "freed"
+    );
     // As a run between its claim and its state, or a daemon stopped in the
     // middle of a move, leaves it: the key's claim word, writing.
     let writing = rl_common::cell_writing(cells.claim_of(&key));
@@ -418,13 +641,21 @@ fn a_slot_being_written_is_busy_for_its_key_and_a_pass_frees_one_a_stopped_daemo
     // "once" allows 1 per hour: the fresh last resort passes one packet,
     // and no cell is made for the /24 in the set's other way.
     assert_eq!(offer(&dp, &to([10, 4, 5, 2], 9999), 2), (1, 1));
-    assert_eq!(dp.counters().unwrap().get(STAT_NEW_CELLS), claimed, "nothing claimed while the slot is being written");
+    assert_eq!(
+        dp.counters().unwrap().get(STAT_NEW_CELLS),
+        claimed,
+        "nothing claimed while the slot is being written"
+    );
     assert!(cells.find(&key).is_none());
     // Still writing a grace later: the collector frees it.
     let p = pass(&dp);
     assert_eq!((cells.get(i).claim, p.collected), (0, 1), "{p:?}");
     offer(&dp, &to([10, 4, 5, 3], 9999), 1);
-    assert_eq!(dp.counters().unwrap().get(STAT_NEW_CELLS), claimed + 1, "the next newcomer claims anew");
+    assert_eq!(
+        dp.counters().unwrap().get(STAT_NEW_CELLS),
+        claimed + 1,
+        "the next newcomer claims anew"
+    );
 }
 
 #[test]
@@ -460,7 +691,13 @@ fn a_window_bucket_charged_in_its_window_survives_a_collector_pass() {
     // past the first ticks: the datapath's coarse clock lags by up to one).
     // An attempt the runner stalls past 400 ms (the sliding window's reach)
     // proves nothing either way: another source tries again.
-    let into = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() % 2_000_000_000;
+    let into = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+            % 2_000_000_000
+    };
     for host in 44..47 {
         while !(50_000_000..300_000_000).contains(&into()) {
             std::thread::sleep(std::time::Duration::from_millis(5));
@@ -513,12 +750,18 @@ fn daemon_upgrade(old: OldCells) {
     let pins = BpfFs::new().unwrap();
     let conf = tempfile::tempdir().unwrap();
     let cfg = write(&conf, "rl.toml", &rules());
-    let dir = pins.path().join(rl_control::datapath::pin_group(&[VB.to_string()]));
+    let dir = pins
+        .path()
+        .join(rl_control::datapath::pin_group(&[VB.to_string()]));
     let send = |src: [u8; 4]| {
         let tap = Receiver::tap(&lab.b, VB).unwrap();
         join(forged(&lab.a, VA, to(src, 9999), 1, 0, None, move |_| src)).unwrap();
         std::thread::sleep(std::time::Duration::from_millis(200));
-        tap.finish().unwrap().get(&std::net::IpAddr::from(src)).copied().unwrap_or(0)
+        tap.finish()
+            .unwrap()
+            .get(&std::net::IpAddr::from(src))
+            .copied()
+            .unwrap_or(0)
     };
     // This build uses the /24's hour ("once": 1 per hour, flood mode always
     // on, so the source is charged to its cell).
@@ -534,10 +777,16 @@ fn daemon_upgrade(old: OldCells) {
     let cell = {
         let dp = load_pinned(&compiled, &dir);
         let cells = dp.cells_v4().unwrap();
-        let cell = cells.get(cells.find(&key).expect("this build kept the cell in its array"));
+        let cell = cells.get(
+            cells
+                .find(&key)
+                .expect("this build kept the cell in its array"),
+        );
         if old == OldCells::Tables {
-            let mut table: HashMap<MapData, Key4, Bucket> =
-                HashMap::try_from(Map::HashMap(dp.table_maps().unwrap().tables.0.open().unwrap())).unwrap();
+            let mut table: HashMap<MapData, Key4, Bucket> = HashMap::try_from(Map::HashMap(
+                dp.table_maps().unwrap().tables.0.open().unwrap(),
+            ))
+            .unwrap();
             table.insert(key, cell.bucket, 0).unwrap();
         }
         cell
@@ -552,7 +801,18 @@ fn daemon_upgrade(old: OldCells) {
     if old == OldCells::Arrays64 {
         let slots = rl_common::cell_slots(compiled.flood_prefixes);
         let at = 0;
-        pin_old_cell_array(&old_path, slots, &[(at, OldCell { claim: key.known_hash() | 1, bucket: cell.bucket, key })]);
+        pin_old_cell_array(
+            &old_path,
+            slots,
+            &[(
+                at,
+                OldCell {
+                    claim: key.known_hash() | 1,
+                    bucket: cell.bucket,
+                    key,
+                },
+            )],
+        );
     }
     // The upgrade: the daemon copies the cell before its swap and finishes
     // the move after it.
@@ -560,21 +820,48 @@ fn daemon_upgrade(old: OldCells) {
     let log = d.log();
     let line = |needle: &str| log.lines().position(|l| l.contains(needle));
     let copied = line("copied the prefix cells an older build kept").expect(&log);
-    assert!(log.lines().nth(copied).unwrap().trim_end().ends_with(" cells=1"), "one cell copied: {log}");
+    assert!(
+        log.lines()
+            .nth(copied)
+            .unwrap()
+            .trim_end()
+            .ends_with(" cells=1"),
+        "one cell copied: {log}"
+    );
     let swapped = line("swapped this build's program into the pinned XDP link").expect(&log);
     assert!(copied < swapped, "copied before the program swap: {log}");
     if old == OldCells::Tables {
-        assert!(dir.join(rl_common::MAP_CELL_COUNT).exists(), "the move is marked done once the program is in");
+        assert!(
+            dir.join(rl_common::MAP_CELL_COUNT).exists(),
+            "the move is marked done once the program is in"
+        );
     } else {
         let merged = line("merged what the older build charged since the copy").expect(&log);
-        assert!(swapped < merged && log.lines().nth(merged).unwrap().trim_end().ends_with(" cells=1"), "merged after the swap: {log}");
+        assert!(
+            swapped < merged
+                && log
+                    .lines()
+                    .nth(merged)
+                    .unwrap()
+                    .trim_end()
+                    .ends_with(" cells=1"),
+            "merged after the swap: {log}"
+        );
         assert!(!old_path.exists(), "the old array is unpinned");
     }
-    assert_eq!(send([192, 0, 2, 20]), 0, "a newcomer of that /24 finds the hour used");
+    assert_eq!(
+        send([192, 0, 2, 20]),
+        0,
+        "a newcomer of that /24 finds the hour used"
+    );
     assert_eq!(send([198, 51, 100, 7]), 1, "another /24 has its own");
     let (status, log) = d.stop(libc::SIGTERM).unwrap();
     assert!(status.success(), "{log}");
-    let (status, out) = rl_tests::daemon::run_once(Some(&lab.b), &["detach", "--iface", VB, "--pin-dir", pins.arg()]).unwrap();
+    let (status, out) = rl_tests::daemon::run_once(
+        Some(&lab.b),
+        &["detach", "--iface", VB, "--pin-dir", pins.arg()],
+    )
+    .unwrap();
     assert!(status.success(), "{out}");
 }
 
@@ -587,34 +874,69 @@ fn the_collector_records_the_deletes_of_shared_limits_for_the_cluster_sync() {
     let fast = "[cluster]\nredis = [\"redis://127.0.0.1:1\"]\nnode = \"test\"\n\
         [[rule]]\nname = \"fast\"\nproto = \"udp\"\ndst_ports = [7788]\nrate = 1000\nscope = \"cluster\"\n";
     // Flood mode always on (a cell), then never (an own bucket).
-    for (toml, kind) in [(rules() + fast, "cell"), (rl_tests::flood_rules(1024) + fast, "own bucket")] {
+    for (toml, kind) in [
+        (rules() + fast, "cell"),
+        (rl_tests::flood_rules(1024) + fast, "own bucket"),
+    ] {
         let dp = datapath(&toml).unwrap();
         let compiled = compile(&Config::from_str(&toml, "<test>").unwrap());
-        let fast_index = compiled.rules.names.iter().position(|n| n == "fast").unwrap();
+        let fast_index = compiled
+            .rules
+            .names
+            .iter()
+            .position(|n| n == "fast")
+            .unwrap();
         let own = compiled.rules.entries[fast_index].key4(0, u32::from_ne_bytes([10, 5, 5, 1]));
         let id = if kind == "cell" {
-            BucketId::V4(Key4 { rule: own.rule | KEY_CELL, addr: own.addr & u32::from_ne_bytes([255, 255, 255, 0]) })
+            BucketId::V4(Key4 {
+                rule: own.rule | KEY_CELL,
+                addr: own.addr & u32::from_ne_bytes([255, 255, 255, 0]),
+            })
         } else {
             BucketId::V4(own)
         };
         assert_eq!(offer(&dp, &to([10, 5, 5, 1], 7788), 3), (3, 0), "{kind}");
-        assert_eq!(offer(&dp, &to([10, 6, 6, 1], 5000), 2), (2, 0), "{kind}: [default], not shared");
+        assert_eq!(
+            offer(&dp, &to([10, 6, 6, 1], 5000), 2),
+            (2, 0),
+            "{kind}: [default], not shared"
+        );
         let handoff = rl_control::datapath::share::Collected::default();
         handoff.lock().limits.insert(own.rule);
         let collect = |dp: &Datapath| {
             let limits = dp.limits_by_key().unwrap();
             let known = dp.known_filter().unwrap();
-            rl_control::datapath::collect_handing(&dp.table_maps().unwrap(), dp.epoch_offset_ns(), &limits, &known, Some(&handoff)).unwrap()
+            rl_control::datapath::collect_handing(
+                &dp.table_maps().unwrap(),
+                dp.epoch_offset_ns(),
+                &limits,
+                &known,
+                Some(&handoff),
+            )
+            .unwrap()
         };
         collect(&dp);
-        assert!(handoff.lock().deleted.is_empty(), "{kind}: nothing fresh for a second yet");
-        std::thread::sleep(std::time::Duration::from_nanos(COLLECT_IDLE_NS + 200_000_000));
+        assert!(
+            handoff.lock().deleted.is_empty(),
+            "{kind}: nothing fresh for a second yet"
+        );
+        std::thread::sleep(std::time::Duration::from_nanos(
+            COLLECT_IDLE_NS + 200_000_000,
+        ));
         let pass = collect(&dp);
         assert!(pass.collected >= 2, "{kind}: both collected: {pass:?}");
         let records = std::mem::take(&mut handoff.lock().deleted);
-        assert_eq!(records.len(), 1, "{kind}: only the shared limit's delete is recorded: {records:?}");
+        assert_eq!(
+            records.len(),
+            1,
+            "{kind}: only the shared limit's delete is recorded: {records:?}"
+        );
         assert_eq!(records[0].id, id, "{kind}");
-        assert_eq!((records[0].bucket.passed, records[0].bucket.dropped), (3, 0), "{kind}: with its last counts");
+        assert_eq!(
+            (records[0].bucket.passed, records[0].bucket.dropped),
+            (3, 0),
+            "{kind}: with its last counts"
+        );
     }
 }
 
@@ -629,10 +951,17 @@ fn a_bucket_charged_while_the_collector_waits_for_the_records_lock_stays() {
     let toml = rl_tests::flood_rules(1024) + fast;
     let dp = std::sync::Arc::new(datapath(&toml).unwrap());
     let compiled = compile(&Config::from_str(&toml, "<test>").unwrap());
-    let index = compiled.rules.names.iter().position(|n| n == "fast").unwrap();
+    let index = compiled
+        .rules
+        .names
+        .iter()
+        .position(|n| n == "fast")
+        .unwrap();
     let own = compiled.rules.entries[index].key4(0, u32::from_ne_bytes([10, 5, 5, 1]));
     assert_eq!(offer(&dp, &to([10, 5, 5, 1], 7788), 3), (3, 0));
-    std::thread::sleep(std::time::Duration::from_nanos(COLLECT_IDLE_NS + 200_000_000));
+    std::thread::sleep(std::time::Duration::from_nanos(
+        COLLECT_IDLE_NS + 200_000_000,
+    ));
     let handoff = std::sync::Arc::new(rl_control::datapath::share::Collected::default());
     let held = handoff.lock();
     let walker = {
@@ -640,22 +969,39 @@ fn a_bucket_charged_while_the_collector_waits_for_the_records_lock_stays() {
         std::thread::spawn(move || {
             let limits = dp.limits_by_key().unwrap();
             let known = dp.known_filter().unwrap();
-            rl_control::datapath::collect_handing(&dp.table_maps().unwrap(), dp.epoch_offset_ns(), &limits, &known, Some(&handoff)).unwrap()
+            rl_control::datapath::collect_handing(
+                &dp.table_maps().unwrap(),
+                dp.epoch_offset_ns(),
+                &limits,
+                &known,
+                Some(&handoff),
+            )
+            .unwrap()
         })
     };
     // The walk found the idle bucket and now waits for the lock: the
     // bucket is charged meanwhile (`kept_on_second_look` below says the
     // walk had read it idle before).
     std::thread::sleep(std::time::Duration::from_millis(500));
-    assert!(!walker.is_finished(), "the walk waits for the records' lock");
+    assert!(
+        !walker.is_finished(),
+        "the walk waits for the records' lock"
+    );
     assert_eq!(offer(&dp, &to([10, 5, 5, 1], 7788), 1), (1, 0));
     let mut held = held;
     held.limits.insert(own.rule);
     drop(held);
     let pass = walker.join().unwrap();
-    assert_eq!((pass.collected, pass.kept_on_second_look), (0, 1), "read idle, then kept: {pass:?}");
+    assert_eq!(
+        (pass.collected, pass.kept_on_second_look),
+        (0, 1),
+        "read idle, then kept: {pass:?}"
+    );
     assert!(handoff.lock().deleted.is_empty(), "nothing recorded");
     let shared = scan_shared(&dp.table_maps().unwrap(), |r| r == own.rule).unwrap();
-    let b = shared.iter().find(|b| b.id == BucketId::V4(own)).expect("the charged bucket stays");
+    let b = shared
+        .iter()
+        .find(|b| b.id == BucketId::V4(own))
+        .expect("the charged bucket stays");
     assert_eq!(b.bucket.passed, 4);
 }

@@ -5,7 +5,6 @@
 use rl_control::{compile::compile, config::Config, datapath::Datapath};
 use rl_tests::{datapath, frames::*, lab::require_root, offer};
 
-
 /// `[default]` never drops in these tests: 1,000,000 per second.
 fn with_default(rules: &str) -> String {
     format!("[default]\nrate = 1000000\n{rules}")
@@ -98,7 +97,10 @@ per = "1d"
     assert_eq!(offer(&dp, &udp6(V6_IN), 7), (5, 2));
     assert_eq!(offer(&dp, &udp6(V6_OUT), 7), (7, 0));
     // Everything else went to [default], and nothing else charged the rules.
-    let counts: Vec<u64> = ["ssh-syn", "udp-range", "icmp", "v4-src", "v6-src"].iter().map(|n| charged(&dp, n)).collect();
+    let counts: Vec<u64> = ["ssh-syn", "udp-range", "icmp", "v4-src", "v6-src"]
+        .iter()
+        .map(|n| charged(&dp, n))
+        .collect();
     assert_eq!(counts, vec![5, 4, 3, 6, 7]);
     assert_eq!(stats(&dp, "default").passed_pkts, 15 + 6 + 6 + 7);
 }
@@ -122,9 +124,21 @@ rate = 3
 per = "1d"
 "#,
     );
-    assert_eq!(offer(&dp, &udp4_to([192, 0, 2, 1], 53), 4), (1, 3), "the narrow rule comes first");
-    assert_eq!(offer(&dp, &udp4_to([192, 0, 2, 1], 54), 4), (3, 1), "other ports fall to the wide rule");
-    assert_eq!(offer(&dp, &udp4_to([203, 0, 113, 1], 53), 4), (3, 1), "other sources too");
+    assert_eq!(
+        offer(&dp, &udp4_to([192, 0, 2, 1], 53), 4),
+        (1, 3),
+        "the narrow rule comes first"
+    );
+    assert_eq!(
+        offer(&dp, &udp4_to([192, 0, 2, 1], 54), 4),
+        (3, 1),
+        "other ports fall to the wide rule"
+    );
+    assert_eq!(
+        offer(&dp, &udp4_to([203, 0, 113, 1], 53), 4),
+        (3, 1),
+        "other sources too"
+    );
     assert_eq!((charged(&dp, "narrow"), charged(&dp, "wide")), (4, 8));
 }
 
@@ -149,15 +163,27 @@ rate = 1
 per = "1d"
 "#,
     );
-    assert_eq!(offer(&dp, &udp4([10, 1, 2, 3]), 5), (5, 0), "allowed although a longer deny covers it");
+    assert_eq!(
+        offer(&dp, &udp4([10, 1, 2, 3]), 5),
+        (5, 0),
+        "allowed although a longer deny covers it"
+    );
     assert_eq!(offer(&dp, &udp4([10, 9, 9, 9]), 5), (5, 0));
     assert_eq!(offer(&dp, &udp4([198, 51, 100, 7]), 5), (0, 5), "denied");
     assert_eq!(offer(&dp, &udp6(V6_IN), 3), (3, 0));
     assert_eq!(offer(&dp, &udp6(V6_OUT), 3), (0, 3));
-    assert_eq!(offer(&dp, &udp4([203, 0, 113, 5]), 3), (1, 2), "the rule limits the rest");
+    assert_eq!(
+        offer(&dp, &udp4([203, 0, 113, 5]), 3),
+        (1, 2),
+        "the rule limits the rest"
+    );
     assert_eq!(stats(&dp, "allow").passed_pkts, 13);
     assert_eq!(stats(&dp, "deny").dropped_pkts, 8);
-    assert_eq!(charged(&dp, "all"), 3, "allowed and denied packets are not charged to rules");
+    assert_eq!(
+        charged(&dp, "all"),
+        3,
+        "allowed and denied packets are not charged to rules"
+    );
 }
 
 #[test]
@@ -191,25 +217,57 @@ per = "1d"
     );
     let (a, b, c) = ([192, 0, 2, 1], [192, 0, 2, 2], [198, 51, 100, 1]);
     assert_eq!(offer(&dp, &udp4_to(a, 1), 3), (2, 1));
-    assert_eq!(offer(&dp, &udp4_to(b, 1), 3), (2, 1), "each source has its own bucket");
+    assert_eq!(
+        offer(&dp, &udp4_to(b, 1), 3),
+        (2, 1),
+        "each source has its own bucket"
+    );
     assert_eq!(offer(&dp, &udp4_to(a, 2), 3), (2, 1));
-    assert_eq!(offer(&dp, &udp4_to(b, 2), 3), (0, 3), "the same /24 shares one bucket");
-    assert_eq!(offer(&dp, &udp4_to(c, 2), 3), (2, 1), "another /24 does not");
+    assert_eq!(
+        offer(&dp, &udp4_to(b, 2), 3),
+        (0, 3),
+        "the same /24 shares one bucket"
+    );
+    assert_eq!(
+        offer(&dp, &udp4_to(c, 2), 3),
+        (2, 1),
+        "another /24 does not"
+    );
     assert_eq!(offer(&dp, &udp4_to(a, 3), 1), (1, 0));
-    assert_eq!(offer(&dp, &udp4_to(c, 3), 3), (1, 2), "one bucket for everyone");
-    assert_eq!(offer(&dp, &udp6(V6_IN), 1), (1, 0), "default: not on these ports");
+    assert_eq!(
+        offer(&dp, &udp4_to(c, 3), 3),
+        (1, 2),
+        "one bucket for everyone"
+    );
+    assert_eq!(
+        offer(&dp, &udp6(V6_IN), 1),
+        (1, 0),
+        "default: not on these ports"
+    );
     let v6_to = |src: [u8; 16], port: u16| eth(&[], ETH_P_IPV6, &ipv6(src, UDP, &udp(port)));
     // The global key is one for both families: IPv6 finds it spent by
     // IPv4 (before, each family had a bucket, and dual-stack traffic
     // passed twice the limit).
-    assert_eq!(offer(&dp, &v6_to(V6_IN, 3), 3), (0, 3), "the global bucket holds IPv6 too");
+    assert_eq!(
+        offer(&dp, &v6_to(V6_IN, 3), 3),
+        (0, 3),
+        "the global bucket holds IPv6 too"
+    );
     // IPv6 prefix keys (/48 by default): V6_IN and V6_OUT differ in bits 33..48.
     let mut same48 = V6_IN;
     same48[15] = 200;
     same48[8] = 7;
     assert_eq!(offer(&dp, &v6_to(V6_IN, 2), 1), (1, 0));
-    assert_eq!(offer(&dp, &v6_to(same48, 2), 3), (1, 2), "the same IPv6 /48 shares one bucket");
-    assert_eq!(offer(&dp, &v6_to(V6_OUT, 2), 3), (2, 1), "another /48 does not");
+    assert_eq!(
+        offer(&dp, &v6_to(same48, 2), 3),
+        (1, 2),
+        "the same IPv6 /48 shares one bucket"
+    );
+    assert_eq!(
+        offer(&dp, &v6_to(V6_OUT, 2), 3),
+        (2, 1),
+        "another /48 does not"
+    );
 }
 
 #[test]
@@ -230,7 +288,11 @@ fn windows_cap_each_window() {
     let a = [192, 0, 2, 1];
     assert_eq!(offer(&dp, &udp4_to(a, 1), 6), (4, 2));
     assert_eq!(offer(&dp, &udp4_to(a, 2), 6), (4, 2));
-    assert_eq!(offer(&dp, &udp4_to([192, 0, 2, 2], 1), 6), (4, 2), "per source");
+    assert_eq!(
+        offer(&dp, &udp4_to([192, 0, 2, 2], 1), 6),
+        (4, 2),
+        "per source"
+    );
 }
 
 #[test]
@@ -241,12 +303,28 @@ fn all_limits_of_a_rule_must_pass() {
          [[rule]]\nname = \"both\"\nproto = \"udp\"\ndst_ports = [3]\nrate = 100\nbytes = 500\nper = \"1d\"\n",
     );
     let a = [192, 0, 2, 1];
-    assert_eq!(offer(&dp, &udp4_to(a, 1), 6), (3, 3), "the tighter of two packet limits");
+    assert_eq!(
+        offer(&dp, &udp4_to(a, 1), 6),
+        (3, 3),
+        "the tighter of two packet limits"
+    );
     let frame = udp4_to(a, 2);
     let len = frame.len() as u32;
-    assert_eq!(offer(&dp, &frame, 1000 / len + 3), (1000 / len, 3), "{len} bytes per frame, 1000-byte budget");
-    assert_eq!(stats(&dp, "bytes").passed_bytes, (1000 / len * len) as u64, "bytes are counted per rule");
-    assert_eq!(offer(&dp, &udp4_to(a, 3), 500 / len + 2), (500 / len, 2), "a byte limit beside a packet limit");
+    assert_eq!(
+        offer(&dp, &frame, 1000 / len + 3),
+        (1000 / len, 3),
+        "{len} bytes per frame, 1000-byte budget"
+    );
+    assert_eq!(
+        stats(&dp, "bytes").passed_bytes,
+        (1000 / len * len) as u64,
+        "bytes are counted per rule"
+    );
+    assert_eq!(
+        offer(&dp, &udp4_to(a, 3), 500 / len + 2),
+        (500 / len, 2),
+        "a byte limit beside a packet limit"
+    );
 }
 
 #[test]
@@ -255,7 +333,11 @@ fn soft_and_elastic_modes() {
         "[[rule]]\nname = \"soft\"\nproto = \"udp\"\ndst_ports = [1]\nrate = 10\nper = \"1d\"\nmode = \"soft\"\nsoft_percent = 50\n\
          [[rule]]\nname = \"elastic\"\nproto = \"udp\"\ndst_ports = [2]\nrate = 2\nper = \"1d\"\nmode = \"elastic\"\npool_rate = 3\npool_per = \"1d\"\n",
     );
-    assert_eq!(offer(&dp, &udp4_to([192, 0, 2, 1], 1), 20), (15, 5), "10 + 50%");
+    assert_eq!(
+        offer(&dp, &udp4_to([192, 0, 2, 1], 1), 20),
+        (15, 5),
+        "10 + 50%"
+    );
     // Source A: its own 2, then the pool's 3. Source B: its own 2; the pool is spent.
     assert_eq!(offer(&dp, &udp4_to([192, 0, 2, 1], 2), 8), (5, 3));
     assert_eq!(offer(&dp, &udp4_to([192, 0, 2, 2], 2), 8), (2, 6));
@@ -266,10 +348,22 @@ fn soft_and_elastic_modes() {
         src[7] = last;
         eth(&[], ETH_P_IPV6, &ipv6(src, UDP, &udp(port)))
     };
-    assert_eq!(offer(&dp, &udp6_to(1, 2), 8), (2, 6), "IPv6: its own 2; the rule's pool is spent");
+    assert_eq!(
+        offer(&dp, &udp6_to(1, 2), 8),
+        (2, 6),
+        "IPv6: its own 2; the rule's pool is spent"
+    );
     let dp = load("[[rule]]\nname = \"elastic\"\nproto = \"udp\"\ndst_ports = [2]\nrate = 2\nper = \"1d\"\nmode = \"elastic\"\npool_rate = 3\npool_per = \"1d\"\n");
-    assert_eq!(offer(&dp, &udp6_to(1, 2), 4), (4, 0), "IPv6 first: its own 2, then 2 of the pool's 3");
-    assert_eq!(offer(&dp, &udp4_to([192, 0, 2, 1], 2), 4), (3, 1), "IPv4: its own 2, then the pool's last one");
+    assert_eq!(
+        offer(&dp, &udp6_to(1, 2), 4),
+        (4, 0),
+        "IPv6 first: its own 2, then 2 of the pool's 3"
+    );
+    assert_eq!(
+        offer(&dp, &udp4_to([192, 0, 2, 1], 2), 4),
+        (3, 1),
+        "IPv4: its own 2, then the pool's last one"
+    );
 }
 
 #[test]
@@ -288,17 +382,35 @@ fn reload_keeps_unchanged_rules_state_and_refreshes_changed_ones() {
     let a = [192, 0, 2, 1];
     assert_eq!(offer(&dp, &udp4_to(a, 1), 3), (2, 1));
     assert_eq!(offer(&dp, &udp4_to(a, 2), 3), (2, 1));
-    dp.install(&compile(&Config::from_str(&v2, "v2").unwrap()).rules).unwrap();
-    assert_eq!(offer(&dp, &udp4_to(a, 1), 2), (0, 2), "an unchanged rule keeps its spent bucket (moved in the file)");
-    assert_eq!(offer(&dp, &udp4_to(a, 2), 5), (4, 1), "a changed rule starts fresh with its new limit");
-    assert_eq!(offer(&dp, &udp4_to(a, 3), 2), (1, 1), "a new rule applies at once");
+    dp.install(&compile(&Config::from_str(&v2, "v2").unwrap()).rules)
+        .unwrap();
+    assert_eq!(
+        offer(&dp, &udp4_to(a, 1), 2),
+        (0, 2),
+        "an unchanged rule keeps its spent bucket (moved in the file)"
+    );
+    assert_eq!(
+        offer(&dp, &udp4_to(a, 2), 5),
+        (4, 1),
+        "a changed rule starts fresh with its new limit"
+    );
+    assert_eq!(
+        offer(&dp, &udp4_to(a, 3), 2),
+        (1, 1),
+        "a new rule applies at once"
+    );
     // Counters follow names across the reload.
     assert_eq!(charged(&dp, "keep"), 5);
     assert_eq!(charged(&dp, "change"), 8);
     // And back: a second reload reuses the first slot.
-    dp.install(&compile(&Config::from_str(&v1, "v1").unwrap()).rules).unwrap();
+    dp.install(&compile(&Config::from_str(&v1, "v1").unwrap()).rules)
+        .unwrap();
     assert_eq!(offer(&dp, &udp4_to(a, 1), 1), (0, 1), "still spent");
-    assert_eq!(offer(&dp, &udp4_to(a, 3), 2), (2, 0), "the removed rule no longer applies");
+    assert_eq!(
+        offer(&dp, &udp4_to(a, 3), 2),
+        (2, 0),
+        "the removed rule no longer applies"
+    );
     assert_eq!(charged(&dp, "keep"), 6);
 }
 
@@ -309,7 +421,12 @@ fn holds_a_thousand_rules_and_a_hundred_thousand_cidrs() {
     require_root();
     let mut t = String::from("[datapath]\nmax_sources = 4096\n[default]\nrate = 1000000\n");
     for i in 0..100_000u32 {
-        t += &format!("[[deny]]\ncidr = \"100.{}.{}.{}/32\"\n", 64 + (i >> 16), (i >> 8) & 255, i & 255);
+        t += &format!(
+            "[[deny]]\ncidr = \"100.{}.{}.{}/32\"\n",
+            64 + (i >> 16),
+            (i >> 8) & 255,
+            i & 255
+        );
     }
     for i in 0..999u32 {
         t += &format!("[[rule]]\nname = \"r{i}\"\nproto = \"tcp\"\ndst_ports = [{}]\nrate = 2\nper = \"1d\"\n", 1000 + i);
@@ -321,12 +438,36 @@ fn holds_a_thousand_rules_and_a_hundred_thousand_cidrs() {
     let c = Config::from_str(&t, "big").unwrap();
     assert_eq!((c.rules.len(), c.deny.len()), (1000, 100_000));
     let dp = Datapath::load(&compile(&c)).unwrap();
-    assert_eq!(offer(&dp, &udp4_to([100, 65, 134, 159], 53), 2), (0, 2), "deny entry 99,999");
-    assert_eq!(offer(&dp, &udp4_to([100, 65, 134, 160], 53), 4), (3, 1), "not denied: the last rule");
-    assert_eq!(offer(&dp, &tcp4([203, 0, 113, 9], 1998, SYN), 3), (2, 1), "port 1998: rule r998");
-    assert_eq!(offer(&dp, &tcp4([203, 0, 113, 9], 1999, SYN), 3), (3, 0), "port 1999: no rule, the default");
-    assert_eq!(offer(&dp, &tcp4([10, 0, 0, 9], 1000, SYN), 3), (2, 1), "r0, whose src contains the source");
-    assert_eq!(offer(&dp, &tcp4([192, 0, 2, 9], 1000, SYN), 3), (3, 0), "r0 does not apply outside its src");
+    assert_eq!(
+        offer(&dp, &udp4_to([100, 65, 134, 159], 53), 2),
+        (0, 2),
+        "deny entry 99,999"
+    );
+    assert_eq!(
+        offer(&dp, &udp4_to([100, 65, 134, 160], 53), 4),
+        (3, 1),
+        "not denied: the last rule"
+    );
+    assert_eq!(
+        offer(&dp, &tcp4([203, 0, 113, 9], 1998, SYN), 3),
+        (2, 1),
+        "port 1998: rule r998"
+    );
+    assert_eq!(
+        offer(&dp, &tcp4([203, 0, 113, 9], 1999, SYN), 3),
+        (3, 0),
+        "port 1999: no rule, the default"
+    );
+    assert_eq!(
+        offer(&dp, &tcp4([10, 0, 0, 9], 1000, SYN), 3),
+        (2, 1),
+        "r0, whose src contains the source"
+    );
+    assert_eq!(
+        offer(&dp, &tcp4([192, 0, 2, 9], 1000, SYN), 3),
+        (3, 0),
+        "r0 does not apply outside its src"
+    );
     assert_eq!(charged(&dp, "last"), 4);
 }
 
@@ -334,7 +475,8 @@ fn holds_a_thousand_rules_and_a_hundred_thousand_cidrs() {
 /// (100 at once, 100/s) however many sources start being limited.
 #[test]
 fn limited_events_are_one_per_episode_and_budgeted_in_the_kernel() {
-    let mut dp = load("[[rule]]\nname = \"udp\"\nproto = \"udp\"\nrate = 1\nper = \"1d\"\nburst = 1\n");
+    let mut dp =
+        load("[[rule]]\nname = \"udp\"\nproto = \"udp\"\nrate = 1\nper = \"1d\"\nburst = 1\n");
     let mut ring = dp.take_events().unwrap();
     let started = std::time::Instant::now();
     // 500 sources, each: one packet passes, three drop (one episode).
@@ -348,12 +490,27 @@ fn limited_events_are_one_per_episode_and_budgeted_in_the_kernel() {
         events.extend(rl_common::Event::read(&item));
     }
     let c = dp.counters().unwrap();
-    let (sent, suppressed) = (c.get(rl_common::STAT_EVENTS), c.get(rl_common::STAT_EVENTS_SUPPRESSED));
-    assert_eq!(sent + suppressed, 500, "one episode per source: {sent} sent, {suppressed} suppressed");
+    let (sent, suppressed) = (
+        c.get(rl_common::STAT_EVENTS),
+        c.get(rl_common::STAT_EVENTS_SUPPRESSED),
+    );
+    assert_eq!(
+        sent + suppressed,
+        500,
+        "one episode per source: {sent} sent, {suppressed} suppressed"
+    );
     assert_eq!(events.len() as u64, sent);
     let budget = rl_common::EVENTS_BURST as f64 + rl_common::EVENTS_PER_SEC as f64 * elapsed;
-    assert!(events.len() as f64 <= budget + 1.0, "{} events in {elapsed:.3} s, budget {budget:.1}", events.len());
-    assert!(events.len() as u64 >= rl_common::EVENTS_BURST, "the first {} go through", rl_common::EVENTS_BURST);
+    assert!(
+        events.len() as f64 <= budget + 1.0,
+        "{} events in {elapsed:.3} s, budget {budget:.1}",
+        events.len()
+    );
+    assert!(
+        events.len() as u64 >= rl_common::EVENTS_BURST,
+        "the first {} go through",
+        rl_common::EVENTS_BURST
+    );
     // Each names its source and the rule's bucket.
     let e = events[0];
     assert_eq!((e.family, &e.addr[..4]), (4, &[10u8, 1, 0, 0][..]));
@@ -361,5 +518,9 @@ fn limited_events_are_one_per_episode_and_budgeted_in_the_kernel() {
     let mut seen: Vec<[u8; 16]> = events.iter().map(|e| e.addr).collect();
     seen.sort();
     seen.dedup();
-    assert_eq!(seen.len(), events.len(), "at most one event per source per episode");
+    assert_eq!(
+        seen.len(),
+        events.len(),
+        "at most one event per source per episode"
+    );
 }

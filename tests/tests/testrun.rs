@@ -8,8 +8,12 @@ use rl_common::{
     STAT_PASSED_PKTS,
 };
 use rl_control::datapath::Datapath;
-use rl_tests::{datapath, frames::*, offer, XDP_DROP, XDP_PASS, lab::{pin_to_cpu, require_root}};
-
+use rl_tests::{
+    datapath,
+    frames::*,
+    lab::{pin_to_cpu, require_root},
+    offer, XDP_DROP, XDP_PASS,
+};
 
 fn verdict(dp: &Datapath, frame: &[u8]) -> u32 {
     dp.test_run(frame, 1).expect("test run").0
@@ -44,8 +48,12 @@ fn malformed_and_truncated_frames_get_defined_verdicts() {
     tcp_options_past_end[12] = 10 << 4;
     tcp_options_past_end.extend_from_slice(&[1, 1, 1, 1]);
     // Seven destination-options headers before UDP: one more than the bound.
-    let seven_ext = (0..7).fold(udp(53), |inner, i| ipv6_ext(if i == 0 { UDP } else { 60 }, &inner));
-    let six_ext = (0..6).fold(udp(53), |inner, i| ipv6_ext(if i == 0 { UDP } else { 60 }, &inner));
+    let seven_ext = (0..7).fold(udp(53), |inner, i| {
+        ipv6_ext(if i == 0 { UDP } else { 60 }, &inner)
+    });
+    let six_ext = (0..6).fold(udp(53), |inner, i| {
+        ipv6_ext(if i == 0 { UDP } else { 60 }, &inner)
+    });
     let two_ext = ipv6_ext(60, &ipv6_ext(UDP, &udp(53)));
     let mut non_first_v4 = ipv4(src, UDP, &[], &[1, 2, 3]);
     non_first_v4[6] = 0x00;
@@ -53,70 +61,290 @@ fn malformed_and_truncated_frames_get_defined_verdicts() {
 
     // (what, frame, verdict, counted as non-IP, counted as malformed)
     let cases: Vec<(&str, Vec<u8>, u32, bool, bool)> = vec![
-        ("ARP", eth(&[], ETH_P_ARP, &[0u8; 28]), XDP_PASS, true, false),
-        ("Ethernet header only", eth(&[], 0x88b5, &[]), XDP_PASS, true, false),
-        ("truncated VLAN tag", eth(&[], ETH_P_8021Q, &[0, 100]), XDP_PASS, true, false),
         (
-            "three VLAN tags",
-            eth(&[(ETH_P_8021AD, 1), (ETH_P_8021Q, 2), (ETH_P_8021Q, 3)], ETH_P_IP, &ipv4(src, UDP, &[], &udp(53))),
+            "ARP",
+            eth(&[], ETH_P_ARP, &[0u8; 28]),
             XDP_PASS,
             true,
             false,
         ),
-        ("IPv4 header cut at 10 bytes", eth(&[], ETH_P_IP, &ipv4(src, UDP, &[], &[])[..10]), XDP_DROP, false, true),
-        ("IPv4 version 6 in an IPv4 frame", eth(&[], ETH_P_IP, &bad_version), XDP_DROP, false, true),
-        ("IPv4 IHL 4", eth(&[], ETH_P_IP, &short_ihl), XDP_DROP, false, true),
         (
-            "IPv4 options cut short",
-            eth(&[], ETH_P_IP, &ipv4(src, UDP, &[1, 1, 1, 1, 1, 1, 1, 1], &[])[..24]),
+            "Ethernet header only",
+            eth(&[], 0x88b5, &[]),
+            XDP_PASS,
+            true,
+            false,
+        ),
+        (
+            "truncated VLAN tag",
+            eth(&[], ETH_P_8021Q, &[0, 100]),
+            XDP_PASS,
+            true,
+            false,
+        ),
+        (
+            "three VLAN tags",
+            eth(
+                &[(ETH_P_8021AD, 1), (ETH_P_8021Q, 2), (ETH_P_8021Q, 3)],
+                ETH_P_IP,
+                &ipv4(src, UDP, &[], &udp(53)),
+            ),
+            XDP_PASS,
+            true,
+            false,
+        ),
+        (
+            "IPv4 header cut at 10 bytes",
+            eth(&[], ETH_P_IP, &ipv4(src, UDP, &[], &[])[..10]),
             XDP_DROP,
             false,
             true,
         ),
-        ("TCP header cut at 10 bytes", v4(TCP, &tcp(80, 2)[..10]), XDP_DROP, false, true),
-        ("TCP data offset 4", v4(TCP, &tcp_doff), XDP_DROP, false, true),
-        ("UDP header cut at 4 bytes", v4(UDP, &udp(53)[..4]), XDP_DROP, false, true),
-        ("ICMP header cut at 2 bytes", v4(ICMP, &[8, 0]), XDP_DROP, false, true),
+        (
+            "IPv4 version 6 in an IPv4 frame",
+            eth(&[], ETH_P_IP, &bad_version),
+            XDP_DROP,
+            false,
+            true,
+        ),
+        (
+            "IPv4 IHL 4",
+            eth(&[], ETH_P_IP, &short_ihl),
+            XDP_DROP,
+            false,
+            true,
+        ),
+        (
+            "IPv4 options cut short",
+            eth(
+                &[],
+                ETH_P_IP,
+                &ipv4(src, UDP, &[1, 1, 1, 1, 1, 1, 1, 1], &[])[..24],
+            ),
+            XDP_DROP,
+            false,
+            true,
+        ),
+        (
+            "TCP header cut at 10 bytes",
+            v4(TCP, &tcp(80, 2)[..10]),
+            XDP_DROP,
+            false,
+            true,
+        ),
+        (
+            "TCP data offset 4",
+            v4(TCP, &tcp_doff),
+            XDP_DROP,
+            false,
+            true,
+        ),
+        (
+            "UDP header cut at 4 bytes",
+            v4(UDP, &udp(53)[..4]),
+            XDP_DROP,
+            false,
+            true,
+        ),
+        (
+            "ICMP header cut at 2 bytes",
+            v4(ICMP, &[8, 0]),
+            XDP_DROP,
+            false,
+            true,
+        ),
         // First fragments (offset 0, more to come) too short for the L4
         // header they claim: malformed, not orphans and not whole packets.
-        ("IPv4 first fragment, UDP header cut at 4 bytes", eth(&[], ETH_P_IP, &ipv4_fragment(src, UDP, 7, 0, true, &udp(53)[..4])), XDP_DROP, false, true),
-        ("IPv4 first fragment, TCP header cut at 12 bytes", eth(&[], ETH_P_IP, &ipv4_fragment(src, TCP, 8, 0, true, &tcp(80, 2)[..12])), XDP_DROP, false, true),
+        (
+            "IPv4 first fragment, UDP header cut at 4 bytes",
+            eth(
+                &[],
+                ETH_P_IP,
+                &ipv4_fragment(src, UDP, 7, 0, true, &udp(53)[..4]),
+            ),
+            XDP_DROP,
+            false,
+            true,
+        ),
+        (
+            "IPv4 first fragment, TCP header cut at 12 bytes",
+            eth(
+                &[],
+                ETH_P_IP,
+                &ipv4_fragment(src, TCP, 8, 0, true, &tcp(80, 2)[..12]),
+            ),
+            XDP_DROP,
+            false,
+            true,
+        ),
         // A TCP header whose data offset claims options past the first
         // fragment (RFC 1858's tiny fragment): 40 bytes claimed, 24 held.
-        ("IPv4 first fragment, TCP options past its end", eth(&[], ETH_P_IP, &ipv4_fragment(src, TCP, 10, 0, true, &tcp_options_past_end)), XDP_DROP, false, true),
+        (
+            "IPv4 first fragment, TCP options past its end",
+            eth(
+                &[],
+                ETH_P_IP,
+                &ipv4_fragment(src, TCP, 10, 0, true, &tcp_options_past_end),
+            ),
+            XDP_DROP,
+            false,
+            true,
+        ),
         (
             "IPv6 first fragment, TCP options past its end",
-            eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 44, &ipv6_fragment(TCP, 0, true, 11, &tcp_options_past_end))),
+            eth(
+                &[],
+                ETH_P_IPV6,
+                &ipv6(
+                    v6(1, 0),
+                    44,
+                    &ipv6_fragment(TCP, 0, true, 11, &tcp_options_past_end),
+                ),
+            ),
             XDP_DROP,
             false,
             true,
         ),
         // The same header whole (not a fragment): the kernel judges it.
-        ("TCP options past the packet's end, not a fragment", v4(TCP, &tcp_options_past_end), XDP_PASS, false, false),
+        (
+            "TCP options past the packet's end, not a fragment",
+            v4(TCP, &tcp_options_past_end),
+            XDP_PASS,
+            false,
+            false,
+        ),
         (
             "IPv6 first fragment, UDP header cut at 6 bytes",
-            eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 44, &ipv6_fragment(UDP, 0, true, 9, &udp(53)[..6]))),
+            eth(
+                &[],
+                ETH_P_IPV6,
+                &ipv6(v6(1, 0), 44, &ipv6_fragment(UDP, 0, true, 9, &udp(53)[..6])),
+            ),
             XDP_DROP,
             false,
             true,
         ),
-        ("IPv6 header cut at 30 bytes", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), UDP, &udp(53))[..30]), XDP_DROP, false, true),
-        ("IPv6 seven extension headers", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 60, &seven_ext)), XDP_DROP, false, true),
-        ("IPv6 extension header cut", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 0, &[17])), XDP_DROP, false, true),
-        ("IPv6 UDP cut after extension header", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 0, &ipv6_ext(UDP, &[0, 53]))), XDP_DROP, false, true),
+        (
+            "IPv6 header cut at 30 bytes",
+            eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), UDP, &udp(53))[..30]),
+            XDP_DROP,
+            false,
+            true,
+        ),
+        (
+            "IPv6 seven extension headers",
+            eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 60, &seven_ext)),
+            XDP_DROP,
+            false,
+            true,
+        ),
+        (
+            "IPv6 extension header cut",
+            eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 0, &[17])),
+            XDP_DROP,
+            false,
+            true,
+        ),
+        (
+            "IPv6 UDP cut after extension header",
+            eth(
+                &[],
+                ETH_P_IPV6,
+                &ipv6(v6(1, 0), 0, &ipv6_ext(UDP, &[0, 53])),
+            ),
+            XDP_DROP,
+            false,
+            true,
+        ),
         // Well-formed but unusual: limited by source (the bucket has room), so passed.
-        ("IPv4 with options + UDP", eth(&[], ETH_P_IP, &ipv4(src, UDP, &[1, 1, 1, 1], &udp(53))), XDP_PASS, false, false),
+        (
+            "IPv4 with options + UDP",
+            eth(&[], ETH_P_IP, &ipv4(src, UDP, &[1, 1, 1, 1], &udp(53))),
+            XDP_PASS,
+            false,
+            false,
+        ),
         // Its first fragment was never seen: an orphan, dropped by default.
-        ("IPv4 non-first fragment", eth(&[], ETH_P_IP, &non_first_v4), XDP_DROP, false, false),
-        ("IPv4 GRE (unknown L4)", v4(47, &[0, 0, 8, 0]), XDP_PASS, false, false),
-        ("IPv4 ICMP echo", v4(ICMP, &icmp_echo()), XDP_PASS, false, false),
-        ("IPv6 six extension headers + UDP", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 60, &six_ext)), XDP_PASS, false, false),
-        ("IPv6 two extension headers + UDP", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 0, &two_ext)), XDP_PASS, false, false),
-        ("IPv6 non-first fragment", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 44, &ipv6_frag(UDP, 100, &[1, 2]))), XDP_DROP, false, false),
+        (
+            "IPv4 non-first fragment",
+            eth(&[], ETH_P_IP, &non_first_v4),
+            XDP_DROP,
+            false,
+            false,
+        ),
+        (
+            "IPv4 GRE (unknown L4)",
+            v4(47, &[0, 0, 8, 0]),
+            XDP_PASS,
+            false,
+            false,
+        ),
+        (
+            "IPv4 ICMP echo",
+            v4(ICMP, &icmp_echo()),
+            XDP_PASS,
+            false,
+            false,
+        ),
+        (
+            "IPv6 six extension headers + UDP",
+            eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 60, &six_ext)),
+            XDP_PASS,
+            false,
+            false,
+        ),
+        (
+            "IPv6 two extension headers + UDP",
+            eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 0, &two_ext)),
+            XDP_PASS,
+            false,
+            false,
+        ),
+        (
+            "IPv6 non-first fragment",
+            eth(
+                &[],
+                ETH_P_IPV6,
+                &ipv6(v6(1, 0), 44, &ipv6_frag(UDP, 100, &[1, 2])),
+            ),
+            XDP_DROP,
+            false,
+            false,
+        ),
         // Offset 0 and no more fragments: a whole packet (RFC 6946).
-        ("IPv6 atomic fragment + UDP", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 44, &ipv6_frag(UDP, 0, &udp(53)))), XDP_PASS, false, false),
-        ("IPv6 first fragment + UDP", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), 44, &ipv6_fragment(UDP, 0, true, 2, &udp(53)))), XDP_PASS, false, false),
-        ("ICMPv6 echo", eth(&[], ETH_P_IPV6, &ipv6(v6(1, 0), ICMPV6, &[128, 0, 0, 0, 0, 1, 0, 1])), XDP_PASS, false, false),
+        (
+            "IPv6 atomic fragment + UDP",
+            eth(
+                &[],
+                ETH_P_IPV6,
+                &ipv6(v6(1, 0), 44, &ipv6_frag(UDP, 0, &udp(53))),
+            ),
+            XDP_PASS,
+            false,
+            false,
+        ),
+        (
+            "IPv6 first fragment + UDP",
+            eth(
+                &[],
+                ETH_P_IPV6,
+                &ipv6(v6(1, 0), 44, &ipv6_fragment(UDP, 0, true, 2, &udp(53))),
+            ),
+            XDP_PASS,
+            false,
+            false,
+        ),
+        (
+            "ICMPv6 echo",
+            eth(
+                &[],
+                ETH_P_IPV6,
+                &ipv6(v6(1, 0), ICMPV6, &[128, 0, 0, 0, 0, 1, 0, 1]),
+            ),
+            XDP_PASS,
+            false,
+            false,
+        ),
         ("TCP SYN", v4(TCP, &tcp(22, 0x02)), XDP_PASS, false, false),
     ];
 
@@ -125,14 +353,21 @@ fn malformed_and_truncated_frames_get_defined_verdicts() {
         assert_eq!(verdict(&dp, frame), *want, "{what}");
         non_ip += *is_non_ip as u64;
         malformed += *is_malformed as u64;
-        if *want == XDP_PASS { passed += 1 } else { dropped += 1 }
+        if *want == XDP_PASS {
+            passed += 1
+        } else {
+            dropped += 1
+        }
     }
     let c = dp.counters().unwrap();
     assert_eq!(c.get(STAT_NON_IP), non_ip, "{c}");
     assert_eq!(c.get(STAT_MALFORMED), malformed, "{c}");
     assert_eq!(c.get(STAT_PASSED_PKTS), passed, "{c}");
     assert_eq!(c.get(STAT_DROPPED_PKTS), dropped, "{c}");
-    assert_eq!(c.get(STAT_PASSED_PKTS) + c.get(STAT_DROPPED_PKTS), cases.len() as u64);
+    assert_eq!(
+        c.get(STAT_PASSED_PKTS) + c.get(STAT_DROPPED_PKTS),
+        cases.len() as u64
+    );
     // Only well-formed IP packets create buckets: 192.0.2.1 and fd00::1.
     assert_eq!(c.get(STAT_NEW_SOURCES), 2, "{c}");
 }
@@ -165,7 +400,10 @@ fn burst_then_drop_and_sources_are_independent() {
     low[15] = 1;
     assert_eq!(offer(&dp, &udp6(low), 7), (5, 2));
     let c = dp.counters().unwrap();
-    assert_eq!((c.get(STAT_PASSED_PKTS), c.get(STAT_DROPPED_PKTS)), (15, 32));
+    assert_eq!(
+        (c.get(STAT_PASSED_PKTS), c.get(STAT_DROPPED_PKTS)),
+        (15, 32)
+    );
     assert_eq!(c.get(STAT_NEW_SOURCES), 3);
     assert_eq!(dp.sources().unwrap().len(), 3);
 }
@@ -178,13 +416,37 @@ fn vlan_tagged_frames_are_limited_like_untagged() {
     let packet = ipv4(src, UDP, &[], &udp(53));
     // Single 802.1Q tag and 802.1ad + 802.1Q (QinQ) share the source's bucket
     // with untagged frames: 4 pass in total, whatever the tagging.
-    assert_eq!(offer(&dp, &eth(&[(ETH_P_8021Q, 100)], ETH_P_IP, &packet), 2), (2, 0));
-    assert_eq!(offer(&dp, &eth(&[(ETH_P_8021AD, 200), (ETH_P_8021Q, 300)], ETH_P_IP, &packet), 1), (1, 0));
+    assert_eq!(
+        offer(&dp, &eth(&[(ETH_P_8021Q, 100)], ETH_P_IP, &packet), 2),
+        (2, 0)
+    );
+    assert_eq!(
+        offer(
+            &dp,
+            &eth(
+                &[(ETH_P_8021AD, 200), (ETH_P_8021Q, 300)],
+                ETH_P_IP,
+                &packet
+            ),
+            1
+        ),
+        (1, 0)
+    );
     assert_eq!(offer(&dp, &eth(&[], ETH_P_IP, &packet), 3), (1, 2));
-    assert_eq!(offer(&dp, &eth(&[(ETH_P_8021Q, 100)], ETH_P_IP, &packet), 2), (0, 2));
+    assert_eq!(
+        offer(&dp, &eth(&[(ETH_P_8021Q, 100)], ETH_P_IP, &packet), 2),
+        (0, 2)
+    );
     // A new IPv6 source behind two tags gets its own burst.
     let v6pkt = ipv6(v6(7, 1), UDP, &udp(53));
-    assert_eq!(offer(&dp, &eth(&[(ETH_P_8021AD, 1), (ETH_P_8021Q, 2)], ETH_P_IPV6, &v6pkt), 6), (4, 2));
+    assert_eq!(
+        offer(
+            &dp,
+            &eth(&[(ETH_P_8021AD, 1), (ETH_P_8021Q, 2)], ETH_P_IPV6, &v6pkt),
+            6
+        ),
+        (4, 2)
+    );
 }
 
 #[test]
@@ -222,8 +484,13 @@ fn one_source_on_two_cpus_at_once_spends_each_token_once() {
 #[test]
 fn a_global_key_on_two_cpus_loses_at_most_a_thousandth_to_contention() {
     require_root();
-    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-    assert!(cpus >= 2, "this test needs at least 2 CPUs to run the program concurrently; found {cpus}");
+    let cpus = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    assert!(
+        cpus >= 2,
+        "this test needs at least 2 CPUs to run the program concurrently; found {cpus}"
+    );
     let toml = "[datapath]\nmax_sources = 4096\n[default]\nrate = 1\n\
         [[rule]]\nname = \"all\"\nkey = \"global\"\nrate = 100000000\nburst = 1000000000\n";
     let dp = datapath(toml).unwrap();
@@ -232,7 +499,10 @@ fn a_global_key_on_two_cpus_loses_at_most_a_thousandth_to_contention() {
     // Each CPU its own source: the key is global all the same.
     let spans = race(&dp, [[198, 18, 0, 1], [198, 18, 0, 2]], REPEAT, ROUNDS);
     // The figure means something only if the CPUs raced for most of it.
-    let overlap = spans[0].1.min(spans[1].1).saturating_duration_since(spans[0].0.max(spans[1].0));
+    let overlap = spans[0]
+        .1
+        .min(spans[1].1)
+        .saturating_duration_since(spans[0].0.max(spans[1].0));
     let shorter = (spans[0].1 - spans[0].0).min(spans[1].1 - spans[1].0);
     assert!(overlap * 2 >= shorter, "the two CPUs ran together for {overlap:?} of {shorter:?}: too little to measure contention");
     let per_cpu = dp.counters_per_cpu().unwrap();
@@ -246,9 +516,19 @@ fn a_global_key_on_two_cpus_loses_at_most_a_thousandth_to_contention() {
         100.0 * contended as f64 / passed as f64
     );
     assert_eq!(passed + c.get(STAT_DROPPED_PKTS), offered, "{c}");
-    assert_eq!(c.get(STAT_DROPPED_PKTS), contended, "only contention drops within the limit: {c}");
-    assert!(per_cpu[0].get(STAT_PASSED_PKTS) > 0 && per_cpu[1].get(STAT_PASSED_PKTS) > 0, "both CPUs ran: {c}");
-    assert!(contended * 1000 <= passed, "contended drops {contended} exceed 0.1% of {passed} passed");
+    assert_eq!(
+        c.get(STAT_DROPPED_PKTS),
+        contended,
+        "only contention drops within the limit: {c}"
+    );
+    assert!(
+        per_cpu[0].get(STAT_PASSED_PKTS) > 0 && per_cpu[1].get(STAT_PASSED_PKTS) > 0,
+        "both CPUs ran: {c}"
+    );
+    assert!(
+        contended * 1000 <= passed,
+        "contended drops {contended} exceed 0.1% of {passed} passed"
+    );
 }
 
 /// The source both CPUs send from in the one-source races.
@@ -283,8 +563,13 @@ fn window_counters_on_two_cpus_at_once_are_exact() {
 /// the same source, or a rule whose key is global).
 fn two_cpus_on_one_bucket(what: &str, toml: &str, refills: bool, sources: [[u8; 4]; 2]) {
     require_root();
-    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-    assert!(cpus >= 2, "this test needs at least 2 CPUs to run the program concurrently; found {cpus}");
+    let cpus = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    assert!(
+        cpus >= 2,
+        "this test needs at least 2 CPUs to run the program concurrently; found {cpus}"
+    );
     const BURST: u64 = 300_000;
     const REPEAT: u32 = 1_000_000;
     const ROUNDS: u32 = 3;
@@ -299,14 +584,21 @@ fn two_cpus_on_one_bucket(what: &str, toml: &str, refills: bool, sources: [[u8; 
     let offered = 2 * u64::from(REPEAT) * u64::from(ROUNDS);
     assert_eq!(passed + c.get(STAT_DROPPED_PKTS), offered, "{what}: {c}");
     // The two runs overlapped in time and both CPUs spent tokens.
-    assert!(spans[0].0 < spans[1].1 && spans[1].0 < spans[0].1, "{what}: runs did not overlap: {spans:?}");
+    assert!(
+        spans[0].0 < spans[1].1 && spans[1].0 < spans[0].1,
+        "{what}: runs did not overlap: {spans:?}"
+    );
     assert!(
         passed_on(0) > BURST / 10 && passed_on(1) > BURST / 10,
         "{what}: both CPUs must draw on the bucket concurrently: cpu0 {} cpu1 {}",
         passed_on(0),
         passed_on(1)
     );
-    let refill = if refills { elapsed.ceil() as u64 + 1 } else { 0 };
+    let refill = if refills {
+        elapsed.ceil() as u64 + 1
+    } else {
+        0
+    };
     assert!(
         passed >= BURST && passed <= BURST + refill,
         "{what}: passed {passed}, allowed {BURST}..={} (contended drops {})",
@@ -318,7 +610,12 @@ fn two_cpus_on_one_bucket(what: &str, toml: &str, refills: bool, sources: [[u8; 
 /// Threads pinned to CPUs 0 and 1 each run a UDP frame from their source
 /// through the program `rounds` × `repeat` times, started together; when
 /// each ran, as (start, end).
-fn race(dp: &rl_control::datapath::Datapath, sources: [[u8; 4]; 2], repeat: u32, rounds: u32) -> Vec<(Instant, Instant)> {
+fn race(
+    dp: &rl_control::datapath::Datapath,
+    sources: [[u8; 4]; 2],
+    repeat: u32,
+    rounds: u32,
+) -> Vec<(Instant, Instant)> {
     let barrier = std::sync::Barrier::new(2);
     std::thread::scope(|s| {
         let hs: Vec<_> = (0..2)
@@ -361,13 +658,20 @@ fn a_ktime_bucket_flooded_passes_each_packet_when_due_not_a_tick_late() {
 
 fn flooded_ktime_bucket(toml: &str) {
     let dp = datapath(toml).unwrap();
-    assert_ne!(dp.clock().tick_ns, 0, "the tick clock was not measured at load: this test needs it");
+    assert_ne!(
+        dp.clock().tick_ns,
+        0,
+        "the tick clock was not measured at load: this test needs it"
+    );
     let frame = udp4([198, 51, 100, 9]);
     const INTERVAL_NS: u64 = 250_000_000;
     const PASSES: usize = 9;
     // (host ktime before, after) the run of each passed packet.
     let mut passes: Vec<(u64, u64)> = Vec::new();
-    let (mut offered, deadline) = (0u64, rl_control::datapath::monotonic_ns() + (PASSES as u64 + 1) * INTERVAL_NS);
+    let (mut offered, deadline) = (
+        0u64,
+        rl_control::datapath::monotonic_ns() + (PASSES as u64 + 1) * INTERVAL_NS,
+    );
     while passes.len() < PASSES && rl_control::datapath::monotonic_ns() < deadline {
         let before = rl_control::datapath::monotonic_ns();
         let v = verdict(&dp, &frame);
@@ -376,7 +680,12 @@ fn flooded_ktime_bucket(toml: &str) {
             passes.push((before, rl_control::datapath::monotonic_ns()));
         }
     }
-    assert_eq!(passes.len(), PASSES, "{offered} packets offered over {} ms", (PASSES as u64 + 1) * INTERVAL_NS / 1_000_000);
+    assert_eq!(
+        passes.len(),
+        PASSES,
+        "{offered} packets offered over {} ms",
+        (PASSES as u64 + 1) * INTERVAL_NS / 1_000_000
+    );
     // Each pass comes at least an interval after the one before (the
     // limit), and, with packets offered every few µs, at most a quarter
     // tick after it was due: a pass held to the next tick's edge would
@@ -385,12 +694,19 @@ fn flooded_ktime_bucket(toml: &str) {
     let mut late = Vec::new();
     for w in passes.windows(2) {
         let (prev, this) = (w[0], w[1]);
-        assert!(this.1 - prev.0 >= INTERVAL_NS, "passed {} ns after the pass before, under the 250 ms interval", this.1 - prev.0);
+        assert!(
+            this.1 - prev.0 >= INTERVAL_NS,
+            "passed {} ns after the pass before, under the 250 ms interval",
+            this.1 - prev.0
+        );
         late.push(this.0.saturating_sub(prev.1 + INTERVAL_NS));
     }
     let on_time = late.iter().filter(|&&l| l <= tick / 4).count();
     // One pass may be held back by the machine (a preemption in the loop).
-    assert!(on_time + 1 >= late.len(), "{toml}: passes were late by {late:?} ns after their due time ({offered} packets offered)");
+    assert!(
+        on_time + 1 >= late.len(),
+        "{toml}: passes were late by {late:?} ns after their due time ({offered} packets offered)"
+    );
     let c = dp.counters().unwrap();
     assert_eq!(c.get(STAT_PASSED_PKTS) + c.get(STAT_DROPPED_PKTS), offered);
 }

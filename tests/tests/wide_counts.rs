@@ -40,13 +40,17 @@ fn compiled(toml: &str) -> Compiled {
 
 /// Rule `i` of the active table.
 fn installed(dp: &Datapath, i: u32) -> RuleEntry {
-    dp.rule_table_entry(dp.active_slot().unwrap() * RULE_SLOTS + i).unwrap()
+    dp.rule_table_entry(dp.active_slot().unwrap() * RULE_SLOTS + i)
+        .unwrap()
 }
 
 /// Rewrites rule `i` of both pinned rule tables in `pins` as a build
 /// before the parting left it: under `id`, no steps kept.
 fn as_an_older_build_left(pins: &Path, i: u32, id: u32) {
-    let mut rules: Array<MapData, RuleEntry> = Array::try_from(Map::Array(MapData::from_pin(pins.join(rl_common::MAP_RULES)).unwrap())).unwrap();
+    let mut rules: Array<MapData, RuleEntry> = Array::try_from(Map::Array(
+        MapData::from_pin(pins.join(rl_common::MAP_RULES)).unwrap(),
+    ))
+    .unwrap();
     for slot in 0..2 {
         let mut e = rules.get(&(slot * RULE_SLOTS + i), 0).unwrap();
         (e.id, e.flags) = (id, e.flags & !RULE_STEPS_MASK);
@@ -78,7 +82,11 @@ fn an_older_builds_rules_that_share_a_wide_count_keep_their_ids_and_are_named() 
     assert!(dp.adopted());
     for _ in 0..2 {
         dp.install(&compiled.rules).unwrap();
-        assert_eq!((installed(&dp, 1).id, installed(&dp, 2).id), (natural[1], moved), "a restart keeps the moved id");
+        assert_eq!(
+            (installed(&dp, 1).id, installed(&dp, 2).id),
+            (natural[1], moved),
+            "a restart keeps the moved id"
+        );
     }
     assert!(dp.wide_count_notes().is_empty());
     drop(dp);
@@ -87,26 +95,48 @@ fn an_older_builds_rules_that_share_a_wide_count_keep_their_ids_and_are_named() 
     let only_y = self::compiled(&format!("{BASE}{}", rule("y", 54)));
     let mut dp = load_pinned(&only_y, &dir);
     dp.install(&only_y.rules).unwrap();
-    assert_eq!(installed(&dp, 1).id, moved, "the id read back from the adopted tables");
+    assert_eq!(
+        installed(&dp, 1).id,
+        moved,
+        "the id read back from the adopted tables"
+    );
     drop(dp);
     as_an_older_build_left(&dir, 2, natural[2]);
     let mut dp = load_pinned(&compiled, &dir);
     assert!(dp.adopted());
     for _ in 0..2 {
         dp.install(&compiled.rules).unwrap();
-        assert_eq!((installed(&dp, 1).id, installed(&dp, 2).id), (natural[1], natural[2]), "ids the tables hold are kept");
+        assert_eq!(
+            (installed(&dp, 1).id, installed(&dp, 2).id),
+            (natural[1], natural[2]),
+            "ids the tables hold are kept"
+        );
     }
     let notes = dp.wide_count_notes();
     assert_eq!(notes.len(), 1, "{notes:?}");
-    assert!(notes[0].starts_with(&format!("rules {x} and y share a wide-cell count")), "{notes:?}");
+    assert!(
+        notes[0].starts_with(&format!("rules {x} and y share a wide-cell count")),
+        "{notes:?}"
+    );
     // A rule new to the tables whose id would share theirs gets its own.
-    let z = rl_tests::sharing_a_wide_count(&format!("{BASE}{}", rule(&x, 53)), "z", |n| rule(n, 55), &rule("y", 54));
+    let z = rl_tests::sharing_a_wide_count(
+        &format!("{BASE}{}", rule(&x, 53)),
+        "z",
+        |n| rule(n, 55),
+        &rule("y", 54),
+    );
     let more = self::compiled(&format!("{toml}{}", rule(&z, 55)));
-    assert_eq!(wide_entry(more.rules.entries[3].id, 0), wide_entry(natural[2], 0));
+    assert_eq!(
+        wide_entry(more.rules.entries[3].id, 0),
+        wide_entry(natural[2], 0)
+    );
     dp.install(&more.rules).unwrap();
     let (ex, ey, ez) = (installed(&dp, 1), installed(&dp, 2), installed(&dp, 3));
     assert_eq!((ex.id, ey.id), (natural[1], natural[2]));
-    assert!(wide_entry(ez.id, 0) != wide_entry(ey.id, 0), "the new rule parted from them");
+    assert!(
+        wide_entry(ez.id, 0) != wide_entry(ey.id, 0),
+        "the new rule parted from them"
+    );
     assert_eq!(dp.wide_count_notes().len(), 1, "still only the older pair");
 }
 
@@ -122,9 +152,17 @@ fn the_daemon_warns_of_rules_that_share_a_wide_count_in_tables_it_adopts() {
     let (x, toml) = sharing_pair();
     let natural = compiled(&toml).rules.entries[2].id;
     let cfg = write(&dir, "rl.toml", &toml);
-    let note = |out: &str| out.lines().filter(|l| l.contains("share a wide-cell count")).map(str::to_string).collect::<Vec<_>>();
+    let note = |out: &str| {
+        out.lines()
+            .filter(|l| l.contains("share a wide-cell count"))
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
     let (status, out) = run_once(None, &["check-config", cfg.to_str().unwrap()]).unwrap();
-    assert!(status.success() && note(&out).is_empty(), "a fresh datapath parts them:\n{out}");
+    assert!(
+        status.success() && note(&out).is_empty(),
+        "a fresh datapath parts them:\n{out}"
+    );
     let d = Daemon::pinned(&lab, &cfg, &pins, &[]).unwrap();
     let (status, log) = d.stop(libc::SIGTERM).unwrap();
     assert!(status.success() && note(&log).is_empty(), "{log}");
@@ -136,7 +174,16 @@ fn the_daemon_warns_of_rules_that_share_a_wide_count_in_tables_it_adopts() {
     assert!(status.success(), "{log}");
     let warned = note(&log);
     assert_eq!(warned.len(), 2, "at the start and at the reload:\n{log}");
-    assert!(warned.iter().all(|l| l.contains("WARN") && l.contains(&format!("rules {x} and y share")) && l.contains("rename one")), "{log}");
-    let (status, out) = run_once(Some(&lab.b), &["detach", "--iface", VB, "--pin-dir", pins.arg()]).unwrap();
+    assert!(
+        warned.iter().all(|l| l.contains("WARN")
+            && l.contains(&format!("rules {x} and y share"))
+            && l.contains("rename one")),
+        "{log}"
+    );
+    let (status, out) = run_once(
+        Some(&lab.b),
+        &["detach", "--iface", VB, "--pin-dir", pins.arg()],
+    )
+    .unwrap();
     assert!(status.success(), "{out}");
 }

@@ -32,7 +32,10 @@ pub fn nightly() -> String {
 fn output(cmd: &mut Command) -> Result<String> {
     let out = cmd.output().with_context(|| format!("running {cmd:?}"))?;
     if !out.status.success() {
-        bail!("{cmd:?} failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+        bail!(
+            "{cmd:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
     }
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
@@ -41,7 +44,9 @@ fn output(cmd: &mut Command) -> Result<String> {
 pub fn cargo_bin_dir() -> PathBuf {
     let home = std::env::var_os("CARGO_HOME")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cargo"));
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cargo")
+        });
     home.join("bin")
 }
 
@@ -69,14 +74,30 @@ pub fn bootstrap() -> Result<()> {
         .and_then(|v| v.split('.').next())
         .context("`rustc +nightly -vV` printed no LLVM version")?
         .to_string();
-    let sysroot = PathBuf::from(output(Command::new("rustc").arg(format!("+{nightly}")).args(["--print", "sysroot"]))?.trim());
+    let sysroot = PathBuf::from(
+        output(
+            Command::new("rustc")
+                .arg(format!("+{nightly}"))
+                .args(["--print", "sysroot"]),
+        )?
+        .trim(),
+    );
 
     // rust-src
-    if sysroot.join("lib/rustlib/src/rust/library/core/Cargo.toml").exists() {
+    if sysroot
+        .join("lib/rustlib/src/rust/library/core/Cargo.toml")
+        .exists()
+    {
         step!("rust-src for {nightly}: present");
     } else {
         step!("rust-src for {nightly}: installing");
-        run(Command::new("rustup").args(["component", "add", "rust-src", "--toolchain", &nightly]))?;
+        run(Command::new("rustup").args([
+            "component",
+            "add",
+            "rust-src",
+            "--toolchain",
+            &nightly,
+        ]))?;
     }
 
     bpf_linker(&sysroot, &llvm_major)?;
@@ -92,16 +113,21 @@ fn nightly_libllvm(sysroot: &Path) -> Result<PathBuf> {
         .with_context(|| format!("reading {}", lib.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| {
-            p.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with("libLLVM.so.") || (n.starts_with("libLLVM-") && n.ends_with(".so")))
+            p.file_name().and_then(|n| n.to_str()).is_some_and(|n| {
+                n.starts_with("libLLVM.so.") || (n.starts_with("libLLVM-") && n.ends_with(".so"))
+            })
         })
         .collect();
     found.sort();
     // Prefer the versioned soname (libLLVM.so.NN...), which binaries record.
     found
         .iter()
-        .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("libLLVM.so."))
+        .find(|p| {
+            p.file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("libLLVM.so.")
+        })
         .or(found.first())
         .cloned()
         .with_context(|| format!("no libLLVM shared library in {}", lib.display()))
@@ -115,30 +141,52 @@ fn bpf_linker(sysroot: &Path, llvm_major: &str) -> Result<()> {
         step!("bpf-linker {BPF_LINKER_VERSION} (LLVM {llvm_major}, {soname}): present");
         return Ok(());
     }
-    step!("bpf-linker {BPF_LINKER_VERSION}: building against the nightly's {soname} (about a minute)");
+    step!(
+        "bpf-linker {BPF_LINKER_VERSION}: building against the nightly's {soname} (about a minute)"
+    );
     // A prefix directory whose lib/ holds the nightly's libLLVM under the
     // names llvm-sys looks for. It lives outside target/ so `cargo clean`
     // cannot break the installed linker (its rpath points here).
     let cache = std::env::var_os("XDG_CACHE_HOME")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache"));
-    let prefix = cache.join("rl").join(format!("llvm-{}", soname.trim_start_matches("libLLVM.so.")));
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache")
+        });
+    let prefix = cache
+        .join("rl")
+        .join(format!("llvm-{}", soname.trim_start_matches("libLLVM.so.")));
     let lib = prefix.join("lib");
     std::fs::create_dir_all(&lib).with_context(|| format!("creating {}", lib.display()))?;
     for name in ["libLLVM.so", soname.as_str()] {
         let link = lib.join(name);
         let _ = std::fs::remove_file(&link);
-        std::os::unix::fs::symlink(&libllvm, &link).with_context(|| format!("linking {}", link.display()))?;
+        std::os::unix::fs::symlink(&libllvm, &link)
+            .with_context(|| format!("linking {}", link.display()))?;
     }
     run(Command::new("cargo")
-        .args(["+stable", "install", "bpf-linker", "--version", BPF_LINKER_VERSION, "--locked", "--force"])
-        .args(["--no-default-features", "--features", &format!("llvm-{llvm_major}")])
+        .args([
+            "+stable",
+            "install",
+            "bpf-linker",
+            "--version",
+            BPF_LINKER_VERSION,
+            "--locked",
+            "--force",
+        ])
+        .args([
+            "--no-default-features",
+            "--features",
+            &format!("llvm-{llvm_major}"),
+        ])
         .env("LLVM_PREFIX", &prefix)
         .env_remove("RUSTUP_TOOLCHAIN")
         .env_remove("CARGO_TARGET_DIR"))
     .context("building bpf-linker")?;
     if !linker_is_current(&linker, &soname, &libllvm) {
-        bail!("bpf-linker was built but does not load the nightly's {soname}; see `ldd {}`", linker.display());
+        bail!(
+            "bpf-linker was built but does not load the nightly's {soname}; see `ldd {}`",
+            linker.display()
+        );
     }
     Ok(())
 }
@@ -187,7 +235,11 @@ fn has(cmd: &str) -> bool {
 }
 
 fn debian_packages() -> Result<()> {
-    let missing: Vec<&str> = TOOLS.iter().filter(|(cmd, _)| !has(cmd)).map(|(_, pkg)| *pkg).collect();
+    let missing: Vec<&str> = TOOLS
+        .iter()
+        .filter(|(cmd, _)| !has(cmd))
+        .map(|(_, pkg)| *pkg)
+        .collect();
     if missing.is_empty() {
         step!("test tools ({}): present", TOOLS.map(|(c, _)| c).join(", "));
         return Ok(());
@@ -197,7 +249,8 @@ fn debian_packages() -> Result<()> {
     }
     step!("installing Debian packages: {}", missing.join(" "));
     // The image's package lists may be older than the archive.
-    run(Command::new("apt-get").args(["update", "-q"])).context("apt-get update (are you root?)")?;
+    run(Command::new("apt-get").args(["update", "-q"]))
+        .context("apt-get update (are you root?)")?;
     run(Command::new("apt-get")
         .args(["install", "-y", "--no-install-recommends"])
         .args(&missing)
@@ -235,6 +288,14 @@ fn python_tools() -> Result<()> {
         return Ok(());
     }
     step!("installing from PyPI: {}", missing.join(" "));
-    run(Command::new("python3").args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"]).args(&missing))
-        .context("pip install (is pip installed? Debian: python3-pip)")
+    run(Command::new("python3")
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+        ])
+        .args(&missing))
+    .context("pip install (is pip installed? Debian: python3-pip)")
 }

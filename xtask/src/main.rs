@@ -76,7 +76,11 @@ fn main() {
         Cmd::Test => test(),
         Cmd::Demo => demo(),
         Cmd::Bench { repeat, frames } => bench(repeat, frames),
-        Cmd::Fuzz { frames, seed, config_cases } => fuzz(frames, seed, config_cases),
+        Cmd::Fuzz {
+            frames,
+            seed,
+            config_cases,
+        } => fuzz(frames, seed, config_cases),
     };
     if let Err(e) = result {
         eprintln!("xtask: error: {e:#}");
@@ -94,7 +98,10 @@ pub fn run(cmd: &mut Command) -> Result<()> {
 }
 
 fn workspace_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
 }
 
 /// The host cargo that runs xtask.
@@ -106,10 +113,20 @@ fn cargo() -> Command {
 
 /// Builds the XDP object with nightly into target/bpf.
 fn build_ebpf() -> Result<()> {
-    step!("building the XDP program (rl-ebpf, {} toolchain)", bootstrap::nightly());
+    step!(
+        "building the XDP program (rl-ebpf, {} toolchain)",
+        bootstrap::nightly()
+    );
     let root = workspace_root();
     run(Command::new("rustup")
-        .args(["run", &bootstrap::nightly(), "cargo", "build", "--locked", "--release"])
+        .args([
+            "run",
+            &bootstrap::nightly(),
+            "cargo",
+            "build",
+            "--locked",
+            "--release",
+        ])
         .args(["--target", "bpfel-unknown-none", "-Z", "build-std=core"])
         .arg("--target-dir")
         .arg(root.join("target/bpf"))
@@ -129,7 +146,10 @@ fn build(release: bool) -> Result<()> {
     disk_space()?;
     bootstrap::bootstrap()?;
     build_ebpf()?;
-    step!("building host binaries ({})", if release { "release" } else { "debug" });
+    step!(
+        "building host binaries ({})",
+        if release { "release" } else { "debug" }
+    );
     let mut c = cargo();
     c.args(["build", "--locked", "--workspace", "--bins"]);
     if release {
@@ -142,11 +162,17 @@ fn build(release: bool) -> Result<()> {
 /// on some rlib): say so up front, with the figure and what to do.
 fn disk_space() -> Result<()> {
     let target = workspace_root().join("target");
-    let probe = if target.exists() { target.clone() } else { workspace_root() };
-    let path = std::ffi::CString::new(probe.as_os_str().as_encoded_bytes()).context("target path")?;
+    let probe = if target.exists() {
+        target.clone()
+    } else {
+        workspace_root()
+    };
+    let path =
+        std::ffi::CString::new(probe.as_os_str().as_encoded_bytes()).context("target path")?;
     let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
     if unsafe { libc::statvfs(path.as_ptr(), &mut st) } != 0 {
-        return Err(std::io::Error::last_os_error()).with_context(|| format!("statvfs {}", probe.display()));
+        return Err(std::io::Error::last_os_error())
+            .with_context(|| format!("statvfs {}", probe.display()));
     }
     let free = st.f_bavail as u64 * st.f_frsize as u64;
     enough_disk(free, target.join("debug/deps").exists(), &target)
@@ -159,7 +185,11 @@ const FRESH_BUILD_BYTES: u64 = 9 << 30;
 const INCREMENTAL_BUILD_BYTES: u64 = 2 << 30;
 
 fn enough_disk(free: u64, built_before: bool, target: &std::path::Path) -> Result<()> {
-    let need = if built_before { INCREMENTAL_BUILD_BYTES } else { FRESH_BUILD_BYTES };
+    let need = if built_before {
+        INCREMENTAL_BUILD_BYTES
+    } else {
+        FRESH_BUILD_BYTES
+    };
     if free < need {
         bail!(
             "only {:.1} GiB free on the disk holding {}; a {} build needs about {} GiB: free space \
@@ -186,7 +216,9 @@ fn test() -> Result<()> {
     run(cargo().args(["test", "--locked", "--workspace", "--exclude", "rl-tests"]))?;
     require_root("test")?;
     stale_labs();
-    step!("XDP tests: TestRun packets and end-to-end floods in network namespaces (about 14 minutes)");
+    step!(
+        "XDP tests: TestRun packets and end-to-end floods in network namespaces (about 14 minutes)"
+    );
     run_test_binaries()?;
     step!("all tests passed");
     Ok(())
@@ -203,7 +235,14 @@ const TEST_BINARY_TIMEOUT_SECS: u64 = 600;
 /// fails naming every binary that failed.
 fn run_test_binaries() -> Result<()> {
     let out = cargo()
-        .args(["test", "--locked", "-p", "rl-tests", "--no-run", "--message-format=json-render-diagnostics"])
+        .args([
+            "test",
+            "--locked",
+            "-p",
+            "rl-tests",
+            "--no-run",
+            "--message-format=json-render-diagnostics",
+        ])
         .stderr(std::process::Stdio::inherit())
         .output()
         .context("building the rl-tests binaries")?;
@@ -215,14 +254,22 @@ fn run_test_binaries() -> Result<()> {
     if binaries.is_empty() {
         bail!("cargo built no rl-tests test binary");
     }
-    let limit = std::env::var("RL_TEST_TIMEOUT_SECS").ok().and_then(|v| v.parse().ok()).unwrap_or(TEST_BINARY_TIMEOUT_SECS);
+    let limit = std::env::var("RL_TEST_TIMEOUT_SECS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(TEST_BINARY_TIMEOUT_SECS);
     let (mut failed, mut times) = (Vec::new(), Vec::new());
     for (name, exe) in &binaries {
         if INTERRUPTED.load(std::sync::atomic::Ordering::SeqCst) {
             bail!("interrupted: the remaining test binaries did not run");
         }
         let start = std::time::Instant::now();
-        let result = run_limited(Command::new(exe).arg("--test-threads=1").current_dir(workspace_root().join("tests")), limit);
+        let result = run_limited(
+            Command::new(exe)
+                .arg("--test-threads=1")
+                .current_dir(workspace_root().join("tests")),
+            limit,
+        );
         let secs = start.elapsed().as_secs_f64();
         match result {
             Ok(()) => step!("{name}: passed in {secs:.1} s"),
@@ -235,8 +282,16 @@ fn run_test_binaries() -> Result<()> {
     }
     times.sort_by(|a, b| b.0.total_cmp(&a.0));
     let total: f64 = times.iter().map(|t| t.0).sum();
-    let slowest: Vec<String> = times.iter().take(5).map(|(s, n)| format!("{n} {s:.0} s")).collect();
-    step!("{} test binaries in {total:.0} s; slowest: {}", times.len(), slowest.join(", "));
+    let slowest: Vec<String> = times
+        .iter()
+        .take(5)
+        .map(|(s, n)| format!("{n} {s:.0} s"))
+        .collect();
+    step!(
+        "{} test binaries in {total:.0} s; slowest: {}",
+        times.len(),
+        slowest.join(", ")
+    );
     if !failed.is_empty() {
         bail!("{} of {} test binaries failed: {} (rerun one: `cargo test -p rl-tests --test NAME -- --test-threads=1`; `--lib` for rl_tests)", failed.len(), binaries.len(), failed.join(", "));
     }
@@ -259,7 +314,10 @@ fn test_executables(messages: &str) -> Vec<(String, PathBuf)> {
             if !exe.contains("/deps/") {
                 return None;
             }
-            let name = l.find("\"target\":").and_then(|at| field(&l[at..], "name")).unwrap_or_else(|| exe.clone());
+            let name = l
+                .find("\"target\":")
+                .and_then(|at| field(&l[at..], "name"))
+                .unwrap_or_else(|| exe.clone());
             Some((name, PathBuf::from(exe)))
         })
         .collect()
@@ -289,10 +347,19 @@ fn run_limited(cmd: &mut Command, secs: u64) -> Result<()> {
         bail!("interrupted");
     }
     unsafe {
-        libc::signal(libc::SIGINT, forward as extern "C" fn(libc::c_int) as libc::sighandler_t);
-        libc::signal(libc::SIGTERM, forward as extern "C" fn(libc::c_int) as libc::sighandler_t);
+        libc::signal(
+            libc::SIGINT,
+            forward as extern "C" fn(libc::c_int) as libc::sighandler_t,
+        );
+        libc::signal(
+            libc::SIGTERM,
+            forward as extern "C" fn(libc::c_int) as libc::sighandler_t,
+        );
     }
-    let mut child = cmd.process_group(0).spawn().with_context(|| format!("starting {cmd:?}"))?;
+    let mut child = cmd
+        .process_group(0)
+        .spawn()
+        .with_context(|| format!("starting {cmd:?}"))?;
     RUNNING_GROUP.store(child.id() as i32, std::sync::atomic::Ordering::SeqCst);
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
     loop {
@@ -301,7 +368,11 @@ fn run_limited(cmd: &mut Command, secs: u64) -> Result<()> {
             if INTERRUPTED.load(std::sync::atomic::Ordering::SeqCst) {
                 bail!("interrupted");
             }
-            return if status.success() { Ok(()) } else { Err(anyhow::anyhow!("{status}")) };
+            return if status.success() {
+                Ok(())
+            } else {
+                Err(anyhow::anyhow!("{status}"))
+            };
         }
         if std::time::Instant::now() >= deadline {
             unsafe { libc::kill(-(child.id() as i32), libc::SIGKILL) };
@@ -321,8 +392,16 @@ fn run_limited(cmd: &mut Command, secs: u64) -> Result<()> {
 /// process in them, and the lab's bpffs mounts under the temp dir, each
 /// unchanged for an hour (a run going on beside this one keeps its own).
 fn stale_labs() {
-    let Ok(list) = std::process::Command::new("ip").args(["netns", "list"]).output() else { return };
-    for name in String::from_utf8_lossy(&list.stdout).lines().filter_map(|l| l.split_whitespace().next()) {
+    let Ok(list) = std::process::Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+    else {
+        return;
+    };
+    for name in String::from_utf8_lossy(&list.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+    {
         if !(name.starts_with("rl-lab") || name.starts_with("rl-hub")) {
             continue;
         }
@@ -331,10 +410,14 @@ fn stale_labs() {
         if !hour_old(&std::path::Path::new("/run/netns").join(name)) {
             continue;
         }
-        let pids = std::process::Command::new("ip").args(["netns", "pids", name]).output();
+        let pids = std::process::Command::new("ip")
+            .args(["netns", "pids", name])
+            .output();
         if pids.is_ok_and(|p| p.status.success() && p.stdout.is_empty()) {
             step!("removing network namespace {name}, left behind by an earlier run");
-            let _ = std::process::Command::new("ip").args(["netns", "delete", name]).status();
+            let _ = std::process::Command::new("ip")
+                .args(["netns", "delete", name])
+                .status();
         }
     }
     let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
@@ -342,7 +425,10 @@ fn stale_labs() {
     for at in mounts.lines().filter_map(|l| {
         let mut f = l.split_whitespace();
         let (_, at, kind) = (f.next()?, f.next()?, f.next()?);
-        (kind == "bpf" && std::path::Path::new(at).parent() == Some(tmp.as_path()) && at.contains("rl-bpffs-")).then(|| at.to_string())
+        (kind == "bpf"
+            && std::path::Path::new(at).parent() == Some(tmp.as_path())
+            && at.contains("rl-bpffs-"))
+        .then(|| at.to_string())
     }) {
         // Not one a run going on now (a bench beside the tests) uses.
         if !hour_old(std::path::Path::new(&at)) {
@@ -356,21 +442,37 @@ fn stale_labs() {
 
 /// Whether `path` has not changed for an hour.
 fn hour_old(path: &std::path::Path) -> bool {
-    let age = std::fs::metadata(path).and_then(|m| m.modified()).ok().and_then(|t| t.elapsed().ok());
+    let age = std::fs::metadata(path)
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| t.elapsed().ok());
     age.is_some_and(|a| a >= std::time::Duration::from_secs(3600))
 }
 
 fn fuzz(frames: u64, seed: Option<u64>, config_cases: u32) -> Result<()> {
     build(false)?;
     step!("config fuzz: {config_cases} cases per property");
-    run(cargo().args(["test", "-p", "rl-control", "--test", "config_fuzz"]).env("PROPTEST_CASES", config_cases.to_string()))?;
+    run(cargo()
+        .args(["test", "-p", "rl-control", "--test", "config_fuzz"])
+        .env("PROPTEST_CASES", config_cases.to_string()))?;
     require_root("fuzz")?;
     let seed = seed.unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64)
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64)
     });
     step!("packet fuzz: {frames} frames, seed {seed} (repeat a failure with --seed {seed})");
     run(cargo()
-        .args(["test", "--release", "-p", "rl-tests", "--test", "packet_fuzz", "--", "--nocapture"])
+        .args([
+            "test",
+            "--release",
+            "-p",
+            "rl-tests",
+            "--test",
+            "packet_fuzz",
+            "--",
+            "--nocapture",
+        ])
         .env("RL_FUZZ_FRAMES", frames.to_string())
         .env("RL_FUZZ_SEED", seed.to_string()))
 }
@@ -385,18 +487,76 @@ fn bench(repeat: u32, frames: u64) -> Result<()> {
     build(true)?;
     require_root("bench")?;
     run(cargo()
-        .args(["run", "--quiet", "--release", "-p", "rl-tests", "--bin", "rl-bench", "--"])
+        .args([
+            "run",
+            "--quiet",
+            "--release",
+            "-p",
+            "rl-tests",
+            "--bin",
+            "rl-bench",
+            "--",
+        ])
         .arg(repeat.to_string()))?;
-    step!("veth: CPU ns per packet of a random-source flood, rl against bare XDP_PASS and nftables");
-    run(cargo().args(["run", "--quiet", "--release", "-p", "rl-tests", "--bin", "rl-veth-bench", "--"]).arg(frames.to_string()))?;
-    step!("admin API: latency at 1,000 requests/s and rule-swap time, against a daemon in a veth lab");
-    run(cargo().args(["run", "--quiet", "--release", "-p", "rl-tests", "--bin", "rl-api-bench"]))?;
-    step!("daemon: packets lost across a restart, /metrics under ban churn, peak RSS with 1M sources");
-    run(cargo().args(["run", "--quiet", "--release", "-p", "rl-tests", "--bin", "rl-daemon-bench"]))?;
+    step!(
+        "veth: CPU ns per packet of a random-source flood, rl against bare XDP_PASS and nftables"
+    );
+    run(cargo()
+        .args([
+            "run",
+            "--quiet",
+            "--release",
+            "-p",
+            "rl-tests",
+            "--bin",
+            "rl-veth-bench",
+            "--",
+        ])
+        .arg(frames.to_string()))?;
+    step!(
+        "admin API: latency at 1,000 requests/s and rule-swap time, against a daemon in a veth lab"
+    );
+    run(cargo().args([
+        "run",
+        "--quiet",
+        "--release",
+        "-p",
+        "rl-tests",
+        "--bin",
+        "rl-api-bench",
+    ]))?;
+    step!(
+        "daemon: packets lost across a restart, /metrics under ban churn, peak RSS with 1M sources"
+    );
+    run(cargo().args([
+        "run",
+        "--quiet",
+        "--release",
+        "-p",
+        "rl-tests",
+        "--bin",
+        "rl-daemon-bench",
+    ]))?;
     step!("request decisions: gRPC and HTTP latency at 20,000/s with 1 and 1M keys, gRPC saturation, memory per key");
-    run(cargo().args(["run", "--quiet", "--release", "-p", "rl-tests", "--bin", "rl-l7-bench"]))?;
+    run(cargo().args([
+        "run",
+        "--quiet",
+        "--release",
+        "-p",
+        "rl-tests",
+        "--bin",
+        "rl-l7-bench",
+    ]))?;
     step!("cluster: decisions through Redis against local and raw EVALSHA, the packet-rule sync's Redis cost, overshoot of 3 hosts against the bound");
-    run(cargo().args(["run", "--quiet", "--release", "-p", "rl-tests", "--bin", "rl-cluster-bench"]))
+    run(cargo().args([
+        "run",
+        "--quiet",
+        "--release",
+        "-p",
+        "rl-tests",
+        "--bin",
+        "rl-cluster-bench",
+    ]))
 }
 
 #[cfg(test)]
@@ -407,7 +567,12 @@ mod tests {
     fn a_first_build_needs_room_for_everything_a_later_one_less() {
         let t = std::path::Path::new("/x/target");
         let err = enough_disk(600 << 20, false, t).unwrap_err().to_string();
-        assert!(err.starts_with("only 0.6 GiB free on the disk holding /x/target; a first build needs about 9 GiB"), "{err}");
+        assert!(
+            err.starts_with(
+                "only 0.6 GiB free on the disk holding /x/target; a first build needs about 9 GiB"
+            ),
+            "{err}"
+        );
         assert!(enough_disk(5 << 30, false, t).is_err());
         assert!(enough_disk(5 << 30, true, t).is_ok());
         assert!(enough_disk(1 << 30, true, t).is_err());

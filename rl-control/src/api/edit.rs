@@ -13,21 +13,35 @@ use utoipa::ToSchema;
 
 use super::{Api, ApiError, ApiResult, ErrorBody, Segment};
 use crate::{
-    config::{document, unix_now, units::parse_cidr},
-    daemon::{apply::{self, Change}, state::{lock, Shared}},
+    config::{document, units::parse_cidr, unix_now},
+    daemon::{
+        apply::{self, Change},
+        state::{lock, Shared},
+    },
 };
 
 fn body_error(e: BytesRejection) -> ApiError {
-    ApiError(e.status(), format!("cannot read the request body: {}", e.body_text()))
+    ApiError(
+        e.status(),
+        format!("cannot read the request body: {}", e.body_text()),
+    )
 }
 
 /// Runs a change on the blocking pool (see [`crate::daemon::apply`]: it holds the
 /// state lock only briefly).
-pub(super) async fn change<T: Send + 'static>(api: &Api, f: impl FnOnce(&Shared) -> ApiResult<T> + Send + 'static) -> ApiResult<T> {
+pub(super) async fn change<T: Send + 'static>(
+    api: &Api,
+    f: impl FnOnce(&Shared) -> ApiResult<T> + Send + 'static,
+) -> ApiResult<T> {
     let state = api.state.clone();
     tokio::task::spawn_blocking(move || f(&state))
         .await
-        .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, format!("the change did not complete: {e}")))?
+        .map_err(|e| {
+            ApiError(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("the change did not complete: {e}"),
+            )
+        })?
 }
 
 /// The active rule set as JSON: the rule file's tables, with `rules` for
@@ -51,7 +65,12 @@ fn is_toml(headers: &HeaderMap) -> bool {
 }
 
 fn json_body(body: &[u8]) -> ApiResult<serde_json::Value> {
-    serde_json::from_slice(body).map_err(|e| ApiError(StatusCode::BAD_REQUEST, format!("the body is not valid JSON: {e}")))
+    serde_json::from_slice(body).map_err(|e| {
+        ApiError(
+            StatusCode::BAD_REQUEST,
+            format!("the body is not valid JSON: {e}"),
+        )
+    })
 }
 
 /// Replaces the whole rule set: JSON like `GET /v1/rules` returns, or the
@@ -59,15 +78,27 @@ fn json_body(body: &[u8]) -> ApiResult<serde_json::Value> {
 /// applied atomically, written back to the config file.
 #[utoipa::path(put, path = "/v1/rules", request_body(content = Object, description = "the rule set (JSON or TOML)"),
     responses((status = 200, body = Applied), (status = 400, body = ErrorBody), (status = 422, body = ErrorBody)))]
-pub(super) async fn put_rules(AxState(api): AxState<Api>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> ApiResult<Json<Applied>> {
+pub(super) async fn put_rules(
+    AxState(api): AxState<Api>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> ApiResult<Json<Applied>> {
     let body = body.map_err(body_error)?;
     let text = if is_toml(&headers) {
-        String::from_utf8(body.to_vec()).map_err(|_| ApiError(StatusCode::BAD_REQUEST, "the TOML body is not UTF-8".into()))?
+        String::from_utf8(body.to_vec())
+            .map_err(|_| ApiError(StatusCode::BAD_REQUEST, "the TOML body is not UTF-8".into()))?
     } else {
         document::from_json(&json_body(&body)?)?
     };
     let summary = change(&api, move |sh| {
-        apply::apply(sh, "api: PUT /v1/rules", |_| Ok::<_, ApiError>(Change { text, origin: "<PUT /v1/rules>".into(), persist: true, read_as: None }))
+        apply::apply(sh, "api: PUT /v1/rules", |_| {
+            Ok::<_, ApiError>(Change {
+                text,
+                origin: "<PUT /v1/rules>".into(),
+                persist: true,
+                read_as: None,
+            })
+        })
     })
     .await?;
     Ok(Json(Applied { summary }))
@@ -76,12 +107,20 @@ pub(super) async fn put_rules(AxState(api): AxState<Api>, headers: HeaderMap, bo
 /// Adds one rule (a `[[rule]]` table as JSON) after the existing ones.
 #[utoipa::path(post, path = "/v1/rules", request_body(content = Object, description = "one rule, e.g. {\"name\": \"dns\", \"proto\": \"udp\", \"dst_ports\": [53], \"rate\": 100}"),
     responses((status = 201, body = Applied), (status = 400, body = ErrorBody), (status = 409, body = ErrorBody), (status = 422, body = ErrorBody)))]
-pub(super) async fn post_rule(AxState(api): AxState<Api>, body: Result<Bytes, BytesRejection>) -> ApiResult<(StatusCode, Json<Applied>)> {
+pub(super) async fn post_rule(
+    AxState(api): AxState<Api>,
+    body: Result<Bytes, BytesRejection>,
+) -> ApiResult<(StatusCode, Json<Applied>)> {
     let rule = json_body(&body.map_err(body_error)?)?;
     let summary = change(&api, move |sh| {
         apply::apply(sh, "api: POST /v1/rules", |s| {
             let text = document::add_rule(&s.text, &rule)?;
-            Ok::<_, ApiError>(Change { text, origin: "<POST /v1/rules> (the rule file with the new rule last)".into(), persist: true, read_as: None })
+            Ok::<_, ApiError>(Change {
+                text,
+                origin: "<POST /v1/rules> (the rule file with the new rule last)".into(),
+                persist: true,
+                read_as: None,
+            })
         })
     })
     .await?;
@@ -91,9 +130,14 @@ pub(super) async fn post_rule(AxState(api): AxState<Api>, body: Result<Bytes, By
 /// Removes the rule `name`.
 #[utoipa::path(delete, path = "/v1/rules/{name}", params(("name" = String, Path, description = "the rule's name")),
     responses((status = 200, body = Applied), (status = 404, body = ErrorBody)))]
-pub(super) async fn delete_rule(AxState(api): AxState<Api>, Segment(name): Segment) -> ApiResult<Json<Applied>> {
+pub(super) async fn delete_rule(
+    AxState(api): AxState<Api>,
+    Segment(name): Segment,
+) -> ApiResult<Json<Applied>> {
     let summary = change(&api, move |sh| {
-        apply::apply_edit(sh, &format!("api: DELETE /v1/rules/{name}"), |s| Ok::<_, ApiError>(document::remove_rule(&s.text, &name)?))
+        apply::apply_edit(sh, &format!("api: DELETE /v1/rules/{name}"), |s| {
+            Ok::<_, ApiError>(document::remove_rule(&s.text, &name)?)
+        })
     })
     .await?;
     Ok(Json(Applied { summary }))
@@ -126,17 +170,32 @@ const MAX_BAN_SECS: u64 = 366 * 86_400; // as long as any period (`--ttl 366d` p
 /// excepted: `allow` wins over bans as over `deny`).
 #[utoipa::path(post, path = "/v1/bans", request_body = NewBan,
     responses((status = 201, body = BanView), (status = 400, body = ErrorBody)))]
-pub(super) async fn post_ban(AxState(api): AxState<Api>, body: Result<Bytes, BytesRejection>) -> ApiResult<(StatusCode, Json<BanView>)> {
+pub(super) async fn post_ban(
+    AxState(api): AxState<Api>,
+    body: Result<Bytes, BytesRejection>,
+) -> ApiResult<(StatusCode, Json<BanView>)> {
     let body = body.map_err(body_error)?;
     let ban: NewBan = serde_json::from_slice(&body).map_err(|e| {
-        ApiError(StatusCode::BAD_REQUEST, format!("expected {{\"cidr\": \"...\", \"ttl_secs\": N, \"reason\": \"...\"}}: {e}"))
+        ApiError(
+            StatusCode::BAD_REQUEST,
+            format!("expected {{\"cidr\": \"...\", \"ttl_secs\": N, \"reason\": \"...\"}}: {e}"),
+        )
     })?;
-    let cidr = parse_cidr(&ban.cidr).map_err(|m| ApiError(StatusCode::BAD_REQUEST, format!("cidr: {m}")))?;
+    let cidr = parse_cidr(&ban.cidr)
+        .map_err(|m| ApiError(StatusCode::BAD_REQUEST, format!("cidr: {m}")))?;
     if !(1..=MAX_BAN_SECS).contains(&ban.ttl_secs) {
-        return Err(ApiError(StatusCode::BAD_REQUEST, format!("ttl_secs must be 1..={MAX_BAN_SECS}")));
+        return Err(ApiError(
+            StatusCode::BAD_REQUEST,
+            format!("ttl_secs must be 1..={MAX_BAN_SECS}"),
+        ));
     }
     let until = unix_now() + ban.ttl_secs;
-    let view = BanView { cidr: cidr.to_string(), until, ttl_secs: ban.ttl_secs, reason: ban.reason.clone() };
+    let view = BanView {
+        cidr: cidr.to_string(),
+        until,
+        ttl_secs: ban.ttl_secs,
+        reason: ban.reason.clone(),
+    };
     let (key, reason) = (cidr.to_string(), ban.reason);
     change(&api, move |sh| {
         apply::apply_edit(sh, &format!("api: ban {key} for {}s", ban.ttl_secs), |s| {
@@ -155,7 +214,12 @@ pub(super) async fn get_bans(AxState(api): AxState<Api>) -> Json<Vec<BanView>> {
     Json(
         s.config
             .active_bans(now)
-            .map(|b| BanView { cidr: b.cidr.to_string(), until: b.until, ttl_secs: b.until - now, reason: b.reason.clone() })
+            .map(|b| BanView {
+                cidr: b.cidr.to_string(),
+                until: b.until,
+                ttl_secs: b.until - now,
+                reason: b.reason.clone(),
+            })
             .collect(),
     )
 }
@@ -163,12 +227,19 @@ pub(super) async fn get_bans(AxState(api): AxState<Api>) -> Json<Vec<BanView>> {
 /// Lifts a ban now (URL-encode the `/`: `198.51.100.0%2F24`).
 #[utoipa::path(delete, path = "/v1/bans/{cidr}", params(("cidr" = String, Path, description = "the banned prefix, URL-encoded")),
     responses((status = 200, body = Applied), (status = 400, body = ErrorBody), (status = 404, body = ErrorBody)))]
-pub(super) async fn delete_ban(AxState(api): AxState<Api>, Segment(cidr): Segment) -> ApiResult<Json<Applied>> {
-    let c = parse_cidr(&cidr).map_err(|m| ApiError(StatusCode::BAD_REQUEST, format!("cidr: {m}")))?;
+pub(super) async fn delete_ban(
+    AxState(api): AxState<Api>,
+    Segment(cidr): Segment,
+) -> ApiResult<Json<Applied>> {
+    let c =
+        parse_cidr(&cidr).map_err(|m| ApiError(StatusCode::BAD_REQUEST, format!("cidr: {m}")))?;
     let summary = change(&api, move |sh| {
         apply::apply_edit(sh, &format!("api: lift the ban on {c}"), |s| {
             if !s.config.active_bans(unix_now()).any(|b| b.cidr == c) {
-                return Err(ApiError(StatusCode::NOT_FOUND, format!("{c} is not banned")));
+                return Err(ApiError(
+                    StatusCode::NOT_FOUND,
+                    format!("{c} is not banned"),
+                ));
             }
             Ok(document::remove_bans(&s.text, |t, _| parse_cidr(t).is_ok_and(|x| x == c))?.0)
         })
@@ -181,6 +252,9 @@ pub(super) async fn delete_ban(AxState(api): AxState<Api>, Segment(cidr): Segmen
 /// nothing and answers 422 with the error's line and column.
 #[utoipa::path(post, path = "/v1/reload", responses((status = 200, body = Applied), (status = 422, body = ErrorBody)))]
 pub(super) async fn reload(AxState(api): AxState<Api>) -> ApiResult<Json<Applied>> {
-    let summary = change(&api, |sh| Ok(apply::reload_file(sh, "api: POST /v1/reload")?)).await?;
+    let summary = change(&api, |sh| {
+        Ok(apply::reload_file(sh, "api: POST /v1/reload")?)
+    })
+    .await?;
     Ok(Json(Applied { summary }))
 }

@@ -39,8 +39,15 @@ pub struct Listeners {
 /// Checked on the open file: what is read is what was checked.
 fn read_token(config: &Config) -> Result<Option<Arc<str>>> {
     use std::{io::Read, os::unix::fs::MetadataExt};
-    let Some(f) = &config.api.token_file else { return Ok(None) };
-    let cannot = || format!("cannot read the API token file {} ([api] token_file)", f.display());
+    let Some(f) = &config.api.token_file else {
+        return Ok(None);
+    };
+    let cannot = || {
+        format!(
+            "cannot read the API token file {} ([api] token_file)",
+            f.display()
+        )
+    };
     let mut file = std::fs::File::open(f).with_context(cannot)?;
     let meta = file.metadata().with_context(cannot)?;
     let mode = meta.permissions().mode();
@@ -60,7 +67,10 @@ fn read_token(config: &Config) -> Result<Option<Arc<str>>> {
     file.read_to_string(&mut t).with_context(cannot)?;
     let t = t.trim();
     if t.is_empty() {
-        bail!("the API token file {} is empty: put a long random token in it", f.display());
+        bail!(
+            "the API token file {} is empty: put a long random token in it",
+            f.display()
+        );
     }
     Ok(Some(Arc::from(t)))
 }
@@ -68,7 +78,11 @@ fn read_token(config: &Config) -> Result<Option<Arc<str>>> {
 /// Binds the socket `api.sock` in `runtime_dir` (mode 0600; refusing if a
 /// live daemon serves it), and the TCP listeners the options and config ask
 /// for (TCP only with a token).
-pub async fn bind(runtime_dir: &Path, api: Option<SocketAddr>, config: &Config) -> Result<Listeners> {
+pub async fn bind(
+    runtime_dir: &Path,
+    api: Option<SocketAddr>,
+    config: &Config,
+) -> Result<Listeners> {
     let token = read_token(config)?;
     let tcp_addr = api.or(config.api.listen);
     if let (Some(addr), None) = (tcp_addr, &token) {
@@ -82,7 +96,12 @@ pub async fn bind(runtime_dir: &Path, api: Option<SocketAddr>, config: &Config) 
         .recursive(true)
         .mode(0o755)
         .create(runtime_dir)
-        .with_context(|| format!("cannot create the runtime directory {} (--runtime-dir)", runtime_dir.display()))?;
+        .with_context(|| {
+            format!(
+                "cannot create the runtime directory {} (--runtime-dir)",
+                runtime_dir.display()
+            )
+        })?;
     root_only(runtime_dir)?;
     let socket_path = runtime_dir.join(API_SOCKET);
     // Held for the daemon's life: of two starts on one runtime directory,
@@ -98,17 +117,35 @@ pub async fn bind(runtime_dir: &Path, api: Option<SocketAddr>, config: &Config) 
         if std::os::unix::net::UnixStream::connect(&socket_path).is_ok() {
             bail!("another rl-control is serving {}: stop it first, or give this one another --runtime-dir", socket_path.display());
         }
-        std::fs::remove_file(&socket_path).with_context(|| format!("cannot remove the stale socket {}", socket_path.display()))?;
+        std::fs::remove_file(&socket_path)
+            .with_context(|| format!("cannot remove the stale socket {}", socket_path.display()))?;
     }
     // Created 0600 from the start: no moment in which others may connect.
     let old = unsafe { libc::umask(0o177) };
     let socket = UnixListener::bind(&socket_path);
     unsafe { libc::umask(old) };
-    let socket = socket.with_context(|| format!("cannot listen on {} for the admin API", socket_path.display()))?;
+    let socket = socket.with_context(|| {
+        format!(
+            "cannot listen on {} for the admin API",
+            socket_path.display()
+        )
+    })?;
     let socket_file = SocketFile(socket_path.clone(), lock);
     let tcp = bind_tcp(tcp_addr, "the admin API", "--api").await?;
-    let metrics = bind_tcp(config.api.metrics_listen, "the metrics listener", "[api] metrics_listen").await?;
-    Ok(Listeners { socket, socket_path, socket_file, tcp, metrics, token })
+    let metrics = bind_tcp(
+        config.api.metrics_listen,
+        "the metrics listener",
+        "[api] metrics_listen",
+    )
+    .await?;
+    Ok(Listeners {
+        socket,
+        socket_path,
+        socket_file,
+        tcp,
+        metrics,
+        token,
+    })
 }
 
 /// Refuses a runtime directory that another user owns or that group or
@@ -116,7 +153,8 @@ pub async fn bind(runtime_dir: &Path, api: Option<SocketAddr>, config: &Config) 
 /// in place of the daemon's (and the CLI would send them its token).
 fn root_only(dir: &Path) -> Result<()> {
     use std::os::unix::fs::MetadataExt;
-    let meta = std::fs::metadata(dir).with_context(|| format!("cannot read the runtime directory {}", dir.display()))?;
+    let meta = std::fs::metadata(dir)
+        .with_context(|| format!("cannot read the runtime directory {}", dir.display()))?;
     let me = unsafe { libc::geteuid() };
     if meta.uid() != me || meta.mode() & 0o022 != 0 {
         bail!(
@@ -149,7 +187,11 @@ fn lock_runtime_dir(dir: &Path) -> std::io::Result<std::os::fd::OwnedFd> {
 /// Binds `addr`, if given, for `what` (set by `setting`), failing with one
 /// line if it is taken. Every TCP listener of the daemon is bound this way,
 /// before the interface is touched.
-pub async fn bind_tcp(addr: Option<SocketAddr>, what: &str, setting: &str) -> Result<Option<TcpListener>> {
+pub async fn bind_tcp(
+    addr: Option<SocketAddr>,
+    what: &str,
+    setting: &str,
+) -> Result<Option<TcpListener>> {
     let Some(addr) = addr else { return Ok(None) };
     TcpListener::bind(addr).await.map(Some).with_context(|| {
         format!("cannot listen on {addr} for {what}: is another rl-control running? choose another address with {setting}")
@@ -160,7 +202,10 @@ pub async fn bind_tcp(addr: Option<SocketAddr>, what: &str, setting: &str) -> Re
 /// The socket file is removed when the returned guard drops.
 pub fn serve(l: Listeners, state: Shared) -> (Vec<tokio::task::JoinHandle<()>>, SocketFile) {
     let mut tasks = Vec::new();
-    let app = router(Api { state: state.clone(), token: None });
+    let app = router(Api {
+        state: state.clone(),
+        token: None,
+    });
     tasks.push(tokio::spawn(async move {
         if let Err(e) = axum::serve(l.socket, app).await {
             error!("the admin API (socket) stopped: {e}");
@@ -170,7 +215,10 @@ pub fn serve(l: Listeners, state: Shared) -> (Vec<tokio::task::JoinHandle<()>>, 
     let at = |l: &TcpListener| l.local_addr().map(|a| a.to_string()).unwrap_or_default();
     if let Some(listener) = l.tcp {
         let addr = at(&listener);
-        let app = router(Api { state: state.clone(), token: l.token.clone() });
+        let app = router(Api {
+            state: state.clone(),
+            token: l.token.clone(),
+        });
         tasks.push(tokio::spawn(async move {
             if let Err(e) = axum::serve(listener, app).await {
                 error!("the admin API (TCP) stopped: {e}");

@@ -27,9 +27,9 @@ use crate::{
 
 mod edit;
 mod l7;
+pub mod listen;
 mod metrics;
 mod reads;
-pub mod listen;
 
 /// Largest request body accepted (a full rule set with 262,144 CIDRs fits).
 pub const MAX_BODY: usize = 16 << 20;
@@ -57,7 +57,10 @@ pub(super) struct Segment(pub String);
 impl<S: Send + Sync> axum::extract::FromRequestParts<S> for Segment {
     type Rejection = ApiError;
 
-    async fn from_request_parts(parts: &mut axum::http::request::Parts, state: &S) -> Result<Segment, ApiError> {
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &S,
+    ) -> Result<Segment, ApiError> {
         axum::extract::Path::<String>::from_request_parts(parts, state)
             .await
             .map(|axum::extract::Path(s)| Segment(s))
@@ -85,7 +88,9 @@ impl From<ApplyError> for ApiError {
     fn from(e: ApplyError) -> Self {
         match e {
             ApplyError::Invalid(m) => ApiError(StatusCode::UNPROCESSABLE_ENTITY, m),
-            ApplyError::Failed(m) | ApplyError::Unwritable(m) => ApiError(StatusCode::INTERNAL_SERVER_ERROR, m),
+            ApplyError::Failed(m) | ApplyError::Unwritable(m) => {
+                ApiError(StatusCode::INTERNAL_SERVER_ERROR, m)
+            }
             ApplyError::Conflict(m) => ApiError(StatusCode::CONFLICT, m),
             ApplyError::Stopping(m) => ApiError(StatusCode::SERVICE_UNAVAILABLE, m),
         }
@@ -119,8 +124,22 @@ async fn healthz(AxState(api): AxState<Api>) -> Response {
         _ => not_attached_problem(&s.dp.not_attached()),
     };
     match problem {
-        None => (StatusCode::OK, Json(Health { status: "ok".into(), error: None })).into_response(),
-        Some(e) => (StatusCode::SERVICE_UNAVAILABLE, Json(Health { status: "unavailable".into(), error: Some(e) })).into_response(),
+        None => (
+            StatusCode::OK,
+            Json(Health {
+                status: "ok".into(),
+                error: None,
+            }),
+        )
+            .into_response(),
+        Some(e) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(Health {
+                status: "unavailable".into(),
+                error: Some(e),
+            }),
+        )
+            .into_response(),
     }
 }
 
@@ -180,13 +199,25 @@ pub struct Status {
 async fn status(AxState(api): AxState<Api>) -> Json<Status> {
     let s = lock(&api.state);
     Json(Status {
-        iface: s.attachments.first().map(|a| a.iface.clone()).unwrap_or_default(),
-        xdp_mode: s.attachments.first().map(|a| a.mode.to_string()).unwrap_or_default(),
+        iface: s
+            .attachments
+            .first()
+            .map(|a| a.iface.clone())
+            .unwrap_or_default(),
+        xdp_mode: s
+            .attachments
+            .first()
+            .map(|a| a.mode.to_string())
+            .unwrap_or_default(),
         interfaces: {
             let gone = s.dp.not_attached();
             s.attachments
                 .iter()
-                .map(|a| InterfaceView { iface: a.iface.clone(), xdp_mode: a.mode.to_string(), attached: !gone.iter().any(|(i, _)| *i == a.iface) })
+                .map(|a| InterfaceView {
+                    iface: a.iface.clone(),
+                    xdp_mode: a.mode.to_string(),
+                    attached: !gone.iter().any(|(i, _)| *i == a.iface),
+                })
                 .collect()
         },
         program_id: s.program_id,
@@ -207,7 +238,6 @@ async fn status(AxState(api): AxState<Api>) -> Json<Status> {
         cluster: s.cluster.as_ref().map(|c| c.status()),
     })
 }
-
 
 #[derive(OpenApi)]
 #[openapi(
@@ -233,23 +263,50 @@ impl utoipa::Modify for BearerAuth {
             ContentBuilder, Ref, ResponseBuilder,
         };
         let components = doc.components.get_or_insert_with(Default::default);
-        components.add_security_scheme("bearer", SecurityScheme::Http(Http::new(HttpAuthScheme::Bearer)));
+        components.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(Http::new(HttpAuthScheme::Bearer)),
+        );
         let error = |what: &str| {
             ResponseBuilder::new()
                 .description(what)
-                .content("application/json", ContentBuilder::new().schema(Some(Ref::from_schema_name("ErrorBody"))).build())
+                .content(
+                    "application/json",
+                    ContentBuilder::new()
+                        .schema(Some(Ref::from_schema_name("ErrorBody")))
+                        .build(),
+                )
                 .build()
         };
-        for (path, item) in doc.paths.paths.iter_mut().filter(|(p, _)| p.starts_with("/v1/")) {
+        for (path, item) in doc
+            .paths
+            .paths
+            .iter_mut()
+            .filter(|(p, _)| p.starts_with("/v1/"))
+        {
             let param = path.contains('{');
-            let ops = [(&mut item.get, false), (&mut item.put, true), (&mut item.post, true), (&mut item.delete, true)];
+            let ops = [
+                (&mut item.get, false),
+                (&mut item.put, true),
+                (&mut item.post, true),
+                (&mut item.delete, true),
+            ];
             for (op, changes) in ops {
                 let Some(op) = op.as_mut() else { continue };
-                op.security = Some(vec![SecurityRequirement::new("bearer", Vec::<String>::new())]);
+                op.security = Some(vec![SecurityRequirement::new(
+                    "bearer",
+                    Vec::<String>::new(),
+                )]);
                 let mut add = |code: &str, what: &str| {
-                    op.responses.responses.entry(code.into()).or_insert_with(|| error(what).into());
+                    op.responses
+                        .responses
+                        .entry(code.into())
+                        .or_insert_with(|| error(what).into());
                 };
-                add("401", "missing or wrong bearer token ([api] token_file is set)");
+                add(
+                    "401",
+                    "missing or wrong bearer token ([api] token_file is set)",
+                );
                 if param {
                     add("400", "the path parameter is not valid");
                 }
@@ -258,8 +315,14 @@ impl utoipa::Modify for BearerAuth {
                     if !param {
                         add("413", "the body is over the limit");
                     }
-                    add("422", "the resulting rule set does not validate (line and column given)");
-                    add("500", "installing the rules or writing the file failed: nothing changed");
+                    add(
+                        "422",
+                        "the resulting rule set does not validate (line and column given)",
+                    );
+                    add(
+                        "500",
+                        "installing the rules or writing the file failed: nothing changed",
+                    );
                 }
             }
         }
@@ -278,11 +341,18 @@ async fn auth(AxState(api): AxState<Api>, req: Request, next: Next) -> Response 
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             // The scheme's name is case-insensitive (RFC 9110).
-            .and_then(|v| v.split_once(' ').filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer")).map(|(_, t)| t));
+            .and_then(|v| {
+                v.split_once(' ')
+                    .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+                    .map(|(_, t)| t)
+            });
         let ok = given.is_some_and(|g| constant_time_eq(g.as_bytes(), token.as_bytes()));
         if !ok {
             let mut r = ApiError(StatusCode::UNAUTHORIZED, "missing or wrong bearer token: send `Authorization: Bearer <token>` (see [api] token_file)".into()).into_response();
-            r.headers_mut().insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
+            r.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                header::HeaderValue::from_static("Bearer"),
+            );
             return r;
         }
     }
@@ -295,14 +365,20 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 
 /// Counts requests by matched route and status, for `/metrics`.
 async fn count(AxState(api): AxState<Api>, req: Request, next: Next) -> Response {
-    let route = req.extensions().get::<MatchedPath>().map_or("unmatched".to_string(), |m| m.as_str().to_string());
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or("unmatched".to_string(), |m| m.as_str().to_string());
     let r = next.run(req).await;
     tally(&api, route, r.status().as_u16());
     r
 }
 
 fn tally(api: &Api, route: String, status: u16) {
-    *lock(&api.state).api_requests.entry((route, status)).or_default() += 1;
+    *lock(&api.state)
+        .api_requests
+        .entry((route, status))
+        .or_default() += 1;
 }
 
 /// The admin router's fallback: no route layer runs for it, so it counts
@@ -313,11 +389,17 @@ async fn not_found_counted(AxState(api): AxState<Api>) -> ApiError {
 }
 
 async fn not_found() -> ApiError {
-    ApiError(StatusCode::NOT_FOUND, "no such route: GET /openapi.json lists them".into())
+    ApiError(
+        StatusCode::NOT_FOUND,
+        "no such route: GET /openapi.json lists them".into(),
+    )
 }
 
 async fn method_not_allowed() -> ApiError {
-    ApiError(StatusCode::METHOD_NOT_ALLOWED, "method not allowed on this route: GET /openapi.json lists them".into())
+    ApiError(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method not allowed on this route: GET /openapi.json lists them".into(),
+    )
 }
 
 async fn metrics_only() -> ApiError {
@@ -340,7 +422,12 @@ pub fn metrics_router(api: Api) -> Router {
 pub fn router(api: Api) -> Router {
     let v1 = Router::new()
         .route("/v1/status", get(status))
-        .route("/v1/rules", get(edit::get_rules).put(edit::put_rules).post(edit::post_rule))
+        .route(
+            "/v1/rules",
+            get(edit::get_rules)
+                .put(edit::put_rules)
+                .post(edit::post_rule),
+        )
         .route("/v1/rules/{name}", delete(edit::delete_rule))
         .route("/v1/stats", get(reads::stats))
         .route("/v1/sources", get(reads::top_sources))

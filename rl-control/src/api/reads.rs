@@ -34,19 +34,24 @@ pub struct Stats {
     pub rules: std::collections::BTreeMap<String, RuleCounters>,
 }
 
-pub(super) fn rule_counters(s: &State) -> ApiResult<std::collections::BTreeMap<String, RuleCounters>> {
+pub(super) fn rule_counters(
+    s: &State,
+) -> ApiResult<std::collections::BTreeMap<String, RuleCounters>> {
     let stats = s.dp.rule_stats()?;
     Ok(stats
         .into_iter()
         .map(|(name, r)| {
-            (name, RuleCounters {
-                passed_packets: r.passed_pkts,
-                passed_bytes: r.passed_bytes,
-                dropped_packets: r.dropped_pkts,
-                dropped_bytes: r.dropped_bytes,
-                shadow_dropped_packets: r.shadow_pkts,
-                shadow_dropped_bytes: r.shadow_bytes,
-            })
+            (
+                name,
+                RuleCounters {
+                    passed_packets: r.passed_pkts,
+                    passed_bytes: r.passed_bytes,
+                    dropped_packets: r.dropped_pkts,
+                    dropped_bytes: r.dropped_bytes,
+                    shadow_dropped_packets: r.shadow_pkts,
+                    shadow_dropped_bytes: r.shadow_bytes,
+                },
+            )
         })
         .collect())
 }
@@ -56,7 +61,9 @@ pub(super) fn rule_counters(s: &State) -> ApiResult<std::collections::BTreeMap<S
 /// that stayed in place, what the pinned datapath had counted before).
 #[utoipa::path(get, path = "/v1/stats", responses((status = 200, body = Stats)))]
 pub(super) async fn stats(AxState(api): AxState<Api>) -> ApiResult<Json<Stats>> {
-    Ok(Json(Stats { rules: rule_counters(&lock(&api.state))? }))
+    Ok(Json(Stats {
+        rules: rule_counters(&lock(&api.state))?,
+    }))
 }
 
 /// One limit's quota for a source, with the meaning of HTTP rate-limit
@@ -127,26 +134,48 @@ pub struct SourceState {
 /// bucket that charges it now (its own, or a flood's shared fallback).
 #[utoipa::path(get, path = "/v1/sources/{ip}", params(("ip" = String, Path, description = "an IPv4 or IPv6 address")),
     responses((status = 200, body = SourceState), (status = 400, body = ErrorBody)))]
-pub(super) async fn source(AxState(api): AxState<Api>, Segment(ip): Segment) -> ApiResult<Json<SourceState>> {
-    let addr: IpAddr = ip
-        .parse()
-        .map_err(|_| ApiError(StatusCode::BAD_REQUEST, format!("\"{ip}\" is not an IP address")))?;
+pub(super) async fn source(
+    AxState(api): AxState<Api>,
+    Segment(ip): Segment,
+) -> ApiResult<Json<SourceState>> {
+    let addr: IpAddr = ip.parse().map_err(|_| {
+        ApiError(
+            StatusCode::BAD_REQUEST,
+            format!("\"{ip}\" is not an IP address"),
+        )
+    })?;
     let s = lock(&api.state);
     let host = crate::config::units::Cidr::host(addr);
     let listed = if s.config.allow.iter().any(|c| c.covers(&host)) {
         Some("allow")
-    } else if s.config.deny.iter().chain(s.config.active_bans(crate::config::unix_now()).map(|b| &b.cidr)).any(|c| c.covers(&host)) {
+    } else if s
+        .config
+        .deny
+        .iter()
+        .chain(
+            s.config
+                .active_bans(crate::config::unix_now())
+                .map(|b| &b.cidr),
+        )
+        .any(|c| c.covers(&host))
+    {
         Some("deny")
     } else {
         None
     };
     if let Some(list) = listed {
-        return Ok(Json(SourceState { source: addr.to_string(), listed: Some(list.into()), limits: Vec::new() }));
+        return Ok(Json(SourceState {
+            source: addr.to_string(),
+            listed: Some(list.into()),
+            limits: Vec::new(),
+        }));
     }
     let quotas = s.dp.source_quotas(addr)?;
     let limits = quotas
         .into_iter()
-        .filter(|sq| sq.by == crate::datapath::ChargedBy::Own || may_match(&s.config, sq.rule, &host))
+        .filter(|sq| {
+            sq.by == crate::datapath::ChargedBy::Own || may_match(&s.config, sq.rule, &host)
+        })
         .map(|sq| SourceLimit {
             rule: s.dp.rule_name(sq.rule).unwrap_or("?").to_string(),
             limit_index: sq.which,
@@ -158,14 +187,25 @@ pub(super) async fn source(AxState(api): AxState<Api>, Segment(ip): Segment) -> 
             prefix: sq.prefix.map(|(a, bits)| format!("{a}/{bits}")),
         })
         .collect();
-    Ok(Json(SourceState { source: addr.to_string(), listed: None, limits }))
+    Ok(Json(SourceState {
+        source: addr.to_string(),
+        listed: None,
+        limits,
+    }))
 }
 
 /// Whether rule `index` of the active set (0: `[default]`) may charge
 /// `host`: a shared bucket of a rule whose `src` leaves the source out is
 /// not the source's (its own buckets exist only where a rule matched it).
-fn may_match(config: &crate::config::Config, index: u32, host: &crate::config::units::Cidr) -> bool {
-    let src = index.checked_sub(1).and_then(|i| config.rules.get(i as usize)).map_or(&[][..], |r| &r.src[..]);
+fn may_match(
+    config: &crate::config::Config,
+    index: u32,
+    host: &crate::config::units::Cidr,
+) -> bool {
+    let src = index
+        .checked_sub(1)
+        .and_then(|i| config.rules.get(i as usize))
+        .map_or(&[][..], |r| &r.src[..]);
     src.is_empty() || src.iter().any(|c| c.covers(host))
 }
 
@@ -180,7 +220,10 @@ pub(super) struct TopQuery {
 /// from them and their drops.
 #[utoipa::path(get, path = "/v1/sources", params(("top" = Option<usize>, Query, description = "how many (default 10, at most 1000)")),
     responses((status = 200, body = crate::daemon::state::Top), (status = 400, body = ErrorBody)))]
-pub(super) async fn top_sources(AxState(api): AxState<Api>, q: Result<Query<TopQuery>, QueryRejection>) -> ApiResult<Json<crate::daemon::state::Top>> {
+pub(super) async fn top_sources(
+    AxState(api): AxState<Api>,
+    q: Result<Query<TopQuery>, QueryRejection>,
+) -> ApiResult<Json<crate::daemon::state::Top>> {
     let n = top_count(q, crate::daemon::state::TOP_KEPT)?;
     let s = lock(&api.state);
     let mut top = s.top.clone();
@@ -198,7 +241,10 @@ pub(super) async fn top_sources(AxState(api): AxState<Api>, q: Result<Query<TopQ
 /// their own for `/v1/sources?top=N` to rank).
 #[utoipa::path(get, path = "/v1/cells", params(("top" = Option<usize>, Query, description = "how many (default 10, at most 100)")),
     responses((status = 200, body = crate::daemon::state::Cells), (status = 400, body = ErrorBody)))]
-pub(super) async fn cells(AxState(api): AxState<Api>, q: Result<Query<TopQuery>, QueryRejection>) -> ApiResult<Json<crate::daemon::state::Cells>> {
+pub(super) async fn cells(
+    AxState(api): AxState<Api>,
+    q: Result<Query<TopQuery>, QueryRejection>,
+) -> ApiResult<Json<crate::daemon::state::Cells>> {
     let n = top_count(q, crate::datapath::CHARGED_CELLS_KEPT)?;
     let mut cells = lock(&api.state).cells.clone();
     cells.cells.truncate(n);
@@ -207,10 +253,18 @@ pub(super) async fn cells(AxState(api): AxState<Api>, q: Result<Query<TopQuery>,
 
 /// A list's `?top=N` (default 10), refused outside 1..=`kept`.
 fn top_count(q: Result<Query<TopQuery>, QueryRejection>, kept: usize) -> ApiResult<usize> {
-    let Query(q) = q.map_err(|e| ApiError(StatusCode::BAD_REQUEST, format!("{}: use ?top=N", e.body_text())))?;
+    let Query(q) = q.map_err(|e| {
+        ApiError(
+            StatusCode::BAD_REQUEST,
+            format!("{}: use ?top=N", e.body_text()),
+        )
+    })?;
     let n = q.top.unwrap_or(10);
     if !(1..=kept).contains(&n) {
-        return Err(ApiError(StatusCode::BAD_REQUEST, format!("top must be 1..={kept}")));
+        return Err(ApiError(
+            StatusCode::BAD_REQUEST,
+            format!("top must be 1..={kept}"),
+        ));
     }
     Ok(n)
 }
@@ -235,15 +289,28 @@ pub struct Events {
 /// cells, Redis. `limit` is 1..=1,256 (both rings whole).
 #[utoipa::path(get, path = "/v1/events", params(("limit" = Option<usize>, Query, description = "how many (default 100, at most 1,256)")),
     responses((status = 200, body = Events), (status = 400, body = ErrorBody)))]
-pub(super) async fn events(AxState(api): AxState<Api>, q: Result<Query<EventsQuery>, QueryRejection>) -> ApiResult<Json<Events>> {
-    let Query(q) = q.map_err(|e| ApiError(StatusCode::BAD_REQUEST, format!("{}: use ?limit=N", e.body_text())))?;
+pub(super) async fn events(
+    AxState(api): AxState<Api>,
+    q: Result<Query<EventsQuery>, QueryRejection>,
+) -> ApiResult<Json<Events>> {
+    let Query(q) = q.map_err(|e| {
+        ApiError(
+            StatusCode::BAD_REQUEST,
+            format!("{}: use ?limit=N", e.body_text()),
+        )
+    })?;
     let n = q.limit.unwrap_or(100);
     let most = crate::daemon::state::EVENTS_KEPT + crate::daemon::state::NOTICES_KEPT;
     if !(1..=most).contains(&n) {
-        return Err(ApiError(StatusCode::BAD_REQUEST, format!("limit must be 1..={most}")));
+        return Err(ApiError(
+            StatusCode::BAD_REQUEST,
+            format!("limit must be 1..={most}"),
+        ));
     }
     let s = lock(&api.state);
-    Ok(Json(Events { events: s.events.latest(n) }))
+    Ok(Json(Events {
+        events: s.events.latest(n),
+    }))
 }
 
 #[cfg(test)]
@@ -260,7 +327,14 @@ mod tests {
         .unwrap();
         let host = |a: [u8; 4]| Cidr::host(IpAddr::from(a));
         assert!(may_match(&config, 1, &host([192, 168, 3, 4])));
-        assert!(!may_match(&config, 1, &host([10, 0, 0, 1])), "outside lan's src");
-        assert!(may_match(&config, 0, &host([10, 0, 0, 1])) && may_match(&config, 2, &host([10, 0, 0, 1])), "[default] and a rule without src");
+        assert!(
+            !may_match(&config, 1, &host([10, 0, 0, 1])),
+            "outside lan's src"
+        );
+        assert!(
+            may_match(&config, 0, &host([10, 0, 0, 1]))
+                && may_match(&config, 2, &host([10, 0, 0, 1])),
+            "[default] and a rule without src"
+        );
     }
 }

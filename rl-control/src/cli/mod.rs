@@ -30,7 +30,11 @@ enum To {
 impl Client {
     /// The socket in `runtime_dir`, or with `api` (`HOST:PORT` or a URL)
     /// that TCP address; `token_file` holds the bearer token.
-    pub fn new(runtime_dir: &std::path::Path, api: Option<&str>, token_file: Option<&PathBuf>) -> Result<Client> {
+    pub fn new(
+        runtime_dir: &std::path::Path,
+        api: Option<&str>,
+        token_file: Option<&PathBuf>,
+    ) -> Result<Client> {
         let token = match token_file {
             Some(f) => Some(
                 std::fs::read_to_string(f)
@@ -42,8 +46,14 @@ impl Client {
         };
         let to = match api {
             Some(api) => To::Tcp {
-                base: if api.contains("://") { api.trim_end_matches('/').to_string() } else { format!("http://{api}") },
-                agent: ureq::AgentBuilder::new().timeout(Duration::from_secs(30)).build(),
+                base: if api.contains("://") {
+                    api.trim_end_matches('/').to_string()
+                } else {
+                    format!("http://{api}")
+                },
+                agent: ureq::AgentBuilder::new()
+                    .timeout(Duration::from_secs(30))
+                    .build(),
             },
             None => To::Socket(runtime_dir.join(API_SOCKET)),
         };
@@ -85,10 +95,18 @@ impl Client {
                 }
             }
         };
-        let v: Value = serde_json::from_str(&text).with_context(|| format!("{method} {path}: {code}: the answer is not JSON"))?;
+        let v: Value = serde_json::from_str(&text)
+            .with_context(|| format!("{method} {path}: {code}: the answer is not JSON"))?;
         if !(200..300).contains(&code) {
-            let msg = v.get("error").and_then(|e| e.as_str()).unwrap_or("no error message");
-            let hint = if code == 401 { " (pass --token-file)" } else { "" };
+            let msg = v
+                .get("error")
+                .and_then(|e| e.as_str())
+                .unwrap_or("no error message");
+            let hint = if code == 401 {
+                " (pass --token-file)"
+            } else {
+                ""
+            };
             bail!("{method} {path}: {code}: {msg}{hint}");
         }
         Ok(v)
@@ -130,7 +148,12 @@ pub fn unix_request(
     let mut raw = Vec::new();
     let read = s.read_to_end(&mut raw);
     let written = writer.join().unwrap_or(Ok(()));
-    let cut = |e: &std::io::Error| matches!(e.kind(), std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset);
+    let cut = |e: &std::io::Error| {
+        matches!(
+            e.kind(),
+            std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
+        )
+    };
     match read {
         Err(e) if !cut(&e) || raw.is_empty() => return Err(e),
         _ => {}
@@ -140,12 +163,27 @@ pub fn unix_request(
             return Err(e);
         }
     }
-    let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("bad HTTP answer: {what}"));
-    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").ok_or_else(|| bad("no end of headers"))?;
+    let bad = |what: &str| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("bad HTTP answer: {what}"),
+        )
+    };
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or_else(|| bad("no end of headers"))?;
     let head = String::from_utf8_lossy(&raw[..split]).into_owned();
-    let code: u16 = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).ok_or_else(|| bad("no status"))?;
+    let code: u16 = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| bad("no status"))?;
     let mut body = raw[split + 4..].to_vec();
-    if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+    if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
         body = dechunk(&body).ok_or_else(|| bad("broken chunked body"))?;
     }
     Ok((code, String::from_utf8_lossy(&body).into_owned()))
@@ -155,7 +193,15 @@ fn dechunk(mut b: &[u8]) -> Option<Vec<u8>> {
     let mut out = Vec::new();
     loop {
         let eol = b.windows(2).position(|w| w == b"\r\n")?;
-        let size = usize::from_str_radix(std::str::from_utf8(&b[..eol]).ok()?.split(';').next()?.trim(), 16).ok()?;
+        let size = usize::from_str_radix(
+            std::str::from_utf8(&b[..eol])
+                .ok()?
+                .split(';')
+                .next()?
+                .trim(),
+            16,
+        )
+        .ok()?;
         b = &b[eol + 2..];
         if size == 0 {
             return Some(out);
@@ -186,8 +232,14 @@ fn s(v: &Value) -> String {
 /// `2026-11-27 19:11:19 UTC (42 s ago)`; as is if it is not a number.
 fn since(v: &Value) -> String {
     let Some(ms) = v.as_u64() else { return s(v) };
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
-    format!("{} ({} s ago)", utc(ms / 1000), now.saturating_sub(ms) / 1000)
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    format!(
+        "{} ({} s ago)",
+        utc(ms / 1000),
+        now.saturating_sub(ms) / 1000
+    )
 }
 
 /// Unix seconds as `YYYY-MM-DD HH:MM:SS UTC` (the proleptic Gregorian
@@ -199,9 +251,17 @@ fn utc(secs: u64) -> String {
     let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
     let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
     let mp = (5 * doy + 2) / 153;
-    let (day, month) = (doy - (153 * mp + 2) / 5 + 1, if mp < 10 { mp + 3 } else { mp - 9 });
+    let (day, month) = (
+        doy - (153 * mp + 2) / 5 + 1,
+        if mp < 10 { mp + 3 } else { mp - 9 },
+    );
     let year = yoe + era * 400 + u64::from(month <= 2);
-    format!("{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02} UTC", rest / 3600, rest / 60 % 60, rest % 60)
+    format!(
+        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02} UTC",
+        rest / 3600,
+        rest / 60 % 60,
+        rest % 60
+    )
 }
 
 /// Left-aligned columns.
@@ -213,7 +273,12 @@ fn table(header: &[&str], rows: &[Vec<String>]) -> String {
         }
     }
     let line = |cells: Vec<String>| {
-        let mut l = cells.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect::<Vec<_>>().join("  ");
+        let mut l = cells
+            .iter()
+            .zip(&widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect::<Vec<_>>()
+            .join("  ");
         l.truncate(l.trim_end().len());
         l + "\n"
     };
@@ -246,7 +311,12 @@ pub fn status(v: &Value) -> String {
     let reload = if last.is_null() {
         "none since start".to_string()
     } else {
-        format!("{} ({}): {}", if last["ok"] == true { "ok" } else { "FAILED" }, s(&last["trigger"]), s(&last["message"]))
+        format!(
+            "{} ({}): {}",
+            if last["ok"] == true { "ok" } else { "FAILED" },
+            s(&last["trigger"]),
+            s(&last["message"])
+        )
     };
     let p = &v["pressure"];
     let flood = if p["flood_mode"] == true {
@@ -260,7 +330,10 @@ pub fn status(v: &Value) -> String {
         "off".to_string()
     };
     let mut table = if p["table_full"] == true {
-        format!("sources table:   FULL at {} own buckets: new sources share their prefix cells\n", s(&p["bucket_capacity"]))
+        format!(
+            "sources table:   FULL at {} own buckets: new sources share their prefix cells\n",
+            s(&p["bucket_capacity"])
+        )
     } else {
         String::new()
     };
@@ -274,7 +347,12 @@ pub fn status(v: &Value) -> String {
         .iter()
         .filter_map(|(k, name)| {
             let r = &p["collector"][k];
-            r["error"].as_str().map(|e| format!("{name} FAILING since {}: {e}", since(&r["failing_since_unix_ms"])))
+            r["error"].as_str().map(|e| {
+                format!(
+                    "{name} FAILING since {}: {e}",
+                    since(&r["failing_since_unix_ms"])
+                )
+            })
         })
         .collect();
     if !failing.is_empty() {
@@ -282,13 +360,32 @@ pub fn status(v: &Value) -> String {
     }
     let on: Vec<String> = v["interfaces"]
         .as_array()
-        .map(|a| a.iter().map(|i| format!("{} (XDP {})", s(&i["iface"]), s(&i["xdp_mode"]))).collect())
+        .map(|a| {
+            a.iter()
+                .map(|i| format!("{} (XDP {})", s(&i["iface"]), s(&i["xdp_mode"])))
+                .collect()
+        })
         .unwrap_or_default();
     let mut iface_line = match on.len() {
-        0 | 1 => format!("interface:       {} (XDP {}, program {})", s(&v["iface"]), s(&v["xdp_mode"]), s(&v["program_id"])),
-        _ => format!("interfaces:      {}; one program ({}) and one set of buckets", on.join(", "), s(&v["program_id"])),
+        0 | 1 => format!(
+            "interface:       {} (XDP {}, program {})",
+            s(&v["iface"]),
+            s(&v["xdp_mode"]),
+            s(&v["program_id"])
+        ),
+        _ => format!(
+            "interfaces:      {}; one program ({}) and one set of buckets",
+            on.join(", "),
+            s(&v["program_id"])
+        ),
     };
-    let gone: Vec<String> = v["interfaces"].as_array().into_iter().flatten().filter(|i| i["attached"] == false).map(|i| s(&i["iface"])).collect();
+    let gone: Vec<String> = v["interfaces"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|i| i["attached"] == false)
+        .map(|i| s(&i["iface"]))
+        .collect();
     if !gone.is_empty() {
         iface_line += &format!(
             "\nNOT ATTACHED:    {}: rl's program no longer runs there, nothing limits that traffic (restart the daemon to attach it again)",
@@ -297,10 +394,20 @@ pub fn status(v: &Value) -> String {
     }
     let c = &v["cluster"];
     let redis: Vec<String> = c["redis"].as_array().into_iter().flatten().map(s).collect();
-    let mismatched: Vec<String> = c["mismatched"].as_array().into_iter().flatten().map(s).collect();
+    let mismatched: Vec<String> = c["mismatched"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(s)
+        .collect();
     let mut cluster = match c["state"].as_str() {
         None => String::new(),
-        Some("ok") => format!("cluster:         ok, node {} on {} (on_failure = {})\n", s(&c["node"]), redis.join(", "), s(&c["on_failure"])),
+        Some("ok") => format!(
+            "cluster:         ok, node {} on {} (on_failure = {})\n",
+            s(&c["node"]),
+            redis.join(", "),
+            s(&c["on_failure"])
+        ),
         Some(_) => format!(
             "cluster:         DEGRADED since {} ({}): cluster rules enforce on_failure = {}\n",
             since(&c["degraded_since_unix_ms"]),
@@ -315,17 +422,30 @@ pub fn status(v: &Value) -> String {
         );
     }
     if !mismatched.is_empty() {
-        cluster += &format!("                 defined differently by another host (not shared here): {}\n", mismatched.join(", "));
+        cluster += &format!(
+            "                 defined differently by another host (not shared here): {}\n",
+            mismatched.join(", ")
+        );
     }
     let wide_rules: Vec<String> = p["wide_cell_rules"]
         .as_array()
         .into_iter()
         .flatten()
-        .map(|w| format!("{} (IPv4 {}, IPv6 {})", s(&w["rule"]), s(&w["ipv4"]), s(&w["ipv6"])))
+        .map(|w| {
+            format!(
+                "{} (IPv4 {}, IPv6 {})",
+                s(&w["rule"]),
+                s(&w["ipv4"]),
+                s(&w["ipv6"])
+            )
+        })
         .collect();
     let wide_rules = match wide_rules.is_empty() {
         true => String::new(),
-        false => format!("wide cells of:   {} (their newcomers in a flooded prefix start drained)\n", wide_rules.join(", ")),
+        false => format!(
+            "wide cells of:   {} (their newcomers in a flooded prefix start drained)\n",
+            wide_rules.join(", ")
+        ),
     };
     format!(
         "{iface_line}\nuptime:          {}s\nrules:           {} (+ default), {} allow and {} deny CIDRs, {} bans\n\
@@ -346,9 +466,18 @@ pub fn status(v: &Value) -> String {
 }
 
 pub fn rules(v: &Value) -> String {
-    let mut out = format!("default: {} packets/s per source, burst {}\n", s(&v["default"]["rate"]), s(&v["default"]["burst"]));
+    let mut out = format!(
+        "default: {} packets/s per source, burst {}\n",
+        s(&v["default"]["rate"]),
+        s(&v["default"]["burst"])
+    );
     for (list, what) in [("allow", "never limited"), ("deny", "always dropped")] {
-        let cidrs: Vec<String> = v[list].as_array().into_iter().flatten().map(|c| s(&c["cidr"])).collect();
+        let cidrs: Vec<String> = v[list]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|c| s(&c["cidr"]))
+            .collect();
         if !cidrs.is_empty() {
             out += &format!("{list} ({what}): {}\n", cidrs.join(", "));
         }
@@ -359,7 +488,14 @@ pub fn rules(v: &Value) -> String {
         .flatten()
         .map(|r| {
             let limit = if r.get("limits").is_some() {
-                "limits: ".to_string() + &r["limits"].as_array().into_iter().flatten().map(|l| format!("{}/{}", s(&l["rate"]), s(&l["per"]))).collect::<Vec<_>>().join(", ")
+                "limits: ".to_string()
+                    + &r["limits"]
+                        .as_array()
+                        .into_iter()
+                        .flatten()
+                        .map(|l| format!("{}/{}", s(&l["rate"]), s(&l["per"])))
+                        .collect::<Vec<_>>()
+                        .join(", ")
             } else {
                 format!("{}/{}", s(&r["rate"]), r.get("per").map_or("1s".into(), s))
             };
@@ -392,18 +528,36 @@ pub fn stats(v: &Value) -> String {
             ]
         })
         .collect();
-    table(&["RULE", "PASSED", "DROPPED", "SHADOW", "PASSED BYTES", "DROPPED BYTES"], &rows)
+    table(
+        &[
+            "RULE",
+            "PASSED",
+            "DROPPED",
+            "SHADOW",
+            "PASSED BYTES",
+            "DROPPED BYTES",
+        ],
+        &rows,
+    )
 }
 
 pub fn source(v: &Value) -> String {
     let limits = v["limits"].as_array().cloned().unwrap_or_default();
     match v["listed"].as_str() {
         Some("allow") => return format!("{}: in an allow CIDR (never limited)\n", s(&v["source"])),
-        Some("deny") => return format!("{}: in a deny CIDR or a ban (always dropped)\n", s(&v["source"])),
+        Some("deny") => {
+            return format!(
+                "{}: in a deny CIDR or a ban (always dropped)\n",
+                s(&v["source"])
+            )
+        }
         _ => {}
     }
     if limits.is_empty() {
-        return format!("{}: no charge under any rule (it has its full limit)\n", s(&v["source"]));
+        return format!(
+            "{}: no charge under any rule (it has its full limit)\n",
+            s(&v["source"])
+        );
     }
     let rows: Vec<Vec<String>> = limits
         .iter()
@@ -413,13 +567,38 @@ pub fn source(v: &Value) -> String {
                 (Some(kind), None) => kind.replace('_', " "),
                 (None, _) => "?".into(),
             };
-            vec![s(&l["rule"]), s(&l["limit_index"]), s(&l["limit"]), s(&l["remaining"]), s(&l["retry_after_ms"]), s(&l["reset_ms"]), by]
+            vec![
+                s(&l["rule"]),
+                s(&l["limit_index"]),
+                s(&l["limit"]),
+                s(&l["remaining"]),
+                s(&l["retry_after_ms"]),
+                s(&l["reset_ms"]),
+                by,
+            ]
         })
         .collect();
-    let shared = limits.iter().any(|l| l["charged_to"].as_str().is_some_and(|k| k != "own"));
-    let note = if shared { "(a shared bucket's figures are its whole prefix's: the source has no bucket of its own under that limit)\n" } else { "" };
+    let shared = limits
+        .iter()
+        .any(|l| l["charged_to"].as_str().is_some_and(|k| k != "own"));
+    let note = if shared {
+        "(a shared bucket's figures are its whole prefix's: the source has no bucket of its own under that limit)\n"
+    } else {
+        ""
+    };
     format!("{}\n", s(&v["source"]))
-        + &table(&["RULE", "LIMIT#", "LIMIT", "REMAINING", "RETRY AFTER ms", "RESET ms", "CHARGED TO"], &rows)
+        + &table(
+            &[
+                "RULE",
+                "LIMIT#",
+                "LIMIT",
+                "REMAINING",
+                "RETRY AFTER ms",
+                "RESET ms",
+                "CHARGED TO",
+            ],
+            &rows,
+        )
         + note
 }
 
@@ -442,7 +621,8 @@ pub fn top(v: &Value) -> String {
     if secs == 0.0 {
         return "no interval measured yet (sources are scanned every 5 s)\n".into();
     }
-    format!("drops over the last {secs:.1} s\n") + &table(&["SOURCE", "RULE", "DROPS", "DROPS/s", "SEEN pkt/s"], &rows)
+    format!("drops over the last {secs:.1} s\n")
+        + &table(&["SOURCE", "RULE", "DROPS", "DROPS/s", "SEEN pkt/s"], &rows)
 }
 
 pub fn cells(v: &Value) -> String {
@@ -455,7 +635,14 @@ pub fn cells(v: &Value) -> String {
         .flatten()
         .map(|c| {
             let wait = |ms: &Value| format!("{:.1} s", ms.as_u64().unwrap_or(0) as f64 / 1e3);
-            vec![s(&c["prefix"]), s(&c["rule"]), s(&c["kind"]), format!("{}/{}", s(&c["remaining"]), s(&c["limit"])), wait(&c["retry_after_ms"]), wait(&c["reset_ms"])]
+            vec![
+                s(&c["prefix"]),
+                s(&c["rule"]),
+                s(&c["kind"]),
+                format!("{}/{}", s(&c["remaining"]), s(&c["limit"])),
+                wait(&c["retry_after_ms"]),
+                wait(&c["reset_ms"]),
+            ]
         })
         .collect();
     let head = format!(
@@ -466,7 +653,19 @@ pub fn cells(v: &Value) -> String {
     );
     match rows.is_empty() {
         true => head + "no cell holds a charge\n",
-        false => head + &table(&["PREFIX", "RULE", "KIND", "LEFT", "RETRY AFTER", "FULL AGAIN IN"], &rows),
+        false => {
+            head + &table(
+                &[
+                    "PREFIX",
+                    "RULE",
+                    "KIND",
+                    "LEFT",
+                    "RETRY AFTER",
+                    "FULL AGAIN IN",
+                ],
+                &rows,
+            )
+        }
     }
 }
 
@@ -479,13 +678,40 @@ pub fn events(v: &Value) -> String {
             // Only "limited" events name a limit and a source; a host's
             // event names neither, a rule's only its rule.
             let limited = e["event"] == "limited";
-            let or_dash = |v: &Value| Some(s(v)).filter(|t| !t.is_empty()).unwrap_or_else(|| "-".into());
-            let at = e["at_unix_ms"].as_u64().map_or_else(|| s(&e["at_unix_ms"]), |ms| format!("{}.{:03}", utc(ms / 1000).trim_end_matches(" UTC"), ms % 1000));
-            let limit = if limited { s(&e["limit_index"]) } else { "-".into() };
-            vec![at, s(&e["event"]), or_dash(&e["rule"]), limit, or_dash(&e["source"]), or_dash(&e["detail"])]
+            let or_dash = |v: &Value| {
+                Some(s(v))
+                    .filter(|t| !t.is_empty())
+                    .unwrap_or_else(|| "-".into())
+            };
+            let at = e["at_unix_ms"].as_u64().map_or_else(
+                || s(&e["at_unix_ms"]),
+                |ms| {
+                    format!(
+                        "{}.{:03}",
+                        utc(ms / 1000).trim_end_matches(" UTC"),
+                        ms % 1000
+                    )
+                },
+            );
+            let limit = if limited {
+                s(&e["limit_index"])
+            } else {
+                "-".into()
+            };
+            vec![
+                at,
+                s(&e["event"]),
+                or_dash(&e["rule"]),
+                limit,
+                or_dash(&e["source"]),
+                or_dash(&e["detail"]),
+            ]
         })
         .collect();
-    table(&["AT (UTC)", "EVENT", "RULE", "LIMIT#", "SOURCE", "DETAIL"], &rows)
+    table(
+        &["AT (UTC)", "EVENT", "RULE", "LIMIT#", "SOURCE", "DETAIL"],
+        &rows,
+    )
 }
 
 pub fn applied(v: &Value) -> String {
@@ -493,8 +719,16 @@ pub fn applied(v: &Value) -> String {
 }
 
 pub fn ban(v: &Value) -> String {
-    format!("banned {} for {}s (until Unix time {}){}\n", s(&v["cidr"]), s(&v["ttl_secs"]), s(&v["until"]),
-        v["reason"].as_str().filter(|r| !r.is_empty()).map_or(String::new(), |r| format!(": {r}")))
+    format!(
+        "banned {} for {}s (until Unix time {}){}\n",
+        s(&v["cidr"]),
+        s(&v["ttl_secs"]),
+        s(&v["until"]),
+        v["reason"]
+            .as_str()
+            .filter(|r| !r.is_empty())
+            .map_or(String::new(), |r| format!(": {r}"))
+    )
 }
 
 /// `text` percent-encoded for a path segment or a query value: every byte
@@ -535,10 +769,49 @@ mod tests {
             {"at_unix_ms": 1_795_800_000_000u64, "event": "cluster_degraded", "rule": "", "limit_index": 0, "source": "", "detail": "timed-out"},
         ]});
         let out = events(&v);
-        let lines: Vec<Vec<&str>> = out.lines().map(|l| l.split_whitespace().collect()).collect();
-        assert_eq!(lines[1], ["2026-11-27", "17:20:00.123", "flood_started", "-", "-", "-", "-"], "{out}");
-        assert_eq!(lines[2], ["2026-11-27", "17:20:00.000", "limited", "dns", "0", "10.0.0.1", "-"], "{out}");
-        assert_eq!(lines[3], ["2026-11-27", "17:20:00.000", "cluster_degraded", "-", "-", "-", "timed-out"], "{out}");
+        let lines: Vec<Vec<&str>> = out
+            .lines()
+            .map(|l| l.split_whitespace().collect())
+            .collect();
+        assert_eq!(
+            lines[1],
+            [
+                "2026-11-27",
+                "17:20:00.123",
+                "flood_started",
+                "-",
+                "-",
+                "-",
+                "-"
+            ],
+            "{out}"
+        );
+        assert_eq!(
+            lines[2],
+            [
+                "2026-11-27",
+                "17:20:00.000",
+                "limited",
+                "dns",
+                "0",
+                "10.0.0.1",
+                "-"
+            ],
+            "{out}"
+        );
+        assert_eq!(
+            lines[3],
+            [
+                "2026-11-27",
+                "17:20:00.000",
+                "cluster_degraded",
+                "-",
+                "-",
+                "-",
+                "timed-out"
+            ],
+            "{out}"
+        );
     }
 
     /// Times read as dates (checked against `date -u -d @SECS`), leap days
@@ -554,7 +827,10 @@ mod tests {
             assert_eq!(utc(secs), want);
         }
         let ago = since(&Value::from(1_798_407_321_000u64));
-        assert!(ago.starts_with("2026-12-27 21:35:21 UTC (") && ago.ends_with(" s ago)"), "{ago}");
+        assert!(
+            ago.starts_with("2026-12-27 21:35:21 UTC (") && ago.ends_with(" s ago)"),
+            "{ago}"
+        );
         assert_eq!(since(&Value::Null), "-");
     }
 }

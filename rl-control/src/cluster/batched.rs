@@ -55,12 +55,31 @@ impl Batch {
     /// hit holding `burst_ns`); `names` gives its Redis key and hash tag
     /// the first time.
     #[allow(clippy::too_many_arguments)]
-    pub fn record(&self, local: LocalKey, hits: u64, ns_per_unit: u64, burst_ns: u64, interval_ns: u64, now: u64, names: impl FnOnce() -> (String, String)) {
+    pub fn record(
+        &self,
+        local: LocalKey,
+        hits: u64,
+        ns_per_unit: u64,
+        burst_ns: u64,
+        interval_ns: u64,
+        now: u64,
+        names: impl FnOnce() -> (String, String),
+    ) {
         let mut a = self.accounts.lock().unwrap_or_else(|e| e.into_inner());
         let base = a.base;
         let acc = a.by_key.entry(local).or_insert_with(|| {
             let (key, slot) = names();
-            Account { key, slot, ns_per_unit, interval_ns, burst_ns, unsent: 0, unacked: 0, cum: base, last_ns: now }
+            Account {
+                key,
+                slot,
+                ns_per_unit,
+                interval_ns,
+                burst_ns,
+                unsent: 0,
+                unacked: 0,
+                cum: base,
+                last_ns: now,
+            }
         });
         acc.unsent += hits;
         acc.last_ns = now;
@@ -74,7 +93,9 @@ impl Batch {
     pub fn take(&self, now: u64, forget_ns: u64) -> Vec<(LocalKey, Line)> {
         let mut a = self.accounts.lock().unwrap_or_else(|e| e.into_inner());
         let Accounts { by_key, base } = &mut *a;
-        by_key.retain(|_, acc| acc.unsent + acc.unacked > 0 || now.saturating_sub(acc.last_ns) < forget_ns);
+        by_key.retain(|_, acc| {
+            acc.unsent + acc.unacked > 0 || now.saturating_sub(acc.last_ns) < forget_ns
+        });
         by_key
             .iter_mut()
             .filter(|(_, acc)| acc.unsent + acc.unacked > 0)
@@ -100,7 +121,13 @@ impl Batch {
 
     /// Redis holds what `local` sent up to `cum`.
     pub fn acknowledge(&self, local: &LocalKey, cum: u64) {
-        if let Some(acc) = self.accounts.lock().unwrap_or_else(|e| e.into_inner()).by_key.get_mut(local) {
+        if let Some(acc) = self
+            .accounts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .by_key
+            .get_mut(local)
+        {
             if acc.cum == cum {
                 acc.unacked = 0;
             }
@@ -109,7 +136,11 @@ impl Batch {
 
     /// Keys with an account.
     pub fn len(&self) -> usize {
-        self.accounts.lock().unwrap_or_else(|e| e.into_inner()).by_key.len()
+        self.accounts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .by_key
+            .len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -132,7 +163,10 @@ mod tests {
         let lines = b.take(0, 1_000);
         let old = lines[0].1.cum;
         b.acknowledge(&k, old);
-        assert!(b.take(5_000, 1_000).is_empty() && b.is_empty(), "idle past forget_ns: forgotten");
+        assert!(
+            b.take(5_000, 1_000).is_empty() && b.is_empty(),
+            "idle past forget_ns: forgotten"
+        );
         b.record(k, 3, 1_000, 0, 10_000_000, 6_000, names);
         let line = &b.take(6_000, 1_000)[0].1;
         assert_eq!(line.delta, 3);

@@ -4,8 +4,8 @@
 -- KEYS[2..]: sorted sets, one per limit (sliding log) or one (concurrency).
 -- Every key carries the same hash tag: one slot.
 -- ARGV: algorithm (gcra | fixed | sliding | log | sem), hits (negative: a
--- refund), n, then per limit: amount, period in µs, burst
--- (sem: max, lease in µs, 0).
+-- refund), n, deadline (Redis µs; 0: none), then per limit: amount, period
+-- in µs, burst (sem: max, lease in µs, 0).
 -- Returns {ok (1|0), index of the limit that speaks (0-based), remaining,
 -- reset ms, retry-after ms}.
 --
@@ -16,7 +16,17 @@
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local algo, hits, n = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local deadline = tonumber(ARGV[4])
 local K = KEYS[1]
+-- A charge that reaches Redis after its caller gave up (a Redis paused or
+-- hung past `timeout`, its commands run when it resumes) is not applied:
+-- the caller already answered from on_failure, and a charge nobody saw
+-- would deny the key later (a semaphore's permit, held until its lease).
+-- Refunds are applied whenever they arrive: their hits were given back.
+if hits > 0 and deadline > 0 and now > deadline then
+  return redis.error_reply('LATE the decision reached Redis ' .. math.ceil((now - deadline) / 1000) ..
+    ' ms after its caller gave up (timeout); not applied')
+end
 local function ms(us)
   if us <= 0 then return 0 end
   return math.ceil(us / 1000)
@@ -37,7 +47,7 @@ local function add(z, score, seq, hits)
 end
 
 local function limit(i)
-  local b = 4 + 3 * i
+  local b = 5 + 3 * i
   return tonumber(ARGV[b]), tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2])
 end
 

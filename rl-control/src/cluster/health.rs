@@ -31,14 +31,26 @@ pub struct Breaker {
 impl Breaker {
     /// A breaker for probes every `interval`.
     pub fn new(interval: Duration) -> Breaker {
-        let cap = (MAX_WAIT.as_millis() / interval.as_millis().max(1)).clamp(1, u128::from(u32::MAX)) as u32;
-        Breaker { needed: 1, good: 0, cap, recovered_at: None }
+        let cap = (MAX_WAIT.as_millis() / interval.as_millis().max(1))
+            .clamp(1, u128::from(u32::MAX)) as u32;
+        Breaker {
+            needed: 1,
+            good: 0,
+            cap,
+            recovered_at: None,
+        }
     }
 
     /// The cluster went from healthy to degraded at `now`.
     pub fn degraded(&mut self, now: Instant) {
-        let flap = self.recovered_at.is_some_and(|t| now.saturating_duration_since(t) < FLAP_WINDOW);
-        self.needed = if flap { self.needed.saturating_mul(2).min(self.cap) } else { 1 };
+        let flap = self
+            .recovered_at
+            .is_some_and(|t| now.saturating_duration_since(t) < FLAP_WINDOW);
+        self.needed = if flap {
+            self.needed.saturating_mul(2).min(self.cap)
+        } else {
+            1
+        };
         self.good = 0;
     }
 
@@ -97,11 +109,20 @@ mod tests {
     fn a_failure_starts_the_run_over_and_a_held_recovery_resets_the_backoff() {
         let (mut b, mut now) = (Breaker::new(T), Instant::now());
         b.degraded(now);
-        assert!(b.answered(now, true), "a first spell recovers at the first answer");
+        assert!(
+            b.answered(now, true),
+            "a first spell recovers at the first answer"
+        );
         b.degraded(now + T);
-        assert!(!b.answered(now + 2 * T, true), "degraded again within the window: 2 answers needed");
+        assert!(
+            !b.answered(now + 2 * T, true),
+            "degraded again within the window: 2 answers needed"
+        );
         b.failed();
-        assert!(!b.answered(now + 3 * T, true), "a failure started the run over");
+        assert!(
+            !b.answered(now + 3 * T, true),
+            "a failure started the run over"
+        );
         assert!(b.answered(now + 4 * T, true));
         // Held for the window: the next spell recovers at once again.
         now += FLAP_WINDOW + 5 * T;

@@ -15,7 +15,6 @@ use redis::Script;
 use super::{Cluster, Failure};
 
 static REGISTER: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("register.lua")));
-static PING: LazyLock<Script> = LazyLock::new(|| Script::new("return 1"));
 
 /// The Redis key of `rule`'s registrations (`rule` is namespaced, such as
 /// `l7:login` or `packet:ssh`): one hash slot per rule.
@@ -25,26 +24,23 @@ pub fn key(rule: &str) -> String {
 
 /// Registers every `(rule, definition)`; returns the rules another live
 /// daemon defines differently, with that daemon's node name.
-pub async fn register(cluster: &Cluster, definitions: &[(String, u64)]) -> Result<Vec<(String, String)>, Failure> {
+pub async fn register(
+    cluster: &Cluster,
+    definitions: &[(String, u64)],
+) -> Result<Vec<(String, String)>, Failure> {
     let ttl = cluster.membership_ttl().as_millis() as u64;
     let mut clashes = Vec::new();
     for (rule, def) in definitions {
         let mut inv = REGISTER.prepare_invoke();
-        inv.key(key(rule)).key(format!("{}:ttl", key(rule))).arg(&cluster.config.node).arg(format!("{def:016x}")).arg(ttl);
+        inv.key(key(rule))
+            .key(format!("{}:ttl", key(rule)))
+            .arg(&cluster.config.node)
+            .arg(format!("{def:016x}"))
+            .arg(ttl);
         let other: Option<String> = cluster.call_anyway(&inv).await?;
         if let Some(node) = other {
             clashes.push((rule.clone(), node));
         }
     }
-    if definitions.is_empty() {
-        // Nothing to register: a round trip still tells whether Redis answers.
-        ping(cluster).await?;
-    }
     Ok(clashes)
-}
-
-/// One round trip to Redis.
-pub async fn ping(cluster: &Cluster) -> Result<(), Failure> {
-    let _: i64 = cluster.call_anyway(&PING.prepare_invoke()).await?;
-    Ok(())
 }

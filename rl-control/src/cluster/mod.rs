@@ -11,6 +11,10 @@
 //! degraded, cluster rules then enforce `on_failure` without calling Redis,
 //! and probes every `sync_interval` bring them back ([`health`]: after
 //! more answers in a row each time it failed again soon after).
+//!
+//! A decision that reached Redis after its caller gave up is not applied:
+//! each probe reads Redis' clock ([`RedisClock`]), and a charge carries the
+//! deadline, in Redis' time, past which `decide.lua` refuses it.
 
 pub mod batched;
 pub mod health;
@@ -110,7 +114,24 @@ pub struct Cluster {
     pub sync: Mutex<packets::SyncStats>,
     /// When a degraded cluster is healthy again.
     breaker: Mutex<health::Breaker>,
+    /// Redis' clock as of the last probe that read it.
+    clock: Mutex<Option<RedisClock>>,
 }
+
+/// Redis' clock, read by a probe, on this host's monotonic clock (a step
+/// of the wall clock here changes nothing). Its error is at most half the
+/// round trip that read it.
+#[derive(Clone, Copy, Debug)]
+struct RedisClock {
+    at: std::time::Instant,
+    redis_us: u64,
+}
+
+static TIME: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+    redis::Script::new(
+        "local t = redis.call('TIME') return tonumber(t[1]) * 1000000 + tonumber(t[2])",
+    )
+});
 
 impl Cluster {
     /// A handle that connects lazily: a Redis down at start leaves the
@@ -122,13 +143,19 @@ impl Cluster {
             mismatched: Mutex::new(Vec::new()),
             transitions: Mutex::new(Vec::new()),
             sync: Mutex::new(packets::SyncStats::default()),
-            breaker: Mutex::new(health::Breaker::new(Duration::from_millis(config.sync_interval_ms))),
+            breaker: Mutex::new(health::Breaker::new(Duration::from_millis(
+                config.sync_interval_ms,
+            ))),
+            clock: Mutex::new(None),
             config,
         });
         // Degraded until the first probe answers; announced only if it
         // does not.
         c.health.degraded.store(true, Relaxed);
-        *c.health.last_error.lock().unwrap_or_else(|e| e.into_inner()) = "not connected yet".into();
+        *c.health
+            .last_error
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = "not connected yet".into();
         c
     }
 
@@ -145,7 +172,11 @@ impl Cluster {
     }
 
     fn set_degraded(&self, why: String) {
-        *self.health.last_error.lock().unwrap_or_else(|e| e.into_inner()) = why.clone();
+        *self
+            .health
+            .last_error
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = why.clone();
         let mut breaker = self.breaker();
         if self.health.degraded.swap(true, Relaxed) {
             breaker.failed();
@@ -153,10 +184,15 @@ impl Cluster {
             breaker.degraded(std::time::Instant::now());
         }
         if !self.health.announced.swap(true, Relaxed) {
-            self.health.since_ms.store(crate::config::unix_now_ms(), Relaxed);
+            self.health
+                .since_ms
+                .store(crate::config::unix_now_ms(), Relaxed);
             self.health.spells.fetch_add(1, Relaxed);
             warn!(on_failure = self.config.on_failure.name(), "cluster degraded: {why}; cluster rules enforce on_failure = \"{}\" until Redis answers again", self.config.on_failure.name());
-            self.transitions.lock().unwrap_or_else(|e| e.into_inner()).push(("cluster_degraded", why));
+            self.transitions
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(("cluster_degraded", why));
         }
     }
 
@@ -166,14 +202,20 @@ impl Cluster {
             return;
         }
         let mut breaker = self.breaker();
-        if !breaker.answered(std::time::Instant::now(), self.health.announced.load(Relaxed)) {
+        if !breaker.answered(
+            std::time::Instant::now(),
+            self.health.announced.load(Relaxed),
+        ) {
             return;
         }
         self.health.degraded.store(false, Relaxed);
         self.health.since_ms.store(0, Relaxed);
         if self.health.announced.swap(false, Relaxed) {
             info!("cluster healthy: Redis answers again; cluster rules are shared again");
-            self.transitions.lock().unwrap_or_else(|e| e.into_inner()).push(("cluster_recovered", String::new()));
+            self.transitions
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(("cluster_recovered", String::new()));
         }
     }
 
@@ -191,7 +233,11 @@ impl Cluster {
     }
 
     pub fn is_mismatched(&self, rule: &str) -> bool {
-        self.mismatched.lock().unwrap_or_else(|e| e.into_inner()).iter().any(|r| r == rule)
+        self.mismatched
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .any(|r| r == rule)
     }
 
     pub fn status(&self) -> ClusterStatus {
@@ -203,13 +249,25 @@ impl Cluster {
             redis: self.config.redis.clone(),
             on_failure: self.config.on_failure.name(),
             degraded_since_unix_ms: (since != 0).then_some(since),
-            last_error: h.last_error.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+            last_error: h
+                .last_error
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
             calls_ok: h.calls_ok.load(Relaxed),
             calls_failed: h.calls_failed.load(Relaxed),
             fallbacks: h.fallbacks.load(Relaxed),
             degraded_spells: h.spells.load(Relaxed),
-            probes_to_recover: if self.is_degraded() { self.breaker().to_go() } else { 0 },
-            mismatched: self.mismatched.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+            probes_to_recover: if self.is_degraded() {
+                self.breaker().to_go()
+            } else {
+                0
+            },
+            mismatched: self
+                .mismatched
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
         }
     }
 
@@ -250,14 +308,20 @@ impl Cluster {
 
     /// Runs `invocation` within `timeout`; a failure degrades the cluster.
     /// While degraded, fails at once (the probe brings Redis back).
-    pub async fn call<T: FromRedisValue>(&self, invocation: &redis::ScriptInvocation<'_>) -> Result<T, Failure> {
+    pub async fn call<T: FromRedisValue>(
+        &self,
+        invocation: &redis::ScriptInvocation<'_>,
+    ) -> Result<T, Failure> {
         if self.is_degraded() {
             return Err(Failure::Degraded);
         }
         self.call_anyway(invocation).await
     }
 
-    pub(crate) async fn call_anyway<T: FromRedisValue>(&self, invocation: &redis::ScriptInvocation<'_>) -> Result<T, Failure> {
+    pub(crate) async fn call_anyway<T: FromRedisValue>(
+        &self,
+        invocation: &redis::ScriptInvocation<'_>,
+    ) -> Result<T, Failure> {
         let t = self.timeout();
         let run = async {
             let conn = self.connection().await?;
@@ -291,10 +355,33 @@ impl Cluster {
         r
     }
 
-    /// Registers this daemon's cluster rules (see [`members`]) and, if that
-    /// answers, counts toward the cluster's recovery ([`health`]). Called at start and every
-    /// `sync_interval`.
+    /// The time, on Redis' clock, past which a charge sent now arrives
+    /// too late to apply: now plus `timeout` (0 before any probe read the
+    /// clock: no deadline).
+    pub fn deadline_us(&self) -> u64 {
+        match *self.clock.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some(c) => c.redis_us + (c.at.elapsed() + self.timeout()).as_micros() as u64,
+            None => 0,
+        }
+    }
+
+    /// Reads Redis' clock (one round trip, within `timeout`).
+    async fn read_clock(&self) -> Result<(), Failure> {
+        let before = std::time::Instant::now();
+        let redis_us: u64 = self.call_anyway(&TIME.prepare_invoke()).await?;
+        let rtt = before.elapsed();
+        *self.clock.lock().unwrap_or_else(|e| e.into_inner()) = Some(RedisClock {
+            at: before + rtt / 2,
+            redis_us,
+        });
+        Ok(())
+    }
+
+    /// Reads Redis' clock, registers this daemon's cluster rules (see
+    /// [`members`]) and, if that answers, counts toward the cluster's
+    /// recovery ([`health`]). Called at start and every `sync_interval`.
     pub async fn probe(&self, definitions: &[(String, u64)]) -> Result<(), Failure> {
+        self.read_clock().await?;
         let clashes = members::register(self, definitions).await?;
         let mut m = self.mismatched.lock().unwrap_or_else(|e| e.into_inner());
         for (rule, other) in &clashes {
@@ -314,10 +401,10 @@ impl Cluster {
         Duration::from_millis((30 * self.config.sync_interval_ms).clamp(2_000, 60_000))
     }
 
-    /// One round trip (within `timeout`): a failure degrades the cluster,
-    /// an answer while degraded does not heal it (a probe re-registers
-    /// first).
+    /// One round trip (within `timeout`) that reads Redis' clock: a
+    /// failure degrades the cluster, an answer while degraded does not heal
+    /// it (a probe re-registers first).
     pub async fn ping(&self) -> Result<(), Failure> {
-        members::ping(self).await
+        self.read_clock().await
     }
 }

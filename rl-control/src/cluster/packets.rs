@@ -133,7 +133,9 @@ impl Ledger {
     /// `keep_ms`: how long Redis keeps a bucket's ledger after its last
     /// report (this side keeps its counts twice as long).
     pub fn new(node: &str, keep_ms: u64) -> Ledger {
-        let boot = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
+        let boot = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis());
         Ledger {
             reporter: format!("{node}:{boot}"),
             tracked: HashMap::new(),
@@ -175,7 +177,18 @@ impl Ledger {
                     (t.passed, t.dropped, t.recorded_ns) = (0, 0, now);
                 }
                 None if passed > 0 && room => {
-                    self.tracked.insert(r.id, Tracked { passed: 0, dropped: 0, cum: self.base, at_ns: 0, seen_ns: 0, carry: passed, recorded_ns: now });
+                    self.tracked.insert(
+                        r.id,
+                        Tracked {
+                            passed: 0,
+                            dropped: 0,
+                            cum: self.base,
+                            at_ns: 0,
+                            seen_ns: 0,
+                            carry: passed,
+                            recorded_ns: now,
+                        },
+                    );
                 }
                 None => {}
             }
@@ -189,20 +202,43 @@ impl Ledger {
     /// bucket could pass in two intervals (`2·R·T + B`): usage during an
     /// outage (`on_failure = "open"`, say) is not charged in full when
     /// Redis is back.
-    pub fn reports(&mut self, buckets: &[SharedBucket], shares: &Shares, interval_ns: u64, now: u64) -> Vec<Report> {
+    pub fn reports(
+        &mut self,
+        buckets: &[SharedBucket],
+        shares: &Shares,
+        interval_ns: u64,
+        now: u64,
+    ) -> Vec<Report> {
         if std::mem::take(&mut self.baseline) {
             // (Bounded as the records' tracking is: past it, a bucket
             // reports its count, capped as any.)
-            for sb in buckets.iter().filter(|sb| shares.contains_key(&sb.id.limit())).take(TRACKED_FROM_RECORDS) {
+            for sb in buckets
+                .iter()
+                .filter(|sb| shares.contains_key(&sb.id.limit()))
+                .take(TRACKED_FROM_RECORDS)
+            {
                 let (passed, dropped) = (sb.bucket.passed, sb.bucket.dropped);
-                self.tracked.insert(sb.id, Tracked { passed, dropped, cum: self.base, at_ns: now, seen_ns: now, carry: 0, recorded_ns: 0 });
+                self.tracked.insert(
+                    sb.id,
+                    Tracked {
+                        passed,
+                        dropped,
+                        cum: self.base,
+                        at_ns: now,
+                        seen_ns: now,
+                        carry: 0,
+                        recorded_ns: 0,
+                    },
+                );
             }
             return Vec::new();
         }
         let mut out = Vec::new();
         let mut seen = 0;
         for sb in buckets {
-            let Some(share) = shares.get(&sb.id.limit()) else { continue };
+            let Some(share) = shares.get(&sb.id.limit()) else {
+                continue;
+            };
             seen += 1;
             let t = self.tracked.get_mut(&sb.id).map(|t| {
                 t.seen_ns = now;
@@ -215,11 +251,23 @@ impl Ledger {
         }
         // Collected with packets unreported, and not made again (yet): they
         // travel once they reach θ, as a live bucket's.
-        let absent: Vec<(BucketId, Tracked)> =
-            self.tracked.iter().filter(|(_, t)| t.carry > 0 && t.seen_ns != now).map(|(id, t)| (*id, *t)).collect();
+        let absent: Vec<(BucketId, Tracked)> = self
+            .tracked
+            .iter()
+            .filter(|(_, t)| t.carry > 0 && t.seen_ns != now)
+            .map(|(id, t)| (*id, *t))
+            .collect();
         for (id, t) in absent {
             if let Some(share) = shares.get(&id.limit()) {
-                if let Some(r) = report(id, &rl_common::Bucket::default(), Some(t), share, interval_ns, now, self.base) {
+                if let Some(r) = report(
+                    id,
+                    &rl_common::Bucket::default(),
+                    Some(t),
+                    share,
+                    interval_ns,
+                    now,
+                    self.base,
+                ) {
                     self.base += r.line.delta;
                     out.push(r);
                 }
@@ -246,7 +294,12 @@ impl Ledger {
     }
 
     /// Sends `reports` (see [`exchange`]).
-    pub async fn exchange(&mut self, cluster: &Cluster, reports: &[Report], keep_ms: u64) -> (Vec<(usize, u64)>, Option<Failure>) {
+    pub async fn exchange(
+        &mut self,
+        cluster: &Cluster,
+        reports: &[Report],
+        keep_ms: u64,
+    ) -> (Vec<(usize, u64)>, Option<Failure>) {
         let lines: Vec<&Line> = reports.iter().map(|r| &r.line).collect();
         let (answers, failure, calls) = exchange(cluster, &self.reporter, &lines, keep_ms).await;
         self.stats.calls += calls;
@@ -255,7 +308,18 @@ impl Ledger {
 
     /// Records that Redis holds `r`.
     pub fn acknowledge(&mut self, r: &Report, now: u64) {
-        self.tracked.insert(r.id, Tracked { passed: r.passed, dropped: r.dropped, cum: r.line.cum, at_ns: now, seen_ns: now, carry: 0, recorded_ns: 0 });
+        self.tracked.insert(
+            r.id,
+            Tracked {
+                passed: r.passed,
+                dropped: r.dropped,
+                cum: r.line.cum,
+                at_ns: now,
+                seen_ns: now,
+                carry: 0,
+                recorded_ns: 0,
+            },
+        );
         self.stats.reported_keys += 1;
     }
 }
@@ -267,7 +331,15 @@ pub const TRACKED_FROM_RECORDS: usize = 1 << 18;
 
 /// The report of bucket `id` holding `b` (tracked as `t`; if not, its
 /// count starts at the run's `base`), if it travels this round.
-fn report(id: BucketId, b: &rl_common::Bucket, t: Option<Tracked>, share: &Share, interval_ns: u64, now: u64, base: u64) -> Option<Report> {
+fn report(
+    id: BucketId,
+    b: &rl_common::Bucket,
+    t: Option<Tracked>,
+    share: &Share,
+    interval_ns: u64,
+    now: u64,
+    base: u64,
+) -> Option<Report> {
     // Only reported buckets are tracked: the rest have reported nothing,
     // so all they passed is unreported.
     let (passed0, dropped0, cum0, carry) = match t {
@@ -284,7 +356,9 @@ fn report(id: BucketId, b: &rl_common::Bucket, t: Option<Tracked>, share: &Share
     }
     // What the bucket could pass in (at most) two intervals: a report
     // after an outage charges no more.
-    let span = t.map_or(2 * interval_ns, |t| now.saturating_sub(t.at_ns).min(2 * interval_ns));
+    let span = t.map_or(2 * interval_ns, |t| {
+        now.saturating_sub(t.at_ns).min(2 * interval_ns)
+    });
     delta = delta.min((span + share.burst_ns) / share.ns_per_packet.max(1) + 1);
     let addr = id.addr_bytes();
     let shard = crate::compile::stable_hash(&addr, 0) % SHARDS;
@@ -293,10 +367,20 @@ fn report(id: BucketId, b: &rl_common::Bucket, t: Option<Tracked>, share: &Share
         // A prefix cell and a source's own bucket may share an address.
         hex.push_str("/cell");
     }
-    let slot = format!("{}:{:016x}:{}:{shard}", share.rule, share.definition, share.which);
+    let slot = format!(
+        "{}:{:016x}:{}:{shard}",
+        share.rule, share.definition, share.which
+    );
     Some(Report {
         id,
-        line: Line { key: format!("rl:p:{{{slot}}}:{hex}"), slot, cum: cum0 + delta, delta, ns_per_unit: share.ns_per_packet, interval_ns },
+        line: Line {
+            key: format!("rl:p:{{{slot}}}:{hex}"),
+            slot,
+            cum: cum0 + delta,
+            delta,
+            ns_per_unit: share.ns_per_packet,
+            interval_ns,
+        },
         passed: b.passed,
         dropped: b.dropped,
     })
@@ -312,24 +396,39 @@ pub const LINES_PER_CALL: usize = 1_000;
 /// is (µs), the failure that stopped the round if one did (the cluster is
 /// then degraded: the lines not answered travel again, and are charged
 /// once), and the calls made.
-pub async fn exchange(cluster: &Cluster, reporter: &str, lines: &[&Line], keep_ms: u64) -> (Vec<(usize, u64)>, Option<Failure>, u64) {
+pub async fn exchange(
+    cluster: &Cluster,
+    reporter: &str,
+    lines: &[&Line],
+    keep_ms: u64,
+) -> (Vec<(usize, u64)>, Option<Failure>, u64) {
     // A call charges every line at one cost and interval: group by rule
     // (the slot names it), and by slot only where slots matter.
     let one_server = !cluster.config.is_redis_cluster();
     let mut groups: HashMap<(&str, u64, u64), Vec<usize>> = HashMap::new();
     for (i, l) in lines.iter().enumerate() {
         let slot = if one_server { "" } else { l.slot.as_str() };
-        groups.entry((slot, l.ns_per_unit, l.interval_ns)).or_default().push(i);
+        groups
+            .entry((slot, l.ns_per_unit, l.interval_ns))
+            .or_default()
+            .push(i);
     }
     let mut answers = Vec::with_capacity(lines.len());
     let mut calls = 0;
-    for idx in groups.into_values().flat_map(|g| g.chunks(LINES_PER_CALL).map(<[usize]>::to_vec).collect::<Vec<_>>()) {
+    for idx in groups.into_values().flat_map(|g| {
+        g.chunks(LINES_PER_CALL)
+            .map(<[usize]>::to_vec)
+            .collect::<Vec<_>>()
+    }) {
         let first = lines[idx[0]];
         let mut inv = SYNC.prepare_invoke();
         for &i in &idx {
             inv.key(&lines[i].key);
         }
-        inv.arg(reporter).arg(first.ns_per_unit as f64 / 1000.0).arg(first.interval_ns / 1000).arg(keep_ms);
+        inv.arg(reporter)
+            .arg(first.ns_per_unit as f64 / 1000.0)
+            .arg(first.interval_ns / 1000)
+            .arg(keep_ms);
         for &i in &idx {
             inv.arg(lines[i].cum).arg(lines[i].delta);
         }
@@ -353,8 +452,24 @@ mod tests {
     /// the bucket `rule`/1 of that limit holding a count.
     fn one_bucket(rule: u32) -> (BucketId, Shares, impl Fn(u64) -> SharedBucket, Ledger) {
         let id = BucketId::V4(Key4 { rule, addr: 1 });
-        let shares: Shares = [(0x100, Share { rule: "r".into(), definition: 1, which: 0, ns_per_packet: 1_000_000, burst_ns: 1_000_000_000_000 })].into();
-        let bucket = move |passed| SharedBucket { id, bucket: Bucket { passed, ..Default::default() } };
+        let shares: Shares = [(
+            0x100,
+            Share {
+                rule: "r".into(),
+                definition: 1,
+                which: 0,
+                ns_per_packet: 1_000_000,
+                burst_ns: 1_000_000_000_000,
+            },
+        )]
+        .into();
+        let bucket = move |passed| SharedBucket {
+            id,
+            bucket: Bucket {
+                passed,
+                ..Default::default()
+            },
+        };
         (id, shares, bucket, Ledger::new("n", 10_000))
     }
 
@@ -367,10 +482,19 @@ mod tests {
     fn a_restart_on_pinned_tables_reports_only_what_passes_after_it() {
         let (_, shares, bucket, ledger) = one_bucket(0x100);
         let mut ledger = ledger.from_the_tables();
-        assert!(ledger.reports(&[bucket(5_000)], &shares, INTERVAL, INTERVAL).is_empty(), "the run before reported those");
+        assert!(
+            ledger
+                .reports(&[bucket(5_000)], &shares, INTERVAL, INTERVAL)
+                .is_empty(),
+            "the run before reported those"
+        );
         let r = ledger.reports(&[bucket(5_030)], &shares, INTERVAL, 2 * INTERVAL);
         assert_eq!(r.len(), 1);
-        assert_eq!((r[0].line.delta, r[0].line.cum), (30, 30), "only the 30 passed since, under this run's name");
+        assert_eq!(
+            (r[0].line.delta, r[0].line.cum),
+            (30, 30),
+            "only the 30 passed since, under this run's name"
+        );
     }
 
     #[test]
@@ -382,11 +506,17 @@ mod tests {
         assert_eq!(r[0].line.delta, 40);
         ledger.acknowledge(&r[0], interval);
         // Collected: not in this round's tables.
-        assert!(ledger.reports(&[], &shares, interval, 2 * interval).is_empty());
+        assert!(ledger
+            .reports(&[], &shares, interval, 2 * interval)
+            .is_empty());
         // Made again, it passed 45 before the next round.
         let r = ledger.reports(&[bucket(45)], &shares, interval, 3 * interval);
         assert_eq!(r.len(), 1, "a hot bucket (45 unreported, threshold 25)");
-        assert_eq!((r[0].line.delta, r[0].line.cum), (45, 85), "all 45 reported, on top of the 40 Redis holds");
+        assert_eq!(
+            (r[0].line.delta, r[0].line.cum),
+            (45, 85),
+            "all 45 reported, on top of the 40 Redis holds"
+        );
     }
 
     /// The collector's record of a delete re-bases a tracked bucket: made
@@ -404,19 +534,30 @@ mod tests {
         ledger.collected(&[bucket(42)], true, 2 * interval);
         let r = ledger.reports(&[bucket(45)], &shares, interval, 2 * interval);
         assert_eq!(r.len(), 1);
-        assert_eq!((r[0].line.delta, r[0].line.cum), (47, 87), "2 from its first life, 45 from its second");
+        assert_eq!(
+            (r[0].line.delta, r[0].line.cum),
+            (47, 87),
+            "2 from its first life, 45 from its second"
+        );
         ledger.acknowledge(&r[0], 2 * interval);
         // Deleted at 60 (15 unreported, under θ = 25) and not made again:
         // carried; made again and deleted at 20, the 35 travel alone.
         ledger.collected(&[bucket(60)], true, 3 * interval);
-        assert!(ledger.reports(&[], &shares, interval, 3 * interval).is_empty(), "15 wait, as a live bucket's would");
+        assert!(
+            ledger
+                .reports(&[], &shares, interval, 3 * interval)
+                .is_empty(),
+            "15 wait, as a live bucket's would"
+        );
         ledger.collected(&[bucket(20)], true, 4 * interval);
         let r = ledger.reports(&[], &shares, interval, 4 * interval);
         assert_eq!(r.len(), 1, "a collected bucket's last packets travel");
         assert_eq!((r[0].line.delta, r[0].line.cum, r[0].id), (35, 122, id));
         ledger.acknowledge(&r[0], 4 * interval);
         ledger.collected(&[], true, 5 * interval);
-        assert!(ledger.reports(&[], &shares, interval, 5 * interval).is_empty());
+        assert!(ledger
+            .reports(&[], &shares, interval, 5 * interval)
+            .is_empty());
         // Made again: counts from zero.
         let r = ledger.reports(&[bucket(30)], &shares, interval, 6 * interval);
         assert_eq!((r[0].line.delta, r[0].line.cum), (30, 152));
@@ -435,9 +576,16 @@ mod tests {
             ledger.collected(&[bucket(10)], true, at);
             let r = ledger.reports(&[], &shares, INTERVAL, at);
             if life < 3 {
-                assert!(r.is_empty(), "life {life}: {} packets, under θ = 25", 10 * life);
+                assert!(
+                    r.is_empty(),
+                    "life {life}: {} packets, under θ = 25",
+                    10 * life
+                );
             } else {
-                assert_eq!((r.len(), r[0].id, r[0].line.delta, r[0].line.cum), (1, id, 30, 30));
+                assert_eq!(
+                    (r.len(), r[0].id, r[0].line.delta, r[0].line.cum),
+                    (1, id, 30, 30)
+                );
             }
         }
     }
@@ -455,11 +603,18 @@ mod tests {
         ledger.acknowledge(&r[0], INTERVAL);
         ledger.collected(&[bucket(2_000)], true, 2 * INTERVAL);
         // Past forget_after (20 s here): gone from the ledger.
-        assert!(ledger.reports(&[], &shares, INTERVAL, 30_000_000_000).is_empty());
+        assert!(ledger
+            .reports(&[], &shares, INTERVAL, 30_000_000_000)
+            .is_empty());
         assert!(ledger.tracked.is_empty());
         let r = ledger.reports(&[bucket(300)], &shares, INTERVAL, 31_000_000_000);
         assert_eq!(r[0].line.delta, 300);
-        assert!(r[0].line.cum >= old + 300, "{} after {old}: Redis would charge it {} of 300", r[0].line.cum, r[0].line.cum.saturating_sub(old).min(300));
+        assert!(
+            r[0].line.cum >= old + 300,
+            "{} after {old}: Redis would charge it {} of 300",
+            r[0].line.cum,
+            r[0].line.cum.saturating_sub(old).min(300)
+        );
     }
 
     /// Records dropped in a round without reports (degraded) still make
@@ -471,10 +626,16 @@ mod tests {
         ledger.acknowledge(&r[0], INTERVAL);
         ledger.collected(&[], false, 2 * INTERVAL);
         ledger.collected(&[], true, 3 * INTERVAL);
-        assert!(ledger.reports(&[], &shares, INTERVAL, 3 * INTERVAL).is_empty());
+        assert!(ledger
+            .reports(&[], &shares, INTERVAL, 3 * INTERVAL)
+            .is_empty());
         ledger.collected(&[], true, 4 * INTERVAL);
         let r = ledger.reports(&[bucket(45)], &shares, INTERVAL, 4 * INTERVAL);
-        assert_eq!((r[0].line.delta, r[0].line.cum), (45, 85), "taken as collected and made again");
+        assert_eq!(
+            (r[0].line.delta, r[0].line.cum),
+            (45, 85),
+            "taken as collected and made again"
+        );
     }
 
     /// With complete records, a bucket missing from one round was not
@@ -488,9 +649,16 @@ mod tests {
         let r = ledger.reports(&[bucket(40)], &shares, interval, interval);
         ledger.acknowledge(&r[0], interval);
         ledger.collected(&[], true, 0);
-        assert!(ledger.reports(&[], &shares, interval, 2 * interval).is_empty());
+        assert!(ledger
+            .reports(&[], &shares, interval, 2 * interval)
+            .is_empty());
         ledger.collected(&[], true, 0);
-        assert!(ledger.reports(&[bucket(41)], &shares, interval, 3 * interval).is_empty(), "1 new packet, under θ");
+        assert!(
+            ledger
+                .reports(&[bucket(41)], &shares, interval, 3 * interval)
+                .is_empty(),
+            "1 new packet, under θ"
+        );
         let r = ledger.reports(&[bucket(70)], &shares, interval, 4 * interval);
         assert_eq!((r[0].line.delta, r[0].line.cum), (30, 70));
     }

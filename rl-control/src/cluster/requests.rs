@@ -54,7 +54,9 @@ impl Prepared {
     pub fn new(rule: &L7Rule) -> Prepared {
         let us = |secs: u64| secs * 1_000_000;
         let (algorithm, limits, logs) = match rule.algorithm {
-            L7Algorithm::Concurrency { max, lease_secs } => ("sem", vec![[max, us(lease_secs), 0]], 1),
+            L7Algorithm::Concurrency { max, lease_secs } => {
+                ("sem", vec![[max, us(lease_secs), 0]], 1)
+            }
             a => {
                 let limits: Vec<[u64; 3]> = rule
                     .limits
@@ -75,14 +77,26 @@ impl Prepared {
             }
         };
         let definition = crate::compile::stable_hash(rule, 0);
-        Prepared { algorithm, limits, prefix: format!("rl:l7:{{{}:{definition:016x}:", rule.name), logs }
+        Prepared {
+            algorithm,
+            limits,
+            prefix: format!("rl:l7:{{{}:{definition:016x}:", rule.name),
+            logs,
+        }
     }
 
     /// The Redis key and hash tag of a batched bucket (see
     /// [`super::batched`]): 16 slots per rule.
     pub fn batch_names(&self, values: [u64; 2]) -> (String, String) {
-        let slot = format!("{}b{}", self.prefix.trim_start_matches("rl:l7:{"), values[0] % 16);
-        (format!("rl:b:{{{slot}}}:{:016x}{:016x}", values[0], values[1]), slot)
+        let slot = format!(
+            "{}b{}",
+            self.prefix.trim_start_matches("rl:l7:{"),
+            values[0] % 16
+        );
+        (
+            format!("rl:b:{{{slot}}}:{:016x}{:016x}", values[0], values[1]),
+            slot,
+        )
     }
 
     /// The key of the bucket for descriptor values hashed to `values`.
@@ -91,18 +105,27 @@ impl Prepared {
     }
 
     /// Charges `hits` (negative: a refund) to the bucket of `values`.
-    pub async fn decide(&self, cluster: &Cluster, values: [u64; 2], hits: i64) -> Result<Answer, Failure> {
+    pub async fn decide(
+        &self,
+        cluster: &Cluster,
+        values: [u64; 2],
+        hits: i64,
+    ) -> Result<Answer, Failure> {
         let key = self.bucket_key(values);
         let mut inv = DECIDE.prepare_invoke();
         inv.key(&key);
         for i in 0..self.logs {
             inv.key(format!("{key}:z{i}"));
         }
-        inv.arg(self.algorithm).arg(hits).arg(self.limits.len());
+        inv.arg(self.algorithm)
+            .arg(hits)
+            .arg(self.limits.len())
+            .arg(cluster.deadline_us());
         for l in &self.limits {
             inv.arg(l[0]).arg(l[1]).arg(l[2]);
         }
-        let (ok, index, remaining, reset_ms, retry_after_ms): (i64, u64, i64, i64, i64) = cluster.call(&inv).await?;
+        let (ok, index, remaining, reset_ms, retry_after_ms): (i64, u64, i64, i64, i64) =
+            cluster.call(&inv).await?;
         Ok(Answer {
             ok: ok == 1,
             index: index as usize,

@@ -95,27 +95,42 @@ pub fn hostname() -> String {
     let r = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
     let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
     let name = String::from_utf8_lossy(&buf[..end]).into_owned();
-    if r == 0 && valid_node(&name) { name } else { "rl".to_string() }
+    if r == 0 && valid_node(&name) {
+        name
+    } else {
+        "rl".to_string()
+    }
 }
 
 fn valid_node(n: &str) -> bool {
-    !n.is_empty() && n.len() <= 64 && n.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+    !n.is_empty()
+        && n.len() <= 64
+        && n.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
 }
 
 /// `[cluster]`, if the file has one.
-pub(crate) fn validate(loc: &Located, raw: &Option<Spanned<RawCluster>>) -> Result<Option<ClusterConfig>, ConfigError> {
+pub(crate) fn validate(
+    loc: &Located,
+    raw: &Option<Spanned<RawCluster>>,
+) -> Result<Option<ClusterConfig>, ConfigError> {
     let Some(spanned) = raw else { return Ok(None) };
     let (r, table) = (spanned.get_ref(), spanned.span());
     let Some(urls) = &r.redis else {
         return Err(loc.at(table, "[cluster] needs redis = [\"redis://HOST:PORT\"] (one URL: a standalone Redis; several: seeds of a Redis Cluster)".into()));
     };
     if urls.get_ref().is_empty() || urls.get_ref().len() > MAX_SEEDS {
-        return Err(loc.at(urls.span(), format!("cluster.redis needs 1..={MAX_SEEDS} URLs")));
+        return Err(loc.at(
+            urls.span(),
+            format!("cluster.redis needs 1..={MAX_SEEDS} URLs"),
+        ));
     }
     let mut redis = Vec::new();
     for u in urls.get_ref() {
         let text = u.get_ref();
-        let ok = (text.starts_with("redis://") || text.starts_with("redis+unix://") || text.starts_with("unix://"))
+        let ok = (text.starts_with("redis://")
+            || text.starts_with("redis+unix://")
+            || text.starts_with("unix://"))
             && redis::Client::open(text.as_str()).is_ok();
         if !ok {
             return Err(loc.at(u.span(), format!("cluster.redis: \"{text}\" is not a Redis URL: write redis://HOST:PORT, such as \"redis://10.0.0.5:6379\"")));
@@ -129,13 +144,18 @@ pub(crate) fn validate(loc: &Located, raw: &Option<Spanned<RawCluster>>) -> Resu
     };
     let millis = |v: &Option<Spanned<String>>, what: &str, default: u64| match v {
         None => Ok(default),
-        Some(s) => parse_millis(s.get_ref(), MAX_TIMER_MS).map_err(|m| loc.at(s.span(), format!("cluster.{what}: {m}"))),
+        Some(s) => parse_millis(s.get_ref(), MAX_TIMER_MS)
+            .map_err(|m| loc.at(s.span(), format!("cluster.{what}: {m}"))),
     };
     let on_failure = choice(
         loc,
         "cluster.on_failure",
         &r.on_failure,
-        &[("local", OnFailure::Local), ("open", OnFailure::Open), ("closed", OnFailure::Closed)],
+        &[
+            ("local", OnFailure::Local),
+            ("open", OnFailure::Open),
+            ("closed", OnFailure::Closed),
+        ],
     )?;
     Ok(Some(ClusterConfig {
         redis,
@@ -148,8 +168,18 @@ pub(crate) fn validate(loc: &Located, raw: &Option<Spanned<RawCluster>>) -> Resu
 
 /// A rule's `scope`: "local" (the default) or "cluster", which needs a
 /// `[cluster]` section.
-pub(crate) fn scope_of(loc: &Located, who: &str, v: &Option<Spanned<String>>, has_cluster: bool) -> Result<Scope, ConfigError> {
-    let scope = choice(loc, &format!("{who}: scope"), v, &[("local", Scope::Local), ("cluster", Scope::Cluster)])?;
+pub(crate) fn scope_of(
+    loc: &Located,
+    who: &str,
+    v: &Option<Spanned<String>>,
+    has_cluster: bool,
+) -> Result<Scope, ConfigError> {
+    let scope = choice(
+        loc,
+        &format!("{who}: scope"),
+        v,
+        &[("local", Scope::Local), ("cluster", Scope::Cluster)],
+    )?;
     if scope == Scope::Cluster && !has_cluster {
         let span = v.as_ref().map(|s| s.span()).unwrap_or_default();
         return Err(loc.at(span, format!("{who}: scope = \"cluster\" needs a [cluster] section naming the Redis the hosts share")));
@@ -162,7 +192,9 @@ mod tests {
     use crate::config::Config;
 
     fn error_of(text: &str) -> String {
-        Config::from_str(&format!("{DEFAULT}{text}"), "rl.toml").expect_err("must be refused").to_string()
+        Config::from_str(&format!("{DEFAULT}{text}"), "rl.toml")
+            .expect_err("must be refused")
+            .to_string()
     }
 
     /// Two lines before every example.
@@ -171,13 +203,27 @@ mod tests {
 
     #[test]
     fn cluster_settings_parse_with_defaults() {
-        let c = Config::from_str(&format!("{DEFAULT}{REDIS}node = \"edge-1\"\n"), "rl.toml").unwrap().cluster.unwrap();
-        assert_eq!((c.node.as_str(), c.sync_interval_ms, c.timeout_ms, c.on_failure), ("edge-1", 100, 50, super::OnFailure::Local));
+        let c = Config::from_str(&format!("{DEFAULT}{REDIS}node = \"edge-1\"\n"), "rl.toml")
+            .unwrap()
+            .cluster
+            .unwrap();
+        assert_eq!(
+            (
+                c.node.as_str(),
+                c.sync_interval_ms,
+                c.timeout_ms,
+                c.on_failure
+            ),
+            ("edge-1", 100, 50, super::OnFailure::Local)
+        );
         assert!(!c.is_redis_cluster());
         let c = Config::from_str("[default]\nrate = 1\n[cluster]\nredis = [\"redis://a:1\", \"redis://b:2\"]\ntimeout = \"2s\"\non_failure = \"closed\"\n", "rl.toml").unwrap();
         let c = c.cluster.unwrap();
         assert!(c.is_redis_cluster());
-        assert_eq!((c.timeout_ms, c.on_failure), (2000, super::OnFailure::Closed));
+        assert_eq!(
+            (c.timeout_ms, c.on_failure),
+            (2000, super::OnFailure::Closed)
+        );
         assert!(!c.node.is_empty(), "the host name by default");
     }
 
@@ -241,8 +287,15 @@ mod tests {
         let with = format!("{text}scope = \"local\"\n{REDIS}");
         let a = Config::from_str(text, "rl.toml").unwrap();
         let b = Config::from_str(&with, "rl.toml").unwrap();
-        assert_eq!(crate::compile::stable_hash(&a.rules[0], 0), crate::compile::stable_hash(&b.rules[0], 0));
-        let c = Config::from_str(&format!("{text}scope = \"cluster\"\n{REDIS}"), "rl.toml").unwrap();
-        assert_ne!(crate::compile::stable_hash(&a.rules[0], 0), crate::compile::stable_hash(&c.rules[0], 0));
+        assert_eq!(
+            crate::compile::stable_hash(&a.rules[0], 0),
+            crate::compile::stable_hash(&b.rules[0], 0)
+        );
+        let c =
+            Config::from_str(&format!("{text}scope = \"cluster\"\n{REDIS}"), "rl.toml").unwrap();
+        assert_ne!(
+            crate::compile::stable_hash(&a.rules[0], 0),
+            crate::compile::stable_hash(&c.rules[0], 0)
+        );
     }
 }

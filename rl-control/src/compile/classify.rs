@@ -7,8 +7,16 @@ use super::*;
 /// class's set of rule indices (class 0: the empty set).
 pub(super) fn compile_sources(config: &Config) -> (Vec<(Cidr, u32)>, Vec<BTreeSet<u32>>) {
     // Bans in force are deny entries (so `allow` still wins over them).
-    let deny_list: Vec<Cidr> =
-        config.deny.iter().copied().chain(config.active_bans(crate::config::unix_now()).map(|b| b.cidr)).collect();
+    let deny_list: Vec<Cidr> = config
+        .deny
+        .iter()
+        .copied()
+        .chain(
+            config
+                .active_bans(crate::config::unix_now())
+                .map(|b| b.cidr),
+        )
+        .collect();
     let mut prefixes: BTreeSet<Cidr> = BTreeSet::new();
     prefixes.extend(config.allow.iter().copied());
     prefixes.extend(deny_list.iter().copied());
@@ -30,7 +38,10 @@ pub(super) fn compile_sources(config: &Config) -> (Vec<(Cidr, u32)>, Vec<BTreeSe
             .filter(|((fam, len), _)| *fam == v4 && *len <= c.len)
             .filter_map(|((_, len), nets)| {
                 let m = crate::config::units::mask(&c.octets(), *len);
-                nets.contains(&m).then(|| Cidr { addr: crate::config::units::bytes_to_addr(&m), len: *len })
+                nets.contains(&m).then(|| Cidr {
+                    addr: crate::config::units::bytes_to_addr(&m),
+                    len: *len,
+                })
             })
             .collect()
     };
@@ -45,7 +56,10 @@ pub(super) fn compile_sources(config: &Config) -> (Vec<(Cidr, u32)>, Vec<BTreeSe
         } else {
             LIST_NONE
         };
-        let set: BTreeSet<u32> = covered_by(&srcs, &c).iter().flat_map(|n| src_of[n].iter().copied()).collect();
+        let set: BTreeSet<u32> = covered_by(&srcs, &c)
+            .iter()
+            .flat_map(|n| src_of[n].iter().copied())
+            .collect();
         let next = classes.len() as u16;
         let class = *class_ids.entry(set.clone()).or_insert_with(|| {
             classes.push(set);
@@ -85,7 +99,9 @@ pub(super) fn compile_dir16(lpm: &[(Cidr, u32)]) -> Vec<u32> {
 pub(super) fn by_len(cidrs: &[Cidr]) -> HashMap<(bool, u8), BTreeSet<Vec<u8>>> {
     let mut m: HashMap<(bool, u8), BTreeSet<Vec<u8>>> = HashMap::new();
     for c in cidrs {
-        m.entry((c.addr.is_ipv4(), c.len)).or_default().insert(c.octets());
+        m.entry((c.addr.is_ipv4(), c.len))
+            .or_default()
+            .insert(c.octets());
     }
     m
 }
@@ -95,7 +111,10 @@ pub(super) fn l4_ranges(r: &Rule) -> Vec<(u32, u32)> {
     let ports: Vec<(u32, u32)> = if r.dst_ports.is_empty() {
         vec![(0, 65_535)]
     } else {
-        r.dst_ports.iter().map(|&(a, b)| (a as u32, b as u32)).collect()
+        r.dst_ports
+            .iter()
+            .map(|&(a, b)| (a as u32, b as u32))
+            .collect()
     };
     let at = |base: u32| ports.iter().map(move |&(a, b)| (base + a, base + b));
     let mut out = Vec::new();

@@ -53,8 +53,16 @@ pub fn rule_entry(r: &Rule, v4_default: u8, v6_default: u8) -> RuleEntry {
         id,
         flags,
         n_limits: r.limits.len() as u32,
-        v4_mask: if v4 == 0 { 0 } else { prefix_mask_words::<1>(v4)[0] },
-        v6_mask: if v6 == 0 { [0; 4] } else { prefix_mask_words::<4>(v6) },
+        v4_mask: if v4 == 0 {
+            0
+        } else {
+            prefix_mask_words::<1>(v4)[0]
+        },
+        v6_mask: if v6 == 0 {
+            [0; 4]
+        } else {
+            prefix_mask_words::<4>(v6)
+        },
         limits,
         pool,
     }
@@ -65,7 +73,9 @@ pub fn limit_entry(algorithm: Algorithm, unit: Unit, rate: &Rate) -> LimitEntry 
     match algorithm {
         Algorithm::TokenBucket => gcra(unit, rate),
         Algorithm::FixedWindow => window(LIMIT_FIXED, rl_common::window::FIXED_MAX, unit, rate),
-        Algorithm::SlidingWindow => window(LIMIT_SLIDING, rl_common::window::SLIDING_MAX, unit, rate),
+        Algorithm::SlidingWindow => {
+            window(LIMIT_SLIDING, rl_common::window::SLIDING_MAX, unit, rate)
+        }
     }
 }
 
@@ -102,7 +112,10 @@ pub(super) fn window(kind: u32, cap: u64, unit: Unit, rate: &Rate) -> LimitEntry
     }
     // Packets and requests never count in units of several (validation
     // keeps them within the cap): only bytes do.
-    debug_assert!(shift == 0 || unit == Unit::Bytes, "a packet window over its cap");
+    debug_assert!(
+        shift == 0 || unit == Unit::Bytes,
+        "a packet window over its cap"
+    );
     LimitEntry {
         kind: kind | if unit == Unit::Bytes { LIMIT_BYTES } else { 0 },
         shift,

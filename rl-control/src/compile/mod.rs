@@ -20,9 +20,9 @@ use std::{
 
 use rl_common::{
     prefix_mask_words, CidrEntry, L4Entry, LimitEntry, RuleEntry, CFG_LPM_V4, CFG_LPM_V6,
-    CFG_RULES, DIR16_LEN, DIR16_LOOKUP, L4_ICMP, L4_ICMPV6, L4_OTHER, L4_SLOT_LEN, L4_TCP, L4_TCP_SYN, L4_UDP, LIMIT_BYTES,
-    LIMIT_FIXED, LIMIT_GCRA, LIMIT_SLIDING, LIST_ALLOW, LIST_DENY, LIST_NONE, MAX_LIMITS, RULE_ELASTIC,
-    RULE_SHADOW,
+    CFG_RULES, DIR16_LEN, DIR16_LOOKUP, L4_ICMP, L4_ICMPV6, L4_OTHER, L4_SLOT_LEN, L4_TCP,
+    L4_TCP_SYN, L4_UDP, LIMIT_BYTES, LIMIT_FIXED, LIMIT_GCRA, LIMIT_SLIDING, LIST_ALLOW, LIST_DENY,
+    LIST_NONE, MAX_LIMITS, RULE_ELASTIC, RULE_SHADOW,
 };
 
 use crate::{
@@ -92,10 +92,12 @@ impl RuleSet {
                 .map_or(0, |(_, v)| *v)
         };
         let v = match src {
-            IpAddr::V4(a) if !self.dir16.is_empty() => match self.dir16[(u32::from(a) >> 16) as usize] {
-                v if v & DIR16_LOOKUP != 0 => trie(),
-                v => v,
-            },
+            IpAddr::V4(a) if !self.dir16.is_empty() => {
+                match self.dir16[(u32::from(a) >> 16) as usize] {
+                    v if v & DIR16_LOOKUP != 0 => trie(),
+                    v => v,
+                }
+            }
             _ => trie(),
         };
         let (list, src_class) = (CidrEntry::list(v), CidrEntry::src_class(v));
@@ -107,7 +109,11 @@ impl RuleSet {
         let e = self.l4[l4_index as usize];
         let mut rule = L4Entry::first(e) as u32;
         if L4Entry::class(e) != 0 {
-            if let Some((_, r)) = self.decide.iter().find(|(k, _)| *k == (L4Entry::class(e), src_class)) {
+            if let Some((_, r)) = self
+                .decide
+                .iter()
+                .find(|(k, _)| *k == (L4Entry::class(e), src_class))
+            {
                 rule = *r;
             }
         }
@@ -129,7 +135,11 @@ pub enum Verdict {
 /// passes everything and counts it as shadow (`open`) or drops everything
 /// (`closed`: no burst, no rate). Rule ids are kept, so the buckets are
 /// where they were when Redis answers again; `local` changes nothing.
-pub fn with_failure_mode(config: &Config, mut rules: RuleSet, mode: crate::cluster::OnFailure) -> RuleSet {
+pub fn with_failure_mode(
+    config: &Config,
+    mut rules: RuleSet,
+    mode: crate::cluster::OnFailure,
+) -> RuleSet {
     use crate::cluster::OnFailure;
     for (entry, rule) in rules.entries.iter_mut().skip(1).zip(&config.rules) {
         if rule.scope != crate::config::rules::Scope::Cluster {
@@ -163,7 +173,10 @@ pub fn compile(config: &Config) -> Compiled {
 /// buckets) by [`unique_ids`].
 pub fn rule_ids(config: &Config) -> Vec<u32> {
     let d = &config.datapath;
-    let (mut ids, mut tiebreaks) = (vec![stable_id(&default_definition(config))], vec![stable_hash(&default_definition(config), ID_TIEBREAK_SEED)]);
+    let (mut ids, mut tiebreaks) = (
+        vec![stable_id(&default_definition(config))],
+        vec![stable_hash(&default_definition(config), ID_TIEBREAK_SEED)],
+    );
     for r in &config.rules {
         let def = rule_definition(r, d.ipv4_prefix, d.ipv6_prefix);
         ids.push(stable_id(&def));
@@ -175,8 +188,17 @@ pub fn rule_ids(config: &Config) -> Vec<u32> {
 
 /// What `[default]`'s buckets mean, hashed into its id.
 fn default_definition(config: &Config) -> (&'static str, Rate, u8, u8) {
-    let rate = Rate { amount: config.default.rate, per_secs: 1, burst: config.default.burst };
-    ("default", rate, config.datapath.ipv4_prefix, config.datapath.ipv6_prefix)
+    let rate = Rate {
+        amount: config.default.rate,
+        per_secs: 1,
+        burst: config.default.burst,
+    };
+    (
+        "default",
+        rate,
+        config.datapath.ipv4_prefix,
+        config.datapath.ipv6_prefix,
+    )
 }
 
 /// The seed of the second hash that orders rules whose ids collide.
@@ -192,7 +214,10 @@ fn unique_ids(ids: &mut [u32], tiebreaks: &[u64]) {
     let mut order: Vec<usize> = (0..ids.len()).collect();
     order.sort_unstable_by_key(|&i| (ids[i], tiebreaks[i], i));
     let mut used = BTreeSet::new();
-    let losers: Vec<usize> = order.into_iter().filter(|&i| !used.insert(ids[i])).collect();
+    let losers: Vec<usize> = order
+        .into_iter()
+        .filter(|&i| !used.insert(ids[i]))
+        .collect();
     for i in losers {
         while !used.insert(ids[i]) {
             // Within the id bits: the key-kind bits above stay clear.
@@ -205,13 +230,22 @@ fn compile_rules(config: &Config) -> RuleSet {
     let d = &config.datapath;
     let mut entries = Vec::with_capacity(config.rules.len() + 1);
     let mut names = vec!["default".to_string()];
-    let default_rate = Rate { amount: config.default.rate, per_secs: 1, burst: config.default.burst };
+    let default_rate = Rate {
+        amount: config.default.rate,
+        per_secs: 1,
+        burst: config.default.burst,
+    };
     entries.push(RuleEntry {
         id: stable_id(&default_definition(config)),
         n_limits: 1,
         v4_mask: prefix_mask_words::<1>(d.ipv4_prefix)[0],
         v6_mask: prefix_mask_words::<4>(d.ipv6_prefix),
-        limits: [gcra(Unit::Packets, &default_rate), LimitEntry::default(), LimitEntry::default(), LimitEntry::default()],
+        limits: [
+            gcra(Unit::Packets, &default_rate),
+            LimitEntry::default(),
+            LimitEntry::default(),
+            LimitEntry::default(),
+        ],
         ..RuleEntry::default()
     });
     for r in &config.rules {
@@ -219,7 +253,14 @@ fn compile_rules(config: &Config) -> RuleSet {
         entries.push(rule_entry(r, d.ipv4_prefix, d.ipv6_prefix));
     }
     // Wide cells, per rule: its own `flood_wide_cells`, else [datapath]'s.
-    let wide: Vec<bool> = std::iter::once(d.flood_wide_cells).chain(config.rules.iter().map(|r| r.wide_cells.0.unwrap_or(d.flood_wide_cells))).collect();
+    let wide: Vec<bool> = std::iter::once(d.flood_wide_cells)
+        .chain(
+            config
+                .rules
+                .iter()
+                .map(|r| r.wide_cells.0.unwrap_or(d.flood_wide_cells)),
+        )
+        .collect();
     for (e, &on) in entries.iter_mut().zip(&wide) {
         if !on {
             e.flags |= rl_common::RULE_NO_WIDE;
@@ -249,14 +290,27 @@ fn compile_rules(config: &Config) -> RuleSet {
         cell_mask4: prefix_mask_words::<1>(d.flood_prefix_v4)[0],
         cell_mask6: prefix_mask_words::<4>(d.flood_prefix_v6),
         // (Read by programs before per-rule settings: none may go wide.)
-        flags: if wide.contains(&true) { 0 } else { rl_common::DP_NO_WIDE_CELLS },
+        flags: if wide.contains(&true) {
+            0
+        } else {
+            rl_common::DP_NO_WIDE_CELLS
+        },
         fragment_ttl_ms: d.fragment_ttl_ms,
         fragment_orphans: match d.fragment_orphans {
             FragmentOrphans::Drop => rl_common::FRAG_ORPHANS_DROP,
             FragmentOrphans::Source => rl_common::FRAG_ORPHANS_SOURCE,
         },
     };
-    RuleSet { flags, tuning, entries, names, l4, lpm, dir16, decide }
+    RuleSet {
+        flags,
+        tuning,
+        entries,
+        names,
+        l4,
+        lpm,
+        dir16,
+        decide,
+    }
 }
 
 /// A 32-bit id of a definition, low 3 bits 0. Stable across processes and
@@ -311,12 +365,20 @@ mod tests {
 
     #[test]
     fn compiles_the_default_limit_and_masks() {
-        let c = compile(&config("[datapath]\nipv4_prefix = 24\nipv6_prefix = 48\n[default]\nrate = 100\nburst = 7\n"));
+        let c = compile(&config(
+            "[datapath]\nipv4_prefix = 24\nipv6_prefix = 48\n[default]\nrate = 100\nburst = 7\n",
+        ));
         let d = &c.rules.entries[0];
-        assert_eq!((d.limits[0].a, d.limits[0].b, d.n_limits), (10_000_000, 70_000_000, 1));
+        assert_eq!(
+            (d.limits[0].a, d.limits[0].b, d.n_limits),
+            (10_000_000, 70_000_000, 1)
+        );
         assert_eq!(d.v4_mask.to_ne_bytes(), [255, 255, 255, 0]);
         assert_eq!(d.v6_mask[1].to_ne_bytes(), [255, 255, 0, 0]);
-        assert_eq!(c.rules.flags, 0, "no rules, no CIDRs: the datapath skips classification");
+        assert_eq!(
+            c.rules.flags, 0,
+            "no rules, no CIDRs: the datapath skips classification"
+        );
         assert_eq!(c.max_sources, 1 << 20);
     }
 
@@ -331,14 +393,26 @@ mod tests {
             .find_map(|i| {
                 let mut r = base.rules[0].clone();
                 r.name = format!("r{i}");
-                seen.insert(entries::rule_entry(&r, v4, v6).id, r.name.clone()).map(|earlier| (earlier, r.name))
+                seen.insert(entries::rule_entry(&r, v4, v6).id, r.name.clone())
+                    .map(|earlier| (earlier, r.name))
             })
             .expect("a collision among a million names");
-        let file = |x: &str, y: &str| compile(&config(&format!("[default]\nrate = 5\n[[rule]]\nname = \"{x}\"\nrate = 1\n[[rule]]\nname = \"{y}\"\nrate = 1\n")));
+        let file = |x: &str, y: &str| {
+            compile(&config(&format!("[default]\nrate = 5\n[[rule]]\nname = \"{x}\"\nrate = 1\n[[rule]]\nname = \"{y}\"\nrate = 1\n")))
+        };
         let (ab, ba) = (file(&a, &b), file(&b, &a));
-        assert_ne!(ab.rules.entries[1].id, ab.rules.entries[2].id, "made unique");
-        assert_eq!(ab.rules.entries[1].id, ba.rules.entries[2].id, "{a} keeps its id");
-        assert_eq!(ab.rules.entries[2].id, ba.rules.entries[1].id, "{b} keeps its id");
+        assert_ne!(
+            ab.rules.entries[1].id, ab.rules.entries[2].id,
+            "made unique"
+        );
+        assert_eq!(
+            ab.rules.entries[1].id, ba.rules.entries[2].id,
+            "{a} keeps its id"
+        );
+        assert_eq!(
+            ab.rules.entries[2].id, ba.rules.entries[1].id,
+            "{b} keeps its id"
+        );
     }
 
     /// A rule keeps its own id when two others collide on the id before
@@ -348,7 +422,11 @@ mod tests {
         let x = 0x1000;
         let mut ids = [x, x, x + 8];
         unique_ids(&mut ids, &[1, 2, 3]);
-        assert_eq!(ids, [x, x + 16, x + 8], "the third keeps x + 8; the loser takes x + 16");
+        assert_eq!(
+            ids,
+            [x, x + 16, x + 8],
+            "the third keeps x + 8; the loser takes x + 16"
+        );
         let mut ids = [x + 8, x, x];
         unique_ids(&mut ids, &[3, 2, 1]);
         assert_eq!(ids, [x + 8, x + 16, x], "in any order");
@@ -358,9 +436,18 @@ mod tests {
     fn unchanged_rules_keep_their_ids_and_changed_ones_do_not() {
         let a = compile(&config("[default]\nrate = 5\n[[rule]]\nname = \"a\"\nrate = 1\n[[rule]]\nname = \"b\"\nrate = 2\n"));
         let b = compile(&config("[default]\nrate = 5\n[[rule]]\nname = \"b\"\nrate = 2\n[[rule]]\nname = \"a\"\nrate = 3\n"));
-        assert_eq!(a.rules.entries[0].id, b.rules.entries[0].id, "default unchanged");
-        assert_eq!(a.rules.entries[2].id, b.rules.entries[1].id, "rule b unchanged (moved)");
-        assert_ne!(a.rules.entries[1].id, b.rules.entries[2].id, "rule a changed its rate");
+        assert_eq!(
+            a.rules.entries[0].id, b.rules.entries[0].id,
+            "default unchanged"
+        );
+        assert_eq!(
+            a.rules.entries[2].id, b.rules.entries[1].id,
+            "rule b unchanged (moved)"
+        );
+        assert_ne!(
+            a.rules.entries[1].id, b.rules.entries[2].id,
+            "rule a changed its rate"
+        );
         assert!(a.rules.entries.iter().all(|e| e.id & 7 == 0));
     }
 
@@ -379,7 +466,10 @@ mod tests {
         }
         for y in 0..105 {
             let src: Vec<String> = (0..100).map(|x| format!("\"10.{x}.{y}.0/24\"")).collect();
-            text += &format!("[[rule]]\nname = \"q{y}\"\nsrc = [{}]\nrate = 1\n", src.join(", "));
+            text += &format!(
+                "[[rule]]\nname = \"q{y}\"\nsrc = [{}]\nrate = 1\n",
+                src.join(", ")
+            );
         }
         let rules = compile(&config(&text)).rules;
         assert_eq!(rules.decide.len(), rl_common::DECIDE_SLOT_LEN as usize + 1);
@@ -399,15 +489,35 @@ mod tests {
     #[test]
     fn a_rules_flood_wide_cells_wins_over_the_datapaths_and_keeps_its_id() {
         let rules = "[[rule]]\nname = \"a\"\nrate = 1\n[[rule]]\nname = \"b\"\nrate = 1\nflood_wide_cells = false\n[[rule]]\nname = \"c\"\nrate = 1\nflood_wide_cells = true\n";
-        let no_wide = |c: &Compiled| c.rules.entries.iter().map(|e| e.flags & rl_common::RULE_NO_WIDE != 0).collect::<Vec<_>>();
+        let no_wide = |c: &Compiled| {
+            c.rules
+                .entries
+                .iter()
+                .map(|e| e.flags & rl_common::RULE_NO_WIDE != 0)
+                .collect::<Vec<_>>()
+        };
         let on = compile(&config(&format!("[default]\nrate = 5\n{rules}")));
-        assert_eq!(no_wide(&on), [false, false, true, false], "[default], a, b, c");
+        assert_eq!(
+            no_wide(&on),
+            [false, false, true, false],
+            "[default], a, b, c"
+        );
         assert_eq!(on.rules.tuning.flags & rl_common::DP_NO_WIDE_CELLS, 0);
-        let off = compile(&config(&format!("[datapath]\nflood_wide_cells = false\n[default]\nrate = 5\n{rules}")));
+        let off = compile(&config(&format!(
+            "[datapath]\nflood_wide_cells = false\n[default]\nrate = 5\n{rules}"
+        )));
         assert_eq!(no_wide(&off), [true, true, true, false]);
-        assert_eq!(off.rules.tuning.flags & rl_common::DP_NO_WIDE_CELLS, 0, "c may still go wide");
+        assert_eq!(
+            off.rules.tuning.flags & rl_common::DP_NO_WIDE_CELLS,
+            0,
+            "c may still go wide"
+        );
         let none = compile(&config("[datapath]\nflood_wide_cells = false\n[default]\nrate = 5\n[[rule]]\nname = \"a\"\nrate = 1\n"));
-        assert_eq!(none.rules.tuning.flags, rl_common::DP_NO_WIDE_CELLS, "none may: programs that read only the datapath's flag");
+        assert_eq!(
+            none.rules.tuning.flags,
+            rl_common::DP_NO_WIDE_CELLS,
+            "none may: programs that read only the datapath's flag"
+        );
         // Not part of a rule's state: the same ids with or without it.
         let plain = compile(&config("[default]\nrate = 5\n[[rule]]\nname = \"a\"\nrate = 1\n[[rule]]\nname = \"b\"\nrate = 1\n[[rule]]\nname = \"c\"\nrate = 1\n"));
         let ids = |c: &Compiled| c.rules.entries.iter().map(|e| e.id).collect::<Vec<_>>();
@@ -427,14 +537,32 @@ mod tests {
         assert_eq!((1000 * a.a) >> a.shift, 1_000_000);
         assert_eq!(a.b, 2_000_000_000, "2 MB of burst lasts 2 s");
         let b = c.rules.entries[2].limits[0];
-        assert_eq!((b.kind, b.a, b.b, b.shift), (LIMIT_SLIDING, 10_000_000_000, 100, 0));
+        assert_eq!(
+            (b.kind, b.a, b.b, b.shift),
+            (LIMIT_SLIDING, 10_000_000_000, 100, 0)
+        );
         let soft = c.rules.entries[3].limits[0];
-        assert_eq!((soft.a, soft.b), (66_666_667, 66_666_667 * 30), "15/s, burst 30");
+        assert_eq!(
+            (soft.a, soft.b),
+            (66_666_667, 66_666_667 * 30),
+            "15/s, burst 30"
+        );
         // Packet limits compile to exactly rl_common::Limit's interval and span.
         for (amount, per, burst) in [(7, 1, 3), (3, 1, 1), (200, 10, 1000), (1_000_000_000, 1, 5)] {
-            let l = gcra(Unit::Packets, &Rate { amount, per_secs: per, burst });
+            let l = gcra(
+                Unit::Packets,
+                &Rate {
+                    amount,
+                    per_secs: per,
+                    burst,
+                },
+            );
             let want = rl_common::Limit::new(amount, per * 1_000_000_000, burst).unwrap();
-            assert_eq!((l.a, l.b, l.shift), (want.interval_ns, want.burst_span_ns, 0), "{amount}/{per}s burst {burst}");
+            assert_eq!(
+                (l.a, l.b, l.shift),
+                (want.interval_ns, want.burst_span_ns, 0),
+                "{amount}/{per}s burst {burst}"
+            );
         }
     }
 
@@ -449,7 +577,9 @@ mod tests {
             return Verdict::Deny;
         }
         for (i, r) in config.rules.iter().enumerate() {
-            let l4 = l4_ranges(r).iter().any(|&(a, b)| a <= l4_index && l4_index <= b);
+            let l4 = l4_ranges(r)
+                .iter()
+                .any(|&(a, b)| a <= l4_index && l4_index <= b);
             let src_ok = r.src.is_empty() || r.src.iter().any(|c| c.covers(&host));
             if l4 && src_ok {
                 return Verdict::Rule(i as u32 + 1);
@@ -468,7 +598,10 @@ mod tests {
         let ip = |s: &str| s.parse::<IpAddr>().unwrap();
         assert_eq!(rs.classify(ip("10.1.2.3"), L4_UDP + 53), Verdict::Allow);
         assert_eq!(rs.classify(ip("192.0.2.9"), L4_UDP + 53), Verdict::Deny);
-        assert_eq!(rs.classify(ip("198.51.100.1"), L4_UDP + 53), Verdict::Rule(0));
+        assert_eq!(
+            rs.classify(ip("198.51.100.1"), L4_UDP + 53),
+            Verdict::Rule(0)
+        );
     }
 
     #[test]
@@ -479,32 +612,67 @@ mod tests {
         );
         let rs = compile(&c).rules;
         let ip = |s: &str| s.parse::<IpAddr>().unwrap();
-        let at = |a: &str| rs.dir16[(u32::from(a.parse::<std::net::Ipv4Addr>().unwrap()) >> 16) as usize];
+        let at = |a: &str| {
+            rs.dir16[(u32::from(a.parse::<std::net::Ipv4Addr>().unwrap()) >> 16) as usize]
+        };
         assert_eq!(rs.dir16.len(), DIR16_LEN as usize);
-        assert_eq!(CidrEntry::list(at("10.200.0.1")), LIST_ALLOW, "a /8 fills its 256 /16s");
-        assert_eq!(at("10.1.0.0"), DIR16_LOOKUP, "a /24 inside sends its /16 to the trie");
+        assert_eq!(
+            CidrEntry::list(at("10.200.0.1")),
+            LIST_ALLOW,
+            "a /8 fills its 256 /16s"
+        );
+        assert_eq!(
+            at("10.1.0.0"),
+            DIR16_LOOKUP,
+            "a /24 inside sends its /16 to the trie"
+        );
         assert_eq!(at("192.0.0.0"), DIR16_LOOKUP);
         let anywhere = at("203.0.113.1");
-        assert_eq!((CidrEntry::list(anywhere), CidrEntry::src_class(anywhere) != 0), (LIST_NONE, true), "/0 src list");
+        assert_eq!(
+            (
+                CidrEntry::list(anywhere),
+                CidrEntry::src_class(anywhere) != 0
+            ),
+            (LIST_NONE, true),
+            "/0 src list"
+        );
         assert_eq!(rs.classify(ip("10.1.2.3"), L4_UDP + 53), Verdict::Allow);
         assert_eq!(rs.classify(ip("10.1.9.9"), L4_UDP + 53), Verdict::Allow);
         assert_eq!(rs.classify(ip("192.0.2.1"), L4_UDP + 53), Verdict::Deny);
         assert_eq!(rs.classify(ip("192.0.3.1"), L4_UDP + 53), Verdict::Rule(1));
-        assert_eq!(rs.classify(ip("203.0.113.1"), L4_UDP + 53), Verdict::Rule(1));
+        assert_eq!(
+            rs.classify(ip("203.0.113.1"), L4_UDP + 53),
+            Verdict::Rule(1)
+        );
         // IPv6 only: no first level.
-        let v6 = compile(&config("[default]\nrate = 5\n[[deny]]\ncidr = \"2001:db8::/32\"\n")).rules;
+        let v6 = compile(&config(
+            "[default]\nrate = 5\n[[deny]]\ncidr = \"2001:db8::/32\"\n",
+        ))
+        .rules;
         assert!(v6.dir16.is_empty());
     }
 
     fn arb_rule(i: usize) -> impl Strategy<Value = String> {
-        let proto = prop_oneof![Just("any"), Just("tcp"), Just("udp"), Just("icmp"), Just("icmpv6")];
+        let proto = prop_oneof![
+            Just("any"),
+            Just("tcp"),
+            Just("udp"),
+            Just("icmp"),
+            Just("icmpv6")
+        ];
         let ports = proptest::option::of(proptest::collection::vec((1u16..40, 0u16..5), 1..3));
         let syn = any::<bool>();
-        let src = proptest::option::of(proptest::collection::vec((0u8..4, prop_oneof![Just(8u8), Just(16), Just(24)]), 1..3));
+        let src = proptest::option::of(proptest::collection::vec(
+            (0u8..4, prop_oneof![Just(8u8), Just(16), Just(24)]),
+            1..3,
+        ));
         (proto, ports, syn, src).prop_map(move |(proto, ports, syn, src)| {
             let mut s = format!("[[rule]]\nname = \"r{i}\"\nrate = 1\nproto = \"{proto}\"\n");
             if let (Some(p), false) = (&ports, proto.starts_with("icmp")) {
-                let list: Vec<String> = p.iter().map(|(a, w)| format!("\"{}-{}\"", a, a + w)).collect();
+                let list: Vec<String> = p
+                    .iter()
+                    .map(|(a, w)| format!("\"{}-{}\"", a, a + w))
+                    .collect();
                 s += &format!("dst_ports = [{}]\n", list.join(", "));
             }
             if syn && proto == "tcp" {

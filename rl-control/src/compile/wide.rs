@@ -40,7 +40,12 @@ pub fn part_wide_counts(entries: &mut [RuleEntry], held: &BTreeMap<u32, u32>) {
     let natural: BTreeSet<u32> = entries.iter().map(|e| e.id).collect();
     let mut taken: BTreeSet<u32> = held.keys().map(|&id| entry_of(id)).collect();
     let mut claimed = BTreeSet::new();
-    fn claim(e: &mut RuleEntry, own: u32, id: u32, (taken, claimed): (&mut BTreeSet<u32>, &mut BTreeSet<u32>)) {
+    fn claim(
+        e: &mut RuleEntry,
+        own: u32,
+        id: u32,
+        (taken, claimed): (&mut BTreeSet<u32>, &mut BTreeSet<u32>),
+    ) {
         e.flags = (e.flags & !RULE_STEPS_MASK) | steps_between(own, id) << RULE_STEPS_SHIFT;
         e.id = id;
         taken.insert(rl_common::wide_entry(id, 0));
@@ -50,7 +55,8 @@ pub fn part_wide_counts(entries: &mut [RuleEntry], held: &BTreeMap<u32, u32>) {
     // Cluster rules first (their ids are fixed), then the rules the tables
     // hold (their own ids only, unless a cluster rule's is the same), then
     // the new ones.
-    let fixed = |e: &RuleEntry| e.flags & rl_common::RULE_CLUSTER != 0 || !rl_common::is_rule_id(e.id);
+    let fixed =
+        |e: &RuleEntry| e.flags & rl_common::RULE_CLUSTER != 0 || !rl_common::is_rule_id(e.id);
     for e in entries.iter_mut().filter(|e| fixed(e)) {
         let own = e.id;
         claim(e, own, own, (&mut taken, &mut claimed));
@@ -67,16 +73,25 @@ pub fn part_wide_counts(entries: &mut [RuleEntry], held: &BTreeMap<u32, u32>) {
     for i in open {
         let own = entries[i].id;
         // The steps the flags can keep: 32 times round the entries.
-        let chain = |steps: u32| (0..steps).map(move |k| own.wrapping_add(8 * k) & rl_common::RULE_ID_MASK);
+        let chain =
+            |steps: u32| (0..steps).map(move |k| own.wrapping_add(8 * k) & rl_common::RULE_ID_MASK);
         // No other rule's id, now or in the tables; its entry free if any
         // is (once round), else any (the tables hold at most 2,050 ids).
         let unused = |id: u32| {
-            rl_common::is_rule_id(id) && !held.contains_key(&id) && !claimed.contains(&id) && (id == own || !natural.contains(&id))
+            rl_common::is_rule_id(id)
+                && !held.contains_key(&id)
+                && !claimed.contains(&id)
+                && (id == own || !natural.contains(&id))
         };
         let id = chain(rl_common::WIDE_RULE_SLOTS)
             .find(|&id| unused(id) && !taken.contains(&entry_of(id)))
             .or_else(|| chain((RULE_STEPS_MASK >> RULE_STEPS_SHIFT) + 1).find(|&id| unused(id)));
-        claim(&mut entries[i], own, id.unwrap_or(own), (&mut taken, &mut claimed));
+        claim(
+            &mut entries[i],
+            own,
+            id.unwrap_or(own),
+            (&mut taken, &mut claimed),
+        );
     }
 }
 
@@ -87,11 +102,22 @@ pub fn part_wide_counts(entries: &mut [RuleEntry], held: &BTreeMap<u32, u32>) {
 /// newcomers of both start drained. [`part_wide_counts`] leaves such pairs
 /// only among rules the tables held so (from builds before it), and past
 /// 1,024 entries' worth of rules.
-pub fn wide_count_sharers<'a>(entries: &[RuleEntry], names: &'a [String]) -> Vec<(&'a str, &'a str)> {
-    let may_make = |e: &RuleEntry| e.flags & (rl_common::RULE_CLUSTER | rl_common::RULE_NO_WIDE) == 0;
+pub fn wide_count_sharers<'a>(
+    entries: &[RuleEntry],
+    names: &'a [String],
+) -> Vec<(&'a str, &'a str)> {
+    let may_make =
+        |e: &RuleEntry| e.flags & (rl_common::RULE_CLUSTER | rl_common::RULE_NO_WIDE) == 0;
     let mut by_entry: HashMap<u32, Vec<usize>> = HashMap::new();
-    for (i, e) in entries.iter().enumerate().filter(|(_, e)| rl_common::is_rule_id(e.id)) {
-        by_entry.entry(rl_common::wide_entry(e.id, 0)).or_default().push(i);
+    for (i, e) in entries
+        .iter()
+        .enumerate()
+        .filter(|(_, e)| rl_common::is_rule_id(e.id))
+    {
+        by_entry
+            .entry(rl_common::wide_entry(e.id, 0))
+            .or_default()
+            .push(i);
     }
     let mut pairs = Vec::new();
     for group in by_entry.values() {
@@ -104,7 +130,10 @@ pub fn wide_count_sharers<'a>(entries: &[RuleEntry], names: &'a [String]) -> Vec
         }
     }
     pairs.sort_unstable();
-    pairs.into_iter().filter_map(|(a, b)| Some((names.get(a)?.as_str(), names.get(b)?.as_str()))).collect()
+    pairs
+        .into_iter()
+        .filter_map(|(a, b)| Some((names.get(a)?.as_str(), names.get(b)?.as_str())))
+        .collect()
 }
 
 /// One line per pair of [`wide_count_sharers`]: what it does and how to
@@ -135,7 +164,9 @@ mod tests {
     /// Two rules, alike but for their names, whose ids fall on the same
     /// wide-count entry (searched: ids are hashes of the definitions).
     fn sharing_names() -> (String, String) {
-        let rule = |n: usize| format!("[[rule]]\nname = \"r{n}\"\nproto = \"udp\"\ndst_ports = [53]\nrate = 1\n");
+        let rule = |n: usize| {
+            format!("[[rule]]\nname = \"r{n}\"\nproto = \"udp\"\ndst_ports = [53]\nrate = 1\n")
+        };
         let all: String = (0..200).map(rule).collect();
         let c = compile(&config(&format!("[default]\nrate = 5\n{all}")));
         let mut seen = HashMap::new();
@@ -153,7 +184,10 @@ mod tests {
 
     /// What the tables hold after installing `entries`: id ➜ natural id.
     fn held(entries: &[RuleEntry]) -> BTreeMap<u32, u32> {
-        entries.iter().map(|e| (e.id, rl_common::natural_id(e.id, e.flags))).collect()
+        entries
+            .iter()
+            .map(|e| (e.id, rl_common::natural_id(e.id, e.flags)))
+            .collect()
     }
 
     fn entry_of(e: &RuleEntry) -> u32 {
@@ -175,18 +209,40 @@ mod tests {
         };
         let natural = compile(&config(&text(""))).rules;
         assert_eq!(entry_of(&natural.entries[1]), entry_of(&natural.entries[2]));
-        assert_eq!(wide_count_sharers(&natural.entries, &natural.names), [(a.as_str(), b.as_str())]);
+        assert_eq!(
+            wide_count_sharers(&natural.entries, &natural.names),
+            [(a.as_str(), b.as_str())]
+        );
 
         // A fresh datapath: the later rule moves to the next free entry.
         let mut fresh = natural.entries.clone();
         part_wide_counts(&mut fresh, &BTreeMap::new());
-        assert_eq!(fresh[..2], natural.entries[..2], "[default] and the first rule keep their ids");
+        assert_eq!(
+            fresh[..2],
+            natural.entries[..2],
+            "[default] and the first rule keep their ids"
+        );
         assert_ne!(entry_of(&fresh[1]), entry_of(&fresh[2]));
-        assert_eq!(fresh[2].id, natural.entries[2].id + 8, "one step along (the next entry is free)");
+        assert_eq!(
+            fresh[2].id,
+            natural.entries[2].id + 8,
+            "one step along (the next entry is free)"
+        );
         assert!(wide_count_sharers(&fresh, &natural.names).is_empty());
         let steps = rl_common::RULE_STEPS_MASK;
-        assert!(fresh.iter().zip(&natural.entries).all(|(p, n)| RuleEntry { id: n.id, flags: p.flags & !steps, ..*p } == *n), "only ids change");
-        assert_eq!(rl_common::natural_id(fresh[2].id, fresh[2].flags), natural.entries[2].id, "the steps are kept");
+        assert!(
+            fresh.iter().zip(&natural.entries).all(|(p, n)| RuleEntry {
+                id: n.id,
+                flags: p.flags & !steps,
+                ..*p
+            } == *n),
+            "only ids change"
+        );
+        assert_eq!(
+            rl_common::natural_id(fresh[2].id, fresh[2].flags),
+            natural.entries[2].id,
+            "the steps are kept"
+        );
 
         // Installed again (the second table, a reload, a restart onto the
         // pins): the same ids, from the natural ones or the parted ones.
@@ -198,12 +254,27 @@ mod tests {
         }
         // The first rule removed and added back: the second keeps its id.
         let mut back = natural.entries.clone();
-        part_wide_counts(&mut back, &held.iter().filter(|(&id, _)| id != fresh[1].id).map(|(&a, &b)| (a, b)).collect());
-        assert_eq!(ids(&back), ids(&fresh), "the second rule kept its id; the first went back to its own");
+        part_wide_counts(
+            &mut back,
+            &held
+                .iter()
+                .filter(|(&id, _)| id != fresh[1].id)
+                .map(|(&a, &b)| (a, b))
+                .collect(),
+        );
+        assert_eq!(
+            ids(&back),
+            ids(&fresh),
+            "the second rule kept its id; the first went back to its own"
+        );
         let mut back = natural.entries.clone();
         back.swap(1, 2);
         part_wide_counts(&mut back, &held);
-        assert_eq!((back[1].id, back[2].id), (fresh[2].id, fresh[1].id), "moving rules in the file changes no id");
+        assert_eq!(
+            (back[1].id, back[2].id),
+            (fresh[2].id, fresh[1].id),
+            "moving rules in the file changes no id"
+        );
 
         // Rules the tables hold keep their ids even when they share (an
         // older build's): the notes name them and say what to do.
@@ -213,22 +284,44 @@ mod tests {
         assert_eq!(ids(&kept), ids(&natural.entries));
         let notes = wide_count_notes(&kept, &natural.names);
         assert_eq!(notes.len(), 1);
-        assert!(notes[0].starts_with(&format!("rules {a} and {b} share a wide-cell count")) && notes[0].contains("rename one"), "{}", notes[0]);
+        assert!(
+            notes[0].starts_with(&format!("rules {a} and {b} share a wide-cell count"))
+                && notes[0].contains("rename one"),
+            "{}",
+            notes[0]
+        );
 
         // A new rule beside a held one it collides with: the new one moves.
         let mut added = natural.entries.clone();
-        part_wide_counts(&mut added, &held.iter().filter(|(&id, _)| id != natural.entries[1].id).map(|(&a, &b)| (a, b)).collect());
-        assert_eq!((added[2].id, added[1].id), (natural.entries[2].id, natural.entries[1].id + 8));
+        part_wide_counts(
+            &mut added,
+            &held
+                .iter()
+                .filter(|(&id, _)| id != natural.entries[1].id)
+                .map(|(&a, &b)| (a, b))
+                .collect(),
+        );
+        assert_eq!(
+            (added[2].id, added[1].id),
+            (natural.entries[2].id, natural.entries[1].id + 8)
+        );
 
         // A cluster rule keeps its id (its sync knows it by that): the other moves.
         let mut cluster = natural.entries.clone();
         cluster[2].flags |= rl_common::RULE_CLUSTER;
         part_wide_counts(&mut cluster, &BTreeMap::new());
-        assert_eq!((cluster[2].id, cluster[1].id), (natural.entries[2].id, natural.entries[1].id + 8));
+        assert_eq!(
+            (cluster[2].id, cluster[1].id),
+            (natural.entries[2].id, natural.entries[1].id + 8)
+        );
 
         // Neither may make wide cells: a shared count harms neither.
         let off = compile(&config(&text("flood_wide_cells = false\n"))).rules;
-        assert_eq!(ids(&off.entries), ids(&natural.entries), "the setting is not part of a rule's id");
+        assert_eq!(
+            ids(&off.entries),
+            ids(&natural.entries),
+            "the setting is not part of a rule's id"
+        );
         assert!(wide_count_sharers(&off.entries, &off.names).is_empty());
     }
 
@@ -236,16 +329,28 @@ mod tests {
     /// own id if no other rule has it, else the next one no rule has.
     #[test]
     fn past_1024_entries_ids_stay_unique() {
-        let held: BTreeMap<u32, u32> = (0..rl_common::WIDE_RULE_SLOTS).map(|k| (0x1000_0000 + 8 * k, 0x1000_0000 + 8 * k)).collect();
-        let mut e = [RuleEntry { id: 0x2000_0000, ..Default::default() }];
+        let held: BTreeMap<u32, u32> = (0..rl_common::WIDE_RULE_SLOTS)
+            .map(|k| (0x1000_0000 + 8 * k, 0x1000_0000 + 8 * k))
+            .collect();
+        let mut e = [RuleEntry {
+            id: 0x2000_0000,
+            ..Default::default()
+        }];
         part_wide_counts(&mut e, &held);
         assert_eq!(e[0].id, 0x2000_0000);
         // Its own id is another rule's (one moved onto it): the next free id.
-        let mut e = [RuleEntry { id: 0x1000_0000, ..Default::default() }];
+        let mut e = [RuleEntry {
+            id: 0x1000_0000,
+            ..Default::default()
+        }];
         let mut moved = held.clone();
         moved.insert(0x1000_0000, 0x0fff_fff8);
         part_wide_counts(&mut e, &moved);
-        assert!(!moved.contains_key(&e[0].id) && rl_common::is_rule_id(e[0].id), "{:#x}", e[0].id);
+        assert!(
+            !moved.contains_key(&e[0].id) && rl_common::is_rule_id(e[0].id),
+            "{:#x}",
+            e[0].id
+        );
     }
 
     /// A rule keeps the id the tables hold for it and takes no other's:
@@ -254,7 +359,10 @@ mod tests {
     /// sequence passes.
     #[test]
     fn a_rule_takes_only_its_own_held_id() {
-        let e = |id: u32| RuleEntry { id, ..Default::default() };
+        let e = |id: u32| RuleEntry {
+            id,
+            ..Default::default()
+        };
         let (x, v) = (0x0100_0000, 0x0100_0000 - 3 * 8);
         // x was moved two steps (past r = x + 8, a rule since removed).
         let moved = x + 16;
@@ -266,14 +374,22 @@ mod tests {
         // apart share an entry), so v's sequence goes on past x's ids.
         for k in 0..3 {
             let other = v + 8 * k + (1 << 20);
-            assert_eq!(rl_common::wide_entry(other, 0), rl_common::wide_entry(v + 8 * k, 0));
+            assert_eq!(
+                rl_common::wide_entry(other, 0),
+                rl_common::wide_entry(v + 8 * k, 0)
+            );
             held.insert(other, other);
         }
         // v is new and comes first: it takes the first id past them all.
         let mut set = [e(v), e(x)];
         part_wide_counts(&mut set, &held);
         assert_eq!(set[1].id, moved, "x keeps its id");
-        assert_eq!(set[0].id, x + 24, "v takes none of theirs (x's natural id, the removed one's, x's): {:#x}", set[0].id);
+        assert_eq!(
+            set[0].id,
+            x + 24,
+            "v takes none of theirs (x's natural id, the removed one's, x's): {:#x}",
+            set[0].id
+        );
         // x alone: its own held id, not the removed rule's.
         let mut alone = [e(x)];
         part_wide_counts(&mut alone, &held);

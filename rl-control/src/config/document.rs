@@ -42,10 +42,12 @@ pub fn to_json(text: &str) -> serde_json::Value {
     let mut v = serde_json::to_value(value).unwrap_or_default();
     if let Some(obj) = v.as_object_mut() {
         for (_, json) in PLURALS {
-            obj.entry(json).or_insert_with(|| serde_json::Value::Array(vec![]));
+            obj.entry(json)
+                .or_insert_with(|| serde_json::Value::Array(vec![]));
         }
         for key in ["allow", "deny"] {
-            obj.entry(key).or_insert_with(|| serde_json::Value::Array(vec![]));
+            obj.entry(key)
+                .or_insert_with(|| serde_json::Value::Array(vec![]));
         }
     }
     rename(&mut v, true);
@@ -58,9 +60,16 @@ pub fn to_json(text: &str) -> serde_json::Value {
 /// serializer took 20 ms for 1,000 rules.
 pub fn from_json(json: &serde_json::Value) -> Result<String, EditError> {
     let Some(obj) = json.as_object() else {
-        return Err(EditError::Invalid("the body must be a JSON object like the one GET /v1/rules returns".into()));
+        return Err(EditError::Invalid(
+            "the body must be a JSON object like the one GET /v1/rules returns".into(),
+        ));
     };
-    let file_key = |k: &str| PLURALS.iter().find(|(_, j)| *j == k).map_or(k.to_string(), |(f, _)| f.to_string());
+    let file_key = |k: &str| {
+        PLURALS
+            .iter()
+            .find(|(_, j)| *j == k)
+            .map_or(k.to_string(), |(f, _)| f.to_string())
+    };
     let key = |k: &str| toml_edit::Key::new(k).display_repr().into_owned();
     let line = |out: &mut String, k: &str, v: &serde_json::Value| -> Result<(), EditError> {
         let mut value = value_from_json(v).map_err(|e| match e {
@@ -71,7 +80,10 @@ pub fn from_json(json: &serde_json::Value) -> Result<String, EditError> {
         out.push_str(&format!("{} = {value}\n", key(k)));
         Ok(())
     };
-    let is_tables = |v: &serde_json::Value| v.as_array().is_some_and(|a| !a.is_empty() && a.iter().all(|x| x.is_object()));
+    let is_tables = |v: &serde_json::Value| {
+        v.as_array()
+            .is_some_and(|a| !a.is_empty() && a.iter().all(|x| x.is_object()))
+    };
     let mut out = String::new();
     for (k, v) in obj.iter().filter(|(_, v)| !v.is_object() && !is_tables(v)) {
         line(&mut out, &file_key(k), v)?;
@@ -96,19 +108,27 @@ pub fn from_json(json: &serde_json::Value) -> Result<String, EditError> {
 }
 
 fn parse(text: &str) -> Result<DocumentMut, EditError> {
-    text.parse::<DocumentMut>().map_err(|e| EditError::Invalid(format!("the current rule file does not parse: {e}")))
+    text.parse::<DocumentMut>()
+        .map_err(|e| EditError::Invalid(format!("the current rule file does not parse: {e}")))
 }
 
 /// The document's `[[key]]` tables, created empty if absent.
 fn tables<'a>(doc: &'a mut DocumentMut, key: &str) -> Result<&'a mut ArrayOfTables, EditError> {
     // Absent, or an empty list (`ban = []`, as a PUT of what GET returned
     // writes for no bans): a list of tables to add to.
-    if doc.get(key).is_none_or(|i| i.as_array().is_some_and(|a| a.is_empty())) {
+    if doc
+        .get(key)
+        .is_none_or(|i| i.as_array().is_some_and(|a| a.is_empty()))
+    {
         doc.insert(key, Item::ArrayOfTables(ArrayOfTables::new()));
     }
     doc.get_mut(key)
         .and_then(Item::as_array_of_tables_mut)
-        .ok_or_else(|| EditError::Invalid(format!("`{key}` in the rule file is not a list of [[{key}]] tables")))
+        .ok_or_else(|| {
+            EditError::Invalid(format!(
+                "`{key}` in the rule file is not a list of [[{key}]] tables"
+            ))
+        })
 }
 
 /// A TOML value for a JSON one (objects become inline tables, as in
@@ -116,7 +136,11 @@ fn tables<'a>(doc: &'a mut DocumentMut, key: &str) -> Result<&'a mut ArrayOfTabl
 fn value_from_json(v: &serde_json::Value) -> Result<toml_edit::Value, EditError> {
     use serde_json::Value as J;
     Ok(match v {
-        J::Null => return Err(EditError::Invalid("null is not a value in the rule file: leave the field out".into())),
+        J::Null => {
+            return Err(EditError::Invalid(
+                "null is not a value in the rule file: leave the field out".into(),
+            ))
+        }
         J::Bool(b) => (*b).into(),
         J::Number(n) => match (n.as_i64(), n.as_f64()) {
             (Some(i), _) => i.into(),
@@ -143,7 +167,9 @@ fn value_from_json(v: &serde_json::Value) -> Result<toml_edit::Value, EditError>
 
 /// One `[[key]]` table made from a JSON object.
 fn table_from_json(key: &str, json: &serde_json::Value) -> Result<toml_edit::Table, EditError> {
-    let obj = json.as_object().ok_or_else(|| EditError::Invalid(format!("the {key} must be a JSON object")))?;
+    let obj = json
+        .as_object()
+        .ok_or_else(|| EditError::Invalid(format!("the {key} must be a JSON object")))?;
     let mut t = toml_edit::Table::new();
     for (k, v) in obj {
         t.insert(k, toml_edit::value(value_from_json(v)?));
@@ -167,7 +193,9 @@ pub fn add_rule(text: &str, rule: &serde_json::Value) -> Result<String, EditErro
     let mut doc = parse(text)?;
     let rules = tables(&mut doc, "rule")?;
     if rules.iter().any(|t| name_of(t) == Some(name.as_str())) {
-        return Err(EditError::Conflict(format!("a rule named \"{name}\" exists: DELETE /v1/rules/{name} first, or PUT the whole set")));
+        return Err(EditError::Conflict(format!(
+            "a rule named \"{name}\" exists: DELETE /v1/rules/{name} first, or PUT the whole set"
+        )));
     }
     rules.push(table);
     Ok(doc.to_string())
@@ -189,7 +217,13 @@ pub fn set_ban(text: &str, cidr: &str, until: u64, reason: &str) -> Result<Strin
     let mut doc = parse(text)?;
     let bans = tables(&mut doc, "ban")?;
     // The same prefix however it is written (`192.0.2.7` is `192.0.2.7/32`).
-    let same = |t: &str| t == cidr || super::units::parse_cidr(t).ok().zip(super::units::parse_cidr(cidr).ok()).is_some_and(|(a, b)| a == b);
+    let same = |t: &str| {
+        t == cidr
+            || super::units::parse_cidr(t)
+                .ok()
+                .zip(super::units::parse_cidr(cidr).ok())
+                .is_some_and(|(a, b)| a == b)
+    };
     bans.retain(|t| !t.get("cidr").and_then(|c| c.as_str()).is_some_and(same));
     let mut t = toml_edit::Table::new();
     t.insert("cidr", toml_edit::value(cidr));
@@ -203,13 +237,20 @@ pub fn set_ban(text: &str, cidr: &str, until: u64, reason: &str) -> Result<Strin
 
 /// Removes the bans for which `lift(cidr, until)` holds; returns the new
 /// text and how many were removed.
-pub fn remove_bans(text: &str, lift: impl Fn(&str, u64) -> bool) -> Result<(String, usize), EditError> {
+pub fn remove_bans(
+    text: &str,
+    lift: impl Fn(&str, u64) -> bool,
+) -> Result<(String, usize), EditError> {
     let mut doc = parse(text)?;
     let bans = tables(&mut doc, "ban")?;
     let before = bans.len();
     bans.retain(|t| {
         let cidr = t.get("cidr").and_then(|c| c.as_str()).unwrap_or("");
-        let until = t.get("until").and_then(|u| u.as_integer()).unwrap_or(0).max(0) as u64;
+        let until = t
+            .get("until")
+            .and_then(|u| u.as_integer())
+            .unwrap_or(0)
+            .max(0) as u64;
         !lift(cidr, until)
     });
     let removed = before - bans.len();
@@ -230,14 +271,32 @@ mod tests {
     fn adding_and_removing_a_rule_keeps_comments_and_validates() {
         let rule = serde_json::json!({"name": "dns", "proto": "udp", "dst_ports": [53, "5353-5354"], "limits": [{"rate": 100, "per": "10s"}]});
         let text = add_rule(FILE, &rule).unwrap();
-        assert!(text.contains("# our limits") && text.contains("# per source"), "{text}");
+        assert!(
+            text.contains("# our limits") && text.contains("# per source"),
+            "{text}"
+        );
         let c = Config::from_str(&text, "x").unwrap();
-        assert_eq!(c.rules.iter().map(|r| r.name.as_str()).collect::<Vec<_>>(), ["ssh", "dns"]);
-        assert_eq!(add_rule(&text, &rule).unwrap_err(), EditError::Conflict("a rule named \"dns\" exists: DELETE /v1/rules/dns first, or PUT the whole set".into()));
+        assert_eq!(
+            c.rules.iter().map(|r| r.name.as_str()).collect::<Vec<_>>(),
+            ["ssh", "dns"]
+        );
+        assert_eq!(
+            add_rule(&text, &rule).unwrap_err(),
+            EditError::Conflict(
+                "a rule named \"dns\" exists: DELETE /v1/rules/dns first, or PUT the whole set"
+                    .into()
+            )
+        );
         let text = remove_rule(&text, "ssh").unwrap();
         assert_eq!(Config::from_str(&text, "x").unwrap().rules.len(), 1);
-        assert!(matches!(remove_rule(&text, "ssh"), Err(EditError::NotFound(_))));
-        assert!(matches!(add_rule(&text, &serde_json::json!({"proto": "tcp"})), Err(EditError::Invalid(_))));
+        assert!(matches!(
+            remove_rule(&text, "ssh"),
+            Err(EditError::NotFound(_))
+        ));
+        assert!(matches!(
+            add_rule(&text, &serde_json::json!({"proto": "tcp"})),
+            Err(EditError::Invalid(_))
+        ));
     }
 
     #[test]
@@ -246,9 +305,18 @@ mod tests {
         assert_eq!(json["rules"][0]["name"], "ssh");
         assert_eq!(json["allow"], serde_json::json!([]));
         let back = from_json(&json).unwrap();
-        assert_eq!(Config::from_str(&back, "x").unwrap(), Config::from_str(FILE, "x").unwrap());
-        assert!(matches!(from_json(&serde_json::json!([1])), Err(EditError::Invalid(_))));
-        assert!(matches!(from_json(&serde_json::json!({"default": {"rate": null}})), Err(EditError::Invalid(_))));
+        assert_eq!(
+            Config::from_str(&back, "x").unwrap(),
+            Config::from_str(FILE, "x").unwrap()
+        );
+        assert!(matches!(
+            from_json(&serde_json::json!([1])),
+            Err(EditError::Invalid(_))
+        ));
+        assert!(matches!(
+            from_json(&serde_json::json!({"default": {"rate": null}})),
+            Err(EditError::Invalid(_))
+        ));
     }
 
     #[test]
@@ -257,9 +325,16 @@ mod tests {
         let text = set_ban(&text, "192.0.2.0/24", 2_000_000_100, "scanner again").unwrap();
         let c = Config::from_str(&text, "x").unwrap();
         assert_eq!(c.bans.len(), 1);
-        assert_eq!((c.bans[0].until, c.bans[0].reason.as_str()), (2_000_000_100, "scanner again"));
+        assert_eq!(
+            (c.bans[0].until, c.bans[0].reason.as_str()),
+            (2_000_000_100, "scanner again")
+        );
         assert_eq!(c.active_bans(2_000_000_099).count(), 1);
-        assert_eq!(c.active_bans(2_000_000_100).count(), 0, "a ban lifts at its `until`");
+        assert_eq!(
+            c.active_bans(2_000_000_100).count(),
+            0,
+            "a ban lifts at its `until`"
+        );
         let (text, n) = remove_bans(&text, |cidr, _| cidr == "192.0.2.0/24").unwrap();
         assert_eq!(n, 1);
         assert!(Config::from_str(&text, "x").unwrap().bans.is_empty());
@@ -267,7 +342,10 @@ mod tests {
         let hand = format!("{FILE}\n[[ban]]\ncidr = \"2001:DB8::/32\"\nuntil = 2000000000\n");
         let text = set_ban(&hand, "2001:db8::/32", 1_900_000_000, "").unwrap();
         let c = Config::from_str(&text, "x").unwrap();
-        assert_eq!(c.bans.iter().map(|b| b.until).collect::<Vec<_>>(), [1_900_000_000]);
+        assert_eq!(
+            c.bans.iter().map(|b| b.until).collect::<Vec<_>>(),
+            [1_900_000_000]
+        );
     }
 
     /// A PUT of what GET returned writes `ban = []` and `rule = []` for

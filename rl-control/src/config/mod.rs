@@ -18,7 +18,9 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use crate::{
-    config::rules::{int_in, int_or, validate_list, validate_rules, RawList, RawRule, Rule, MAX_LIST_CIDRS},
+    config::rules::{
+        int_in, int_or, validate_list, validate_rules, RawList, RawRule, Rule, MAX_LIST_CIDRS,
+    },
     config::units::Cidr,
 };
 
@@ -97,12 +99,16 @@ impl Config {
 
 /// Seconds since the Unix epoch.
 pub fn unix_now() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 /// Milliseconds since the Unix epoch (0 if the clock reads before it).
 pub fn unix_now_ms() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -155,7 +161,6 @@ pub enum FragmentOrphans {
 pub const DEFAULT_FLOOD_NEW_KEYS_PER_SEC: u32 = 100_000;
 pub const DEFAULT_FLOOD_PREFIXES: u32 = 65_536;
 
-
 /// The per-source limit applied to all traffic.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DefaultLimit {
@@ -202,7 +207,13 @@ pub(crate) fn socket_address(
     match v {
         None => Ok(None),
         Some(l) => l.get_ref().parse().map(Some).map_err(|_| {
-            loc.at(l.span(), format!("{name} = \"{}\" is not an address: write IP:PORT, such as \"{example}\"", l.get_ref()))
+            loc.at(
+                l.span(),
+                format!(
+                    "{name} = \"{}\" is not an address: write IP:PORT, such as \"{example}\"",
+                    l.get_ref()
+                ),
+            )
         }),
     }
 }
@@ -328,7 +339,13 @@ impl Config {
             at: e.span().map(|s| line_col(text, s.start)),
             // toml's parser says what it found and what it expected on two
             // lines: errors are one line (logs, 422 bodies, the CLI).
-            message: e.message().lines().map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join("; "),
+            message: e
+                .message()
+                .lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .collect::<Vec<_>>()
+                .join("; "),
         })?;
         let loc = Located { text, origin };
         let datapath = datapath_of(&loc, &raw.datapath)?;
@@ -337,7 +354,12 @@ impl Config {
         let deny = validate_list(&loc, "deny", &raw.deny)?;
         // Totals over the limit are located at the entry past it.
         let past = |n: usize| {
-            let cidrs = raw.allow.iter().chain(&raw.deny).map(|l| l.cidr.span()).chain(raw.ban.iter().map(|b| b.cidr.span()));
+            let cidrs = raw
+                .allow
+                .iter()
+                .chain(&raw.deny)
+                .map(|l| l.cidr.span())
+                .chain(raw.ban.iter().map(|b| b.cidr.span()));
             cidrs.clone().nth(n).unwrap_or(0..0)
         };
         if allow.len() + deny.len() > MAX_LIST_CIDRS {
@@ -348,10 +370,16 @@ impl Config {
         }
         let cluster = crate::cluster::settings::validate(&loc, &raw.cluster)?;
         let rules = validate_rules(&loc, &raw.rule, cluster.is_some())?;
-        let address = |v: &Option<Spanned<String>>, name: &str, example: &str| socket_address(&loc, v, name, example);
+        let address = |v: &Option<Spanned<String>>, name: &str, example: &str| {
+            socket_address(&loc, v, name, example)
+        };
         let api = ApiConfig {
             listen: address(&raw.api.listen, "api.listen", "127.0.0.1:9100")?,
-            metrics_listen: address(&raw.api.metrics_listen, "api.metrics_listen", "127.0.0.1:9101")?,
+            metrics_listen: address(
+                &raw.api.metrics_listen,
+                "api.metrics_listen",
+                "127.0.0.1:9101",
+            )?,
             token_file: raw.api.token_file.as_ref().map(|t| t.get_ref().into()),
         };
         if let (Some(l), None) = (&raw.api.listen, &api.token_file) {
@@ -370,7 +398,17 @@ impl Config {
             ));
         }
         let l7 = crate::l7::rules::validate(&loc, &raw.l7, cluster.is_some())?;
-        Ok(Config { datapath, default, allow, deny, rules, api, bans, l7, cluster })
+        Ok(Config {
+            datapath,
+            default,
+            allow,
+            deny,
+            rules,
+            api,
+            bans,
+            l7,
+            cluster,
+        })
     }
 }
 
@@ -417,7 +455,10 @@ fn datapath_of(loc: &Located, d: &RawDatapath) -> Result<Datapath, ConfigError> 
 }
 
 /// `[default]`: required, so that no typo turns every limit off.
-fn default_of(loc: &Located, def: &Option<Spanned<RawDefault>>) -> Result<DefaultLimit, ConfigError> {
+fn default_of(
+    loc: &Located,
+    def: &Option<Spanned<RawDefault>>,
+) -> Result<DefaultLimit, ConfigError> {
     let Some(def) = def else {
         return Err(loc.at(
             0..0,
@@ -425,7 +466,14 @@ fn default_of(loc: &Located, def: &Option<Spanned<RawDefault>>) -> Result<Defaul
         ));
     };
     let rate = int_in(loc, "default.rate", &def.get_ref().rate, 1, MAX_RATE as i64)?;
-    let burst = int_or(loc, "default.burst", &def.get_ref().burst, 1, MAX_BURST as i64, rate)?;
+    let burst = int_or(
+        loc,
+        "default.burst",
+        &def.get_ref().burst,
+        1,
+        MAX_BURST as i64,
+        rate,
+    )?;
     // The arithmetic's own limits (interval ≥ 1 ns, span fits 64 bits).
     if let Err(e) = rl_common::Limit::per_second(rate, burst) {
         let why = match e {
@@ -433,7 +481,10 @@ fn default_of(loc: &Located, def: &Option<Spanned<RawDefault>>) -> Result<Defaul
             rl_common::limiter::LimitError::RateTooHigh => "more than one packet per nanosecond",
             rl_common::limiter::LimitError::BurstTooLarge => "a burst longer than 2^64 ns",
         };
-        return Err(loc.at(def.span(), format!("[default] rate {rate} with burst {burst} cannot be represented ({why})")));
+        return Err(loc.at(
+            def.span(),
+            format!("[default] rate {rate} with burst {burst} cannot be represented ({why})"),
+        ));
     }
     Ok(DefaultLimit { rate, burst })
 }
@@ -442,10 +493,19 @@ fn default_of(loc: &Located, def: &Option<Spanned<RawDefault>>) -> Result<Defaul
 fn bans_of(loc: &Located, raw: &[RawBan]) -> Result<Vec<Ban>, ConfigError> {
     let mut bans = Vec::with_capacity(raw.len());
     for (i, b) in raw.iter().enumerate() {
-        let cidr = units::parse_cidr(b.cidr.get_ref()).map_err(|m| loc.at(b.cidr.span(), format!("ban[{i}].cidr: {m}")))?;
-        let until = u64::try_from(*b.until.get_ref())
-            .map_err(|_| loc.at(b.until.span(), format!("ban[{i}].until must be a Unix time in seconds, not negative")))?;
-        bans.push(Ban { cidr, until, reason: b.reason.clone() });
+        let cidr = units::parse_cidr(b.cidr.get_ref())
+            .map_err(|m| loc.at(b.cidr.span(), format!("ban[{i}].cidr: {m}")))?;
+        let until = u64::try_from(*b.until.get_ref()).map_err(|_| {
+            loc.at(
+                b.until.span(),
+                format!("ban[{i}].until must be a Unix time in seconds, not negative"),
+            )
+        })?;
+        bans.push(Ban {
+            cidr,
+            until,
+            reason: b.reason.clone(),
+        });
     }
     Ok(bans)
 }
@@ -463,13 +523,21 @@ mod tests {
     use super::*;
 
     fn error_of(text: &str) -> String {
-        Config::from_str(text, "rules.toml").unwrap_err().to_string()
+        Config::from_str(text, "rules.toml")
+            .unwrap_err()
+            .to_string()
     }
 
     #[test]
     fn embedded_default_is_1000_pps_burst_2000() {
         let c = Config::embedded_default();
-        assert_eq!(c.default, DefaultLimit { rate: 1000, burst: 2000 });
+        assert_eq!(
+            c.default,
+            DefaultLimit {
+                rate: 1000,
+                burst: 2000
+            }
+        );
         assert_eq!(
             c.datapath,
             Datapath {
@@ -510,14 +578,24 @@ mod tests {
         }
         let first_ban = 2 + 2 * MAX_LIST_CIDRS + 2;
         let e = error_of(&text);
-        assert!(e.starts_with(&format!("rules.toml:{first_ban}:8: ")) && e.contains("262143 allow, 1 deny and 2 ban CIDRs"), "{e}");
+        assert!(
+            e.starts_with(&format!("rules.toml:{first_ban}:8: "))
+                && e.contains("262143 allow, 1 deny and 2 ban CIDRs"),
+            "{e}"
+        );
     }
 
     #[test]
     fn syntax_errors_are_one_line() {
         for (text, want) in [
-            ("[default]\nrate = = 1\n", "rules.toml:2:8: invalid string; expected `\"`, `'`"),
-            ("[default]\nrate = 1\n[[rule]\n", "rules.toml:3:7: invalid table header; expected `.`, `]]`"),
+            (
+                "[default]\nrate = = 1\n",
+                "rules.toml:2:8: invalid string; expected `\"`, `'`",
+            ),
+            (
+                "[default]\nrate = 1\n[[rule]\n",
+                "rules.toml:3:7: invalid table header; expected `.`, `]]`",
+            ),
         ] {
             assert_eq!(error_of(text), want);
         }
@@ -571,11 +649,19 @@ mod tests {
             "rules.toml:2:19: datapath.fragment_ttl_ms = 0 is out of range: allowed 1..=60000"
         );
         let orphans = error_of(&cfg("fragment_orphans = \"pass\""));
-        assert!(orphans.starts_with("rules.toml:2:20: unknown variant `pass`, expected `drop` or `source`"), "{orphans}");
+        assert!(
+            orphans.starts_with(
+                "rules.toml:2:20: unknown variant `pass`, expected `drop` or `source`"
+            ),
+            "{orphans}"
+        );
         let c = Config::from_str(&cfg("flood_new_keys_per_sec = 0"), "x").unwrap();
         assert_eq!(c.datapath.flood_new_keys_per_sec, 0);
         let e = error_of(&cfg("pin_dir = \"rl\""));
-        assert!(e.starts_with("rules.toml:2:11: datapath.pin_dir = \"rl\" must be an absolute path"), "{e}");
+        assert!(
+            e.starts_with("rules.toml:2:11: datapath.pin_dir = \"rl\" must be an absolute path"),
+            "{e}"
+        );
         let c = Config::from_str(&cfg("pin_dir = \"/run/rl/bpf\""), "x").unwrap();
         assert_eq!(c.datapath.pin_dir, std::path::Path::new("/run/rl/bpf"));
     }
@@ -583,21 +669,37 @@ mod tests {
     #[test]
     fn unknown_keys_and_bad_syntax_are_located() {
         let e = error_of("[default]\nrate = 5\nbrust = 3\n");
-        assert!(e.starts_with("rules.toml:3:1: unknown field `brust`"), "{e}");
+        assert!(
+            e.starts_with("rules.toml:3:1: unknown field `brust`"),
+            "{e}"
+        );
         let e = error_of("[datapth]\n");
-        assert!(e.starts_with("rules.toml:1:2: unknown field `datapth`"), "{e}");
+        assert!(
+            e.starts_with("rules.toml:1:2: unknown field `datapth`"),
+            "{e}"
+        );
         let e = error_of("[default]\nrate = \"fast\"\n");
-        assert!(e.starts_with("rules.toml:2:8: invalid type: string \"fast\""), "{e}");
+        assert!(
+            e.starts_with("rules.toml:2:8: invalid type: string \"fast\""),
+            "{e}"
+        );
         let e = error_of("[default\n");
         assert!(e.starts_with("rules.toml:1:"), "{e}");
     }
 
     #[test]
     fn the_shipped_example_is_valid() {
-        let c = Config::from_str(include_str!("../../../dist/rules.toml"), "dist/rules.toml").unwrap();
+        let c =
+            Config::from_str(include_str!("../../../dist/rules.toml"), "dist/rules.toml").unwrap();
         assert_eq!(c.rules.len(), 3);
-        assert_eq!(c.api.metrics_listen, Some("127.0.0.1:9101".parse().unwrap()));
-        assert_eq!(c.api.listen, None, "the admin API over TCP needs a token file the example cannot ship");
+        assert_eq!(
+            c.api.metrics_listen,
+            Some("127.0.0.1:9101".parse().unwrap())
+        );
+        assert_eq!(
+            c.api.listen, None,
+            "the admin API over TCP needs a token file the example cannot ship"
+        );
     }
 
     #[test]

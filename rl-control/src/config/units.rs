@@ -8,9 +8,15 @@ use std::net::IpAddr;
 /// or `d` (`"1s"`, `"90s"`, `"10m"`, `"1d"`).
 pub fn parse_duration(text: &str) -> Result<u64, String> {
     let allowed = "write a whole number of seconds, minutes, hours or days, e.g. \"1s\", \"10s\", \"1m\", \"1h\", \"1d\"";
-    let (n, unit_secs) = whole_with_unit(text, &[("s", 1), ("m", 60), ("h", 3600), ("d", 86_400)], allowed)?;
+    let (n, unit_secs) = whole_with_unit(
+        text,
+        &[("s", 1), ("m", 60), ("h", 3600), ("d", 86_400)],
+        allowed,
+    )?;
     if n == 0 {
-        return Err(format!("\"{text}\" is zero: a limit needs a period of at least 1s"));
+        return Err(format!(
+            "\"{text}\" is zero: a limit needs a period of at least 1s"
+        ));
     }
     n.checked_mul(unit_secs)
         .filter(|&s| s <= 366 * 86_400)
@@ -36,7 +42,10 @@ fn whole_with_unit(text: &str, units: &[(&str, u64)], allowed: &str) -> Result<(
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
     let not_one = || format!("\"{text}\" is not a duration: {allowed}");
-    let &(_, mult) = units.iter().find(|(name, _)| *name == unit.trim()).ok_or_else(not_one)?;
+    let &(_, mult) = units
+        .iter()
+        .find(|(name, _)| *name == unit.trim())
+        .ok_or_else(not_one)?;
     let n = num.parse().map_err(|_| not_one())?;
     Ok((n, mult))
 }
@@ -64,7 +73,9 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
         _ => return Err(format!("\"{text}\" is not a size: {allowed}")),
     };
     let bytes = if let Some((whole, frac)) = num.split_once('.') {
-        let whole: u64 = whole.parse().map_err(|_| format!("\"{text}\" is not a size: {allowed}"))?;
+        let whole: u64 = whole
+            .parse()
+            .map_err(|_| format!("\"{text}\" is not a size: {allowed}"))?;
         if frac.is_empty() || frac.len() > 9 || !frac.bytes().all(|b| b.is_ascii_digit()) {
             return Err(format!("\"{text}\" is not a size: {allowed}"));
         }
@@ -74,13 +85,19 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
         if !(frac as u128 * mult as u128).is_multiple_of(scale as u128) {
             return Err(format!("\"{text}\" is not a whole number of bytes"));
         }
-        whole.checked_mul(mult).and_then(|w| w.checked_add(frac_bytes as u64))
+        whole
+            .checked_mul(mult)
+            .and_then(|w| w.checked_add(frac_bytes as u64))
     } else {
-        let n: u64 = num.parse().map_err(|_| format!("\"{text}\" is not a size: {allowed}"))?;
+        let n: u64 = num
+            .parse()
+            .map_err(|_| format!("\"{text}\" is not a size: {allowed}"))?;
         n.checked_mul(mult)
     };
     match bytes {
-        Some(0) => Err(format!("\"{text}\" is zero: a byte limit needs at least 1 byte")),
+        Some(0) => Err(format!(
+            "\"{text}\" is zero: a byte limit needs at least 1 byte"
+        )),
         Some(b) => Ok(b),
         None => Err(format!("\"{text}\" is too large")),
     }
@@ -113,7 +130,10 @@ impl Cidr {
 
     /// The one-address CIDR of `addr` (/32 or /128).
     pub fn host(addr: IpAddr) -> Cidr {
-        Cidr { addr, len: if addr.is_ipv4() { 32 } else { 128 } }
+        Cidr {
+            addr,
+            len: if addr.is_ipv4() { 32 } else { 128 },
+        }
     }
 
     /// Whether `self` contains every address of `other`.
@@ -170,7 +190,9 @@ pub fn parse_cidr(text: &str) -> Result<Cidr, String> {
     let masked = mask(&cidr.octets(), len);
     if masked != cidr.octets() {
         let net = bytes_to_addr(&masked);
-        return Err(format!("\"{text}\" has host bits set: did you mean \"{net}/{len}\"?"));
+        return Err(format!(
+            "\"{text}\" has host bits set: did you mean \"{net}/{len}\"?"
+        ));
     }
     // An IPv4-mapped block (::ffff:a.b.c.d) never matches: IPv4 packets
     // are IPv4 on the wire, and an IPv6 packet carrying such a source is
@@ -193,7 +215,8 @@ pub fn bytes_to_addr(b: &[u8]) -> IpAddr {
 
 /// A port (`22`) or an inclusive range (`"8000-8080"`, or `"53"`).
 pub fn parse_port_range(value: &toml::Value) -> Result<(u16, u16), String> {
-    let allowed = "ports are 1..=65535, written as a number (22) or an inclusive range (\"8000-8080\")";
+    let allowed =
+        "ports are 1..=65535, written as a number (22) or an inclusive range (\"8000-8080\")";
     let port = |n: i64| -> Result<u16, String> {
         if (1..=65535).contains(&n) {
             Ok(n as u16)
@@ -219,7 +242,9 @@ pub fn parse_port_range(value: &toml::Value) -> Result<(u16, u16), String> {
                 }
             };
             if lo > hi {
-                return Err(format!("\"{s}\" is a reversed range: write the lower port first (\"{hi}-{lo}\")"));
+                return Err(format!(
+                    "\"{s}\" is a reversed range: write the lower port first (\"{hi}-{lo}\")"
+                ));
             }
             Ok((lo, hi))
         }
@@ -252,11 +277,25 @@ mod tests {
         assert_eq!(parse_millis(" 2s ", 60_000), Ok(2000));
         assert_eq!(parse_millis("1m", 60_000), Ok(60_000));
         for bad in ["", "ms", "50", "1.5s", "1h", "-1ms", "1 sec"] {
-            assert!(parse_millis(bad, 60_000).unwrap_err().contains("e.g. \"50ms\""), "{bad:?}");
+            assert!(
+                parse_millis(bad, 60_000)
+                    .unwrap_err()
+                    .contains("e.g. \"50ms\""),
+                "{bad:?}"
+            );
         }
-        assert!(parse_millis("0s", 60_000).unwrap_err().contains("at least 1ms"));
-        assert!(parse_millis("61s", 60_000).unwrap_err().contains("at most 60000ms"));
-        assert!(parse_millis("99999999999999999m", 60_000).unwrap_err().contains("at most"), "overflow is too long");
+        assert!(parse_millis("0s", 60_000)
+            .unwrap_err()
+            .contains("at least 1ms"));
+        assert!(parse_millis("61s", 60_000)
+            .unwrap_err()
+            .contains("at most 60000ms"));
+        assert!(
+            parse_millis("99999999999999999m", 60_000)
+                .unwrap_err()
+                .contains("at most"),
+            "overflow is too long"
+        );
     }
 
     #[test]
@@ -267,7 +306,15 @@ mod tests {
         assert_eq!(parse_size("1500B"), Ok(1500));
         assert_eq!(parse_size("1.5KB"), Ok(1500));
         assert_eq!(parse_size("64KiB"), Ok(65_536));
-        for bad in ["", "MB", "10 parsecs", "1.5B", "0MB", "1..5MB", "99999999999TB"] {
+        for bad in [
+            "",
+            "MB",
+            "10 parsecs",
+            "1.5B",
+            "0MB",
+            "1..5MB",
+            "99999999999TB",
+        ] {
             assert!(parse_size(bad).is_err(), "{bad:?}");
         }
     }
@@ -280,20 +327,37 @@ mod tests {
         assert_eq!(parse_cidr("192.0.2.7").unwrap().len, 32);
         assert_eq!(parse_cidr("::1").unwrap().len, 128);
         assert_eq!(parse_cidr("0.0.0.0/0").unwrap().len, 0);
-        assert!(parse_cidr("10.0.0.1/8").unwrap_err().contains("did you mean \"10.0.0.0/8\""));
+        assert!(parse_cidr("10.0.0.1/8")
+            .unwrap_err()
+            .contains("did you mean \"10.0.0.0/8\""));
         assert!(parse_cidr("10.0.0.0/33").unwrap_err().contains("0..=32"));
-        assert!(parse_cidr("2001:db8::/129").unwrap_err().contains("0..=128"));
+        assert!(parse_cidr("2001:db8::/129")
+            .unwrap_err()
+            .contains("0..=128"));
         assert!(parse_cidr("10.0.0/8").unwrap_err().contains("not a CIDR"));
         let net = parse_cidr("10.0.0.0/8").unwrap();
         assert!(net.covers(&parse_cidr("10.2.0.0/16").unwrap()));
         assert!(!net.covers(&parse_cidr("11.0.0.0/16").unwrap()));
         assert!(!parse_cidr("10.2.0.0/16").unwrap().covers(&net));
-        assert!(!parse_cidr("::/0").unwrap().covers(&net), "families never cover each other");
+        assert!(
+            !parse_cidr("::/0").unwrap().covers(&net),
+            "families never cover each other"
+        );
         // IPv4-mapped blocks never match a packet: refused with the IPv4 form.
-        assert!(parse_cidr("::ffff:198.51.100.0/120").unwrap_err().contains("write \"198.51.100.0/24\""));
-        assert!(parse_cidr("::ffff:0:0/96").unwrap_err().contains("write \"0.0.0.0/0\""));
-        assert!(parse_cidr("::ffff:192.0.2.7").unwrap_err().contains("write \"192.0.2.7/32\""));
-        assert_eq!(parse_cidr("::/64").unwrap().len, 64, "a wider block holding the mapped one is fine");
+        assert!(parse_cidr("::ffff:198.51.100.0/120")
+            .unwrap_err()
+            .contains("write \"198.51.100.0/24\""));
+        assert!(parse_cidr("::ffff:0:0/96")
+            .unwrap_err()
+            .contains("write \"0.0.0.0/0\""));
+        assert!(parse_cidr("::ffff:192.0.2.7")
+            .unwrap_err()
+            .contains("write \"192.0.2.7/32\""));
+        assert_eq!(
+            parse_cidr("::/64").unwrap().len,
+            64,
+            "a wider block holding the mapped one is fine"
+        );
     }
 
     #[test]
@@ -302,9 +366,15 @@ mod tests {
         assert_eq!(parse_port_range(&Integer(22)), Ok((22, 22)));
         assert_eq!(parse_port_range(&S("8000-8080".into())), Ok((8000, 8080)));
         assert_eq!(parse_port_range(&S("53".into())), Ok((53, 53)));
-        assert!(parse_port_range(&Integer(0)).unwrap_err().contains("out of range"));
-        assert!(parse_port_range(&Integer(65536)).unwrap_err().contains("out of range"));
-        assert!(parse_port_range(&S("9000-8000".into())).unwrap_err().contains("reversed"));
+        assert!(parse_port_range(&Integer(0))
+            .unwrap_err()
+            .contains("out of range"));
+        assert!(parse_port_range(&Integer(65536))
+            .unwrap_err()
+            .contains("out of range"));
+        assert!(parse_port_range(&S("9000-8000".into()))
+            .unwrap_err()
+            .contains("reversed"));
         assert!(parse_port_range(&S("http".into())).is_err());
         assert!(parse_port_range(&toml::Value::Boolean(true)).is_err());
     }

@@ -41,7 +41,9 @@ static STOPPING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::
 
 fn refuse_if_stopping() -> Result<(), ApplyError> {
     match STOPPING.load(std::sync::atomic::Ordering::SeqCst) {
-        true => Err(ApplyError::Stopping("the daemon is stopping: nothing changed; repeat this once it runs again".into())),
+        true => Err(ApplyError::Stopping(
+            "the daemon is stopping: nothing changed; repeat this once it runs again".into(),
+        )),
         false => Ok(()),
     }
 }
@@ -77,7 +79,14 @@ pub fn apply<E: From<ApplyError>>(
     refuse_if_stopping()?;
     let (running, stamp) = {
         let s = lock(shared);
-        (Running { config: s.config.clone(), text: s.text.clone(), path: s.path.clone() }, s.stamp)
+        (
+            Running {
+                config: s.config.clone(),
+                text: s.text.clone(),
+                path: s.path.clone(),
+            },
+            s.stamp,
+        )
     };
     // The change itself (a document edit of a large file, say) runs
     // outside the lock.
@@ -97,7 +106,11 @@ pub fn apply<E: From<ApplyError>>(
         crate::l7::engine::Engine::new(&config.l7, offset, Some(&old)).with_cluster(cluster)
     });
     let mut s = lock(shared);
-    record(&mut s, trigger, result.as_ref().map(|(summary, _, _, _)| summary.as_str()));
+    record(
+        &mut s,
+        trigger,
+        result.as_ref().map(|(summary, _, _, _)| summary.as_str()),
+    );
     if let Some(st) = read_as {
         // Read and refused, the file is not what runs: an API change must
         // not write over it (and the watcher need not read it again).
@@ -135,12 +148,20 @@ fn record(s: &mut crate::daemon::state::State, trigger: &str, result: Result<&st
             e.to_string()
         }
     };
-    s.last_reload = Some(ReloadRecord { at: unix_now(), ok: result.is_ok(), trigger: trigger.into(), message });
+    s.last_reload = Some(ReloadRecord {
+        at: unix_now(),
+        ok: result.is_ok(),
+        trigger: trigger.into(),
+        message,
+    });
 }
 
 /// `config` compiled as it stands: as written, or in its `on_failure`
 /// variant while the cluster is degraded (`mode`).
-fn compiled_for(config: &Config, mode: Option<crate::cluster::OnFailure>) -> crate::compile::Compiled {
+fn compiled_for(
+    config: &Config,
+    mode: Option<crate::cluster::OnFailure>,
+) -> crate::compile::Compiled {
     let mut compiled = compile(config);
     if let Some(m) = mode {
         compiled.rules = crate::compile::with_failure_mode(config, compiled.rules, m);
@@ -151,7 +172,11 @@ fn compiled_for(config: &Config, mode: Option<crate::cluster::OnFailure>) -> cra
 /// The first step of an install, its waits made without the state lock:
 /// the old slot's grace (until `ready`), then that of the rule entries
 /// [`crate::datapath::Datapath::prepare`] marks as changing.
-fn prepare_unlocked(shared: &Shared, plan: &mut Plan, ready: Instant) -> Result<(), crate::datapath::DatapathError> {
+fn prepare_unlocked(
+    shared: &Shared,
+    plan: &mut Plan,
+    ready: Instant,
+) -> Result<(), crate::datapath::DatapathError> {
     sleep_until(ready);
     let unnamed = lock(shared).dp.prepare(plan)?;
     sleep_until(unnamed);
@@ -161,7 +186,10 @@ fn prepare_unlocked(shared: &Shared, plan: &mut Plan, ready: Instant) -> Result<
 /// Installs the running rules as they stand while the cluster is degraded
 /// with `mode` (see [`crate::compile::with_failure_mode`]), or as written
 /// (`None`), unless they stand so already.
-pub fn set_failure_mode(shared: &Shared, mode: Option<crate::cluster::OnFailure>) -> Result<(), ApplyError> {
+pub fn set_failure_mode(
+    shared: &Shared,
+    mode: Option<crate::cluster::OnFailure>,
+) -> Result<(), ApplyError> {
     let _writer = WRITER.lock().unwrap_or_else(|e| e.into_inner());
     // Stopped, the datapath is left with the rules it had.
     refuse_if_stopping()?;
@@ -173,14 +201,19 @@ pub fn set_failure_mode(shared: &Shared, mode: Option<crate::cluster::OnFailure>
         (s.config.clone(), s.dp.basis(), s.dp.ready_at())
     };
     let compiled = compiled_for(&config, mode);
-    let failed = |e: &dyn std::fmt::Display| ApplyError::Failed(format!("installing the on_failure rules: {e}"));
+    let failed = |e: &dyn std::fmt::Display| {
+        ApplyError::Failed(format!("installing the on_failure rules: {e}"))
+    };
     let mut plan = Plan::new(basis, &compiled.rules).map_err(|e| failed(&e))?;
     prepare_unlocked(shared, &mut plan, ready).map_err(|e| failed(&e))?;
     let mut s = lock(shared);
     s.dp.execute(plan).map_err(|e| failed(&e))?;
     s.failure_mode = mode;
     match mode {
-        Some(m) => warn!("cluster degraded: cluster packet rules now enforce on_failure = \"{}\"", m.name()),
+        Some(m) => warn!(
+            "cluster degraded: cluster packet rules now enforce on_failure = \"{}\"",
+            m.name()
+        ),
         None => info!("cluster healthy: cluster packet rules enforce their limits again"),
     }
     Ok(())
@@ -191,22 +224,42 @@ pub fn set_failure_mode(shared: &Shared, mode: Option<crate::cluster::OnFailure>
 /// figures would read the new ones over tables of the old) and the prefix
 /// cells' lengths (a source limited in its /24 cell would find a fresh cell
 /// under another length).
-fn sized_at_load(new: &crate::config::Datapath, running: &crate::config::Datapath) -> Result<(), ApplyError> {
+fn sized_at_load(
+    new: &crate::config::Datapath,
+    running: &crate::config::Datapath,
+) -> Result<(), ApplyError> {
     let refuse = |what: &str, new: String, old: String, why: &str| {
         Err(ApplyError::Invalid(format!(
             "datapath.{what} = {new} differ from the running {old}: {why}, so they change only with a fresh \
              datapath: restore them (or drop all limiter state with `rl-control detach` and start again)"
         )))
     };
-    let (n, r) = ((new.max_sources, new.flood_prefixes), (running.max_sources, running.flood_prefixes));
+    let (n, r) = (
+        (new.max_sources, new.flood_prefixes),
+        (running.max_sources, running.flood_prefixes),
+    );
     if n != r {
         let why = "the sources' table and the prefix cells are sized when the datapath is made";
-        return refuse("max_sources/flood_prefixes", format!("{}/{}", n.0, n.1), format!("{}/{}", r.0, r.1), why);
+        return refuse(
+            "max_sources/flood_prefixes",
+            format!("{}/{}", n.0, n.1),
+            format!("{}/{}", r.0, r.1),
+            why,
+        );
     }
-    let (n, r) = ((new.flood_prefix_v4, new.flood_prefix_v6), (running.flood_prefix_v4, running.flood_prefix_v6));
+    let (n, r) = (
+        (new.flood_prefix_v4, new.flood_prefix_v6),
+        (running.flood_prefix_v4, running.flood_prefix_v6),
+    );
     if n != r {
-        let why = "a source limited in its prefix cell would find a fresh cell under the new length";
-        return refuse("flood_prefix_v4/v6", format!("{}/{}", n.0, n.1), format!("{}/{}", r.0, r.1), why);
+        let why =
+            "a source limited in its prefix cell would find a fresh cell under the new length";
+        return refuse(
+            "flood_prefix_v4/v6",
+            format!("{}/{}", n.0, n.1),
+            format!("{}/{}", r.0, r.1),
+            why,
+        );
     }
     if (&new.pin_dir, &new.interfaces) != (&running.pin_dir, &running.interfaces) {
         return Err(ApplyError::Invalid(
@@ -222,7 +275,10 @@ fn sized_at_load(new: &crate::config::Datapath, running: &crate::config::Datapat
 /// Warns of a reload that gives keys a fresh start: the aggregation
 /// prefixes key every `key = "source"` rule's buckets and `[default]`'s.
 fn warn_fresh_keys(new: &crate::config::Datapath, running: &crate::config::Datapath) {
-    let (n, r) = ((new.ipv4_prefix, new.ipv6_prefix), (running.ipv4_prefix, running.ipv6_prefix));
+    let (n, r) = (
+        (new.ipv4_prefix, new.ipv6_prefix),
+        (running.ipv4_prefix, running.ipv6_prefix),
+    );
     if n != r {
         warn!(
             "datapath.ipv4_prefix/ipv6_prefix change from /{}//{} to /{}//{}: every key = \"source\" rule and [default] keys its sources anew, \
@@ -239,9 +295,18 @@ fn install(
     change: Change,
     path: Option<&Path>,
     stamp: Option<crate::daemon::state::FileStamp>,
-) -> Result<(String, Config, String, Option<crate::daemon::state::FileStamp>), ApplyError> {
+) -> Result<
+    (
+        String,
+        Config,
+        String,
+        Option<crate::daemon::state::FileStamp>,
+    ),
+    ApplyError,
+> {
     let t0 = Instant::now();
-    let new = Config::from_str(&change.text, &change.origin).map_err(|e| ApplyError::Invalid(e.to_string()))?;
+    let new = Config::from_str(&change.text, &change.origin)
+        .map_err(|e| ApplyError::Invalid(e.to_string()))?;
     let running = lock(shared).config.clone();
     sized_at_load(&new.datapath, &running.datapath)?;
     if new.api != running.api {
@@ -259,7 +324,17 @@ fn install(
         ));
     }
     let (l7, was) = (&new.l7, &running.l7);
-    if (l7.grpc_listen, l7.http_listen, l7.grpc_threads, l7.draft_headers) != (was.grpc_listen, was.http_listen, was.grpc_threads, was.draft_headers) {
+    if (
+        l7.grpc_listen,
+        l7.http_listen,
+        l7.grpc_threads,
+        l7.draft_headers,
+    ) != (
+        was.grpc_listen,
+        was.http_listen,
+        was.grpc_threads,
+        was.draft_headers,
+    ) {
         return Err(ApplyError::Invalid(
             "[l7] grpc_listen, http_listen, grpc_threads or draft_headers differ from the running daemon's: they are set up at start, \
              so a reload cannot apply them: restore them in the file, or restart the daemon to apply them ([l7] rules and max_keys reload)"
@@ -281,8 +356,12 @@ fn install(
             if file_stamp(p) != stamp {
                 return Err(ApplyError::Conflict(conflict(p)));
             }
-            let staged = Staged::write(p, &change.text)
-                .map_err(|e| ApplyError::Unwritable(format!("cannot write {} (nothing changed; check its directory is writable): {e}", p.display())))?;
+            let staged = Staged::write(p, &change.text).map_err(|e| {
+                ApplyError::Unwritable(format!(
+                    "cannot write {} (nothing changed; check its directory is writable): {e}",
+                    p.display()
+                ))
+            })?;
             Some((p, staged))
         }
         (true, None) => {
@@ -299,12 +378,14 @@ fn install(
         let s = lock(shared);
         (s.dp.basis(), s.dp.ready_at())
     };
-    let mut plan = Plan::new(basis, &compiled.rules).map_err(|e| failed("installing the rules", &e))?;
+    let mut plan =
+        Plan::new(basis, &compiled.rules).map_err(|e| failed("installing the rules", &e))?;
     let t1 = Instant::now();
     prepare_unlocked(shared, &mut plan, ready).map_err(|e| failed("installing the rules", &e))?;
     let notes = {
         let mut s = lock(shared);
-        s.dp.execute(plan).map_err(|e| failed("installing the rules", &e))?;
+        s.dp.execute(plan)
+            .map_err(|e| failed("installing the rules", &e))?;
         s.dp.wide_count_notes()
     };
     let t2 = Instant::now();
@@ -316,7 +397,9 @@ fn install(
         // An edit that landed while this change was installed is not
         // written over: the file keeps it, and the old rules go back.
         let placed = match file_stamp(p) == stamp {
-            true => staged.commit().map_err(|e| ApplyError::Unwritable(format!("cannot write {}: {e}", p.display()))),
+            true => staged
+                .commit()
+                .map_err(|e| ApplyError::Unwritable(format!("cannot write {}: {e}", p.display()))),
             false => Err(ApplyError::Conflict(conflict(p))),
         };
         match placed {
@@ -355,7 +438,12 @@ fn install(
 fn put_back(shared: &Shared) -> Result<(), crate::datapath::DatapathError> {
     let (config, mode, basis, ready) = {
         let s = lock(shared);
-        (s.config.clone(), s.failure_mode, s.dp.basis(), s.dp.ready_at())
+        (
+            s.config.clone(),
+            s.failure_mode,
+            s.dp.basis(),
+            s.dp.ready_at(),
+        )
     };
     let old = compiled_for(&config, mode);
     let mut plan = Plan::new(basis, &old.rules)?;
@@ -371,7 +459,14 @@ pub fn apply_edit<E: From<ApplyError>>(
     trigger: &str,
     edit: impl FnOnce(&Running) -> Result<String, E>,
 ) -> Result<String, E> {
-    apply(shared, trigger, |s| Ok(Change { text: edit(s)?, origin: s.origin(), persist: true, read_as: None }))
+    apply(shared, trigger, |s| {
+        Ok(Change {
+            text: edit(s)?,
+            origin: s.origin(),
+            persist: true,
+            read_as: None,
+        })
+    })
 }
 
 /// Re-reads the config file and applies it. The file is read under the
@@ -379,16 +474,26 @@ pub fn apply_edit<E: From<ApplyError>>(
 /// stamp first: valid or not, a later edit triggers the next reload.
 pub fn reload_file(shared: &Shared, trigger: &str) -> Result<String, ApplyError> {
     let Some(path) = lock(shared).path.clone() else {
-        let e = ApplyError::Invalid("running on the embedded default: there is no file to reload".into());
+        let e = ApplyError::Invalid(
+            "running on the embedded default: there is no file to reload".into(),
+        );
         warn!("{trigger}: {e}");
         return Err(e);
     };
     apply(shared, trigger, |_| {
         let read_as = file_stamp(&path);
         match std::fs::read_to_string(&path) {
-            Ok(text) => Ok(Change { text, origin: path.display().to_string(), persist: false, read_as }),
+            Ok(text) => Ok(Change {
+                text,
+                origin: path.display().to_string(),
+                persist: false,
+                read_as,
+            }),
             Err(e) => {
-                let e = ApplyError::Failed(format!("cannot read {}: {e} (restore the file, then reload)", path.display()));
+                let e = ApplyError::Failed(format!(
+                    "cannot read {}: {e} (restore the file, then reload)",
+                    path.display()
+                ));
                 let mut s = lock(shared);
                 s.seen = read_as;
                 record(&mut s, trigger, Err(&e));
@@ -410,13 +515,24 @@ pub fn expire_bans(shared: &Shared) {
         }
         s.path.as_deref().is_some_and(|p| file_stamp(p) != s.stamp)
     };
-    let trigger = if pending { "ban(s) expired (lifted, the config file not written: it holds an edit not applied yet)" } else { "ban(s) expired" };
+    let trigger = if pending {
+        "ban(s) expired (lifted, the config file not written: it holds an edit not applied yet)"
+    } else {
+        "ban(s) expired"
+    };
     let lift = |persist: bool| {
         move |s: &Running| {
             let text = crate::config::document::remove_bans(&s.text, |_, until| until <= now)
                 .map(|(text, _)| text)
-                .map_err(|e| ApplyError::Failed(format!("cannot lift expired bans: {}", edit_message(&e))))?;
-            Ok::<_, ApplyError>(Change { text, origin: s.origin(), persist, read_as: None })
+                .map_err(|e| {
+                    ApplyError::Failed(format!("cannot lift expired bans: {}", edit_message(&e)))
+                })?;
+            Ok::<_, ApplyError>(Change {
+                text,
+                origin: s.origin(),
+                persist,
+                read_as: None,
+            })
         }
     };
     // A failure is logged and recorded by `apply`.
@@ -451,19 +567,43 @@ pub struct Staged {
 
 impl Staged {
     pub fn write(path: &Path, text: &str) -> std::io::Result<Staged> {
-        use std::{io::Write, os::unix::fs::MetadataExt, sync::atomic::{AtomicU64, Ordering}};
+        use std::{
+            io::Write,
+            os::unix::fs::MetadataExt,
+            sync::atomic::{AtomicU64, Ordering},
+        };
         static SEQ: AtomicU64 = AtomicU64::new(0);
         let real = real_path(path);
         let dir = dir_of(&real);
-        let name = real.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        let tmp = dir.join(format!(".{name}.rl-tmp.{}.{}", std::process::id(), SEQ.fetch_add(1, Ordering::Relaxed)));
-        let mut f = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+        let name = real
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let tmp = dir.join(format!(
+            ".{name}.rl-tmp.{}.{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)?;
         // From here the guard removes the file on any failure.
-        let mut staged = Staged { tmp, real, stamp: None, committed: false };
+        let mut staged = Staged {
+            tmp,
+            real,
+            stamp: None,
+            committed: false,
+        };
         if let Ok(m) = std::fs::metadata(&staged.real) {
             f.set_permissions(m.permissions())?;
             if let Err(e) = std::os::unix::fs::fchown(&f, Some(m.uid()), Some(m.gid())) {
-                warn!("{} keeps its mode but not its owner {}:{} ({e}: the daemon lacks CAP_CHOWN)", staged.real.display(), m.uid(), m.gid());
+                warn!(
+                    "{} keeps its mode but not its owner {}:{} ({e}: the daemon lacks CAP_CHOWN)",
+                    staged.real.display(),
+                    m.uid(),
+                    m.gid()
+                );
             }
         }
         f.write_all(text.as_bytes())?;
@@ -483,7 +623,11 @@ impl Staged {
         // directory only leaves the rename less durable across a crash.
         let dir = dir_of(&self.real);
         if let Err(e) = std::fs::File::open(dir).and_then(|d| d.sync_all()) {
-            warn!("{} written, but syncing {} failed ({e}): a crash now may bring back the old file", self.real.display(), dir.display());
+            warn!(
+                "{} written, but syncing {} failed ({e}): a crash now may bring back the old file",
+                self.real.display(),
+                dir.display()
+            );
         }
         Ok(self.stamp)
     }
@@ -496,7 +640,9 @@ fn real_path(path: &Path) -> PathBuf {
 
 /// The directory holding `file` (`.` for a bare name).
 fn dir_of(file: &Path) -> &Path {
-    file.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."))
+    file.parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
 }
 
 /// Removes what a change killed mid-way (SIGKILL, OOM) left beside the
@@ -504,16 +650,32 @@ fn dir_of(file: &Path) -> &Path {
 pub fn remove_stale_staged(path: &Path) {
     let real = real_path(path);
     let dir = dir_of(&real);
-    let Some(name) = real.file_name().map(|n| n.to_string_lossy().into_owned()) else { return };
+    let Some(name) = real.file_name().map(|n| n.to_string_lossy().into_owned()) else {
+        return;
+    };
     let prefix = format!(".{name}.rl-tmp.");
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
     for e in entries.flatten() {
         let file = e.file_name().to_string_lossy().into_owned();
-        let Some(pid) = file.strip_prefix(&prefix).and_then(|rest| rest.split('.').next()).and_then(|p| p.parse::<u32>().ok()) else { continue };
+        let Some(pid) = file
+            .strip_prefix(&prefix)
+            .and_then(|rest| rest.split('.').next())
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
         if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
             match std::fs::remove_file(e.path()) {
-                Ok(()) => info!("removed {}, left by a change that was killed mid-way", e.path().display()),
-                Err(err) => warn!("cannot remove {}, left by a change that was killed mid-way: {err}", e.path().display()),
+                Ok(()) => info!(
+                    "removed {}, left by a change that was killed mid-way",
+                    e.path().display()
+                ),
+                Err(err) => warn!(
+                    "cannot remove {}, left by a change that was killed mid-way: {err}",
+                    e.path().display()
+                ),
             }
         }
     }

@@ -13,8 +13,8 @@ use crate::{
         Cluster,
     },
     compile::stable_hash,
-    config::Config,
     config::rules::Scope,
+    config::Config,
     daemon::state::{lock, EventView, Shared},
     datapath::share::{scan_shared, BucketId, CollectedRecords, SharedBucket, Tables},
 };
@@ -36,7 +36,12 @@ pub fn definitions(config: &Config) -> Vec<(String, u64)> {
         .rules
         .iter()
         .filter(|r| r.scope == Scope::Cluster)
-        .map(|r| (format!("packet:{}", r.name), packet_definition(r, &config.datapath)));
+        .map(|r| {
+            (
+                format!("packet:{}", r.name),
+                packet_definition(r, &config.datapath),
+            )
+        });
     let requests = config
         .l7
         .rules
@@ -50,7 +55,9 @@ pub fn definitions(config: &Config) -> Vec<(String, u64)> {
 /// starts with cluster rules in `on_failure` and says so. A rule another
 /// live host defines differently: the start is refused.
 pub async fn join(config: &Config) -> Result<Option<Arc<Cluster>>> {
-    let Some(settings) = &config.cluster else { return Ok(None) };
+    let Some(settings) = &config.cluster else {
+        return Ok(None);
+    };
     let cluster = Cluster::new(settings.clone());
     let defs = definitions(config);
     match cluster.probe(&defs).await {
@@ -81,7 +88,9 @@ pub async fn join(config: &Config) -> Result<Option<Arc<Cluster>>> {
 /// degraded and every quarter of the membership TTL; writes the cluster's
 /// health changes to the event log and follows `on_failure`.
 pub async fn keep_in_touch(state: Shared, cluster: Arc<Cluster>) {
-    let mut every = tokio::time::interval(std::time::Duration::from_millis(cluster.config.sync_interval_ms));
+    let mut every = tokio::time::interval(std::time::Duration::from_millis(
+        cluster.config.sync_interval_ms,
+    ));
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut registered = std::time::Instant::now();
     loop {
@@ -108,7 +117,14 @@ fn log_transitions(state: &Shared, cluster: &Cluster) {
     }
     let mut s = lock(state);
     for (event, why) in changes {
-        s.push_notice(EventView { at_unix_ms: crate::config::unix_now_ms(), event: event.into(), rule: String::new(), limit_index: 0, source: String::new(), detail: why });
+        s.push_notice(EventView {
+            at_unix_ms: crate::config::unix_now_ms(),
+            event: event.into(),
+            rule: String::new(),
+            limit_index: 0,
+            source: String::new(),
+            detail: why,
+        });
     }
 }
 
@@ -122,12 +138,26 @@ fn shares_of(config: &Config, cluster: &Cluster) -> Shares {
     // The ids the datapath holds: unique within the set (a rule's own
     // hash, unless another's collides with it).
     let ids = crate::compile::rule_ids(config);
-    for (r, &id) in config.rules.iter().zip(&ids[1..]).filter(|(r, _)| r.scope == Scope::Cluster && !cluster.is_mismatched(&format!("packet:{}", r.name))) {
-        let entry = rl_common::RuleEntry { id, ..crate::compile::rule_entry(r, d.ipv4_prefix, d.ipv6_prefix) };
+    for (r, &id) in config.rules.iter().zip(&ids[1..]).filter(|(r, _)| {
+        r.scope == Scope::Cluster && !cluster.is_mismatched(&format!("packet:{}", r.name))
+    }) {
+        let entry = rl_common::RuleEntry {
+            id,
+            ..crate::compile::rule_entry(r, d.ipv4_prefix, d.ipv6_prefix)
+        };
         let definition = packet_definition(r, d);
         for which in 0..entry.n_limits.min(rl_common::MAX_LIMITS as u32) {
             let l = entry.limits[which as usize];
-            shares.insert(entry.id | which, Share { rule: r.name.clone(), definition, which, ns_per_packet: l.a.max(1), burst_ns: l.b });
+            shares.insert(
+                entry.id | which,
+                Share {
+                    rule: r.name.clone(),
+                    definition,
+                    which,
+                    ns_per_packet: l.a.max(1),
+                    burst_ns: l.b,
+                },
+            );
         }
     }
     shares
@@ -181,7 +211,10 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
         let scanning = ids.clone();
         let scanned = under_records(&collected, move |records| {
             records.limits.clone_from(&wanted);
-            (take_records(records), scan_shared(&scanning, |r| wanted.contains(&r)))
+            (
+                take_records(records),
+                scan_shared(&scanning, |r| wanted.contains(&r)),
+            )
         });
         let buckets = match scanned.await {
             Some(((records, complete), scan)) => {
@@ -200,7 +233,11 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
         let now = crate::datapath::monotonic_ns();
         let reports = ledger.reports(&buckets, &shares, interval_ns, now);
         let (answers, _failure) = ledger.exchange(&cluster, &reports, keep_ms).await;
-        let raises: Vec<_> = answers.iter().filter(|(_, ahead)| *ahead > 0).map(|&(i, ahead_us)| (reports[i].id, ahead_us)).collect();
+        let raises: Vec<_> = answers
+            .iter()
+            .filter(|(_, ahead)| *ahead > 0)
+            .map(|&(i, ahead_us)| (reports[i].id, ahead_us))
+            .collect();
         ledger.stats.raised += raise(&collected, &ids, raises).await;
         for (i, _) in answers {
             ledger.acknowledge(&reports[i], now);
@@ -218,7 +255,11 @@ type SharesCache = Option<(Arc<Config>, Vec<String>, Arc<Shares>)>;
 /// The shares of the config in force: `cache`'s, unless the config or the
 /// rules mismatched changed since (then worked out again: a rule whose
 /// mismatch clears is shared again at once).
-fn shares_in_force(cache: &mut SharesCache, config: &Arc<Config>, cluster: &Cluster) -> Arc<Shares> {
+fn shares_in_force(
+    cache: &mut SharesCache,
+    config: &Arc<Config>,
+    cluster: &Cluster,
+) -> Arc<Shares> {
     let mismatched = cluster.status().mismatched;
     match cache {
         Some((c, m, sh)) if Arc::ptr_eq(c, config) && *m == mismatched => sh.clone(),
@@ -234,16 +275,26 @@ fn shares_in_force(cache: &mut SharesCache, config: &Arc<Config>, cluster: &Clus
 /// ahead, in µs) up to the cluster's; returns how many moved. Under the
 /// collector's lock: it decides a delete again under it, so it never
 /// deletes a bucket just raised.
-async fn raise(collected: &Arc<crate::datapath::share::Collected>, ids: &crate::datapath::TableMaps, raises: Vec<(BucketId, u64)>) -> u64 {
+async fn raise(
+    collected: &Arc<crate::datapath::share::Collected>,
+    ids: &crate::datapath::TableMaps,
+    raises: Vec<(BucketId, u64)>,
+) -> u64 {
     if raises.is_empty() {
         return 0;
     }
     let ids = ids.clone();
-    let raised = under_records(collected, move |_| -> Result<u64, crate::datapath::DatapathError> {
-        let mut tables = Tables::open(&ids)?;
-        let now = crate::datapath::monotonic_ns();
-        Ok(raises.into_iter().filter(|(id, ahead_us)| tables.raise(id, now + ahead_us * 1000)).count() as u64)
-    })
+    let raised = under_records(
+        collected,
+        move |_| -> Result<u64, crate::datapath::DatapathError> {
+            let mut tables = Tables::open(&ids)?;
+            let now = crate::datapath::monotonic_ns();
+            Ok(raises
+                .into_iter()
+                .filter(|(id, ahead_us)| tables.raise(id, now + ahead_us * 1000))
+                .count() as u64)
+        },
+    )
     .await;
     match raised {
         Some(Ok(n)) => n,
@@ -263,28 +314,40 @@ async fn under_records<T: Send + 'static>(
     f: impl FnOnce(&mut CollectedRecords) -> T + Send + 'static,
 ) -> Option<T> {
     let handoff = collected.clone();
-    tokio::task::spawn_blocking(move || f(&mut handoff.lock())).await.ok()
+    tokio::task::spawn_blocking(move || f(&mut handoff.lock()))
+        .await
+        .ok()
 }
 
 /// The collector's records since the last round, and whether none was
 /// dropped.
 fn take_records(r: &mut CollectedRecords) -> (Vec<SharedBucket>, bool) {
-    (std::mem::take(&mut r.deleted), std::mem::take(&mut r.dropped) == 0)
+    (
+        std::mem::take(&mut r.deleted),
+        std::mem::take(&mut r.dropped) == 0,
+    )
 }
 
 /// Installs the packet rules' `on_failure` variant while the cluster is
 /// degraded (`open` and `closed`; `local` keeps the rules), and the rules
 /// as written once it is not.
 async fn follow_failure_mode(state: &Shared, cluster: &Cluster) {
-    let wanted = (cluster.is_degraded() && cluster.config.on_failure != crate::cluster::OnFailure::Local).then_some(cluster.config.on_failure);
+    let wanted = (cluster.is_degraded()
+        && cluster.config.on_failure != crate::cluster::OnFailure::Local)
+        .then_some(cluster.config.on_failure);
     {
         let s = lock(state);
-        if s.failure_mode == wanted || (wanted.is_some() && !s.config.rules.iter().any(|r| r.scope == Scope::Cluster)) {
+        if s.failure_mode == wanted
+            || (wanted.is_some() && !s.config.rules.iter().any(|r| r.scope == Scope::Cluster))
+        {
             return;
         }
     }
     let st = state.clone();
-    if let Ok(Err(e)) = tokio::task::spawn_blocking(move || crate::daemon::apply::set_failure_mode(&st, wanted)).await {
+    if let Ok(Err(e)) =
+        tokio::task::spawn_blocking(move || crate::daemon::apply::set_failure_mode(&st, wanted))
+            .await
+    {
         warn!("{e}");
     }
 }
@@ -294,21 +357,35 @@ async fn follow_failure_mode(state: &Shared, cluster: &Cluster) {
 /// moves each key's bucket up to its cluster bucket (see
 /// [`crate::cluster::batched`]).
 pub async fn sync_requests(state: Shared, cluster: Arc<Cluster>) {
-    let boot = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis());
+    let boot = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
     let reporter = format!("{}:{boot}:l7", cluster.config.node);
     let keep_ms = (cluster.membership_ttl().as_millis() as u64 * 5).max(10_000);
     loop {
-        let engine = lock(&state).l7.read().unwrap_or_else(|e| e.into_inner()).clone();
-        tokio::time::sleep(engine.batch_interval().unwrap_or(std::time::Duration::from_millis(100))).await;
+        let engine = lock(&state)
+            .l7
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        tokio::time::sleep(
+            engine
+                .batch_interval()
+                .unwrap_or(std::time::Duration::from_millis(100)),
+        )
+        .await;
         if cluster.is_degraded() {
             continue;
         }
-        let lines = engine.batch.take(crate::datapath::monotonic_ns(), 2 * keep_ms * 1_000_000);
+        let lines = engine
+            .batch
+            .take(crate::datapath::monotonic_ns(), 2 * keep_ms * 1_000_000);
         if lines.is_empty() {
             continue;
         }
         let refs: Vec<&crate::cluster::packets::Line> = lines.iter().map(|(_, l)| l).collect();
-        let (answers, _failure, _) = crate::cluster::packets::exchange(&cluster, &reporter, &refs, keep_ms).await;
+        let (answers, _failure, _) =
+            crate::cluster::packets::exchange(&cluster, &reporter, &refs, keep_ms).await;
         let now = crate::datapath::monotonic_ns();
         for (i, ahead_us) in answers {
             let (key, line) = &lines[i];
@@ -329,16 +406,28 @@ mod tests {
     /// until the next reload, every status saying all was well).
     #[test]
     fn a_rule_is_shared_again_once_its_mismatch_clears() {
-        let text = "[default]\nrate = 5\n[cluster]\nredis = [\"redis://127.0.0.1:1\"]\nnode = \"n\"\n\
+        let text =
+            "[default]\nrate = 5\n[cluster]\nredis = [\"redis://127.0.0.1:1\"]\nnode = \"n\"\n\
                     [[rule]]\nname = \"r\"\nproto = \"udp\"\nrate = 5\nscope = \"cluster\"\n";
         let config = Arc::new(Config::from_str(text, "rl.toml").unwrap());
         let cluster = Cluster::new(config.cluster.clone().unwrap());
         let mut cache = None;
-        assert_eq!(shares_in_force(&mut cache, &config, &cluster).len(), 1, "shared");
+        assert_eq!(
+            shares_in_force(&mut cache, &config, &cluster).len(),
+            1,
+            "shared"
+        );
         cluster.set_mismatched(vec!["packet:r".into()]);
-        assert!(shares_in_force(&mut cache, &config, &cluster).is_empty(), "mismatched: not shared");
+        assert!(
+            shares_in_force(&mut cache, &config, &cluster).is_empty(),
+            "mismatched: not shared"
+        );
         cluster.set_mismatched(Vec::new());
-        assert_eq!(shares_in_force(&mut cache, &config, &cluster).len(), 1, "shared again");
+        assert_eq!(
+            shares_in_force(&mut cache, &config, &cluster).len(),
+            1,
+            "shared again"
+        );
     }
 
     /// Hosts that key a cluster rule differently register different
@@ -354,11 +443,23 @@ mod tests {
             definitions(&Config::from_str(&text, "rl.toml").unwrap())[0].1
         };
         let base = cfg("", "");
-        assert_ne!(base, cfg("ipv4_prefix = 24", ""), "the prefix that keys its sources");
+        assert_ne!(
+            base,
+            cfg("ipv4_prefix = 24", ""),
+            "the prefix that keys its sources"
+        );
         assert_ne!(base, cfg("ipv6_prefix = 56", ""));
         assert_ne!(base, cfg("flood_prefix_v4 = 16", ""), "its cells' length");
-        assert_eq!(base, cfg("fragment_ttl_ms = 500", ""), "nothing that makes its keys");
+        assert_eq!(
+            base,
+            cfg("fragment_ttl_ms = 500", ""),
+            "nothing that makes its keys"
+        );
         let global = cfg("", "key = \"global\"");
-        assert_eq!(global, cfg("ipv4_prefix = 24", "key = \"global\""), "a global key holds no prefix");
+        assert_eq!(
+            global,
+            cfg("ipv4_prefix = 24", "key = \"global\""),
+            "a global key holds no prefix"
+        );
     }
 }

@@ -75,7 +75,13 @@ pub(super) async fn watch_pressure(state: Shared, ids: TableMaps) {
                         let s = lock(&st);
                         (s.dp.limits_by_key()?, s.collected.clone())
                     };
-                    Some(crate::datapath::collect_handing(&ids, offset, &limits, &filter, Some(&collected))?)
+                    Some(crate::datapath::collect_handing(
+                        &ids,
+                        offset,
+                        &limits,
+                        &filter,
+                        Some(&collected),
+                    )?)
                 }
                 None => None,
             };
@@ -101,7 +107,9 @@ pub(super) async fn watch_pressure(state: Shared, ids: TableMaps) {
 
 /// A reader's pass as run on the blocking pool: its error, or how the
 /// pass ended abnormally (a panic), as the one line its health keeps.
-pub(super) fn outcome<T>(joined: Result<Result<T, DatapathError>, tokio::task::JoinError>) -> Result<T, String> {
+pub(super) fn outcome<T>(
+    joined: Result<Result<T, DatapathError>, tokio::task::JoinError>,
+) -> Result<T, String> {
     match joined {
         Ok(r) => r.map_err(|e| e.to_string()),
         Err(e) => Err(format!("the pass ended abnormally: {e}")),
@@ -143,7 +151,11 @@ pub(super) fn tried(s: &mut State, reader: Reader, outcome: Result<(), String>) 
         }
         Went::Recovered => {
             let event = format!("{name}_recovered");
-            info!(event, "the collector's {} works again", name.replace('_', " "));
+            info!(
+                event,
+                "the collector's {} works again",
+                name.replace('_', " ")
+            );
             s.push_host_event(&event, now);
         }
     }
@@ -192,7 +204,11 @@ impl Collector {
             let s = lock(state);
             let c = s.dp.counters().unwrap_or_default();
             let inserted = c.get(rl_common::STAT_NEW_SOURCES) + c.get(rl_common::STAT_NEW_CELLS);
-            (s.dp.epoch_offset_ns(), inserted, 2 * u64::from(s.config.datapath.max_sources))
+            (
+                s.dp.epoch_offset_ns(),
+                inserted,
+                2 * u64::from(s.config.datapath.max_sources),
+            )
         };
         let new = inserted.saturating_sub(self.inserted_at_walk);
         let empty = self.left == 0 && new == 0;
@@ -213,7 +229,13 @@ impl Collector {
         if let Some(pass) = &pass {
             self.left = pass.own.0 + pass.own.1 + pass.cells.0 + pass.cells.1;
         }
-        let full = self.figures(&mut s.pressure, s.dp.counters().ok(), pass.as_ref(), now, s.config.datapath.max_sources);
+        let full = self.figures(
+            &mut s.pressure,
+            s.dp.counters().ok(),
+            pass.as_ref(),
+            now,
+            s.config.datapath.max_sources,
+        );
         if let Some(full) = full {
             s.pressure.table_full = full;
             let event = if full { "table_full" } else { "table_room" };
@@ -221,7 +243,10 @@ impl Collector {
                 let max_sources = s.config.datapath.max_sources;
                 warn!(event, max_sources, "the sources' table is full: new sources are charged to their prefix cells until the collector frees room (raise datapath.max_sources if this is not a flood)");
             } else {
-                info!(event, "the sources' table has room again: new sources get buckets of their own");
+                info!(
+                    event,
+                    "the sources' table has room again: new sources get buckets of their own"
+                );
             }
             s.push_host_event(event, unix_now_ms());
         }
@@ -232,13 +257,19 @@ impl Collector {
             }
         }
         let room = rl_common::cell_room(s.config.datapath.flood_prefixes);
-        if let Some(full) = pass.as_ref().and_then(|pass| cells_full(s.pressure.cells_full, pass.cells, room)) {
+        if let Some(full) = pass
+            .as_ref()
+            .and_then(|pass| cells_full(s.pressure.cells_full, pass.cells, room))
+        {
             s.pressure.cells_full = full;
             let event = if full { "cells_full" } else { "cells_room" };
             if full {
                 warn!(event, room, "the prefix cells are full: a prefix without a cell shares its rule's last resort until the collector frees cells (raise datapath.flood_prefixes if floods span more prefixes)");
             } else {
-                info!(event, "the prefix cells have room again: new prefixes get cells of their own");
+                info!(
+                    event,
+                    "the prefix cells have room again: new prefixes get cells of their own"
+                );
             }
             s.push_host_event(event, unix_now_ms());
         }
@@ -276,7 +307,8 @@ impl Collector {
         p.fallback_packets = counters.get(rl_common::STAT_FALLBACK);
         let created = counters.get(rl_common::STAT_NEW_SOURCES);
         if let Some((then, before)) = self.last {
-            p.new_buckets_per_sec = created.saturating_sub(before) as f64 / (now - then).as_secs_f64().max(1e-3);
+            p.new_buckets_per_sec =
+                created.saturating_sub(before) as f64 / (now - then).as_secs_f64().max(1e-3);
         }
         self.last = Some((now, created));
         let before = self.refusals.replace(p.table_full_refusals)?;
@@ -298,9 +330,15 @@ const TABLE_ROOM_QUIET: Duration = Duration::from_secs(2);
 /// refused since the last pass) or has room again (`Some(false)`: none
 /// refused for [`TABLE_ROOM_QUIET`] and both families under `max_sources`
 /// own buckets at the last walk), or neither (`None`).
-fn table_full(p: &Pressure, refused_at: Option<Instant>, now: Instant, max_sources: u32) -> Option<bool> {
+fn table_full(
+    p: &Pressure,
+    refused_at: Option<Instant>,
+    now: Instant,
+    max_sources: u32,
+) -> Option<bool> {
     let refused_now = refused_at == Some(now);
-    let room = refused_at.is_none_or(|t| now - t > TABLE_ROOM_QUIET) && p.buckets_ipv4.max(p.buckets_ipv6) < u64::from(max_sources);
+    let room = refused_at.is_none_or(|t| now - t > TABLE_ROOM_QUIET)
+        && p.buckets_ipv4.max(p.buckets_ipv6) < u64::from(max_sources);
     match p.table_full {
         false if refused_now => Some(true),
         true if room => Some(false),
@@ -332,10 +370,20 @@ struct TopRanker {
 type Counts = std::collections::HashMap<(IpAddr, u32), (u64, u64)>;
 
 impl TopRanker {
-    fn rank(&mut self, buckets: &[crate::datapath::Source], now: Instant, s: &State) -> Option<crate::daemon::state::Top> {
+    fn rank(
+        &mut self,
+        buckets: &[crate::datapath::Source],
+        now: Instant,
+        s: &State,
+    ) -> Option<crate::daemon::state::Top> {
         let counts: Counts = buckets
             .iter()
-            .map(|b| ((b.addr, b.rule), (b.bucket.passed + b.bucket.dropped, b.bucket.dropped)))
+            .map(|b| {
+                (
+                    (b.addr, b.rule),
+                    (b.bucket.passed + b.bucket.dropped, b.bucket.dropped),
+                )
+            })
             .collect();
         let previous = self.previous.replace((now, counts));
         let (then, before) = previous?;
@@ -345,7 +393,11 @@ impl TopRanker {
             .iter()
             .filter_map(|(k, &(seen, dropped))| {
                 // A bucket collected and created again starts from 0.
-                let (s0, d0) = before.get(k).copied().filter(|&(s0, _)| s0 <= seen).unwrap_or((0, 0));
+                let (s0, d0) = before
+                    .get(k)
+                    .copied()
+                    .filter(|&(s0, _)| s0 <= seen)
+                    .unwrap_or((0, 0));
                 let drops = dropped.saturating_sub(d0);
                 (drops > 0).then_some((*k, drops, seen - s0))
             })
@@ -356,13 +408,19 @@ impl TopRanker {
             interval_secs: secs,
             sources: ranked
                 .into_iter()
-                .map(|((addr, rule), drops, seen)| crate::daemon::state::TopSource {
-                    source: addr.to_string(),
-                    rule: s.dp.rule_name_of_key(rule).unwrap_or("(replaced rule)").to_string(),
-                    drops,
-                    drops_per_sec: drops as f64 / secs,
-                    rate_seen_pps: seen as f64 / secs,
-                })
+                .map(
+                    |((addr, rule), drops, seen)| crate::daemon::state::TopSource {
+                        source: addr.to_string(),
+                        rule: s
+                            .dp
+                            .rule_name_of_key(rule)
+                            .unwrap_or("(replaced rule)")
+                            .to_string(),
+                        drops,
+                        drops_per_sec: drops as f64 / secs,
+                        rate_seen_pps: seen as f64 / secs,
+                    },
+                )
                 .collect(),
         })
     }
@@ -380,10 +438,19 @@ fn charged_cells(s: &State, pass: &Pass) -> Option<crate::daemon::state::Cells> 
         .filter_map(|(cell, q)| {
             let (quota, (addr, bits)) = q?;
             Some(crate::daemon::state::CellView {
-                rule: s.dp.rule_name_of_key(cell.limit).unwrap_or("(replaced rule)").to_string(),
+                rule: s
+                    .dp
+                    .rule_name_of_key(cell.limit)
+                    .unwrap_or("(replaced rule)")
+                    .to_string(),
                 limit_index: cell.limit & 7,
                 prefix: format!("{addr}/{bits}"),
-                kind: if cell.wide { "wide_cell" } else { "prefix_cell" }.into(),
+                kind: if cell.wide {
+                    "wide_cell"
+                } else {
+                    "prefix_cell"
+                }
+                .into(),
                 limit: quota.limit,
                 remaining: quota.remaining,
                 retry_after_ms: rl_common::quota::ceil_ms(quota.retry_after_ns),
@@ -391,7 +458,12 @@ fn charged_cells(s: &State, pass: &Pass) -> Option<crate::daemon::state::Cells> 
             })
         })
         .collect();
-    Some(crate::daemon::state::Cells { read_at_unix_ms: unix_now_ms(), drained_ipv4: c.drained.0, drained_ipv6: c.drained.1, cells })
+    Some(crate::daemon::state::Cells {
+        read_at_unix_ms: unix_now_ms(),
+        drained_ipv4: c.drained.0,
+        drained_ipv6: c.drained.1,
+        cells,
+    })
 }
 
 /// Sets the rules with wide cells from a walk, and raises
@@ -409,7 +481,10 @@ fn wide_rules(s: &mut State, pass: &Pass) {
     };
     let now = by_name(&pass.wide_rules, &names);
     let had = |list: &[WideCellRule], rule: &str| list.iter().any(|w| w.rule == rule);
-    let (at, before) = (unix_now_ms(), std::mem::take(&mut s.pressure.wide_cell_rules));
+    let (at, before) = (
+        unix_now_ms(),
+        std::mem::take(&mut s.pressure.wide_cell_rules),
+    );
     for w in now.iter().filter(|w| !had(&before, &w.rule)) {
         let event = "wide_cells_made";
         warn!(event, rule = %w.rule, ipv4 = w.ipv4, ipv6 = w.ipv6, "rule {}'s flood holds a quarter of the prefix cells' slots (half of datapath.flood_prefixes rounded up to a power of two): its unseen sources are charged to wide cells (prefixes 8 bits shorter than a cell's, IPv6 16; a new one starts drained) until those are fresh again", w.rule);
@@ -434,7 +509,13 @@ fn by_name(per_id: &BTreeMap<u32, (u64, u64)>, names: &BTreeMap<u32, String>) ->
             (e.0, e.1) = (e.0 + ipv4, e.1 + ipv6);
         }
     }
-    out.into_iter().map(|(rule, (ipv4, ipv6))| WideCellRule { rule: rule.to_string(), ipv4, ipv6 }).collect()
+    out.into_iter()
+        .map(|(rule, (ipv4, ipv6))| WideCellRule {
+            rule: rule.to_string(),
+            ipv4,
+            ipv6,
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -443,10 +524,25 @@ mod tests {
 
     #[test]
     fn a_rule_changed_under_its_name_has_one_entry_of_wide_cells() {
-        let per_id = [(1, (1, 0)), (2, (2, 1)), (3, (0, 4)), (9, (5, 5))].into_iter().collect();
-        let names = [(1, "x".to_string()), (2, "x".to_string()), (3, "y".to_string())].into_iter().collect();
-        let got: Vec<(String, u64, u64)> = by_name(&per_id, &names).into_iter().map(|w| (w.rule, w.ipv4, w.ipv6)).collect();
-        assert_eq!(got, [("x".to_string(), 3, 1), ("y".to_string(), 0, 4)], "an id no rule set names is left out");
+        let per_id = [(1, (1, 0)), (2, (2, 1)), (3, (0, 4)), (9, (5, 5))]
+            .into_iter()
+            .collect();
+        let names = [
+            (1, "x".to_string()),
+            (2, "x".to_string()),
+            (3, "y".to_string()),
+        ]
+        .into_iter()
+        .collect();
+        let got: Vec<(String, u64, u64)> = by_name(&per_id, &names)
+            .into_iter()
+            .map(|w| (w.rule, w.ipv4, w.ipv6))
+            .collect();
+        assert_eq!(
+            got,
+            [("x".to_string(), 3, 1), ("y".to_string(), 0, 4)],
+            "an id no rule set names is left out"
+        );
     }
     use std::time::{Duration, Instant};
 
@@ -454,19 +550,43 @@ mod tests {
     fn a_full_table_has_room_again_only_after_two_quiet_seconds() {
         let t0 = Instant::now();
         let mut p = crate::daemon::state::Pressure::default();
-        assert_eq!(table_full(&p, Some(t0), t0, 64), Some(true), "an insert refused since the last pass");
+        assert_eq!(
+            table_full(&p, Some(t0), t0, 64),
+            Some(true),
+            "an insert refused since the last pass"
+        );
         (p.table_full, p.buckets_ipv4) = (true, 10);
-        assert_eq!(table_full(&p, Some(t0), t0 + Duration::from_secs(1), 64), None, "one quiet pass: the same spell");
-        assert_eq!(table_full(&p, Some(t0), t0 + Duration::from_millis(2100), 64), Some(false), "two quiet seconds");
+        assert_eq!(
+            table_full(&p, Some(t0), t0 + Duration::from_secs(1), 64),
+            None,
+            "one quiet pass: the same spell"
+        );
+        assert_eq!(
+            table_full(&p, Some(t0), t0 + Duration::from_millis(2100), 64),
+            Some(false),
+            "two quiet seconds"
+        );
         p.buckets_ipv4 = 64;
-        assert_eq!(table_full(&p, Some(t0), t0 + Duration::from_secs(3), 64), None, "still max_sources own buckets");
+        assert_eq!(
+            table_full(&p, Some(t0), t0 + Duration::from_secs(3), 64),
+            None,
+            "still max_sources own buckets"
+        );
     }
 
     #[test]
     fn cells_turn_full_at_their_room_and_have_room_again_below_fifteen_sixteenths() {
         assert_eq!(cells_full(false, (255, 3), 256), None);
-        assert_eq!(cells_full(false, (12, 256), 256), Some(true), "either family");
-        assert_eq!(cells_full(true, (250, 0), 256), None, "freed at the edge: the same spell");
+        assert_eq!(
+            cells_full(false, (12, 256), 256),
+            Some(true),
+            "either family"
+        );
+        assert_eq!(
+            cells_full(true, (250, 0), 256),
+            None,
+            "freed at the edge: the same spell"
+        );
         assert_eq!(cells_full(true, (240, 0), 256), None, "15/16 exactly");
         assert_eq!(cells_full(true, (239, 239), 256), Some(false));
         assert_eq!(cells_full(false, (239, 0), 256), None);

@@ -26,7 +26,13 @@ pub(super) async fn watch_floods(state: Shared, ids: TableMaps) {
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         every.tick().await;
-        let read = outcome(tokio::task::spawn_blocking({ let ids = ids.clone(); move || crate::datapath::flood_mode(&ids) }).await);
+        let read = outcome(
+            tokio::task::spawn_blocking({
+                let ids = ids.clone();
+                move || crate::datapath::flood_mode(&ids)
+            })
+            .await,
+        );
         let mut s = lock(&state);
         match read {
             Ok(flood) => {
@@ -42,19 +48,35 @@ pub(super) async fn watch_floods(state: Shared, ids: TableMaps) {
 /// or ends.
 fn record(s: &mut State, flood: &FloodReading) {
     let p = &mut s.pressure;
-    p.unseen_keys_per_sec = flood.unseen_last_window as f64 * 1e9 / (1u64 << rl_common::FLOOD_WINDOW_SHIFT) as f64;
+    p.unseen_keys_per_sec =
+        flood.unseen_last_window as f64 * 1e9 / (1u64 << rl_common::FLOOD_WINDOW_SHIFT) as f64;
     (p.flood_mode_cpus, p.cpus) = (flood.cpus_on, flood.cpus);
     if flood.on == p.flood_mode {
         return;
     }
     p.flood_mode = flood.on;
     p.flood_since_unix_ms = flood.on.then(unix_now_ms);
-    let (event, unseen) = (if flood.on { "flood_started" } else { "flood_ended" }, p.unseen_keys_per_sec);
+    let (event, unseen) = (
+        if flood.on {
+            "flood_started"
+        } else {
+            "flood_ended"
+        },
+        p.unseen_keys_per_sec,
+    );
     if flood.on {
         let cpus = format!("{} of {}", flood.cpus_on, flood.cpus);
-        warn!(event, unseen_keys_per_sec = unseen, cpus, "flood mode: unseen sources are charged to their prefix cells");
+        warn!(
+            event,
+            unseen_keys_per_sec = unseen,
+            cpus,
+            "flood mode: unseen sources are charged to their prefix cells"
+        );
     } else {
-        info!(event, "flood mode ended: new sources get buckets of their own again");
+        info!(
+            event,
+            "flood mode ended: new sources get buckets of their own again"
+        );
     }
     s.push_host_event(event, unix_now_ms());
 }

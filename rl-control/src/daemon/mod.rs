@@ -56,16 +56,28 @@ pub struct RunOptions {
 /// and from the interfaces that share its datapath.
 pub fn detach(iface: &str, pin_dir: &std::path::Path) -> Result<()> {
     let dirs = crate::datapath::pin_dirs_with(pin_dir, iface).map_err(|e| match e.kind() {
-        std::io::ErrorKind::PermissionDenied => anyhow::anyhow!("permission denied while reading the pin directory {}: run rl-control detach as root", pin_dir.display()),
+        std::io::ErrorKind::PermissionDenied => anyhow::anyhow!(
+            "permission denied while reading the pin directory {}: run rl-control detach as root",
+            pin_dir.display()
+        ),
         _ => anyhow::anyhow!("cannot read the pin directory {}: {e}", pin_dir.display()),
     })?;
     if dirs.is_empty() {
-        println!("nothing of rl is pinned for {iface} in {}: nothing to detach", pin_dir.display());
+        println!(
+            "nothing of rl is pinned for {iface} in {}: nothing to detach",
+            pin_dir.display()
+        );
     }
     for dir in dirs {
         crate::datapath::detach_pinned(&dir)?;
-        let name = dir.file_name().map(|n| n.to_string_lossy().replace('+', ", ")).unwrap_or_default();
-        println!("detached rl from {name} and removed its pins in {}", dir.display());
+        let name = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().replace('+', ", "))
+            .unwrap_or_default();
+        println!(
+            "detached rl from {name} and removed its pins in {}",
+            dir.display()
+        );
     }
     Ok(())
 }
@@ -76,7 +88,10 @@ const WATCH_INTERVAL: Duration = Duration::from_secs(1);
 /// `rl-control reload`: SIGHUP to the daemon named in `pid_file`.
 pub fn signal_reload(pid_file: &std::path::Path) -> Result<()> {
     let text = std::fs::read_to_string(pid_file).with_context(|| {
-        format!("cannot read {}: is rl-control running? (its --pid-file must match)", pid_file.display())
+        format!(
+            "cannot read {}: is rl-control running? (its --pid-file must match)",
+            pid_file.display()
+        )
     })?;
     let pid: libc::pid_t = text
         .trim()
@@ -87,8 +102,16 @@ pub fn signal_reload(pid_file: &std::path::Path) -> Result<()> {
     }
     // A pid file a killed daemon left may now name another process:
     // SIGHUP would stop most programs.
-    let name = |exe: std::path::PathBuf| exe.file_name().map(|n| n.to_string_lossy().trim_end_matches(" (deleted)").to_string());
-    let theirs = std::fs::read_link(format!("/proc/{pid}/exe")).ok().and_then(name);
+    let name = |exe: std::path::PathBuf| {
+        exe.file_name().map(|n| {
+            n.to_string_lossy()
+                .trim_end_matches(" (deleted)")
+                .to_string()
+        })
+    };
+    let theirs = std::fs::read_link(format!("/proc/{pid}/exe"))
+        .ok()
+        .and_then(name);
     let ours = std::env::current_exe().ok().and_then(name);
     match (&theirs, &ours) {
         (Some(t), Some(o)) if t == o => {}
@@ -103,7 +126,10 @@ pub fn signal_reload(pid_file: &std::path::Path) -> Result<()> {
     }
     if unsafe { libc::kill(pid, libc::SIGHUP) } != 0 {
         let e = std::io::Error::last_os_error();
-        anyhow::bail!("cannot signal rl-control (pid {pid} from {}): {e}; is it still running?", pid_file.display());
+        anyhow::bail!(
+            "cannot signal rl-control (pid {pid} from {}): {e}; is it still running?",
+            pid_file.display()
+        );
     }
     println!("asked rl-control (pid {pid}) to reload; its log shows the result");
     Ok(())
@@ -180,9 +206,23 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     if let Some(p) = &opts.config {
         apply::remove_stale_staged(p);
     }
-    let l7_listener = api::listen::bind_tcp(config.l7.http_listen, "the request check", "[l7] http_listen").await?;
-    let grpc_listener = api::listen::bind_tcp(config.l7.grpc_listen, "Envoy's rate-limit service", "[l7] grpc_listen").await?;
-    let ifaces = if opts.ifaces.is_empty() { config.datapath.interfaces.clone() } else { opts.ifaces.clone() };
+    let l7_listener = api::listen::bind_tcp(
+        config.l7.http_listen,
+        "the request check",
+        "[l7] http_listen",
+    )
+    .await?;
+    let grpc_listener = api::listen::bind_tcp(
+        config.l7.grpc_listen,
+        "Envoy's rate-limit service",
+        "[l7] grpc_listen",
+    )
+    .await?;
+    let ifaces = if opts.ifaces.is_empty() {
+        config.datapath.interfaces.clone()
+    } else {
+        opts.ifaces.clone()
+    };
     if ifaces.is_empty() {
         anyhow::bail!("no interface to protect: pass --iface IFACE (repeat it for several) or set [datapath] interfaces");
     }
@@ -190,7 +230,10 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         interface_index(iface)?;
     }
     let cluster = cluster::join(&config).await?;
-    let pin_dir = opts.pin_dir.clone().unwrap_or_else(|| config.datapath.pin_dir.clone());
+    let pin_dir = opts
+        .pin_dir
+        .clone()
+        .unwrap_or_else(|| config.datapath.pin_dir.clone());
     let pins = pin_dir.join(crate::datapath::pin_group(&ifaces));
     // The request threads before anything is attached: a start that
     // fails after attaching leaves it attached with no daemon.
@@ -202,23 +245,46 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     }
     let maps = dp.table_maps();
     let events = dp.take_events();
-    let l7: crate::l7::http::Shared =
-        Arc::new(std::sync::RwLock::new(Arc::new(crate::l7::engine::Engine::new(&config.l7, dp.epoch_offset_ns(), None).with_cluster(cluster.clone()))));
+    let l7: crate::l7::http::Shared = Arc::new(std::sync::RwLock::new(Arc::new(
+        crate::l7::engine::Engine::new(&config.l7, dp.epoch_offset_ns(), None)
+            .with_cluster(cluster.clone()),
+    )));
     let _threads = serve_requests(&config, &l7, threads, l7_listener, grpc_listener);
-    let file = Loaded { config, text, path: opts.config.clone(), stamp };
-    let state: Shared = Arc::new(Mutex::new(State::new(dp, file, l7, cluster.clone(), attachments.clone())));
+    let file = Loaded {
+        config,
+        text,
+        path: opts.config.clone(),
+        stamp,
+    };
+    let state: Shared = Arc::new(Mutex::new(State::new(
+        dp,
+        file,
+        l7,
+        cluster.clone(),
+        attachments.clone(),
+    )));
     let (servers, _socket_file) = api::listen::serve(listeners, state.clone());
     let counter = spawn_jobs(&state, maps, events, cluster);
     let _pid_file = opts.pid_file.as_ref().and_then(|p| PidFile::write(p));
     until_stopped(&state, signals, watched, opts.stats_interval).await?;
-    let stopping = Stopping { servers, counter, pins, detach: opts.detach_on_exit, on, first: attachments[0].iface.clone() };
+    let stopping = Stopping {
+        servers,
+        counter,
+        pins,
+        detach: opts.detach_on_exit,
+        on,
+        first: attachments[0].iface.clone(),
+    };
     stopping.stop(state).await
 }
 
 /// Says what the limiter now holds, and where; returns the interfaces
 /// with their modes, for the stop's messages.
 fn log_attached(config: &Config, attachments: &[crate::datapath::Attachment]) -> String {
-    let on: Vec<String> = attachments.iter().map(|a| format!("{} ({})", a.iface, a.mode)).collect();
+    let on: Vec<String> = attachments
+        .iter()
+        .map(|a| format!("{} ({})", a.iface, a.mode))
+        .collect();
     let on = on.join(", ");
     info!(
         ifaces = %on,
@@ -257,7 +323,10 @@ fn spawn_jobs(
     }
     match maps {
         Ok(ids) => {
-            let (walk, floods) = (collect::watch_pressure(state.clone(), ids.clone()), floods::watch_floods(state.clone(), ids));
+            let (walk, floods) = (
+                collect::watch_pressure(state.clone(), ids.clone()),
+                floods::watch_floods(state.clone(), ids),
+            );
             Some(tokio::spawn(async move {
                 tokio::join!(walk, floods);
             }))
@@ -303,7 +372,9 @@ impl Stopping {
         let _changes = crate::daemon::apply::stop_changes();
         let (totals, gone) = {
             let s = lock(&state);
-            let totals = s.dp.counters().map_or_else(|e| format!("unavailable ({e})"), |t| t.to_string());
+            let totals =
+                s.dp.counters()
+                    .map_or_else(|e| format!("unavailable ({e})"), |t| t.to_string());
             (totals, s.dp.not_attached())
         };
         if self.detach {
@@ -364,7 +435,14 @@ fn enforce(
 ) -> Result<(Datapath, Vec<crate::datapath::Attachment>)> {
     let compiled = compile(config);
     crate::datapath::prepare_pins(pin_dir, pins)?;
-    let mut dp = Datapath::load_with(&compiled, LoadOptions { pin: Some(pins.to_path_buf()), layout_at_attach: true, ..Default::default() })?;
+    let mut dp = Datapath::load_with(
+        &compiled,
+        LoadOptions {
+            pin: Some(pins.to_path_buf()),
+            layout_at_attach: true,
+            ..Default::default()
+        },
+    )?;
     let adopted = dp.adopted();
     let attachments = match dp.take_over(&compiled.rules, ifaces, mode) {
         Ok(a) => a,
@@ -395,7 +473,9 @@ fn request_threads(config: &Config, needed: bool) -> Result<Option<crate::l7::th
     if !needed {
         return Ok(None);
     }
-    Ok(Some(crate::l7::threads::Threads::start(crate::l7::threads::thread_count(config.l7.grpc_threads))?))
+    Ok(Some(crate::l7::threads::Threads::start(
+        crate::l7::threads::thread_count(config.l7.grpc_threads),
+    )?))
 }
 
 fn serve_requests(
@@ -414,8 +494,15 @@ fn serve_requests(
     if let Some(listener) = grpc {
         let addr = listener.local_addr().ok();
         let draft_headers = config.l7.draft_headers;
-        crate::l7::grpc_threads::serve(listener, &threads, || crate::l7::grpc::Service { l7: l7.clone(), draft_headers });
-        info!("Envoy rate-limit service on {} (envoy.service.ratelimit.v3, {} threads)", addr.map(|a| a.to_string()).unwrap_or_default(), threads.count());
+        crate::l7::grpc_threads::serve(listener, &threads, || crate::l7::grpc::Service {
+            l7: l7.clone(),
+            draft_headers,
+        });
+        info!(
+            "Envoy rate-limit service on {} (envoy.service.ratelimit.v3, {} threads)",
+            addr.map(|a| a.to_string()).unwrap_or_default(),
+            threads.count()
+        );
     }
     Some(threads)
 }
@@ -423,13 +510,22 @@ fn serve_requests(
 /// The datapath's counters for the stats line: a failed read costs a
 /// warning and that line, never the daemon.
 fn counters_or_warn(state: &Shared) -> Option<crate::datapath::Counters> {
-    lock(state).dp.counters().map_err(|e| warn!("reading the counters failed ({e}): the stats line skips a tick")).ok()
+    lock(state)
+        .dp
+        .counters()
+        .map_err(|e| warn!("reading the counters failed ({e}): the stats line skips a tick"))
+        .ok()
 }
 
 /// The daemon's loop until SIGINT or SIGTERM: reloads on SIGHUP and when
 /// the `watched` file changes, expires bans, and logs the traffic every
 /// `stats_interval`.
-async fn until_stopped(state: &Shared, mut signals: Signals, watched: Option<PathBuf>, stats_interval: Duration) -> Result<()> {
+async fn until_stopped(
+    state: &Shared,
+    mut signals: Signals,
+    watched: Option<PathBuf>,
+    stats_interval: Duration,
+) -> Result<()> {
     let mut tick = tokio::time::interval(stats_interval);
     tick.tick().await;
     let mut last = counters_or_warn(state);
@@ -478,7 +574,8 @@ async fn until_stopped(state: &Shared, mut signals: Signals, watched: Option<Pat
 async fn forward_events(state: Shared, ring: aya::maps::RingBuf<aya::maps::MapData>) {
     // SAFETY: the ring buffer owns its map fd for its whole life, and the
     // AsyncFd owns the ring buffer.
-    let registered = unsafe { AsyncFd::register_with_interest(ring, tokio::io::Interest::READABLE) };
+    let registered =
+        unsafe { AsyncFd::register_with_interest(ring, tokio::io::Interest::READABLE) };
     let mut fd = match registered {
         Ok(fd) => fd,
         Err(e) => {
@@ -505,9 +602,18 @@ async fn forward_events(state: Shared, ring: aya::maps::RingBuf<aya::maps::MapDa
             let view = crate::daemon::state::EventView {
                 at_unix_ms: e.at_ns.wrapping_add(offset) / 1_000_000,
                 event: "limited".into(),
-                rule: s.dp.rule_name_of_key(e.rule).unwrap_or("(replaced rule)").to_string(),
+                rule: s
+                    .dp
+                    .rule_name_of_key(e.rule)
+                    .unwrap_or("(replaced rule)")
+                    .to_string(),
                 limit_index: e.rule & 7,
-                source: bytes_to_addr(if e.family == 4 { &e.addr[..4] } else { &e.addr[..] }).to_string(),
+                source: bytes_to_addr(if e.family == 4 {
+                    &e.addr[..4]
+                } else {
+                    &e.addr[..]
+                })
+                .to_string(),
                 detail: String::new(),
             };
             info!(event = "limited", rule = %view.rule, limit = view.limit_index, source = %view.source, "source started being limited");

@@ -57,7 +57,11 @@ pub enum ApplyError {
 impl std::fmt::Display for ApplyError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            ApplyError::Invalid(m) | ApplyError::Failed(m) | ApplyError::Conflict(m) | ApplyError::Stopping(m) | ApplyError::Unwritable(m) => f.write_str(m),
+            ApplyError::Invalid(m)
+            | ApplyError::Failed(m)
+            | ApplyError::Conflict(m)
+            | ApplyError::Stopping(m)
+            | ApplyError::Unwritable(m) => f.write_str(m),
         }
     }
 }
@@ -129,7 +133,10 @@ impl EventLog {
 
     /// The latest `n` events of both kinds, newest first.
     pub fn latest(&self, n: usize) -> Vec<EventView> {
-        let (mut a, mut b) = (self.limited.iter().rev().peekable(), self.notices.iter().rev().peekable());
+        let (mut a, mut b) = (
+            self.limited.iter().rev().peekable(),
+            self.notices.iter().rev().peekable(),
+        );
         let mut out = Vec::with_capacity(n.min(EVENTS_KEPT + NOTICES_KEPT));
         while out.len() < n {
             let next = match (a.peek(), b.peek()) {
@@ -259,7 +266,11 @@ impl ReaderHealth {
                 self.failing_since_unix_ms.get_or_insert(now_unix_ms);
                 let new = self.error.as_deref() != Some(e.as_str());
                 self.error = Some(e);
-                if new { Went::Failing } else { Went::Unchanged }
+                if new {
+                    Went::Failing
+                } else {
+                    Went::Unchanged
+                }
             }
         }
     }
@@ -447,7 +458,14 @@ impl State {
 
     /// Records an event of one rule's (its wide cells) at `at_unix_ms`.
     pub fn push_rule_event(&mut self, event: &str, rule: &str, at_unix_ms: u64) {
-        self.push_notice(EventView { at_unix_ms, event: event.into(), rule: rule.into(), limit_index: 0, source: String::new(), detail: String::new() });
+        self.push_notice(EventView {
+            at_unix_ms,
+            event: event.into(),
+            rule: rule.into(),
+            limit_index: 0,
+            source: String::new(),
+            detail: String::new(),
+        });
     }
 }
 
@@ -471,7 +489,9 @@ pub struct Running {
 impl Running {
     /// How errors in the running text are located.
     pub fn origin(&self) -> String {
-        self.path.as_ref().map_or("<embedded default>".into(), |p| p.display().to_string())
+        self.path
+            .as_ref()
+            .map_or("<embedded default>".into(), |p| p.display().to_string())
     }
 }
 
@@ -480,7 +500,14 @@ mod tests {
     use super::*;
 
     fn event(at_unix_ms: u64, event: &str) -> EventView {
-        EventView { at_unix_ms, event: event.into(), rule: String::new(), limit_index: 0, source: String::new(), detail: String::new() }
+        EventView {
+            at_unix_ms,
+            event: event.into(),
+            rule: String::new(),
+            limit_index: 0,
+            source: String::new(),
+            detail: String::new(),
+        }
     }
 
     /// A long flood's "limited" events do not push out when it began, and
@@ -497,17 +524,40 @@ mod tests {
         let all = log.latest(EVENTS_KEPT + NOTICES_KEPT);
         assert_eq!(all.len(), EVENTS_KEPT + 2);
         // The notice raised at the same millisecond as the newest "limited" one comes first.
-        assert_eq!((all[0].at_unix_ms, all[0].event.as_str()), (last, "wide_cells_made"));
-        assert_eq!((all[1].at_unix_ms, all[1].event.as_str()), (last, "limited"));
-        assert_eq!(all.last().map(|e| e.event.as_str()), Some("flood_started"), "the flood's start was pushed out");
-        assert!(all.windows(2).all(|w| w[0].at_unix_ms >= w[1].at_unix_ms), "not newest first");
-        assert_eq!(all.iter().filter(|e| e.event == "limited").count(), EVENTS_KEPT, "the oldest limited ones go");
+        assert_eq!(
+            (all[0].at_unix_ms, all[0].event.as_str()),
+            (last, "wide_cells_made")
+        );
+        assert_eq!(
+            (all[1].at_unix_ms, all[1].event.as_str()),
+            (last, "limited")
+        );
+        assert_eq!(
+            all.last().map(|e| e.event.as_str()),
+            Some("flood_started"),
+            "the flood's start was pushed out"
+        );
+        assert!(
+            all.windows(2).all(|w| w[0].at_unix_ms >= w[1].at_unix_ms),
+            "not newest first"
+        );
+        assert_eq!(
+            all.iter().filter(|e| e.event == "limited").count(),
+            EVENTS_KEPT,
+            "the oldest limited ones go"
+        );
         assert_eq!(log.latest(3).len(), 3);
         // The notices' ring is bounded too.
         for t in 0..(2 * NOTICES_KEPT as u64) {
             log.notice(event(last + 1 + t, "table_full"));
         }
-        assert_eq!(log.latest(usize::MAX).iter().filter(|e| e.event != "limited").count(), NOTICES_KEPT);
+        assert_eq!(
+            log.latest(usize::MAX)
+                .iter()
+                .filter(|e| e.event != "limited")
+                .count(),
+            NOTICES_KEPT
+        );
     }
 
     /// A failing reader is reported once per reason, keeps when it started
@@ -518,11 +568,26 @@ mod tests {
         assert_eq!(h.went(Ok(()), 1_000), Went::Unchanged);
         assert_eq!((h.last_ok_unix_ms, h.failing()), (Some(1_000), false));
         assert_eq!(h.went(Err("the map is gone".into()), 2_000), Went::Failing);
-        assert_eq!(h.went(Err("the map is gone".into()), 3_000), Went::Unchanged, "the same reason: not again");
-        assert_eq!(h.went(Err("a walk panicked".into()), 4_000), Went::Failing, "another reason");
-        assert_eq!((h.failing_since_unix_ms, h.last_ok_unix_ms), (Some(2_000), Some(1_000)), "failing since the first");
+        assert_eq!(
+            h.went(Err("the map is gone".into()), 3_000),
+            Went::Unchanged,
+            "the same reason: not again"
+        );
+        assert_eq!(
+            h.went(Err("a walk panicked".into()), 4_000),
+            Went::Failing,
+            "another reason"
+        );
+        assert_eq!(
+            (h.failing_since_unix_ms, h.last_ok_unix_ms),
+            (Some(2_000), Some(1_000)),
+            "failing since the first"
+        );
         assert_eq!(h.went(Ok(()), 5_000), Went::Recovered);
-        assert_eq!((h.failing(), h.failing_since_unix_ms, h.last_ok_unix_ms), (false, None, Some(5_000)));
+        assert_eq!(
+            (h.failing(), h.failing_since_unix_ms, h.last_ok_unix_ms),
+            (false, None, Some(5_000))
+        );
         assert_eq!(h.went(Ok(()), 6_000), Went::Unchanged);
     }
 }

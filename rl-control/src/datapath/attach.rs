@@ -2,11 +2,17 @@
 //! link pinned by an earlier daemon (its program replaced atomically), and
 //! the bare `XDP_PASS` baseline the benchmarks attach in rl's place.
 
-use aya::programs::{links::FdLink, xdp::{XdpLink, XdpLinkId}, ProgramError, Xdp, XdpMode};
+use aya::programs::{
+    links::FdLink,
+    xdp::{XdpLink, XdpLinkId},
+    ProgramError, Xdp, XdpMode,
+};
 use rl_common::{PROG_LIMITER, PROG_PASS};
 use tracing::{info, warn};
 
-use super::{chain, errno, interface_index, netlink, pin, AttachMode, Attachment, Datapath, DatapathError};
+use super::{
+    chain, errno, interface_index, netlink, pin, AttachMode, Attachment, Datapath, DatapathError,
+};
 use crate::compile::RuleSet;
 
 /// How to undo an attachment made by this process.
@@ -26,14 +32,22 @@ impl Datapath {
     /// rule set and one set of buckets for all, so a source's limit is per
     /// host. All or nothing: if one interface fails, the ones attached by
     /// this call are detached again and the error names the interface.
-    pub fn attach_all(&mut self, ifaces: &[String], mode: AttachMode) -> Result<Vec<Attachment>, DatapathError> {
+    pub fn attach_all(
+        &mut self,
+        ifaces: &[String],
+        mode: AttachMode,
+    ) -> Result<Vec<Attachment>, DatapathError> {
         let made = self.attach_made(ifaces, mode)?;
         Ok(made.into_iter().map(|(a, _)| a).collect())
     }
 
     /// [`Datapath::attach_all`], each attachment with how to undo it
     /// (`None`: a pinned link taken over, which stays).
-    fn attach_made(&mut self, ifaces: &[String], mode: AttachMode) -> Result<Vec<Made>, DatapathError> {
+    fn attach_made(
+        &mut self,
+        ifaces: &[String],
+        mode: AttachMode,
+    ) -> Result<Vec<Made>, DatapathError> {
         for iface in ifaces {
             interface_index(iface)?;
         }
@@ -66,7 +80,12 @@ impl Datapath {
     /// link over ([`DatapathError::AfterSwap`]). The second table's write
     /// failing only warns: the rules are in force, and that table is
     /// written whole at the next change.
-    pub fn take_over(&mut self, rules: &RuleSet, ifaces: &[String], mode: AttachMode) -> Result<Vec<Attachment>, DatapathError> {
+    pub fn take_over(
+        &mut self,
+        rules: &RuleSet,
+        ifaces: &[String],
+        mode: AttachMode,
+    ) -> Result<Vec<Attachment>, DatapathError> {
         let Some(pinned) = self.pinned_config else {
             // The same rules into the other slot too (from now on every
             // change writes only its differences), then the program.
@@ -74,8 +93,12 @@ impl Datapath {
             return self.attach_all(ifaces, mode);
         };
         // (Again, if an earlier call failed and put the entry back.)
-        let ready = self.refresh_config(&pinned, &rules.tuning).and_then(|()| super::install::fits(rules));
-        let made = ready.and_then(|()| self.move_cells_before_swap()).and_then(|()| self.attach_made(ifaces, mode));
+        let ready = self
+            .refresh_config(&pinned, &rules.tuning)
+            .and_then(|()| super::install::fits(rules));
+        let made = ready
+            .and_then(|()| self.move_cells_before_swap())
+            .and_then(|()| self.attach_made(ifaces, mode));
         let made = match made {
             Ok(made) => made,
             Err(e) => {
@@ -116,7 +139,8 @@ impl Datapath {
 
     /// [`Datapath::attach_all`] for one interface.
     pub fn attach(&mut self, iface: &str, mode: AttachMode) -> Result<Attachment, DatapathError> {
-        self.attach_all(&[iface.to_string()], mode).map(|mut v| v.remove(0))
+        self.attach_all(&[iface.to_string()], mode)
+            .map(|mut v| v.remove(0))
     }
 
     /// Attaches to `iface`. In `Auto` mode, native is tried first; if the
@@ -137,12 +161,17 @@ impl Datapath {
         let (used, id) = match mode {
             AttachMode::Auto => match self.attach_as(iface, AttachMode::Native, PROG_LIMITER) {
                 Ok(id) => (AttachMode::Native, id),
-                Err(e @ (DatapathError::InterfaceBusy(_) | DatapathError::PinnedElsewhere { .. } | DatapathError::NoPrivilege { .. })) => {
-                    return Err(e)
-                }
+                Err(
+                    e @ (DatapathError::InterfaceBusy(_)
+                    | DatapathError::PinnedElsewhere { .. }
+                    | DatapathError::NoPrivilege { .. }),
+                ) => return Err(e),
                 Err(e) => {
                     warn!("native XDP is unavailable on {iface} ({e}); using skb (generic) mode, which is slower");
-                    (AttachMode::Skb, self.attach_as(iface, AttachMode::Skb, PROG_LIMITER)?)
+                    (
+                        AttachMode::Skb,
+                        self.attach_as(iface, AttachMode::Skb, PROG_LIMITER)?,
+                    )
                 }
             },
             m => (m, self.attach_as(iface, m, PROG_LIMITER)?),
@@ -152,7 +181,10 @@ impl Datapath {
             Some(dir) => {
                 // Held by us and pinned: on any failure here the link is
                 // dropped, which detaches: nothing stays half-set-up.
-                let link = self.xdp(PROG_LIMITER)?.take_link(id).map_err(|e| DatapathError::Load(chain(&e)))?;
+                let link = self
+                    .xdp(PROG_LIMITER)?
+                    .take_link(id)
+                    .map_err(|e| DatapathError::Load(chain(&e)))?;
                 let fd = FdLink::try_from(link).map_err(|e| DatapathError::Attach {
                     iface: iface.into(),
                     mode: used,
@@ -167,7 +199,10 @@ impl Datapath {
                 Fresh::Pinned(path)
             }
         };
-        let a = Attachment { iface: iface.to_string(), mode: used };
+        let a = Attachment {
+            iface: iface.to_string(),
+            mode: used,
+        };
         self.attachments.push(a.clone());
         Ok((a, Some(fresh)))
     }
@@ -210,11 +245,26 @@ impl Datapath {
     /// Replaces the program of the link pinned in `dir` for `iface` with
     /// this one; `None` if there is no live pinned link (a defunct one's
     /// pin, left by an interface that was deleted, is removed).
-    fn adopt_link(&mut self, dir: &std::path::Path, iface: &str, prog: &'static str) -> Result<Option<Attachment>, DatapathError> {
-        let Some((pinned, mode, path)) = pin::pinned_link(dir, iface) else { return Ok(None) };
-        let mode = if mode == "skb" { AttachMode::Skb } else { AttachMode::Native };
+    fn adopt_link(
+        &mut self,
+        dir: &std::path::Path,
+        iface: &str,
+        prog: &'static str,
+    ) -> Result<Option<Attachment>, DatapathError> {
+        let Some((pinned, mode, path)) = pin::pinned_link(dir, iface) else {
+            return Ok(None);
+        };
+        let mode = if mode == "skb" {
+            AttachMode::Skb
+        } else {
+            AttachMode::Native
+        };
         let fd: FdLink = pinned.into();
-        let refused = |cause: String| DatapathError::Attach { iface: iface.into(), mode, cause };
+        let refused = |cause: String| DatapathError::Attach {
+            iface: iface.into(),
+            mode,
+            cause,
+        };
         let failed = |cause: String| {
             refused(format!(
                 "replacing the program of the XDP link pinned at {} failed ({cause}); it keeps its program: \
@@ -240,7 +290,11 @@ impl Datapath {
             // The link's interface is gone (deleted, perhaps made again
             // under the same name): its pin is all that is left of it.
             Err(e) if errno(&e) == Some(libc::ENOLINK) => {
-                warn!(iface, "the pinned XDP link is defunct ({}); attaching afresh", chain(&e));
+                warn!(
+                    iface,
+                    "the pinned XDP link is defunct ({}); attaching afresh",
+                    chain(&e)
+                );
                 let _ = std::fs::remove_file(&path);
                 return Ok(None);
             }
@@ -250,10 +304,20 @@ impl Datapath {
         // Tests: a failure in this process's bookkeeping of a link whose
         // program the kernel has already swapped.
         self.failpoint("swapped")?;
-        let link = self.xdp(prog)?.take_link(id).map_err(|e| DatapathError::Load(chain(&e)))?;
-        self.links.push(FdLink::try_from(link).map_err(|e| DatapathError::Load(chain(&e)))?);
-        tracing::info!(iface, "swapped this build's program into the pinned XDP link");
-        Ok(Some(Attachment { iface: iface.to_string(), mode }))
+        let link = self
+            .xdp(prog)?
+            .take_link(id)
+            .map_err(|e| DatapathError::Load(chain(&e)))?;
+        self.links
+            .push(FdLink::try_from(link).map_err(|e| DatapathError::Load(chain(&e)))?);
+        tracing::info!(
+            iface,
+            "swapped this build's program into the pinned XDP link"
+        );
+        Ok(Some(Attachment {
+            iface: iface.to_string(),
+            mode,
+        }))
     }
 
     /// Attaches the bare `XDP_PASS` program to `iface` natively instead of
@@ -270,10 +334,16 @@ impl Datapath {
                 return Ok(());
             }
         }
-        self.attach_as(iface, AttachMode::Native, PROG_PASS).map(|_| ())
+        self.attach_as(iface, AttachMode::Native, PROG_PASS)
+            .map(|_| ())
     }
 
-    fn attach_as(&mut self, iface: &str, mode: AttachMode, name: &'static str) -> Result<XdpLinkId, DatapathError> {
+    fn attach_as(
+        &mut self,
+        iface: &str,
+        mode: AttachMode,
+        name: &'static str,
+    ) -> Result<XdpLinkId, DatapathError> {
         let flags = match mode {
             AttachMode::Native => XdpMode::Driver,
             AttachMode::Skb => XdpMode::Skb,
@@ -284,7 +354,12 @@ impl Datapath {
             .pins
             .as_deref()
             .and_then(|own| own.parent().map(|p| (p, own)))
-            .and_then(|(p, own)| super::pin::dirs_with(p, iface).ok()?.into_iter().find(|d| d != own));
+            .and_then(|(p, own)| {
+                super::pin::dirs_with(p, iface)
+                    .ok()?
+                    .into_iter()
+                    .find(|d| d != own)
+            });
         let prog: &mut Xdp = self
             .ebpf
             .program_mut(name)
@@ -293,14 +368,19 @@ impl Datapath {
             .expect("an XDP program");
         prog.attach(iface, flags).map_err(|e| match errno(&e) {
             Some(libc::EBUSY) | Some(libc::EEXIST) => match elsewhere {
-                Some(dir) => DatapathError::PinnedElsewhere { iface: iface.into(), dir },
+                Some(dir) => DatapathError::PinnedElsewhere {
+                    iface: iface.into(),
+                    dir,
+                },
                 None => DatapathError::InterfaceBusy(iface.into()),
             },
             Some(libc::EPERM) | Some(libc::EACCES) => DatapathError::NoPrivilege {
                 doing: "attaching the XDP program",
             },
             _ => match e {
-                ProgramError::UnknownInterface { .. } => DatapathError::UnknownInterface(iface.into()),
+                ProgramError::UnknownInterface { .. } => {
+                    DatapathError::UnknownInterface(iface.into())
+                }
                 e => DatapathError::Attach {
                     iface: iface.into(),
                     mode,
@@ -328,14 +408,21 @@ fn elsewhere(path: &std::path::Path, iface: &str, here: u32) -> Option<String> {
         }
     };
     let seen = if link.ifindex != here {
-        format!("is on the interface of index {}, and `{iface}` here is index {here}", link.ifindex)
+        format!(
+            "is on the interface of index {}, and `{iface}` here is index {here}",
+            link.ifindex
+        )
     } else {
         match netlink::xdp_programs(here) {
             Ok(ids) if ids.contains(&link.prog_id) => return None,
             Ok(ids) => format!(
                 "runs program {}, and `{iface}` here (index {here}, the link's too) runs {}",
                 link.prog_id,
-                if ids.is_empty() { "none".to_string() } else { format!("{ids:?}") }
+                if ids.is_empty() {
+                    "none".to_string()
+                } else {
+                    format!("{ids:?}")
+                }
             ),
             Err(e) => {
                 warn!(iface, "could not ask rtnetlink which XDP programs `{iface}` runs ({e}); swapping all the same");

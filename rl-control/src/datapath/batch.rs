@@ -15,7 +15,14 @@ struct BatchAttr {
 }
 
 fn bpf_batch(cmd: libc::c_long, attr: &mut BatchAttr) -> std::io::Result<()> {
-    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr as *mut BatchAttr, std::mem::size_of::<BatchAttr>() as u32) };
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd,
+            attr as *mut BatchAttr,
+            std::mem::size_of::<BatchAttr>() as u32,
+        )
+    };
     if rc != 0 {
         return Err(std::io::Error::last_os_error());
     }
@@ -24,7 +31,11 @@ fn bpf_batch(cmd: libc::c_long, attr: &mut BatchAttr) -> std::io::Result<()> {
 
 /// `BPF_MAP_LOOKUP_BATCH` over a whole hash map, handing each chunk of up
 /// to 16,384 entries to `f` as it comes: memory stays bounded by a chunk.
-pub(super) fn lookup_batch_each<K: aya::Pod + Default, V: aya::Pod + Default, E: From<std::io::Error>>(
+pub(super) fn lookup_batch_each<
+    K: aya::Pod + Default,
+    V: aya::Pod + Default,
+    E: From<std::io::Error>,
+>(
     fd: std::os::fd::RawFd,
     mut f: impl FnMut(&[K], &[V]) -> Result<(), E>,
 ) -> Result<(), E> {
@@ -35,7 +46,11 @@ pub(super) fn lookup_batch_each<K: aya::Pod + Default, V: aya::Pod + Default, E:
     let mut first = true;
     loop {
         let mut attr = BatchAttr {
-            in_batch: if first { 0 } else { &token_in as *const u64 as u64 },
+            in_batch: if first {
+                0
+            } else {
+                &token_in as *const u64 as u64
+            },
             out_batch: &mut token_out as *mut u64 as u64,
             keys: keys.as_mut_ptr() as u64,
             values: values.as_mut_ptr() as u64,
@@ -58,13 +73,24 @@ pub(super) fn lookup_batch_each<K: aya::Pod + Default, V: aya::Pod + Default, E:
 
 /// `BPF_MAP_LOOKUP_BATCH` of `count` entries of an array from index
 /// `start` on, in one system call.
-pub(super) fn lookup_array<V: aya::Pod + Default>(fd: std::os::fd::RawFd, start: u32, count: u32) -> std::io::Result<Vec<V>> {
+pub(super) fn lookup_array<V: aya::Pod + Default>(
+    fd: std::os::fd::RawFd,
+    start: u32,
+    count: u32,
+) -> std::io::Result<Vec<V>> {
     const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
-    let (mut keys, mut values) = (vec![0u32; count as usize], vec![V::default(); count as usize]);
+    let (mut keys, mut values) = (
+        vec![0u32; count as usize],
+        vec![V::default(); count as usize],
+    );
     // The batch goes on after the key it is given.
     let (before, mut next) = (start.wrapping_sub(1), 0u32);
     let mut attr = BatchAttr {
-        in_batch: if start == 0 { 0 } else { &before as *const u32 as u64 },
+        in_batch: if start == 0 {
+            0
+        } else {
+            &before as *const u32 as u64
+        },
         out_batch: &mut next as *mut u32 as u64,
         keys: keys.as_mut_ptr() as u64,
         values: values.as_mut_ptr() as u64,
@@ -78,14 +104,22 @@ pub(super) fn lookup_array<V: aya::Pod + Default>(fd: std::os::fd::RawFd, start:
         Err(e) => return Err(e),
     }
     if attr.count != count || keys.first().is_some_and(|&k| k != start) {
-        return Err(std::io::Error::other(format!("a batch lookup of {count} entries from {start} returned {} from {:?}", attr.count, keys.first())));
+        return Err(std::io::Error::other(format!(
+            "a batch lookup of {count} entries from {start} returned {} from {:?}",
+            attr.count,
+            keys.first()
+        )));
     }
     Ok(values)
 }
 
 /// `BPF_MAP_UPDATE_BATCH` of an array's `u32` keys and their values (aya
 /// 0.14 has no batch API). Arrays accept batches since Linux 5.6.
-pub(super) fn update_batch<V: aya::Pod>(fd: std::os::fd::RawFd, keys: &[u32], values: &[V]) -> std::io::Result<()> {
+pub(super) fn update_batch<V: aya::Pod>(
+    fd: std::os::fd::RawFd,
+    keys: &[u32],
+    values: &[V],
+) -> std::io::Result<()> {
     assert_eq!(keys.len(), values.len());
     const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
     let mut done = 0;

@@ -9,7 +9,8 @@ use std::{
 
 use aya::maps::MapData;
 use rl_common::{
-    cell_claim, cell_dying, cell_set, cell_way, cell_writing, Bucket, Cell, CellKey, KnownKey, OldCell, Way, CELL_CLAIM_OFFSET, CELL_TAT_OFFSET, CELL_WAYS,
+    cell_claim, cell_dying, cell_set, cell_way, cell_writing, Bucket, Cell, CellKey, KnownKey,
+    OldCell, Way, CELL_CLAIM_OFFSET, CELL_TAT_OFFSET, CELL_WAYS,
 };
 
 use super::{map_error, DatapathError, MapRef};
@@ -29,7 +30,11 @@ unsafe impl Sync for Mapped {}
 
 impl Mapped {
     /// Maps array `name` (kernel id `id`) after checking its value size.
-    pub fn open(id: &MapRef, name: &'static str, value_size: usize) -> Result<Mapped, DatapathError> {
+    pub fn open(
+        id: &MapRef,
+        name: &'static str,
+        value_size: usize,
+    ) -> Result<Mapped, DatapathError> {
         let map = id.open()?;
         let info = map.info().map_err(|e| map_error(name, e))?;
         if info.value_size() as usize != value_size {
@@ -41,12 +46,28 @@ impl Mapped {
         let len = info.max_entries();
         let bytes = (len as usize * value_size).next_multiple_of(page_size());
         let fd = map.fd().as_fd().as_raw_fd();
-        let p = unsafe { libc::mmap(std::ptr::null_mut(), bytes, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0) };
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                bytes,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            )
+        };
         if p == libc::MAP_FAILED {
             let e = std::io::Error::last_os_error();
-            return Err(DatapathError::Load(format!("cannot map {name} (created without BPF_F_MMAPABLE by an older build?): {e}")));
+            return Err(DatapathError::Load(format!(
+                "cannot map {name} (created without BPF_F_MMAPABLE by an older build?): {e}"
+            )));
         }
-        Ok(Mapped { base: p as *mut u8, bytes, len, _map: map })
+        Ok(Mapped {
+            base: p as *mut u8,
+            bytes,
+            len,
+            _map: map,
+        })
     }
 
     /// The 64-bit word at byte `offset` (8-aligned, inside the mapping).
@@ -58,7 +79,9 @@ impl Mapped {
     /// A copy of entry `i` of type `T` (volatile: the program may be writing it).
     fn read<T: Copy>(&self, i: u32) -> T {
         assert!((i as usize + 1) * std::mem::size_of::<T>() <= self.bytes);
-        unsafe { std::ptr::read_volatile(self.base.add(i as usize * std::mem::size_of::<T>()) as *const T) }
+        unsafe {
+            std::ptr::read_volatile(self.base.add(i as usize * std::mem::size_of::<T>()) as *const T)
+        }
     }
 }
 
@@ -94,16 +117,31 @@ pub struct CellArray<K> {
 const CELL: usize = std::mem::size_of::<Cell>();
 
 impl<K: KnownKey + Copy + PartialEq + Default> CellArray<K> {
-    pub(super) fn open(ids: (&MapRef, &MapRef), names: (&'static str, &'static str), seed: u64) -> Result<CellArray<K>, DatapathError> {
+    pub(super) fn open(
+        ids: (&MapRef, &MapRef),
+        names: (&'static str, &'static str),
+        seed: u64,
+    ) -> Result<CellArray<K>, DatapathError> {
         let hot = Mapped::open(ids.0, names.0, CELL)?;
         if !hot.len.is_power_of_two() || hot.len < CELL_WAYS {
-            return Err(DatapathError::Load(format!("map {} holds {} cells, not a power of two of at least {CELL_WAYS}", names.0, hot.len)));
+            return Err(DatapathError::Load(format!(
+                "map {} holds {} cells, not a power of two of at least {CELL_WAYS}",
+                names.0, hot.len
+            )));
         }
         let keys = Mapped::open(ids.1, names.1, std::mem::size_of::<CellKey<K>>())?;
         if keys.len != hot.len {
-            return Err(DatapathError::Load(format!("map {} holds {} slots, {} holds {}: rebuild both with `cargo xtask build`", names.1, keys.len, names.0, hot.len)));
+            return Err(DatapathError::Load(format!(
+                "map {} holds {} slots, {} holds {}: rebuild both with `cargo xtask build`",
+                names.1, keys.len, names.0, hot.len
+            )));
         }
-        Ok(CellArray { hot, keys, seed, _key: std::marker::PhantomData })
+        Ok(CellArray {
+            hot,
+            keys,
+            seed,
+            _key: std::marker::PhantomData,
+        })
     }
 
     pub fn slots(&self) -> u32 {
@@ -132,7 +170,14 @@ impl<K: KnownKey + Copy + PartialEq + Default> CellArray<K> {
         let c: Cell = self.hot.read(i);
         std::sync::atomic::fence(Ordering::Acquire);
         let k: CellKey<K> = self.keys.read(i);
-        CellView { claim: c.claim, key: k.key, bucket: Bucket { tat_ns: c.tat_ns, ..k.counts } }
+        CellView {
+            claim: c.claim,
+            key: k.key,
+            bucket: Bucket {
+                tat_ns: c.tat_ns,
+                ..k.counts
+            },
+        }
     }
 
     /// The claim word of slot `i` (tests set it to the states a program
@@ -160,7 +205,10 @@ impl<K: KnownKey + Copy + PartialEq + Default> CellArray<K> {
 
     /// What slot `i` is to `key` (as the program sees it: `rl_common::cell_way`).
     fn way(&self, i: u32, key: &K) -> Way {
-        cell_way(self.claim_word(i).load(Ordering::Acquire), self.claim_of(key))
+        cell_way(
+            self.claim_word(i).load(Ordering::Acquire),
+            self.claim_of(key),
+        )
     }
 
     /// First step of freeing slot `i`, held by `key`: from now on no
@@ -168,7 +216,14 @@ impl<K: KnownKey + Copy + PartialEq + Default> CellArray<K> {
     /// slot changed since it was read, leave it.
     pub fn begin_free(&self, i: u32, key: &K) -> bool {
         let claim = self.claim_of(key);
-        self.claim_word(i).compare_exchange(claim, cell_dying(claim), Ordering::AcqRel, Ordering::Relaxed).is_ok()
+        self.claim_word(i)
+            .compare_exchange(
+                claim,
+                cell_dying(claim),
+                Ordering::AcqRel,
+                Ordering::Relaxed,
+            )
+            .is_ok()
     }
 
     /// Second step, once every program run that could have found the cell
@@ -179,7 +234,10 @@ impl<K: KnownKey + Copy + PartialEq + Default> CellArray<K> {
     pub fn finish_free(&self, i: u32, key: &K, fresh: impl Fn(&Bucket) -> bool) -> bool {
         let claim = self.claim_of(key);
         let to = if fresh(&self.get(i).bucket) { 0 } else { claim };
-        self.claim_word(i).compare_exchange(cell_dying(claim), to, Ordering::AcqRel, Ordering::Relaxed).is_ok() && to == 0
+        self.claim_word(i)
+            .compare_exchange(cell_dying(claim), to, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+            && to == 0
     }
 
     /// Frees slot `i` if its claim word still reads `claim`, a *writing*
@@ -188,7 +246,11 @@ impl<K: KnownKey + Copy + PartialEq + Default> CellArray<K> {
     /// [`adopt`](Self::adopt) leaves one for that long. Returns whether it
     /// was freed.
     pub fn release_writing(&self, i: u32, claim: u64) -> bool {
-        claim & 3 == 3 && self.claim_word(i).compare_exchange(claim, 0, Ordering::AcqRel, Ordering::Relaxed).is_ok()
+        claim & 3 == 3
+            && self
+                .claim_word(i)
+                .compare_exchange(claim, 0, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
     }
 
     /// Moves the state word of `key`'s cell up to `tat_ns` if it is
@@ -212,10 +274,19 @@ impl<K: KnownKey + Copy + PartialEq + Default> CellArray<K> {
         let deadline = std::time::Instant::now() + std::time::Duration::from_millis(20);
         while std::time::Instant::now() < deadline {
             // Each way's word read once, so that one reading decides.
-            let ways: Vec<(u32, Way)> = (set..set + CELL_WAYS).map(|i| (i, cell_way(self.claim_word(i).load(Ordering::Acquire), claim))).collect();
+            let ways: Vec<(u32, Way)> = (set..set + CELL_WAYS)
+                .map(|i| {
+                    (
+                        i,
+                        cell_way(self.claim_word(i).load(Ordering::Acquire), claim),
+                    )
+                })
+                .collect();
             if let Some(&(i, _)) = ways.iter().find(|w| w.1 == Way::Holds) {
                 let word = self.tat_word(i);
-                let _ = word.fetch_update(Ordering::AcqRel, Ordering::Acquire, |cur| Some(merge(cur, bucket.tat_ns)));
+                let _ = word.fetch_update(Ordering::AcqRel, Ordering::Acquire, |cur| {
+                    Some(merge(cur, bucket.tat_ns))
+                });
                 return true;
             }
             if ways.iter().any(|w| w.1 == Way::Busy) {
@@ -224,14 +295,31 @@ impl<K: KnownKey + Copy + PartialEq + Default> CellArray<K> {
             }
             // No free way: the set is full of other keys' cells (only the
             // collector, this thread's caller, frees one).
-            let Some(&(i, _)) = ways.iter().find(|w| w.1 == Way::Free) else { return false };
-            if self.claim_word(i).compare_exchange(0, cell_writing(claim), Ordering::AcqRel, Ordering::Relaxed).is_err() {
+            let Some(&(i, _)) = ways.iter().find(|w| w.1 == Way::Free) else {
+                return false;
+            };
+            if self
+                .claim_word(i)
+                .compare_exchange(0, cell_writing(claim), Ordering::AcqRel, Ordering::Relaxed)
+                .is_err()
+            {
                 continue;
             }
             // As the program does: the state and the key first, the claim last.
             self.tat_word(i).store(bucket.tat_ns, Ordering::Relaxed);
             let at = self.key_ptr(i);
-            unsafe { std::ptr::write_volatile(at, CellKey { key: *key, counts: Bucket { tat_ns: 0, ..bucket } }) };
+            unsafe {
+                std::ptr::write_volatile(
+                    at,
+                    CellKey {
+                        key: *key,
+                        counts: Bucket {
+                            tat_ns: 0,
+                            ..bucket
+                        },
+                    },
+                )
+            };
             self.claim_word(i).store(claim, Ordering::Release);
             return true;
         }
@@ -240,23 +328,39 @@ impl<K: KnownKey + Copy + PartialEq + Default> CellArray<K> {
 
     fn key_ptr(&self, i: u32) -> *mut CellKey<K> {
         assert!(i < self.slots());
-        unsafe { self.keys.base.add(i as usize * std::mem::size_of::<CellKey<K>>()) as *mut CellKey<K> }
+        unsafe {
+            self.keys
+                .base
+                .add(i as usize * std::mem::size_of::<CellKey<K>>()) as *mut CellKey<K>
+        }
     }
 }
 
 /// An older build's 64-byte cell array (`rl_common::OldCell`), pinned at
 /// `path`: its live cells, to be moved into this build's arrays.
-pub(super) fn old_cells<K: KnownKey + Copy + PartialEq>(path: &std::path::Path, name: &'static str) -> Result<Vec<(K, Bucket)>, DatapathError> {
+pub(super) fn old_cells<K: KnownKey + Copy + PartialEq>(
+    path: &std::path::Path,
+    name: &'static str,
+) -> Result<Vec<(K, Bucket)>, DatapathError> {
     let map = MapData::from_pin(path).map_err(|e| map_error(name, e))?;
-    let mem = Mapped::open(&MapRef::of(&map, name)?, name, std::mem::size_of::<OldCell<K>>())?;
-    Ok((0..mem.len).map(|i| mem.read::<OldCell<K>>(i)).filter(|c| c.live()).map(|c| (c.key, c.bucket)).collect())
+    let mem = Mapped::open(
+        &MapRef::of(&map, name)?,
+        name,
+        std::mem::size_of::<OldCell<K>>(),
+    )?;
+    Ok((0..mem.len)
+        .map(|i| mem.read::<OldCell<K>>(i))
+        .filter(|c| c.live())
+        .map(|c| (c.key, c.bucket))
+        .collect())
 }
 
 /// The cell seed in the map with kernel id `id`.
 pub(super) fn cell_seed(id: &MapRef) -> Result<u64, DatapathError> {
     let name = rl_common::MAP_CELL_SEED;
     let map = id.open()?;
-    let arr: aya::maps::Array<MapData, u64> = aya::maps::Array::try_from(aya::maps::Map::Array(map)).map_err(|e| map_error(name, e))?;
+    let arr: aya::maps::Array<MapData, u64> =
+        aya::maps::Array::try_from(aya::maps::Map::Array(map)).map_err(|e| map_error(name, e))?;
     arr.get(&0, 0).map_err(|e| map_error(name, e))
 }
 
@@ -271,8 +375,12 @@ impl super::Datapath {
     /// program is attached.
     pub(super) fn seed_cells(&mut self) -> Result<(), DatapathError> {
         let name = rl_common::MAP_CELL_SEED;
-        let map = self.ebpf.map_mut(name).ok_or_else(|| DatapathError::Load(format!("map {name} is missing")))?;
-        let mut arr: aya::maps::Array<&mut MapData, u64> = aya::maps::Array::try_from(map).map_err(|e| map_error(name, e))?;
+        let map = self
+            .ebpf
+            .map_mut(name)
+            .ok_or_else(|| DatapathError::Load(format!("map {name} is missing")))?;
+        let mut arr: aya::maps::Array<&mut MapData, u64> =
+            aya::maps::Array::try_from(map).map_err(|e| map_error(name, e))?;
         if arr.get(&0, 0).map_err(|e| map_error(name, e))? != 0 {
             return Ok(());
         }
@@ -280,7 +388,10 @@ impl super::Datapath {
         while seed == 0 {
             let n = unsafe { libc::getrandom(&raw mut seed as *mut libc::c_void, 8, 0) };
             if n != 8 {
-                return Err(DatapathError::Load(format!("cannot draw the cell seed: {}", std::io::Error::last_os_error())));
+                return Err(DatapathError::Load(format!(
+                    "cannot draw the cell seed: {}",
+                    std::io::Error::last_os_error()
+                )));
             }
         }
         arr.set(0, seed, 0).map_err(|e| map_error(name, e))

@@ -36,7 +36,8 @@ impl Datapath {
             let idx = base + i as u32;
             if let Some(name) = entries.get(i).filter(|e| e.id == held.id).and(names.get(i)) {
                 stayed.push((idx, name.clone()));
-            } else if let Some((_, name)) = entries.iter().zip(names).find(|(e, _)| e.id == held.id) {
+            } else if let Some((_, name)) = entries.iter().zip(names).find(|(e, _)| e.id == held.id)
+            {
                 self.retire_counters(idx, name.clone())?;
             }
         }
@@ -56,7 +57,10 @@ impl Datapath {
         stayed: &mut Vec<(u32, String)>,
     ) -> Result<(), DatapathError> {
         for (i, name) in names.iter().enumerate() {
-            let same_id = old.and_then(|o| o.get(i)).zip(entries.get(i)).is_some_and(|(o, e)| o.id == e.id);
+            let same_id = old
+                .and_then(|o| o.get(i))
+                .zip(entries.get(i))
+                .is_some_and(|(o, e)| o.id == e.id);
             if same_id && new_names.get(i) == Some(name) {
                 stayed.push((base + i as u32, name.clone()));
             } else {
@@ -74,7 +78,9 @@ impl Datapath {
     pub(super) fn retire_counters(&mut self, idx: u32, name: String) -> Result<(), DatapathError> {
         let per_cpu = {
             let stats: PerCpuArray<&MapData, RuleStats> = map_ref(&self.ebpf, MAP_RULE_STATS)?;
-            stats.get(&idx, 0).map_err(|e| map_error(MAP_RULE_STATS, e))?
+            stats
+                .get(&idx, 0)
+                .map_err(|e| map_error(MAP_RULE_STATS, e))?
         };
         // As if the zeroing write failed.
         self.failpoint("zeroing")?;
@@ -93,8 +99,12 @@ impl Datapath {
 
     /// Zeroes entry `idx`'s counters on every CPU.
     fn zero_counters(&mut self, idx: u32) -> Result<(), DatapathError> {
-        let zero = aya::maps::PerCpuValues::try_from(vec![RuleStats::default(); self.cpus]).map_err(|e| map_error(MAP_RULE_STATS, e))?;
-        let mut stats: PerCpuArray<&mut MapData, RuleStats> = map_mut(&mut self.ebpf, MAP_RULE_STATS)?;
-        stats.set(idx, zero, 0).map_err(|e| map_error(MAP_RULE_STATS, e))
+        let zero = aya::maps::PerCpuValues::try_from(vec![RuleStats::default(); self.cpus])
+            .map_err(|e| map_error(MAP_RULE_STATS, e))?;
+        let mut stats: PerCpuArray<&mut MapData, RuleStats> =
+            map_mut(&mut self.ebpf, MAP_RULE_STATS)?;
+        stats
+            .set(idx, zero, 0)
+            .map_err(|e| map_error(MAP_RULE_STATS, e))
     }
 }

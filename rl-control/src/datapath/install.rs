@@ -3,8 +3,8 @@
 use std::net::IpAddr;
 
 use aya::maps::{Array, HashMap, MapData};
-use tracing::warn;
 use rl_common::*;
+use tracing::warn;
 
 use super::{batch::update_batch, *};
 
@@ -86,7 +86,9 @@ impl Datapath {
 
     /// The rule ids the rule tables' maps hold (both slots), each with its
     /// natural id.
-    pub(super) fn read_held_ids(&self) -> Result<std::collections::BTreeMap<u32, u32>, DatapathError> {
+    pub(super) fn read_held_ids(
+        &self,
+    ) -> Result<std::collections::BTreeMap<u32, u32>, DatapathError> {
         let mut held = held_ids(&self.slot_entries(0)?);
         held.extend(held_ids(&self.slot_entries(1)?));
         Ok(held)
@@ -107,17 +109,25 @@ impl Datapath {
     /// Writes `plan` and flips to it. A plan made before another install
     /// is recomputed here.
     pub fn execute(&mut self, mut plan: Plan) -> Result<(), DatapathError> {
-        let until = match plan.unnamed_until.filter(|_| plan.generation == self.generation) {
+        let until = match plan
+            .unnamed_until
+            .filter(|_| plan.generation == self.generation)
+        {
             Some(t) => t,
             None => self.prepare(&mut plan)?,
         };
         sleep_until(until);
         let slot = plan.slot;
         self.generation += 1;
-        self.slots[slot as usize] = Arc::new(SlotContents { unknown: true, ..Default::default() });
+        self.slots[slot as usize] = Arc::new(SlotContents {
+            unknown: true,
+            ..Default::default()
+        });
         let mut stayed = Vec::new();
         // Then the flip.
-        let written = self.write_slot(&plan, &mut stayed).and_then(|()| self.write_config(plan.config));
+        let written = self
+            .write_slot(&plan, &mut stayed)
+            .and_then(|()| self.write_config(plan.config));
         if written.is_err() {
             // The slot is unknown now, and its names with it: counters left
             // in place for the rules that stay would be read by no one, and
@@ -149,19 +159,34 @@ impl Datapath {
 
     /// Writes every table of `plan`'s slot (all but the flip), noting in
     /// `stayed` the counters it leaves in place for the rules that stay.
-    fn write_slot(&mut self, plan: &Plan, stayed: &mut Vec<(u32, String)>) -> Result<(), DatapathError> {
+    fn write_slot(
+        &mut self,
+        plan: &Plan,
+        stayed: &mut Vec<(u32, String)>,
+    ) -> Result<(), DatapathError> {
         let slot = plan.slot;
         let base = slot * RULE_SLOTS;
         if plan.clear {
-            self.retire_found_stats(slot, plan.old_entries.as_deref().unwrap_or_default(), (&plan.entries, &plan.next.names), stayed)?;
+            self.retire_found_stats(
+                slot,
+                plan.old_entries.as_deref().unwrap_or_default(),
+                (&plan.entries, &plan.next.names),
+                stayed,
+            )?;
             let kept: Vec<u32> = stayed.iter().map(|&(idx, _)| idx).collect();
             self.clear_slot(slot, &kept)?;
         }
-        self.retire_stats(base, (&plan.old_names, plan.old_entries.as_deref()), (&plan.entries, &plan.next.names), stayed)?;
+        self.retire_stats(
+            base,
+            (&plan.old_names, plan.old_entries.as_deref()),
+            (&plan.entries, &plan.next.names),
+            stayed,
+        )?;
 
         self.rewrite_unnamed(slot, &plan.unnamed, &plan.entries)?;
         let keys: Vec<u32> = (0..plan.entries.len() as u32).map(|i| base + i).collect();
-        update_batch(self.array_fd(MAP_RULES)?, &keys, &plan.entries).map_err(|e| map_error(MAP_RULES, e))?;
+        update_batch(self.array_fd(MAP_RULES)?, &keys, &plan.entries)
+            .map_err(|e| map_error(MAP_RULES, e))?;
         self.failpoint("rules")?;
         self.write_u32s(MAP_L4, &plan.l4)?;
         self.failpoint("l4")?;
@@ -179,7 +204,9 @@ impl Datapath {
             let _ = decide.remove(k);
         }
         for (k, rule) in &plan.decide_insert {
-            decide.insert(k, rule, 0).map_err(|e| map_error(MAP_DECIDE, e))?;
+            decide
+                .insert(k, rule, 0)
+                .map_err(|e| map_error(MAP_DECIDE, e))?;
         }
         self.failpoint("decide")?;
 
@@ -198,7 +225,9 @@ impl Datapath {
     /// [`ready_at`]: Datapath::ready_at
     pub fn prepare(&mut self, plan: &mut Plan) -> Result<Instant, DatapathError> {
         if plan.generation != self.generation {
-            return Err(DatapathError::Load("a stale install plan (another install ran since it was made)".into()));
+            return Err(DatapathError::Load(
+                "a stale install plan (another install ran since it was made)".into(),
+            ));
         }
         sleep_until(self.ready_at());
         let old = match plan.old_entries.take() {
@@ -227,7 +256,12 @@ impl Datapath {
     /// mark ([`Datapath::rewrite_unnamed`]): those marked (among them any
     /// found marked by an install that stopped half-way whose contents
     /// change now) and those that held no rule and get one.
-    fn unname_changed_rules(&mut self, slot: u32, held: &[RuleEntry], entries: &[RuleEntry]) -> Result<(Instant, Vec<u32>), DatapathError> {
+    fn unname_changed_rules(
+        &mut self,
+        slot: u32,
+        held: &[RuleEntry],
+        entries: &[RuleEntry],
+    ) -> Result<(Instant, Vec<u32>), DatapathError> {
         let base = slot * RULE_SLOTS;
         // A rule's entry (marked or not) whose contents change: marked.
         // So is an emptied entry without the mark (emptied by an older
@@ -239,23 +273,42 @@ impl Datapath {
                 let e = &held[i as usize];
                 match e.id {
                     NO_RULE_ID => e.flags & RULE_UNNAMED == 0,
-                    id => is_rule_id(id) && entries.get(i as usize) != Some(&RuleEntry { flags: e.flags & !RULE_UNNAMED, ..*e }),
+                    id => {
+                        is_rule_id(id)
+                            && entries.get(i as usize)
+                                != Some(&RuleEntry {
+                                    flags: e.flags & !RULE_UNNAMED,
+                                    ..*e
+                                })
+                    }
                 }
             })
             .collect();
         // An entry that holds no rule (emptied, or never written) and gets
         // one: written under the mark too, so that no run reads it taken
         // for its new rule before it holds it whole.
-        let filled = (0..entries.len() as u32).filter(|&i| held.get(i as usize).is_none_or(|e| !is_rule_id(e.id)));
+        let filled = (0..entries.len() as u32)
+            .filter(|&i| held.get(i as usize).is_none_or(|e| !is_rule_id(e.id)));
         let mut unnamed: Vec<u32> = changing.iter().copied().chain(filled).collect();
         unnamed.sort_unstable();
         unnamed.dedup();
         if changing.is_empty() {
             return Ok((Instant::now(), unnamed));
         }
-        let (keys, marked): (Vec<u32>, Vec<RuleEntry>) =
-            changing.iter().map(|&i| (base + i, RuleEntry { flags: held[i as usize].flags | RULE_UNNAMED, ..held[i as usize] })).unzip();
-        update_batch(self.array_fd(MAP_RULES)?, &keys, &marked).map_err(|e| map_error(MAP_RULES, e))?;
+        let (keys, marked): (Vec<u32>, Vec<RuleEntry>) = changing
+            .iter()
+            .map(|&i| {
+                (
+                    base + i,
+                    RuleEntry {
+                        flags: held[i as usize].flags | RULE_UNNAMED,
+                        ..held[i as usize]
+                    },
+                )
+            })
+            .unzip();
+        update_batch(self.array_fd(MAP_RULES)?, &keys, &marked)
+            .map_err(|e| map_error(MAP_RULES, e))?;
         Ok((Instant::now() + super::known::RUN_GRACE, unnamed))
     }
 
@@ -266,7 +319,12 @@ impl Datapath {
     /// new rule with the mark on, so that the write of the rules, which
     /// lifts the mark, changes one flag only: no run reads an entry
     /// half-written, taken for a rule it does not hold whole.
-    fn rewrite_unnamed(&mut self, slot: u32, unnamed: &[u32], entries: &[RuleEntry]) -> Result<(), DatapathError> {
+    fn rewrite_unnamed(
+        &mut self,
+        slot: u32,
+        unnamed: &[u32],
+        entries: &[RuleEntry],
+    ) -> Result<(), DatapathError> {
         if unnamed.is_empty() {
             return self.failpoint("rewritten");
         }
@@ -274,18 +332,30 @@ impl Datapath {
             .iter()
             .map(|&i| {
                 let value = match entries.get(i as usize) {
-                    Some(e) => RuleEntry { flags: e.flags | RULE_UNNAMED, ..*e },
-                    None => RuleEntry { id: NO_RULE_ID, flags: RULE_UNNAMED, ..Default::default() },
+                    Some(e) => RuleEntry {
+                        flags: e.flags | RULE_UNNAMED,
+                        ..*e
+                    },
+                    None => RuleEntry {
+                        id: NO_RULE_ID,
+                        flags: RULE_UNNAMED,
+                        ..Default::default()
+                    },
                 };
                 (slot * RULE_SLOTS + i, value)
             })
             .unzip();
-        update_batch(self.array_fd(MAP_RULES)?, &keys, &values).map_err(|e| map_error(MAP_RULES, e))?;
+        update_batch(self.array_fd(MAP_RULES)?, &keys, &values)
+            .map_err(|e| map_error(MAP_RULES, e))?;
         self.failpoint("rewritten")
     }
 
     /// Writes `(keys, values)` of a `u32` array in one batched syscall.
-    fn write_u32s(&mut self, name: &'static str, (keys, values): &(Vec<u32>, Vec<u32>)) -> Result<(), DatapathError> {
+    fn write_u32s(
+        &mut self,
+        name: &'static str,
+        (keys, values): &(Vec<u32>, Vec<u32>),
+    ) -> Result<(), DatapathError> {
         if keys.is_empty() {
             return Ok(());
         }
@@ -322,14 +392,18 @@ impl Datapath {
     /// The rule entries `slot` holds, read from the map in one batch: for
     /// a slot whose contents are unknown.
     pub(super) fn slot_entries(&self, slot: u32) -> Result<Vec<RuleEntry>, DatapathError> {
-        super::batch::lookup_array(self.array_fd(MAP_RULES)?, slot * RULE_SLOTS, RULE_SLOTS).map_err(|e| map_error(MAP_RULES, e))
+        super::batch::lookup_array(self.array_fd(MAP_RULES)?, slot * RULE_SLOTS, RULE_SLOTS)
+            .map_err(|e| map_error(MAP_RULES, e))
     }
 
     pub(super) fn failpoint(&mut self, step: &'static str) -> Result<(), DatapathError> {
         match &mut self.failpoint {
             Some((at, 0)) if *at == step => {
                 self.failpoint = None;
-                return Err(DatapathError::Map { map: "failpoint", cause: format!("injected failure after step {step}") });
+                return Err(DatapathError::Map {
+                    map: "failpoint",
+                    cause: format!("injected failure after step {step}"),
+                });
             }
             Some((at, skip)) if *at == step => *skip -= 1,
             _ => {}
@@ -344,13 +418,19 @@ impl Datapath {
     pub(super) fn clear_slot(&mut self, slot: u32, kept: &[u32]) -> Result<(), DatapathError> {
         let zeros = |n: u32| vec![0u32; n as usize];
         let l4_keys: Vec<u32> = (slot * L4_SLOT_LEN..(slot + 1) * L4_SLOT_LEN).collect();
-        update_batch(self.array_fd(MAP_L4)?, &l4_keys, &zeros(L4_SLOT_LEN)).map_err(|e| map_error(MAP_L4, e))?;
+        update_batch(self.array_fd(MAP_L4)?, &l4_keys, &zeros(L4_SLOT_LEN))
+            .map_err(|e| map_error(MAP_L4, e))?;
         let dir_keys: Vec<u32> = (slot * DIR16_LEN..(slot + 1) * DIR16_LEN).collect();
-        update_batch(self.array_fd(MAP_DIR16)?, &dir_keys, &zeros(DIR16_LEN)).map_err(|e| map_error(MAP_DIR16, e))?;
+        update_batch(self.array_fd(MAP_DIR16)?, &dir_keys, &zeros(DIR16_LEN))
+            .map_err(|e| map_error(MAP_DIR16, e))?;
         clear_trie::<5>(&mut self.ebpf, MAP_LPM_V4, slot)?;
         clear_trie::<17>(&mut self.ebpf, MAP_LPM_V6, slot)?;
         let mut decide: HashMap<&mut MapData, u64, u32> = map_mut(&mut self.ebpf, MAP_DECIDE)?;
-        let stale: Vec<u64> = decide.keys().filter_map(Result::ok).filter(|k| k >> 48 == slot as u64).collect();
+        let stale: Vec<u64> = decide
+            .keys()
+            .filter_map(Result::ok)
+            .filter(|k| k >> 48 == slot as u64)
+            .collect();
         for k in stale {
             decide.remove(&k).map_err(|e| map_error(MAP_DECIDE, e))?;
         }
@@ -362,15 +442,34 @@ impl Datapath {
         use std::os::fd::{AsFd, AsRawFd};
         match self.ebpf.map(name) {
             Some(aya::maps::Map::Array(data)) => Ok(data.fd().as_fd().as_raw_fd()),
-            _ => Err(DatapathError::Load(format!("map {name} is missing or not an array"))),
+            _ => Err(DatapathError::Load(format!(
+                "map {name} is missing or not an array"
+            ))),
         }
     }
 
-    fn lpm_write(&mut self, slot: u32, c: &crate::config::units::Cidr, value: Option<u32>) -> Result<(), DatapathError> {
+    fn lpm_write(
+        &mut self,
+        slot: u32,
+        c: &crate::config::units::Cidr,
+        value: Option<u32>,
+    ) -> Result<(), DatapathError> {
         let prefix = 8 + c.len as u32;
         match c.addr {
-            IpAddr::V4(a) => lpm_set(&mut self.ebpf, MAP_LPM_V4, prefix, slot_key::<5>(slot, &a.octets()), value),
-            IpAddr::V6(a) => lpm_set(&mut self.ebpf, MAP_LPM_V6, prefix, slot_key::<17>(slot, &a.octets()), value),
+            IpAddr::V4(a) => lpm_set(
+                &mut self.ebpf,
+                MAP_LPM_V4,
+                prefix,
+                slot_key::<5>(slot, &a.octets()),
+                value,
+            ),
+            IpAddr::V6(a) => lpm_set(
+                &mut self.ebpf,
+                MAP_LPM_V6,
+                prefix,
+                slot_key::<17>(slot, &a.octets()),
+                value,
+            ),
         }
     }
 }
@@ -402,7 +501,11 @@ impl Plan {
         fits(rules)?;
         let slot = basis.slot;
         let empty = SlotContents::default();
-        let old: &SlotContents = if basis.old.unknown { &empty } else { &basis.old };
+        let old: &SlotContents = if basis.old.unknown {
+            &empty
+        } else {
+            &basis.old
+        };
         // Rules new to the tables get wide-cell counts of their own.
         let mut parted = rules.entries.clone();
         crate::compile::part_wide_counts(&mut parted, &basis.held);
@@ -420,11 +523,17 @@ impl Plan {
         let mut lpm = rules.lpm.clone();
         lpm.sort_unstable_by_key(|(c, _)| *c);
         let (lpm_remove, lpm_insert) = sorted_diff(&old.lpm, &lpm);
-        let mut decide: Vec<(u64, u32)> =
-            rules.decide.iter().map(|((l4c, srcc), rule)| (rl_common::decide_key(slot, *l4c, *srcc), *rule)).collect();
+        let mut decide: Vec<(u64, u32)> = rules
+            .decide
+            .iter()
+            .map(|((l4c, srcc), rule)| (rl_common::decide_key(slot, *l4c, *srcc), *rule))
+            .collect();
         decide.sort_unstable();
         let (decide_remove, decide_insert) = sorted_diff(&old.decide, &decide);
-        let config = basis.config(&rules.tuning, DatapathConfig::pack_slot_flags(slot, rules.flags));
+        let config = basis.config(
+            &rules.tuning,
+            DatapathConfig::pack_slot_flags(slot, rules.flags),
+        );
         Ok(Plan {
             slot,
             generation: basis.generation,
@@ -456,7 +565,11 @@ impl Plan {
 
 /// Each rule id of `entries` with its natural id.
 fn held_ids(entries: &[RuleEntry]) -> std::collections::BTreeMap<u32, u32> {
-    entries.iter().filter(|e| is_rule_id(e.id)).map(|e| (e.id, natural_id(e.id, e.flags))).collect()
+    entries
+        .iter()
+        .filter(|e| is_rule_id(e.id))
+        .map(|e| (e.id, natural_id(e.id, e.flags)))
+        .collect()
 }
 
 /// The keys and values of a `u32` array at `base..` where `new` differs
@@ -476,7 +589,10 @@ fn u32_diff(base: u32, old: &[u32], new: &[u32]) -> (Vec<u32>, Vec<u32>) {
 
 /// Between two key-sorted lists: the keys to remove (in `old` only) and the
 /// entries to write (new, or with another value).
-fn sorted_diff<K: Ord + Copy, V: PartialEq + Copy>(old: &[(K, V)], new: &[(K, V)]) -> (Vec<K>, Vec<(K, V)>) {
+fn sorted_diff<K: Ord + Copy, V: PartialEq + Copy>(
+    old: &[(K, V)],
+    new: &[(K, V)],
+) -> (Vec<K>, Vec<(K, V)>) {
     let (mut remove, mut write) = (Vec::new(), Vec::new());
     let (mut i, mut j) = (0, 0);
     while i < old.len() || j < new.len() {
@@ -515,23 +631,41 @@ pub fn fits(rules: &RuleSet) -> Result<(), DatapathError> {
     for (what, needed, capacity, hint) in [
         ("IPv4 CIDR", v4, LPM_SLOT_LEN, hint),
         ("IPv6 CIDR", v6, LPM_SLOT_LEN, hint),
-        ("rule decision", rules.decide.len(), DECIDE_SLOT_LEN, "give fewer rules `src` lists, or fewer distinct ones"),
+        (
+            "rule decision",
+            rules.decide.len(),
+            DECIDE_SLOT_LEN,
+            "give fewer rules `src` lists, or fewer distinct ones",
+        ),
     ] {
         if needed > capacity as usize {
-            return Err(DatapathError::TooLarge { what, needed, capacity, hint });
+            return Err(DatapathError::TooLarge {
+                what,
+                needed,
+                capacity,
+                hint,
+            });
         }
     }
     Ok(())
 }
 
 /// Removes every entry of `slot` from the trie `name`.
-fn clear_trie<const N: usize>(ebpf: &mut Ebpf, name: &'static str, slot: u32) -> Result<(), DatapathError>
+fn clear_trie<const N: usize>(
+    ebpf: &mut Ebpf,
+    name: &'static str,
+    slot: u32,
+) -> Result<(), DatapathError>
 where
     [u8; N]: aya::Pod,
 {
     use aya::maps::lpm_trie::LpmTrie;
     let mut trie: LpmTrie<&mut MapData, [u8; N], u32> = map_mut(ebpf, name)?;
-    let stale: Vec<_> = trie.keys().filter_map(Result::ok).filter(|k| k.data()[0] == slot as u8).collect();
+    let stale: Vec<_> = trie
+        .keys()
+        .filter_map(Result::ok)
+        .filter(|k| k.data()[0] == slot as u8)
+        .collect();
     for k in stale {
         trie.remove(&k).map_err(|e| map_error(name, e))?;
     }
@@ -595,7 +729,10 @@ mod tests {
     fn a_sorted_diff_removes_what_went_and_writes_what_came_or_changed() {
         let old = [(1, 'a'), (3, 'c'), (5, 'e'), (7, 'g')];
         let new = [(2, 'b'), (3, 'c'), (5, 'E'), (8, 'h')];
-        assert_eq!(sorted_diff(&old, &new), (vec![1, 7], vec![(2, 'b'), (5, 'E'), (8, 'h')]));
+        assert_eq!(
+            sorted_diff(&old, &new),
+            (vec![1, 7], vec![(2, 'b'), (5, 'E'), (8, 'h')])
+        );
         assert_eq!(sorted_diff::<u8, u8>(&[], &[]), (vec![], vec![]));
         assert_eq!(sorted_diff(&[(1, 1)], &[]), (vec![1], vec![]));
     }

@@ -9,7 +9,8 @@ use std::{
 };
 
 use rl_common::{
-    known_holds, known_mask, known_region, known_word, KnownKey, KNOWN_ENTRIES, KNOWN_HALF, KNOWN_REBUILDING, KNOWN_VALID, KNOWN_WORDS, MAP_KNOWN,
+    known_holds, known_mask, known_region, known_word, KnownKey, KNOWN_ENTRIES, KNOWN_HALF,
+    KNOWN_REBUILDING, KNOWN_VALID, KNOWN_WORDS, MAP_KNOWN,
 };
 
 use super::{cells::Mapped, DatapathError, MapRef};
@@ -54,7 +55,8 @@ impl KnownFilter {
     /// leaves the flag set: the program then marks both halves, as it
     /// must for the next one.
     pub fn begin(&self) -> u32 {
-        let half = ((self.word(0).fetch_or(KNOWN_REBUILDING, Ordering::SeqCst) & KNOWN_HALF) ^ 1) as u32;
+        let half =
+            ((self.word(0).fetch_or(KNOWN_REBUILDING, Ordering::SeqCst) & KNOWN_HALF) ^ 1) as u32;
         for family in 0..2 {
             let first = known_region(family, half);
             for i in first..first + KNOWN_WORDS {
@@ -69,21 +71,27 @@ impl KnownFilter {
     /// Sets `key`'s bits in `half` (a bucket the walk keeps).
     pub fn mark<K: KnownKey>(&self, half: u32, key: &K) {
         let hash = key.known_hash();
-        self.word(known_word(K::FAMILY, half, hash)).fetch_or(known_mask(hash), Ordering::Relaxed);
+        self.word(known_word(K::FAMILY, half, hash))
+            .fetch_or(known_mask(hash), Ordering::Relaxed);
     }
 
     /// Whether both of `key`'s bits are set in `half` (what the program
     /// tests).
     pub fn has<K: KnownKey>(&self, half: u32, key: &K) -> bool {
         let hash = key.known_hash();
-        known_holds(self.word(known_word(K::FAMILY, half, hash)).load(Ordering::Relaxed), hash)
+        known_holds(
+            self.word(known_word(K::FAMILY, half, hash))
+                .load(Ordering::Relaxed),
+            hash,
+        )
     }
 
     /// Ends a rebuild that marked every bucket a complete walk kept: the
     /// program reads `half` from now on, trusts its clear bits, and marks
     /// new keys in it alone.
     pub fn finish(&self, half: u32) {
-        self.word(0).store(KNOWN_VALID | u64::from(half & 1), Ordering::Release);
+        self.word(0)
+            .store(KNOWN_VALID | u64::from(half & 1), Ordering::Release);
     }
 
     /// Benchmarks only: the program looks every key up again, as before
@@ -98,7 +106,9 @@ impl KnownFilter {
     pub fn fill(&self, family: u32) -> f64 {
         let half = (self.control() & KNOWN_HALF) as u32;
         let first = known_region(family, half);
-        let ones: u64 = (first..first + KNOWN_WORDS).map(|i| u64::from(self.word(i).load(Ordering::Relaxed).count_ones())).sum();
+        let ones: u64 = (first..first + KNOWN_WORDS)
+            .map(|i| u64::from(self.word(i).load(Ordering::Relaxed).count_ones()))
+            .sum();
         ones as f64 / (u64::from(KNOWN_WORDS) * 64) as f64
     }
 }

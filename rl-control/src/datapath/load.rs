@@ -38,8 +38,6 @@ pub struct LoadOptions {
 
 const GLOBAL_BENCH_NEW_SOURCES: &str = "RL_BENCH_NEW_SOURCES";
 
-
-
 /// Room in each family's bucket table for last resorts: both slots' rules,
 /// four limits and a pool each.
 pub const LAST_RESORT_ROOM: u32 = 2 * RULE_SLOTS * 5;
@@ -49,7 +47,9 @@ pub const LAST_RESORT_ROOM: u32 = 2 * RULE_SLOTS * 5;
 /// `flood_prefixes` too: the prefix cells lived here before they had arrays
 /// of their own (`rl_common::cells`), and tables pinned then stay adoptable.
 pub fn table_capacity(c: &Compiled) -> u32 {
-    c.max_sources.saturating_add(c.flood_prefixes).saturating_add(LAST_RESORT_ROOM)
+    c.max_sources
+        .saturating_add(c.flood_prefixes)
+        .saturating_add(LAST_RESORT_ROOM)
 }
 
 /// The maps sized at load: the sources' tables and the cell arrays (of
@@ -84,14 +84,20 @@ struct PinPlan {
 }
 
 impl PinPlan {
-    fn of(dir: &std::path::Path, specs: &[pin::MapSpec], compiled: &Compiled) -> Result<PinPlan, DatapathError> {
+    fn of(
+        dir: &std::path::Path,
+        specs: &[pin::MapSpec],
+        compiled: &Compiled,
+    ) -> Result<PinPlan, DatapathError> {
         let adopted = pin::check(dir, specs)?;
         if !adopted {
             return Ok(PinPlan::default());
         }
         // max_sources and flood_prefixes size the tables, which another
         // pair can size alike: the pinned cap of own buckets tells.
-        if let Some(cap) = pin::owned_cap(dir)?.filter(|&c| c != 0 && c != u64::from(compiled.max_sources)) {
+        if let Some(cap) =
+            pin::owned_cap(dir)?.filter(|&c| c != 0 && c != u64::from(compiled.max_sources))
+        {
             return Err(DatapathError::Layout {
                 dir: dir.to_path_buf(),
                 what: format!("the datapath was made with max_sources = {cap}, this configuration says {} (datapath.max_sources changed?)", compiled.max_sources),
@@ -99,20 +105,30 @@ impl PinPlan {
         }
         let pinned = pin::config(dir)?.filter(|c| c.enabled != 0);
         if let Some(cfg) = &pinned {
-            cells_fit(cfg, &compiled.rules.tuning).map_err(|what| DatapathError::Layout { dir: dir.to_path_buf(), what })?;
+            cells_fit(cfg, &compiled.rules.tuning).map_err(|what| DatapathError::Layout {
+                dir: dir.to_path_buf(),
+                what,
+            })?;
         }
         Ok(PinPlan {
             adopted,
             pinned,
             cells_from_tables: !dir.join(rl_common::MAP_CELL_COUNT).exists(),
-            old_arrays: [rl_common::MAP_OLD_CELLS_V4, rl_common::MAP_OLD_CELLS_V6].iter().any(|n| dir.join(n).exists()),
+            old_arrays: [rl_common::MAP_OLD_CELLS_V4, rl_common::MAP_OLD_CELLS_V6]
+                .iter()
+                .any(|n| dir.join(n).exists()),
         })
     }
 }
 
 /// The object loaded with its maps sized and, with pins, pinned or adopted
 /// by name (the cell count only once the cells are in the arrays).
-fn load_object(sized: &[(&str, u32)], specs: &[pin::MapSpec], opts: &LoadOptions, plan: &PinPlan) -> Result<Ebpf, DatapathError> {
+fn load_object(
+    sized: &[(&str, u32)],
+    specs: &[pin::MapSpec],
+    opts: &LoadOptions,
+    plan: &PinPlan,
+) -> Result<Ebpf, DatapathError> {
     let bench = u32::from(opts.bench_new_sources);
     let mut loader = EbpfLoader::new();
     for (name, n) in sized {
@@ -126,7 +142,9 @@ fn load_object(sized: &[(&str, u32)], specs: &[pin::MapSpec], opts: &LoadOptions
             }
         }
     }
-    loader.load(OBJECT).map_err(|e| classify("loading the XDP object", &e).unwrap_or_else(|| DatapathError::Load(chain(&e))))
+    loader.load(OBJECT).map_err(|e| {
+        classify("loading the XDP object", &e).unwrap_or_else(|| DatapathError::Load(chain(&e)))
+    })
 }
 
 impl Datapath {
@@ -159,7 +177,8 @@ impl Datapath {
         // The lock outlives a failed load until its pins are gone: another
         // start must not adopt them meanwhile (a duplicate holds the flock).
         let still_held = held.as_ref().and_then(|fd| fd.try_clone().ok());
-        let loaded = Datapath::load_planned(compiled, &opts, &sized, &specs, plan, cell_slots, held);
+        let loaded =
+            Datapath::load_planned(compiled, &opts, &sized, &specs, plan, cell_slots, held);
         if let (Err(_), Some(dir)) = (&loaded, &fresh) {
             // Nothing was in force there before: leave no pins that the next
             // start would take for a datapath to keep.
@@ -192,7 +211,8 @@ impl Datapath {
             held_ids: Default::default(),
             retired: StdHashMap::new(),
             cell_slots_log2: cell_slots.trailing_zeros() as u16,
-            cpus: aya::util::nr_cpus().map_err(|(_, e)| DatapathError::Load(format!("cannot count the CPUs: {e}")))?,
+            cpus: aya::util::nr_cpus()
+                .map_err(|(_, e)| DatapathError::Load(format!("cannot count the CPUs: {e}")))?,
             pins: opts.pin.clone(),
             adopted: plan.adopted,
             pinned_config: None,
@@ -220,12 +240,24 @@ impl Datapath {
         // Adopted, window limits count in windows of the wall clock as the
         // pinned offset placed them: a clock stepped since would move every
         // window (a fixed one would read as a new one).
-        dp.epoch_offset_ns = plan.pinned.as_ref().map_or_else(epoch_offset_ns, |p| p.epoch_offset_ns);
+        dp.epoch_offset_ns = plan
+            .pinned
+            .as_ref()
+            .map_or_else(epoch_offset_ns, |p| p.epoch_offset_ns);
         if plan.adopted {
             // The running program reads the active slot; what either slot
             // holds is not known here, so the install clears before writing.
             dp.active = plan.pinned.as_ref().map(|p| p.slot_flags().0);
-            dp.slots = [Arc::new(SlotContents { unknown: true, ..Default::default() }), Arc::new(SlotContents { unknown: true, ..Default::default() })];
+            dp.slots = [
+                Arc::new(SlotContents {
+                    unknown: true,
+                    ..Default::default()
+                }),
+                Arc::new(SlotContents {
+                    unknown: true,
+                    ..Default::default()
+                }),
+            ];
             dp.held_ids = Arc::new(dp.read_held_ids()?);
         }
         if plan.pinned.is_none() {
@@ -246,7 +278,9 @@ impl Datapath {
     /// Marks the pins as holding a datapath of this layout (in force).
     pub(super) fn write_layout(&mut self) -> Result<(), DatapathError> {
         let mut layout: Array<&mut MapData, u32> = map_mut(&mut self.ebpf, MAP_LAYOUT)?;
-        layout.set(0, LAYOUT_VERSION, 0).map_err(|e| map_error(MAP_LAYOUT, e))?;
+        layout
+            .set(0, LAYOUT_VERSION, 0)
+            .map_err(|e| map_error(MAP_LAYOUT, e))?;
         self.layout_pending = false;
         Ok(())
     }
@@ -259,7 +293,9 @@ impl Datapath {
         // The own buckets' cap (adopted: the same, `max_sources` being
         // part of the tables' size).
         let mut owned: Array<&mut MapData, u64> = map_mut(&mut self.ebpf, rl_common::MAP_OWNED)?;
-        owned.set(rl_common::OWNED_CAP, u64::from(compiled.max_sources), 0).map_err(|e| map_error(rl_common::MAP_OWNED, e))?;
+        owned
+            .set(rl_common::OWNED_CAP, u64::from(compiled.max_sources), 0)
+            .map_err(|e| map_error(rl_common::MAP_OWNED, e))?;
         // Fresh, empty tables: every clear bit is true. Adopted ones wait
         // for the collector's first walk (rl_common::known), whatever
         // their control word says: another build may have run them since
@@ -295,7 +331,8 @@ impl Datapath {
         }
         // The pinned program's filter, valid again (its own inserts set its bits).
         if let Some(word) = self.pinned_known {
-            let put = map_mut::<Array<&mut MapData, u64>>(&mut self.ebpf, MAP_KNOWN).and_then(|mut k| k.set(0, word, 0).map_err(|e| map_error(MAP_KNOWN, e)));
+            let put = map_mut::<Array<&mut MapData, u64>>(&mut self.ebpf, MAP_KNOWN)
+                .and_then(|mut k| k.set(0, word, 0).map_err(|e| map_error(MAP_KNOWN, e)));
             if let Err(e) = put {
                 warn!("could not put the pinned known-keys filter back after a failed start ({e}): it is off until a daemon's first walk (a flood costs table lookups)");
             }
@@ -307,8 +344,15 @@ impl Datapath {
     /// that clock), before this build's program first reads it. An older
     /// build's entry may lack fields (the cell arrays' size was carved from
     /// its `enabled`) or count its flood cap over another window.
-    pub(super) fn refresh_config(&mut self, pinned: &DatapathConfig, tuning: &crate::compile::Tuning) -> Result<(), DatapathError> {
-        self.write_config(DatapathConfig { clock: pinned.clock, ..self.basis().config(tuning, pinned.slot_flags) })
+    pub(super) fn refresh_config(
+        &mut self,
+        pinned: &DatapathConfig,
+        tuning: &crate::compile::Tuning,
+    ) -> Result<(), DatapathError> {
+        self.write_config(DatapathConfig {
+            clock: pinned.clock,
+            ..self.basis().config(tuning, pinned.slot_flags)
+        })
     }
 
     pub(super) fn load_program(&mut self, name: &'static str) -> Result<(), DatapathError> {
@@ -364,7 +408,10 @@ impl Datapath {
         let first = edge()?;
         std::thread::sleep(Duration::from_millis(40));
         let second = edge()?;
-        match first.zip(second).and_then(|(a, b)| TickClock::from_edges(a, b)) {
+        match first
+            .zip(second)
+            .and_then(|(a, b)| TickClock::from_edges(a, b))
+        {
             Some(clock) => {
                 tracing::debug!(tick_ns = clock.tick_ns, "kernel tick measured");
                 Ok(clock)
@@ -383,7 +430,10 @@ impl Datapath {
 /// fresh one.
 fn cells_fit(pinned: &DatapathConfig, tuning: &crate::compile::Tuning) -> Result<(), String> {
     let bits6 = |m: &[u32; 4]| m.iter().map(|w| w.count_ones()).sum::<u32>();
-    let (was, want) = ((pinned.cell_mask4.count_ones(), bits6(&pinned.cell_mask6)), (tuning.cell_mask4.count_ones(), bits6(&tuning.cell_mask6)));
+    let (was, want) = (
+        (pinned.cell_mask4.count_ones(), bits6(&pinned.cell_mask6)),
+        (tuning.cell_mask4.count_ones(), bits6(&tuning.cell_mask6)),
+    );
     if was == want {
         return Ok(());
     }

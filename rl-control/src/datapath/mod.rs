@@ -6,24 +6,24 @@
 
 use std::{
     collections::HashMap as StdHashMap,
-    sync::Arc,
     error::Error as StdError,
     ffi::CString,
     fmt, io,
+    sync::Arc,
     time::{Duration, Instant},
 };
 
+use aya::maps::Array;
 use aya::{
     maps::{MapData, RingBuf},
     programs::{links::FdLink, ProgramError, TestRun, TestRunOptions, Xdp},
     Ebpf, EbpfLoader,
 };
 use aya_log::EbpfLogger;
-use aya::maps::Array;
 use rl_common::{
-    DatapathConfig, KNOWN_VALID, LAYOUT_VERSION, MAP_KNOWN, MAP_LAYOUT,
-    RuleStats, RULE_SLOTS, TickClock, MAP_EVENTS, MAP_SOURCES_V4, MAP_SOURCES_V6, PROG_CLOCK, PROG_FLOOR, PROG_LIMITER, STAT_COUNT,
-    STAT_NAMES,
+    DatapathConfig, RuleStats, TickClock, KNOWN_VALID, LAYOUT_VERSION, MAP_EVENTS, MAP_KNOWN,
+    MAP_LAYOUT, MAP_SOURCES_V4, MAP_SOURCES_V6, PROG_CLOCK, PROG_FLOOR, PROG_LIMITER, RULE_SLOTS,
+    STAT_COUNT, STAT_NAMES,
 };
 use thiserror::Error;
 use tracing::warn;
@@ -45,13 +45,22 @@ pub mod share;
 
 mod pressure;
 
-pub use install::{fits, Plan};
 pub use cells::CellArray;
+pub use install::{fits, Plan};
 pub use known::KnownFilter;
 pub use load::{table_capacity, LoadOptions, LAST_RESORT_ROOM};
-pub use pressure::{collect, collect_handing, flood_mode, FloodReading, LimitsByKey, Pass, TableMaps, COLLECT_IDLE_NS};
-pub use pin::{detach as detach_pinned, dirs_with as pin_dirs_with, group_name as pin_group, prepare as prepare_pins};
-pub use read::{scan_buckets, MapRef, ChargedBy, ChargedCell, ChargedCells, Source, SourceQuota, CHARGED_CELLS_KEPT};
+pub use pin::{
+    detach as detach_pinned, dirs_with as pin_dirs_with, group_name as pin_group,
+    prepare as prepare_pins,
+};
+pub use pressure::{
+    collect, collect_handing, flood_mode, FloodReading, LimitsByKey, Pass, TableMaps,
+    COLLECT_IDLE_NS,
+};
+pub use read::{
+    scan_buckets, ChargedBy, ChargedCell, ChargedCells, MapRef, Source, SourceQuota,
+    CHARGED_CELLS_KEPT,
+};
 
 /// The XDP object, built by `cargo xtask build` and embedded at compile time.
 static OBJECT: &[u8] = aya::include_bytes_aligned!(env!("RL_EBPF_OBJ"));
@@ -96,7 +105,10 @@ pub enum DatapathError {
          to protect another set, take that one off first with `rl-control detach --iface {iface}` (it drops that datapath's buckets), then start again",
         .dir.display()
     )]
-    PinnedElsewhere { iface: String, dir: std::path::PathBuf },
+    PinnedElsewhere {
+        iface: String,
+        dir: std::path::PathBuf,
+    },
     #[error("loading the XDP object failed: {0}")]
     Load(String),
     #[error("attaching to `{iface}` in {mode} mode failed: {cause}")]
@@ -113,15 +125,29 @@ pub enum DatapathError {
         dir.display(), dir.file_name().map_or(String::new(), |n| n.to_string_lossy().into_owned()),
         dir.parent().map_or(String::new(), |p| p.display().to_string())
     )]
-    Layout { dir: std::path::PathBuf, what: String },
+    Layout {
+        dir: std::path::PathBuf,
+        what: String,
+    },
     #[error("another rl-control is running on the datapath pinned in {}: stop it first (its pid is in its runtime directory)", .0.display())]
     Held(std::path::PathBuf),
     #[error("pinning at {}: {cause} (pins need bpffs; set [datapath] pin_dir or --pin-dir to a directory on one)", at.display())]
-    Pin { at: std::path::PathBuf, cause: String },
+    Pin {
+        at: std::path::PathBuf,
+        cause: String,
+    },
     #[error("the rule set needs {needed}{} {what} entries, more than the {capacity} a slot holds: {hint}", if *needed > *capacity as usize + 1 { "" } else { " or more" })]
-    TooLarge { what: &'static str, needed: usize, capacity: u32, hint: &'static str },
+    TooLarge {
+        what: &'static str,
+        needed: usize,
+        capacity: u32,
+        hint: &'static str,
+    },
     #[error("test run of program {program} failed: {cause}")]
-    TestRun { program: &'static str, cause: String },
+    TestRun {
+        program: &'static str,
+        cause: String,
+    },
     #[error(
         "writing the rules failed after this build's program was attached ({0}): where it took a pinned XDP \
          link over it enforces the rule set that was pinned, buckets kept, and where it was attached afresh it \
@@ -162,8 +188,15 @@ fn classify(doing: &'static str, e: &(dyn StdError + 'static)) -> Option<Datapat
 }
 
 /// A `BPF_PROG_TEST_RUN` of `program` that failed while `doing`.
-fn test_run_error(doing: &'static str, program: &'static str, e: impl StdError + 'static) -> DatapathError {
-    classify(doing, &e).unwrap_or_else(|| DatapathError::TestRun { program, cause: chain(&e) })
+fn test_run_error(
+    doing: &'static str,
+    program: &'static str,
+    e: impl StdError + 'static,
+) -> DatapathError {
+    classify(doing, &e).unwrap_or_else(|| DatapathError::TestRun {
+        program,
+        cause: chain(&e),
+    })
 }
 
 fn map_error(map: &'static str, e: impl StdError + 'static) -> DatapathError {
@@ -336,7 +369,11 @@ impl Datapath {
     /// How many instructions the verifier walked to accept the limiter
     /// (of its 1,000,000 limit): the headroom left for new datapath code.
     pub fn verified_instructions(&self) -> Option<u32> {
-        self.program(PROG_LIMITER).ok()?.info().ok()?.verified_instruction_count()
+        self.program(PROG_LIMITER)
+            .ok()?
+            .info()
+            .ok()?
+            .verified_instruction_count()
     }
 
     fn program(&self, name: &'static str) -> Result<&Xdp, DatapathError> {
@@ -427,7 +464,6 @@ impl Datapath {
         self.pins.as_deref()
     }
 
-
     /// Where the limiter is attached, if it is.
     pub fn attachments(&self) -> &[Attachment] {
         &self.attachments
@@ -439,7 +475,11 @@ impl Datapath {
     /// not what the daemon did. One netlink query per interface.
     pub fn not_attached(&self) -> Vec<(String, String)> {
         let Some(prog) = self.program_id() else {
-            return self.attachments.iter().map(|a| (a.iface.clone(), "the limiter program has no id".to_string())).collect();
+            return self
+                .attachments
+                .iter()
+                .map(|a| (a.iface.clone(), "the limiter program has no id".to_string()))
+                .collect();
         };
         self.attachments
             .iter()
@@ -461,7 +501,10 @@ impl Datapath {
     /// [`Datapath::not_attached`]'s interfaces as one list, each with why:
     /// `eth0 (it runs no XDP program), eth1 (the interface is gone)`.
     pub fn listed(gone: &[(String, String)]) -> String {
-        gone.iter().map(|(i, why)| format!("{i} ({why})")).collect::<Vec<_>>().join(", ")
+        gone.iter()
+            .map(|(i, why)| format!("{i} ({why})"))
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 
     /// The kernel's id of the limiter program (as `bpftool prog` shows it).
@@ -477,7 +520,11 @@ impl Datapath {
 
     /// Like [`Datapath::test_run`] for the bare `XDP_DROP` program, the floor
     /// every benchmark is compared with.
-    pub fn test_run_floor(&mut self, frame: &[u8], repeat: u32) -> Result<(u32, Duration), DatapathError> {
+    pub fn test_run_floor(
+        &mut self,
+        frame: &[u8],
+        repeat: u32,
+    ) -> Result<(u32, Duration), DatapathError> {
         if self.program(PROG_FLOOR)?.fd().is_err() {
             self.load_program(PROG_FLOOR)?;
         }
@@ -485,7 +532,12 @@ impl Datapath {
     }
 }
 
-fn run(prog: &Xdp, name: &'static str, frame: &[u8], repeat: u32) -> Result<(u32, Duration), DatapathError> {
+fn run(
+    prog: &Xdp,
+    name: &'static str,
+    frame: &[u8],
+    repeat: u32,
+) -> Result<(u32, Duration), DatapathError> {
     let r = prog
         .test_run(TestRunOptions {
             data_in: Some(frame),
@@ -498,8 +550,10 @@ fn run(prog: &Xdp, name: &'static str, frame: &[u8], repeat: u32) -> Result<(u32
 
 /// `CLOCK_MONOTONIC` in ns: the clock `bpf_ktime_get_ns` reads.
 pub fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
-

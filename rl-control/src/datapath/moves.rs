@@ -28,10 +28,15 @@ impl<K: BucketKey + KnownKey + PartialEq> FamilyMove<'_, K> {
     /// Moves the cells among `found`, as (key, state), each as
     /// [`FamilyMove::one`] does (a cell whose rule is gone is left);
     /// returns how many.
-    pub(super) fn found(&self, found: impl IntoIterator<Item = (K, Bucket)>) -> Result<u64, DatapathError> {
+    pub(super) fn found(
+        &self,
+        found: impl IntoIterator<Item = (K, Bucket)>,
+    ) -> Result<u64, DatapathError> {
         let mut moved = 0;
         for (k, b) in found {
-            if let (KeyKind::Cell, Some(l)) = (key_kind(k.rule()), self.limits.get(&(k.rule() & !KEY_CELL))) {
+            if let (KeyKind::Cell, Some(l)) =
+                (key_kind(k.rule()), self.limits.get(&(k.rule() & !KEY_CELL)))
+            {
                 self.one(&k, &b, l)?;
                 moved += 1;
             }
@@ -58,14 +63,17 @@ impl<K: BucketKey + KnownKey + PartialEq> FamilyMove<'_, K> {
     fn one(&self, k: &K, b: &Bucket, limit: &LimitEntry) -> Result<(), DatapathError> {
         // In a window's first tick a datapath on the tick clock may still be in
         // the window before: merge after it, on a clock read after the words.
-        std::thread::sleep(std::time::Duration::from_nanos(limit.merge_wait_ns(monotonic_ns(), self.epoch_offset_ns)));
+        std::thread::sleep(std::time::Duration::from_nanos(
+            limit.merge_wait_ns(monotonic_ns(), self.epoch_offset_ns),
+        ));
         let merge = |x, y| limit.merge(x, y, monotonic_ns(), self.epoch_offset_ns);
         if self.cells.adopt(k, *b, merge) {
             return Ok(());
         }
         let data = self.table.open()?;
         let mut table: aya::maps::HashMap<MapData, K, Bucket> =
-            aya::maps::HashMap::try_from(Map::HashMap(data)).map_err(|e| map_error(self.name, e))?;
+            aya::maps::HashMap::try_from(Map::HashMap(data))
+                .map_err(|e| map_error(self.name, e))?;
         let last = k.last_resort();
         let l = table.get(&last, 0).unwrap_or_default();
         let tat_ns = merge(l.tat_ns, b.tat_ns);
@@ -75,7 +83,9 @@ impl<K: BucketKey + KnownKey + PartialEq> FamilyMove<'_, K> {
         if tat_ns == l.tat_ns {
             return Ok(());
         }
-        table.insert(last, Bucket { tat_ns, ..l }, 0).map_err(|e| map_error(self.name, e))
+        table
+            .insert(last, Bucket { tat_ns, ..l }, 0)
+            .map_err(|e| map_error(self.name, e))
     }
 }
 
@@ -90,12 +100,24 @@ struct MoveTargets {
 impl MoveTargets {
     fn v4(&self, epoch_offset_ns: u64) -> FamilyMove<'_, Key4> {
         let (table, name) = (&self.ids.tables.0, MAP_SOURCES_V4);
-        FamilyMove { table, name, cells: &self.cells.0, limits: &self.limits, epoch_offset_ns }
+        FamilyMove {
+            table,
+            name,
+            cells: &self.cells.0,
+            limits: &self.limits,
+            epoch_offset_ns,
+        }
     }
 
     fn v6(&self, epoch_offset_ns: u64) -> FamilyMove<'_, Key6> {
         let (table, name) = (&self.ids.tables.1, MAP_SOURCES_V6);
-        FamilyMove { table, name, cells: &self.cells.1, limits: &self.limits, epoch_offset_ns }
+        FamilyMove {
+            table,
+            name,
+            cells: &self.cells.1,
+            limits: &self.limits,
+            epoch_offset_ns,
+        }
     }
 }
 
@@ -112,7 +134,8 @@ impl Datapath {
         let to = self.move_targets()?;
         let mut moved = 0;
         if self.cells_from_tables {
-            moved += to.v4(self.epoch_offset_ns).table_cells()? + to.v6(self.epoch_offset_ns).table_cells()?;
+            moved += to.v4(self.epoch_offset_ns).table_cells()?
+                + to.v6(self.epoch_offset_ns).table_cells()?;
         }
         Ok(moved + self.move_old_arrays(&to)?)
     }
@@ -120,13 +143,19 @@ impl Datapath {
     /// What a move of an older build's cells writes to, opened once.
     fn move_targets(&self) -> Result<MoveTargets, DatapathError> {
         let ids = self.table_maps()?;
-        Ok(MoveTargets { limits: self.limits_by_key()?, cells: ids.cell_arrays()?, ids })
+        Ok(MoveTargets {
+            limits: self.limits_by_key()?,
+            cells: ids.cell_arrays()?,
+            ids,
+        })
     }
 
     /// The cells of the 64-byte arrays still pinned, if any, into this
     /// build's arrays; returns how many.
     fn move_old_arrays(&self, to: &MoveTargets) -> Result<u64, DatapathError> {
-        let (true, Some(dir)) = (self.old_arrays, &self.pins) else { return Ok(0) };
+        let (true, Some(dir)) = (self.old_arrays, &self.pins) else {
+            return Ok(0);
+        };
         // An older build pinned both arrays; a family's may be gone if a
         // daemon stopped while unpinning them.
         let old = |name| {
@@ -135,10 +164,14 @@ impl Datapath {
         };
         let mut moved = 0;
         if let Some(path) = old(MAP_OLD_CELLS_V4) {
-            moved += to.v4(self.epoch_offset_ns).found(old_cells::<Key4>(&path, MAP_OLD_CELLS_V4)?)?;
+            moved += to
+                .v4(self.epoch_offset_ns)
+                .found(old_cells::<Key4>(&path, MAP_OLD_CELLS_V4)?)?;
         }
         if let Some(path) = old(MAP_OLD_CELLS_V6) {
-            moved += to.v6(self.epoch_offset_ns).found(old_cells::<Key6>(&path, MAP_OLD_CELLS_V6)?)?;
+            moved += to
+                .v6(self.epoch_offset_ns)
+                .found(old_cells::<Key6>(&path, MAP_OLD_CELLS_V6)?)?;
         }
         Ok(moved)
     }
@@ -158,15 +191,21 @@ impl Datapath {
             for name in [MAP_OLD_CELLS_V4, MAP_OLD_CELLS_V6] {
                 let path = dir.join(name);
                 if path.exists() {
-                    std::fs::remove_file(&path).map_err(|e| DatapathError::Load(format!("unpinning {}: {e}", path.display())))?;
+                    std::fs::remove_file(&path).map_err(|e| {
+                        DatapathError::Load(format!("unpinning {}: {e}", path.display()))
+                    })?;
                 }
             }
             self.old_arrays = false;
         }
         if let (true, Some(dir)) = (self.cells_from_tables, &self.pins) {
             let path = dir.join(MAP_CELL_COUNT);
-            let map = self.ebpf.map(MAP_CELL_COUNT).ok_or_else(|| DatapathError::Load(format!("map {MAP_CELL_COUNT} is missing")))?;
-            map.pin(&path).map_err(|e| DatapathError::Load(format!("pinning {}: {e}", path.display())))?;
+            let map = self
+                .ebpf
+                .map(MAP_CELL_COUNT)
+                .ok_or_else(|| DatapathError::Load(format!("map {MAP_CELL_COUNT} is missing")))?;
+            map.pin(&path)
+                .map_err(|e| DatapathError::Load(format!("pinning {}: {e}", path.display())))?;
         }
         self.cells_from_tables = false;
         Ok(merged)

@@ -49,13 +49,22 @@ pub(super) fn xdp_programs(ifindex: u32) -> Result<Vec<u32>> {
 }
 
 fn socket() -> Result<OwnedFd> {
-    let fd = unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, libc::NETLINK_ROUTE) };
+    let fd = unsafe {
+        libc::socket(
+            libc::AF_NETLINK,
+            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
+            libc::NETLINK_ROUTE,
+        )
+    };
     if fd < 0 {
         return Err(Error::last_os_error());
     }
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
     // The kernel answers at once; never wait long for it.
-    let timeout = libc::timeval { tv_sec: 2, tv_usec: 0 };
+    let timeout = libc::timeval {
+        tv_sec: 2,
+        tv_usec: 0,
+    };
     let set = unsafe {
         libc::setsockopt(
             fd.as_raw_fd(),
@@ -74,8 +83,15 @@ fn socket() -> Result<OwnedFd> {
 /// The program ids in the kernel's answer to one `RTM_GETLINK`.
 fn answer(msg: &[u8]) -> Result<Vec<u32>> {
     let bad = || Error::new(ErrorKind::InvalidData, "a malformed rtnetlink answer");
-    let u16_at = |b: &[u8], i: usize| b.get(i..i + 2).map(|s| u16::from_ne_bytes([s[0], s[1]])).ok_or_else(bad);
-    let len = msg.get(0..4).map(|s| u32::from_ne_bytes([s[0], s[1], s[2], s[3]]) as usize).ok_or_else(bad)?;
+    let u16_at = |b: &[u8], i: usize| {
+        b.get(i..i + 2)
+            .map(|s| u16::from_ne_bytes([s[0], s[1]]))
+            .ok_or_else(bad)
+    };
+    let len = msg
+        .get(0..4)
+        .map(|s| u32::from_ne_bytes([s[0], s[1], s[2], s[3]]) as usize)
+        .ok_or_else(bad)?;
     let msg = msg.get(..len).ok_or_else(bad)?;
     match u16_at(msg, 4)? {
         NLMSG_ERROR => {
@@ -152,7 +168,10 @@ mod tests {
         all.extend(attr(IFLA_XDP | 0x8000, &xdp)); // NLA_F_NESTED set
         all.extend(attr(4, &5u32.to_ne_bytes())); // an IFLA_* 4 outside IFLA_XDP: not a program
         assert_eq!(answer(&newlink(&all)).unwrap(), vec![7, 9]);
-        assert_eq!(answer(&newlink(&attr(3, b"vb\0"))).unwrap(), Vec::<u32>::new());
+        assert_eq!(
+            answer(&newlink(&attr(3, b"vb\0"))).unwrap(),
+            Vec::<u32>::new()
+        );
     }
 
     #[test]
@@ -164,6 +183,9 @@ mod tests {
         assert_eq!(answer(&m).unwrap_err().raw_os_error(), Some(libc::ENODEV));
         let whole = newlink(&attr(IFLA_XDP, &attr(4, &3u32.to_ne_bytes())));
         assert_eq!(answer(&whole).unwrap(), vec![3]);
-        assert!(answer(&whole[..whole.len() - 4]).is_err(), "shorter than its length says");
+        assert!(
+            answer(&whole[..whole.len() - 4]).is_err(),
+            "shorter than its length says"
+        );
     }
 }

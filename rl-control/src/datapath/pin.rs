@@ -53,7 +53,8 @@ pub(super) struct MapSpec {
 /// The maps of `object` that are pinned (rl's own: `RL_*`), with the
 /// capacities this load will give them (`sized`: name ➜ entries).
 pub(super) fn specs(object: &[u8], sized: &[(&str, u32)]) -> Result<Vec<MapSpec>, DatapathError> {
-    let obj = aya_obj::Object::parse(object).map_err(|e| DatapathError::Load(format!("parsing the XDP object: {e}")))?;
+    let obj = aya_obj::Object::parse(object)
+        .map_err(|e| DatapathError::Load(format!("parsing the XDP object: {e}")))?;
     let mut out: Vec<MapSpec> = obj
         .maps
         .iter()
@@ -63,19 +64,26 @@ pub(super) fn specs(object: &[u8], sized: &[(&str, u32)]) -> Result<Vec<MapSpec>
             map_type: m.map_type(),
             key_size: m.key_size(),
             value_size: m.value_size(),
-            max_entries: sized.iter().find(|(n, _)| n == name).map_or(m.max_entries(), |(_, e)| *e),
+            max_entries: sized
+                .iter()
+                .find(|(n, _)| n == name)
+                .map_or(m.max_entries(), |(_, e)| *e),
             flags: m.map_flags(),
         })
         .collect();
     out.sort_by(|a, b| a.name.cmp(&b.name));
     if !out.iter().any(|m| m.name == MAP_LAYOUT) {
-        return Err(DatapathError::Load(format!("the XDP object has no {MAP_LAYOUT} map")));
+        return Err(DatapathError::Load(format!(
+            "the XDP object has no {MAP_LAYOUT} map"
+        )));
     }
     Ok(out)
 }
 
 fn is_bpffs(path: &Path) -> bool {
-    let Ok(c) = CString::new(path.as_os_str().as_encoded_bytes()) else { return false };
+    let Ok(c) = CString::new(path.as_os_str().as_encoded_bytes()) else {
+        return false;
+    };
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
     unsafe { libc::statfs(c.as_ptr(), &mut st) == 0 && st.f_type as i64 == BPF_FS_MAGIC }
 }
@@ -86,7 +94,15 @@ fn mount_bpffs(at: &Path) -> Result<(), DatapathError> {
     // Root's alone: bpffs' own default is 1777, where anyone could make an
     // interface's directory first and then remove rl's pins.
     let data = c"mode=0700";
-    let rc = unsafe { libc::mount(fs.as_ptr(), target.as_ptr(), fs.as_ptr(), 0, data.as_ptr().cast()) };
+    let rc = unsafe {
+        libc::mount(
+            fs.as_ptr(),
+            target.as_ptr(),
+            fs.as_ptr(),
+            0,
+            data.as_ptr().cast(),
+        )
+    };
     if rc != 0 {
         let e = std::io::Error::last_os_error();
         if e.raw_os_error() == Some(libc::EPERM) {
@@ -99,7 +115,10 @@ fn mount_bpffs(at: &Path) -> Result<(), DatapathError> {
 }
 
 fn pin_error(at: &Path, cause: impl std::fmt::Display) -> DatapathError {
-    DatapathError::Pin { at: at.to_path_buf(), cause: cause.to_string() }
+    DatapathError::Pin {
+        at: at.to_path_buf(),
+        cause: cause.to_string(),
+    }
 }
 
 /// Makes `dir` (an interface's pin directory under `pin_dir`) exist on a
@@ -130,7 +149,11 @@ pub fn prepare(pin_dir: &Path, dir: &Path) -> Result<(), DatapathError> {
 fn safe_ancestors(dir: &Path) -> Result<(), DatapathError> {
     use std::os::unix::fs::MetadataExt;
     let me = unsafe { libc::geteuid() };
-    for up in dir.ancestors().skip(1).filter(|a| !a.as_os_str().is_empty()) {
+    for up in dir
+        .ancestors()
+        .skip(1)
+        .filter(|a| !a.as_os_str().is_empty())
+    {
         if !is_bpffs(up) {
             break;
         }
@@ -176,7 +199,8 @@ fn own_dir(dir: &Path) -> Result<(), DatapathError> {
     }
     // Pin directories of older builds were made 0755: readable, so lockable, by anyone.
     if meta.mode() & 0o077 != 0 {
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(|e| pin_error(dir, e))?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| pin_error(dir, e))?;
     }
     Ok(())
 }
@@ -190,8 +214,12 @@ pub(super) fn owned_cap(dir: &Path) -> Result<Option<u64>, DatapathError> {
     }
     let map = aya::maps::MapData::from_pin(&path).map_err(|e| pin_error(&path, chain(&e)))?;
     let owned: aya::maps::Array<aya::maps::MapData, u64> =
-        aya::maps::Array::try_from(aya::maps::Map::Array(map)).map_err(|e| pin_error(&path, chain(&e)))?;
-    owned.get(&rl_common::OWNED_CAP, 0).map(Some).map_err(|e| pin_error(&path, chain(&e)))
+        aya::maps::Array::try_from(aya::maps::Map::Array(map))
+            .map_err(|e| pin_error(&path, chain(&e)))?;
+    owned
+        .get(&rl_common::OWNED_CAP, 0)
+        .map(Some)
+        .map_err(|e| pin_error(&path, chain(&e)))
 }
 
 /// Removes the pins an interrupted first start left in `dir`: maps, but no
@@ -201,13 +229,18 @@ pub(super) fn owned_cap(dir: &Path) -> Result<Option<u64>, DatapathError> {
 /// directory stays (the caller holds its lock). `true` if it removed any.
 pub(super) fn clear_interrupted(dir: &Path) -> Result<bool, DatapathError> {
     let names: Vec<String> = match std::fs::read_dir(dir) {
-        Ok(rd) => rd.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect(),
+        Ok(rd) => rd
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect(),
         Err(_) => return Ok(false),
     };
     if names.is_empty() || names.iter().any(|n| n.starts_with("link-")) {
         return Ok(false);
     }
-    if names.iter().any(|n| n == MAP_LAYOUT) && read_layout(dir).map_or(true, |(version, _)| version != 0) {
+    if names.iter().any(|n| n == MAP_LAYOUT)
+        && read_layout(dir).map_or(true, |(version, _)| version != 0)
+    {
         return Ok(false);
     }
     remove_pins(dir)?;
@@ -216,7 +249,10 @@ pub(super) fn clear_interrupted(dir: &Path) -> Result<bool, DatapathError> {
 
 /// Removes every pin in `dir` but no link (there is none) and not `dir`.
 pub(super) fn remove_pins(dir: &Path) -> Result<(), DatapathError> {
-    for e in std::fs::read_dir(dir).map_err(|e| pin_error(dir, e))?.flatten() {
+    for e in std::fs::read_dir(dir)
+        .map_err(|e| pin_error(dir, e))?
+        .flatten()
+    {
         let path = e.path();
         if !e.file_name().to_string_lossy().starts_with("link-") {
             std::fs::remove_file(&path).map_err(|e| pin_error(&path, e))?;
@@ -230,7 +266,12 @@ pub(super) fn remove_pins(dir: &Path) -> Result<(), DatapathError> {
 pub(super) fn hold(dir: &Path) -> Result<std::os::fd::OwnedFd, DatapathError> {
     use std::os::fd::FromRawFd;
     let c = CString::new(dir.as_os_str().as_encoded_bytes()).map_err(|e| pin_error(dir, e))?;
-    let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC) };
+    let fd = unsafe {
+        libc::open(
+            c.as_ptr(),
+            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
+        )
+    };
     if fd < 0 {
         return Err(pin_error(dir, std::io::Error::last_os_error()));
     }
@@ -267,21 +308,36 @@ fn added_since_layout(name: &str) -> bool {
 /// matches `specs` and the layout version is this build's. Refuses with
 /// what differs, never adopts a map it would misread.
 pub(super) fn check(dir: &Path, specs: &[MapSpec]) -> Result<bool, DatapathError> {
-    let present: Vec<&MapSpec> = specs.iter().filter(|s| dir.join(&s.name).exists()).collect();
+    let present: Vec<&MapSpec> = specs
+        .iter()
+        .filter(|s| dir.join(&s.name).exists())
+        .collect();
     if present.is_empty() {
         return Ok(false);
     }
-    let mismatch = |what: String| DatapathError::Layout { dir: dir.to_path_buf(), what };
+    let mismatch = |what: String| DatapathError::Layout {
+        dir: dir.to_path_buf(),
+        what,
+    };
     for s in specs {
         let path = dir.join(&s.name);
         if !path.exists() {
             if added_since_layout(&s.name) {
                 continue;
             }
-            return Err(mismatch(format!("{} is not pinned (an incomplete or older setup)", s.name)));
+            return Err(mismatch(format!(
+                "{} is not pinned (an incomplete or older setup)",
+                s.name
+            )));
         }
-        let info = MapInfo::from_pin(&path).map_err(|e| mismatch(format!("{} cannot be read: {}", s.name, chain(&e))))?;
-        let (t, k, v, n) = (info_type(&info), info.key_size(), info.value_size(), info.max_entries());
+        let info = MapInfo::from_pin(&path)
+            .map_err(|e| mismatch(format!("{} cannot be read: {}", s.name, chain(&e))))?;
+        let (t, k, v, n) = (
+            info_type(&info),
+            info.key_size(),
+            info.value_size(),
+            info.max_entries(),
+        );
         if t != s.map_type || k != s.key_size || v != s.value_size {
             return Err(mismatch(format!(
                 "{} is a type-{t} map of {k}-byte keys and {v}-byte values, this build's is type {} with {} and {}",
@@ -307,7 +363,11 @@ pub(super) fn check(dir: &Path, specs: &[MapSpec]) -> Result<bool, DatapathError
     // adopted beside a fresh key array would hold cells the daemon cannot
     // name (never freed, never shared).
     let group = rl_common::CELL_STATE_MAPS;
-    let pinned: Vec<&str> = group.iter().copied().filter(|n| dir.join(n).exists()).collect();
+    let pinned: Vec<&str> = group
+        .iter()
+        .copied()
+        .filter(|n| dir.join(n).exists())
+        .collect();
     if !pinned.is_empty() && pinned.len() < group.len() {
         return Err(mismatch(format!(
             "of the prefix cells' maps only {} are pinned (an interrupted setup, or a development build's)",
@@ -316,7 +376,9 @@ pub(super) fn check(dir: &Path, specs: &[MapSpec]) -> Result<bool, DatapathError
     }
     let version = read_layout(dir)?.0;
     if version != LAYOUT_VERSION {
-        return Err(mismatch(format!("its layout version is {version}, this build's is {LAYOUT_VERSION}")));
+        return Err(mismatch(format!(
+            "its layout version is {version}, this build's is {LAYOUT_VERSION}"
+        )));
     }
     Ok(true)
 }
@@ -332,26 +394,39 @@ pub(super) fn config(dir: &Path) -> Result<Option<rl_common::DatapathConfig>, Da
     if !path.exists() {
         return Ok(None);
     }
-    let bad = |cause: String| DatapathError::Layout { dir: dir.to_path_buf(), what: format!("{}: {cause}", rl_common::MAP_CONFIG) };
+    let bad = |cause: String| DatapathError::Layout {
+        dir: dir.to_path_buf(),
+        what: format!("{}: {cause}", rl_common::MAP_CONFIG),
+    };
     let data = MapData::from_pin(&path).map_err(|e| bad(chain(&e)))?;
-    let arr: Array<MapData, rl_common::DatapathConfig> = Array::try_from(Map::Array(data)).map_err(|e| bad(chain(&e)))?;
+    let arr: Array<MapData, rl_common::DatapathConfig> =
+        Array::try_from(Map::Array(data)).map_err(|e| bad(chain(&e)))?;
     arr.get(&0, 0).map(Some).map_err(|e| bad(chain(&e)))
 }
 
 /// The pinned `(layout version, XDP mode)`.
 pub(super) fn read_layout(dir: &Path) -> Result<(u32, u32), DatapathError> {
     let path = dir.join(MAP_LAYOUT);
-    let bad = |cause: String| DatapathError::Layout { dir: dir.to_path_buf(), what: format!("{MAP_LAYOUT}: {cause}") };
+    let bad = |cause: String| DatapathError::Layout {
+        dir: dir.to_path_buf(),
+        what: format!("{MAP_LAYOUT}: {cause}"),
+    };
     let data = MapData::from_pin(&path).map_err(|e| bad(chain(&e)))?;
     let arr: Array<MapData, u32> = Array::try_from(Map::Array(data)).map_err(|e| bad(chain(&e)))?;
-    Ok((arr.get(&0, 0).map_err(|e| bad(chain(&e)))?, arr.get(&1, 0).map_err(|e| bad(chain(&e)))?))
+    Ok((
+        arr.get(&0, 0).map_err(|e| bad(chain(&e)))?,
+        arr.get(&1, 0).map_err(|e| bad(chain(&e)))?,
+    ))
 }
 
 /// The link pinned in `dir` for `iface`, with the mode it was made in.
 pub(super) fn pinned_link(dir: &Path, iface: &str) -> Option<(PinnedLink, &'static str, PathBuf)> {
     ["native", "skb"].into_iter().find_map(|mode| {
         let path = dir.join(link_pin(iface, mode));
-        let link = path.exists().then(|| PinnedLink::from_pin(&path).ok()).flatten()?;
+        let link = path
+            .exists()
+            .then(|| PinnedLink::from_pin(&path).ok())
+            .flatten()?;
         Some((link, mode, path))
     })
 }
@@ -375,16 +450,31 @@ pub(super) fn pinned_link_info(path: &Path) -> std::io::Result<LinkInfo> {
     let mut attr = [0u64; 16];
     attr[0] = fd.as_raw_fd() as u32 as u64 | (std::mem::size_of_val(&info) as u64) << 32;
     attr[1] = info.as_mut_ptr() as u64;
-    let rc = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_GET_INFO_BY_FD, attr.as_mut_ptr(), std::mem::size_of_val(&attr)) };
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_OBJ_GET_INFO_BY_FD,
+            attr.as_mut_ptr(),
+            std::mem::size_of_val(&attr),
+        )
+    };
     if rc < 0 {
         return Err(std::io::Error::last_os_error());
     }
-    Ok(LinkInfo { prog_id: info[2], ifindex: info[4] })
+    Ok(LinkInfo {
+        prog_id: info[2],
+        ifindex: info[4],
+    })
 }
 
 /// Pins `link` (attached to `iface` in `mode`) in `dir`; returns the link
 /// (still held, still pinned) and its pin.
-pub(super) fn pin_link(dir: &Path, iface: &str, mode: &str, link: FdLink) -> Result<(FdLink, PathBuf), DatapathError> {
+pub(super) fn pin_link(
+    dir: &Path,
+    iface: &str,
+    mode: &str,
+    link: FdLink,
+) -> Result<(FdLink, PathBuf), DatapathError> {
     let path = dir.join(link_pin(iface, mode));
     let pinned = link.pin(&path).map_err(|e| pin_error(&path, chain(&e)))?;
     Ok((pinned.into(), path))
@@ -402,7 +492,13 @@ pub fn dirs_with(pin_dir: &Path, iface: &str) -> std::io::Result<Vec<PathBuf>> {
     };
     Ok(entries
         .flatten()
-        .filter(|e| e.path().is_dir() && e.file_name().to_string_lossy().split('+').any(|i| i == iface))
+        .filter(|e| {
+            e.path().is_dir()
+                && e.file_name()
+                    .to_string_lossy()
+                    .split('+')
+                    .any(|i| i == iface)
+        })
         .map(|e| e.path())
         .collect())
 }
@@ -416,13 +512,18 @@ pub fn detach(dir: &Path) -> Result<bool, DatapathError> {
     }
     let entries: Vec<PathBuf> = std::fs::read_dir(dir)
         .map_err(|e| match e.kind() {
-            std::io::ErrorKind::PermissionDenied => DatapathError::NoPrivilege { doing: "reading rl's pin directory" },
+            std::io::ErrorKind::PermissionDenied => DatapathError::NoPrivilege {
+                doing: "reading rl's pin directory",
+            },
             _ => pin_error(dir, e),
         })?
         .map(|e| e.map(|e| e.path()).map_err(|e| pin_error(dir, e)))
         .collect::<Result<_, _>>()?;
     // Links first: the program leaves every interface before its maps go.
-    let is_link = |p: &PathBuf| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("link-"));
+    let is_link = |p: &PathBuf| {
+        p.file_name()
+            .is_some_and(|n| n.to_string_lossy().starts_with("link-"))
+    };
     for link in entries.iter().filter(|p| is_link(p)) {
         let fd = obj_get(link).map_err(|e| pin_error(link, e))?;
         // ENOLINK: the interface is gone and the link with it.
@@ -453,7 +554,14 @@ fn obj_get(path: &Path) -> std::io::Result<std::os::fd::OwnedFd> {
     let c = CString::new(path.as_os_str().as_encoded_bytes())?;
     let mut attr = [0u64; 16];
     attr[0] = c.as_ptr() as u64;
-    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_GET, attr.as_mut_ptr(), std::mem::size_of_val(&attr)) };
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_OBJ_GET,
+            attr.as_mut_ptr(),
+            std::mem::size_of_val(&attr),
+        )
+    };
     if fd < 0 {
         return Err(std::io::Error::last_os_error());
     }
@@ -465,7 +573,14 @@ fn link_detach(fd: i32) -> std::io::Result<()> {
     const BPF_LINK_DETACH: libc::c_long = 34;
     let mut attr = [0u64; 16];
     attr[0] = fd as u32 as u64;
-    let rc = unsafe { libc::syscall(libc::SYS_bpf, BPF_LINK_DETACH, attr.as_mut_ptr(), std::mem::size_of_val(&attr)) };
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_LINK_DETACH,
+            attr.as_mut_ptr(),
+            std::mem::size_of_val(&attr),
+        )
+    };
     if rc < 0 {
         return Err(std::io::Error::last_os_error());
     }

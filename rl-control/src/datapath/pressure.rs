@@ -41,8 +41,16 @@ impl TableMaps {
     pub fn cell_arrays(&self) -> Result<(CellArray<Key4>, CellArray<Key6>), DatapathError> {
         let seed = super::cells::cell_seed(&self.cell_seed)?;
         Ok((
-            CellArray::open((&self.cells.0, &self.cell_keys.0), (MAP_CELLS_V4, MAP_CELL_KEYS_V4), seed)?,
-            CellArray::open((&self.cells.1, &self.cell_keys.1), (MAP_CELLS_V6, MAP_CELL_KEYS_V6), seed)?,
+            CellArray::open(
+                (&self.cells.0, &self.cell_keys.0),
+                (MAP_CELLS_V4, MAP_CELL_KEYS_V4),
+                seed,
+            )?,
+            CellArray::open(
+                (&self.cells.1, &self.cell_keys.1),
+                (MAP_CELLS_V6, MAP_CELL_KEYS_V6),
+                seed,
+            )?,
         ))
     }
 }
@@ -91,7 +99,10 @@ impl Datapath {
         Ok(TableMaps {
             tables: self.source_maps()?,
             cells: (self.map_ref(MAP_CELLS_V4)?, self.map_ref(MAP_CELLS_V6)?),
-            cell_keys: (self.map_ref(MAP_CELL_KEYS_V4)?, self.map_ref(MAP_CELL_KEYS_V6)?),
+            cell_keys: (
+                self.map_ref(MAP_CELL_KEYS_V4)?,
+                self.map_ref(MAP_CELL_KEYS_V6)?,
+            ),
             cell_seed: self.map_ref(MAP_CELL_SEED)?,
             cell_count: self.map_ref(MAP_CELL_COUNT)?,
             wide_count: self.map_ref(MAP_WIDE_COUNT)?,
@@ -106,7 +117,14 @@ impl Datapath {
     /// cells there are.
     pub fn wide_counts(&self) -> Result<(u64, u64), DatapathError> {
         let m = Mapped::open(&self.map_ref(MAP_WIDE_COUNT)?, MAP_WIDE_COUNT, 8)?;
-        let sum = |family: u32| -> u64 { wide_entries(family).map(|e| m.word(e as usize * 8).load(std::sync::atomic::Ordering::Acquire)).sum() };
+        let sum = |family: u32| -> u64 {
+            wide_entries(family)
+                .map(|e| {
+                    m.word(e as usize * 8)
+                        .load(std::sync::atomic::Ordering::Acquire)
+                })
+                .sum()
+        };
         Ok((sum(0), sum(1)))
     }
 
@@ -150,7 +168,12 @@ impl Datapath {
 /// flips it, so a failed one leaves the old half in use (stale bits cost
 /// lookups, never verdicts). Then it frees the prefix cells that are fresh
 /// (or whose rule is gone) in the cell arrays.
-pub fn collect(ids: &TableMaps, epoch_offset_ns: u64, limits: &LimitsByKey, known: &KnownFilter) -> Result<Pass, DatapathError> {
+pub fn collect(
+    ids: &TableMaps,
+    epoch_offset_ns: u64,
+    limits: &LimitsByKey,
+    known: &KnownFilter,
+) -> Result<Pass, DatapathError> {
     collect_handing(ids, epoch_offset_ns, limits, known, None)
 }
 
@@ -167,22 +190,44 @@ pub fn collect_handing(
     let half = known.begin();
     let (cells4, cells6) = ids.cell_arrays()?;
     let owned = Mapped::open(&ids.owned, MAP_OWNED, 8)?;
-    let mut walk = Walk { limits, epoch_offset_ns, known, half, own: 0, moved: 0, handoff };
+    let mut walk = Walk {
+        limits,
+        epoch_offset_ns,
+        known,
+        half,
+        own: 0,
+        moved: 0,
+        handoff,
+    };
     let before = walk.owned_before(&owned, OWNED_V4);
-    scan_table_each::<Key4>(&ids.tables.0, MAP_SOURCES_V4, |k, b| walk.sweep(&ids.tables.0, MAP_SOURCES_V4, &cells4, k, b, &mut pass))?;
+    scan_table_each::<Key4>(&ids.tables.0, MAP_SOURCES_V4, |k, b| {
+        walk.sweep(&ids.tables.0, MAP_SOURCES_V4, &cells4, k, b, &mut pass)
+    })?;
     pass.own.0 = walk.owned_after(&owned, OWNED_V4, before);
     let before = walk.owned_before(&owned, OWNED_V6);
-    scan_table_each::<Key6>(&ids.tables.1, MAP_SOURCES_V6, |k, b| walk.sweep(&ids.tables.1, MAP_SOURCES_V6, &cells6, k, b, &mut pass))?;
+    scan_table_each::<Key6>(&ids.tables.1, MAP_SOURCES_V6, |k, b| {
+        walk.sweep(&ids.tables.1, MAP_SOURCES_V6, &cells6, k, b, &mut pass)
+    })?;
     pass.own.1 = walk.owned_after(&owned, OWNED_V6, before);
     let counts = Mapped::open(&ids.wide_count, MAP_WIDE_COUNT, 8)?;
-    pass.cells = (walk.cells(&cells4, &counts, 0, &mut pass), walk.cells(&cells6, &counts, 1, &mut pass));
-    pass.wide = pass.wide_rules.values().fold((0, 0), |(a, b), (w4, w6)| (a + w4, b + w6));
+    pass.cells = (
+        walk.cells(&cells4, &counts, 0, &mut pass),
+        walk.cells(&cells6, &counts, 1, &mut pass),
+    );
+    pass.wide = pass
+        .wide_rules
+        .values()
+        .fold((0, 0), |(a, b), (w4, w6)| (a + w4, b + w6));
     pass.charged_cells.settle();
     known.finish(half);
     pass.known_fill = (known.fill(0), known.fill(1));
     let count = Mapped::open(&ids.cell_count, MAP_CELL_COUNT, 8)?;
-    count.word(0).store(pass.cells.0, std::sync::atomic::Ordering::Relaxed);
-    count.word(8).store(pass.cells.1, std::sync::atomic::Ordering::Relaxed);
+    count
+        .word(0)
+        .store(pass.cells.0, std::sync::atomic::Ordering::Relaxed);
+    count
+        .word(8)
+        .store(pass.cells.1, std::sync::atomic::Ordering::Relaxed);
     if walk.moved > 0 {
         tracing::info!(cells = walk.moved, "moved the prefix cells an older build kept in the sources' tables into the cell arrays");
     }
@@ -209,7 +254,9 @@ impl Walk<'_> {
     /// `family`) as its sweep starts.
     fn owned_before(&mut self, owned: &Mapped, family: u32) -> u64 {
         self.own = 0;
-        owned.word(family as usize * 8).load(std::sync::atomic::Ordering::Acquire)
+        owned
+            .word(family as usize * 8)
+            .load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// After a family's sweep: sets the program's count to the own
@@ -220,7 +267,10 @@ impl Walk<'_> {
     /// twice until the next walk: the safe side, the cap bites early by
     /// that many. Returns the own buckets kept.
     fn owned_after(&mut self, owned: &Mapped, family: u32, before: u64) -> u64 {
-        owned.word(family as usize * 8).fetch_add(self.own.wrapping_sub(before), std::sync::atomic::Ordering::AcqRel);
+        owned.word(family as usize * 8).fetch_add(
+            self.own.wrapping_sub(before),
+            std::sync::atomic::Ordering::AcqRel,
+        );
         self.own
     }
 
@@ -245,7 +295,13 @@ impl Walk<'_> {
             if key_kind(k.rule()) == KeyKind::Cell {
                 // An older build's cell: into the array (merged into the
                 // copy moved before the program swap, see `move_old_cells`).
-                let to = FamilyMove { table: id, name, cells, limits: self.limits, epoch_offset_ns: self.epoch_offset_ns };
+                let to = FamilyMove {
+                    table: id,
+                    name,
+                    cells,
+                    limits: self.limits,
+                    epoch_offset_ns: self.epoch_offset_ns,
+                };
                 self.moved += to.found([(*k, *b)])?;
                 dead.push((*k, *b));
                 continue;
@@ -279,7 +335,10 @@ impl Walk<'_> {
         // taking the lock waited out a sync's walk, every source's bucket
         // is: one charged meanwhile stays.
         let (mut records, waited) = handoff.lock_noting_wait();
-        let again = |k: &K| key_kind(k.rule()) == KeyKind::Own && (waited || records.limits.contains(&limit_of_key(k.rule())));
+        let again = |k: &K| {
+            key_kind(k.rule()) == KeyKind::Own
+                && (waited || records.limits.contains(&limit_of_key(k.rule())))
+        };
         if dead.iter().any(|(k, _)| again(k)) {
             let table: aya::maps::HashMap<MapData, K, Bucket> =
                 aya::maps::HashMap::try_from(aya::maps::Map::HashMap(id.open()?))
@@ -308,7 +367,10 @@ impl Walk<'_> {
             records.dropped += keys.len() as u64;
             return Err(map_error(name, e));
         }
-        for (k, b) in dead.iter().filter(|(k, _)| key_kind(k.rule()) == KeyKind::Own) {
+        for (k, b) in dead
+            .iter()
+            .filter(|(k, _)| key_kind(k.rule()) == KeyKind::Own)
+        {
             records.record(k.id(), b);
         }
         pass.collected += keys.len() as u64;
@@ -326,7 +388,6 @@ impl Walk<'_> {
     }
 }
 
-
 impl Walk<'_> {
     /// Frees the cells of one array that are fresh (or whose rule is gone)
     /// and marks the rest in the filter half being rebuilt; returns how
@@ -339,15 +400,27 @@ impl Walk<'_> {
     /// never below the wide cells it has. A walk that met a slot whose key
     /// cannot be told (being written, or its key not yet written) leaves
     /// the counts as they are (they only grew meanwhile).
-    fn cells<K: BucketKey + KnownKey + PartialEq>(&self, cells: &CellArray<K>, counts: &Mapped, family: u32, pass: &mut Pass) -> u64 {
+    fn cells<K: BucketKey + KnownKey + PartialEq>(
+        &self,
+        cells: &CellArray<K>,
+        counts: &Mapped,
+        family: u32,
+        pass: &mut Pass,
+    ) -> u64 {
         let entries: Vec<u32> = wide_entries(family).flat_map(|e| [e, e + 1]).collect();
         let word = |e: u32| counts.word(e as usize * 8);
-        let before: Vec<u64> = entries.iter().map(|&e| word(e).load(std::sync::atomic::Ordering::Acquire)).collect();
+        let before: Vec<u64> = entries
+            .iter()
+            .map(|&e| word(e).load(std::sync::atomic::Ordering::Acquire))
+            .collect();
         let mut kept = vec![0u64; WIDE_ENTRIES as usize];
         let (left, unknown) = self.free_cells(cells, family, &mut kept, pass);
         if !unknown {
             for (&e, b) in entries.iter().zip(before) {
-                word(e).fetch_add(kept[e as usize].wrapping_sub(b), std::sync::atomic::Ordering::AcqRel);
+                word(e).fetch_add(
+                    kept[e as usize].wrapping_sub(b),
+                    std::sync::atomic::Ordering::AcqRel,
+                );
             }
         }
         left
@@ -355,13 +428,26 @@ impl Walk<'_> {
 
     /// [`cells`](Self::cells)' walk: the cells left, each counted in `kept`
     /// at its rule's entry, and whether some slot's key could not be told.
-    fn free_cells<K: BucketKey + KnownKey + PartialEq>(&self, cells: &CellArray<K>, family: u32, kept: &mut [u64], pass: &mut Pass) -> (u64, bool) {
+    fn free_cells<K: BucketKey + KnownKey + PartialEq>(
+        &self,
+        cells: &CellArray<K>,
+        family: u32,
+        kept: &mut [u64],
+        pass: &mut Pass,
+    ) -> (u64, bool) {
         // Held from the first step of each free until its record is in (a
         // dying cell is in no walk of the sync: gone for it from then on),
         // when the sync shares some limit.
-        let mut records = self.handoff.map(super::share::Collected::lock).filter(|r| !r.limits.is_empty());
+        let mut records = self
+            .handoff
+            .map(super::share::Collected::lock)
+            .filter(|r| !r.limits.is_empty());
         let (mut left, mut unknown) = (0, false);
-        let (wide_rules, charged, now) = (&mut pass.wide_rules, &mut pass.charged_cells, monotonic_ns());
+        let (wide_rules, charged, now) = (
+            &mut pass.wide_rules,
+            &mut pass.charged_cells,
+            monotonic_ns(),
+        );
         let mut keep = |k: &K| {
             let e = wide_entry(k.rule(), family) + u32::from(!is_wide(k.rule()));
             kept[e as usize] += 1;
@@ -388,7 +474,14 @@ impl Walk<'_> {
                         left += 1;
                         if let Some(l) = self.limits.get(&limit_of_key(c.key.rule())) {
                             let (wide, word) = (is_wide(c.key.rule()), c.bucket.tat_ns);
-                            let cell = ChargedCell { limit: limit_of_key(c.key.rule()), addr: c.key.addr(), wide, drained: false, room_eighths: 0, word };
+                            let cell = ChargedCell {
+                                limit: limit_of_key(c.key.rule()),
+                                addr: c.key.addr(),
+                                wide,
+                                drained: false,
+                                room_eighths: 0,
+                                word,
+                            };
                             charged.offer(family, l, cell, now, self.epoch_offset_ns);
                         }
                     }
@@ -456,7 +549,11 @@ impl Walk<'_> {
     /// by. A word of a window after that time (charged since) is never
     /// fresh (`LimitEntry::is_fresh`).
     fn idle(&self, limit: &LimitEntry, b: &Bucket, now: u64) -> bool {
-        limit.is_fresh(b.tat_ns, now.saturating_sub(COLLECT_IDLE_NS), self.epoch_offset_ns)
+        limit.is_fresh(
+            b.tat_ns,
+            now.saturating_sub(COLLECT_IDLE_NS),
+            self.epoch_offset_ns,
+        )
     }
 }
 
@@ -499,7 +596,10 @@ pub fn flood_mode(ids: &TableMaps) -> Result<FloodReading, DatapathError> {
     let per_cpu = arr.get(&0, 0).map_err(|e| map_error(MAP_FLOOD, e))?;
     let r = FloodReading::of(per_cpu.iter(), coarse_monotonic_ns());
     // The CPUs that share the rate: the online ones, not every possible one.
-    Ok(FloodReading { cpus: aya::util::online_cpus().map_or(r.cpus, |c| c.len() as u32), ..r })
+    Ok(FloodReading {
+        cpus: aya::util::online_cpus().map_or(r.cpus, |c| c.len() as u32),
+        ..r
+    })
 }
 
 impl FloodReading {
@@ -529,11 +629,13 @@ impl FloodReading {
 /// `CLOCK_MONOTONIC_COARSE` in ns: within a tick of the clock the flood
 /// detectors keep (jiffies on the ktime scale, `TickClock::at`).
 fn coarse_monotonic_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
-
 
 #[cfg(test)]
 mod tests {
@@ -542,7 +644,13 @@ mod tests {
     const W: u64 = 1 << FLOOD_WINDOW_SHIFT;
 
     fn cpu(last_flood_ns: u64, window: u64, unseen: u64, prev_unseen: u64) -> FloodState {
-        FloodState { window, unseen, prev_unseen, full_window: 0, last_flood_ns }
+        FloodState {
+            window,
+            unseen,
+            prev_unseen,
+            full_window: 0,
+            last_flood_ns,
+        }
     }
 
     #[test]
@@ -553,12 +661,19 @@ mod tests {
         let lull = [cpu(now - 1_900_000_000, 972, 0, 0), cpu(0, 0, 0, 0)];
         let r = FloodReading::of(lull.iter(), now);
         assert!(r.on && (r.cpus_on, r.cpus) == (1, 2), "{r:?}");
-        let both = [cpu(now - 5, 1000, 0, 0), cpu(now - 1_000_000_000, 985, 0, 0), cpu(0, 0, 0, 0)];
+        let both = [
+            cpu(now - 5, 1000, 0, 0),
+            cpu(now - 1_000_000_000, 985, 0, 0),
+            cpu(0, 0, 0, 0),
+        ];
         assert_eq!(FloodReading::of(both.iter(), now).cpus_on, 2);
         let ended = [cpu(now - 2_100_000_000, 969, 0, 0), cpu(0, 0, 0, 0)];
         let r = FloodReading::of(ended.iter(), now);
         assert!(!r.on && r.cpus_on == 0, "two seconds and more after: ended");
-        assert!(!FloodReading::of([cpu(0, 1000, 5, 5)].iter(), now).on, "never flooded");
+        assert!(
+            !FloodReading::of([cpu(0, 1000, 5, 5)].iter(), now).on,
+            "never flooded"
+        );
     }
 
     #[test]

@@ -12,19 +12,25 @@ impl Datapath {
     /// over CPUs and over every rule set the name has been in since load,
     /// and with what the pinned tables held for the rules that stayed in
     /// place when they were adopted.
-    pub fn rule_stats(&self) -> Result<std::collections::BTreeMap<String, RuleStats>, DatapathError> {
+    pub fn rule_stats(
+        &self,
+    ) -> Result<std::collections::BTreeMap<String, RuleStats>, DatapathError> {
         let stats: PerCpuArray<&MapData, RuleStats> = map_ref(&self.ebpf, MAP_RULE_STATS)?;
         let mut out: std::collections::BTreeMap<String, RuleStats> =
             self.retired.iter().map(|(k, v)| (k.clone(), *v)).collect();
         // Both slots: the inactive one keeps its counts until it is rewritten.
         for slot in 0..2u32 {
             for (i, name) in self.slots[slot as usize].names.iter().enumerate() {
-                let per_cpu = stats.get(&(slot * RULE_SLOTS + i as u32), 0).map_err(|e| map_error(MAP_RULE_STATS, e))?;
+                let per_cpu = stats
+                    .get(&(slot * RULE_SLOTS + i as u32), 0)
+                    .map_err(|e| map_error(MAP_RULE_STATS, e))?;
                 add_stats(out.entry(name.clone()).or_default(), per_cpu.iter());
             }
         }
         for (name, idx) in [("allow", RSTAT_ALLOW), ("deny", RSTAT_DENY)] {
-            let per_cpu = stats.get(&idx, 0).map_err(|e| map_error(MAP_RULE_STATS, e))?;
+            let per_cpu = stats
+                .get(&idx, 0)
+                .map_err(|e| map_error(MAP_RULE_STATS, e))?;
             add_stats(out.entry(name.to_string()).or_default(), per_cpu.iter());
         }
         Ok(out)
@@ -79,10 +85,15 @@ impl Datapath {
         // counters before rewriting it, but for the rules that stay in
         // place, which it also retires when it fails).
         let used = (0..2u32)
-            .flat_map(|slot| (0..self.slots[slot as usize].names.len() as u32).map(move |i| slot * RULE_SLOTS + i))
+            .flat_map(|slot| {
+                (0..self.slots[slot as usize].names.len() as u32)
+                    .map(move |i| slot * RULE_SLOTS + i)
+            })
             .chain([RSTAT_ALLOW, RSTAT_DENY]);
         for idx in used {
-            let per_cpu = rules.get(&idx, 0).map_err(|e| map_error(MAP_RULE_STATS, e))?;
+            let per_cpu = rules
+                .get(&idx, 0)
+                .map_err(|e| map_error(MAP_RULE_STATS, e))?;
             for (o, r) in out.iter_mut().zip(per_cpu.iter()) {
                 add_rule_totals(o, r);
             }
@@ -104,7 +115,9 @@ impl Datapath {
     /// so waits are lengthened by a tick: a client that waits
     /// `retry_after` is never early.
     pub fn source_quotas(&self, addr: IpAddr) -> Result<Vec<SourceQuota>, DatapathError> {
-        let Some(slot) = self.active else { return Ok(Vec::new()) };
+        let Some(slot) = self.active else {
+            return Ok(Vec::new());
+        };
         let names = &self.slots[slot as usize].names;
         let rules: Array<&MapData, RuleEntry> = map_ref(&self.ebpf, MAP_RULES)?;
         let v4: HashMap<&MapData, Key4, Bucket> = map_ref(&self.ebpf, MAP_SOURCES_V4)?;
@@ -113,30 +126,44 @@ impl Datapath {
         let now = monotonic_ns();
         let mut out = Vec::new();
         for i in 0..names.len() as u32 {
-            let rule = rules.get(&(slot * RULE_SLOTS + i), 0).map_err(|e| map_error(MAP_RULES, e))?;
+            let rule = rules
+                .get(&(slot * RULE_SLOTS + i), 0)
+                .map_err(|e| map_error(MAP_RULES, e))?;
             let wide = rule.flags & RULE_CLUSTER == 0;
             for which in 0..rule.n_limits.min(rl_common::MAX_LIMITS as u32) {
                 // A global rule's buckets hold both families in the IPv4 table.
                 let addr = match addr {
-                    IpAddr::V6(_) if !rule.keys_v6(true) => IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+                    IpAddr::V6(_) if !rule.keys_v6(true) => {
+                        IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED)
+                    }
                     a => a,
                 };
                 let found = match addr {
                     IpAddr::V4(a) => {
                         let key = rule.key4(which, u32::from_ne_bytes(a.octets()));
-                        charged_by(&v4, &cells.0, &key, &cfg, wide).map(|(by, k, b)| (by, prefix4(by, &k, &rule, &cfg), b))
+                        charged_by(&v4, &cells.0, &key, &cfg, wide)
+                            .map(|(by, k, b)| (by, prefix4(by, &k, &rule, &cfg), b))
                     }
                     IpAddr::V6(a) => {
                         let key = rule.key6(which, &words6(a));
-                        charged_by(&v6, &cells.1, &key, &cfg, wide).map(|(by, k, b)| (by, prefix6(by, &k, &rule, &cfg), b))
+                        charged_by(&v6, &cells.1, &key, &cfg, wide)
+                            .map(|(by, k, b)| (by, prefix6(by, &k, &rule, &cfg), b))
                     }
                 };
-                let Some((by, prefix, bucket)) = found else { continue };
+                let Some((by, prefix, bucket)) = found else {
+                    continue;
+                };
                 let q = self.quota_now(&rule.limits[which as usize], bucket.tat_ns, now);
                 if by != ChargedBy::Own && q.remaining >= q.limit {
                     continue;
                 }
-                out.push(SourceQuota { rule: i, which, by, prefix, quota: q });
+                out.push(SourceQuota {
+                    rule: i,
+                    which,
+                    by,
+                    prefix,
+                    quota: q,
+                });
             }
         }
         Ok(out)
@@ -145,11 +172,16 @@ impl Datapath {
     /// The rules' names by `RuleEntry::id` (what bucket keys name), from
     /// both rule sets: a rule the last reload removed keeps its buckets
     /// (and cells) while the other set holds it.
-    pub fn rule_names_by_id(&self) -> Result<std::collections::BTreeMap<u32, String>, DatapathError> {
+    pub fn rule_names_by_id(
+        &self,
+    ) -> Result<std::collections::BTreeMap<u32, String>, DatapathError> {
         let mut out = std::collections::BTreeMap::new();
         for slot in [0, 1u32] {
             for (i, name) in self.slots[slot as usize].names.iter().enumerate() {
-                out.insert(self.rule_table_entry(slot * RULE_SLOTS + i as u32)?.id, name.clone());
+                out.insert(
+                    self.rule_table_entry(slot * RULE_SLOTS + i as u32)?.id,
+                    name.clone(),
+                );
             }
         }
         Ok(out)
@@ -157,7 +189,10 @@ impl Datapath {
 
     /// The name of rule `index` in the active rule set.
     pub fn rule_name(&self, index: u32) -> Option<&str> {
-        self.slots[self.active? as usize].names.get(index as usize).map(String::as_str)
+        self.slots[self.active? as usize]
+            .names
+            .get(index as usize)
+            .map(String::as_str)
     }
 
     /// The source maps (IPv4, IPv6), for [`scan_buckets`].
@@ -167,10 +202,19 @@ impl Datapath {
 
     /// Map `name`, for a reader to open a handle of its own.
     pub(super) fn map_ref(&self, name: &'static str) -> Result<MapRef, DatapathError> {
-        let map = self.ebpf.map(name).ok_or_else(|| DatapathError::Load(format!("map {name} is missing")))?;
+        let map = self
+            .ebpf
+            .map(name)
+            .ok_or_else(|| DatapathError::Load(format!("map {name} is missing")))?;
         let data = match map {
-            aya::maps::Map::HashMap(d) | aya::maps::Map::PerCpuArray(d) | aya::maps::Map::Array(d) => d,
-            _ => return Err(DatapathError::Load(format!("map {name} is not of the type rl-common describes"))),
+            aya::maps::Map::HashMap(d)
+            | aya::maps::Map::PerCpuArray(d)
+            | aya::maps::Map::Array(d) => d,
+            _ => {
+                return Err(DatapathError::Load(format!(
+                    "map {name} is not of the type rl-common describes"
+                )))
+            }
         };
         MapRef::of(data, name)
     }
@@ -189,8 +233,15 @@ pub struct MapRef {
 impl MapRef {
     pub(super) fn of(data: &MapData, name: &'static str) -> Result<MapRef, DatapathError> {
         use std::os::fd::AsFd;
-        let fd = data.fd().as_fd().try_clone_to_owned().map_err(|e| map_error(name, e))?;
-        Ok(MapRef { fd: std::sync::Arc::new(fd), name })
+        let fd = data
+            .fd()
+            .as_fd()
+            .try_clone_to_owned()
+            .map_err(|e| map_error(name, e))?;
+        Ok(MapRef {
+            fd: std::sync::Arc::new(fd),
+            name,
+        })
     }
 
     /// A handle of one's own on the map.
@@ -247,18 +298,32 @@ fn charged_by<K: BucketKey + FallbackKeys + KnownKey + Copy + PartialEq>(
     if let Ok(b) = table.get(key, 0) {
         return Some((ChargedBy::Own, *key, b));
     }
-    let fallbacks = [(ChargedBy::WideCell, key.wide(cfg)), (ChargedBy::PrefixCell, key.cell(cfg))];
-    for (by, k) in fallbacks.into_iter().filter(|(by, _)| wide || *by != ChargedBy::WideCell) {
+    let fallbacks = [
+        (ChargedBy::WideCell, key.wide(cfg)),
+        (ChargedBy::PrefixCell, key.cell(cfg)),
+    ];
+    for (by, k) in fallbacks
+        .into_iter()
+        .filter(|(by, _)| wide || *by != ChargedBy::WideCell)
+    {
         if let Some(i) = cells.find(&k) {
             return Some((by, k, cells.get(i).bucket));
         }
     }
     let last = key.last_resort();
-    table.get(&last, 0).ok().map(|b| (ChargedBy::LastResort, last, b))
+    table
+        .get(&last, 0)
+        .ok()
+        .map(|b| (ChargedBy::LastResort, last, b))
 }
 
 /// The prefix of the IPv4 bucket `key` that charges a source `by`.
-fn prefix4(by: ChargedBy, key: &Key4, rule: &RuleEntry, cfg: &DatapathConfig) -> Option<(IpAddr, u8)> {
+fn prefix4(
+    by: ChargedBy,
+    key: &Key4,
+    rule: &RuleEntry,
+    cfg: &DatapathConfig,
+) -> Option<(IpAddr, u8)> {
     // (A cell's key is the rule's key masked further.)
     let mask = rule.v4_mask
         & match by {
@@ -271,14 +336,25 @@ fn prefix4(by: ChargedBy, key: &Key4, rule: &RuleEntry, cfg: &DatapathConfig) ->
 }
 
 /// The prefix of the IPv6 bucket `key` that charges a source `by`.
-fn prefix6(by: ChargedBy, key: &Key6, rule: &RuleEntry, cfg: &DatapathConfig) -> Option<(IpAddr, u8)> {
+fn prefix6(
+    by: ChargedBy,
+    key: &Key6,
+    rule: &RuleEntry,
+    cfg: &DatapathConfig,
+) -> Option<(IpAddr, u8)> {
     let mask = match by {
         ChargedBy::Own => [u32::MAX; 4],
         ChargedBy::PrefixCell => cfg.cell_mask6,
         ChargedBy::WideCell => wide_mask6(&cfg.cell_mask6),
         ChargedBy::LastResort => return None,
     };
-    Some((key.addr(), mask.iter().zip(&rule.v6_mask).map(|(m, r)| (m & r).count_ones()).sum::<u32>() as u8))
+    Some((
+        key.addr(),
+        mask.iter()
+            .zip(&rule.v6_mask)
+            .map(|(m, r)| (m & r).count_ones())
+            .sum::<u32>() as u8,
+    ))
 }
 
 /// A prefix cell or wide cell holding a charge, as a collector pass found
@@ -320,13 +396,24 @@ pub struct ChargedCells {
 impl ChargedCells {
     /// Counts and keeps the cell of `family` (0 IPv4) under `limit`
     /// holding `word` at `now`, if it holds a charge (is not fresh).
-    pub(super) fn offer(&mut self, family: u32, limit: &LimitEntry, mut cell: ChargedCell, now: u64, epoch_offset_ns: u64) {
+    pub(super) fn offer(
+        &mut self,
+        family: u32,
+        limit: &LimitEntry,
+        mut cell: ChargedCell,
+        now: u64,
+        epoch_offset_ns: u64,
+    ) {
         if limit.is_fresh(cell.word, now, epoch_offset_ns) {
             return;
         }
         cell.drained = limit.step(cell.word, now, epoch_offset_ns, 1).is_none();
         if cell.drained {
-            *if family == 0 { &mut self.drained.0 } else { &mut self.drained.1 } += 1;
+            *if family == 0 {
+                &mut self.drained.0
+            } else {
+                &mut self.drained.1
+            } += 1;
         } else {
             let capacity = match self.capacities.iter().find(|(l, _)| *l == cell.limit) {
                 Some(&(_, c)) => c,
@@ -336,7 +423,8 @@ impl ChargedCells {
                     c
                 }
             };
-            cell.room_eighths = rl_common::quota::room_eighths(limit, cell.word, now, epoch_offset_ns, capacity);
+            cell.room_eighths =
+                rl_common::quota::room_eighths(limit, cell.word, now, epoch_offset_ns, capacity);
         }
         self.cells.push(cell);
         if self.cells.len() >= 4 * CHARGED_CELLS_KEPT {
@@ -349,7 +437,14 @@ impl ChargedCells {
     /// then the state furthest ahead, then by address) and keeps
     /// [`CHARGED_CELLS_KEPT`].
     pub(super) fn settle(&mut self) {
-        self.cells.sort_by_key(|c| (std::cmp::Reverse((c.drained, c.wide)), c.room_eighths, std::cmp::Reverse(c.word), c.addr));
+        self.cells.sort_by_key(|c| {
+            (
+                std::cmp::Reverse((c.drained, c.wide)),
+                c.room_eighths,
+                std::cmp::Reverse(c.word),
+                c.addr,
+            )
+        });
         self.cells.truncate(CHARGED_CELLS_KEPT);
     }
 }
@@ -363,7 +458,10 @@ impl Datapath {
     /// limit's waits a tick longer) and its prefix (the cells' length, 8
     /// bits shorter for a wide one (IPv6 16), within its rule's key
     /// prefix); `None` for a cell whose rule is in neither rule table.
-    pub fn cell_quotas(&self, cells: &[ChargedCell]) -> Result<Vec<Option<CellQuota>>, DatapathError> {
+    pub fn cell_quotas(
+        &self,
+        cells: &[ChargedCell],
+    ) -> Result<Vec<Option<CellQuota>>, DatapathError> {
         let (cfg, now) = (self.config()?, monotonic_ns());
         Ok(cells
             .iter()
@@ -373,10 +471,30 @@ impl Datapath {
                     rl_common::POOL_INDEX => &rule.pool,
                     which => rule.limits.get(which as usize)?,
                 };
-                let by = if cell.wide { ChargedBy::WideCell } else { ChargedBy::PrefixCell };
+                let by = if cell.wide {
+                    ChargedBy::WideCell
+                } else {
+                    ChargedBy::PrefixCell
+                };
                 let prefix = match cell.addr {
-                    IpAddr::V4(a) => prefix4(by, &Key4 { rule: cell.limit, addr: u32::from_ne_bytes(a.octets()) }, rule, &cfg),
-                    IpAddr::V6(a) => prefix6(by, &Key6 { rule: cell.limit, addr: words6(a) }, rule, &cfg),
+                    IpAddr::V4(a) => prefix4(
+                        by,
+                        &Key4 {
+                            rule: cell.limit,
+                            addr: u32::from_ne_bytes(a.octets()),
+                        },
+                        rule,
+                        &cfg,
+                    ),
+                    IpAddr::V6(a) => prefix6(
+                        by,
+                        &Key6 {
+                            rule: cell.limit,
+                            addr: words6(a),
+                        },
+                        rule,
+                        &cfg,
+                    ),
                 }?;
                 Some((self.quota_now(limit, cell.word, now), prefix))
             })
@@ -443,13 +561,21 @@ pub fn scan_buckets(maps: (MapRef, MapRef)) -> Result<Vec<Source>, DatapathError
 
 /// The sources' own buckets among a table's entries: prefix cells and last
 /// resorts are not sources.
-pub(super) fn sources_of<K: BucketKey>(entries: &[(K, Bucket)]) -> impl Iterator<Item = Source> + '_ {
-    entries.iter().filter(|(k, _)| key_kind(k.rule()) == KeyKind::Own).map(|(k, b)| Source::of(k, *b))
+pub(super) fn sources_of<K: BucketKey>(
+    entries: &[(K, Bucket)],
+) -> impl Iterator<Item = Source> + '_ {
+    entries
+        .iter()
+        .filter(|(k, _)| key_kind(k.rule()) == KeyKind::Own)
+        .map(|(k, b)| Source::of(k, *b))
 }
 
 /// Every entry of the bucket table (sources or prefix cells) with kernel id
 /// `id`, through a handle of our own.
-pub(super) fn scan_table<K: BucketKey>(id: &MapRef, name: &'static str) -> Result<Vec<(K, Bucket)>, DatapathError> {
+pub(super) fn scan_table<K: BucketKey>(
+    id: &MapRef,
+    name: &'static str,
+) -> Result<Vec<(K, Bucket)>, DatapathError> {
     let mut out = Vec::new();
     scan_table_each::<K>(id, name, |k, b| {
         out.extend(k.iter().copied().zip(b.iter().copied()));
@@ -510,7 +636,10 @@ impl BucketKey for Key4 {
         self.rule
     }
     fn last_resort(&self) -> Self {
-        Key4 { rule: last_resort_rule(self.rule), addr: 0 }
+        Key4 {
+            rule: last_resort_rule(self.rule),
+            addr: 0,
+        }
     }
     fn id(&self) -> super::share::BucketId {
         super::share::BucketId::V4(*self)
@@ -525,7 +654,10 @@ impl BucketKey for Key6 {
         self.rule
     }
     fn last_resort(&self) -> Self {
-        Key6 { rule: last_resort_rule(self.rule), addr: [0; 4] }
+        Key6 {
+            rule: last_resort_rule(self.rule),
+            addr: [0; 4],
+        }
     }
     fn id(&self) -> super::share::BucketId {
         super::share::BucketId::V6(*self)
@@ -537,7 +669,11 @@ impl BucketKey for Key6 {
 
 impl Source {
     pub(super) fn of<K: BucketKey>(k: &K, bucket: Bucket) -> Source {
-        Source { addr: k.addr(), rule: k.rule(), bucket }
+        Source {
+            addr: k.addr(),
+            rule: k.rule(),
+            bucket,
+        }
     }
 }
 
@@ -547,12 +683,21 @@ mod tests {
 
     /// A packet limit of 5 per second (burst 5), on exact time.
     fn five() -> LimitEntry {
-        let c = crate::compile::compile(&crate::config::Config::from_str("[default]\nrate = 5\n", "x").unwrap());
+        let c = crate::compile::compile(
+            &crate::config::Config::from_str("[default]\nrate = 5\n", "x").unwrap(),
+        );
         c.rules.entries[0].limits[0]
     }
 
     fn cell(n: u8, word: u64) -> ChargedCell {
-        ChargedCell { limit: 8, addr: IpAddr::from([10, n, 0, 0]), wide: false, drained: false, room_eighths: 0, word }
+        ChargedCell {
+            limit: 8,
+            addr: IpAddr::from([10, n, 0, 0]),
+            wide: false,
+            drained: false,
+            room_eighths: 0,
+            word,
+        }
     }
 
     /// Only cells holding a charge are kept, those with no room left
@@ -565,7 +710,13 @@ mod tests {
         let mut c = ChargedCells::default();
         // Drained: a state word a whole burst (1 s) ahead of now, or more.
         for n in 0..=250u8 {
-            c.offer(u32::from(n % 2), &l, cell(n, now + second + u64::from(n) * 1_000), now, 0);
+            c.offer(
+                u32::from(n % 2),
+                &l,
+                cell(n, now + second + u64::from(n) * 1_000),
+                now,
+                0,
+            );
         }
         c.offer(0, &l, cell(251, now - 10 * second), now, 0); // fresh: no charge
         c.offer(0, &l, cell(252, now + second / 2), now, 0); // half used: room left
@@ -578,11 +729,38 @@ mod tests {
         let mut few = ChargedCells::default();
         few.offer(0, &l, cell(1, now - 10 * second), now, 0);
         few.offer(0, &l, cell(2, now + second / 2), now, 0);
-        few.offer(0, &l, ChargedCell { wide: true, ..cell(3, now + second / 2) }, now, 0);
+        few.offer(
+            0,
+            &l,
+            ChargedCell {
+                wide: true,
+                ..cell(3, now + second / 2)
+            },
+            now,
+            0,
+        );
         few.offer(0, &l, cell(4, now + 2 * second), now, 0);
         few.settle();
-        let order: Vec<(u8, bool, bool)> = few.cells.iter().map(|c| (if let IpAddr::V4(a) = c.addr { a.octets()[1] } else { 0 }, c.wide, c.drained)).collect();
-        assert_eq!(order, [(4, false, true), (3, true, false), (2, false, false)], "a fresh cell holds no charge");
+        let order: Vec<(u8, bool, bool)> = few
+            .cells
+            .iter()
+            .map(|c| {
+                (
+                    if let IpAddr::V4(a) = c.addr {
+                        a.octets()[1]
+                    } else {
+                        0
+                    },
+                    c.wide,
+                    c.drained,
+                )
+            })
+            .collect();
+        assert_eq!(
+            order,
+            [(4, false, true), (3, true, false), (2, false, false)],
+            "a fresh cell holds no charge"
+        );
         assert_eq!(few.drained, (1, 0));
     }
 
@@ -593,13 +771,24 @@ mod tests {
     fn charged_cells_of_unlike_limits_rank_by_the_room_they_leave() {
         use rl_common::limit_entry::LIMIT_FIXED;
         let (five, now, second) = (five(), 100_000_000_000u64, 1_000_000_000u64);
-        let window = LimitEntry { kind: LIMIT_FIXED, shift: 0, a: 10 * second, b: 3 };
+        let window = LimitEntry {
+            kind: LIMIT_FIXED,
+            shift: 0,
+            a: 10 * second,
+            b: 3,
+        };
         let word = window.step(0, now, 0, 1).unwrap();
         // Four fifths of the bucket's burst used (1 of 8 eighths left); one
         // of the window's three (5 of 8 left).
         let bucket = cell(1, now + 4 * second / 5);
-        let windowed = ChargedCell { limit: 16, ..cell(2, word) };
-        assert!(bucket.word < windowed.word, "the state words would rank them the other way");
+        let windowed = ChargedCell {
+            limit: 16,
+            ..cell(2, word)
+        };
+        assert!(
+            bucket.word < windowed.word,
+            "the state words would rank them the other way"
+        );
         let mut c = ChargedCells::default();
         c.offer(0, &five, bucket, now, 0);
         c.offer(0, &window, windowed, now, 0);

@@ -113,33 +113,72 @@ impl CollectedRecords {
             self.dropped += 1;
             return;
         }
-        self.deleted.push(SharedBucket { id, bucket: *bucket });
+        self.deleted.push(SharedBucket {
+            id,
+            bucket: *bucket,
+        });
     }
 }
 
 /// Every own bucket and prefix cell whose limit `wanted` accepts (by
 /// `RuleEntry::id | index`, kind bits cleared), IPv4 then IPv6, a chunk at
 /// a time, then the cells.
-pub fn scan_shared(ids: &TableMaps, wanted: impl Fn(u32) -> bool) -> Result<Vec<SharedBucket>, DatapathError> {
+pub fn scan_shared(
+    ids: &TableMaps,
+    wanted: impl Fn(u32) -> bool,
+) -> Result<Vec<SharedBucket>, DatapathError> {
     let mut out = Vec::new();
     let keep = |rule: u32| key_kind(rule) == KeyKind::Own && wanted(rule);
     scan_table_each::<Key4>(&ids.tables.0, MAP_SOURCES_V4, |k, b| {
-        out.extend(k.iter().zip(b).filter(|(k, _)| keep(k.rule)).map(|(k, b)| SharedBucket { id: BucketId::V4(*k), bucket: *b }));
+        out.extend(
+            k.iter()
+                .zip(b)
+                .filter(|(k, _)| keep(k.rule))
+                .map(|(k, b)| SharedBucket {
+                    id: BucketId::V4(*k),
+                    bucket: *b,
+                }),
+        );
         Ok(())
     })?;
     scan_table_each::<Key6>(&ids.tables.1, MAP_SOURCES_V6, |k, b| {
-        out.extend(k.iter().zip(b).filter(|(k, _)| keep(k.rule)).map(|(k, b)| SharedBucket { id: BucketId::V6(*k), bucket: *b }));
+        out.extend(
+            k.iter()
+                .zip(b)
+                .filter(|(k, _)| keep(k.rule))
+                .map(|(k, b)| SharedBucket {
+                    id: BucketId::V6(*k),
+                    bucket: *b,
+                }),
+        );
         Ok(())
     })?;
     let tables = Tables::open(ids)?;
     let cell_wanted = |rule: u32| wanted(rule & !KEY_CELL);
-    out.extend(cells_of(&tables.cells4, cell_wanted).into_iter().map(|(k, bucket)| SharedBucket { id: BucketId::V4(k), bucket }));
-    out.extend(cells_of(&tables.cells6, cell_wanted).into_iter().map(|(k, bucket)| SharedBucket { id: BucketId::V6(k), bucket }));
+    out.extend(
+        cells_of(&tables.cells4, cell_wanted)
+            .into_iter()
+            .map(|(k, bucket)| SharedBucket {
+                id: BucketId::V4(k),
+                bucket,
+            }),
+    );
+    out.extend(
+        cells_of(&tables.cells6, cell_wanted)
+            .into_iter()
+            .map(|(k, bucket)| SharedBucket {
+                id: BucketId::V6(k),
+                bucket,
+            }),
+    );
     Ok(out)
 }
 
 /// The cells of an array whose limit `wanted` accepts.
-fn cells_of<K: KnownKey + PartialEq + BucketKey>(cells: &CellArray<K>, wanted: impl Fn(u32) -> bool) -> Vec<(K, Bucket)> {
+fn cells_of<K: KnownKey + PartialEq + BucketKey>(
+    cells: &CellArray<K>,
+    wanted: impl Fn(u32) -> bool,
+) -> Vec<(K, Bucket)> {
     (0..cells.slots())
         .map(|i| cells.get(i))
         .filter(|c| cells.holds_its_key(c) && wanted(c.key.rule()))
@@ -158,10 +197,17 @@ pub struct Tables {
 impl Tables {
     pub fn open(ids: &TableMaps) -> Result<Tables, DatapathError> {
         let (t4, t6) = &ids.tables;
-        let v4 = HashMap::try_from(aya::maps::Map::HashMap(t4.open()?)).map_err(|e| map_error(MAP_SOURCES_V4, e))?;
-        let v6 = HashMap::try_from(aya::maps::Map::HashMap(t6.open()?)).map_err(|e| map_error(MAP_SOURCES_V6, e))?;
+        let v4 = HashMap::try_from(aya::maps::Map::HashMap(t4.open()?))
+            .map_err(|e| map_error(MAP_SOURCES_V4, e))?;
+        let v6 = HashMap::try_from(aya::maps::Map::HashMap(t6.open()?))
+            .map_err(|e| map_error(MAP_SOURCES_V6, e))?;
         let (cells4, cells6) = ids.cell_arrays()?;
-        Ok(Tables { v4, v6, cells4, cells6 })
+        Ok(Tables {
+            v4,
+            v6,
+            cells4,
+            cells6,
+        })
     }
 
     /// Moves the bucket's theoretical arrival time up to `tat_ns` (ktime)
@@ -175,14 +221,22 @@ impl Tables {
     pub fn raise(&mut self, id: &BucketId, tat_ns: u64) -> bool {
         let flags = 2; // BPF_EXIST: a bucket collected meanwhile stays gone.
         match id {
-            BucketId::V4(k) if key_kind(k.rule) == KeyKind::Cell => self.cells4.raise(k, tat_ns) == Some(true),
-            BucketId::V6(k) if key_kind(k.rule) == KeyKind::Cell => self.cells6.raise(k, tat_ns) == Some(true),
+            BucketId::V4(k) if key_kind(k.rule) == KeyKind::Cell => {
+                self.cells4.raise(k, tat_ns) == Some(true)
+            }
+            BucketId::V6(k) if key_kind(k.rule) == KeyKind::Cell => {
+                self.cells6.raise(k, tat_ns) == Some(true)
+            }
             BucketId::V4(k) => match self.v4.get(k, 0) {
-                Ok(b) if b.tat_ns < tat_ns => self.v4.insert(k, Bucket { tat_ns, ..b }, flags).is_ok(),
+                Ok(b) if b.tat_ns < tat_ns => {
+                    self.v4.insert(k, Bucket { tat_ns, ..b }, flags).is_ok()
+                }
                 _ => false,
             },
             BucketId::V6(k) => match self.v6.get(k, 0) {
-                Ok(b) if b.tat_ns < tat_ns => self.v6.insert(k, Bucket { tat_ns, ..b }, flags).is_ok(),
+                Ok(b) if b.tat_ns < tat_ns => {
+                    self.v6.insert(k, Bucket { tat_ns, ..b }, flags).is_ok()
+                }
                 _ => false,
             },
         }

@@ -28,10 +28,16 @@ pub(super) fn charge(c: &Compiled, bucket: &mut Bucket, now: u64, hits: i64, epo
         enforced: rule.action != Action::Shadow,
     };
     match (bucket, rule.algorithm) {
-        (Bucket::One(word), L7Algorithm::Packet(a)) => packet_charge(c, a, std::slice::from_mut(word), now, hits, epoch, base),
-        (Bucket::Words(words), L7Algorithm::Packet(a)) => packet_charge(c, a, words, now, hits, epoch, base),
+        (Bucket::One(word), L7Algorithm::Packet(a)) => {
+            packet_charge(c, a, std::slice::from_mut(word), now, hits, epoch, base)
+        }
+        (Bucket::Words(words), L7Algorithm::Packet(a)) => {
+            packet_charge(c, a, words, now, hits, epoch, base)
+        }
         (Bucket::Log(logs), _) => log_charge(c, logs, now, hits, base),
-        (Bucket::Leases(leases), L7Algorithm::Concurrency { max, lease_secs }) => lease_charge(leases, max, lease_secs, now, hits, base),
+        (Bucket::Leases(leases), L7Algorithm::Concurrency { max, lease_secs }) => {
+            lease_charge(leases, max, lease_secs, now, hits, base)
+        }
         _ => unreachable!("a bucket is made for its rule's algorithm"),
     }
 }
@@ -49,7 +55,10 @@ fn log_charge(c: &Compiled, logs: &mut [Runs], now: u64, hits: i64, base: Status
         // newest would make room a request still in the window had taken).
         log.take_oldest(hits.min(0).unsigned_abs());
     }
-    let fits = logs.iter().zip(&rule.limits).all(|(log, l)| log.len() + units <= l.rate.amount);
+    let fits = logs
+        .iter()
+        .zip(&rule.limits)
+        .all(|(log, l)| log.len() + units <= l.rate.amount);
     if fits {
         for log in logs.iter_mut() {
             log.push(now, units);
@@ -85,7 +94,14 @@ fn log_charge(c: &Compiled, logs: &mut [Runs], now: u64, hits: i64, base: Status
 /// The semaphore: up to `max` leases held at once, each for `lease_secs`
 /// unless given back (negative hits release the oldest). `leases` holds
 /// the times they were taken.
-fn lease_charge(leases: &mut Runs, max: u64, lease_secs: u64, now: u64, hits: i64, base: Status) -> Status {
+fn lease_charge(
+    leases: &mut Runs,
+    max: u64,
+    lease_secs: u64,
+    now: u64,
+    hits: i64,
+    base: Status,
+) -> Status {
     let life = lease_secs * NS;
     leases.expire(|t| t + life <= now);
     let ok = if hits < 0 {
@@ -105,7 +121,11 @@ fn lease_charge(leases: &mut Runs, max: u64, lease_secs: u64, now: u64, hits: i6
         limit: max,
         per_secs: lease_secs,
         remaining,
-        reset_ms: ceil_ms(leases.newest().map_or(0, |t| (t + life).saturating_sub(now))),
+        reset_ms: ceil_ms(
+            leases
+                .newest()
+                .map_or(0, |t| (t + life).saturating_sub(now)),
+        ),
         retry_after_ms: ceil_ms(leases.until_room(life, max, wanted, now)),
         ..base
     }
@@ -113,7 +133,15 @@ fn lease_charge(leases: &mut Runs, max: u64, lease_secs: u64, now: u64, hits: i6
 
 /// A packet-algorithm charge: every limit's step must pass, or nothing
 /// changes; the status speaks for the tightest limit.
-fn packet_charge(c: &Compiled, a: Algorithm, words: &mut [u64], now: u64, hits: i64, epoch: u64, base: Status) -> Status {
+fn packet_charge(
+    c: &Compiled,
+    a: Algorithm,
+    words: &mut [u64],
+    now: u64,
+    hits: i64,
+    epoch: u64,
+    base: Status,
+) -> Status {
     let rule = &c.rule;
     let units = hits.max(0) as u64;
     let step = |l: &LimitEntry, w: u64| match a {
@@ -148,7 +176,13 @@ fn packet_charge(c: &Compiled, a: Algorithm, words: &mut [u64], now: u64, hits: 
     }
     let (i, q) = tightest.expect("a rule has a limit");
     if over && units > 1 {
-        retry_ns = c.limits.iter().zip(words.iter()).map(|(l, w)| rl_common::quota::wait_for(l, *w, now, epoch, units)).max().unwrap_or(0);
+        retry_ns = c
+            .limits
+            .iter()
+            .zip(words.iter())
+            .map(|(l, w)| rl_common::quota::wait_for(l, *w, now, epoch, units))
+            .max()
+            .unwrap_or(0);
     }
     Status {
         code: if over { "over_limit" } else { "ok" },
@@ -160,4 +194,3 @@ fn packet_charge(c: &Compiled, a: Algorithm, words: &mut [u64], now: u64, hits: 
         ..base
     }
 }
-

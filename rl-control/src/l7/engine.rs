@@ -66,7 +66,17 @@ pub struct Status {
 
 impl Status {
     pub(super) fn unmatched() -> Status {
-        Status { code: "unmatched", rule: String::new(), limit: 0, per_secs: 0, remaining: 0, reset_ms: 0, retry_after_ms: 0, shadow: false, enforced: false }
+        Status {
+            code: "unmatched",
+            rule: String::new(),
+            limit: 0,
+            per_secs: 0,
+            remaining: 0,
+            reset_ms: 0,
+            retry_after_ms: 0,
+            shadow: false,
+            enforced: false,
+        }
     }
 }
 
@@ -158,8 +168,15 @@ fn values_hash(entries: &[DescriptorEntry]) -> (u32, u64) {
         }
         h.finish()
     };
-    let v = ((half(0x9e37_79b9_7f4a_7c15) >> 32) as u32, half(0xc2b2_ae3d_27d4_eb4f));
-    if v == OVERFLOW || v == POOL { (u32::MAX, 0) } else { v }
+    let v = (
+        (half(0x9e37_79b9_7f4a_7c15) >> 32) as u32,
+        half(0xc2b2_ae3d_27d4_eb4f),
+    );
+    if v == OVERFLOW || v == POOL {
+        (u32::MAX, 0)
+    } else {
+        v
+    }
 }
 
 /// The request limiter: compiled rules and their buckets.
@@ -210,16 +227,25 @@ impl Engine {
                 id,
                 slot: slot(id),
                 limits: match r.algorithm {
-                    L7Algorithm::Packet(a) => r.limits.iter().map(|l| crate::compile::limit_entry(a, l.unit, &l.enforced(r.mode))).collect(),
+                    L7Algorithm::Packet(a) => r
+                        .limits
+                        .iter()
+                        .map(|l| crate::compile::limit_entry(a, l.unit, &l.enforced(r.mode)))
+                        .collect(),
                     _ => Vec::new(),
                 },
                 pool: match r.mode {
                     crate::config::rules::Mode::Elastic { pool } => {
-                        Some(crate::compile::limit_entry(Algorithm::TokenBucket, crate::config::rules::Unit::Packets, &pool))
+                        Some(crate::compile::limit_entry(
+                            Algorithm::TokenBucket,
+                            crate::config::rules::Unit::Packets,
+                            &pool,
+                        ))
                     }
                     _ => None,
                 },
-                cluster: (r.scope == crate::config::rules::Scope::Cluster).then(|| crate::cluster::requests::Prepared::new(r)),
+                cluster: (r.scope == crate::config::rules::Scope::Cluster)
+                    .then(|| crate::cluster::requests::Prepared::new(r)),
                 batch_ns: r.batch_ms.map(|ms| ms * 1_000_000),
                 rule: r.clone(),
                 counters: previous
@@ -242,18 +268,34 @@ impl Engine {
                     let mut gone = 0u64;
                     m.retain(|key, _| {
                         let keep = live.contains(&key.slot);
-                        gone += u64::from(!keep && key.values() != OVERFLOW && key.values() != POOL);
+                        gone +=
+                            u64::from(!keep && key.values() != OVERFLOW && key.values() != POOL);
                         keep
                     });
-                    p.keys.fetch_sub(gone.min(p.keys.load(Ordering::Relaxed)), Ordering::Relaxed);
+                    p.keys
+                        .fetch_sub(gone.min(p.keys.load(Ordering::Relaxed)), Ordering::Relaxed);
                 }
                 (p.shards.clone(), p.keys.clone())
             }
-            None => (Arc::new((0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect()), Arc::new(AtomicU64::new(0))),
+            None => (
+                Arc::new((0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect()),
+                Arc::new(AtomicU64::new(0)),
+            ),
         };
         let batch = previous.map(|p| p.batch.clone()).unwrap_or_default();
         let unmatched = previous.map(|p| p.unmatched.clone()).unwrap_or_default();
-        Engine { rules, by_domain, shards, keys, next_slot, max_keys: config.max_keys, epoch_offset_ns, unmatched, cluster: None, batch }
+        Engine {
+            rules,
+            by_domain,
+            shards,
+            keys,
+            next_slot,
+            max_keys: config.max_keys,
+            epoch_offset_ns,
+            unmatched,
+            cluster: None,
+            batch,
+        }
     }
 
     /// This engine deciding `scope = "cluster"` rules through `cluster`
@@ -267,8 +309,12 @@ impl Engine {
     /// hash; mixed with the rule id it spreads one rule's keys, and the
     /// rules' pool and overflow buckets, over the shards.
     fn shard(&self, key: &Key) -> std::sync::MutexGuard<'_, HashMap<Key, Bucket>> {
-        let i = ((u64::from(key.slot) << 32 | u64::from(key.hi)) ^ key.lo).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 58;
-        self.shards[i as usize % SHARDS].lock().unwrap_or_else(|e| e.into_inner())
+        let i = ((u64::from(key.slot) << 32 | u64::from(key.hi)) ^ key.lo)
+            .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+            >> 58;
+        self.shards[i as usize % SHARDS]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
     }
 
     /// The engine's key of `entries`' bucket under rule `c`.
@@ -278,7 +324,11 @@ impl Engine {
 
     /// The shortest `batch` of the rules, if any rule batches.
     pub fn batch_interval(&self) -> Option<std::time::Duration> {
-        self.rules.iter().filter_map(|c| c.batch_ns).min().map(std::time::Duration::from_nanos)
+        self.rules
+            .iter()
+            .filter_map(|c| c.batch_ns)
+            .min()
+            .map(std::time::Duration::from_nanos)
     }
 
     /// Whether the store holds a bucket under `key`.
@@ -301,16 +351,24 @@ impl Engine {
 
     /// Per-rule counters, in file order.
     pub fn counters(&self) -> impl Iterator<Item = (&str, &Counters)> {
-        self.rules.iter().map(|c| (c.rule.name.as_str(), &*c.counters))
+        self.rules
+            .iter()
+            .map(|c| (c.rule.name.as_str(), &*c.counters))
     }
 
     /// The first rule of `domain` whose descriptor matches `entries`.
     pub(super) fn matching(&self, domain: &str, entries: &[DescriptorEntry]) -> Option<&Compiled> {
         let matches = |d: &[Entry]| {
             d.len() == entries.len()
-                && d.iter().zip(entries).all(|(r, e)| r.key == e.key && r.value.as_ref().is_none_or(|v| *v == e.value))
+                && d.iter()
+                    .zip(entries)
+                    .all(|(r, e)| r.key == e.key && r.value.as_ref().is_none_or(|v| *v == e.value))
         };
-        self.by_domain.get(domain)?.iter().map(|&i| &self.rules[i]).find(|c| matches(&c.rule.descriptor))
+        self.by_domain
+            .get(domain)?
+            .iter()
+            .map(|&i| &self.rules[i])
+            .find(|c| matches(&c.rule.descriptor))
     }
 
     /// Charges `hits` (negative: a refund) to the bucket of one descriptor.
@@ -319,7 +377,13 @@ impl Engine {
     }
 
     /// [`Engine::decide`] at monotonic time `now` (tests drive the clock).
-    pub fn decide_at(&self, domain: &str, entries: &[DescriptorEntry], hits: i64, now: u64) -> Status {
+    pub fn decide_at(
+        &self,
+        domain: &str,
+        entries: &[DescriptorEntry],
+        hits: i64,
+        now: u64,
+    ) -> Status {
         let Some(c) = self.matching(domain, entries) else {
             self.unmatched.fetch_add(1, Ordering::Relaxed);
             return Status::unmatched();
@@ -329,7 +393,13 @@ impl Engine {
     }
 
     /// Charges this host's bucket of `entries` under rule `c`.
-    pub(super) fn charge_here(&self, c: &Compiled, entries: &[DescriptorEntry], hits: i64, now: u64) -> Status {
+    pub(super) fn charge_here(
+        &self,
+        c: &Compiled,
+        entries: &[DescriptorEntry],
+        hits: i64,
+        now: u64,
+    ) -> Status {
         let mut key = Key::new(c.slot, values_hash(entries));
         let mut shard = self.shard(&key);
         if !shard.contains_key(&key) {
@@ -401,7 +471,13 @@ impl Engine {
         // A key without a bucket while the store is full would be charged
         // to the rule's overflow bucket: that is its state.
         let own = Key::new(c.slot, values_hash(entries));
-        let key = if !self.shard(&own).contains_key(&own) && self.keys.load(Ordering::Relaxed) >= self.max_keys { Key::new(c.slot, OVERFLOW) } else { own };
+        let key = if !self.shard(&own).contains_key(&own)
+            && self.keys.load(Ordering::Relaxed) >= self.max_keys
+        {
+            Key::new(c.slot, OVERFLOW)
+        } else {
+            own
+        };
         let mut shard = self.shard(&key);
         let mut st = match shard.get_mut(&key) {
             Some(b) => charge(c, b, now, 0, self.epoch_offset_ns),
@@ -417,7 +493,9 @@ fn new_bucket(c: &Compiled) -> Bucket {
     match c.rule.algorithm {
         L7Algorithm::Packet(_) if c.limits.len() == 1 => Bucket::One(0),
         L7Algorithm::Packet(_) => Bucket::Words(Box::new(vec![0; c.limits.len()])),
-        L7Algorithm::SlidingLog => Bucket::Log(Box::new(vec![Default::default(); c.rule.limits.len()])),
+        L7Algorithm::SlidingLog => {
+            Bucket::Log(Box::new(vec![Default::default(); c.rule.limits.len()]))
+        }
         L7Algorithm::Concurrency { .. } => Bucket::Leases(Box::default()),
     }
 }

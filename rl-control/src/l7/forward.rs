@@ -99,7 +99,8 @@ fn forwarded(key: &str, headers: &HeaderMap) -> Result<Option<String>, String> {
         // The query goes first, from the bytes: past a long path's cut (or
         // in the hash of bytes that are not UTF-8) it would make each query
         // string a bucket of its own.
-        "path" => first_of(["x-forwarded-uri", "x-original-uri"]).map(|u| text(u.split(|&b| b == b'?').next().unwrap_or_default())),
+        "path" => first_of(["x-forwarded-uri", "x-original-uri"])
+            .map(|u| text(u.split(|&b| b == b'?').next().unwrap_or_default())),
         "host" => header("x-forwarded-host"),
         name => {
             if axum::http::HeaderName::from_bytes(name.as_bytes()).is_err() {
@@ -120,7 +121,11 @@ fn text(raw: &[u8]) -> String {
         Ok(s) => s.to_string(),
         // A hash every build computes alike: cluster rules' keys are
         // shared between daemons.
-        Err(_) => format!("{}#{:016x}", String::from_utf8_lossy(raw), crate::compile::stable_hash(&raw, 0)),
+        Err(_) => format!(
+            "{}#{:016x}",
+            String::from_utf8_lossy(raw),
+            crate::compile::stable_hash(&raw, 0)
+        ),
     }
 }
 
@@ -151,7 +156,9 @@ fn remote_address(headers: &HeaderMap) -> Result<String, String> {
         },
     };
     let raw = String::from_utf8_lossy(raw);
-    let ip = raw.parse::<IpAddr>().or_else(|_| raw.parse::<SocketAddr>().map(|s| s.ip()));
+    let ip = raw
+        .parse::<IpAddr>()
+        .or_else(|_| raw.parse::<SocketAddr>().map(|s| s.ip()));
     ip.map(|ip| ip.to_string()).map_err(|_| format!("the client address {raw:?} in {from} is not an IP address: the gateway must add the address it saw"))
 }
 
@@ -168,69 +175,166 @@ mod tests {
     }
 
     fn entries(q: &str, h: &HeaderMap) -> Vec<(String, String)> {
-        descriptor(q, h).unwrap().unwrap().into_iter().map(|e| (e.key, e.value)).collect()
+        descriptor(q, h)
+            .unwrap()
+            .unwrap()
+            .into_iter()
+            .map(|e| (e.key, e.value))
+            .collect()
     }
 
     #[test]
     fn query_pairs_keep_order_and_decode() {
         let p = query_pairs("domain=auth&a%20b=c+d&bare&e=&&f=%zz%4");
-        let want = [("domain", Some("auth")), ("a b", Some("c d")), ("bare", None), ("e", Some("")), ("f", Some("%zz%4"))];
+        let want = [
+            ("domain", Some("auth")),
+            ("a b", Some("c d")),
+            ("bare", None),
+            ("e", Some("")),
+            ("f", Some("%zz%4")),
+        ];
         assert_eq!(p, want.map(|(k, v)| (k.to_string(), v.map(String::from))));
     }
 
     #[test]
     fn the_client_address_is_the_last_one_the_gateway_added() {
-        let h = headers(&[("x-forwarded-for", "203.0.113.9, 10.0.0.1"), ("x-forwarded-for", " 192.0.2.7 ")]);
-        assert_eq!(entries("auth_type=login&remote_address", &h), [("auth_type".into(), "login".into()), ("remote_address".into(), "192.0.2.7".into())]);
+        let h = headers(&[
+            ("x-forwarded-for", "203.0.113.9, 10.0.0.1"),
+            ("x-forwarded-for", " 192.0.2.7 "),
+        ]);
+        assert_eq!(
+            entries("auth_type=login&remote_address", &h),
+            [
+                ("auth_type".into(), "login".into()),
+                ("remote_address".into(), "192.0.2.7".into())
+            ]
+        );
         let h = headers(&[("x-real-ip", "[2001:db8::1]:443")]);
-        assert_eq!(entries("remote_address", &h), [("remote_address".into(), "2001:db8::1".into())]);
+        assert_eq!(
+            entries("remote_address", &h),
+            [("remote_address".into(), "2001:db8::1".into())]
+        );
         let e = descriptor("remote_address", &HeaderMap::new()).unwrap_err();
         assert!(e.contains("X-Forwarded-For"), "{e}");
-        assert!(descriptor("remote_address", &headers(&[("x-forwarded-for", "not-an-ip")])).is_err());
+        assert!(descriptor(
+            "remote_address",
+            &headers(&[("x-forwarded-for", "not-an-ip")])
+        )
+        .is_err());
         // An unreadable last entry is an error, not a reason to take the
         // client's own X-Real-IP.
         let mut h = headers(&[("x-real-ip", "198.51.100.1")]);
-        h.append("x-forwarded-for", axum::http::HeaderValue::from_bytes(b"10.0.0.1, \xff").unwrap());
+        h.append(
+            "x-forwarded-for",
+            axum::http::HeaderValue::from_bytes(b"10.0.0.1, \xff").unwrap(),
+        );
         assert!(descriptor("remote_address", &h).is_err());
     }
 
     #[test]
     fn bare_keys_come_from_the_forwarded_request_or_skip_the_descriptor() {
-        let h = headers(&[("x-forwarded-method", "POST"), ("x-original-uri", "/login?next=/"), ("x-forwarded-host", "shop.example"), ("x-api-key", "k1")]);
+        let h = headers(&[
+            ("x-forwarded-method", "POST"),
+            ("x-original-uri", "/login?next=/"),
+            ("x-forwarded-host", "shop.example"),
+            ("x-api-key", "k1"),
+        ]);
         assert_eq!(
             entries("method&path&host&x-api-key", &h),
-            [("method", "POST"), ("path", "/login"), ("host", "shop.example"), ("x-api-key", "k1")].map(|(k, v)| (k.to_string(), v.to_string()))
+            [
+                ("method", "POST"),
+                ("path", "/login"),
+                ("host", "shop.example"),
+                ("x-api-key", "k1")
+            ]
+            .map(|(k, v)| (k.to_string(), v.to_string()))
         );
-        assert_eq!(descriptor("user=alice&x-user", &h).unwrap(), None, "an absent header: the descriptor does not apply");
+        assert_eq!(
+            descriptor("user=alice&x-user", &h).unwrap(),
+            None,
+            "an absent header: the descriptor does not apply"
+        );
         let mut odd = HeaderMap::new();
-        odd.insert("x-api-key", axum::http::HeaderValue::from_bytes(b"k\xff").unwrap());
+        odd.insert(
+            "x-api-key",
+            axum::http::HeaderValue::from_bytes(b"k\xff").unwrap(),
+        );
         let k_ff = entries("x-api-key", &odd)[0].1.clone();
-        assert!(k_ff.starts_with("k\u{fffd}#"), "a value that is not UTF-8 is still a key: {k_ff}");
+        assert!(
+            k_ff.starts_with("k\u{fffd}#"),
+            "a value that is not UTF-8 is still a key: {k_ff}"
+        );
         let mut other = HeaderMap::new();
-        other.insert("x-api-key", axum::http::HeaderValue::from_bytes(b"k\xfe").unwrap());
-        assert_ne!(entries("x-api-key", &other)[0].1, k_ff, "values differing in bytes that are not UTF-8 stay distinct");
+        other.insert(
+            "x-api-key",
+            axum::http::HeaderValue::from_bytes(b"k\xfe").unwrap(),
+        );
+        assert_ne!(
+            entries("x-api-key", &other)[0].1,
+            k_ff,
+            "values differing in bytes that are not UTF-8 stay distinct"
+        );
         odd.append("x-api-key", "second".parse().unwrap());
-        assert_eq!(entries("x-api-key", &odd)[0].1, k_ff, "the first value, as applications read it");
+        assert_eq!(
+            entries("x-api-key", &odd)[0].1,
+            k_ff,
+            "the first value, as applications read it"
+        );
         let long = format!("/{}", "p".repeat(400));
-        let (a, b) = (headers(&[("x-forwarded-uri", Box::leak(long.clone().into_boxed_str()))]), headers(&[("x-forwarded-uri", Box::leak(format!("{long}q").into_boxed_str()))]));
-        let (a, b) = (entries("path", &a)[0].1.clone(), entries("path", &b)[0].1.clone());
-        assert!(a.len() <= MAX_VALUE_LEN && a != b, "a long value fits, and stays distinct: {a} {b}");
+        let (a, b) = (
+            headers(&[("x-forwarded-uri", Box::leak(long.clone().into_boxed_str()))]),
+            headers(&[(
+                "x-forwarded-uri",
+                Box::leak(format!("{long}q").into_boxed_str()),
+            )]),
+        );
+        let (a, b) = (
+            entries("path", &a)[0].1.clone(),
+            entries("path", &b)[0].1.clone(),
+        );
+        assert!(
+            a.len() <= MAX_VALUE_LEN && a != b,
+            "a long value fits, and stays distinct: {a} {b}"
+        );
         // A long path's query is dropped before the cut: it cannot make a
         // bucket per query string.
-        let (a, b) = (headers(&[("x-forwarded-uri", Box::leak(format!("{long}?x=1").into_boxed_str()))]), headers(&[("x-forwarded-uri", Box::leak(format!("{long}?x=2").into_boxed_str()))]));
+        let (a, b) = (
+            headers(&[(
+                "x-forwarded-uri",
+                Box::leak(format!("{long}?x=1").into_boxed_str()),
+            )]),
+            headers(&[(
+                "x-forwarded-uri",
+                Box::leak(format!("{long}?x=2").into_boxed_str()),
+            )]),
+        );
         assert_eq!(entries("path", &a), entries("path", &b));
         // And a path that is not UTF-8: the query goes before the hash.
         let with = |q: &[u8]| {
             let mut h = HeaderMap::new();
-            h.insert("x-forwarded-uri", axum::http::HeaderValue::from_bytes(&[b"/a\xff", q].concat()).unwrap());
+            h.insert(
+                "x-forwarded-uri",
+                axum::http::HeaderValue::from_bytes(&[b"/a\xff", q].concat()).unwrap(),
+            );
             entries("path", &h)[0].1.clone()
         };
-        assert_eq!(with(b"?x=1"), with(b""), "the query does not make another bucket");
-        assert_ne!(with(b""), {
-            let mut h = HeaderMap::new();
-            h.insert("x-forwarded-uri", axum::http::HeaderValue::from_bytes(b"/a\xfe?x=1").unwrap());
-            entries("path", &h)[0].1.clone()
-        }, "paths differing in bytes that are not UTF-8 stay apart");
+        assert_eq!(
+            with(b"?x=1"),
+            with(b""),
+            "the query does not make another bucket"
+        );
+        assert_ne!(
+            with(b""),
+            {
+                let mut h = HeaderMap::new();
+                h.insert(
+                    "x-forwarded-uri",
+                    axum::http::HeaderValue::from_bytes(b"/a\xfe?x=1").unwrap(),
+                );
+                entries("path", &h)[0].1.clone()
+            },
+            "paths differing in bytes that are not UTF-8 stay apart"
+        );
         assert!(descriptor("", &h).is_err());
         assert!(descriptor("bad%20name", &h).is_err());
     }

@@ -52,15 +52,29 @@ impl Failure {
     pub const INTERNAL: u8 = 13;
 
     pub fn new(code: u8, message: impl Into<String>) -> Self {
-        Failure { code, message: message.into() }
+        Failure {
+            code,
+            message: message.into(),
+        }
     }
 }
 
 /// Envoy's unit and `requests_per_unit` for `limit` per `per_secs`.
 pub fn envoy_unit(limit: u64, per_secs: u64) -> (Unit, u32) {
-    const UNITS: [(u64, Unit); 5] = [(604_800, Unit::Week), (86_400, Unit::Day), (3_600, Unit::Hour), (60, Unit::Minute), (1, Unit::Second)];
-    let (secs, unit) = UNITS.iter().copied().find(|(s, _)| *s <= per_secs.max(1)).unwrap_or((1, Unit::Second));
-    let per_unit = (limit as u128 * secs as u128 / per_secs.max(1) as u128).clamp(1, u32::MAX as u128);
+    const UNITS: [(u64, Unit); 5] = [
+        (604_800, Unit::Week),
+        (86_400, Unit::Day),
+        (3_600, Unit::Hour),
+        (60, Unit::Minute),
+        (1, Unit::Second),
+    ];
+    let (secs, unit) = UNITS
+        .iter()
+        .copied()
+        .find(|(s, _)| *s <= per_secs.max(1))
+        .unwrap_or((1, Unit::Second));
+    let per_unit =
+        (limit as u128 * secs as u128 / per_secs.max(1) as u128).clamp(1, u32::MAX as u128);
     (unit, per_unit as u32)
 }
 
@@ -73,20 +87,38 @@ fn invalid(m: String) -> Failure {
 /// statuses that carry one, and those must be the enforced rules.
 fn descriptor_status(s: Status) -> DescriptorStatus {
     if !s.enforced {
-        return DescriptorStatus { code: Code::Ok as i32, ..Default::default() };
+        return DescriptorStatus {
+            code: Code::Ok as i32,
+            ..Default::default()
+        };
     }
     let (unit, per_unit) = envoy_unit(s.limit, s.per_secs);
     DescriptorStatus {
-        code: if s.code == "over_limit" { Code::OverLimit } else { Code::Ok } as i32,
-        current_limit: Some(RateLimit { name: s.rule, requests_per_unit: per_unit, unit: unit as i32 }),
+        code: if s.code == "over_limit" {
+            Code::OverLimit
+        } else {
+            Code::Ok
+        } as i32,
+        current_limit: Some(RateLimit {
+            name: s.rule,
+            requests_per_unit: per_unit,
+            unit: unit as i32,
+        }),
         limit_remaining: s.remaining.min(u32::MAX as u64) as u32,
-        duration_until_reset: Some(Duration { seconds: (s.reset_ms / 1000) as i64, nanos: ((s.reset_ms % 1000) * 1_000_000) as i32 }),
+        duration_until_reset: Some(Duration {
+            seconds: (s.reset_ms / 1000) as i64,
+            nanos: ((s.reset_ms % 1000) * 1_000_000) as i32,
+        }),
         ..Default::default()
     }
 }
 
 fn header(key: &str, value: String) -> HeaderValue {
-    HeaderValue { key: key.into(), value, ..Default::default() }
+    HeaderValue {
+        key: key.into(),
+        value,
+        ..Default::default()
+    }
 }
 
 impl Service {
@@ -96,23 +128,42 @@ impl Service {
             return Err(invalid(format!("domain must be 1..={MAX_VALUE_LEN} bytes")));
         }
         if r.descriptors.is_empty() || r.descriptors.len() > MAX_DESCRIPTORS {
-            return Err(invalid(format!("a request needs 1..={MAX_DESCRIPTORS} descriptors")));
+            return Err(invalid(format!(
+                "a request needs 1..={MAX_DESCRIPTORS} descriptors"
+            )));
         }
-        let request_hits = if r.hits_addend == 0 { 1 } else { r.hits_addend as i64 };
+        let request_hits = if r.hits_addend == 0 {
+            1
+        } else {
+            r.hits_addend as i64
+        };
         let mut charges = Vec::with_capacity(r.descriptors.len());
         for d in r.descriptors {
             if d.entries.is_empty() || d.entries.len() > MAX_ENTRIES {
-                return Err(invalid(format!("a descriptor needs 1..={MAX_ENTRIES} entries")));
+                return Err(invalid(format!(
+                    "a descriptor needs 1..={MAX_ENTRIES} entries"
+                )));
             }
-            if d.entries.iter().any(|e| e.key.is_empty() || e.key.len() > MAX_VALUE_LEN || e.value.len() > MAX_VALUE_LEN) {
+            if d.entries.iter().any(|e| {
+                e.key.is_empty() || e.key.len() > MAX_VALUE_LEN || e.value.len() > MAX_VALUE_LEN
+            }) {
                 return Err(invalid(format!("descriptor keys must be 1..={MAX_VALUE_LEN} bytes and values at most {MAX_VALUE_LEN}")));
             }
-            let hits = d.hits_addend.map_or(request_hits, |v| v.value.min(i64::MAX as u64) as i64);
+            let hits = d
+                .hits_addend
+                .map_or(request_hits, |v| v.value.min(i64::MAX as u64) as i64);
             if hits > MAX_HITS {
                 return Err(invalid(format!("hits_addend must be at most {MAX_HITS}")));
             }
             // Moved, not copied: the request is ours.
-            let entries: Vec<DescriptorEntry> = d.entries.into_iter().map(|e| DescriptorEntry { key: e.key, value: e.value }).collect();
+            let entries: Vec<DescriptorEntry> = d
+                .entries
+                .into_iter()
+                .map(|e| DescriptorEntry {
+                    key: e.key,
+                    value: e.value,
+                })
+                .collect();
             charges.push((entries, if d.is_negative_hits { -hits } else { hits }));
         }
         let engine = self.l7.read().unwrap_or_else(|e| e.into_inner()).clone();
@@ -121,12 +172,21 @@ impl Service {
             statuses.push(engine.decide_scoped(&r.domain, e, *h).await);
         }
         let over = statuses.iter().any(|s| s.code == "over_limit");
-        let mut out = RateLimitResponse { overall_code: if over { Code::OverLimit } else { Code::Ok } as i32, ..Default::default() };
+        let mut out = RateLimitResponse {
+            overall_code: if over { Code::OverLimit } else { Code::Ok } as i32,
+            ..Default::default()
+        };
         if self.draft_headers {
             if let Some(s) = deciding(&statuses) {
                 let reset = s.reset_ms.div_ceil(1000);
-                out.response_headers_to_add.push(header("ratelimit-policy", format!("\"{}\";q={};w={}", s.rule, s.limit, s.per_secs)));
-                out.response_headers_to_add.push(header("ratelimit", format!("\"{}\";r={};t={reset}", s.rule, s.remaining)));
+                out.response_headers_to_add.push(header(
+                    "ratelimit-policy",
+                    format!("\"{}\";q={};w={}", s.rule, s.limit, s.per_secs),
+                ));
+                out.response_headers_to_add.push(header(
+                    "ratelimit",
+                    format!("\"{}\";r={};t={reset}", s.rule, s.remaining),
+                ));
             }
         }
         // The statuses moved in: each rule name is copied once per answer.
@@ -145,7 +205,11 @@ mod tests {
         assert_eq!(envoy_unit(5, 90), (Unit::Minute, 3));
         assert_eq!(envoy_unit(300, 60), (Unit::Minute, 300));
         assert_eq!(envoy_unit(10, 86_400), (Unit::Day, 10));
-        assert_eq!(envoy_unit(1, 7_200), (Unit::Hour, 1), "rounded down, at least 1");
+        assert_eq!(
+            envoy_unit(1, 7_200),
+            (Unit::Hour, 1),
+            "rounded down, at least 1"
+        );
         assert_eq!(envoy_unit(7, 1), (Unit::Second, 7));
         assert_eq!(envoy_unit(2, 1_209_600), (Unit::Week, 1));
     }

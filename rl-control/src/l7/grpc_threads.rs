@@ -42,16 +42,20 @@ pub const MAX_MESSAGE: usize = 1 << 20;
 const MAX_STREAMS: u32 = 200;
 
 /// Open connections per serving thread.
-pub static CONNECTIONS: [AtomicU64; MAX_GRPC_THREADS] = [const { AtomicU64::new(0) }; MAX_GRPC_THREADS];
+pub static CONNECTIONS: [AtomicU64; MAX_GRPC_THREADS] =
+    [const { AtomicU64::new(0) }; MAX_GRPC_THREADS];
 /// Serving threads started (0 without `[l7] grpc_listen`).
 pub static THREADS: AtomicUsize = AtomicUsize::new(0);
 
 /// Serves Envoy's rate-limit service on `threads`, with a service from
 /// `make` per thread.
 pub fn serve(listener: TcpListener, threads: &Threads, make: impl Fn() -> grpc::Service) {
-    let services: Vec<Arc<grpc::Service>> = (0..threads.count()).map(|_| Arc::new(make())).collect();
+    let services: Vec<Arc<grpc::Service>> =
+        (0..threads.count()).map(|_| Arc::new(make())).collect();
     THREADS.store(threads.count(), Relaxed);
-    threads.serve(listener, "gRPC", move |s, i| connection(s, i, services[i].clone()));
+    threads.serve(listener, "gRPC", move |s, i| {
+        connection(s, i, services[i].clone())
+    });
 }
 
 /// Serves one connection on this thread until it closes, counted in
@@ -110,14 +114,23 @@ async fn calls(s: TcpStream, svc: &grpc::Service) -> Result<(), h2::Error> {
 /// trailers-only failure).
 async fn call(svc: &grpc::Service, req: http::Request<RecvStream>, respond: SendResponse<Bytes>) {
     let outcome = if req.uri().path() != PATH {
-        Err(Failure::new(Failure::UNIMPLEMENTED, format!("unknown method {}: this service has {PATH} only", req.uri().path())))
+        Err(Failure::new(
+            Failure::UNIMPLEMENTED,
+            format!(
+                "unknown method {}: this service has {PATH} only",
+                req.uri().path()
+            ),
+        ))
     } else {
         match message(req.into_body()).await {
             Ok(m) => {
                 let t = Instant::now();
                 let answer = match RateLimitRequest::decode(m) {
                     Ok(r) => svc.answer(r).await.map(|a| framed(&a)),
-                    Err(e) => Err(Failure::new(Failure::INTERNAL, format!("failed to decode the request: {e}"))),
+                    Err(e) => Err(Failure::new(
+                        Failure::INTERNAL,
+                        format!("failed to decode the request: {e}"),
+                    )),
                 };
                 super::GRPC_LATENCY.record(t.elapsed());
                 answer
@@ -135,10 +148,14 @@ async fn message(mut body: RecvStream) -> Result<Bytes, Failure> {
     // message split over frames is copied together.
     let (mut first, mut joined) = (Bytes::new(), BytesMut::new());
     while let Some(chunk) = body.data().await {
-        let chunk = chunk.map_err(|e| Failure::new(Failure::INTERNAL, format!("reading the request: {e}")))?;
+        let chunk = chunk
+            .map_err(|e| Failure::new(Failure::INTERNAL, format!("reading the request: {e}")))?;
         let _ = body.flow_control().release_capacity(chunk.len());
         if first.len() + joined.len() + chunk.len() > 5 + MAX_MESSAGE {
-            return Err(Failure::new(Failure::RESOURCE_EXHAUSTED, format!("a request message may be at most {MAX_MESSAGE} bytes")));
+            return Err(Failure::new(
+                Failure::RESOURCE_EXHAUSTED,
+                format!("a request message may be at most {MAX_MESSAGE} bytes"),
+            ));
         }
         if first.is_empty() && joined.is_empty() {
             first = chunk;
@@ -147,16 +164,29 @@ async fn message(mut body: RecvStream) -> Result<Bytes, Failure> {
             joined.extend_from_slice(&chunk);
         }
     }
-    let buf = if joined.is_empty() { first } else { joined.freeze() };
+    let buf = if joined.is_empty() {
+        first
+    } else {
+        joined.freeze()
+    };
     if buf.len() < 5 {
         return Err(Failure::new(Failure::INTERNAL, "missing request message"));
     }
     if buf[0] != 0 {
-        return Err(Failure::new(Failure::UNIMPLEMENTED, "compressed messages are not supported: send them uncompressed"));
+        return Err(Failure::new(
+            Failure::UNIMPLEMENTED,
+            "compressed messages are not supported: send them uncompressed",
+        ));
     }
     let len = u32::from_be_bytes([buf[1], buf[2], buf[3], buf[4]]) as usize;
     if len != buf.len() - 5 {
-        return Err(Failure::new(Failure::INTERNAL, format!("a unary call carries one message: {len} bytes announced, {} sent", buf.len() - 5)));
+        return Err(Failure::new(
+            Failure::INTERNAL,
+            format!(
+                "a unary call carries one message: {len} bytes announced, {} sent",
+                buf.len() - 5
+            ),
+        ));
     }
     Ok(buf.slice(5..))
 }
@@ -175,10 +205,13 @@ fn framed(m: &impl Message) -> Bytes {
 /// failure as trailers-only (status and message in the headers).
 fn send(mut respond: SendResponse<Bytes>, outcome: Result<Bytes, Failure>) {
     let mut head = Response::new(());
-    head.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    head.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
     match outcome {
         Ok(message) => {
-            let Ok(mut stream) = respond.send_response(head, false) else { return };
+            let Ok(mut stream) = respond.send_response(head, false) else {
+                return;
+            };
             if stream.send_data(message, false).is_ok() {
                 let mut trailers = HeaderMap::with_capacity(1);
                 trailers.insert("grpc-status", HeaderValue::from_static("0"));

@@ -45,7 +45,11 @@ struct Check {
 }
 
 fn bad(msg: String) -> Response {
-    (StatusCode::BAD_REQUEST, Json(serde_json::json!({ "error": msg }))).into_response()
+    (
+        StatusCode::BAD_REQUEST,
+        Json(serde_json::json!({ "error": msg })),
+    )
+        .into_response()
 }
 
 /// What is wrong with `c`, if anything.
@@ -54,18 +58,24 @@ fn invalid(c: &Check) -> Option<String> {
         return Some(format!("domain must be 1..={MAX_VALUE_LEN} bytes"));
     }
     if c.descriptors.is_empty() || c.descriptors.len() > MAX_DESCRIPTORS {
-        return Some(format!("descriptors must hold 1..={MAX_DESCRIPTORS} descriptors"));
+        return Some(format!(
+            "descriptors must hold 1..={MAX_DESCRIPTORS} descriptors"
+        ));
     }
     for d in &c.descriptors {
         if d.is_empty() || d.len() > MAX_ENTRIES {
             return Some(format!("a descriptor must hold 1..={MAX_ENTRIES} entries"));
         }
-        if d.iter().any(|e| e.key.is_empty() || e.key.len() > MAX_VALUE_LEN || e.value.len() > MAX_VALUE_LEN) {
+        if d.iter().any(|e| {
+            e.key.is_empty() || e.key.len() > MAX_VALUE_LEN || e.value.len() > MAX_VALUE_LEN
+        }) {
             return Some(format!("descriptor keys must be 1..={MAX_VALUE_LEN} bytes and values at most {MAX_VALUE_LEN}"));
         }
     }
     match c.hits {
-        Some(h) if h.unsigned_abs() > MAX_HITS as u64 => Some(format!("hits must be -{MAX_HITS}..={MAX_HITS}")),
+        Some(h) if h.unsigned_abs() > MAX_HITS as u64 => {
+            Some(format!("hits must be -{MAX_HITS}..={MAX_HITS}"))
+        }
         _ => None,
     }
 }
@@ -75,7 +85,10 @@ fn invalid(c: &Check) -> Option<String> {
 /// do not limit, so they do not speak).
 pub fn deciding(statuses: &[Status]) -> Option<&Status> {
     let enforced = statuses.iter().filter(|s| s.enforced);
-    statuses.iter().find(|s| s.code == "over_limit").or_else(|| enforced.min_by_key(|s| s.remaining))
+    statuses
+        .iter()
+        .find(|s| s.code == "over_limit")
+        .or_else(|| enforced.min_by_key(|s| s.remaining))
 }
 
 /// `X-RateLimit-*`, IETF `RateLimit-Policy` / `RateLimit` of `s`, and
@@ -98,15 +111,24 @@ pub fn headers(s: &Status, retry_after_ms: Option<u64>) -> HeaderMap {
     put(LIMIT, s.limit.to_string());
     put(REMAINING, s.remaining.to_string());
     put(RESET, secs(s.reset_ms).to_string());
-    put(POLICY, format!("\"{}\";q={};w={}", s.rule, s.limit, s.per_secs));
-    put(RATELIMIT, format!("\"{}\";r={};t={}", s.rule, s.remaining, secs(s.reset_ms)));
+    put(
+        POLICY,
+        format!("\"{}\";q={};w={}", s.rule, s.limit, s.per_secs),
+    );
+    put(
+        RATELIMIT,
+        format!("\"{}\";r={};t={}", s.rule, s.remaining, secs(s.reset_ms)),
+    );
     if let Some(ms) = retry_after_ms {
         put(axum::http::header::RETRY_AFTER, secs(ms).max(1).to_string());
     }
     h
 }
 
-async fn check(State(l7): State<Shared>, body: Result<Bytes, axum::extract::rejection::BytesRejection>) -> Response {
+async fn check(
+    State(l7): State<Shared>,
+    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
+) -> Response {
     let body = match body {
         Ok(b) => b,
         // Past MAX_BODY (or unreadable): JSON like every other error.
@@ -122,7 +144,12 @@ async fn check(State(l7): State<Shared>, body: Result<Bytes, axum::extract::reje
 /// forwarded request, one hit. Over the limit it answers 429, or the status
 /// in the gateway's `RL-Over-Status` header (401 or 403: nginx's
 /// `auth_request` takes any other as an error).
-async fn forward_auth(State(l7): State<Shared>, Path(domain): Path<String>, RawQuery(q): RawQuery, headers: HeaderMap) -> Response {
+async fn forward_auth(
+    State(l7): State<Shared>,
+    Path(domain): Path<String>,
+    RawQuery(q): RawQuery,
+    headers: HeaderMap,
+) -> Response {
     let t = std::time::Instant::now();
     let r = forward_answer(l7, domain, q.as_deref().unwrap_or(""), &headers).await;
     super::HTTP_LATENCY.record(t.elapsed());
@@ -130,7 +157,10 @@ async fn forward_auth(State(l7): State<Shared>, Path(domain): Path<String>, RawQ
 }
 
 async fn forward_answer(l7: Shared, domain: String, q: &str, headers: &HeaderMap) -> Response {
-    let over_status = match headers.get(OVER_STATUS).map(|v| v.to_str().unwrap_or("").trim()) {
+    let over_status = match headers
+        .get(OVER_STATUS)
+        .map(|v| v.to_str().unwrap_or("").trim())
+    {
         None | Some("429") => StatusCode::TOO_MANY_REQUESTS,
         Some("403") => StatusCode::FORBIDDEN,
         Some("401") => StatusCode::UNAUTHORIZED,
@@ -140,7 +170,17 @@ async fn forward_answer(l7: Shared, domain: String, q: &str, headers: &HeaderMap
         Err(m) => return bad(m),
         // A header it names is absent: the descriptor does not apply.
         Ok(None) => answered(&[]),
-        Ok(Some(d)) => decided(l7, Check { domain, descriptors: vec![d], hits: None }).await,
+        Ok(Some(d)) => {
+            decided(
+                l7,
+                Check {
+                    domain,
+                    descriptors: vec![d],
+                    hits: None,
+                },
+            )
+            .await
+        }
     };
     if r.status() == StatusCode::TOO_MANY_REQUESTS {
         *r.status_mut() = over_status;
@@ -187,16 +227,36 @@ async fn decided(l7: Shared, c: Check) -> Response {
 /// JSON.
 fn answered(statuses: &[Status]) -> Response {
     let over = statuses.iter().any(|s| s.code == "over_limit");
-    let code = if over { StatusCode::TOO_MANY_REQUESTS } else { StatusCode::OK };
+    let code = if over {
+        StatusCode::TOO_MANY_REQUESTS
+    } else {
+        StatusCode::OK
+    };
     // Retrying sooner than the latest over-limit descriptor allows only
     // meets another 429.
-    let retry = over.then(|| statuses.iter().filter(|s| s.code == "over_limit").map(|s| s.retry_after_ms).max().unwrap_or(0));
-    let hdrs = deciding(statuses).map(|s| headers(s, retry)).unwrap_or_default();
+    let retry = over.then(|| {
+        statuses
+            .iter()
+            .filter(|s| s.code == "over_limit")
+            .map(|s| s.retry_after_ms)
+            .max()
+            .unwrap_or(0)
+    });
+    let hdrs = deciding(statuses)
+        .map(|s| headers(s, retry))
+        .unwrap_or_default();
     // Serialized straight from the statuses (a `json!` value built a map
     // per status first: a tenth of the daemon's CPU per check).
-    let body = serde_json::to_vec(&Answer { overall: if over { "over_limit" } else { "ok" }, statuses }).unwrap_or_default();
+    let body = serde_json::to_vec(&Answer {
+        overall: if over { "over_limit" } else { "ok" },
+        statuses,
+    })
+    .unwrap_or_default();
     let mut r = (code, hdrs, body).into_response();
-    r.headers_mut().insert(axum::http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r.headers_mut().insert(
+        axum::http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     r
 }
 
@@ -220,8 +280,12 @@ pub fn serve(listener: tokio::net::TcpListener, threads: &super::threads::Thread
         async move {
             let mut http = hyper::server::conn::http1::Builder::new();
             // A client that never finishes its request head is dropped.
-            http.timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(std::time::Duration::from_secs(30));
-            if let Err(e) = http.serve_connection(hyper_util::rt::TokioIo::new(s), svc).await {
+            http.timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(std::time::Duration::from_secs(30));
+            if let Err(e) = http
+                .serve_connection(hyper_util::rt::TokioIo::new(s), svc)
+                .await
+            {
                 tracing::debug!("an HTTP check connection on thread {thread} ended: {e}");
             }
         }

@@ -30,13 +30,19 @@ pub struct Latency {
 
 impl Latency {
     const fn new() -> Latency {
-        Latency { buckets: [const { AtomicU64::new(0) }; LATENCY_BOUNDS.len() + 1], sum_ns: AtomicU64::new(0) }
+        Latency {
+            buckets: [const { AtomicU64::new(0) }; LATENCY_BOUNDS.len() + 1],
+            sum_ns: AtomicU64::new(0),
+        }
     }
 
     /// Records one answer that took `d`.
     pub fn record(&self, d: std::time::Duration) {
         let s = d.as_secs_f64();
-        let i = LATENCY_BOUNDS.iter().position(|b| s <= *b).unwrap_or(LATENCY_BOUNDS.len());
+        let i = LATENCY_BOUNDS
+            .iter()
+            .position(|b| s <= *b)
+            .unwrap_or(LATENCY_BOUNDS.len());
         self.buckets[i].fetch_add(1, Relaxed);
         self.sum_ns.fetch_add(d.as_nanos() as u64, Relaxed);
     }

@@ -9,7 +9,10 @@ use toml::Spanned;
 
 use crate::{
     cluster::settings::scope_of,
-    config::rules::{checked_name, choice, duration, int_in, int_or, limits_of, mode_of, Action, Algorithm, Mode, ModeFields, RawLimit, RuleLimit, Scope, MAX_LIMITS},
+    config::rules::{
+        checked_name, choice, duration, int_in, int_or, limits_of, mode_of, Action, Algorithm,
+        Mode, ModeFields, RawLimit, RuleLimit, Scope, MAX_LIMITS,
+    },
     config::{socket_address, ConfigError, Located},
 };
 
@@ -85,7 +88,14 @@ pub struct L7Config {
 
 impl Default for L7Config {
     fn default() -> Self {
-        L7Config { grpc_listen: None, http_listen: None, max_keys: 1_000_000, draft_headers: false, grpc_threads: None, rules: Vec::new() }
+        L7Config {
+            grpc_listen: None,
+            http_listen: None,
+            max_keys: 1_000_000,
+            draft_headers: false,
+            grpc_threads: None,
+            rules: Vec::new(),
+        }
     }
 }
 
@@ -133,16 +143,30 @@ struct RawEntry {
 fn text(loc: &Located, what: &str, v: &Spanned<String>) -> Result<String, ConfigError> {
     let t = v.get_ref();
     if t.is_empty() || t.len() > MAX_VALUE_LEN {
-        return Err(loc.at(v.span(), format!("{what} must be 1..={MAX_VALUE_LEN} bytes long")));
+        return Err(loc.at(
+            v.span(),
+            format!("{what} must be 1..={MAX_VALUE_LEN} bytes long"),
+        ));
     }
     Ok(t.clone())
 }
 
-pub(crate) fn validate(loc: &Located, raw: &RawL7, has_cluster: bool) -> Result<L7Config, ConfigError> {
+pub(crate) fn validate(
+    loc: &Located,
+    raw: &RawL7,
+    has_cluster: bool,
+) -> Result<L7Config, ConfigError> {
     let mut out = L7Config {
         grpc_listen: socket_address(loc, &raw.grpc_listen, "l7.grpc_listen", "127.0.0.1:8081")?,
         http_listen: socket_address(loc, &raw.http_listen, "l7.http_listen", "127.0.0.1:8082")?,
-        max_keys: int_or(loc, "l7.max_keys", &raw.max_keys, 1, MAX_KEYS_LIMIT as i64, 1_000_000)?,
+        max_keys: int_or(
+            loc,
+            "l7.max_keys",
+            &raw.max_keys,
+            1,
+            MAX_KEYS_LIMIT as i64,
+            1_000_000,
+        )?,
         draft_headers: raw.draft_headers.unwrap_or(false),
         grpc_threads: match &raw.grpc_threads {
             Some(v) => Some(int_in(loc, "l7.grpc_threads", v, 1, MAX_GRPC_THREADS as i64)? as u32),
@@ -151,22 +175,44 @@ pub(crate) fn validate(loc: &Located, raw: &RawL7, has_cluster: bool) -> Result<
         rules: Vec::new(),
     };
     if raw.rule.len() > MAX_L7_RULES {
-        return Err(loc.at(raw.rule[MAX_L7_RULES].span(), format!("{} l7 rules: at most {MAX_L7_RULES}", raw.rule.len())));
+        return Err(loc.at(
+            raw.rule[MAX_L7_RULES].span(),
+            format!("{} l7 rules: at most {MAX_L7_RULES}", raw.rule.len()),
+        ));
     }
     for (i, spanned) in raw.rule.iter().enumerate() {
         let rule = validate_rule(loc, i, spanned, has_cluster)?;
         if let Some(first) = out.rules.iter().find(|r| r.name == rule.name) {
-            let span = spanned.get_ref().name.as_ref().map(|n| n.span()).unwrap_or(spanned.span());
-            return Err(loc.at(span, format!("l7 rule name \"{}\" is already used: names must be unique", first.name)));
+            let span = spanned
+                .get_ref()
+                .name
+                .as_ref()
+                .map(|n| n.span())
+                .unwrap_or(spanned.span());
+            return Err(loc.at(
+                span,
+                format!(
+                    "l7 rule name \"{}\" is already used: names must be unique",
+                    first.name
+                ),
+            ));
         }
         out.rules.push(rule);
     }
     Ok(out)
 }
 
-fn validate_rule(loc: &Located, i: usize, spanned: &Spanned<RawL7Rule>, has_cluster: bool) -> Result<L7Rule, ConfigError> {
+fn validate_rule(
+    loc: &Located,
+    i: usize,
+    spanned: &Spanned<RawL7Rule>,
+    has_cluster: bool,
+) -> Result<L7Rule, ConfigError> {
     let (r, table) = (spanned.get_ref(), spanned.span());
-    let name = r.name.as_ref().ok_or_else(|| loc.at(table.clone(), format!("l7 rule #{}: missing name", i + 1)))?;
+    let name = r
+        .name
+        .as_ref()
+        .ok_or_else(|| loc.at(table.clone(), format!("l7 rule #{}: missing name", i + 1)))?;
     let n = checked_name(loc, "l7 rule", name)?;
     let who = format!("l7 rule \"{n}\"");
     let (domain, descriptor) = descriptor_of(loc, &who, r, table.clone())?;
@@ -174,11 +220,28 @@ fn validate_rule(loc: &Located, i: usize, spanned: &Spanned<RawL7Rule>, has_clus
         loc,
         &format!("{who}: algorithm"),
         &r.algorithm,
-        &[("token_bucket", 0), ("fixed_window", 1), ("sliding_window", 2), ("sliding_log", 3), ("concurrency", 4)],
+        &[
+            ("token_bucket", 0),
+            ("fixed_window", 1),
+            ("sliding_window", 2),
+            ("sliding_log", 3),
+            ("concurrency", 4),
+        ],
     )?;
-    let action = choice(loc, &format!("{who}: action"), &r.action, &[("drop", Action::Drop), ("shadow", Action::Shadow)])?;
-    let fields = ModeFields { mode: &r.mode, soft_percent: &r.soft_percent, pool_rate: &r.pool_rate, pool_per: &r.pool_per };
-    let no_elastic = (kind >= 3).then_some("applies to token_bucket, fixed_window and sliding_window");
+    let action = choice(
+        loc,
+        &format!("{who}: action"),
+        &r.action,
+        &[("drop", Action::Drop), ("shadow", Action::Shadow)],
+    )?;
+    let fields = ModeFields {
+        mode: &r.mode,
+        soft_percent: &r.soft_percent,
+        pool_rate: &r.pool_rate,
+        pool_per: &r.pool_per,
+    };
+    let no_elastic =
+        (kind >= 3).then_some("applies to token_bucket, fixed_window and sliding_window");
     let mode = mode_of(loc, &who, fields, table.clone(), "requests", no_elastic)?;
     if kind >= 3 && matches!(mode, Mode::Soft { .. }) {
         // The log and the semaphore count against their rate or max as
@@ -193,11 +256,27 @@ fn validate_rule(loc: &Located, i: usize, spanned: &Spanned<RawL7Rule>, has_clus
     }
     if kind == 4 {
         let algorithm = concurrency_of(loc, &who, r, table)?;
-        return Ok(L7Rule { name: n.clone(), domain, descriptor, algorithm, limits: Vec::new(), action, mode, scope, batch_ms: None });
+        return Ok(L7Rule {
+            name: n.clone(),
+            domain,
+            descriptor,
+            algorithm,
+            limits: Vec::new(),
+            action,
+            mode,
+            scope,
+            batch_ms: None,
+        });
     }
-    for (field, v) in [("max", r.max.as_ref().map(|v| v.span())), ("lease", r.lease.as_ref().map(|v| v.span()))] {
+    for (field, v) in [
+        ("max", r.max.as_ref().map(|v| v.span())),
+        ("lease", r.lease.as_ref().map(|v| v.span())),
+    ] {
         if let Some(span) = v {
-            return Err(loc.at(span, format!("{who}: {field} applies to algorithm = \"concurrency\" only")));
+            return Err(loc.at(
+                span,
+                format!("{who}: {field} applies to algorithm = \"concurrency\" only"),
+            ));
         }
     }
     let algorithm = match kind {
@@ -208,50 +287,103 @@ fn validate_rule(loc: &Located, i: usize, spanned: &Spanned<RawL7Rule>, has_clus
     };
     let limits = request_limits(loc, &who, r, algorithm, table.clone())?;
     if algorithm == L7Algorithm::Packet(Algorithm::SlidingWindow) {
-        let span = r.rate.as_ref().map(|v| v.span()).or(r.limits.as_ref().map(|v| v.span())).unwrap_or(table.clone());
+        let span = r
+            .rate
+            .as_ref()
+            .map(|v| v.span())
+            .or(r.limits.as_ref().map(|v| v.span()))
+            .unwrap_or(table.clone());
         crate::config::rules::sliding_fits(loc, &who, &limits, mode, span)?;
     }
     let batch_ms = batch_of(loc, &who, r, scope, algorithm, limits.len())?;
-    let rule = L7Rule { name: n.clone(), domain, descriptor, algorithm, limits, action, mode, scope, batch_ms };
+    let rule = L7Rule {
+        name: n.clone(),
+        domain,
+        descriptor,
+        algorithm,
+        limits,
+        action,
+        mode,
+        scope,
+        batch_ms,
+    };
     if scope == Scope::Cluster {
         if let Some(why) = crate::cluster::requests::too_large(&rule) {
-            return Err(loc.at(r.scope.as_ref().map(|s| s.span()).unwrap_or(table), format!("{who}: {why}")));
+            return Err(loc.at(
+                r.scope.as_ref().map(|s| s.span()).unwrap_or(table),
+                format!("{who}: {why}"),
+            ));
         }
     }
     Ok(rule)
 }
 
 /// What a rule matches: Envoy's `domain` and the descriptor's entries.
-fn descriptor_of(loc: &Located, who: &str, r: &RawL7Rule, table: Range<usize>) -> Result<(String, Vec<Entry>), ConfigError> {
+fn descriptor_of(
+    loc: &Located,
+    who: &str,
+    r: &RawL7Rule,
+    table: Range<usize>,
+) -> Result<(String, Vec<Entry>), ConfigError> {
     let domain = match &r.domain {
         Some(d) => text(loc, &format!("{who}: domain"), d)?,
-        None => return Err(loc.at(table, format!("{who}: missing domain (Envoy's rate-limit domain, e.g. \"auth\")"))),
+        None => {
+            return Err(loc.at(
+                table,
+                format!("{who}: missing domain (Envoy's rate-limit domain, e.g. \"auth\")"),
+            ))
+        }
     };
     let Some(desc) = &r.descriptor else {
-        return Err(loc.at(table, format!("{who}: missing descriptor, e.g. [{{ key = \"remote_address\" }}]")));
+        return Err(loc.at(
+            table,
+            format!("{who}: missing descriptor, e.g. [{{ key = \"remote_address\" }}]"),
+        ));
     };
     if desc.get_ref().is_empty() || desc.get_ref().len() > MAX_ENTRIES {
-        return Err(loc.at(desc.span(), format!("{who}: descriptor needs 1..={MAX_ENTRIES} entries")));
+        return Err(loc.at(
+            desc.span(),
+            format!("{who}: descriptor needs 1..={MAX_ENTRIES} entries"),
+        ));
     }
     let mut descriptor = Vec::new();
     for e in desc.get_ref() {
         let e = e.get_ref();
         let key = text(loc, &format!("{who}: descriptor key"), &e.key)?;
-        let value = e.value.as_ref().map(|v| text(loc, &format!("{who}: descriptor value"), v)).transpose()?;
+        let value = e
+            .value
+            .as_ref()
+            .map(|v| text(loc, &format!("{who}: descriptor value"), v))
+            .transpose()?;
         descriptor.push(Entry { key, value });
     }
     Ok((domain, descriptor))
 }
 
 /// `algorithm = "concurrency"`: `max` in flight and the `lease`, no rates.
-fn concurrency_of(loc: &Located, who: &str, r: &RawL7Rule, table: Range<usize>) -> Result<L7Algorithm, ConfigError> {
-    for (field, span) in [("rate", r.rate.as_ref().map(|v| v.span())), ("per", r.per.as_ref().map(|v| v.span())), ("burst", r.burst.as_ref().map(|v| v.span())), ("limits", r.limits.as_ref().map(|v| v.span()))] {
+fn concurrency_of(
+    loc: &Located,
+    who: &str,
+    r: &RawL7Rule,
+    table: Range<usize>,
+) -> Result<L7Algorithm, ConfigError> {
+    for (field, span) in [
+        ("rate", r.rate.as_ref().map(|v| v.span())),
+        ("per", r.per.as_ref().map(|v| v.span())),
+        ("burst", r.burst.as_ref().map(|v| v.span())),
+        ("limits", r.limits.as_ref().map(|v| v.span())),
+    ] {
         if let Some(span) = span {
             return Err(loc.at(span, format!("{who}: {field} does not apply to algorithm = \"concurrency\": give `max` (and `lease`)")));
         }
     }
     let Some(max) = &r.max else {
-        return Err(loc.at(table, format!("{who}: algorithm = \"concurrency\" needs `max`, the requests allowed in flight")));
+        return Err(loc.at(
+            table,
+            format!(
+                "{who}: algorithm = \"concurrency\" needs `max`, the requests allowed in flight"
+            ),
+        ));
     };
     let max = int_in(loc, &format!("{who}: max"), max, 1, MAX_CONCURRENCY as i64)?;
     let lease_secs = match &r.lease {
@@ -263,23 +395,47 @@ fn concurrency_of(loc: &Located, who: &str, r: &RawL7Rule, table: Range<usize>) 
 
 /// A rate rule's limits: `limits = [...]` or its own rate/per/burst, in
 /// requests (never bytes).
-fn request_limits(loc: &Located, who: &str, r: &RawL7Rule, algorithm: L7Algorithm, table: Range<usize>) -> Result<Vec<RuleLimit>, ConfigError> {
+fn request_limits(
+    loc: &Located,
+    who: &str,
+    r: &RawL7Rule,
+    algorithm: L7Algorithm,
+    table: Range<usize>,
+) -> Result<Vec<RuleLimit>, ConfigError> {
     let windowed = algorithm != L7Algorithm::Packet(Algorithm::TokenBucket);
-    let own = RawLimit { rate: r.rate.clone(), per: r.per.clone(), burst: r.burst.clone(), bytes: None, byte_burst: None };
+    let own = RawLimit {
+        rate: r.rate.clone(),
+        per: r.per.clone(),
+        burst: r.burst.clone(),
+        bytes: None,
+        byte_burst: None,
+    };
     let limits: Vec<RuleLimit> = match &r.limits {
         Some(list) => {
             if !own.is_empty() {
-                return Err(loc.at(list.span(), format!("{who}: give either `limits = [...]` or rate/per/burst, not both")));
+                return Err(loc.at(
+                    list.span(),
+                    format!("{who}: give either `limits = [...]` or rate/per/burst, not both"),
+                ));
             }
             if list.get_ref().is_empty() || list.get_ref().len() > MAX_LIMITS {
-                return Err(loc.at(list.span(), format!("{who}: limits needs 1..={MAX_LIMITS} entries")));
+                return Err(loc.at(
+                    list.span(),
+                    format!("{who}: limits needs 1..={MAX_LIMITS} entries"),
+                ));
             }
             let mut all = Vec::new();
             for (j, l) in list.get_ref().iter().enumerate() {
                 if let Some(b) = &l.get_ref().bytes {
                     return Err(loc.at(b.span(), format!("{who}: limits[{j}]: request rules count requests: give rate, not bytes")));
                 }
-                all.extend(limits_of(loc, &format!("{who}: limits[{j}]"), l.get_ref(), windowed, l.span())?);
+                all.extend(limits_of(
+                    loc,
+                    &format!("{who}: limits[{j}]"),
+                    l.get_ref(),
+                    windowed,
+                    l.span(),
+                )?);
             }
             all
         }
@@ -298,7 +454,14 @@ fn request_limits(loc: &Located, who: &str, r: &RawL7Rule, algorithm: L7Algorith
 
 /// `batch`: a cluster token-bucket rule with one limit may settle with
 /// Redis in batches.
-fn batch_of(loc: &Located, who: &str, r: &RawL7Rule, scope: Scope, algorithm: L7Algorithm, n_limits: usize) -> Result<Option<u64>, ConfigError> {
+fn batch_of(
+    loc: &Located,
+    who: &str,
+    r: &RawL7Rule,
+    scope: Scope,
+    algorithm: L7Algorithm,
+    n_limits: usize,
+) -> Result<Option<u64>, ConfigError> {
     let Some(b) = &r.batch else { return Ok(None) };
     let why = if scope != Scope::Cluster {
         Some("needs scope = \"cluster\"")
@@ -312,7 +475,10 @@ fn batch_of(loc: &Located, who: &str, r: &RawL7Rule, scope: Scope, algorithm: L7
     if let Some(why) = why {
         return Err(loc.at(b.span(), format!("{who}: batch {why}")));
     }
-    Ok(Some(crate::config::units::parse_millis(b.get_ref(), 60_000).map_err(|m| loc.at(b.span(), format!("{who}: batch: {m}")))?))
+    Ok(Some(
+        crate::config::units::parse_millis(b.get_ref(), 60_000)
+            .map_err(|m| loc.at(b.span(), format!("{who}: batch: {m}")))?,
+    ))
 }
 
 #[cfg(test)]
@@ -320,11 +486,15 @@ mod tests {
     use crate::config::Config;
 
     fn error_of(l7: &str) -> String {
-        Config::from_str(&format!("[default]\nrate = 1\n{l7}"), "rules.toml").unwrap_err().to_string()
+        Config::from_str(&format!("[default]\nrate = 1\n{l7}"), "rules.toml")
+            .unwrap_err()
+            .to_string()
     }
 
     fn rule(extra: &str) -> String {
-        format!("[[l7.rule]]\nname = \"r\"\ndomain = \"d\"\ndescriptor = [{{ key = \"k\" }}]\n{extra}")
+        format!(
+            "[[l7.rule]]\nname = \"r\"\ndomain = \"d\"\ndescriptor = [{{ key = \"k\" }}]\n{extra}"
+        )
     }
 
     #[test]
@@ -338,11 +508,17 @@ mod tests {
         )
         .unwrap();
         let r = &c.l7.rules[0];
-        assert_eq!((r.name.as_str(), r.domain.as_str(), r.descriptor.len()), ("login-per-ip", "auth", 2));
+        assert_eq!(
+            (r.name.as_str(), r.domain.as_str(), r.descriptor.len()),
+            ("login-per-ip", "auth", 2)
+        );
         assert_eq!(r.descriptor[0].value.as_deref(), Some("login"));
         assert_eq!(r.descriptor[1].value, None);
         assert_eq!(r.algorithm, super::L7Algorithm::SlidingLog);
-        assert_eq!((r.limits[0].rate.amount, r.limits[0].rate.per_secs), (5, 60));
+        assert_eq!(
+            (r.limits[0].rate.amount, r.limits[0].rate.per_secs),
+            (5, 60)
+        );
     }
 
     #[test]
@@ -374,7 +550,10 @@ mod tests {
         ];
         for (text, at, needle) in cases {
             let e = error_of(&text);
-            assert!(e.starts_with(at) && e.contains(needle), "{text}\nexpected {at} … {needle}, got: {e}");
+            assert!(
+                e.starts_with(at) && e.contains(needle),
+                "{text}\nexpected {at} … {needle}, got: {e}"
+            );
         }
     }
 }

@@ -32,7 +32,9 @@ impl Runs {
     /// Takes back the `n` oldest hits (or all of them).
     pub fn take_oldest(&mut self, mut n: u64) {
         while n > 0 {
-            let Some(front) = self.runs.front_mut() else { break };
+            let Some(front) = self.runs.front_mut() else {
+                break;
+            };
             let took = front.1.min(n);
             front.1 -= took;
             (n, self.total) = (n - took, self.total - took);
@@ -95,12 +97,27 @@ mod tests {
         r.push(10, 3);
         r.push(10, 2);
         r.push(20, 1_000_000);
-        assert_eq!((r.len(), r.runs.len()), (1_000_005, 2), "a request's hits are one entry");
-        assert_eq!(r.until_room(100, 1_000_005, 1, 0), 110, "one more: the oldest run must leave");
-        assert_eq!(r.until_room(100, 1_000_005, 6, 0), 120, "six more: into the second run");
+        assert_eq!(
+            (r.len(), r.runs.len()),
+            (1_000_005, 2),
+            "a request's hits are one entry"
+        );
+        assert_eq!(
+            r.until_room(100, 1_000_005, 1, 0),
+            110,
+            "one more: the oldest run must leave"
+        );
+        assert_eq!(
+            r.until_room(100, 1_000_005, 6, 0),
+            120,
+            "six more: into the second run"
+        );
         assert_eq!(r.until_room(100, 2_000_000, 6, 0), 0, "room now");
         r.take_oldest(4);
-        assert_eq!((r.len(), r.runs.front().copied()), (1_000_001, Some((10, 1))));
+        assert_eq!(
+            (r.len(), r.runs.front().copied()),
+            (1_000_001, Some((10, 1)))
+        );
         r.expire(|t| t < 15);
         assert_eq!((r.len(), r.newest()), (1_000_000, Some(20)));
         r.take_oldest(u64::MAX);

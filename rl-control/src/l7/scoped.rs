@@ -14,7 +14,12 @@ impl Engine {
     /// Charges `hits` to the bucket of one descriptor, wherever the rule's
     /// scope keeps it. Front ends call this; [`Engine::decide`] is the
     /// local part.
-    pub async fn decide_scoped(&self, domain: &str, entries: &[DescriptorEntry], hits: i64) -> Status {
+    pub async fn decide_scoped(
+        &self,
+        domain: &str,
+        entries: &[DescriptorEntry],
+        hits: i64,
+    ) -> Status {
         let Some(c) = self.matching(domain, entries) else {
             self.unmatched.fetch_add(1, Relaxed);
             return Status::unmatched();
@@ -28,9 +33,16 @@ impl Engine {
             // Batched: decided here; the hits travel to Redis every batch.
             // Degraded, or defined differently by another host: as
             // `on_failure` says, as an unbatched rule answers.
-            if (cluster.is_degraded() || mismatched) && cluster.config.on_failure != OnFailure::Local {
+            // Counted as a fallback either way (`local` too: it is
+            // decided here alone, its hits not shared).
+            if cluster.is_degraded() || mismatched {
                 cluster.health.fallbacks.fetch_add(1, Relaxed);
-                return self.counted(c, fixed(c, cluster.config.on_failure == OnFailure::Open || hits < 0));
+                if cluster.config.on_failure != OnFailure::Local {
+                    return self.counted(
+                        c,
+                        fixed(c, cluster.config.on_failure == OnFailure::Open || hits < 0),
+                    );
+                }
             }
             let now = now_ns();
             let st = self.charge_here(c, entries, hits, now);
@@ -39,7 +51,10 @@ impl Engine {
             // of a full store): accounts stay bounded by max_keys.
             if st.code == "ok" && hits > 0 && !mismatched && self.holds(&key) {
                 let (cost, burst) = c.limits.first().map_or((1, 0), |l| (l.a, l.b));
-                self.batch.record(key, hits as u64, cost, burst, interval, now, || prepared.batch_names(values_key(entries)));
+                self.batch
+                    .record(key, hits as u64, cost, burst, interval, now, || {
+                        prepared.batch_names(values_key(entries))
+                    });
             }
             return self.counted(c, st);
         }
@@ -49,7 +64,9 @@ impl Engine {
             // Boxed: the Redis call's state is large (over a kilobyte), and
             // unboxed it would be part of every decision's future, moved
             // and copied with it, local ones included.
-            Box::pin(prepared.decide(cluster, values_key(entries), hits)).await.ok()
+            Box::pin(prepared.decide(cluster, values_key(entries), hits))
+                .await
+                .ok()
         };
         let st = match answer {
             Some(a) => from_answer(c, a),
@@ -79,7 +96,9 @@ impl Engine {
         };
         let answer = match cluster.is_mismatched(&crate::cluster::requests::member_name(&c.rule)) {
             true => None,
-            false => Box::pin(prepared.decide(cluster, values_key(entries), 0)).await.ok(),
+            false => Box::pin(prepared.decide(cluster, values_key(entries), 0))
+                .await
+                .ok(),
         };
         let mut st = match (answer, cluster.config.on_failure) {
             (Some(a), _) => from_answer(c, a),
@@ -104,7 +123,11 @@ fn values_key(entries: &[DescriptorEntry]) -> [u64; 2] {
 fn limit_of(c: &Compiled, index: usize) -> (u64, u64) {
     match c.rule.algorithm {
         L7Algorithm::Concurrency { max, lease_secs } => (max, lease_secs),
-        _ => c.rule.limits.get(index).map_or((0, 0), |l| (l.rate.amount, l.rate.per_secs)),
+        _ => c
+            .rule
+            .limits
+            .get(index)
+            .map_or((0, 0), |l| (l.rate.amount, l.rate.per_secs)),
     }
 }
 
@@ -124,7 +147,12 @@ fn status(c: &Compiled, ok: bool, index: usize) -> Status {
 }
 
 fn from_answer(c: &Compiled, a: Answer) -> Status {
-    Status { remaining: a.remaining, reset_ms: a.reset_ms, retry_after_ms: a.retry_after_ms, ..status(c, a.ok, a.index) }
+    Status {
+        remaining: a.remaining,
+        reset_ms: a.reset_ms,
+        retry_after_ms: a.retry_after_ms,
+        ..status(c, a.ok, a.index)
+    }
 }
 
 /// `on_failure = "open"` (everything passes) or `"closed"` (nothing does,
@@ -154,11 +182,59 @@ mod tests {
         let config = Config::from_str(text, "rl.toml").unwrap();
         let cluster = crate::cluster::Cluster::new(config.cluster.clone().unwrap());
         let engine = Engine::new(&config.l7, 0, None).with_cluster(Some(cluster.clone()));
-        let user = [DescriptorEntry { key: "user".into(), value: "u".into() }];
-        let decide = || tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(engine.decide_scoped("api", &user, 1));
+        let user = [DescriptorEntry {
+            key: "user".into(),
+            value: "u".into(),
+        }];
+        let decide = || {
+            tokio::runtime::Builder::new_current_thread()
+                .build()
+                .unwrap()
+                .block_on(engine.decide_scoped("api", &user, 1))
+        };
         cluster.set_mismatched(Vec::new());
         assert_eq!(decide().code, "ok", "shared: decided here, batched");
         cluster.set_mismatched(vec!["l7:b".into()]);
-        assert_eq!(decide().code, "over_limit", "defined differently elsewhere: on_failure = closed");
+        assert_eq!(
+            decide().code,
+            "over_limit",
+            "defined differently elsewhere: on_failure = closed"
+        );
+    }
+
+    /// A batched rule decided here alone while the cluster is degraded
+    /// (`on_failure = "local"`) counts as a fallback, as an unbatched one
+    /// does; a shared decision does not.
+    #[test]
+    fn a_batched_rule_decided_alone_counts_as_a_fallback() {
+        let text = "[default]\nrate = 1\n[cluster]\nredis = [\"redis://127.0.0.1:1\"]\nnode = \"n\"\non_failure = \"local\"\n\
+                    [[l7.rule]]\nname = \"b\"\ndomain = \"api\"\ndescriptor = [{ key = \"user\" }]\nrate = 100\nscope = \"cluster\"\nbatch = \"10ms\"\n";
+        let config = Config::from_str(text, "rl.toml").unwrap();
+        let cluster = crate::cluster::Cluster::new(config.cluster.clone().unwrap());
+        let engine = Engine::new(&config.l7, 0, None).with_cluster(Some(cluster.clone()));
+        let user = [DescriptorEntry {
+            key: "user".into(),
+            value: "u".into(),
+        }];
+        let decide = || {
+            tokio::runtime::Builder::new_current_thread()
+                .build()
+                .unwrap()
+                .block_on(engine.decide_scoped("api", &user, 1))
+        };
+        // A new handle is degraded until its first probe answers.
+        assert_eq!(decide().code, "ok");
+        assert_eq!(
+            cluster.health.fallbacks.load(Relaxed),
+            1,
+            "decided here alone while degraded"
+        );
+        cluster.set_mismatched(Vec::new());
+        assert_eq!(decide().code, "ok");
+        assert_eq!(
+            cluster.health.fallbacks.load(Relaxed),
+            1,
+            "shared: no fallback"
+        );
     }
 }

@@ -31,7 +31,11 @@ pub struct Threads {
 
 /// The threads for `[l7] grpc_threads` (`None`: one per CPU).
 pub fn thread_count(configured: Option<u32>) -> usize {
-    let n = configured.map(|n| n as usize).unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+    let n = configured.map(|n| n as usize).unwrap_or_else(|| {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+    });
     n.clamp(1, MAX_GRPC_THREADS)
 }
 
@@ -42,7 +46,10 @@ impl Threads {
         let mut queues = Vec::with_capacity(n);
         for i in 0..n {
             let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Job>();
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().context("a runtime for an l7 serving thread")?;
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .context("a runtime for an l7 serving thread")?;
             std::thread::Builder::new()
                 .name(format!("rl-l7-{i}"))
                 .spawn(move || {

@@ -24,7 +24,9 @@ const SECONDS: u64 = 5;
 fn latency(lab: &Lab, path: &str) -> Result<(f64, f64, usize)> {
     let url = format!("http://127.0.0.1:9100{path}");
     let mut ms = lab.b.run(move || {
-        let agent = ureq::AgentBuilder::new().timeout(Duration::from_secs(5)).build();
+        let agent = ureq::AgentBuilder::new()
+            .timeout(Duration::from_secs(5))
+            .build();
         let n = RATE * SECONDS;
         let gap = Duration::from_nanos(1_000_000_000 / RATE);
         let mut out = Vec::with_capacity(n as usize);
@@ -34,7 +36,11 @@ fn latency(lab: &Lab, path: &str) -> Result<(f64, f64, usize)> {
             if let Some(w) = due.checked_duration_since(Instant::now()) {
                 std::thread::sleep(w);
             }
-            let r = agent.get(&url).set("Authorization", &format!("Bearer {TOKEN}")).call().with_context(|| format!("GET {url}"))?;
+            let r = agent
+                .get(&url)
+                .set("Authorization", &format!("Bearer {TOKEN}"))
+                .call()
+                .with_context(|| format!("GET {url}"))?;
             r.into_string()?;
             out.push((Instant::now() - due).as_secs_f64() * 1e3);
         }
@@ -63,9 +69,28 @@ fn main() -> Result<()> {
     let token = dir.path().join("token");
     std::fs::write(&token, TOKEN)?;
     std::fs::set_permissions(&token, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
-    std::fs::write(&cfg, format!("[default]\nrate = 100000\n[api]\nlisten = \"127.0.0.1:9100\"\ntoken_file = \"{}\"\n", token.display()))?;
+    std::fs::write(
+        &cfg,
+        format!(
+            "[default]\nrate = 100000\n[api]\nlisten = \"127.0.0.1:9100\"\ntoken_file = \"{}\"\n",
+            token.display()
+        ),
+    )?;
     let pid = dir.path().join("pid");
-    let mut d = Daemon::spawn(&lab.b, &["run", "--iface", VB, "--config", cfg.to_str().unwrap(), "--pid-file", pid.to_str().unwrap(), "--no-watch", "--detach-on-exit"])?;
+    let mut d = Daemon::spawn(
+        &lab.b,
+        &[
+            "run",
+            "--iface",
+            VB,
+            "--config",
+            cfg.to_str().unwrap(),
+            "--pid-file",
+            pid.to_str().unwrap(),
+            "--no-watch",
+            "--detach-on-exit",
+        ],
+    )?;
     d.wait_for("admin API on", Duration::from_secs(20))?;
     // Some state to report on.
     join(paced(&lab.a, lab.v4(1), lab.v4(2), 10_000, 100))?;
@@ -85,7 +110,9 @@ fn main() -> Result<()> {
     for (round, burst) in [("a", 3u64), ("b", 5), ("c", 2), ("d", 4)] {
         let body = serde_json::to_vec(&rule_set(round, burst))?;
         let took = lab.b.run(move || {
-            let agent = ureq::AgentBuilder::new().timeout(Duration::from_secs(30)).build();
+            let agent = ureq::AgentBuilder::new()
+                .timeout(Duration::from_secs(30))
+                .build();
             let t = Instant::now();
             let r = agent
                 .put("http://127.0.0.1:9100/v1/rules")
@@ -108,7 +135,10 @@ fn main() -> Result<()> {
         println!("PUT /v1/rules (1,000 rules, set {round}): enforced after {:.1} ms ({passed} of 10 packets passed, as the new rule says)", took.as_secs_f64() * 1e3);
     }
     for line in d.log().lines().filter(|l| l.contains("api: PUT /v1/rules")) {
-        println!("  daemon: {}", line.split("now enforcing ").nth(1).unwrap_or(line));
+        println!(
+            "  daemon: {}",
+            line.split("now enforcing ").nth(1).unwrap_or(line)
+        );
     }
     let (status, _) = d.stop(libc::SIGTERM)?;
     if !status.success() {
@@ -116,7 +146,13 @@ fn main() -> Result<()> {
     }
     println!("{}", steal.report().1);
     let slowest = swaps.iter().cloned().fold(0.0, f64::max);
-    println!("target p99 < 5 ms: {} ({worst:.3} ms worst p99)", if worst < 5.0 { "met" } else { "MISSED" });
-    println!("target rule swap < 100 ms: {} ({slowest:.1} ms slowest)", if slowest < 100.0 { "met" } else { "MISSED" });
+    println!(
+        "target p99 < 5 ms: {} ({worst:.3} ms worst p99)",
+        if worst < 5.0 { "met" } else { "MISSED" }
+    );
+    println!(
+        "target rule swap < 100 ms: {} ({slowest:.1} ms slowest)",
+        if slowest < 100.0 { "met" } else { "MISSED" }
+    );
     Ok(())
 }

@@ -29,12 +29,24 @@ const ROUNDS: usize = 7;
 const SHOTS: u32 = 3;
 
 fn load(rate: u64, burst: u64, max_sources: u32, bench_new_sources: bool) -> Result<Datapath> {
-    load_toml(&format!("[datapath]\nmax_sources = {max_sources}\n[default]\nrate = {rate}\nburst = {burst}\n"), bench_new_sources)
+    load_toml(
+        &format!(
+            "[datapath]\nmax_sources = {max_sources}\n[default]\nrate = {rate}\nburst = {burst}\n"
+        ),
+        bench_new_sources,
+    )
 }
 
 fn load_toml(toml: &str, bench_new_sources: bool) -> Result<Datapath> {
     let config = Config::from_str(toml, "<bench>")?;
-    Datapath::load_with(&compile(&config), LoadOptions { bench_new_sources, ..Default::default() }).context("loading the datapath")
+    Datapath::load_with(
+        &compile(&config),
+        LoadOptions {
+            bench_new_sources,
+            ..Default::default()
+        },
+    )
+    .context("loading the datapath")
 }
 
 /// `n` rules, the last one matching the bench frame (UDP to port 53) with a
@@ -44,10 +56,18 @@ fn load_toml(toml: &str, bench_new_sources: bool) -> Result<Datapath> {
 fn rules_config(n: usize, cidrs: usize) -> String {
     let mut t = String::from("[datapath]\nmax_sources = 1024\n[default]\nrate = 1\n");
     for i in 0..cidrs {
-        t += &format!("[[deny]]\ncidr = \"100.{}.{}.{}/32\"\n", 64 + (i >> 16) % 64, (i >> 8) & 255, i & 255);
+        t += &format!(
+            "[[deny]]\ncidr = \"100.{}.{}.{}/32\"\n",
+            64 + (i >> 16) % 64,
+            (i >> 8) & 255,
+            i & 255
+        );
     }
     for i in 0..n - 1 {
-        t += &format!("[[rule]]\nname = \"r{i}\"\nproto = \"tcp\"\ndst_ports = [{}]\nrate = 5\n", 1000 + i);
+        t += &format!(
+            "[[rule]]\nname = \"r{i}\"\nproto = \"tcp\"\ndst_ports = [{}]\nrate = 5\n",
+            1000 + i
+        );
         if i % 10 == 0 {
             t += &format!("src = [\"10.{}.{}.0/24\"]\n", (i >> 8) & 255, i & 255);
         }
@@ -75,14 +95,22 @@ fn main() -> Result<()> {
     // One CPU for the whole run: no migrations between runs, warm caches.
     let cpu = std::thread::available_parallelism().map_or(0, |n| n.get() - 1);
     rl_tests::lab::pin_to_cpu(cpu)?;
-    let repeat: u32 = std::env::args().nth(1).map(|s| s.parse()).transpose()?.unwrap_or(1_000_000);
+    let repeat: u32 = std::env::args()
+        .nth(1)
+        .map(|s| s.parse())
+        .transpose()?
+        .unwrap_or(1_000_000);
     let frame = udp4([198, 51, 100, 7]);
     // In a /16 that holds deny CIDRs (but not denied): the IPv4 first level
     // sends it on to the trie walk.
     let frame_in_listed_16 = udp4([100, 65, 200, 7]);
     // A bare later fragment whose datagram's first was never seen: a
     // fragment flood's packet, dropped by the default `fragment_orphans`.
-    let orphan = eth(&[], ETH_P_IP, &ipv4_fragment([198, 51, 100, 7], UDP, 0x1234, 185, false, &[0; 32]));
+    let orphan = eth(
+        &[],
+        ETH_P_IP,
+        &ipv4_fragment([198, 51, 100, 7], UDP, 0x1234, 185, false, &[0; 32]),
+    );
     let frame6 = udp6([0x20, 0x01, 0x0d, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 7]);
     println!(
         "rl XDP benchmark: BPF_PROG_TEST_RUN with repeat = {repeat}, {ROUNDS} interleaved rounds, fastest of {SHOTS} runs per case and round, 64-byte UDP/IPv4 frame, pinned to CPU {cpu}"
@@ -134,19 +162,84 @@ fn main() -> Result<()> {
     r1000.test_run(&frame_in_listed_16, 1)?;
 
     let mut cases = vec![
-        Case { name: "floor (bare XDP_DROP)", want: XDP_DROP, run: Box::new(|| Ok(floor_dp.test_run_floor(&frame, repeat)?)), ns: vec![] },
-        Case { name: "pass (known source, under limit)", want: XDP_PASS, run: Box::new(|| Ok(pass_dp.test_run(&frame, repeat)?)), ns: vec![] },
-        Case { name: "pass, IPv6 (known /64, under limit)", want: XDP_PASS, run: Box::new(|| Ok(pass_dp.test_run(&frame6, repeat)?)), ns: vec![] },
-        Case { name: "drop (known source, over limit)", want: XDP_DROP, run: Box::new(|| Ok(drop_dp.test_run(&frame, repeat)?)), ns: vec![] },
-        Case { name: "unseen source, flood mode", want: XDP_PASS, run: Box::new(|| Ok(new_dp.test_run(&frame, repeat)?)), ns: vec![] },
-        Case { name: "  same, one unseen source (hot caches)", want: XDP_PASS, run: Box::new(|| Ok(hot_dp.test_run(&frame, repeat)?)), ns: vec![] },
-        Case { name: "  same, lookup filter off", want: XDP_PASS, run: Box::new(|| Ok(unfiltered_dp.test_run(&frame, repeat)?)), ns: vec![] },
-        Case { name: "later fragment, no first seen (orphan)", want: XDP_DROP, run: Box::new(|| Ok(pass_dp.test_run(&orphan, repeat)?)), ns: vec![] },
-        Case { name: "1 rule", want: XDP_PASS, run: Box::new(|| Ok(r1.test_run(&frame, repeat)?)), ns: vec![] },
-        Case { name: "100 rules", want: XDP_PASS, run: Box::new(|| Ok(r100.test_run(&frame, repeat)?)), ns: vec![] },
-        Case { name: "1 rule + 100,000 deny CIDRs", want: XDP_PASS, run: Box::new(|| Ok(r1_cidrs.test_run(&frame, repeat)?)), ns: vec![] },
-        Case { name: "1,000 rules + 100,000 deny CIDRs", want: XDP_PASS, run: Box::new(|| Ok(r1000.test_run(&frame, repeat)?)), ns: vec![] },
-        Case { name: "  same, source in a listed /16 (trie)", want: XDP_PASS, run: Box::new(|| Ok(r1000.test_run(&frame_in_listed_16, repeat)?)), ns: vec![] },
+        Case {
+            name: "floor (bare XDP_DROP)",
+            want: XDP_DROP,
+            run: Box::new(|| Ok(floor_dp.test_run_floor(&frame, repeat)?)),
+            ns: vec![],
+        },
+        Case {
+            name: "pass (known source, under limit)",
+            want: XDP_PASS,
+            run: Box::new(|| Ok(pass_dp.test_run(&frame, repeat)?)),
+            ns: vec![],
+        },
+        Case {
+            name: "pass, IPv6 (known /64, under limit)",
+            want: XDP_PASS,
+            run: Box::new(|| Ok(pass_dp.test_run(&frame6, repeat)?)),
+            ns: vec![],
+        },
+        Case {
+            name: "drop (known source, over limit)",
+            want: XDP_DROP,
+            run: Box::new(|| Ok(drop_dp.test_run(&frame, repeat)?)),
+            ns: vec![],
+        },
+        Case {
+            name: "unseen source, flood mode",
+            want: XDP_PASS,
+            run: Box::new(|| Ok(new_dp.test_run(&frame, repeat)?)),
+            ns: vec![],
+        },
+        Case {
+            name: "  same, one unseen source (hot caches)",
+            want: XDP_PASS,
+            run: Box::new(|| Ok(hot_dp.test_run(&frame, repeat)?)),
+            ns: vec![],
+        },
+        Case {
+            name: "  same, lookup filter off",
+            want: XDP_PASS,
+            run: Box::new(|| Ok(unfiltered_dp.test_run(&frame, repeat)?)),
+            ns: vec![],
+        },
+        Case {
+            name: "later fragment, no first seen (orphan)",
+            want: XDP_DROP,
+            run: Box::new(|| Ok(pass_dp.test_run(&orphan, repeat)?)),
+            ns: vec![],
+        },
+        Case {
+            name: "1 rule",
+            want: XDP_PASS,
+            run: Box::new(|| Ok(r1.test_run(&frame, repeat)?)),
+            ns: vec![],
+        },
+        Case {
+            name: "100 rules",
+            want: XDP_PASS,
+            run: Box::new(|| Ok(r100.test_run(&frame, repeat)?)),
+            ns: vec![],
+        },
+        Case {
+            name: "1 rule + 100,000 deny CIDRs",
+            want: XDP_PASS,
+            run: Box::new(|| Ok(r1_cidrs.test_run(&frame, repeat)?)),
+            ns: vec![],
+        },
+        Case {
+            name: "1,000 rules + 100,000 deny CIDRs",
+            want: XDP_PASS,
+            run: Box::new(|| Ok(r1000.test_run(&frame, repeat)?)),
+            ns: vec![],
+        },
+        Case {
+            name: "  same, source in a listed /16 (trie)",
+            want: XDP_PASS,
+            run: Box::new(|| Ok(r1000.test_run(&frame_in_listed_16, repeat)?)),
+            ns: vec![],
+        },
     ];
     for _ in 0..ROUNDS {
         for case in cases.iter_mut() {
@@ -163,14 +256,21 @@ fn main() -> Result<()> {
     }
     let floor = cases[0].ns.clone();
     let best = |v: &[f64]| v.iter().cloned().fold(f64::INFINITY, f64::min);
-    println!("{:<38} {:>8} {:>10} {:>13} {:>15}", "path", "best ns", "median ns", "× floor best", "× floor median");
+    println!(
+        "{:<38} {:>8} {:>10} {:>13} {:>15}",
+        "path", "best ns", "median ns", "× floor best", "× floor median"
+    );
     let mut ratios = Vec::new();
     for case in &cases {
         let paired = median(case.ns.iter().zip(&floor).map(|(n, f)| n / f).collect());
         let ratio = best(&case.ns) / best(&floor);
         println!(
             "{:<38} {:>8.1} {:>10.1} {:>13.2} {:>15.2}",
-            case.name, best(&case.ns), median(case.ns.clone()), ratio, paired
+            case.name,
+            best(&case.ns),
+            median(case.ns.clone()),
+            ratio,
+            paired
         );
         ratios.push(ratio);
     }
@@ -183,10 +283,22 @@ fn main() -> Result<()> {
         c.get(rl_common::STAT_FALLBACK) as f64 / unseen
     );
     // Rows by name: inserting a row must not shift what is compared.
-    let ns = |name: &str| best(&cases.iter().find(|c| c.name == name).expect("a case of that name").ns);
+    let ns = |name: &str| {
+        best(
+            &cases
+                .iter()
+                .find(|c| c.name == name)
+                .expect("a case of that name")
+                .ns,
+        )
+    };
     let vs = |a: &str, b: &str| ns(a) / ns(b);
-    let (pass, unseen, hot, unfiltered) =
-        ("pass (known source, under limit)", "unseen source, flood mode", "  same, one unseen source (hot caches)", "  same, lookup filter off");
+    let (pass, unseen, hot, unfiltered) = (
+        "pass (known source, under limit)",
+        "unseen source, flood mode",
+        "  same, one unseen source (hot caches)",
+        "  same, lookup filter off",
+    );
     let (unseen_vs_pass, hot_vs_pass) = (vs(unseen, pass), vs(hot, pass));
     println!(
         "the lookup filter: unseen source {:.1} ns with it, {:.1} ns without ({:.2}× the known-source pass without it)",
@@ -200,17 +312,30 @@ fn main() -> Result<()> {
     );
     let h = hot_dp.counters()?;
     if h.get(rl_common::STAT_NEW_SOURCES) != 0 {
-        bail!("the hot unseen-source case created {} buckets: its source was not unseen", h.get(rl_common::STAT_NEW_SOURCES));
+        bail!(
+            "the hot unseen-source case created {} buckets: its source was not unseen",
+            h.get(rl_common::STAT_NEW_SOURCES)
+        );
     }
-    println!("clock: tick {} ns (0 = ktime only)", pass_dp.clock().tick_ns);
+    println!(
+        "clock: tick {} ns (0 = ktime only)",
+        pass_dp.clock().tick_ns
+    );
     println!(
         "verifier: {} of 1,000,000 instructions walked to accept the limiter",
-        pass_dp.verified_instructions().map_or("?".into(), |n| n.to_string())
+        pass_dp
+            .verified_instructions()
+            .map_or("?".into(), |n| n.to_string())
     );
     // Rule-count scaling, on the best runs like the floor ratios.
-    let (one, cidrs, big) = ("1 rule", "1 rule + 100,000 deny CIDRs", "1,000 rules + 100,000 deny CIDRs");
+    let (one, cidrs, big) = (
+        "1 rule",
+        "1 rule + 100,000 deny CIDRs",
+        "1,000 rules + 100,000 deny CIDRs",
+    );
     let trie = "  same, source in a listed /16 (trie)";
-    let (big_vs_one, cidrs_vs_one, trie_vs_one, big_vs_cidrs) = (vs(big, one), vs(cidrs, one), vs(trie, one), vs(big, cidrs));
+    let (big_vs_one, cidrs_vs_one, trie_vs_one, big_vs_cidrs) =
+        (vs(big, one), vs(cidrs, one), vs(trie, one), vs(big, cidrs));
     println!(
         "1,000 rules + 100k CIDRs vs 1 rule: {big_vs_one:.2}× ({trie_vs_one:.2}× for a source whose /16 holds CIDRs, so the trie is walked); \
          vs 1 rule + the same CIDRs: {big_vs_cidrs:.2}×; 1 rule + the CIDRs vs 1 rule: {cidrs_vs_one:.2}×"
@@ -221,7 +346,10 @@ fn main() -> Result<()> {
     );
     let target = 3.0;
     for (name, ratio) in [("pass", ratios[1]), ("drop", ratios[3])] {
-        println!("target {name} ≤ {target}× floor: {} ({ratio:.2}×)", if ratio <= target { "met" } else { "MISSED" });
+        println!(
+            "target {name} ≤ {target}× floor: {} ({ratio:.2}×)",
+            if ratio <= target { "met" } else { "MISSED" }
+        );
     }
     println!("{}", steal.report().1);
     drop(cases);

@@ -78,17 +78,27 @@ where
         all.extend(t.await.unwrap());
     }
     let secs = start.elapsed().as_secs_f64();
-    (DECISIONS as f64 / secs, percentile(&mut all, 0.5), percentile(&mut all, 0.99))
+    (
+        DECISIONS as f64 / secs,
+        percentile(&mut all, 0.5),
+        percentile(&mut all, 0.99),
+    )
 }
 
 fn entry(key: &str, i: usize) -> Vec<DescriptorEntry> {
-    vec![DescriptorEntry { key: key.into(), value: format!("k{}", i % KEYS) }]
+    vec![DescriptorEntry {
+        key: key.into(),
+        value: format!("k{}", i % KEYS),
+    }]
 }
 
 async fn requests(url: String) -> Result<()> {
     let config = config(&url);
     let cluster = Cluster::new(config.cluster.clone().unwrap());
-    cluster.probe(&[]).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+    cluster
+        .probe(&[])
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
     let engine = Arc::new(Engine::new(&config.l7, 0, None).with_cluster(Some(cluster.clone())));
     // The same rule in the cluster (descriptor key "c") and local ("l").
     let mut rules = Vec::new();
@@ -116,6 +126,7 @@ async fn requests(url: String) -> Result<()> {
                 .arg("gcra")
                 .arg(1)
                 .arg(1)
+                .arg(0)
                 .arg(1_000_000)
                 .arg(1_000_000)
                 .arg(1_000_000)
@@ -127,10 +138,17 @@ async fn requests(url: String) -> Result<()> {
     })
     .await;
     println!("request decisions, {IN_FLIGHT} in flight over {KEYS} keys, {DECISIONS} each (one run, same Redis):");
-    for (what, (rate, p50, p99)) in [("cluster rule (decide_scoped ➜ Redis)", cluster_rule), ("same rule, local", local_rule), ("raw EVALSHA, bare client", raw)] {
+    for (what, (rate, p50, p99)) in [
+        ("cluster rule (decide_scoped ➜ Redis)", cluster_rule),
+        ("same rule, local", local_rule),
+        ("raw EVALSHA, bare client", raw),
+    ] {
         println!("  {what:<40} {rate:>9.0} decisions/s   p50 {p50:.3} ms   p99 {p99:.3} ms");
     }
-    println!("  cluster rule / raw EVALSHA: {:.2}× the rate", cluster_rule.0 / raw.0);
+    println!(
+        "  cluster rule / raw EVALSHA: {:.2}× the rate",
+        cluster_rule.0 / raw.0
+    );
     Ok(())
 }
 
@@ -152,15 +170,36 @@ fn redis_counts(redis: &Redis) -> (u64, u64) {
 async fn sync(url: String, redis: &Redis) -> Result<()> {
     let config = config(&url);
     let cluster = Cluster::new(config.cluster.clone().unwrap());
-    cluster.probe(&[]).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+    cluster
+        .probe(&[])
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
     let interval_ns = 100_000_000;
     let rule_id = 8;
-    let shares: Shares = [(rule_id, Share { rule: "udp".into(), definition: 1, which: 0, ns_per_packet: 1_000_000, burst_ns: 1_000_000_000 })].into();
-    println!("packet-rule sync, sync_interval 100 ms, 1,000 packets/s per source (θ = 25 packets):");
+    let shares: Shares = [(
+        rule_id,
+        Share {
+            rule: "udp".into(),
+            definition: 1,
+            which: 0,
+            ns_per_packet: 1_000_000,
+            burst_ns: 1_000_000_000,
+        },
+    )]
+    .into();
+    println!(
+        "packet-rule sync, sync_interval 100 ms, 1,000 packets/s per source (θ = 25 packets):"
+    );
     for (tracked, hot_every) in [(10_000u32, 1u32), (1_000_000, 100), (1_000_000, 0)] {
         let mut ledger = Ledger::new(&format!("bench-{tracked}-{hot_every}"), 60_000);
         let mut buckets: Vec<SharedBucket> = (0..tracked)
-            .map(|i| SharedBucket { id: BucketId::V4(Key4 { rule: rule_id, addr: i }), bucket: Bucket::default() })
+            .map(|i| SharedBucket {
+                id: BucketId::V4(Key4 {
+                    rule: rule_id,
+                    addr: i,
+                }),
+                bucket: Bucket::default(),
+            })
             .collect();
         let rounds = 5;
         let (calls0, hset0) = redis_counts(redis);
@@ -188,7 +227,11 @@ async fn sync(url: String, redis: &Redis) -> Result<()> {
         }
         let (calls1, hset1) = redis_counts(redis);
         let per_round = |n: u64| n as f64 / rounds as f64;
-        let hot = if hot_every == 0 { "none hot".to_string() } else { format!("1 in {hot_every} hot") };
+        let hot = if hot_every == 0 {
+            "none hot".to_string()
+        } else {
+            format!("1 in {hot_every} hot")
+        };
         println!(
             "  {tracked:>9} tracked, {hot:<12} {:>7.0} buckets reported/round, {:>5.1} script calls/round ({:>6.0}/s), {:>8.0} bucket writes/round ({:>8.0}/s), {:.1} ms/round",
             sent as f64 / rounds as f64,
@@ -207,10 +250,19 @@ fn walk() -> Result<()> {
     use aya::maps::{HashMap, Map, MapData};
     let dp = rl_tests::datapath("[default]\nrate = 1000\n[datapath]\nmax_sources = 1048576\n[[rule]]\nname = \"udp\"\nproto = \"udp\"\nrate = 1000\n")?;
     let ids = dp.table_maps()?;
-    let mut map: HashMap<MapData, Key4, Bucket> = HashMap::try_from(Map::HashMap(ids.tables.0.open()?))?;
+    let mut map: HashMap<MapData, Key4, Bucket> =
+        HashMap::try_from(Map::HashMap(ids.tables.0.open()?))?;
     let t = Instant::now();
     for i in 0..1_000_000u32 {
-        map.insert(Key4 { rule: 8, addr: i }, Bucket { passed: 1, ..Default::default() }, 0).context("filling the bucket table")?;
+        map.insert(
+            Key4 { rule: 8, addr: i },
+            Bucket {
+                passed: 1,
+                ..Default::default()
+            },
+            0,
+        )
+        .context("filling the bucket table")?;
     }
     let filled = t.elapsed();
     let t = Instant::now();
@@ -229,7 +281,10 @@ fn main() -> Result<()> {
     std::thread::scope(|s| {
         s.spawn(|| -> Result<()> {
             rl_tests::lab::enter(&path)?;
-            let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()?;
             rt.block_on(requests(url.clone()))?;
             rt.block_on(sync(url.clone(), &redis))
         })
@@ -252,7 +307,11 @@ fn overshoot() -> Result<()> {
         let excess = p as f64 - RATE as f64 * took;
         let bound_excess = c.bound(took) - RATE as f64 * took;
         worst = worst.max(excess / bound_excess);
-        line.push(format!("{p} (R·τ {:.0}, bound {:.0})", RATE as f64 * took, c.bound(took)));
+        line.push(format!(
+            "{p} (R·τ {:.0}, bound {:.0})",
+            RATE as f64 * took,
+            c.bound(took)
+        ));
         // Let every bucket refill before the next round.
         std::thread::sleep(Duration::from_secs(2));
     }

@@ -52,21 +52,42 @@ fn restart_loss(lab: &Lab, pins: &BpfFs, cfg: &std::path::Path) -> Result<(u64, 
 fn metrics_under_churn(lab: &Lab, dir: &std::path::Path) -> Result<(f64, f64, u64, usize)> {
     let mut text = String::from("[default]\nrate = 1000\n");
     for i in 0..100_000u32 {
-        text += &format!("[[deny]]\ncidr = \"100.{}.{}.{}/32\"\n", 64 + (i >> 16) % 64, (i >> 8) & 255, i & 255);
+        text += &format!(
+            "[[deny]]\ncidr = \"100.{}.{}.{}/32\"\n",
+            64 + (i >> 16) % 64,
+            (i >> 8) & 255,
+            i & 255
+        );
     }
     let cfg = write_in(dir, "churn.toml", &text)?;
     let d = Daemon::serving(lab, &cfg, &[])?;
     let stop = Arc::new(AtomicBool::new(false));
     let churned = Arc::new(AtomicU64::new(0));
     let churn = {
-        let (sock, stop, churned) = (lab.b.runtime_dir().join("api.sock"), stop.clone(), churned.clone());
+        let (sock, stop, churned) = (
+            lab.b.runtime_dir().join("api.sock"),
+            stop.clone(),
+            churned.clone(),
+        );
         std::thread::spawn(move || -> Result<()> {
             let mut i = 0u32;
             while !stop.load(Ordering::Relaxed) {
                 let cidr = format!("198.18.{}.0/24", i % 256);
                 let body = serde_json::to_vec(&serde_json::json!({"cidr": cidr, "ttl_secs": 600}))?;
-                let (c1, _) = rl_control::cli::unix_request(&sock, "POST", "/v1/bans", Some(("application/json", &body)), None)?;
-                let (c2, _) = rl_control::cli::unix_request(&sock, "DELETE", &format!("/v1/bans/{}", cidr.replace('/', "%2F")), None, None)?;
+                let (c1, _) = rl_control::cli::unix_request(
+                    &sock,
+                    "POST",
+                    "/v1/bans",
+                    Some(("application/json", &body)),
+                    None,
+                )?;
+                let (c2, _) = rl_control::cli::unix_request(
+                    &sock,
+                    "DELETE",
+                    &format!("/v1/bans/{}", cidr.replace('/', "%2F")),
+                    None,
+                    None,
+                )?;
                 if (c1, c2) != (201, 200) {
                     bail!("ban churn answered {c1} and {c2}");
                 }
@@ -87,10 +108,17 @@ fn metrics_under_churn(lab: &Lab, dir: &std::path::Path) -> Result<(f64, f64, u6
         std::thread::sleep(Duration::from_millis(2));
     }
     stop.store(true, Ordering::Relaxed);
-    churn.join().map_err(|_| anyhow::anyhow!("the churn thread panicked"))??;
+    churn
+        .join()
+        .map_err(|_| anyhow::anyhow!("the churn thread panicked"))??;
     d.stop(libc::SIGTERM)?;
     ms.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    Ok((ms[ms.len() / 2], ms[ms.len() * 99 / 100], churned.load(Ordering::Relaxed), ms.len()))
+    Ok((
+        ms[ms.len() / 2],
+        ms[ms.len() * 99 / 100],
+        churned.load(Ordering::Relaxed),
+        ms.len(),
+    ))
 }
 
 fn write_in(dir: &std::path::Path, name: &str, text: &str) -> Result<std::path::PathBuf> {
@@ -107,11 +135,17 @@ fn rss_with_sources(lab: &Lab, pins: &BpfFs, dir: &std::path::Path, n: u32) -> R
     let before = vm_hwm_kib(d.pid())? as f64 / 1024.0;
     let rule = compile(&Config::from_str(text, "<bench>")?).rules.entries[0];
     let map = aya::maps::MapData::from_pin(pins.path().join("vb").join(rl_common::MAP_SOURCES_V4))?;
-    let mut table: aya::maps::HashMap<aya::maps::MapData, Key4, Bucket> = aya::maps::HashMap::try_from(aya::maps::Map::from_map_data(map)?)?;
+    let mut table: aya::maps::HashMap<aya::maps::MapData, Key4, Bucket> =
+        aya::maps::HashMap::try_from(aya::maps::Map::from_map_data(map)?)?;
     let hour_ahead = rl_control::datapath::monotonic_ns() + 3_600_000_000_000;
     for i in 0..n {
         let addr = u32::from_be_bytes([10, (i >> 16) as u8, (i >> 8) as u8, i as u8]).to_be();
-        let b = Bucket { tat_ns: hour_ahead, passed: 2000, dropped: if i % 10 == 0 { 5 } else { 0 }, last_drop_ns: 0 };
+        let b = Bucket {
+            tat_ns: hour_ahead,
+            passed: 2000,
+            dropped: if i % 10 == 0 { 5 } else { 0 },
+            last_drop_ns: 0,
+        };
         table.insert(rule.key4(0, addr), b, 0)?;
     }
     // Buckets written from here are not counted as created by the
@@ -121,7 +155,9 @@ fn rss_with_sources(lab: &Lab, pins: &BpfFs, dir: &std::path::Path, n: u32) -> R
     join(paced(&lab.a, lab.v4(1), lab.v4(2), 100, 5))?;
     // Two top rankings (every 5 collector passes of 1 s) and then some.
     std::thread::sleep(Duration::from_secs(12));
-    let tracked = get(&lab.b, "/v1/status").json()["tracked_sources"].as_u64().unwrap_or(0);
+    let tracked = get(&lab.b, "/v1/status").json()["tracked_sources"]
+        .as_u64()
+        .unwrap_or(0);
     if tracked < n as u64 {
         bail!("the daemon tracks {tracked} sources, {n} were written");
     }

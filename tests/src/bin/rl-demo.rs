@@ -26,8 +26,21 @@ fn main() -> Result<()> {
     for ip in [lab.v4(3), lab.v4(4), calm] {
         lab.add_source(&format!("{ip}/24"))?;
     }
-    println!("starting `rl-control run --iface {VB}` (no --config: the embedded default) in {}", lab.b.name);
-    let mut daemon = Daemon::spawn(&lab.b, &["run", "--iface", VB, "--stats-interval", "2", "--detach-on-exit"])?;
+    println!(
+        "starting `rl-control run --iface {VB}` (no --config: the embedded default) in {}",
+        lab.b.name
+    );
+    let mut daemon = Daemon::spawn(
+        &lab.b,
+        &[
+            "run",
+            "--iface",
+            VB,
+            "--stats-interval",
+            "2",
+            "--detach-on-exit",
+        ],
+    )?;
     daemon.wait_for("attached:", Duration::from_secs(20))?;
     for line in daemon.log().lines() {
         println!("  daemon | {line}");
@@ -52,7 +65,10 @@ fn main() -> Result<()> {
     let (status, log) = daemon.stop(libc::SIGTERM)?;
 
     println!();
-    println!("{:<22} {:>10} {:>10} {:>10} {:>20}  ", "source", "sent", "passed", "dropped", "expected passed");
+    println!(
+        "{:<22} {:>10} {:>10} {:>10} {:>20}  ",
+        "source", "sent", "passed", "dropped", "expected passed"
+    );
     let mut all_ok = true;
     let mut row = |src: IpAddr, s: &Sent, expected: f64, tol: f64| {
         let passed = got.get(&src).copied().unwrap_or(0);

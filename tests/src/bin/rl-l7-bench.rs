@@ -38,9 +38,9 @@ use envoy_types::pb::envoy::{
 };
 use rl_tests::{
     daemon::{write, Daemon},
+    http_load::{Dispatch, Pool},
     lab::Lab,
     rls::{encode, on_threads, Ticker},
-    http_load::{Dispatch, Pool},
     rls_load::{Done, Load},
 };
 use tokio::net::TcpStream;
@@ -68,7 +68,13 @@ fn rules() -> String {
 fn request(user: u64) -> RateLimitRequest {
     RateLimitRequest {
         domain: "bench".into(),
-        descriptors: vec![RateLimitDescriptor { entries: vec![Entry { key: "user".into(), value: user.to_string() }], ..Default::default() }],
+        descriptors: vec![RateLimitDescriptor {
+            entries: vec![Entry {
+                key: "user".into(),
+                value: user.to_string(),
+            }],
+            ..Default::default()
+        }],
         hits_addend: 1,
     }
 }
@@ -81,12 +87,20 @@ fn percentile(v: &mut [f64], q: f64) -> f64 {
 /// The generator's threads (`RL_BENCH_WORKERS`, default 2), each with
 /// `CONNECTIONS / threads` connections of its own.
 fn threads() -> usize {
-    std::env::var("RL_BENCH_WORKERS").ok().and_then(|v| v.parse().ok()).unwrap_or(2).max(1)
+    std::env::var("RL_BENCH_WORKERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2)
+        .max(1)
 }
 
 /// Runs `job(connection, of)` for each of `connections`, spread over the
 /// generator's threads (a task per connection); the results in order.
-fn on_connections<T, F>(lab: &Lab, connections: usize, job: impl Fn(usize, usize) -> F + Send + Sync + Copy + 'static) -> Result<Vec<T>>
+fn on_connections<T, F>(
+    lab: &Lab,
+    connections: usize,
+    job: impl Fn(usize, usize) -> F + Send + Sync + Copy + 'static,
+) -> Result<Vec<T>>
 where
     T: Send + 'static,
     F: std::future::Future<Output = Result<T>> + Send + 'static,
@@ -94,7 +108,9 @@ where
     let per_thread = on_threads(&lab.b, threads(), move |t, threads| async move {
         let per = (connections / threads).max(1);
         let of = per * threads;
-        let tasks: Vec<_> = (0..per).map(|k| tokio::spawn(job(t * per + k, of))).collect();
+        let tasks: Vec<_> = (0..per)
+            .map(|k| tokio::spawn(job(t * per + k, of)))
+            .collect();
         let mut out = Vec::new();
         for task in tasks {
             out.push(task.await??);
@@ -117,7 +133,12 @@ async fn answers(tcp: &TcpStream, load: &mut Load, done: &mut Vec<Done>) -> Resu
 /// Closed loop on one connection: `user(i)` for the i-th call while it
 /// gives one, `in_flight` at a time; calls answered (any failure is an
 /// error).
-async fn closed_loop(tcp: &TcpStream, load: &mut Load, in_flight: usize, user: impl Fn(u64) -> Option<u64>) -> Result<u64> {
+async fn closed_loop(
+    tcp: &TcpStream,
+    load: &mut Load,
+    in_flight: usize,
+    user: impl Fn(u64) -> Option<u64>,
+) -> Result<u64> {
     let (mut next, mut answered, mut done) = (0u64, 0u64, Vec::new());
     loop {
         while load.pending() < in_flight {
@@ -131,7 +152,8 @@ async fn closed_loop(tcp: &TcpStream, load: &mut Load, in_flight: usize, user: i
         load.flush(tcp).await?;
         answers(tcp, load, &mut done).await?;
         for d in done.drain(..) {
-            d.result.map_err(|e| anyhow::anyhow!("call {}: {e}", d.token))?;
+            d.result
+                .map_err(|e| anyhow::anyhow!("call {}: {e}", d.token))?;
             answered += 1;
         }
     }
@@ -152,7 +174,11 @@ fn grpc_latency(lab: &Lab, keys: u64, paced: bool) -> Result<(f64, f64, u64)> {
         closed_loop(&tcp, &mut load, 1, |i| (i < 100).then_some(0)).await?;
         let rate = RATE / of as u64;
         let n = rate * SECONDS;
-        let (every, batch) = if paced { (Duration::from_nanos(1_000_000_000 / rate), 1) } else { (Duration::from_millis(1), (rate / 1000).max(1)) };
+        let (every, batch) = if paced {
+            (Duration::from_nanos(1_000_000_000 / rate), 1)
+        } else {
+            (Duration::from_millis(1), (rate / 1000).max(1))
+        };
         let ticker = Ticker::new(every)?;
         let t0 = Instant::now();
         let (mut sent, mut done) = (0u64, Vec::new());
@@ -208,15 +234,26 @@ fn grpc_latency(lab: &Lab, keys: u64, paced: bool) -> Result<(f64, f64, u64)> {
         println!("  {} requests failed, the first with: {e}", failed.len());
     }
     // Each connection's warm-up: 100 calls.
-    same_count(lab, before, (ms.len() - failed.len() + 100 * connections) as u64)?;
-    Ok((percentile(&mut ms, 0.5), percentile(&mut ms, 0.99), failed.len() as u64))
+    same_count(
+        lab,
+        before,
+        (ms.len() - failed.len() + 100 * connections) as u64,
+    )?;
+    Ok((
+        percentile(&mut ms, 0.5),
+        percentile(&mut ms, 0.99),
+        failed.len() as u64,
+    ))
 }
 
 /// The daemon's own count of request decisions, from its metrics: the
 /// generator's counts are checked against it.
 fn decided(lab: &Lab) -> Result<u64> {
     let m = rl_tests::http::parse_prometheus(&rl_tests::http::get(&lab.b, "/metrics").body);
-    Ok(m.iter().filter(|(k, _)| k.starts_with("rl_l7_decisions_total")).map(|(_, v)| *v as u64).sum())
+    Ok(m.iter()
+        .filter(|(k, _)| k.starts_with("rl_l7_decisions_total"))
+        .map(|(_, v)| *v as u64)
+        .sum())
 }
 
 /// Fails unless the daemon counted exactly the `answered` decisions since
@@ -236,7 +273,10 @@ fn grpc_saturation(lab: &Lab) -> Result<f64> {
     let done = on_connections(lab, CONNECTIONS, move |conn, of| async move {
         let first = (conn * 1000) as u64;
         let (tcp, mut load) = Load::connect(GRPC.parse()?).await?;
-        closed_loop(&tcp, &mut load, 64 / of, |i| (Instant::now() < stop).then_some(first + i % 1000)).await
+        closed_loop(&tcp, &mut load, 64 / of, |i| {
+            (Instant::now() < stop).then_some(first + i % 1000)
+        })
+        .await
     })?;
     let answered = done.iter().sum::<u64>();
     same_count(lab, before, answered)?;
@@ -247,7 +287,10 @@ fn grpc_saturation(lab: &Lab) -> Result<f64> {
 fn grpc_fill(lab: &Lab, keys: u64) -> Result<()> {
     on_connections(lab, CONNECTIONS, move |conn, of| async move {
         let (tcp, mut load) = Load::connect(GRPC.parse()?).await?;
-        closed_loop(&tcp, &mut load, 64 / of, |i| Some(i * of as u64 + conn as u64).filter(|u| *u < keys)).await
+        closed_loop(&tcp, &mut load, 64 / of, |i| {
+            Some(i * of as u64 + conn as u64).filter(|u| *u < keys)
+        })
+        .await
     })?;
     Ok(())
 }
@@ -259,13 +302,20 @@ fn grpc_fill(lab: &Lab, keys: u64) -> Result<()> {
 /// request is timed from when it fell due (the timer's wake-up that found
 /// it due) to its whole answer, so one that waits for a connection counts
 /// the wait. p50, p99 (ms).
-fn http_latency(lab: &Lab, keys: u64, connections: usize, dispatch: Dispatch) -> Result<(f64, f64)> {
+fn http_latency(
+    lab: &Lab,
+    keys: u64,
+    connections: usize,
+    dispatch: Dispatch,
+) -> Result<(f64, f64)> {
     const WARM: usize = 100;
     let before = decided(lab)?;
     let per_thread = on_threads(&lab.b, threads(), move |t, threads| async move {
         let per = (connections / threads).max(1);
         let mut pool = Pool::connect(HTTP.parse()?, per, dispatch).await?;
-        let body = |u: u64| format!("{{\"domain\":\"bench\",\"descriptors\":[[{{\"key\":\"user\",\"value\":\"{u}\"}}]]}}");
+        let body = |u: u64| {
+            format!("{{\"domain\":\"bench\",\"descriptors\":[[{{\"key\":\"user\",\"value\":\"{u}\"}}]]}}")
+        };
         let mut done = Vec::new();
         // Warm up every connection, not counted.
         for _ in 0..WARM {
@@ -277,13 +327,18 @@ fn http_latency(lab: &Lab, keys: u64, connections: usize, dispatch: Dispatch) ->
             }
         }
         for d in done.drain(..) {
-            d.result.map_err(|e| anyhow::anyhow!("a warm-up check {e}"))?;
+            d.result
+                .map_err(|e| anyhow::anyhow!("a warm-up check {e}"))?;
         }
         let rate = RATE / threads as u64;
         let n = rate * SECONDS;
         let ticker = Ticker::new(Duration::from_nanos(1_000_000_000 / rate))?;
         let (mut queued, mut ms) = (0u64, Vec::with_capacity(n as usize));
-        let (t0, mut dump, dump_to) = (Instant::now(), String::new(), std::env::var("RL_BENCH_DUMP").ok());
+        let (t0, mut dump, dump_to) = (
+            Instant::now(),
+            String::new(),
+            std::env::var("RL_BENCH_DUMP").ok(),
+        );
         let deadline = tokio::time::sleep(Duration::from_secs(4 * SECONDS + 10));
         tokio::pin!(deadline);
         while (ms.len() as u64) < n {
@@ -327,14 +382,20 @@ fn rss_kib(pid: u32) -> Result<u64> {
 
 /// ns per decision of the engine alone, in this process (no transport).
 fn engine_ns() -> Result<f64> {
-    use rl_control::{config::Config, l7::engine::{DescriptorEntry, Engine}};
+    use rl_control::{
+        config::Config,
+        l7::engine::{DescriptorEntry, Engine},
+    };
     let c = Config::from_str(&rules(), "<bench>")?;
     let e = Engine::new(&c.l7, 0, None);
     let n = 1_000_000u64;
     let values: Vec<String> = (0..1000).map(|i| i.to_string()).collect();
     let t = Instant::now();
     for i in 0..n {
-        let d = [DescriptorEntry { key: "user".into(), value: values[(i % 1000) as usize].clone() }];
+        let d = [DescriptorEntry {
+            key: "user".into(),
+            value: values[(i % 1000) as usize].clone(),
+        }];
         std::hint::black_box(e.decide("bench", &d, 1));
     }
     Ok(t.elapsed().as_nanos() as f64 / n as f64)
@@ -343,11 +404,21 @@ fn engine_ns() -> Result<f64> {
 /// ms of one collector sweep over an engine holding `KEYS` keys, none of
 /// them fresh (so every one is looked at and kept), in this process.
 fn sweep_ms() -> Result<f64> {
-    use rl_control::{config::Config, l7::engine::{DescriptorEntry, Engine}};
+    use rl_control::{
+        config::Config,
+        l7::engine::{DescriptorEntry, Engine},
+    };
     let c = Config::from_str(&rules(), "<bench>")?;
     let e = Engine::new(&c.l7, 0, None);
     for i in 0..KEYS {
-        e.decide("bench", &[DescriptorEntry { key: "user".into(), value: i.to_string() }], 1);
+        e.decide(
+            "bench",
+            &[DescriptorEntry {
+                key: "user".into(),
+                value: i.to_string(),
+            }],
+            1,
+        );
     }
     let t = Instant::now();
     let gone = e.collect();
@@ -368,18 +439,29 @@ fn main() -> Result<()> {
     // Runs one latency measurement; its result and a line with both sides'
     // CPU per request and the steal meanwhile (a vCPU the hypervisor holds
     // back stalls every request on it).
-    let measured = |run: &dyn Fn() -> Result<(f64, f64, u64)>| -> Result<((f64, f64, u64), String)> {
-        let (cpu, own) = (rl_tests::process_cpu_secs(d.pid())?, rl_tests::process_cpu_secs(std::process::id())?);
-        let steal = rl_tests::StealMeter::start();
-        let out = run()?;
-        let steal = steal.report().0;
-        let per = |secs: f64| secs / (RATE * SECONDS) as f64 * 1e6;
-        let (cpu, own) = (per(rl_tests::process_cpu_secs(d.pid())? - cpu), per(rl_tests::process_cpu_secs(std::process::id())? - own));
-        Ok((out, format!("  CPU per request: daemon {cpu:.1} µs, load generator {own:.1} µs; steal meanwhile {:.2}%", steal * 100.0)))
-    };
+    let measured =
+        |run: &dyn Fn() -> Result<(f64, f64, u64)>| -> Result<((f64, f64, u64), String)> {
+            let (cpu, own) = (
+                rl_tests::process_cpu_secs(d.pid())?,
+                rl_tests::process_cpu_secs(std::process::id())?,
+            );
+            let steal = rl_tests::StealMeter::start();
+            let out = run()?;
+            let steal = steal.report().0;
+            let per = |secs: f64| secs / (RATE * SECONDS) as f64 * 1e6;
+            let (cpu, own) = (
+                per(rl_tests::process_cpu_secs(d.pid())? - cpu),
+                per(rl_tests::process_cpu_secs(std::process::id())? - own),
+            );
+            Ok((out, format!("  CPU per request: daemon {cpu:.1} µs, load generator {own:.1} µs; steal meanwhile {:.2}%", steal * 100.0)))
+        };
     let latency = |keys: u64, paced: bool| -> Result<()> {
         let ((p50, p99, failed), cpu) = measured(&|| grpc_latency(&lab, keys, paced))?;
-        let how = if paced { "paced one by one" } else { "released per ms" };
+        let how = if paced {
+            "paced one by one"
+        } else {
+            "released per ms"
+        };
         println!(
             "gRPC ShouldRateLimit, {keys} key(s) in the store, {how}: p50 {p50:.3} ms, p99 {p99:.3} ms ({failed} failed); target p99 < 1 ms at {RATE}/s: {}",
             if p99 < 1.0 && failed == 0 { "met" } else { "MISSED" }
@@ -389,11 +471,17 @@ fn main() -> Result<()> {
     };
     let http = |keys: u64| -> Result<()> {
         for (connections, dispatch) in HTTP_LOADS {
-            let ((p50, p99, _), cpu) = measured(&|| http_latency(&lab, keys, connections, dispatch).map(|(p50, p99)| (p50, p99, 0)))?;
+            let ((p50, p99, _), cpu) = measured(&|| {
+                http_latency(&lab, keys, connections, dispatch).map(|(p50, p99)| (p50, p99, 0))
+            })?;
             let n = (connections / threads()).max(1) * threads();
             let how = match dispatch {
-                Dispatch::InTurn => format!("{n} serial clients (each check waits for its own connection)"),
-                Dispatch::AnyIdle => format!("a gateway's pool of {n} connections (each check on an idle one)"),
+                Dispatch::InTurn => {
+                    format!("{n} serial clients (each check waits for its own connection)")
+                }
+                Dispatch::AnyIdle => {
+                    format!("a gateway's pool of {n} connections (each check on an idle one)")
+                }
             };
             println!(
                 "HTTP check, {keys} key(s), {how}: p50 {p50:.3} ms, p99 {p99:.3} ms; target p99 < 1 ms at {RATE}/s: {}",
@@ -427,7 +515,8 @@ fn main() -> Result<()> {
     grpc_fill(&lab, KEYS)?;
     let fill = t.elapsed().as_secs_f64();
     let after = rss_kib(d.pid())?;
-    let held = rl_tests::http::parse_prometheus(&rl_tests::http::get(&lab.b, "/metrics").body)["rl_l7_keys"];
+    let held = rl_tests::http::parse_prometheus(&rl_tests::http::get(&lab.b, "/metrics").body)
+        ["rl_l7_keys"];
     if held < KEYS as f64 {
         bail!("the store holds {held} keys after {KEYS} were made");
     }
@@ -455,7 +544,10 @@ fn main() -> Result<()> {
         per * 1e6,
         2.0 / per
     );
-    println!("the engine alone (match, hash, charge, quota; no transport): {:.0} ns per decision", engine_ns()?);
+    println!(
+        "the engine alone (match, hash, charge, quota; no transport): {:.0} ns per decision",
+        engine_ns()?
+    );
     println!(
         "one sweep of the store with {KEYS} keys in one go: {:.1} ms of a CPU (the daemon sweeps its 64 shards in turn over each second)",
         sweep_ms()?

@@ -70,10 +70,11 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use rl_common::STAT_PASSED_PKTS;
 use rl_tests::{
-    datapath, BusyClock,
+    datapath,
     frames::{eth, ipv4, udp, ETH_P_IP, UDP},
     lab::{Lab, VA, VB},
     traffic::{forged, join, spoofed_source},
+    BusyClock,
 };
 
 /// Interleaved rounds (`RL_BENCH_ROUNDS` overrides): each case's ratio is
@@ -131,8 +132,16 @@ enum Filter {
 }
 
 impl Filter {
-    const ALL: [Filter; 8] =
-        [Filter::Pass, Filter::Rl, Filter::RlUnfiltered, Filter::RlKnown, Filter::RlHotCell, Filter::RlNoWide, Filter::Nft, Filter::NftRoomy];
+    const ALL: [Filter; 8] = [
+        Filter::Pass,
+        Filter::Rl,
+        Filter::RlUnfiltered,
+        Filter::RlKnown,
+        Filter::RlHotCell,
+        Filter::RlNoWide,
+        Filter::Nft,
+        Filter::NftRoomy,
+    ];
 
     fn name(self) -> &'static str {
         match self {
@@ -171,26 +180,42 @@ const PHASES: [&str; 2] = ["first", "sustained"];
 /// [`PHASES`]; returns busy CPU ns per frame of each.
 /// `check`: also confirm the filter saw every frame (for nftables a
 /// listing costs seconds, so the caller asks once).
-fn one_run(lab: &Lab, filter: Filter, frames: u64, rules: &NftRules, check: bool) -> Result<[f64; 2]> {
+fn one_run(
+    lab: &Lab,
+    filter: Filter,
+    frames: u64,
+    rules: &NftRules,
+    check: bool,
+) -> Result<[f64; 2]> {
     let mut dp = None;
     match filter {
-        Filter::Pass | Filter::Rl | Filter::RlUnfiltered | Filter::RlKnown | Filter::RlHotCell | Filter::RlNoWide => {
+        Filter::Pass
+        | Filter::Rl
+        | Filter::RlUnfiltered
+        | Filter::RlKnown
+        | Filter::RlHotCell
+        | Filter::RlNoWide => {
             let mut d = datapath(&format!("{}{RL_CONFIG}", filter.datapath()))?;
             if filter == Filter::RlUnfiltered {
                 d.known_filter()?.disable();
             }
-            lab.b.run(move || {
-                if filter == Filter::Pass {
-                    d.attach_baseline(VB)?;
-                } else {
-                    d.attach(VB, rl_control::datapath::AttachMode::Native)?;
-                }
-                Ok(d)
-            })
-            .map(|d| dp = Some(d))?;
+            lab.b
+                .run(move || {
+                    if filter == Filter::Pass {
+                        d.attach_baseline(VB)?;
+                    } else {
+                        d.attach(VB, rl_control::datapath::AttachMode::Native)?;
+                    }
+                    Ok(d)
+                })
+                .map(|d| dp = Some(d))?;
         }
-        Filter::Nft => lab.b.exec("nft", &["-f", rules.full.to_str().context("rules path")?])?,
-        Filter::NftRoomy => lab.b.exec("nft", &["-f", rules.roomy.to_str().context("rules path")?])?,
+        Filter::Nft => lab
+            .b
+            .exec("nft", &["-f", rules.full.to_str().context("rules path")?])?,
+        Filter::NftRoomy => lab
+            .b
+            .exec("nft", &["-f", rules.roomy.to_str().context("rules path")?])?,
     }
     let one = filter == Filter::RlKnown || std::env::var("RL_BENCH_ONE_SOURCE").is_ok();
     let first = flood(lab, frames, 0x2545_f491, one)?;
@@ -202,19 +227,31 @@ fn one_run(lab: &Lab, filter: Filter, frames: u64, rules: &NftRules, check: bool
             // tick clock, a new one drops the frames of its first tick.
             // Those frames skip the stack's work, so they are reported.
             let passed = d.counters()?.get(STAT_PASSED_PKTS);
-            let onset = if matches!(filter, Filter::Rl | Filter::RlUnfiltered) { total / 200 } else { 0 };
+            let onset = if matches!(filter, Filter::Rl | Filter::RlUnfiltered) {
+                total / 200
+            } else {
+                0
+            };
             if passed + onset < total {
-                bail!("rl passed {passed} of {total} frames: the limit was meant to pass all ({})", d.counters()?);
+                bail!(
+                    "rl passed {passed} of {total} frames: the limit was meant to pass all ({})",
+                    d.counters()?
+                );
             }
             if passed < total {
-                eprintln!("  ({}: {} of {total} frames dropped as wide cells were made, drained)", filter.name(), total - passed);
+                eprintln!(
+                    "  ({}: {} of {total} frames dropped as wide cells were made, drained)",
+                    filter.name(),
+                    total - passed
+                );
             }
         }
     }
     drop(dp);
     if matches!(filter, Filter::Nft | Filter::NftRoomy) {
         let seen = if check { nft_counted(lab)? } else { total };
-        lab.b.exec("nft", &["delete", "table", "netdev", "rlbench"])?;
+        lab.b
+            .exec("nft", &["delete", "table", "netdev", "rlbench"])?;
         if seen < total {
             bail!("nftables saw {seen} of {total} frames: its hook was not on the path");
         }
@@ -248,7 +285,9 @@ fn flood(lab: &Lab, frames: u64, mut seed: u32, one: bool) -> Result<f64> {
 /// of two from 256 to 65,536, the default: all of 10/8), as the mask of the
 /// source's second byte.
 fn flood_prefixes() -> Result<u8> {
-    let Ok(v) = std::env::var("RL_BENCH_PREFIXES") else { return Ok(255) };
+    let Ok(v) = std::env::var("RL_BENCH_PREFIXES") else {
+        return Ok(255);
+    };
     match v.parse::<u32>() {
         Ok(n) if n.is_power_of_two() && (256..=65_536).contains(&n) => Ok((n / 256 - 1) as u8),
         _ => bail!("RL_BENCH_PREFIXES={v}: expected a power of two from 256 to 65536"),
@@ -259,12 +298,25 @@ fn flood_prefixes() -> Result<u8> {
 /// a chain listing would fetch the whole set, seconds for 1M elements).
 fn nft_counted(lab: &Lab) -> Result<u64> {
     let out = std::process::Command::new("ip")
-        .args(["netns", "exec", &lab.b.name, "nft", "list", "counter", "netdev", "rlbench", "seen"])
+        .args([
+            "netns",
+            "exec",
+            &lab.b.name,
+            "nft",
+            "list",
+            "counter",
+            "netdev",
+            "rlbench",
+            "seen",
+        ])
         .output()
         .context("running nft")?;
     let text = String::from_utf8_lossy(&out.stdout);
     let mut words = text.split_whitespace().skip_while(|w| *w != "packets");
-    words.nth(1).and_then(|n| n.parse().ok()).with_context(|| format!("no counter in: {text}"))
+    words
+        .nth(1)
+        .and_then(|n| n.parse().ok())
+        .with_context(|| format!("no counter in: {text}"))
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -273,11 +325,18 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() -> Result<()> {
-    let frames: u64 = std::env::args().nth(1).map(|s| s.parse()).transpose()?.unwrap_or(1_000_000);
+    let frames: u64 = std::env::args()
+        .nth(1)
+        .map(|s| s.parse())
+        .transpose()?
+        .unwrap_or(1_000_000);
     let rounds = rounds()?;
     let lab = Lab::new()?;
     let dir = tempfile::tempdir()?;
-    let rules = NftRules { full: dir.path().join("rlbench.nft"), roomy: dir.path().join("rlbench-roomy.nft") };
+    let rules = NftRules {
+        full: dir.path().join("rlbench.nft"),
+        roomy: dir.path().join("rlbench-roomy.nft"),
+    };
     std::fs::write(&rules.full, nft_ruleset(1 << 20))?;
     std::fs::write(&rules.roomy, nft_ruleset(1 << 22))?;
     println!(
@@ -309,26 +368,61 @@ fn main() -> Result<()> {
     for (phase, name) in PHASES.iter().enumerate() {
         let ns = &ns[phase];
         println!("{name} {frames} frames:");
-        println!("  {:<24} {:>10} {:>10} {:>16} {:>13}", "filter", "best ns", "median ns", "× XDP_PASS (med)", "rounds' range");
+        println!(
+            "  {:<24} {:>10} {:>10} {:>16} {:>13}",
+            "filter", "best ns", "median ns", "× XDP_PASS (med)", "rounds' range"
+        );
         for (i, f) in filters.iter().enumerate() {
             // Each round's case against that round's baseline.
             let rounds: Vec<f64> = ns[i].iter().zip(&ns[0]).map(|(n, p)| n / p).collect();
-            let (lo, hi) = rounds.iter().fold((f64::INFINITY, 0f64), |(lo, hi), r| (lo.min(*r), hi.max(*r)));
+            let (lo, hi) = rounds.iter().fold((f64::INFINITY, 0f64), |(lo, hi), r| {
+                (lo.min(*r), hi.max(*r))
+            });
             let best = ns[i].iter().cloned().fold(f64::INFINITY, f64::min);
-            println!("  {:<24} {:>10.0} {:>10.0} {:>16.3} {:>7.3}–{:.3}", f.name(), best, median(ns[i].clone()), median(rounds), lo, hi);
+            println!(
+                "  {:<24} {:>10.0} {:>10.0} {:>16.3} {:>7.3}–{:.3}",
+                f.name(),
+                best,
+                median(ns[i].clone()),
+                median(rounds),
+                lo,
+                hi
+            );
         }
         if filters.len() < Filter::ALL.len() {
             continue;
         }
-        let at = |f: Filter| filters.iter().position(|g| *g == f).expect("every case is measured");
-        let ratio = |i: Filter, j: Filter| median(ns[at(i)].iter().zip(&ns[at(j)]).map(|(a, b)| a / b).collect());
-        let (rl_vs_pass, rl_vs_nft) = (ratio(Filter::Rl, Filter::Pass), ratio(Filter::Rl, Filter::Nft));
-        println!("  the lookup filter: rl {:.3}× rl with it off", ratio(Filter::Rl, Filter::RlUnfiltered));
+        let at = |f: Filter| {
+            filters
+                .iter()
+                .position(|g| *g == f)
+                .expect("every case is measured")
+        };
+        let ratio = |i: Filter, j: Filter| {
+            median(
+                ns[at(i)]
+                    .iter()
+                    .zip(&ns[at(j)])
+                    .map(|(a, b)| a / b)
+                    .collect(),
+            )
+        };
+        let (rl_vs_pass, rl_vs_nft) = (
+            ratio(Filter::Rl, Filter::Pass),
+            ratio(Filter::Rl, Filter::Nft),
+        );
+        println!(
+            "  the lookup filter: rl {:.3}× rl with it off",
+            ratio(Filter::Rl, Filter::RlUnfiltered)
+        );
         println!(
             "  against an nftables set that never fills (every source of both phases has room): rl {:.3}× it",
             ratio(Filter::Rl, Filter::NftRoomy)
         );
-        let (fixed, hot) = (ratio(Filter::RlKnown, Filter::Pass), ratio(Filter::RlHotCell, Filter::Pass));
+        let (fixed, hot) = (
+            ratio(Filter::RlKnown, Filter::Pass),
+            ratio(Filter::RlHotCell, Filter::Pass),
+        );
         println!(
             "  where rl's cost goes: its fixed cost (one known source) {:.3}×, the flood path with its state cached (one hot cell) {:+.3}×, the flood's per-prefix state {:+.3}×",
             fixed,
@@ -349,6 +443,10 @@ fn main() -> Result<()> {
     for v in verdicts {
         println!("target, {v}");
     }
-    println!("{} ({:.0} s)", steal.report().1, started.elapsed().as_secs_f64());
+    println!(
+        "{} ({:.0} s)",
+        steal.report().1,
+        started.elapsed().as_secs_f64()
+    );
     Ok(())
 }

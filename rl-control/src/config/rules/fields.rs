@@ -13,10 +13,24 @@ use crate::{
 };
 
 /// A rule's name: 1..=48 characters from a-z, 0-9, `_` and `-`.
-pub(crate) fn checked_name<'a>(loc: &Located, what: &str, name: &'a Spanned<String>) -> Result<&'a String, ConfigError> {
+pub(crate) fn checked_name<'a>(
+    loc: &Located,
+    what: &str,
+    name: &'a Spanned<String>,
+) -> Result<&'a String, ConfigError> {
     let n = name.get_ref();
-    if n.is_empty() || n.len() > 48 || !n.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-') {
-        return Err(loc.at(name.span(), format!("{what} name \"{n}\" is not allowed: use 1..=48 characters from a-z, 0-9, _ and -")));
+    if n.is_empty()
+        || n.len() > 48
+        || !n
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
+    {
+        return Err(loc.at(
+            name.span(),
+            format!(
+                "{what} name \"{n}\" is not allowed: use 1..=48 characters from a-z, 0-9, _ and -"
+            ),
+        ));
     }
     Ok(n)
 }
@@ -42,22 +56,45 @@ pub(crate) fn mode_of(
     counts: &str,
     no_elastic: Option<&str>,
 ) -> Result<Mode, ConfigError> {
-    let kind = choice(loc, &format!("{who}: mode"), f.mode, &[("hard", 0), ("soft", 1), ("elastic", 2)])?;
+    let kind = choice(
+        loc,
+        &format!("{who}: mode"),
+        f.mode,
+        &[("hard", 0), ("soft", 1), ("elastic", 2)],
+    )?;
     if kind != 1 {
         if let Some(p) = f.soft_percent {
-            return Err(loc.at(p.span(), format!("{who}: soft_percent needs mode = \"soft\"")));
+            return Err(loc.at(
+                p.span(),
+                format!("{who}: soft_percent needs mode = \"soft\""),
+            ));
         }
     }
     if kind != 2 {
-        if let Some(span) = f.pool_rate.as_ref().map(|p| p.span()).or(f.pool_per.as_ref().map(|p| p.span())) {
-            return Err(loc.at(span, format!("{who}: pool_rate and pool_per need mode = \"elastic\"")));
+        if let Some(span) = f
+            .pool_rate
+            .as_ref()
+            .map(|p| p.span())
+            .or(f.pool_per.as_ref().map(|p| p.span()))
+        {
+            return Err(loc.at(
+                span,
+                format!("{who}: pool_rate and pool_per need mode = \"elastic\""),
+            ));
         }
     }
     let mode_span = || f.mode.as_ref().map(|m| m.span()).unwrap_or(table.clone());
     Ok(match kind {
         0 => Mode::Hard,
         1 => Mode::Soft {
-            percent: int_or(loc, &format!("{who}: soft_percent"), f.soft_percent, 1, 1000, 10)? as u32,
+            percent: int_or(
+                loc,
+                &format!("{who}: soft_percent"),
+                f.soft_percent,
+                1,
+                1000,
+                10,
+            )? as u32,
         },
         _ => {
             if let Some(why) = no_elastic {
@@ -66,9 +103,21 @@ pub(crate) fn mode_of(
             let Some(pool_rate) = f.pool_rate else {
                 return Err(loc.at(mode_span(), format!("{who}: mode = \"elastic\" needs pool_rate ({counts} per pool_per shared by all keys of the rule)")));
             };
-            let amount = int_in(loc, &format!("{who}: pool_rate"), pool_rate, 1, MAX_RULE_RATE as i64)?;
+            let amount = int_in(
+                loc,
+                &format!("{who}: pool_rate"),
+                pool_rate,
+                1,
+                MAX_RULE_RATE as i64,
+            )?;
             let per_secs = duration(loc, &format!("{who}: pool_per"), f.pool_per)?;
-            Mode::Elastic { pool: Rate { amount, per_secs, burst: amount } }
+            Mode::Elastic {
+                pool: Rate {
+                    amount,
+                    per_secs,
+                    burst: amount,
+                },
+            }
         }
     })
 }
@@ -91,22 +140,46 @@ pub(crate) fn choice<T: Copy>(
             let names: Vec<_> = allowed.iter().map(|(n, _)| *n).collect();
             loc.at(
                 v.span(),
-                format!("{what} = \"{}\" is not allowed: use one of {}", v.get_ref(), names.join(", ")),
+                format!(
+                    "{what} = \"{}\" is not allowed: use one of {}",
+                    v.get_ref(),
+                    names.join(", ")
+                ),
             )
         })
 }
 
-pub(crate) fn int_in(loc: &Located, what: &str, v: &Spanned<i64>, lo: i64, hi: i64) -> Result<u64, ConfigError> {
+pub(crate) fn int_in(
+    loc: &Located,
+    what: &str,
+    v: &Spanned<i64>,
+    lo: i64,
+    hi: i64,
+) -> Result<u64, ConfigError> {
     if (lo..=hi).contains(v.get_ref()) {
         Ok(*v.get_ref() as u64)
     } else {
-        Err(loc.at(v.span(), format!("{what} = {} is out of range: allowed {lo}..={hi}", v.get_ref())))
+        Err(loc.at(
+            v.span(),
+            format!(
+                "{what} = {} is out of range: allowed {lo}..={hi}",
+                v.get_ref()
+            ),
+        ))
     }
 }
 
 /// An optional integer: [`int_in`] when given, `default` when not.
-pub(crate) fn int_or(loc: &Located, what: &str, v: &Option<Spanned<i64>>, lo: i64, hi: i64, default: u64) -> Result<u64, ConfigError> {
-    v.as_ref().map_or(Ok(default), |v| int_in(loc, what, v, lo, hi))
+pub(crate) fn int_or(
+    loc: &Located,
+    what: &str,
+    v: &Option<Spanned<i64>>,
+    lo: i64,
+    hi: i64,
+    default: u64,
+) -> Result<u64, ConfigError> {
+    v.as_ref()
+        .map_or(Ok(default), |v| int_in(loc, what, v, lo, hi))
 }
 
 fn size_in(loc: &Located, what: &str, v: &Spanned<toml::Value>) -> Result<u64, ConfigError> {
@@ -114,19 +187,30 @@ fn size_in(loc: &Located, what: &str, v: &Spanned<toml::Value>) -> Result<u64, C
         toml::Value::Integer(n) if *n > 0 => Ok(*n as u64),
         toml::Value::Integer(n) => Err(format!("{n} is not a positive number of bytes")),
         toml::Value::String(s) => parse_size(s),
-        other => Err(format!("{other} is not a size: write bytes as an integer or a string such as \"10MB\"")),
+        other => Err(format!(
+            "{other} is not a size: write bytes as an integer or a string such as \"10MB\""
+        )),
     }
     .map_err(|m| loc.at(v.span(), format!("{what}: {m}")))?;
     if bytes > MAX_RULE_BYTES {
-        return Err(loc.at(v.span(), format!("{what} = {bytes} bytes is too large: at most {MAX_RULE_BYTES}")));
+        return Err(loc.at(
+            v.span(),
+            format!("{what} = {bytes} bytes is too large: at most {MAX_RULE_BYTES}"),
+        ));
     }
     Ok(bytes)
 }
 
-pub(crate) fn duration(loc: &Located, what: &str, v: &Option<Spanned<String>>) -> Result<u64, ConfigError> {
+pub(crate) fn duration(
+    loc: &Located,
+    what: &str,
+    v: &Option<Spanned<String>>,
+) -> Result<u64, ConfigError> {
     match v {
         None => Ok(1),
-        Some(s) => parse_duration(s.get_ref()).map_err(|m| loc.at(s.span(), format!("{what}: {m}"))),
+        Some(s) => {
+            parse_duration(s.get_ref()).map_err(|m| loc.at(s.span(), format!("{what}: {m}")))
+        }
     }
 }
 
@@ -141,7 +225,10 @@ pub(crate) fn limits_of(
     let per_secs = duration(loc, &format!("{who}: per"), &raw.per)?;
     let mut out = Vec::new();
     if windowed {
-        for (field, name) in [(raw.burst.as_ref().map(|b| b.span()), "burst"), (raw.byte_burst.as_ref().map(|b| b.span()), "byte_burst")] {
+        for (field, name) in [
+            (raw.burst.as_ref().map(|b| b.span()), "burst"),
+            (raw.byte_burst.as_ref().map(|b| b.span()), "byte_burst"),
+        ] {
             if let Some(span) = field {
                 return Err(loc.at(
                     span,
@@ -152,12 +239,28 @@ pub(crate) fn limits_of(
     }
     if let Some(rate) = &raw.rate {
         let amount = int_in(loc, &format!("{who}: rate"), rate, 1, MAX_RULE_RATE as i64)?;
-        let burst = int_or(loc, &format!("{who}: burst"), &raw.burst, 1, MAX_RULE_RATE as i64, amount)?;
+        let burst = int_or(
+            loc,
+            &format!("{who}: burst"),
+            &raw.burst,
+            1,
+            MAX_RULE_RATE as i64,
+            amount,
+        )?;
         // The bucket's span (burst × interval) is kept within 2^63 ns.
-        if rl_common::Limit::new(amount, per_secs * 1_000_000_000, burst).map_or(true, |l| l.burst_span_ns > u64::MAX / 2) {
+        if rl_common::Limit::new(amount, per_secs * 1_000_000_000, burst)
+            .map_or(true, |l| l.burst_span_ns > u64::MAX / 2)
+        {
             return Err(loc.at(rate.span(), format!("{who}: rate {amount} per {per_secs}s with burst {burst} cannot be represented (at most one packet per nanosecond, and a burst lasting at most 292 years)")));
         }
-        out.push(RuleLimit { unit: Unit::Packets, rate: Rate { amount, per_secs, burst } });
+        out.push(RuleLimit {
+            unit: Unit::Packets,
+            rate: Rate {
+                amount,
+                per_secs,
+                burst,
+            },
+        });
     } else if let Some(b) = &raw.burst {
         return Err(loc.at(b.span(), format!("{who}: burst needs a rate")));
     }
@@ -175,11 +278,20 @@ pub(crate) fn limits_of(
                 format!("{who}: bytes {amount} per {per_secs}s is slower than one byte per 39 hours, which a token bucket cannot charge a whole frame against: raise bytes or shorten per"),
             ));
         }
-        if u128::from(per_secs) * 1_000_000_000 * u128::from(burst) / u128::from(amount) > u128::from(u64::MAX / 2) {
+        if u128::from(per_secs) * 1_000_000_000 * u128::from(burst) / u128::from(amount)
+            > u128::from(u64::MAX / 2)
+        {
             let span = raw.byte_burst.as_ref().map_or(bytes.span(), |b| b.span());
             return Err(loc.at(span, format!("{who}: a burst of {burst} bytes at {amount} per {per_secs}s lasts more than 292 years, which a bucket cannot hold: lower byte_burst")));
         }
-        out.push(RuleLimit { unit: Unit::Bytes, rate: Rate { amount, per_secs, burst } });
+        out.push(RuleLimit {
+            unit: Unit::Bytes,
+            rate: Rate {
+                amount,
+                per_secs,
+                burst,
+            },
+        });
     } else if let Some(b) = &raw.byte_burst {
         return Err(loc.at(b.span(), format!("{who}: byte_burst needs bytes")));
     }
@@ -195,7 +307,13 @@ pub(crate) fn limits_of(
 /// [`rl_common::window::SLIDING_MAX`] per window would count in units of
 /// several and pass fewer than written. (Byte limits count in units of
 /// 2^k bytes by design.)
-pub(crate) fn sliding_fits(loc: &Located, who: &str, limits: &[RuleLimit], mode: Mode, span: Range<usize>) -> Result<(), ConfigError> {
+pub(crate) fn sliding_fits(
+    loc: &Located,
+    who: &str,
+    limits: &[RuleLimit],
+    mode: Mode,
+    span: Range<usize>,
+) -> Result<(), ConfigError> {
     let max = rl_common::window::SLIDING_MAX;
     match limits.iter().find(|l| l.unit == Unit::Packets && l.enforced(mode).amount > max) {
         Some(l) => Err(loc.at(

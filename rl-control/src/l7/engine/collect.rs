@@ -34,18 +34,28 @@ impl Engine {
         let by_slot: HashMap<u32, &Compiled> = self.rules.iter().map(|c| (c.slot, c)).collect();
         let mut gone = 0;
         {
-            let mut m = self.shards[i % SHARDS].lock().unwrap_or_else(|e| e.into_inner());
+            let mut m = self.shards[i % SHARDS]
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
             m.retain(|key, b| {
                 let values = key.values();
                 let keep = by_slot.get(&key.slot).is_some_and(|c| match b {
-                    Bucket::One(w) if values == POOL => c.pool.is_some_and(|p| !p.is_fresh(*w, now, self.epoch_offset_ns)),
+                    Bucket::One(w) if values == POOL => c
+                        .pool
+                        .is_some_and(|p| !p.is_fresh(*w, now, self.epoch_offset_ns)),
                     Bucket::One(w) => !c.limits[0].is_fresh(*w, now, self.epoch_offset_ns),
-                    Bucket::Words(w) => !c.limits.iter().zip(w.iter()).all(|(l, w)| l.is_fresh(*w, now, self.epoch_offset_ns)),
-                    Bucket::Log(logs) => {
-                        !logs.iter().zip(&c.rule.limits).all(|(log, l)| log.newest().is_none_or(|t| t + l.rate.per_secs * NS <= now))
-                    }
+                    Bucket::Words(w) => !c
+                        .limits
+                        .iter()
+                        .zip(w.iter())
+                        .all(|(l, w)| l.is_fresh(*w, now, self.epoch_offset_ns)),
+                    Bucket::Log(logs) => !logs.iter().zip(&c.rule.limits).all(|(log, l)| {
+                        log.newest().is_none_or(|t| t + l.rate.per_secs * NS <= now)
+                    }),
                     Bucket::Leases(leases) => match c.rule.algorithm {
-                        super::L7Algorithm::Concurrency { lease_secs, .. } => leases.newest().is_some_and(|t| t + lease_secs * NS > now),
+                        super::L7Algorithm::Concurrency { lease_secs, .. } => {
+                            leases.newest().is_some_and(|t| t + lease_secs * NS > now)
+                        }
                         _ => true,
                     },
                 });
@@ -55,7 +65,8 @@ impl Engine {
                 keep
             });
         }
-        self.keys.fetch_sub(gone.min(self.keys()), Ordering::Relaxed);
+        self.keys
+            .fetch_sub(gone.min(self.keys()), Ordering::Relaxed);
         gone
     }
 }

@@ -7,12 +7,22 @@ use crate::config::Config;
 const S: u64 = NS;
 
 fn engine(rules: &str) -> Engine {
-    let c = Config::from_str(&format!("[default]\nrate = 1\n[l7]\nmax_keys = 8\n{rules}"), "t").unwrap();
+    let c = Config::from_str(
+        &format!("[default]\nrate = 1\n[l7]\nmax_keys = 8\n{rules}"),
+        "t",
+    )
+    .unwrap();
     Engine::new(&c.l7, 0, None)
 }
 
 fn d(pairs: &[(&str, &str)]) -> Vec<DescriptorEntry> {
-    pairs.iter().map(|(k, v)| DescriptorEntry { key: k.to_string(), value: v.to_string() }).collect()
+    pairs
+        .iter()
+        .map(|(k, v)| DescriptorEntry {
+            key: k.to_string(),
+            value: v.to_string(),
+        })
+        .collect()
 }
 
 const LOGIN: &str = "[[l7.rule]]\nname = \"login\"\ndomain = \"auth\"\n\
@@ -26,12 +36,31 @@ fn descriptors_match_by_keys_in_order_and_given_values_and_each_value_has_its_bu
     for _ in 0..5 {
         assert_eq!(e.decide_at("auth", &ip("192.0.2.7"), 1, 10 * S).code, "ok");
     }
-    assert_eq!(e.decide_at("auth", &ip("192.0.2.7"), 1, 10 * S).code, "over_limit");
-    assert_eq!(e.decide_at("auth", &ip("192.0.2.8"), 1, 10 * S).code, "ok", "another value, another bucket");
-    for other in [d(&[("auth_type", "signup"), ("remote_address", "x")]), d(&[("remote_address", "x"), ("auth_type", "login")]), d(&[("auth_type", "login")])] {
-        assert_eq!(e.decide_at("auth", &other, 1, 10 * S).code, "unmatched", "{other:?}");
+    assert_eq!(
+        e.decide_at("auth", &ip("192.0.2.7"), 1, 10 * S).code,
+        "over_limit"
+    );
+    assert_eq!(
+        e.decide_at("auth", &ip("192.0.2.8"), 1, 10 * S).code,
+        "ok",
+        "another value, another bucket"
+    );
+    for other in [
+        d(&[("auth_type", "signup"), ("remote_address", "x")]),
+        d(&[("remote_address", "x"), ("auth_type", "login")]),
+        d(&[("auth_type", "login")]),
+    ] {
+        assert_eq!(
+            e.decide_at("auth", &other, 1, 10 * S).code,
+            "unmatched",
+            "{other:?}"
+        );
     }
-    assert_eq!(e.decide_at("other", &ip("192.0.2.7"), 1, 10 * S).code, "unmatched", "another domain");
+    assert_eq!(
+        e.decide_at("other", &ip("192.0.2.7"), 1, 10 * S).code,
+        "unmatched",
+        "another domain"
+    );
     assert_eq!(e.unmatched.load(Ordering::Relaxed), 4);
 }
 
@@ -42,8 +71,15 @@ fn descriptors_match_by_keys_in_order_and_given_values_and_each_value_has_its_bu
 fn hits_whose_cost_would_wrap_are_over_the_limit() {
     let e = engine("[[l7.rule]]\nname = \"daily\"\ndomain = \"api\"\ndescriptor = [{ key = \"user\" }]\nrate = 1\nper = \"1d\"\n");
     let user = d(&[("user", "u")]);
-    assert_eq!(e.decide_at("api", &user, 213_504, 10 * S).code, "over_limit");
-    assert_eq!(e.decide_at("api", &user, 1, 10 * S).code, "ok", "and nothing was charged");
+    assert_eq!(
+        e.decide_at("api", &user, 213_504, 10 * S).code,
+        "over_limit"
+    );
+    assert_eq!(
+        e.decide_at("api", &user, 1, 10 * S).code,
+        "ok",
+        "and nothing was charged"
+    );
     assert_eq!(e.decide_at("api", &user, 1, 10 * S).code, "over_limit");
 }
 
@@ -52,24 +88,57 @@ fn hits_whose_cost_would_wrap_are_over_the_limit() {
 /// for a key without one.
 #[test]
 fn a_refund_gives_hits_back_and_never_more_than_a_full_bucket() {
-    for algorithm in ["token_bucket", "fixed_window", "sliding_window", "sliding_log"] {
+    for algorithm in [
+        "token_bucket",
+        "fixed_window",
+        "sliding_window",
+        "sliding_log",
+    ] {
         let e = engine(&format!("[[l7.rule]]\nname = \"r\"\ndomain = \"api\"\ndescriptor = [{{ key = \"user\" }}]\nrate = 10\nper = \"1m\"\nalgorithm = \"{algorithm}\"\n"));
         let user = d(&[("user", "u")]);
         let t = 600 * S + S / 2;
         assert_eq!(e.decide_at("api", &user, 10, t).code, "ok", "{algorithm}");
-        assert_eq!(e.decide_at("api", &user, 1, t).code, "over_limit", "{algorithm}");
+        assert_eq!(
+            e.decide_at("api", &user, 1, t).code,
+            "over_limit",
+            "{algorithm}"
+        );
         let refunded = e.decide_at("api", &user, -5, t);
-        assert_eq!((refunded.code, refunded.remaining), ("ok", 5), "{algorithm}");
-        assert_eq!(e.decide_at("api", &user, 5, t).code, "ok", "{algorithm}: the 5 given back");
-        assert_eq!(e.decide_at("api", &user, 1, t).code, "over_limit", "{algorithm}: and no more");
+        assert_eq!(
+            (refunded.code, refunded.remaining),
+            ("ok", 5),
+            "{algorithm}"
+        );
+        assert_eq!(
+            e.decide_at("api", &user, 5, t).code,
+            "ok",
+            "{algorithm}: the 5 given back"
+        );
+        assert_eq!(
+            e.decide_at("api", &user, 1, t).code,
+            "over_limit",
+            "{algorithm}: and no more"
+        );
         // Never past a full bucket: a refund of 100 on an empty key.
         let other = d(&[("user", "v")]);
         let keys = e.keys.load(Ordering::Relaxed);
         assert_eq!(e.decide_at("api", &other, -100, t).code, "ok");
-        assert_eq!(e.keys.load(Ordering::Relaxed), keys, "{algorithm}: no bucket made for a refund");
+        assert_eq!(
+            e.keys.load(Ordering::Relaxed),
+            keys,
+            "{algorithm}: no bucket made for a refund"
+        );
         assert_eq!(e.decide_at("api", &other, 10, t).code, "ok", "{algorithm}");
-        assert_eq!(e.decide_at("api", &other, -100, t).remaining, 10, "{algorithm}: full, not more");
-        assert_eq!(e.decide_at("api", &other, 11, t).code, "over_limit", "{algorithm}");
+        assert_eq!(
+            e.decide_at("api", &other, -100, t).remaining,
+            10,
+            "{algorithm}: full, not more"
+        );
+        assert_eq!(
+            e.decide_at("api", &other, 11, t).code,
+            "over_limit",
+            "{algorithm}"
+        );
     }
 }
 
@@ -82,7 +151,11 @@ fn charges_to_the_overflow_bucket_are_counted() {
     let e = engine("[[l7.rule]]\nname = \"r\"\ndomain = \"api\"\ndescriptor = [{ key = \"user\" }]\nrate = 100\nper = \"1d\"\n");
     let t = now_ns();
     for i in 0..8 {
-        assert_eq!(e.decide_at("api", &d(&[("user", &i.to_string())]), 1, t).code, "ok");
+        assert_eq!(
+            e.decide_at("api", &d(&[("user", &i.to_string())]), 1, t)
+                .code,
+            "ok"
+        );
     }
     let (_, c) = e.counters().next().unwrap();
     assert_eq!(c.overflow.load(Ordering::Relaxed), 0);
@@ -90,11 +163,19 @@ fn charges_to_the_overflow_bucket_are_counted() {
         e.decide_at("api", &d(&[("user", &i.to_string())]), 1, t);
     }
     let (_, c) = e.counters().next().unwrap();
-    assert_eq!(c.overflow.load(Ordering::Relaxed), 3, "3 keys past max_keys, charged to the overflow bucket");
+    assert_eq!(
+        c.overflow.load(Ordering::Relaxed),
+        3,
+        "3 keys past max_keys, charged to the overflow bucket"
+    );
     // A key that would be charged to the overflow bucket reads its
     // state: 3 of its 100 spent.
     assert_eq!(e.peek("api", &d(&[("user", "new")])).remaining, 97);
-    assert_eq!(e.peek("api", &d(&[("user", "0")])).remaining, 99, "a key with its own bucket reads its own");
+    assert_eq!(
+        e.peek("api", &d(&[("user", "0")])).remaining,
+        99,
+        "a key with its own bucket reads its own"
+    );
 }
 
 /// A refund gives back the log's oldest entry (which hits it gives
@@ -110,19 +191,35 @@ fn refunds_err_on_the_side_of_the_limit() {
         assert_eq!(e.decide_at("api", &user, 1, (600 + t) * S).code, "ok");
     }
     e.decide_at("api", &user, -1, 655 * S);
-    assert_eq!(e.decide_at("api", &user, 1, 661 * S).code, "ok", "the entry of 600 s given back; 650 s's stays");
-    assert_eq!(e.decide_at("api", &user, 1, 661 * S).code, "over_limit", "2 in the minute from 650 s");
+    assert_eq!(
+        e.decide_at("api", &user, 1, 661 * S).code,
+        "ok",
+        "the entry of 600 s given back; 650 s's stays"
+    );
+    assert_eq!(
+        e.decide_at("api", &user, 1, 661 * S).code,
+        "over_limit",
+        "2 in the minute from 650 s"
+    );
 
     let e = engine("[[l7.rule]]\nname = \"c\"\ndomain = \"api\"\ndescriptor = [{ key = \"user\" }]\nalgorithm = \"concurrency\"\nmax = 2\n");
     for i in 0..8 {
-        assert_eq!(e.decide_at("api", &d(&[("user", &i.to_string())]), 1, 10 * S).code, "ok");
+        assert_eq!(
+            e.decide_at("api", &d(&[("user", &i.to_string())]), 1, 10 * S)
+                .code,
+            "ok"
+        );
     }
     // The store is full: new keys share the overflow bucket's 2 permits.
     for y in ["y1", "y2"] {
         assert_eq!(e.decide_at("api", &d(&[("user", y)]), 1, 10 * S).code, "ok");
     }
     e.decide_at("api", &d(&[("user", "x")]), -1, 10 * S);
-    assert_eq!(e.decide_at("api", &d(&[("user", "y3")]), 1, 10 * S).code, "over_limit", "x's refund freed no one's permit");
+    assert_eq!(
+        e.decide_at("api", &d(&[("user", "y3")]), 1, 10 * S).code,
+        "over_limit",
+        "x's refund freed no one's permit"
+    );
 }
 
 /// Over the limit for `hits` while some room is left, the retry time
@@ -136,15 +233,25 @@ fn the_retry_time_of_several_hits_is_when_they_fit() {
     }
     // 2 left of 5 a minute; 4 more fit once the first 2 leave, at 80 s.
     let st = e.decide_at("auth", &key, 4, 40 * S);
-    assert_eq!((st.code, st.remaining, st.retry_after_ms), ("over_limit", 2, 40_000));
+    assert_eq!(
+        (st.code, st.remaining, st.retry_after_ms),
+        ("over_limit", 2, 40_000)
+    );
     let st = e.decide_at("auth", &key, 2, 40 * S);
-    assert_eq!((st.code, st.retry_after_ms), ("ok", 30_000), "2 fit now; the next one once the first leaves, at 70 s");
+    assert_eq!(
+        (st.code, st.retry_after_ms),
+        ("ok", 30_000),
+        "2 fit now; the next one once the first leaves, at 70 s"
+    );
     // A token bucket at 1/s with burst 10, 8 spent: 5 more in 3 s.
     let e = engine("[[l7.rule]]\nname = \"r\"\ndomain = \"api\"\ndescriptor = [{ key = \"user\" }]\nrate = 1\nburst = 10\n");
     let user = d(&[("user", "u")]);
     assert_eq!(e.decide_at("api", &user, 8, 100 * S).code, "ok");
     let st = e.decide_at("api", &user, 5, 100 * S);
-    assert_eq!((st.code, st.remaining, st.retry_after_ms), ("over_limit", 2, 3_000));
+    assert_eq!(
+        (st.code, st.remaining, st.retry_after_ms),
+        ("over_limit", 2, 3_000)
+    );
 }
 
 /// Two limits out of room at once: the retry time is when both have room
@@ -152,7 +259,12 @@ fn the_retry_time_of_several_hits_is_when_they_fit() {
 /// refused again).
 #[test]
 fn the_retry_time_waits_for_every_limit_out_of_room() {
-    for algorithm in ["token_bucket", "fixed_window", "sliding_window", "sliding_log"] {
+    for algorithm in [
+        "token_bucket",
+        "fixed_window",
+        "sliding_window",
+        "sliding_log",
+    ] {
         let e = engine(&format!(
             "[[l7.rule]]\nname = \"r\"\ndomain = \"api\"\ndescriptor = [{{ key = \"user\" }}]\nalgorithm = \"{algorithm}\"\n\
              limits = [{{ rate = 2, per = \"10s\" }}, {{ rate = 2, per = \"1h\" }}]\n"
@@ -165,9 +277,18 @@ fn the_retry_time_waits_for_every_limit_out_of_room() {
         assert_eq!(st.code, "over_limit", "{algorithm}");
         // The hour's: at least 30 minutes for every algorithm (the 10 s
         // limit's is 5 to 15 s).
-        assert!(st.retry_after_ms >= 1_800_000, "{algorithm}: the hour's limit is out of room too, yet retry after {} ms", st.retry_after_ms);
+        assert!(
+            st.retry_after_ms >= 1_800_000,
+            "{algorithm}: the hour's limit is out of room too, yet retry after {} ms",
+            st.retry_after_ms
+        );
         // Out of room without being over: the wait for one more is the hour's too.
-        assert!(e.decide_at("api", &d(&[("user", "v")]), 2, t0).retry_after_ms >= 1_800_000, "{algorithm}");
+        assert!(
+            e.decide_at("api", &d(&[("user", "v")]), 2, t0)
+                .retry_after_ms
+                >= 1_800_000,
+            "{algorithm}"
+        );
     }
 }
 
@@ -180,17 +301,29 @@ fn the_sliding_log_never_allows_more_than_rate_in_any_window() {
     let mut seed = 12345u64;
     let mut allowed = Vec::new();
     for _ in 0..5_000 {
-        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         t += (seed >> 33) % (300 * 1_000_000); // up to 0.3 s apart
         if e.decide_at("auth", &key, 1, t).code == "ok" {
             allowed.push(t);
         }
     }
     for (i, &start) in allowed.iter().enumerate() {
-        let in_window = allowed[i..].iter().take_while(|&&x| x < start + 60 * S).count();
-        assert!(in_window <= 5, "{in_window} allowed in the minute from {start}");
+        let in_window = allowed[i..]
+            .iter()
+            .take_while(|&&x| x < start + 60 * S)
+            .count();
+        assert!(
+            in_window <= 5,
+            "{in_window} allowed in the minute from {start}"
+        );
     }
-    assert!(allowed.len() >= 5 * 9, "the log let too few through: {}", allowed.len());
+    assert!(
+        allowed.len() >= 5 * 9,
+        "the log let too few through: {}",
+        allowed.len()
+    );
 }
 
 #[test]
@@ -257,7 +390,10 @@ fn every_algorithm_holds_its_bound_with_8_threads_racing_on_one_key() {
         if algorithm == "fixed_window" {
             assert!(got <= 2 * allowed && got >= 1, "{algorithm}: {got}");
         } else {
-            assert_eq!(got, allowed, "{algorithm}: {got} of 4,000 racing requests passed");
+            assert_eq!(
+                got, allowed,
+                "{algorithm}: {got} of 4,000 racing requests passed"
+            );
         }
     }
 }
@@ -265,9 +401,21 @@ fn every_algorithm_holds_its_bound_with_8_threads_racing_on_one_key() {
 #[test]
 fn an_elastic_rule_lends_its_pool_to_keys_over_their_own_limit() {
     let e = engine("[[l7.rule]]\nname = \"el\"\ndomain = \"api\"\ndescriptor = [{ key = \"u\" }]\nrate = 1\nper = \"1h\"\nmode = \"elastic\"\npool_rate = 3\npool_per = \"1h\"\n");
-    let codes = |who: &str, n: usize| (0..n).map(|_| e.decide_at("api", &d(&[("u", who)]), 1, S).code).collect::<Vec<_>>();
-    assert_eq!(codes("a", 5), ["ok", "ok", "ok", "ok", "over_limit"], "1 own, 3 from the pool");
-    assert_eq!(codes("b", 2), ["ok", "over_limit"], "its own, and the pool is spent");
+    let codes = |who: &str, n: usize| {
+        (0..n)
+            .map(|_| e.decide_at("api", &d(&[("u", who)]), 1, S).code)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        codes("a", 5),
+        ["ok", "ok", "ok", "ok", "over_limit"],
+        "1 own, 3 from the pool"
+    );
+    assert_eq!(
+        codes("b", 2),
+        ["ok", "over_limit"],
+        "its own, and the pool is spent"
+    );
     assert_eq!(e.keys(), 2, "the pool is not a key");
 }
 
@@ -278,10 +426,21 @@ fn leases_expire_and_refunds_release() {
     assert_eq!(e.decide_at("api", &k, 1, S).code, "ok");
     assert_eq!(e.decide_at("api", &k, 1, S).code, "ok");
     let over = e.decide_at("api", &k, 1, 2 * S);
-    assert_eq!((over.code, over.remaining, over.retry_after_ms), ("over_limit", 0, 9_000));
+    assert_eq!(
+        (over.code, over.remaining, over.retry_after_ms),
+        ("over_limit", 0, 9_000)
+    );
     assert_eq!(e.decide_at("api", &k, -1, 3 * S).code, "ok");
-    assert_eq!(e.decide_at("api", &k, 1, 3 * S).code, "ok", "a refund released a permit");
-    assert_eq!(e.decide_at("api", &k, 1, 12 * S).code, "ok", "leaked permits expired after 10 s");
+    assert_eq!(
+        e.decide_at("api", &k, 1, 3 * S).code,
+        "ok",
+        "a refund released a permit"
+    );
+    assert_eq!(
+        e.decide_at("api", &k, 1, 12 * S).code,
+        "ok",
+        "leaked permits expired after 10 s"
+    );
 }
 
 /// A bucket grows by one entry per request admitted, whatever its hits:
@@ -296,20 +455,34 @@ fn a_request_of_many_hits_is_one_entry_in_a_log_or_a_semaphore() {
     let (c, l) = (d(&[("u", "x")]), d(&[("v", "x")]));
     assert_eq!(e.decide_at("api", &c, 1_000_000, S).remaining, 0);
     assert_eq!(e.decide_at("api", &l, 5_000, S).remaining, 5_000);
-    assert_eq!(e.decide_at("api", &l, 5_000, S).remaining, 0, "the same instant: the same entry");
+    assert_eq!(
+        e.decide_at("api", &l, 5_000, S).remaining,
+        0,
+        "the same instant: the same entry"
+    );
     let entries: usize = e
         .shards
         .iter()
-        .flat_map(|s| s.lock().unwrap().values().map(|b| match b {
-            Bucket::Leases(r) => r.entries(),
-            Bucket::Log(logs) => logs.iter().map(|r| r.entries()).sum(),
-            _ => 0,
-        }).collect::<Vec<_>>())
+        .flat_map(|s| {
+            s.lock()
+                .unwrap()
+                .values()
+                .map(|b| match b {
+                    Bucket::Leases(r) => r.entries(),
+                    Bucket::Log(logs) => logs.iter().map(|r| r.entries()).sum(),
+                    _ => 0,
+                })
+                .collect::<Vec<_>>()
+        })
         .sum();
     assert_eq!(entries, 2);
     // Refunds and expiry work on the runs.
     assert_eq!(e.decide_at("api", &c, -999_999, 2 * S).remaining, 999_999);
-    assert_eq!(e.decide_at("api", &c, 1, 12 * S).remaining, 999_999, "the last permit expired after 10 s");
+    assert_eq!(
+        e.decide_at("api", &c, 1, 12 * S).remaining,
+        999_999,
+        "the last permit expired after 10 s"
+    );
 }
 
 #[test]
@@ -317,7 +490,9 @@ fn token_buckets_pass_their_burst_and_shadow_rules_only_count() {
     let e = engine("[[l7.rule]]\nname = \"tb\"\ndomain = \"api\"\ndescriptor = [{ key = \"u\" }]\nrate = 10\nburst = 3\n\
         [[l7.rule]]\nname = \"sh\"\ndomain = \"api\"\ndescriptor = [{ key = \"s\" }]\nrate = 1\naction = \"shadow\"\n");
     let k = d(&[("u", "x")]);
-    let codes: Vec<&str> = (0..5).map(|_| e.decide_at("api", &k, 1, 5 * S).code).collect();
+    let codes: Vec<&str> = (0..5)
+        .map(|_| e.decide_at("api", &k, 1, 5 * S).code)
+        .collect();
     assert_eq!(codes, ["ok", "ok", "ok", "over_limit", "over_limit"]);
     let s = e.decide_at("api", &k, 1, 5 * S + S / 10);
     assert_eq!(s.code, "ok", "a token every 100 ms");
@@ -326,7 +501,13 @@ fn token_buckets_pass_their_burst_and_shadow_rules_only_count() {
         assert_eq!(e.decide_at("api", &sh, 1, 5 * S).code, "ok");
     }
     let (_, c) = e.counters().find(|(n, _)| *n == "sh").unwrap();
-    assert_eq!((c.ok.load(Ordering::Relaxed), c.shadow_over.load(Ordering::Relaxed)), (1, 4));
+    assert_eq!(
+        (
+            c.ok.load(Ordering::Relaxed),
+            c.shadow_over.load(Ordering::Relaxed)
+        ),
+        (1, 4)
+    );
 }
 
 #[test]
@@ -336,15 +517,29 @@ fn a_full_store_charges_newcomers_to_the_overflow_bucket_and_never_evicts_a_limi
     assert_eq!(e.decide_at("api", &k(0), 1, S).code, "ok");
     assert_eq!(e.decide_at("api", &k(0), 1, S).code, "over_limit");
     // max_keys = 8: 7 more keys fit, then newcomers share one bucket.
-    let passed = (1..100).filter(|&i| e.decide_at("api", &k(i), 1, S).code == "ok").count();
-    assert_eq!(passed, 7 + 1, "7 own buckets, then one pass from the shared overflow bucket");
+    let passed = (1..100)
+        .filter(|&i| e.decide_at("api", &k(i), 1, S).code == "ok")
+        .count();
+    assert_eq!(
+        passed,
+        7 + 1,
+        "7 own buckets, then one pass from the shared overflow bucket"
+    );
     assert_eq!(e.keys(), 8);
-    assert_eq!(e.decide_at("api", &k(0), 1, 2 * S).code, "over_limit", "the limited key kept its state");
+    assert_eq!(
+        e.decide_at("api", &k(0), 1, 2 * S).code,
+        "over_limit",
+        "the limited key kept its state"
+    );
     assert_eq!(e.collect_at(2 * S), 0, "nothing fresh within the hour");
     assert_eq!(e.keys(), 8);
     assert_eq!(e.collect_at(2 * 3600 * S), 8, "all fresh after two hours");
     assert_eq!(e.keys(), 0);
-    assert_eq!(e.decide_at("api", &k(50), 1, 2 * 3600 * S).code, "ok", "room again: a bucket of its own");
+    assert_eq!(
+        e.decide_at("api", &k(50), 1, 2 * 3600 * S).code,
+        "ok",
+        "room again: a bucket of its own"
+    );
 }
 
 #[test]
@@ -354,12 +549,31 @@ fn a_reload_keeps_the_buckets_of_unchanged_rules() {
     for _ in 0..5 {
         e.decide_at("auth", &k, 1, S);
     }
-    let same = Config::from_str(&format!("[default]\nrate = 1\n[l7]\nmax_keys = 8\n{LOGIN}"), "t").unwrap();
+    let same = Config::from_str(
+        &format!("[default]\nrate = 1\n[l7]\nmax_keys = 8\n{LOGIN}"),
+        "t",
+    )
+    .unwrap();
     let e2 = Engine::new(&same.l7, 0, Some(&e));
-    assert_eq!(e2.decide_at("auth", &k, 1, 2 * S).code, "over_limit", "unchanged rule, same bucket");
-    let changed = Config::from_str(&format!("[default]\nrate = 1\n[l7]\nmax_keys = 8\n{}", LOGIN.replace("rate = 5", "rate = 6")), "t").unwrap();
+    assert_eq!(
+        e2.decide_at("auth", &k, 1, 2 * S).code,
+        "over_limit",
+        "unchanged rule, same bucket"
+    );
+    let changed = Config::from_str(
+        &format!(
+            "[default]\nrate = 1\n[l7]\nmax_keys = 8\n{}",
+            LOGIN.replace("rate = 5", "rate = 6")
+        ),
+        "t",
+    )
+    .unwrap();
     let e3 = Engine::new(&changed.l7, 0, Some(&e2));
-    assert_eq!(e3.decide_at("auth", &k, 1, 3 * S).code, "ok", "a changed rule starts fresh");
+    assert_eq!(
+        e3.decide_at("auth", &k, 1, 3 * S).code,
+        "ok",
+        "a changed rule starts fresh"
+    );
     assert_eq!(e3.keys(), 1);
 }
 
@@ -375,7 +589,14 @@ fn a_reload_keeps_counting_where_the_counters_were() {
         e.decide_at("auth", &k, 1, S);
     }
     e.decide_at("other", &k, 1, S);
-    let changed = Config::from_str(&format!("[default]\nrate = 1\n[l7]\nmax_keys = 8\n{}", LOGIN.replace("rate = 5", "rate = 6")), "t").unwrap();
+    let changed = Config::from_str(
+        &format!(
+            "[default]\nrate = 1\n[l7]\nmax_keys = 8\n{}",
+            LOGIN.replace("rate = 5", "rate = 6")
+        ),
+        "t",
+    )
+    .unwrap();
     let e2 = Engine::new(&changed.l7, 0, Some(&e));
     e.decide_at("auth", &k, 1, S);
     e2.decide_at("auth", &k, 1, 2 * S);
@@ -383,6 +604,10 @@ fn a_reload_keeps_counting_where_the_counters_were() {
     let (_, c) = e2.counters().next().unwrap();
     // The old engine's decision after the swap finds its bucket gone (the
     // changed rule's slot was swept): ok, and counted.
-    assert_eq!((c.ok.load(Ordering::Relaxed), c.over.load(Ordering::Relaxed)), (7, 2), "5 ok + 2 over, then one on each engine");
+    assert_eq!(
+        (c.ok.load(Ordering::Relaxed), c.over.load(Ordering::Relaxed)),
+        (7, 2),
+        "5 ok + 2 over, then one on each engine"
+    );
     assert_eq!(e2.unmatched.load(Ordering::Relaxed), 2);
 }
