@@ -26,7 +26,7 @@ use rl_common::LimitEntry;
 
 use super::{
     charge::charge,
-    rules::{Entry, L7Algorithm, L7Config, L7Rule},
+    rules::{Entry, L7Algorithm, L7Config, L7Rule, MAX_VALUE_LEN},
 };
 use crate::config::rules::{Action, Algorithm};
 
@@ -40,6 +40,38 @@ const NS: u64 = 1_000_000_000;
 pub struct DescriptorEntry {
     pub key: String,
     pub value: String,
+}
+
+impl DescriptorEntry {
+    /// The entry with a key or value longer than descriptors allow fitted
+    /// to [`MAX_VALUE_LEN`]: its start and a hash of the whole, so distinct
+    /// values stay distinct. Values come from clients (a long header, a
+    /// JWT, a path): refusing them would be a way out of every limit, since
+    /// Envoy passes a request whose rate-limit call fails.
+    pub fn fitted(self) -> DescriptorEntry {
+        DescriptorEntry {
+            key: fitted(self.key),
+            value: fitted(self.value),
+        }
+    }
+}
+
+/// `v`, or for one longer than [`MAX_VALUE_LEN`] its start and a hash of
+/// the whole (a hash every build computes alike: cluster rules' keys are
+/// shared between daemons).
+pub fn fitted(v: String) -> String {
+    if v.len() <= MAX_VALUE_LEN {
+        return v;
+    }
+    let mut cut = MAX_VALUE_LEN - 17;
+    while !v.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!(
+        "{}#{:016x}",
+        &v[..cut],
+        crate::compile::stable_hash(&v.as_str(), 0)
+    )
 }
 
 /// What one descriptor got.

@@ -23,7 +23,7 @@ use std::net::{IpAddr, SocketAddr};
 
 use axum::http::HeaderMap;
 
-use super::{engine::DescriptorEntry, rules::MAX_VALUE_LEN};
+use super::engine::DescriptorEntry;
 
 /// The query's parameters in order, percent-decoded: `key=value` as
 /// `(key, Some(value))`, a bare `key` as `(key, None)`.
@@ -109,7 +109,7 @@ fn forwarded(key: &str, headers: &HeaderMap) -> Result<Option<String>, String> {
             header(name)
         }
     };
-    Ok(value.map(|v| fitted(&v)))
+    Ok(value.map(super::engine::fitted))
 }
 
 /// A header value's bytes as text: UTF-8 as it is; other bytes as U+FFFD
@@ -127,20 +127,6 @@ fn text(raw: &[u8]) -> String {
             crate::compile::stable_hash(&raw, 0)
         ),
     }
-}
-
-/// A forwarded value as a descriptor value: one longer than descriptors
-/// allow keeps its start and a hash of the whole, so distinct values stay
-/// distinct (a long path is not an error).
-fn fitted(v: &str) -> String {
-    if v.len() <= MAX_VALUE_LEN {
-        return v.to_string();
-    }
-    let mut cut = MAX_VALUE_LEN - 17;
-    while !v.is_char_boundary(cut) {
-        cut -= 1;
-    }
-    format!("{}#{:016x}", &v[..cut], crate::compile::stable_hash(&v, 0))
 }
 
 /// The client's address as the gateway saw it: the last entry of the last
@@ -165,6 +151,7 @@ fn remote_address(headers: &HeaderMap) -> Result<String, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::l7::rules::MAX_VALUE_LEN;
 
     fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
         let mut h = HeaderMap::new();

@@ -11,8 +11,11 @@
 //!   down, at least 1): "5 per 90 s" reads "3 per minute". The decision
 //!   itself always uses the exact period. A `concurrency` rule reports
 //!   `max` per its lease.
-//! - Malformed requests (no domain, no or too many descriptors or entries,
-//!   over-long keys or values, huge hits) get `INVALID_ARGUMENT`.
+//! - Keys and values longer than 256 bytes are fitted (their start and a
+//!   hash of the whole), and hits may be any number: both come from
+//!   clients, and a refused call is one Envoy passes unlimited. Malformed
+//!   requests (no domain, no or too many descriptors or entries, an empty
+//!   key), which only Envoy's configuration makes, get `INVALID_ARGUMENT`.
 
 use envoy_types::pb::{
     envoy::{
@@ -27,7 +30,7 @@ use envoy_types::pb::{
 
 use super::{
     engine::{DescriptorEntry, Status},
-    http::{deciding, Shared, MAX_DESCRIPTORS, MAX_HITS},
+    http::{deciding, Shared, MAX_DESCRIPTORS},
     rules::{MAX_ENTRIES, MAX_VALUE_LEN},
 };
 
@@ -144,24 +147,24 @@ impl Service {
                     "a descriptor needs 1..={MAX_ENTRIES} entries"
                 )));
             }
-            if d.entries.iter().any(|e| {
-                e.key.is_empty() || e.key.len() > MAX_VALUE_LEN || e.value.len() > MAX_VALUE_LEN
-            }) {
-                return Err(invalid(format!("descriptor keys must be 1..={MAX_VALUE_LEN} bytes and values at most {MAX_VALUE_LEN}")));
+            if d.entries.iter().any(|e| e.key.is_empty()) {
+                return Err(invalid("descriptor keys must not be empty".into()));
             }
+            // Any number of hits: one past a limit's room is over it.
             let hits = d
                 .hits_addend
                 .map_or(request_hits, |v| v.value.min(i64::MAX as u64) as i64);
-            if hits > MAX_HITS {
-                return Err(invalid(format!("hits_addend must be at most {MAX_HITS}")));
-            }
-            // Moved, not copied: the request is ours.
+            // Moved, not copied: the request is ours. Long values are
+            // fitted, never refused (see `DescriptorEntry::fitted`).
             let entries: Vec<DescriptorEntry> = d
                 .entries
                 .into_iter()
-                .map(|e| DescriptorEntry {
-                    key: e.key,
-                    value: e.value,
+                .map(|e| {
+                    DescriptorEntry {
+                        key: e.key,
+                        value: e.value,
+                    }
+                    .fitted()
                 })
                 .collect();
             charges.push((entries, if d.is_negative_hits { -hits } else { hits }));
@@ -197,7 +200,105 @@ impl Service {
 
 #[cfg(test)]
 mod tests {
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::{
+        rate_limit_descriptor::Entry, RateLimitDescriptor,
+    };
+
     use super::*;
+
+    fn service(rules: &str) -> Service {
+        let c =
+            crate::config::Config::from_str(&format!("[default]\nrate = 1\n{rules}"), "t").unwrap();
+        let engine = std::sync::Arc::new(super::super::engine::Engine::new(&c.l7, 0, None));
+        Service {
+            l7: std::sync::Arc::new(std::sync::RwLock::new(engine)),
+            draft_headers: false,
+        }
+    }
+
+    fn ask(
+        s: &Service,
+        domain: &str,
+        entries: &[(&str, &str)],
+        hits: Option<u64>,
+    ) -> Result<RateLimitResponse, Failure> {
+        let d = RateLimitDescriptor {
+            entries: entries
+                .iter()
+                .map(|(k, v)| Entry {
+                    key: k.to_string(),
+                    value: v.to_string(),
+                })
+                .collect(),
+            hits_addend: hits.map(|value| envoy_types::pb::google::protobuf::UInt64Value { value }),
+            ..Default::default()
+        };
+        let r = RateLimitRequest {
+            domain: domain.into(),
+            descriptors: vec![d],
+            hits_addend: 0,
+        };
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap()
+            .block_on(s.answer(r))
+    }
+
+    /// Values and hits come from clients (a JWT, a path, a body's size):
+    /// a long value or a large hit count is decided, never refused, since
+    /// Envoy passes a request whose rate-limit call fails. Long values
+    /// that differ only past the cut keep buckets of their own.
+    #[test]
+    fn long_values_and_large_hits_are_decided_not_refused() {
+        let mut rules = String::new();
+        for (name, algo) in [
+            ("tb", "token_bucket"),
+            ("fw", "fixed_window"),
+            ("sw", "sliding_window"),
+            ("log", "sliding_log"),
+        ] {
+            rules += &format!("[[l7.rule]]\nname = \"{name}\"\ndomain = \"d\"\ndescriptor = [{{ key = \"{name}\" }}]\nrate = 2\nper = \"1h\"\nalgorithm = \"{algo}\"\n");
+        }
+        rules += "[[l7.rule]]\nname = \"sem\"\ndomain = \"d\"\ndescriptor = [{ key = \"sem\" }]\nalgorithm = \"concurrency\"\nmax = 2\n";
+        let s = service(&rules);
+        let jwt = "eyJ".to_string() + &"a".repeat(4000);
+        let code = |r: Result<RateLimitResponse, Failure>| {
+            r.map(|r| r.overall_code).map_err(|f| f.message)
+        };
+        for rule in ["tb", "fw", "sw", "log", "sem"] {
+            for big in [1_000_001, u64::from(u32::MAX), u64::MAX] {
+                assert_eq!(
+                    code(ask(&s, "d", &[(rule, &jwt)], Some(big))),
+                    Ok(Code::OverLimit as i32),
+                    "{rule}: {big} hits"
+                );
+            }
+            assert_eq!(
+                code(ask(&s, "d", &[(rule, &(jwt.clone() + "1"))], Some(2))),
+                Ok(Code::Ok as i32),
+                "{rule}"
+            );
+            assert_eq!(
+                code(ask(&s, "d", &[(rule, &(jwt.clone() + "1"))], Some(1))),
+                Ok(Code::OverLimit as i32),
+                "{rule}: spent"
+            );
+            assert_eq!(
+                code(ask(&s, "d", &[(rule, &(jwt.clone() + "2"))], Some(2))),
+                Ok(Code::Ok as i32),
+                "{rule}: a value differing past the cut has a bucket of its own"
+            );
+        }
+        // A long key too (keys come from Envoy's configuration): unmatched.
+        assert_eq!(
+            code(ask(&s, "d", &[(&jwt, "v")], None)),
+            Ok(Code::Ok as i32)
+        );
+        assert!(
+            code(ask(&s, "d", &[("", "v")], None)).is_err(),
+            "an empty key is Envoy's configuration's mistake"
+        );
+    }
 
     #[test]
     fn periods_envoy_cannot_express_are_reported_in_the_longest_unit_not_longer() {
