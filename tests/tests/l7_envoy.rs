@@ -20,7 +20,8 @@ fn rules() -> String {
          [[l7.rule]]\nname = \"per-user\"\ndomain = \"edge\"\ndescriptor = [{{ key = \"user\" }}]\nrate = 3\nper = \"1m\"\n\
          [[l7.rule]]\nname = \"per-ip\"\ndomain = \"edge\"\ndescriptor = [{{ key = \"remote_address\" }}]\nrate = 1\nper = \"1h\"\naction = \"shadow\"\n\
          [[l7.rule]]\nname = \"uploads\"\ndomain = \"api\"\ndescriptor = [{{ key = \"user\" }}, {{ key = \"op\", value = \"upload\" }}]\nalgorithm = \"concurrency\"\nmax = 2\n\
-         [[l7.rule]]\nname = \"reads\"\ndomain = \"api\"\ndescriptor = [{{ key = \"user\" }}, {{ key = \"op\", value = \"read\" }}]\nrate = 10\nper = \"1m\"\n"
+         [[l7.rule]]\nname = \"reads\"\ndomain = \"api\"\ndescriptor = [{{ key = \"user\" }}, {{ key = \"op\", value = \"read\" }}]\nrate = 10\nper = \"1m\"\n\
+         [[l7.rule]]\nname = \"tokens\"\ndomain = \"api\"\ndescriptor = [{{ key = \"user\" }}, {{ key = \"op\", value = \"tokens\" }}]\nrate = 100\nper = \"1h\"\ndrain_over_limit = true\n"
     )
 }
 
@@ -229,6 +230,13 @@ except grpc.RpcError as e:
 # is one Envoy passes): a 300-byte user's read of 11 hits is over 10.
 out["huge_value"] = ask("api", [desc([("user", "v" * 300), ("op", "read")], 11)])
 out["huge_hits"] = ask("api", [desc([("user", "u9"), ("op", "read")], 2**64 - 1)])
+# A token budget (100 per hour, drain_over_limit): each request checked
+# with 0 hits, its usage charged after the fact (Envoy's
+# apply_on_stream_done). 60 + 70 is over: the budget is drained, and the
+# next check says so.
+tokens = lambda h: desc([("user", "u1"), ("op", "tokens")], h)
+out["budget"] = [ask("api", [tokens(0)]), ask("api", [tokens(60)]), ask("api", [tokens(0)]),
+                 ask("api", [tokens(70)]), ask("api", [tokens(0)])]
 print(json.dumps(out))
 "#;
 
@@ -307,6 +315,22 @@ fn envoys_python_grpc_client_gets_several_descriptors_hits_and_refunds_right() {
         "{v}"
     );
     assert_eq!(v["empty_domain"], "INVALID_ARGUMENT");
+    let budget: Vec<(u64, u64)> = v["budget"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| {
+            (
+                a["codes"][0].as_u64().unwrap(),
+                a["remaining"][0].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        budget,
+        [(OK, 100), (OK, 40), (OK, 40), (OVER, 0), (OVER, 0)],
+        "a drained budget is over at the next check: {v}"
+    );
     assert_eq!(codes("huge_value"), [OVER], "{v}");
     assert_eq!(codes("huge_hits"), [OVER], "{v}");
     let (status, log) = d.stop(libc::SIGTERM).unwrap();

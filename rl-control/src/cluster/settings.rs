@@ -244,6 +244,11 @@ mod tests {
             (format!("{REDIS}[[rule]]\nname = \"a\"\nrate = 1\nalgorithm = \"fixed_window\"\nscope = \"cluster\"\n"), "rl.toml:9:9:", "needs algorithm = \"token_bucket\""),
             (format!("{REDIS}[[rule]]\nname = \"a\"\nbytes = \"1MB\"\nscope = \"cluster\"\n"), "rl.toml:8:9:", "packet limits"),
             (
+                format!("{REDIS}[[l7.rule]]\nname = \"a\"\ndomain = \"d\"\ndescriptor = [{{ key = \"k\" }}]\nrate = 1\nscope = \"cluster\"\ndrain_over_limit = true\n"),
+                "rl.toml:11:20:",
+                "not available to scope = \"cluster\" rules yet",
+            ),
+            (
                 format!("{REDIS}[[rule]]\nname = \"a\"\nrate = 1\nscope = \"cluster\"\nflood_wide_cells = true\n"),
                 "rl.toml:9:20:",
                 "flood_wide_cells = true on a cluster rule",

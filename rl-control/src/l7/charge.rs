@@ -27,7 +27,7 @@ pub(super) fn charge(c: &Compiled, bucket: &mut Bucket, now: u64, hits: i64, epo
         shadow: false,
         enforced: rule.action != Action::Shadow,
     };
-    match (bucket, rule.algorithm) {
+    let st = match (bucket, rule.algorithm) {
         (Bucket::One(word), L7Algorithm::Packet(a)) => {
             packet_charge(c, a, std::slice::from_mut(word), now, hits, epoch, base)
         }
@@ -39,7 +39,8 @@ pub(super) fn charge(c: &Compiled, bucket: &mut Bucket, now: u64, hits: i64, epo
             lease_charge(leases, max, lease_secs, now, hits, base)
         }
         _ => unreachable!("a bucket is made for its rule's algorithm"),
-    }
+    };
+    st.for_hits(hits)
 }
 
 /// The sliding log: a hit's times kept per limit for a window; the
@@ -62,6 +63,11 @@ fn log_charge(c: &Compiled, logs: &mut [Runs], now: u64, hits: i64, base: Status
     if fits {
         for log in logs.iter_mut() {
             log.push(now, units);
+        }
+    } else if c.rule.drain && units > 0 {
+        // `drain_over_limit`: every log filled up to its rate, now.
+        for (log, l) in logs.iter_mut().zip(&rule.limits) {
+            log.push(now, l.rate.amount.saturating_sub(log.len()));
         }
     }
     let (log, l) = logs
@@ -162,6 +168,12 @@ fn packet_charge(
     let over = next.is_none();
     if let Some(n) = next {
         words.copy_from_slice(&n);
+    } else if rule.drain && units > 0 {
+        // `drain_over_limit`: every limit emptied, now (never refilled:
+        // a limit further behind stays as it is).
+        for (l, w) in c.limits.iter().zip(words.iter_mut()) {
+            *w = l.merge(*w, l.drained(now, epoch), now, epoch);
+        }
     }
     // The headers speak for the tightest limit; the retry time is when
     // one more (or, over, all of the hits) fits under every limit: limits

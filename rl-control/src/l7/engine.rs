@@ -97,6 +97,16 @@ pub struct Status {
 }
 
 impl Status {
+    /// The status of a charge of `hits`: a check of 0 hits (Envoy's
+    /// "check only", before usage charged after the fact) is over the
+    /// limit when nothing is left, as a peek is.
+    pub(super) fn for_hits(mut self, hits: i64) -> Status {
+        if hits == 0 && self.remaining == 0 && self.code == "ok" {
+            self.code = "over_limit";
+        }
+        self
+    }
+
     pub(super) fn unmatched() -> Status {
         Status {
             code: "unmatched",
@@ -435,15 +445,17 @@ impl Engine {
         let mut key = Key::new(c.slot, values_hash(entries));
         let mut shard = self.shard(&key);
         if !shard.contains_key(&key) {
-            if hits < 0 {
+            let full = self.keys.load(Ordering::Relaxed) >= self.max_keys;
+            if hits < 0 || (hits == 0 && !full) {
                 // A refund for a key without a bucket: what it gives back
                 // has expired, or went to the rule's overflow bucket, which
                 // cannot tell its hits from other keys': nothing is given
                 // back (a permit left there expires), and no bucket made.
+                // A check of 0 hits reads a fresh bucket and keeps none.
                 drop(shard);
                 return charge(c, &mut new_bucket(c), now, hits, self.epoch_offset_ns);
             }
-            if self.keys.load(Ordering::Relaxed) >= self.max_keys {
+            if full {
                 // Full: the rule's overflow bucket (fails closed, coarser).
                 key = Key::new(c.slot, OVERFLOW);
                 drop(shard);

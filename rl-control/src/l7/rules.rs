@@ -52,7 +52,7 @@ pub struct Entry {
 }
 
 /// A validated `[[l7.rule]]`.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct L7Rule {
     pub name: String,
     pub domain: String,
@@ -67,6 +67,39 @@ pub struct L7Rule {
     /// `batch = "10ms"` (cluster token buckets): decided here, charged to
     /// Redis in batches this often.
     pub batch_ms: Option<u64>,
+    /// `drain_over_limit = true`: a charge over the limit empties the
+    /// key's bucket instead of changing nothing (usage known only after the
+    /// fact, checked beforehand with 0 hits).
+    pub drain: bool,
+}
+
+/// A rule's hash is its id (buckets kept across reloads) and, for a
+/// cluster rule, its definition in Redis: fields are hashed as a derived
+/// `Hash` did before `drain_over_limit` existed, and that one only when
+/// set, so that a rule without it keeps its id and definition across an
+/// upgrade (hosts of both builds agree during a rolling upgrade).
+impl std::hash::Hash for L7Rule {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        let L7Rule {
+            name,
+            domain,
+            descriptor,
+            algorithm,
+            limits,
+            action,
+            mode,
+            scope,
+            batch_ms,
+            drain,
+        } = self;
+        (
+            name, domain, descriptor, algorithm, limits, action, mode, scope, batch_ms,
+        )
+            .hash(state);
+        if *drain {
+            drain.hash(state);
+        }
+    }
 }
 
 /// `[l7]`.
@@ -131,6 +164,7 @@ pub(crate) struct RawL7Rule {
     lease: Option<Spanned<String>>,
     scope: Option<Spanned<String>>,
     batch: Option<Spanned<String>>,
+    drain_over_limit: Option<Spanned<bool>>,
 }
 
 #[derive(Deserialize)]
@@ -254,6 +288,7 @@ fn validate_rule(
         let span = r.mode.as_ref().map(|m| m.span()).unwrap_or(table.clone());
         return Err(loc.at(span, format!("{who}: mode = \"elastic\" cannot be scope = \"cluster\": the pool is this host's; use hard or soft")));
     }
+    let drain = drain_of(loc, &who, r, kind, scope, mode)?;
     if kind == 4 {
         let algorithm = concurrency_of(loc, &who, r, table)?;
         return Ok(L7Rule {
@@ -266,6 +301,7 @@ fn validate_rule(
             mode,
             scope,
             batch_ms: None,
+            drain,
         });
     }
     for (field, v) in [
@@ -306,6 +342,7 @@ fn validate_rule(
         mode,
         scope,
         batch_ms,
+        drain,
     };
     if scope == Scope::Cluster {
         if let Some(why) = crate::cluster::requests::too_large(&rule) {
@@ -391,6 +428,32 @@ fn concurrency_of(
         Some(_) => duration(loc, &format!("{who}: lease"), &r.lease)?,
     };
     Ok(L7Algorithm::Concurrency { max, lease_secs })
+}
+
+/// `drain_over_limit`: for the token bucket, the windows and the log, of a
+/// rule decided on this host (Redis' script charges all or nothing) with
+/// limits of its own (an elastic rule's pool would take the overdraw).
+fn drain_of(
+    loc: &Located,
+    who: &str,
+    r: &RawL7Rule,
+    kind: i32,
+    scope: Scope,
+    mode: Mode,
+) -> Result<bool, ConfigError> {
+    let Some(d) = &r.drain_over_limit else {
+        return Ok(false);
+    };
+    let why = if kind == 4 {
+        "a concurrency rule's permits are taken or not: there is nothing to drain"
+    } else if scope == Scope::Cluster {
+        "it is not available to scope = \"cluster\" rules yet: their charges are all or nothing in Redis"
+    } else if matches!(mode, Mode::Elastic { .. }) {
+        "mode = \"elastic\" would charge the overdraw to the shared pool: use hard or soft"
+    } else {
+        return Ok(*d.get_ref());
+    };
+    Err(loc.at(d.span(), format!("{who}: drain_over_limit: {why}")))
 }
 
 /// A rate rule's limits: `limits = [...]` or its own rate/per/burst, in
@@ -521,6 +584,53 @@ mod tests {
         );
     }
 
+    /// A rule without `drain_over_limit` hashes as it did before the field
+    /// existed (its fields in order, as the derived `Hash` did): its id and
+    /// its cluster definition survive the upgrade. With it, they differ.
+    #[test]
+    fn a_rule_without_drain_over_limit_keeps_its_hash() {
+        let text = |extra: &str| {
+            format!(
+                "[default]\nrate = 1\n{}",
+                rule(&format!("rate = 5\n{extra}"))
+            )
+        };
+        let r = Config::from_str(&text(""), "t").unwrap().l7.rules.remove(0);
+        let old = (
+            &r.name,
+            &r.domain,
+            &r.descriptor,
+            &r.algorithm,
+            &r.limits,
+            &r.action,
+            &r.mode,
+            &r.scope,
+            &r.batch_ms,
+        );
+        assert_eq!(
+            crate::compile::stable_hash(&r, 0),
+            crate::compile::stable_hash(&old, 0)
+        );
+        let drained = Config::from_str(&text("drain_over_limit = true\n"), "t")
+            .unwrap()
+            .l7
+            .rules
+            .remove(0);
+        assert_ne!(
+            crate::compile::stable_hash(&r, 0),
+            crate::compile::stable_hash(&drained, 0)
+        );
+        let explicit = Config::from_str(&text("drain_over_limit = false\n"), "t")
+            .unwrap()
+            .l7
+            .rules
+            .remove(0);
+        assert_eq!(
+            crate::compile::stable_hash(&r, 0),
+            crate::compile::stable_hash(&explicit, 0)
+        );
+    }
+
     #[test]
     fn bad_l7_rules_are_located() {
         let cases = [
@@ -547,6 +657,9 @@ mod tests {
             (rule("algorithm = \"concurrency\"\nmax = 3\nmode = \"soft\"\n"), "rules.toml:9:8:", "mode = \"soft\" applies to token_bucket"),
             (rule("rate = 300000000\nper = \"1h\"\nalgorithm = \"sliding_window\"\n"), "rules.toml:7:8:", "more than a sliding window counts"),
             (rule("limits = [{ rate = 300000000, per = \"1h\" }]\nalgorithm = \"sliding_window\"\n"), "rules.toml:7:10:", "more than a sliding window counts"),
+            (rule("algorithm = \"concurrency\"\nmax = 3\ndrain_over_limit = true\n"), "rules.toml:9:20:", "nothing to drain"),
+            (rule("rate = 1\nmode = \"elastic\"\npool_rate = 5\ndrain_over_limit = true\n"), "rules.toml:10:20:", "would charge the overdraw to the shared pool"),
+            (rule("rate = 1\ndrain_over_limit = 1\n"), "rules.toml:8:20:", "invalid type"),
         ];
         for (text, at, needle) in cases {
             let e = error_of(&text);

@@ -69,7 +69,7 @@ impl Engine {
                 .ok()
         };
         let st = match answer {
-            Some(a) => from_answer(c, a),
+            Some(a) => from_answer(c, a).for_hits(hits),
             None => {
                 cluster.health.fallbacks.fetch_add(1, Relaxed);
                 match cluster.config.on_failure {

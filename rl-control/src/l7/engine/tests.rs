@@ -611,3 +611,87 @@ fn a_reload_keeps_counting_where_the_counters_were() {
     );
     assert_eq!(e2.unmatched.load(Ordering::Relaxed), 2);
 }
+
+/// A check of 0 hits (Envoy's "check only") is over the limit when nothing
+/// is left, for every algorithm, and keeps no bucket for a key that has
+/// none.
+#[test]
+fn a_check_of_zero_hits_is_over_when_nothing_is_left_and_keeps_no_bucket() {
+    let mut rules = String::new();
+    for (name, algo) in [
+        ("tb", "token_bucket"),
+        ("fw", "fixed_window"),
+        ("sw", "sliding_window"),
+        ("log", "sliding_log"),
+    ] {
+        rules += &format!("[[l7.rule]]\nname = \"{name}\"\ndomain = \"d\"\ndescriptor = [{{ key = \"{name}\" }}]\nrate = 2\nper = \"1h\"\nalgorithm = \"{algo}\"\n");
+    }
+    rules += "[[l7.rule]]\nname = \"sem\"\ndomain = \"d\"\ndescriptor = [{ key = \"sem\" }]\nalgorithm = \"concurrency\"\nmax = 2\n";
+    let e = engine(&rules);
+    for rule in ["tb", "fw", "sw", "log", "sem"] {
+        let k = d(&[(rule, "u")]);
+        let keys = e.keys();
+        let st = e.decide_at("d", &k, 0, 10 * S);
+        assert_eq!((st.code, st.remaining), ("ok", 2), "{rule}");
+        assert_eq!(e.keys(), keys, "{rule}: a check of 0 hits made a bucket");
+        assert_eq!(e.decide_at("d", &k, 2, 10 * S).code, "ok", "{rule}");
+        let st = e.decide_at("d", &k, 0, 10 * S);
+        assert_eq!(
+            (st.code, st.remaining),
+            ("over_limit", 0),
+            "{rule}: nothing left"
+        );
+        assert!(st.retry_after_ms > 0, "{rule}: {st:?}");
+    }
+}
+
+/// `drain_over_limit`: a charge over the limit (usage known only after the
+/// fact, such as an LLM's tokens) empties the key's bucket, so the next
+/// check of 0 hits says over; without it the charge changes nothing.
+#[test]
+fn drain_over_limit_empties_the_bucket_on_a_charge_over_it() {
+    let mut rules = String::new();
+    for (name, algo) in [
+        ("tb", "token_bucket"),
+        ("fw", "fixed_window"),
+        ("sw", "sliding_window"),
+        ("log", "sliding_log"),
+    ] {
+        for drain in [true, false] {
+            rules += &format!("[[l7.rule]]\nname = \"{name}-{drain}\"\ndomain = \"d\"\ndescriptor = [{{ key = \"{name}-{drain}\" }}]\nrate = 100\nper = \"1h\"\nalgorithm = \"{algo}\"\ndrain_over_limit = {drain}\n");
+        }
+    }
+    let e = engine(&rules);
+    for rule in ["tb", "fw", "sw", "log"] {
+        for drain in [true, false] {
+            let k = d(&[(&format!("{rule}-{drain}"), "u")]);
+            assert_eq!(e.decide_at("d", &k, 90, 10 * S).code, "ok");
+            let st = e.decide_at("d", &k, 50, 11 * S);
+            assert_eq!(st.code, "over_limit", "{rule} {drain}");
+            let check = e.decide_at("d", &k, 0, 12 * S);
+            if drain {
+                assert_eq!(
+                    (check.code, check.remaining),
+                    ("over_limit", 0),
+                    "{rule}: drained"
+                );
+                assert_eq!(
+                    e.decide_at("d", &k, 1, 12 * S).code,
+                    "over_limit",
+                    "{rule}: drained"
+                );
+            } else {
+                assert_eq!(
+                    (check.code, check.remaining),
+                    ("ok", 10),
+                    "{rule}: the charge over the limit changed nothing"
+                );
+            }
+        }
+    }
+    // Drained, never refilled: a bucket further behind stays so.
+    let k = d(&[("tb-true", "v")]);
+    assert_eq!(e.decide_at("d", &k, 100, 10 * S).code, "ok");
+    assert_eq!(e.decide_at("d", &k, 100, 10 * S).code, "over_limit");
+    assert_eq!(e.decide_at("d", &k, 0, 10 * S).remaining, 0);
+}
