@@ -319,6 +319,29 @@ fn the_check_answers_429_with_rate_limit_headers_past_the_limit() {
             .status,
         404
     );
+    // A body that never arrives in full holds its connection 10 s at most:
+    // then 408, and the connection closes.
+    let (answer, waited) = lab
+        .b
+        .run(|| {
+            use std::io::{Read, Write};
+            let mut s = std::net::TcpStream::connect(CHECK)?;
+            s.set_read_timeout(Some(std::time::Duration::from_secs(20)))?;
+            let t = std::time::Instant::now();
+            s.write_all(b"POST /v1/check HTTP/1.1\r\nHost: rl\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"domain\"")?;
+            let mut out = Vec::new();
+            let _ = s.read_to_end(&mut out);
+            Ok((String::from_utf8_lossy(&out).into_owned(), t.elapsed()))
+        })
+        .unwrap();
+    assert!(
+        answer.starts_with("HTTP/1.1 408") && answer.contains("did not arrive within 10s"),
+        "{answer}"
+    );
+    assert!(
+        waited >= std::time::Duration::from_secs(9) && waited < std::time::Duration::from_secs(15),
+        "{waited:?}"
+    );
     let (status, log) = d.stop(libc::SIGTERM).unwrap();
     assert!(status.success(), "{log}");
 }

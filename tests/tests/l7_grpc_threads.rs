@@ -172,3 +172,160 @@ fn connections_are_dealt_over_the_threads_which_share_one_set_of_buckets() {
     assert_eq!(now, (0.0, 0.0), "closed connections are no longer counted");
     d.stop(libc::SIGTERM).unwrap();
 }
+
+/// What one connection and its clients may hold: requests trickling in
+/// hold at most two messages' worth of the connection's flow control
+/// (capacity comes back once a message is whole), a call whose message
+/// does not arrive within 10 s gets DEADLINE_EXCEEDED, a connection that
+/// never completes its HTTP/2 handshake is closed after 10 s, and past
+/// `[l7] max_connections` a new connection is closed at once and counted.
+#[test]
+fn a_listener_bounds_its_connections_and_what_they_hold() {
+    let Served { lab, d, dir: _dir, .. } = served(&format!(
+        "[default]\nrate = 1000\n[l7]\ngrpc_listen = \"{GRPC}\"\ngrpc_threads = 1\nmax_connections = 3\n\
+         [[l7.rule]]\nname = \"per-user\"\ndomain = \"edge\"\ndescriptor = [{{ key = \"user\" }}]\nrate = 3\nper = \"1h\"\n"
+    ))
+    .unwrap();
+    let gauge = |lab: &Lab, name: &str| {
+        parse_prometheus(&get(&lab.b, "/metrics").body)
+            .get(&format!("{name}{{api=\"grpc\"}}"))
+            .copied()
+    };
+    let (report, reported) = mpsc::channel();
+    let client = lab.b.spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        rt.block_on(async move {
+            use tokio::io::AsyncReadExt;
+            let addr: std::net::SocketAddr = GRPC.parse()?;
+            // One HTTP/2 connection: three calls each sending 1 MiB of a
+            // message, never finished.
+            let tcp = tokio::net::TcpStream::connect(addr).await?;
+            let (send, conn) = h2::client::handshake(tcp).await?;
+            tokio::spawn(async move {
+                let _ = conn.await;
+            });
+            let mut calls = Vec::new();
+            for _ in 0..3 {
+                let req = http::Request::post(format!(
+                    "http://{GRPC}/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
+                ))
+                .header("content-type", "application/grpc")
+                .body(())?;
+                let (resp, stream) = send.clone().ready().await?.send_request(req, false)?;
+                calls.push((resp, stream));
+            }
+            let mut granted = 0usize;
+            let until = tokio::time::Instant::now() + Duration::from_secs(2);
+            for (_, stream) in calls.iter_mut() {
+                let mut mine = 0usize;
+                stream.reserve_capacity(1 << 20);
+                while mine < 1 << 20 {
+                    let cap = match tokio::time::timeout_at(
+                        until,
+                        std::future::poll_fn(|cx| stream.poll_capacity(cx)),
+                    )
+                    .await
+                    {
+                        Ok(Some(Ok(n))) => n,
+                        _ => break,
+                    };
+                    let n = cap.min((1 << 20) - mine);
+                    if n > 0 {
+                        stream.send_data(bytes::Bytes::from(vec![0u8; n]), false)?;
+                        mine += n;
+                    }
+                }
+                granted += mine;
+            }
+            // Two connections that never say a word, and one past the limit.
+            let mut silent = [
+                tokio::net::TcpStream::connect(addr).await?,
+                tokio::net::TcpStream::connect(addr).await?,
+            ];
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let mut past = tokio::net::TcpStream::connect(addr).await?;
+            let mut buf = [0u8; 64];
+            let past_closed = matches!(
+                tokio::time::timeout(Duration::from_secs(2), past.read(&mut buf)).await,
+                Ok(Ok(0)) | Ok(Err(_))
+            );
+            report.send(("held", granted, past_closed))?;
+            // The calls' messages never arrive: each is answered with its
+            // deadline; the silent connections are closed.
+            let mut statuses = Vec::new();
+            for (resp, _stream) in calls {
+                let r = tokio::time::timeout(Duration::from_secs(15), resp).await??;
+                statuses.push(
+                    r.headers()
+                        .get("grpc-status")
+                        .map(|s| String::from_utf8_lossy(s.as_bytes()).into_owned()),
+                );
+            }
+            // (The daemon's HTTP/2 settings arrive first: read to the end.)
+            let mut closed = 0;
+            for s in silent.iter_mut() {
+                let eof = async {
+                    loop {
+                        match s.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(_) => {}
+                        }
+                    }
+                };
+                if tokio::time::timeout(Duration::from_secs(15), eof)
+                    .await
+                    .is_ok()
+                {
+                    closed += 1;
+                }
+            }
+            Ok::<_, anyhow::Error>((statuses, closed))
+        })
+    });
+    let (_, granted, past_closed) = reported
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the client stalled");
+    eprintln!("three unfinished 1 MiB messages on one connection: {granted} bytes sent");
+    assert!(
+        granted <= 2 * ((1 << 20) + (64 << 10)),
+        "{granted} bytes of unfinished messages held by one connection"
+    );
+    assert!(
+        granted >= 2 << 20,
+        "two whole messages' worth must fit: {granted}"
+    );
+    assert!(
+        past_closed,
+        "a connection past max_connections = 3 was served"
+    );
+    assert_eq!(gauge(&lab, "rl_l7_connections"), Some(3.0));
+    assert_eq!(gauge(&lab, "rl_l7_max_connections"), Some(3.0));
+    assert!(gauge(&lab, "rl_l7_connections_refused_total") >= Some(1.0));
+    assert!(d.log().contains("max_connections"), "{}", d.log());
+    let (statuses, closed) = client.join().unwrap().unwrap();
+    assert_eq!(
+        statuses,
+        vec![Some("4".to_string()); 3],
+        "DEADLINE_EXCEEDED for messages that never arrive"
+    );
+    assert_eq!(closed, 2, "connections without a handshake are closed");
+    // Room again: a call is answered.
+    let code = lab
+        .b
+        .run(|| {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            rt.block_on(async {
+                Conn::connect(GRPC.parse()?)
+                    .await?
+                    .call(encode(&request("w")))
+                    .await
+            })
+        })
+        .unwrap();
+    assert_eq!(code, Code::Ok);
+    d.stop(libc::SIGTERM).unwrap();
+}

@@ -283,6 +283,47 @@ fn requests(out: &mut String, s: &State) {
         }
         let _ = writeln!(out, "rl_l7_request_seconds_sum{{api=\"{api}\"}} {sum}\nrl_l7_request_seconds_count{{api=\"{api}\"}} {}", counts.last().copied().unwrap_or(0));
     }
+    let listeners = crate::l7::threads::LISTENERS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    if !listeners.is_empty() {
+        family(
+            out,
+            "rl_l7_connections",
+            "gauge",
+            "Open connections per request listener (api: grpc, http).",
+        );
+        for (api, l) in &listeners {
+            let _ = writeln!(
+                out,
+                "rl_l7_connections{{api=\"{api}\"}} {}",
+                l.open.load(std::sync::atomic::Ordering::Relaxed)
+            );
+        }
+        family(
+            out,
+            "rl_l7_max_connections",
+            "gauge",
+            "[l7] max_connections: open connections per request listener at most.",
+        );
+        for (api, l) in &listeners {
+            let _ = writeln!(out, "rl_l7_max_connections{{api=\"{api}\"}} {}", l.max);
+        }
+        family(
+            out,
+            "rl_l7_connections_refused_total",
+            "counter",
+            "Connections closed unserved: the listener held [l7] max_connections.",
+        );
+        for (api, l) in &listeners {
+            let _ = writeln!(
+                out,
+                "rl_l7_connections_refused_total{{api=\"{api}\"}} {}",
+                l.refused.load(std::sync::atomic::Ordering::Relaxed)
+            );
+        }
+    }
     let threads = crate::l7::grpc_threads::THREADS.load(std::sync::atomic::Ordering::Relaxed);
     if threads > 0 {
         family(

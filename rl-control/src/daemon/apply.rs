@@ -329,14 +329,16 @@ fn install(
         l7.http_listen,
         l7.grpc_threads,
         l7.draft_headers,
+        l7.max_connections,
     ) != (
         was.grpc_listen,
         was.http_listen,
         was.grpc_threads,
         was.draft_headers,
+        was.max_connections,
     ) {
         return Err(ApplyError::Invalid(
-            "[l7] grpc_listen, http_listen, grpc_threads or draft_headers differ from the running daemon's: they are set up at start, \
+            "[l7] grpc_listen, http_listen, grpc_threads, draft_headers or max_connections differ from the running daemon's: they are set up at start, \
              so a reload cannot apply them: restore them in the file, or restart the daemon to apply them ([l7] rules and max_keys reload)"
                 .into(),
         ));

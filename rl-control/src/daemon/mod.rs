@@ -488,15 +488,17 @@ fn serve_requests(
     let threads = threads?;
     if let Some(listener) = http {
         let addr = listener.local_addr().ok();
-        crate::l7::http::serve(listener, &threads, l7.clone());
+        crate::l7::http::serve(listener, &threads, l7.clone(), config.l7.max_connections);
         info!("request check on http://{} (POST /v1/check, forward auth on /v1/forward-auth/{{domain}}; {} l7 rules)", addr.map(|a| a.to_string()).unwrap_or_default(), config.l7.rules.len());
     }
     if let Some(listener) = grpc {
         let addr = listener.local_addr().ok();
         let draft_headers = config.l7.draft_headers;
-        crate::l7::grpc_threads::serve(listener, &threads, || crate::l7::grpc::Service {
-            l7: l7.clone(),
-            draft_headers,
+        crate::l7::grpc_threads::serve(listener, &threads, config.l7.max_connections, || {
+            crate::l7::grpc::Service {
+                l7: l7.clone(),
+                draft_headers,
+            }
         });
         info!(
             "Envoy rate-limit service on {} (envoy.service.ratelimit.v3, {} threads)",

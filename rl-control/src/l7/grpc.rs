@@ -50,6 +50,7 @@ pub struct Failure {
 
 impl Failure {
     pub const INVALID_ARGUMENT: u8 = 3;
+    pub const DEADLINE_EXCEEDED: u8 = 4;
     pub const RESOURCE_EXHAUSTED: u8 = 8;
     pub const UNIMPLEMENTED: u8 = 12;
     pub const INTERNAL: u8 = 13;

@@ -40,6 +40,23 @@ pub const PATH: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateL
 pub const MAX_MESSAGE: usize = 1 << 20;
 /// Calls in flight per connection (HTTP/2 streams), as hyper's default.
 const MAX_STREAMS: u32 = 200;
+/// A stream's flow-control window: the largest message, its framing, and
+/// room for frame padding. Capacity is given back only once a message is
+/// whole, so a connection's unfinished requests hold at most
+/// [`CONNECTION_WINDOW`] bytes, however many streams it opens.
+const STREAM_WINDOW: u32 = (MAX_MESSAGE + (64 << 10)) as u32;
+/// The bytes of unfinished requests one connection may hold.
+const CONNECTION_WINDOW: u32 = 2 * STREAM_WINDOW;
+/// How long a new connection has to complete HTTP/2's handshake and open
+/// its first call (Envoy connects when it has one to make): past it, it is
+/// closed.
+const HANDSHAKE: std::time::Duration = std::time::Duration::from_secs(10);
+/// How long a call has to send its whole message (DEADLINE_EXCEEDED past
+/// it): a stream trickling its message holds a slot and its bytes.
+const CALL_READ: std::time::Duration = std::time::Duration::from_secs(10);
+/// A connection with no call in flight for this long is closed (GOAWAY);
+/// Envoy opens another when it next needs one.
+const IDLE: std::time::Duration = std::time::Duration::from_secs(300);
 
 /// Open connections per serving thread.
 pub static CONNECTIONS: [AtomicU64; MAX_GRPC_THREADS] =
@@ -49,11 +66,17 @@ pub static THREADS: AtomicUsize = AtomicUsize::new(0);
 
 /// Serves Envoy's rate-limit service on `threads`, with a service from
 /// `make` per thread.
-pub fn serve(listener: TcpListener, threads: &Threads, make: impl Fn() -> grpc::Service) {
+pub fn serve(
+    listener: TcpListener,
+    threads: &Threads,
+    max_connections: u32,
+    make: impl Fn() -> grpc::Service,
+) {
     let services: Vec<Arc<grpc::Service>> =
         (0..threads.count()).map(|_| Arc::new(make())).collect();
     THREADS.store(threads.count(), Relaxed);
-    threads.serve(listener, "gRPC", move |s, i| {
+    let limits = super::threads::Limits::new("grpc", max_connections);
+    threads.serve(listener, "gRPC", limits, move |s, i| {
         connection(s, i, services[i].clone())
     });
 }
@@ -80,20 +103,31 @@ async fn connection(s: TcpStream, thread: usize, svc: Arc<grpc::Service>) {
 /// next poll of the connection writes all their answers in one go (h2
 /// writes what is queued each time it is polled: taking and answering calls
 /// one by one cost a write each).
-async fn calls(s: TcpStream, svc: &grpc::Service) -> Result<(), h2::Error> {
-    let mut conn = h2::server::Builder::new()
-        .initial_window_size(1 << 20)
-        .initial_connection_window_size(1 << 20)
+async fn calls(s: TcpStream, svc: &grpc::Service) -> Result<(), String> {
+    let handshake = h2::server::Builder::new()
+        .initial_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
         .max_concurrent_streams(MAX_STREAMS)
         .max_header_list_size(16 << 10)
-        .handshake::<_, Bytes>(s)
-        .await?;
+        .handshake::<_, Bytes>(s);
+    let mut conn = match tokio::time::timeout(HANDSHAKE, handshake).await {
+        Ok(c) => c.map_err(|e| e.to_string())?,
+        Err(_) => return Err(format!("no HTTP/2 handshake within {HANDSHAKE:?}")),
+    };
     let mut under_way = FuturesUnordered::new();
+    // h2's handshake completes before the client's preface is read: until
+    // a first call, the connection has HANDSHAKE, then IDLE at a time.
+    let mut idle = Box::pin(tokio::time::sleep(HANDSHAKE));
+    let (mut called, mut closing) = (false, false);
     std::future::poll_fn(|cx| loop {
+        let mut active = false;
         loop {
             match conn.poll_accept(cx) {
-                Poll::Ready(Some(Ok((req, respond)))) => under_way.push(call(svc, req, respond)),
-                Poll::Ready(Some(Err(e))) => return Poll::Ready(Err(e)),
+                Poll::Ready(Some(Ok((req, respond)))) => {
+                    under_way.push(call(svc, req, respond));
+                    (active, called) = (true, true);
+                }
+                Poll::Ready(Some(Err(e))) => return Poll::Ready(Err(e.to_string())),
                 // Closed, every stream done.
                 Poll::Ready(None) => return Poll::Ready(Ok(())),
                 Poll::Pending => break,
@@ -103,7 +137,23 @@ async fn calls(s: TcpStream, svc: &grpc::Service) -> Result<(), h2::Error> {
         while let Poll::Ready(Some(())) = under_way.poll_next_unpin(cx) {
             answered = true;
         }
+        if active || answered {
+            idle.as_mut().reset(tokio::time::Instant::now() + IDLE);
+        }
         if !answered {
+            if !closing
+                && under_way.is_empty()
+                && std::future::Future::poll(idle.as_mut(), cx).is_ready()
+            {
+                if !called {
+                    return Poll::Ready(Err(format!("no call within {HANDSHAKE:?} of connecting")));
+                }
+                // Idle: GOAWAY, then the connection closes once the peer
+                // has seen it (polled on).
+                closing = true;
+                conn.graceful_shutdown();
+                continue;
+            }
             return Poll::Pending;
         }
     })
@@ -122,7 +172,13 @@ async fn call(svc: &grpc::Service, req: http::Request<RecvStream>, respond: Send
             ),
         ))
     } else {
-        match message(req.into_body()).await {
+        let read = tokio::time::timeout(CALL_READ, message(req.into_body())).await;
+        match read.unwrap_or_else(|_| {
+            Err(Failure::new(
+                Failure::DEADLINE_EXCEEDED,
+                format!("the request message did not arrive within {CALL_READ:?}"),
+            ))
+        }) {
             Ok(m) => {
                 let t = Instant::now();
                 let answer = match RateLimitRequest::decode(m) {
@@ -147,10 +203,16 @@ async fn message(mut body: RecvStream) -> Result<Bytes, Failure> {
     // Usually the whole message comes in one frame, kept as it is; only a
     // message split over frames is copied together.
     let (mut first, mut joined) = (Bytes::new(), BytesMut::new());
-    while let Some(chunk) = body.data().await {
+    // Flow-control capacity is given back once the message is whole (or
+    // refused), not chunk by chunk: see [`STREAM_WINDOW`].
+    let mut held = Held {
+        body: &mut body,
+        bytes: 0,
+    };
+    while let Some(chunk) = held.body.data().await {
         let chunk = chunk
             .map_err(|e| Failure::new(Failure::INTERNAL, format!("reading the request: {e}")))?;
-        let _ = body.flow_control().release_capacity(chunk.len());
+        held.bytes += chunk.len();
         if first.len() + joined.len() + chunk.len() > 5 + MAX_MESSAGE {
             return Err(Failure::new(
                 Failure::RESOURCE_EXHAUSTED,
@@ -164,6 +226,7 @@ async fn message(mut body: RecvStream) -> Result<Bytes, Failure> {
             joined.extend_from_slice(&chunk);
         }
     }
+    drop(held);
     let buf = if joined.is_empty() {
         first
     } else {
@@ -189,6 +252,20 @@ async fn message(mut body: RecvStream) -> Result<Bytes, Failure> {
         ));
     }
     Ok(buf.slice(5..))
+}
+
+/// A request's bytes read and not yet given back to the connection's
+/// flow control: given back when dropped (message whole, refused, or the
+/// call timed out).
+struct Held<'a> {
+    body: &'a mut RecvStream,
+    bytes: usize,
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        let _ = self.body.flow_control().release_capacity(self.bytes);
+    }
 }
 
 /// An answer as a gRPC message on the wire.

@@ -32,6 +32,9 @@ pub const MAX_DESCRIPTORS: usize = 16;
 /// entries of 256-byte keys and values) with every byte JSON-escaped
 /// (`\u0001`: six bytes) fits, as in the gRPC port's 1 MiB.
 pub const MAX_BODY: usize = 1 << 20;
+/// How long a check's body has to arrive once its head has (the head has
+/// 30 s: hyper's `header_read_timeout`).
+const BODY_READ: std::time::Duration = std::time::Duration::from_secs(10);
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -116,14 +119,17 @@ pub fn headers(s: &Status, retry_after_ms: Option<u64>) -> HeaderMap {
     h
 }
 
-async fn check(
-    State(l7): State<Shared>,
-    body: Result<Bytes, axum::extract::rejection::BytesRejection>,
-) -> Response {
-    let body = match body {
-        Ok(b) => b,
+async fn check(State(l7): State<Shared>, req: axum::extract::Request) -> Response {
+    use axum::extract::FromRequest;
+    // A body trickling in holds a connection: it has BODY_READ to arrive.
+    let body = match tokio::time::timeout(BODY_READ, Bytes::from_request(req, &())).await {
+        Ok(Ok(b)) => b,
         // Past MAX_BODY (or unreadable): JSON like every other error.
-        Err(e) => return (e.status(), Json(serde_json::json!({ "error": format!("the request body: {e} (at most {MAX_BODY} bytes)") }))).into_response(),
+        Ok(Err(e)) => return (e.status(), Json(serde_json::json!({ "error": format!("the request body: {e} (at most {MAX_BODY} bytes)") }))).into_response(),
+        Err(_) => {
+            let error = format!("the request body did not arrive within {BODY_READ:?}");
+            return (StatusCode::REQUEST_TIMEOUT, Json(serde_json::json!({ "error": error }))).into_response();
+        }
     };
     let t = std::time::Instant::now();
     let r = answer(l7, body).await;
@@ -266,9 +272,15 @@ async fn healthz() -> Json<serde_json::Value> {
 
 /// Serves the check on the l7 serving threads: each HTTP/1.1 connection
 /// stays on the thread it was dealt to.
-pub fn serve(listener: tokio::net::TcpListener, threads: &super::threads::Threads, l7: Shared) {
+pub fn serve(
+    listener: tokio::net::TcpListener,
+    threads: &super::threads::Threads,
+    l7: Shared,
+    max_connections: u32,
+) {
     let app = router(l7);
-    threads.serve(listener, "HTTP check", move |s, thread| {
+    let limits = super::threads::Limits::new("http", max_connections);
+    threads.serve(listener, "HTTP check", limits, move |s, thread| {
         let svc = hyper_util::service::TowerToHyperService::new(app.clone());
         async move {
             let mut http = hyper::server::conn::http1::Builder::new();

@@ -27,6 +27,11 @@ pub const MAX_VALUE_LEN: usize = 256;
 pub const MAX_LOG_RATE: u64 = 10_000;
 /// Largest `max` of a `concurrency` rule.
 pub const MAX_CONCURRENCY: u64 = 1_000_000;
+/// `[l7] max_connections` unless set: far more than gateways hold (Envoy
+/// holds one per worker), far fewer than the daemon's open files.
+pub const DEFAULT_MAX_CONNECTIONS: u32 = 1024;
+/// Most `[l7] max_connections`.
+pub const MAX_CONNECTIONS: u32 = 65_536;
 /// Most `[l7] grpc_threads`.
 pub const MAX_GRPC_THREADS: usize = 64;
 /// Largest `[l7] max_keys`.
@@ -116,6 +121,8 @@ pub struct L7Config {
     /// Threads serving gRPC and HTTP check connections (`None`: one per CPU
     /// the daemon may run on). Read at start, like the listen addresses.
     pub grpc_threads: Option<u32>,
+    /// Open connections per listener at most: more are closed at once.
+    pub max_connections: u32,
     pub rules: Vec<L7Rule>,
 }
 
@@ -127,6 +134,7 @@ impl Default for L7Config {
             max_keys: 1_000_000,
             draft_headers: false,
             grpc_threads: None,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
             rules: Vec::new(),
         }
     }
@@ -140,6 +148,7 @@ pub(crate) struct RawL7 {
     max_keys: Option<Spanned<i64>>,
     draft_headers: Option<bool>,
     grpc_threads: Option<Spanned<i64>>,
+    max_connections: Option<Spanned<i64>>,
     #[serde(default)]
     rule: Vec<Spanned<RawL7Rule>>,
 }
@@ -206,6 +215,14 @@ pub(crate) fn validate(
             Some(v) => Some(int_in(loc, "l7.grpc_threads", v, 1, MAX_GRPC_THREADS as i64)? as u32),
             None => None,
         },
+        max_connections: int_or(
+            loc,
+            "l7.max_connections",
+            &raw.max_connections,
+            1,
+            MAX_CONNECTIONS.into(),
+            DEFAULT_MAX_CONNECTIONS.into(),
+        )? as u32,
         rules: Vec::new(),
     };
     if raw.rule.len() > MAX_L7_RULES {
@@ -647,6 +664,7 @@ mod tests {
             ("[l7]\nmax_keys = 0\n".into(), "rules.toml:4:12:", "l7.max_keys = 0 is out of range"),
             ("[l7]\ngrpc_threads = 0\n".into(), "rules.toml:4:16:", "l7.grpc_threads = 0 is out of range"),
             ("[l7]\ngrpc_threads = 65\n".into(), "rules.toml:4:16:", "l7.grpc_threads = 65 is out of range"),
+            ("[l7]\nmax_connections = 0\n".into(), "rules.toml:4:19:", "l7.max_connections = 0 is out of range"),
             ("[l7]\nhttp_listen = \"localhost\"\n".into(), "rules.toml:4:15:", "is not an address"),
             ("[l7]\ngrpc_listen = \"8081\"\n".into(), "rules.toml:4:15:", "is not an address"),
             ("[l7]\nbogus = 1\n".into(), "rules.toml:4:1:", "unknown field `bogus`"),

@@ -10,7 +10,14 @@
 //! much CPU as the decision's transport itself, and more in the tail. With
 //! each connection on one thread a request never leaves it.
 
-use std::{future::Future, sync::Arc, time::Duration};
+use std::{
+    future::Future,
+    sync::{
+        atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed},
+        Arc,
+    },
+    time::Duration,
+};
 
 use anyhow::Context as _;
 use tokio::{
@@ -20,6 +27,53 @@ use tokio::{
 use tracing::warn;
 
 use super::rules::MAX_GRPC_THREADS;
+
+/// One listener's connections: how many are open, how many it may hold,
+/// how many it closed unserved.
+#[derive(Debug, Default)]
+pub struct Limits {
+    pub max: usize,
+    pub open: AtomicUsize,
+    pub refused: AtomicU64,
+}
+
+/// Every listener's limits, by its `api` label, for `/metrics`.
+pub static LISTENERS: std::sync::Mutex<Vec<(&'static str, Arc<Limits>)>> =
+    std::sync::Mutex::new(Vec::new());
+
+impl Limits {
+    /// The limits of the listener labelled `api` (`grpc`, `http`), listed
+    /// for `/metrics`.
+    pub fn new(api: &'static str, max: u32) -> Arc<Limits> {
+        let l = Arc::new(Limits {
+            max: max as usize,
+            ..Limits::default()
+        });
+        let mut all = LISTENERS.lock().unwrap_or_else(|e| e.into_inner());
+        all.retain(|(a, _)| *a != api);
+        all.push((api, l.clone()));
+        l
+    }
+}
+
+/// One open connection, counted in its listener's [`Limits`] until dropped.
+struct Open(Arc<Limits>);
+
+impl Open {
+    fn take(limits: &Arc<Limits>) -> Option<Open> {
+        limits
+            .open
+            .fetch_update(Relaxed, Relaxed, |n| (n < limits.max).then_some(n + 1))
+            .ok()?;
+        Some(Open(limits.clone()))
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Relaxed);
+    }
+}
 
 /// Work for one serving thread: runs there, inside its runtime.
 type Job = Box<dyn FnOnce() + Send>;
@@ -72,18 +126,35 @@ impl Threads {
 
     /// Accepts on `listener` (a task on the current runtime) and deals each
     /// connection to the threads in turn, where `conn(stream, thread)`
-    /// serves it.
-    pub fn serve<F, Fut>(&self, listener: TcpListener, what: &'static str, conn: F)
-    where
+    /// serves it. Past `limits.max` open connections a new one is closed at
+    /// once and counted: clients cannot take the daemon's open files (which
+    /// its map readers need too).
+    pub fn serve<F, Fut>(
+        &self,
+        listener: TcpListener,
+        what: &'static str,
+        limits: Arc<Limits>,
+        conn: F,
+    ) where
         F: Fn(TcpStream, usize) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = ()> + Send + 'static,
     {
         let (queues, conn) = (self.queues.clone(), Arc::new(conn));
         tokio::spawn(async move {
             let mut next = 0usize;
+            let mut warned: Option<std::time::Instant> = None;
             loop {
                 match listener.accept().await {
-                    Ok((s, _)) => {
+                    Ok((s, peer)) => {
+                        let Some(open) = Open::take(&limits) else {
+                            limits.refused.fetch_add(1, Relaxed);
+                            if warned.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
+                                warned = Some(std::time::Instant::now());
+                                warn!("{what}: {} connections open, [l7] max_connections: closing new ones (this one from {peer}) until some close; rl_l7_connections_refused_total counts them", limits.max);
+                            }
+                            drop(s);
+                            continue;
+                        };
                         // No Nagle delay on answers.
                         let _ = s.set_nodelay(true);
                         let s = match s.into_std() {
@@ -98,7 +169,11 @@ impl Threads {
                         let conn = conn.clone();
                         let job: Job = Box::new(move || match TcpStream::from_std(s) {
                             Ok(s) => {
-                                tokio::spawn(conn(s, i));
+                                let served = conn(s, i);
+                                tokio::spawn(async move {
+                                    served.await;
+                                    drop(open);
+                                });
                             }
                             Err(e) => warn!("a {what} connection could not join thread {i}: {e}"),
                         });
