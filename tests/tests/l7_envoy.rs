@@ -237,6 +237,12 @@ out["huge_hits"] = ask("api", [desc([("user", "u9"), ("op", "read")], 2**64 - 1)
 tokens = lambda h: desc([("user", "u1"), ("op", "tokens")], h)
 out["budget"] = [ask("api", [tokens(0)]), ask("api", [tokens(60)]), ask("api", [tokens(0)]),
                  ask("api", [tokens(70)]), ask("api", [tokens(0)])]
+# A descriptor with Envoy's limit override (1000 per second): not applied,
+# the rule's 10 per minute decides, and the metric counts it.
+over = desc([("user", "u7"), ("op", "read")], 11)
+over.limit.requests_per_unit = 1000
+over.limit.unit = 1
+out["override"] = ask("api", [over])
 print(json.dumps(out))
 "#;
 
@@ -331,6 +337,14 @@ fn envoys_python_grpc_client_gets_several_descriptors_hits_and_refunds_right() {
         [(OK, 100), (OK, 40), (OK, 40), (OVER, 0), (OVER, 0)],
         "a drained budget is over at the next check: {v}"
     );
+    assert_eq!(
+        codes("override"),
+        [OVER],
+        "the rule decides, not the override: {v}"
+    );
+    let m = parse_prometheus(&get(&lab.b, "/metrics").body);
+    assert_eq!(m.get("rl_l7_limit_overrides_ignored_total"), Some(&1.0));
+    assert!(d.log().contains("limit override"), "{}", d.log());
     assert_eq!(codes("huge_value"), [OVER], "{v}");
     assert_eq!(codes("huge_hits"), [OVER], "{v}");
     let (status, log) = d.stop(libc::SIGTERM).unwrap();

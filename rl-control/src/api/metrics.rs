@@ -263,6 +263,17 @@ fn requests(out: &mut String, s: &State) {
     );
     family(
         out,
+        "rl_l7_limit_overrides_ignored_total",
+        "counter",
+        "Envoy descriptors whose limit override rl did not apply (the matching rule's limits decided).",
+    );
+    let _ = writeln!(
+        out,
+        "rl_l7_limit_overrides_ignored_total {}",
+        crate::l7::OVERRIDES_IGNORED.load(std::sync::atomic::Ordering::Relaxed)
+    );
+    family(
+        out,
         "rl_l7_request_seconds",
         "histogram",
         "Time to answer a request decision (decode, decide, encode), by front end.",

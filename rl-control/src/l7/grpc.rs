@@ -11,6 +11,9 @@
 //!   down, at least 1): "5 per 90 s" reads "3 per minute". The decision
 //!   itself always uses the exact period. A `concurrency` rule reports
 //!   `max` per its lease.
+//! - A descriptor's `limit` override is not applied (counted in
+//!   `rl_l7_limit_overrides_ignored_total`, warned about once): the
+//!   matching rule's limits decide.
 //! - Keys and values longer than 256 bytes are fitted (their start and a
 //!   hash of the whole), and hits may be any number: both come from
 //!   clients, and a refused call is one Envoy passes unlimited. Malformed
@@ -150,6 +153,11 @@ impl Service {
             }
             if d.entries.iter().any(|e| e.key.is_empty()) {
                 return Err(invalid("descriptor keys must not be empty".into()));
+            }
+            if d.limit.is_some()
+                && super::OVERRIDES_IGNORED.fetch_add(1, std::sync::atomic::Ordering::Relaxed) == 0
+            {
+                tracing::warn!(domain = r.domain, "Envoy sent a descriptor with a limit override (RateLimitDescriptor.limit): rl does not apply overrides; the matching [[l7.rule]]'s limits decide (rl_l7_limit_overrides_ignored_total counts them)");
             }
             // Any number of hits: one past a limit's room is over it.
             let hits = d
