@@ -518,7 +518,21 @@ fn a_changed_file_and_the_reload_command_both_reload() {
         .unwrap();
     d.wait_for("every source held to 8 packets/s", Duration::from_secs(5))
         .unwrap();
+
+    // The file deleted: said once (the rules in force stay); back, with
+    // other rules: reloaded.
+    std::fs::remove_file(&cfg).unwrap();
+    d.wait_for(
+        "the config file is gone: the rules in force stay",
+        Duration::from_secs(5),
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(2500));
+    std::fs::write(&cfg, "[default]\nrate = 9\n").unwrap();
+    d.wait_for("every source held to 9 packets/s", Duration::from_secs(5))
+        .unwrap();
     let (status, log) = d.stop(libc::SIGTERM).unwrap();
+    assert_eq!(log.matches("the config file is gone").count(), 1, "{log}");
     assert!(status.success(), "{log}");
 
     // No daemon: one clear error, exit 1.

@@ -266,7 +266,8 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     let (servers, _socket_file) = api::listen::serve(listeners, state.clone());
     let counter = spawn_jobs(&state, maps, events, cluster);
     let _pid_file = opts.pid_file.as_ref().and_then(|p| PidFile::write(p));
-    until_stopped(&state, signals, watched, opts.stats_interval).await?;
+    let signals = until_stopped(&state, signals, watched, opts.stats_interval).await?;
+    signals.exit_on_second();
     let stopping = Stopping {
         servers,
         counter,
@@ -409,6 +410,20 @@ struct Signals {
 }
 
 impl Signals {
+    /// Once stopping: a second SIGINT or SIGTERM exits at once (a stop
+    /// waits for a change under way, which a large rule set makes slow),
+    /// leaving the datapath as it is: pinned, it keeps enforcing.
+    fn exit_on_second(mut self) {
+        tokio::spawn(async move {
+            let which = tokio::select! {
+                _ = self.int.recv() => "SIGINT",
+                _ = self.term.recv() => "SIGTERM",
+            };
+            warn!("a second {which} while stopping: exiting now; the datapath stays as it is (pinned, it keeps enforcing; --detach-on-exit was not carried out)");
+            std::process::exit(1);
+        });
+    }
+
     fn install() -> Result<Self> {
         Ok(Signals {
             int: signal(SignalKind::interrupt()).context("installing the SIGINT handler")?,
@@ -527,15 +542,17 @@ async fn until_stopped(
     mut signals: Signals,
     watched: Option<PathBuf>,
     stats_interval: Duration,
-) -> Result<()> {
+) -> Result<Signals> {
     let mut tick = tokio::time::interval(stats_interval);
     tick.tick().await;
     let mut last = counters_or_warn(state);
     let mut watch = tokio::time::interval(WATCH_INTERVAL);
+    // Whether the watched file was gone at the last look (warned once).
+    let mut missing = false;
     loop {
         tokio::select! {
-            _ = signals.int.recv() => { info!("SIGINT received: stopping"); return Ok(()); }
-            _ = signals.term.recv() => { info!("SIGTERM received: stopping"); return Ok(()); }
+            _ = signals.int.recv() => { info!("SIGINT received: stopping"); return Ok(signals); }
+            _ = signals.term.recv() => { info!("SIGTERM received: stopping"); return Ok(signals); }
             _ = signals.hup.recv() => {
                 info!("SIGHUP received: reloading");
                 let st = state.clone();
@@ -544,14 +561,23 @@ async fn until_stopped(
             _ = watch.tick() => {
                 let st = state.clone();
                 let watched = watched.clone();
-                let _ = tokio::task::spawn_blocking(move || {
+                let was_missing = missing;
+                missing = tokio::task::spawn_blocking(move || {
                     crate::daemon::apply::expire_bans(&st);
-                    let now = watched.as_deref().and_then(file_stamp);
-                    if now.is_some() && now != lock(&st).seen {
+                    let Some(path) = watched else { return false };
+                    let now = file_stamp(&path);
+                    if now.is_none() {
+                        if !was_missing {
+                            warn!(config = %path.display(), "the config file is gone: the rules in force stay; restore it (it is reloaded when it returns)");
+                        }
+                        return true;
+                    }
+                    if now != lock(&st).seen || was_missing {
                         info!("the config file changed on disk: reloading");
                         let _ = crate::daemon::apply::reload_file(&st, "file change");
                     }
-                }).await;
+                    false
+                }).await.unwrap_or(was_missing);
             }
             _ = tick.tick() => {
                 let Some(now) = counters_or_warn(state) else { continue };
