@@ -394,6 +394,7 @@ fn the_service_units_capabilities_run_everything() {
             let ok = |r: &Value| r["last_ok_unix_ms"].is_u64() && r.get("error").is_none();
             if ok(&h["walk"])
                 && ok(&h["flood_reading"])
+                && ok(&h["events"])
                 && v["pressure"]["buckets_ipv4"].as_u64() > Some(0)
             {
                 break;

@@ -138,12 +138,25 @@ fn a_failing_collector_is_reported_tried_again_and_recovers() {
         UnixStream::connect(lab.b.runtime_dir().join(rl_control::cli::API_SOCKET)).unwrap(),
     ));
     let ok = |r: &serde_json::Value| r["last_ok_unix_ms"].is_u64() && r.get("error").is_none();
-    until(&mut c, Duration::from_secs(10), "both readers pass", |v| {
-        let h = &v["pressure"]["collector"];
-        ok(&h["walk"])
-            && ok(&h["flood_reading"])
-            && v["pressure"]["buckets_ipv4"].as_u64() > Some(0)
-    });
+    until(
+        &mut c,
+        Duration::from_secs(10),
+        "every reader passes",
+        |v| {
+            let h = &v["pressure"]["collector"];
+            ok(&h["walk"])
+                && ok(&h["flood_reading"])
+                && ok(&h["events"])
+                && v["pressure"]["buckets_ipv4"].as_u64() > Some(0)
+        },
+    );
+    let (_, text) = c.get("/metrics");
+    let m = parse_prometheus(&text);
+    assert_eq!(
+        m.get("rl_collector_up{reader=\"events\"}"),
+        Some(&1.0),
+        "the events feed is up"
+    );
 
     let old = nofile(d.pid(), 0);
     let failing = |r: &serde_json::Value| {

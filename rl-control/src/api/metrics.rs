@@ -204,8 +204,8 @@ fn pressure(out: &mut String, s: &State) {
         ("walk", &p.collector.walk),
         ("flood_reading", &p.collector.flood_reading),
     ];
-    family(out, "rl_collector_up", "gauge", "1 while a background reader's passes work (walk: occupancy, cells, top lists and the collection of fresh buckets; flood_reading: flood mode); 0 while they fail, and its figures are as it last read them.");
-    for (reader, h) in readers {
+    family(out, "rl_collector_up", "gauge", "1 while a background reader's passes work (walk: occupancy, cells, top lists and the collection of fresh buckets; flood_reading: flood mode; events: the \"limited\" events feed); 0 while they fail, and its figures are as it last read them.");
+    for (reader, h) in readers.into_iter().chain([("events", &p.collector.events)]) {
         let _ = writeln!(
             out,
             "rl_collector_up{{reader=\"{reader}\"}} {}",

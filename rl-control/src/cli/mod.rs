@@ -343,18 +343,22 @@ pub fn status(v: &Value) -> String {
             s(&p["cell_capacity"])
         );
     }
-    let failing: Vec<String> = [("walk", "tables' walk"), ("flood_reading", "flood reading")]
-        .iter()
-        .filter_map(|(k, name)| {
-            let r = &p["collector"][k];
-            r["error"].as_str().map(|e| {
-                format!(
-                    "{name} FAILING since {}: {e}",
-                    since(&r["failing_since_unix_ms"])
-                )
-            })
+    let failing: Vec<String> = [
+        ("walk", "tables' walk"),
+        ("flood_reading", "flood reading"),
+        ("events", "events feed"),
+    ]
+    .iter()
+    .filter_map(|(k, name)| {
+        let r = &p["collector"][k];
+        r["error"].as_str().map(|e| {
+            format!(
+                "{name} FAILING since {}: {e}",
+                since(&r["failing_since_unix_ms"])
+            )
         })
-        .collect();
+    })
+    .collect();
     if !failing.is_empty() {
         table += &format!("collector:       {} (its figures above are as it last read them; tried again every second)\n", failing.join("; "));
     }

@@ -121,11 +121,13 @@ pub(super) fn outcome<T>(
 pub(super) enum Reader {
     Walk,
     FloodReading,
+    Events,
 }
 
 /// Records how a reader's pass went: a new failure, or a recovery, is
 /// logged and raised as an event (`walk_failing`, `walk_recovered`,
-/// `flood_reading_failing`, `flood_reading_recovered`) once.
+/// `flood_reading_failing`, `flood_reading_recovered`, `events_failing`,
+/// `events_recovered`) once.
 pub(super) fn tried(s: &mut State, reader: Reader, outcome: Result<(), String>) {
     use crate::daemon::state::Went;
     let now = unix_now_ms();
@@ -139,6 +141,11 @@ pub(super) fn tried(s: &mut State, reader: Reader, outcome: Result<(), String>) 
             &mut s.pressure.collector.flood_reading,
             "flood_reading",
             "flood mode, its CPUs and unseen keys per second stay as last read, and no flood event is raised",
+        ),
+        Reader::Events => (
+            &mut s.pressure.collector.events,
+            "events",
+            "sources that start being limited are not recorded (/v1/events, the logs); the datapath limits them as before",
         ),
     };
     let error = outcome.as_ref().err().cloned().unwrap_or_default();

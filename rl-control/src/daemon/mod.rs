@@ -320,7 +320,11 @@ fn spawn_jobs(
         Ok(ring) => {
             tokio::spawn(forward_events(state.clone(), ring));
         }
-        Err(e) => warn!("\"limited\" events are unavailable: {e}"),
+        Err(e) => collect::tried(
+            &mut lock(state),
+            collect::Reader::Events,
+            Err(format!("the events map: {e}")),
+        ),
     }
     match maps {
         Ok(ids) => {
@@ -604,16 +608,18 @@ async fn forward_events(state: Shared, ring: aya::maps::RingBuf<aya::maps::MapDa
     // AsyncFd owns the ring buffer.
     let registered =
         unsafe { AsyncFd::register_with_interest(ring, tokio::io::Interest::READABLE) };
+    let feed = |outcome: Result<(), String>| {
+        collect::tried(&mut lock(&state), collect::Reader::Events, outcome)
+    };
     let mut fd = match registered {
         Ok(fd) => fd,
-        Err(e) => {
-            warn!("\"limited\" events are unavailable: {e}");
-            return;
-        }
+        Err(e) => return feed(Err(format!("watching the events ring: {e}"))),
     };
+    feed(Ok(()));
     loop {
-        let Ok(mut guard) = fd.readable_mut().await else {
-            return;
+        let mut guard = match fd.readable_mut().await {
+            Ok(g) => g,
+            Err(e) => return feed(Err(format!("reading the events ring: {e}"))),
         };
         let ring = guard.get_inner_mut();
         let mut got = Vec::new();
@@ -625,6 +631,7 @@ async fn forward_events(state: Shared, ring: aya::maps::RingBuf<aya::maps::MapDa
             continue;
         }
         let mut s = lock(&state);
+        collect::tried(&mut s, collect::Reader::Events, Ok(()));
         let offset = s.dp.epoch_offset_ns();
         for e in got {
             let view = crate::daemon::state::EventView {

@@ -224,6 +224,10 @@ pub struct CollectorHealth {
     /// The flood detectors' reading: `flood_mode`, `flood_mode_cpus`,
     /// `unseen_keys_per_sec` and the flood events.
     pub flood_reading: ReaderHealth,
+    /// The datapath's "limited" events feed (`/v1/events`, the logs): fed
+    /// by the kernel as sources start being limited, so `last_ok_unix_ms`
+    /// is when it last delivered (or started), not a pass a second.
+    pub events: ReaderHealth,
 }
 
 /// One background reader's health.
