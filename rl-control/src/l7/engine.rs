@@ -470,16 +470,23 @@ impl Engine {
         let bucket = shard.entry(key).or_insert_with(|| new_bucket(c));
         let mut st = charge(c, bucket, now, hits, self.epoch_offset_ns);
         drop(shard);
-        if st.code == "over_limit" && hits > 0 {
+        if st.code == "over_limit" && hits >= 0 {
             if let Some(pool) = &c.pool {
                 // Elastic: over its own limit, the key may use the rule's
-                // shared pool while it has room.
+                // shared pool while it has room; what is left is then the
+                // pool's (a check of 0 hits reads it).
                 let key = Key::new(c.slot, POOL);
                 let mut shard = self.shard(&key);
                 if let Bucket::One(word) = shard.entry(key).or_insert(Bucket::One(0)) {
                     if let Some(next) = pool.gcra_step_checked(*word, now, hits as u64) {
-                        *word = next;
-                        st.code = "ok";
+                        let q = rl_common::quota::quota(pool, next, now, self.epoch_offset_ns);
+                        if hits > 0 || q.remaining > 0 {
+                            *word = next;
+                            st.code = "ok";
+                            st.remaining = q.remaining;
+                            st.reset_ms = rl_common::quota::ceil_ms(q.reset_ns);
+                            st.retry_after_ms = rl_common::quota::ceil_ms(q.retry_after_ns);
+                        }
                     }
                 }
             }

@@ -406,9 +406,29 @@ fn an_elastic_rule_lends_its_pool_to_keys_over_their_own_limit() {
             .map(|_| e.decide_at("api", &d(&[("u", who)]), 1, S).code)
             .collect::<Vec<_>>()
     };
+    let remaining = |who: &str, n: usize| {
+        (0..n)
+            .map(|_| e.decide_at("api", &d(&[("u", who)]), 1, S))
+            .map(|st| (st.code, st.remaining))
+            .collect::<Vec<_>>()
+    };
+    // What is left is the key's own, then the pool's; a check of 0 hits
+    // reads the pool too.
+    assert_eq!(e.decide_at("api", &d(&[("u", "a")]), 0, S).remaining, 1);
     assert_eq!(
-        codes("a", 5),
-        ["ok", "ok", "ok", "ok", "over_limit"],
+        remaining("a", 3),
+        [("ok", 0), ("ok", 2), ("ok", 1)],
+        "1 own, then the pool's left"
+    );
+    let check = e.decide_at("api", &d(&[("u", "a")]), 0, S);
+    assert_eq!(
+        (check.code, check.remaining),
+        ("ok", 1),
+        "the pool has one left"
+    );
+    assert_eq!(
+        codes("a", 2),
+        ["ok", "over_limit"],
         "1 own, 3 from the pool"
     );
     assert_eq!(
