@@ -5,6 +5,7 @@ pub mod apply;
 pub mod cluster;
 mod collect;
 mod floods;
+mod kept;
 pub mod state;
 
 use std::{
@@ -239,6 +240,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     // fails after attaching leaves it attached with no daemon.
     let threads = request_threads(&config, l7_listener.is_some() || grpc_listener.is_some())?;
     let (mut dp, attachments) = enforce(&config, &ifaces, opts.mode, &pin_dir, &pins)?;
+    kept::restore(&mut dp, &opts.runtime_dir);
     let on = log_attached(&config, &attachments);
     if let Some(logger) = dp.take_logger() {
         tokio::spawn(forward_kernel_logs(logger));
@@ -265,6 +267,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     )));
     let (servers, _socket_file) = api::listen::serve(listeners, state.clone());
     let counter = spawn_jobs(&state, maps, events, cluster);
+    tokio::spawn(kept::keep(state.clone(), opts.runtime_dir.clone()));
     let _pid_file = opts.pid_file.as_ref().and_then(|p| PidFile::write(p));
     let signals = until_stopped(&state, signals, watched, opts.stats_interval).await?;
     signals.exit_on_second();
@@ -275,6 +278,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         detach: opts.detach_on_exit,
         on,
         first: attachments[0].iface.clone(),
+        runtime_dir: opts.runtime_dir.clone(),
     };
     stopping.stop(state).await
 }
@@ -356,6 +360,8 @@ struct Stopping {
     /// The interfaces, for the last log line.
     on: String,
     first: String,
+    /// Where the retired rules' counters are kept ([`kept`]).
+    runtime_dir: PathBuf,
 }
 
 impl Stopping {
@@ -386,6 +392,7 @@ impl Stopping {
             // Detaches at once, whoever still holds the link.
             crate::datapath::detach_pinned(&self.pins)?;
         }
+        kept::at_stop(&state, &self.runtime_dir, self.detach);
         // The maps and program are freed with the last reference; pinned, the
         // link keeps the program attached.
         drop(state);

@@ -10,6 +10,27 @@ use rl_common::*;
 use super::{read::add_stats, *};
 
 impl Datapath {
+    /// The totals this process keeps of rules its installs retired (their
+    /// map entries were zeroed and reused), by name.
+    pub fn retired_totals(&self) -> &StdHashMap<String, RuleStats> {
+        &self.retired
+    }
+
+    /// Adds totals an earlier daemon kept of the rules it retired from
+    /// this same pinned datapath (see `daemon::kept`).
+    pub fn restore_retired(&mut self, kept: impl IntoIterator<Item = (String, RuleStats)>) {
+        for (name, r) in kept {
+            add_stats(self.retired.entry(name).or_default(), [r].iter());
+        }
+    }
+
+    /// The kernel id of the rule counters' map: which pinned datapath the
+    /// counters belong to (an id is not reused while the map lives).
+    pub fn counters_map_id(&self) -> Result<u32, DatapathError> {
+        let map = self.map_ref(MAP_RULE_STATS)?.open()?;
+        Ok(map.info().map_err(|e| map_error(MAP_RULE_STATS, e))?.id())
+    }
+
     /// Before a slot whose contents are unknown is cleared (adopted from a
     /// daemon that stopped, or left by a failed install), for each entry
     /// it `held` (read from the map) with the id of a rule of `entries` (a
