@@ -166,7 +166,8 @@ fn every_route_answers_metrics_equal_stats_and_the_openapi_document_is_complete(
         "the OpenAPI document does not validate:\n{text}"
     );
     // Every /v1 operation needs the token; every change may answer 409
-    // (an edit of the file not applied yet) and 422, as the daemon does.
+    // (an edit of the file not applied yet; not a reload), 422 and 503, as
+    // the daemon does; a read of the datapath's maps, 500.
     for (method, path) in ROUTES.iter().filter(|(_, p)| p.starts_with("/v1/")) {
         let op = &doc["paths"][path][method];
         assert_eq!(
@@ -179,12 +180,23 @@ fn every_route_answers_metrics_equal_stats_and_the_openapi_document_is_complete(
             "{method} {path}: no 401"
         );
         if *method != "get" {
-            for code in ["409", "422", "500"] {
-                assert!(
+            for code in ["409", "422", "500", "503"] {
+                // A reload writes nothing back: it cannot conflict.
+                let promised = !(code == "409" && *path == "/v1/reload");
+                assert_eq!(
                     op["responses"][code].is_object(),
-                    "{method} {path}: no {code}"
+                    promised,
+                    "{method} {path}: {code}"
                 );
             }
+        } else {
+            // The reads of the datapath's maps may fail; the others cannot.
+            let reads_maps = ["/v1/stats", "/v1/sources/{ip}"].contains(path);
+            assert_eq!(
+                op["responses"]["500"].is_object(),
+                reads_maps,
+                "{method} {path}: 500"
+            );
         }
     }
     let paths = doc["paths"].as_object().unwrap().len();
@@ -500,10 +512,28 @@ fn a_ban_drops_at_once_lifts_after_its_ttl_and_is_kept_across_a_restart() {
     )
     .unwrap();
     assert_eq!(a.status, 201, "{}", a.body);
+    // A shorter ban of the same prefix (an automated tool's) keeps the
+    // longer one's end, and says so.
+    let a = request(
+        &lab.b,
+        "POST",
+        "/v1/bans",
+        json(&json!({"cidr": cidr, "ttl_secs": 5, "reason": "again"})),
+        None,
+    )
+    .unwrap();
+    assert_eq!(a.status, 201, "{}", a.body);
+    assert!(a.json()["ttl_secs"].as_u64() >= Some(590), "{}", a.body);
+    let bans = get(&lab.b, "/v1/bans").json();
+    assert!(
+        bans[0]["ttl_secs"].as_u64() >= Some(590) && bans[0]["reason"] == "again",
+        "{bans}"
+    );
     for bad in [
         json!({"cidr": "10.0.0.1/33", "ttl_secs": 5}),
         json!({"cidr": "10.0.0.0/8", "ttl_secs": 0}),
         json!({"cidr": "10.0.0.0/8"}),
+        json!({"cidr": "10.0.0.0/8", "ttl_secs": 5, "reason": "x".repeat(1025)}),
     ] {
         let a = request(&lab.b, "POST", "/v1/bans", json(&bad), None).unwrap();
         assert_eq!(a.status, 400, "{bad}: {}", a.body);

@@ -538,3 +538,51 @@ fn an_expired_ban_in_a_file_that_cannot_be_written_is_lifted_once() {
     let (status, log) = d.stop(libc::SIGTERM).unwrap();
     assert!(status.success(), "{log}");
 }
+
+/// A file whose bans are an inline list (`ban = [{ ... }]`, which the
+/// loader takes) is edited like one of `[[ban]]` tables: a ban added
+/// through the API is written, and an expired inline ban is lifted (it
+/// stayed in force, silently, while every read said it was gone).
+#[test]
+fn inline_bans_take_api_edits_and_expire() {
+    let lab = Lab::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let text = format!(
+        "ban = [{{ cidr = \"198.51.100.0/24\", until = {} }}]\n[default]\nrate = 100\n",
+        now + 3
+    );
+    let cfg = write(&dir, "rl.toml", &text);
+    let d = Daemon::serving(&lab, &cfg, &[]).unwrap();
+    let a = request(
+        &lab.b,
+        "POST",
+        "/v1/bans",
+        json(&json!({"cidr": "203.0.113.0/24", "ttl_secs": 600})),
+        None,
+    )
+    .unwrap();
+    assert_eq!(a.status, 201, "{}", a.body);
+    let deadline = Instant::now() + Duration::from_secs(8);
+    loop {
+        let file = std::fs::read_to_string(&cfg).unwrap();
+        let bans = get(&lab.b, "/v1/bans").json();
+        if !file.contains("198.51.100.0/24") {
+            assert!(file.contains("203.0.113.0/24"), "{file}");
+            assert_eq!(bans.as_array().map(Vec::len), Some(1), "{bans}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the expired inline ban was not lifted:\n{file}\n{}",
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let (status, log) = d.stop(libc::SIGTERM).unwrap();
+    assert!(status.success(), "{log}");
+    assert!(!log.contains("expired bans cannot be lifted"), "{log}");
+}

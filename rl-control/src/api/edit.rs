@@ -44,11 +44,17 @@ pub(super) async fn change<T: Send + 'static>(
         })?
 }
 
+/// The longest ban `reason`.
+const MAX_REASON: usize = 1024;
+
 /// The active rule set as JSON: the rule file's tables, with `rules` for
 /// `[[rule]]` and `bans` for `[[ban]]`.
 #[utoipa::path(get, path = "/v1/rules", responses((status = 200, body = Object)))]
 pub(super) async fn get_rules(AxState(api): AxState<Api>) -> Json<serde_json::Value> {
-    Json(document::to_json(&lock(&api.state).text))
+    // Copied out, then parsed without the state lock: a large file takes
+    // a while, and /healthz, /metrics and the collector must not wait.
+    let text = lock(&api.state).text.clone();
+    Json(document::to_json(&text))
 }
 
 #[derive(Serialize, ToSchema)]
@@ -61,7 +67,11 @@ fn is_toml(headers: &HeaderMap) -> bool {
     headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("application/toml"))
+        .is_some_and(|v| {
+            v.trim_start()
+                .to_ascii_lowercase()
+                .starts_with("application/toml")
+        })
 }
 
 fn json_body(body: &[u8]) -> ApiResult<serde_json::Value> {
@@ -76,7 +86,7 @@ fn json_body(body: &[u8]) -> ApiResult<serde_json::Value> {
 /// Replaces the whole rule set: JSON like `GET /v1/rules` returns, or the
 /// rule file itself with `Content-Type: application/toml`. Validated first,
 /// applied atomically, written back to the config file.
-#[utoipa::path(put, path = "/v1/rules", request_body(content = Object, description = "the rule set (JSON or TOML)"),
+#[utoipa::path(put, path = "/v1/rules", request_body(content((Object = "application/json"), (String = "application/toml")), description = "the rule set: JSON as GET /v1/rules answers, or the rule file's TOML"),
     responses((status = 200, body = Applied), (status = 400, body = ErrorBody), (status = 422, body = ErrorBody)))]
 pub(super) async fn put_rules(
     AxState(api): AxState<Api>,
@@ -189,20 +199,33 @@ pub(super) async fn post_ban(
             format!("ttl_secs must be 1..={MAX_BAN_SECS}"),
         ));
     }
-    let until = unix_now() + ban.ttl_secs;
-    let view = BanView {
-        cidr: cidr.to_string(),
-        until,
-        ttl_secs: ban.ttl_secs,
-        reason: ban.reason.clone(),
-    };
-    let (key, reason) = (cidr.to_string(), ban.reason);
+    if ban.reason.len() > MAX_REASON {
+        return Err(ApiError(
+            StatusCode::BAD_REQUEST,
+            format!("reason: at most {MAX_REASON} bytes (it is written into the rule file)"),
+        ));
+    }
+    let now = unix_now();
+    let until = now + ban.ttl_secs;
+    let (key, reason) = (cidr.to_string(), ban.reason.clone());
+    // A ban already longer keeps its end (see `document::set_ban`).
+    let end = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(until));
+    let ends = end.clone();
     change(&api, move |sh| {
         apply::apply_edit(sh, &format!("api: ban {key} for {}s", ban.ttl_secs), |s| {
-            Ok::<_, ApiError>(document::set_ban(&s.text, &key, until, &reason)?)
+            let (text, until) = document::set_ban(&s.text, &key, until, &reason)?;
+            ends.store(until, std::sync::atomic::Ordering::Relaxed);
+            Ok::<_, ApiError>(text)
         })
     })
     .await?;
+    let until = end.load(std::sync::atomic::Ordering::Relaxed);
+    let view = BanView {
+        cidr: cidr.to_string(),
+        until,
+        ttl_secs: until.saturating_sub(now),
+        reason: ban.reason,
+    };
     Ok((StatusCode::CREATED, Json(view)))
 }
 

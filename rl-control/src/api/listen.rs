@@ -91,6 +91,9 @@ pub async fn bind(
              could change the rules; set [api] token_file, or use the Unix socket in the runtime directory (root only, the default)"
         );
     }
+    if let Some(addr) = tcp_addr.filter(|a| !a.ip().is_loopback()) {
+        tracing::warn!("the admin API on {addr} is plain HTTP: its bearer token crosses the network in clear; keep [api] listen on loopback, or put a TLS proxy in front");
+    }
     // Made 0755 whatever the umask leaves (a group-writable one is refused).
     std::fs::DirBuilder::new()
         .recursive(true)

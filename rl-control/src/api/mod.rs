@@ -253,7 +253,8 @@ pub struct ApiDoc;
 /// answers every change can give: 409 (the file holds an edit not applied,
 /// or a conflicting rule), 413 (a body over the limit), 422 (the result
 /// does not validate), 500 (the install or the write failed, nothing
-/// changed); a path parameter's 400.
+/// changed), 503 (the daemon is stopping); a read's 500 (the datapath
+/// could not be read); a path parameter's 400.
 struct BearerAuth;
 
 impl utoipa::Modify for BearerAuth {
@@ -310,9 +311,13 @@ impl utoipa::Modify for BearerAuth {
                 if param {
                     add("400", "the path parameter is not valid");
                 }
+                // A reload reads the file: no body, nothing written back.
+                let reload = path == "/v1/reload";
                 if changes {
-                    add("409", "the config file holds an edit not applied yet, or the change conflicts with the rules");
-                    if !param {
+                    if !reload {
+                        add("409", "the config file holds an edit not applied yet, or the change conflicts with the rules");
+                    }
+                    if !param && !reload {
                         add("413", "the body is over the limit");
                     }
                     add(
@@ -323,6 +328,9 @@ impl utoipa::Modify for BearerAuth {
                         "500",
                         "installing the rules or writing the file failed: nothing changed",
                     );
+                    add("503", "the daemon is stopping: the change was not applied");
+                } else if ["/v1/stats", "/v1/sources/{ip}"].contains(&path.as_str()) {
+                    add("500", "reading the datapath failed");
                 }
             }
         }

@@ -246,7 +246,7 @@ impl Cluster {
         ClusterStatus {
             state: if self.is_degraded() { "degraded" } else { "ok" },
             node: self.config.node.clone(),
-            redis: self.config.redis.clone(),
+            redis: self.config.redis_shown(),
             on_failure: self.config.on_failure.name(),
             degraded_since_unix_ms: (since != 0).then_some(since),
             last_error: h

@@ -75,6 +75,29 @@ impl ClusterConfig {
     pub fn is_redis_cluster(&self) -> bool {
         self.redis.len() > 1
     }
+
+    /// The Redis URLs for logs, errors and `/v1/status`: passwords hidden.
+    pub fn redis_shown(&self) -> Vec<String> {
+        self.redis.iter().map(|u| redacted(u)).collect()
+    }
+}
+
+/// `url` with the password of its user part (`redis://user:secret@host`,
+/// `redis://:secret@host`) shown as `***`.
+pub fn redacted(url: &str) -> String {
+    let Some(start) = url.find("://").map(|i| i + 3) else {
+        return url.to_string();
+    };
+    let end = url[start..]
+        .find(['/', '?'])
+        .map_or(url.len(), |i| start + i);
+    let Some(at) = url[start..end].rfind('@').map(|i| start + i) else {
+        return url.to_string();
+    };
+    match url[start..at].find(':') {
+        Some(colon) => format!("{}***{}", &url[..start + colon + 1], &url[at..]),
+        None => url.to_string(),
+    }
 }
 
 #[derive(Deserialize, Default)]
@@ -88,7 +111,16 @@ pub(crate) struct RawCluster {
 }
 
 /// This machine's host name (the default `node`).
+/// The host's name, as it was the first time it was asked in this process:
+/// a `[cluster]` without `node` parses to the same config for the daemon's
+/// whole life, so a `hostnamectl set-hostname` does not make every later
+/// change look like a `[cluster]` edit (refused) until a restart.
 pub fn hostname() -> String {
+    static NAME: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    NAME.get_or_init(read_hostname).clone()
+}
+
+fn read_hostname() -> String {
     let mut buf = [0u8; 256];
     // SAFETY: the buffer is valid for its length; gethostname NUL-terminates
     // or truncates.
@@ -225,6 +257,24 @@ mod tests {
             (2000, super::OnFailure::Closed)
         );
         assert!(!c.node.is_empty(), "the host name by default");
+    }
+
+    #[test]
+    fn passwords_in_redis_urls_are_hidden() {
+        assert_eq!(
+            super::redacted("redis://user:s3cret@10.0.0.5:6379/0"),
+            "redis://user:***@10.0.0.5:6379/0"
+        );
+        assert_eq!(super::redacted("redis://:s3cret@host"), "redis://:***@host");
+        assert_eq!(
+            super::redacted("redis://10.0.0.5:6379"),
+            "redis://10.0.0.5:6379"
+        );
+        assert_eq!(super::redacted("redis://user@host"), "redis://user@host");
+        assert_eq!(
+            super::redacted("unix:///run/redis.sock"),
+            "unix:///run/redis.sock"
+        );
     }
 
     #[test]

@@ -122,6 +122,17 @@ fn tables<'a>(doc: &'a mut DocumentMut, key: &str) -> Result<&'a mut ArrayOfTabl
     {
         doc.insert(key, Item::ArrayOfTables(ArrayOfTables::new()));
     }
+    // An inline list of tables (`ban = [{ cidr = "…", until = … }]`,
+    // which the loader takes): edited as the [[key]] tables it means.
+    if let Some(item) = doc.get_mut(key) {
+        if item.is_array() {
+            let inline = std::mem::take(item);
+            *item = match inline.into_array_of_tables() {
+                Ok(tables) => Item::ArrayOfTables(tables),
+                Err(other) => other,
+            };
+        }
+    }
     doc.get_mut(key)
         .and_then(Item::as_array_of_tables_mut)
         .ok_or_else(|| {
@@ -212,8 +223,16 @@ pub fn remove_rule(text: &str, name: &str) -> Result<String, EditError> {
     Ok(doc.to_string())
 }
 
-/// Sets the ban of `cidr` (replacing one of the same prefix).
-pub fn set_ban(text: &str, cidr: &str, until: u64, reason: &str) -> Result<String, EditError> {
+/// Sets the ban of `cidr` until `until`, replacing one of the same prefix
+/// but never shortening it (a short automated ban must not lift a longer
+/// one set by hand: DELETE it first to shorten it). Returns the text and
+/// the ban's end.
+pub fn set_ban(
+    text: &str,
+    cidr: &str,
+    until: u64,
+    reason: &str,
+) -> Result<(String, u64), EditError> {
     let mut doc = parse(text)?;
     let bans = tables(&mut doc, "ban")?;
     // The same prefix however it is written (`192.0.2.7` is `192.0.2.7/32`).
@@ -224,7 +243,19 @@ pub fn set_ban(text: &str, cidr: &str, until: u64, reason: &str) -> Result<Strin
                 .zip(super::units::parse_cidr(cidr).ok())
                 .is_some_and(|(a, b)| a == b)
     };
-    bans.retain(|t| !t.get("cidr").and_then(|c| c.as_str()).is_some_and(same));
+    let mut until = until;
+    bans.retain(|t| {
+        let hit = t.get("cidr").and_then(|c| c.as_str()).is_some_and(same);
+        if hit {
+            let held = t
+                .get("until")
+                .and_then(|u| u.as_integer())
+                .unwrap_or(0)
+                .max(0) as u64;
+            until = until.max(held);
+        }
+        !hit
+    });
     let mut t = toml_edit::Table::new();
     t.insert("cidr", toml_edit::value(cidr));
     t.insert("until", toml_edit::value(until as i64));
@@ -232,7 +263,7 @@ pub fn set_ban(text: &str, cidr: &str, until: u64, reason: &str) -> Result<Strin
         t.insert("reason", toml_edit::value(reason));
     }
     bans.push(t);
-    Ok(doc.to_string())
+    Ok((doc.to_string(), until))
 }
 
 /// Removes the bans for which `lift(cidr, until)` holds; returns the new
@@ -321,8 +352,32 @@ mod tests {
 
     #[test]
     fn bans_are_set_replaced_and_lifted() {
-        let text = set_ban(FILE, "192.0.2.0/24", 2_000_000_000, "scanner").unwrap();
-        let text = set_ban(&text, "192.0.2.0/24", 2_000_000_100, "scanner again").unwrap();
+        let (text, _) = set_ban(FILE, "192.0.2.0/24", 2_000_000_000, "scanner").unwrap();
+        let (text, until) = set_ban(&text, "192.0.2.0/24", 2_000_000_100, "scanner again").unwrap();
+        assert_eq!(until, 2_000_000_100);
+        // A shorter ban of the same prefix keeps the longer one's end.
+        let (shorter, kept) =
+            set_ban(&text, "192.0.2.0/24", 2_000_000_050, "scanner again").unwrap();
+        assert_eq!((kept, shorter.as_str()), (2_000_000_100, text.as_str()));
+        // Inline bans (the loader takes them) are edited as [[ban]] tables.
+        let inline = "ban = [{ cidr = \"198.51.100.0/24\", until = 5 }]\n[default]\nrate = 1\n";
+        assert_eq!(
+            Config::from_str(inline, "x").unwrap().bans.len(),
+            1,
+            "{inline}"
+        );
+        let (lifted, n) = remove_bans(inline, |_, until| until <= 10).unwrap();
+        assert_eq!(
+            (n, Config::from_str(&lifted, "x").unwrap().bans.len()),
+            (1, 0),
+            "{lifted}"
+        );
+        let (added, _) = set_ban(inline, "203.0.113.0/24", 2_000_000_000, "").unwrap();
+        assert_eq!(
+            Config::from_str(&added, "x").unwrap().bans.len(),
+            2,
+            "{added}"
+        );
         let c = Config::from_str(&text, "x").unwrap();
         assert_eq!(c.bans.len(), 1);
         assert_eq!(
@@ -340,11 +395,11 @@ mod tests {
         assert!(Config::from_str(&text, "x").unwrap().bans.is_empty());
         // A ban written by hand in another form is the same prefix: replaced.
         let hand = format!("{FILE}\n[[ban]]\ncidr = \"2001:DB8::/32\"\nuntil = 2000000000\n");
-        let text = set_ban(&hand, "2001:db8::/32", 1_900_000_000, "").unwrap();
+        let (text, _) = set_ban(&hand, "2001:db8::/32", 2_100_000_000, "").unwrap();
         let c = Config::from_str(&text, "x").unwrap();
         assert_eq!(
             c.bans.iter().map(|b| b.until).collect::<Vec<_>>(),
-            [1_900_000_000]
+            [2_100_000_000]
         );
     }
 
@@ -353,7 +408,7 @@ mod tests {
     #[test]
     fn a_document_put_back_as_read_still_takes_bans_and_rules() {
         let text = from_json(&to_json("[default]\nrate = 100\n")).unwrap();
-        let text = set_ban(&text, "198.51.100.0/24", 2_000_000_000, "").unwrap();
+        let (text, _) = set_ban(&text, "198.51.100.0/24", 2_000_000_000, "").unwrap();
         let text = add_rule(&text, &serde_json::json!({"name": "x", "rate": 1})).unwrap();
         let c = Config::from_str(&text, "x").unwrap();
         assert_eq!((c.bans.len(), c.rules.len()), (1, 1), "{text}");

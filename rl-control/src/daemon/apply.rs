@@ -544,6 +544,20 @@ pub fn expire_bans(shared: &Shared) {
     if matches!(r, Err(ApplyError::Unwritable(_))) {
         let trigger = "ban(s) expired (lifted, the config file not written: writing it failed)";
         let _ = apply(shared, trigger, lift(false));
+        return;
+    }
+    // A failure before the install (the edit itself) is on no record: said
+    // once per reason, since it is tried again every second and the
+    // expired bans keep dropping meanwhile.
+    static SAID: Mutex<Option<String>> = Mutex::new(None);
+    let mut said = SAID.lock().unwrap_or_else(|e| e.into_inner());
+    match r {
+        Err(e) if said.as_deref() != Some(e.to_string().as_str()) => {
+            tracing::error!("expired bans cannot be lifted ({e}): they keep dropping until this is fixed (edit the file, then `rl-control reload`); tried again every second");
+            *said = Some(e.to_string());
+        }
+        Ok(_) => *said = None,
+        Err(_) => {}
     }
 }
 

@@ -67,15 +67,15 @@ pub async fn join(config: &Config) -> Result<Option<Arc<Cluster>>> {
                 bail!(
                     "cluster rule \"{rule}\" is defined differently by another host sharing {}: make the rule identical on every host \
                      (or give the new definition a new name) and start again",
-                    settings.redis.join(", ")
+                    settings.redis_shown().join(", ")
                 );
             }
-            info!(node = %settings.node, redis = %settings.redis.join(", "), "joined the cluster: {} cluster rules shared", defs.len());
+            info!(node = %settings.node, redis = %settings.redis_shown().join(", "), "joined the cluster: {} cluster rules shared", defs.len());
         }
         Err(e) => warn!(
             node = %settings.node,
             "Redis at {} is unreachable ({e}): starting with cluster rules enforcing on_failure = \"{}\"; they are shared again as soon as Redis answers",
-            settings.redis.join(", "),
+            settings.redis_shown().join(", "),
             settings.on_failure.name()
         ),
     }
