@@ -32,6 +32,11 @@ pub fn fixed_window(word: u64, now: u64, window_ns: u64, max: u64, cost: u64) ->
     if window_ns == 0 {
         return None;
     }
+    // Nothing to charge (a later fragment on a packet limit: its datagram
+    // was counted at its first): passes and changes nothing.
+    if cost == 0 {
+        return Some(word);
+    }
     let now_w = (now / window_ns) & FIXED_INDEX_MASK;
     let idx = word >> FIXED_COUNT_BITS;
     // (One test, so that the verifier's walk stays about as it was.)
@@ -132,6 +137,13 @@ pub const SLIDING_MAX: u64 = SLIDE_MASK;
 pub fn sliding_window(word: u64, now: u64, window_ns: u64, max: u64, cost: u64) -> Option<u64> {
     if window_ns == 0 {
         return None;
+    }
+    // Nothing to charge (a later fragment on a packet limit) passes and
+    // changes nothing: written, the first charge of a window would have
+    // left a current count of 0, which reads as never charged, and the
+    // previous window's count would have been forgotten.
+    if cost == 0 {
+        return Some(word);
     }
     let full = now / window_ns;
     let into = now - full * window_ns;
@@ -347,6 +359,27 @@ mod tests {
         assert_eq!(n, 50);
         // Two windows later nothing of it counts.
         assert!(sliding_window(w, 12 * SEC + 1, SEC, 100, 100).is_some());
+    }
+
+    proptest! {
+        /// A step of cost 0 (a later fragment on a packet limit) passes and
+        /// changes nothing, whatever the word and the time: as the first
+        /// charge of a window it wrote a current count of 0, which reads
+        /// as never charged, so the previous window's count was forgotten.
+        #[test]
+        fn a_step_of_cost_zero_changes_nothing(word in any::<u64>(), now in 0u64..1 << 62, window in 1u64..1 << 40, max in 0u64..1 << 20) {
+            prop_assert_eq!(sliding_window(word, now, window, max, 0), Some(word));
+            prop_assert_eq!(fixed_window(word, now, window, max, 0), Some(word));
+        }
+    }
+
+    #[test]
+    fn a_later_fragment_never_forgets_the_previous_window() {
+        // 100 in window 10; a zero-cost step early in window 11; the next
+        // packets still meet window 10's count at about 99%.
+        let w = sliding_window(0, 10 * SEC, SEC, 100, 100).unwrap();
+        let w = sliding_window(w, 11 * SEC + SEC / 100, SEC, 100, 0).unwrap();
+        assert_eq!(sliding_window(w, 11 * SEC + SEC / 100, SEC, 100, 2), None);
     }
 
     #[test]

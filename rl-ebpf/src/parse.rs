@@ -131,6 +131,10 @@ pub fn parse(ctx: &XdpContext) -> Parsed {
     match ethertype {
         ETH_P_IP => parse_ipv4(ctx, off),
         ETH_P_IPV6 => parse_ipv6(ctx, off),
+        // A third tag: the kernel strips priority tags (VLAN id 0) one
+        // after another and hands the IP packet inside to the stack, so
+        // passed unread it would escape every rule, deny and ban too.
+        ETH_P_8021Q | ETH_P_8021AD => Parsed::Malformed,
         _ => Parsed::NotIp,
     }
 }

@@ -38,7 +38,7 @@ fn be16(f: &[u8], at: usize) -> Option<u16> {
     Some(u16::from_be_bytes([*f.get(at)?, *f.get(at + 1)?]))
 }
 
-/// Ethernet, up to two VLAN tags, IPv4 or IPv6 (six extension headers at
+/// Ethernet, up to two VLAN tags (a third is malformed), IPv4 or IPv6 (six extension headers at
 /// most), then TCP/UDP/ICMP/ICMPv6 headers.
 pub fn parse(f: &[u8]) -> Parsed {
     let Some(mut ethertype) = be16(f, 12) else {
@@ -58,6 +58,9 @@ pub fn parse(f: &[u8]) -> Parsed {
     match ethertype {
         0x0800 => ipv4(f, off),
         0x86dd => ipv6(f, off),
+        // A third tag: malformed (the kernel would strip priority tags
+        // and deliver what is inside).
+        0x8100 | 0x88a8 => Parsed::Malformed,
         _ => Parsed::NotIp,
     }
 }

@@ -899,3 +899,75 @@ fn a_rule_changed_in_place_is_unnamed_whole_before_its_rewrite() {
         );
     }
 }
+
+/// A later fragment charges nothing to a packet limit (its datagram was
+/// counted at its first), so it must change nothing: as the first charge
+/// of a sliding window it wrote a current count of 0, which reads as never
+/// charged, and the previous window's count was forgotten (100 more could
+/// pass at once right after the boundary). Here the rule is 3 per 2 s,
+/// sliding: 3 datagrams use it up, a later fragment of the third arrives
+/// in the next window, and the next datagram still finds the previous
+/// window weighing in (it would have passed).
+#[test]
+fn a_later_fragment_never_resets_a_sliding_windows_count() {
+    require_root();
+    let dp = datapath("[datapath]\nmax_sources = 1024\nfragment_ttl_ms = 5000\n[default]\nrate = 1000\n[[rule]]\nname = \"slide\"\nproto = \"udp\"\ndst_ports = [55]\nrate = 3\nper = \"2s\"\nalgorithm = \"sliding_window\"\n").unwrap();
+    // Windows are aligned to the Unix epoch: start well inside one, so
+    // the three fit in it.
+    let now = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64
+    };
+    while !(50..300).contains(&(now() % 2000)) {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let window = now() / 2000;
+    let last = datagram4(SRC, 30, 55, 1);
+    assert_eq!(offer_all(&dp, &datagram4(SRC, 31, 55, 0)), (1, 0));
+    assert_eq!(offer_all(&dp, &datagram4(SRC, 32, 55, 0)), (1, 0));
+    assert_eq!(
+        offer_all(&dp, &last[..1]),
+        (1, 0),
+        "the third datagram's first fragment"
+    );
+    // The next window, 30 ms in: the later fragment, then a new datagram.
+    while now() / 2000 == window || now() % 2000 < 30 {
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    assert_eq!(now() / 2000, window + 1, "the test ran late");
+    assert_eq!(
+        offer_all(&dp, &last[1..]),
+        (1, 0),
+        "the later fragment follows its datagram"
+    );
+    assert_eq!(
+        offer_all(&dp, &datagram4(SRC, 33, 55, 0)),
+        (0, 1),
+        "the previous window's 3 still weigh (about 90%) early in the next"
+    );
+}
+
+/// An elastic rule's pool lends packets: a later fragment dropped by the
+/// key's byte limit is not lent one (asked for 0 packets, a spent pool
+/// passed it), so a byte limit holds fragmented datagrams too.
+#[test]
+fn an_elastic_pool_does_not_carry_fragments_past_a_byte_limit() {
+    require_root();
+    let dp = datapath("[datapath]\nmax_sources = 1024\n[default]\nrate = 1000\n[[rule]]\nname = \"el\"\nproto = \"udp\"\ndst_ports = [56]\nbytes = 1500\nper = \"1h\"\nmode = \"elastic\"\npool_rate = 1\npool_per = \"1h\"\n").unwrap();
+    // 4 fragments of about 630 bytes: the first two fit the 1,500 bytes;
+    // the later ones are over it, and the pool lends them nothing (before,
+    // both passed on a zero-packet loan).
+    let (passed, dropped) = offer_all(&dp, &datagram4(SRC, 40, 56, 3));
+    assert_eq!(
+        (passed, dropped),
+        (2, 2),
+        "later fragments past the byte limit"
+    );
+    // Another datagram: the pool lends its first fragment its one packet
+    // an hour; its later fragments are still over the bytes.
+    assert_eq!(offer_all(&dp, &datagram4(SRC, 41, 56, 2)), (1, 2));
+    // The pool spent: the next is dropped whole.
+    assert_eq!(offer_all(&dp, &datagram4(SRC, 42, 56, 2)), (0, 3));
+}

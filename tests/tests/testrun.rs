@@ -83,15 +83,15 @@ fn malformed_and_truncated_frames_get_defined_verdicts() {
             false,
         ),
         (
-            "three VLAN tags",
+            "three VLAN tags (priority tags the kernel would strip)",
             eth(
-                &[(ETH_P_8021AD, 1), (ETH_P_8021Q, 2), (ETH_P_8021Q, 3)],
+                &[(ETH_P_8021Q, 0), (ETH_P_8021Q, 0), (ETH_P_8021Q, 0)],
                 ETH_P_IP,
                 &ipv4(src, UDP, &[], &udp(53)),
             ),
-            XDP_PASS,
-            true,
+            XDP_DROP,
             false,
+            true,
         ),
         (
             "IPv4 header cut at 10 bytes",
