@@ -348,7 +348,6 @@ fn charge(
             break;
         }
         let Some(h) = buckets::bucket(cfg, rule, i as u32, is_v6, src) else {
-            rare_event(ctx, STAT_NO_STATE);
             return Verdict::Drop;
         };
         let b = h.counts;
@@ -462,18 +461,17 @@ fn limited(ctx: &XdpContext, t: u64, rule: &RuleEntry, which: u32, is_v6: bool, 
 /// rule's shared pool has room; otherwise the drop stands.
 #[inline(always)]
 fn elastic(ctx: &XdpContext, cfg: &DatapathConfig, rule: &RuleEntry, cost: Cost) -> Verdict {
-    // The pool lends packets: a later fragment (no packet of its own, its
-    // datagram counted at its first) dropped by a byte limit is not lent
-    // one (a zero-cost step would always pass, even on a spent pool).
-    if rule.flags & RULE_ELASTIC == 0 || cost.packets == 0 {
+    if rule.flags & RULE_ELASTIC == 0 {
         return Verdict::Drop;
     }
     // One pool for the rule, both families (address 0 in the IPv4 table).
     let Some(h) = buckets::bucket(cfg, rule, POOL_INDEX, false, &[buckets::opaque_zero(); 4]) else {
-        rare_event(ctx, STAT_NO_STATE);
         return Verdict::Drop;
     };
-    admit(ctx, cfg, &rule.pool, h.tat, cost).0
+    // The pool lends a packet to every frame it lets through: a later
+    // fragment (counted as no packet, its datagram at its first) over a
+    // byte limit costs it one too (asked for 0, a spent pool passed it).
+    admit(ctx, cfg, &rule.pool, h.tat, Cost { packets: 1, ..cost }).0
 }
 
 /// The limit's clock: the inlined tick clock when it suits the limit.

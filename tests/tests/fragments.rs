@@ -949,25 +949,23 @@ fn a_later_fragment_never_resets_a_sliding_windows_count() {
     );
 }
 
-/// An elastic rule's pool lends packets: a later fragment dropped by the
-/// key's byte limit is not lent one (asked for 0 packets, a spent pool
-/// passed it), so a byte limit holds fragmented datagrams too.
+/// An elastic rule's pool lends a packet to every frame it lets through: a
+/// later fragment over the key's byte limit costs it one too (asked for 0
+/// packets, a spent pool passed every such fragment), so a byte limit
+/// holds fragmented datagrams once the pool is spent.
 #[test]
 fn an_elastic_pool_does_not_carry_fragments_past_a_byte_limit() {
     require_root();
     let dp = datapath("[datapath]\nmax_sources = 1024\n[default]\nrate = 1000\n[[rule]]\nname = \"el\"\nproto = \"udp\"\ndst_ports = [56]\nbytes = 1500\nper = \"1h\"\nmode = \"elastic\"\npool_rate = 1\npool_per = \"1h\"\n").unwrap();
     // 4 fragments of about 630 bytes: the first two fit the 1,500 bytes;
-    // the later ones are over it, and the pool lends them nothing (before,
-    // both passed on a zero-packet loan).
+    // the pool (one packet an hour) lends the third; the fourth is over
+    // both (before, it passed on a zero-packet loan, as every later one).
     let (passed, dropped) = offer_all(&dp, &datagram4(SRC, 40, 56, 3));
     assert_eq!(
         (passed, dropped),
-        (2, 2),
-        "later fragments past the byte limit"
+        (3, 1),
+        "a fragment past the byte limit and the pool"
     );
-    // Another datagram: the pool lends its first fragment its one packet
-    // an hour; its later fragments are still over the bytes.
-    assert_eq!(offer_all(&dp, &datagram4(SRC, 41, 56, 2)), (1, 2));
-    // The pool spent: the next is dropped whole.
-    assert_eq!(offer_all(&dp, &datagram4(SRC, 42, 56, 2)), (0, 3));
+    // The pool spent: the next datagram is dropped whole.
+    assert_eq!(offer_all(&dp, &datagram4(SRC, 41, 56, 2)), (0, 3));
 }
