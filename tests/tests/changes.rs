@@ -399,7 +399,7 @@ fn a_reload_that_changes_the_prefix_cells_the_tables_or_the_pins_is_refused() {
         assert!(
             !status.success()
                 && out.contains(
-                    "[l7] grpc_listen, http_listen, grpc_threads or draft_headers differ"
+                    "[l7] grpc_listen, http_listen, grpc_threads, draft_headers or max_connections differ"
                 ),
             "{toml}: {out}"
         );

@@ -412,14 +412,6 @@ fn two_daemons_share_one_exact_limit_and_each_failure_mode_does_what_it_says() {
         Some(3),
         "a charge Redis ran after its caller gave up holds a permit: {s}"
     );
-    let late = cluster_state(&l1)["last_error"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string();
-    assert!(
-        late.contains("Redis did not answer within 300 ms"),
-        "{late}"
-    );
 
     // Redis killed: decisions keep answering within `timeout`.
     redis.kill();
