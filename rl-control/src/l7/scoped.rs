@@ -169,34 +169,49 @@ fn fixed(c: &Compiled, ok: bool) -> Status {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use super::*;
-    use crate::config::Config;
+    use crate::{cluster::Cluster, config::Config};
+
+    /// An engine with one batched cluster rule `b` (domain `api`, keyed by
+    /// `user`) under `on_failure`, its cluster (degraded until told), and
+    /// a decision of one hit for user `u`.
+    fn batched(on_failure: &str) -> (Engine, Arc<Cluster>) {
+        let text = format!(
+            "[default]\nrate = 1\n[cluster]\nredis = [\"redis://127.0.0.1:1\"]\nnode = \"n\"\non_failure = \"{on_failure}\"\n\
+             [[l7.rule]]\nname = \"b\"\ndomain = \"api\"\ndescriptor = [{{ key = \"user\" }}]\nrate = 100\nscope = \"cluster\"\nbatch = \"10ms\"\n"
+        );
+        let config = Config::from_str(&text, "rl.toml").unwrap();
+        let cluster = Cluster::new(config.cluster.clone().unwrap());
+        (
+            Engine::new(&config.l7, 0, None).with_cluster(Some(cluster.clone())),
+            cluster,
+        )
+    }
+
+    fn decide(engine: &Engine) -> Status {
+        let user = [DescriptorEntry {
+            key: "user".into(),
+            value: "u".into(),
+        }];
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap()
+            .block_on(engine.decide_scoped("api", &user, 1))
+    }
 
     /// A batched cluster rule that another host defines differently
     /// answers from `on_failure`, as an unbatched one does (it decided
     /// here and sent its hits to its own keys, as if shared).
     #[test]
     fn a_mismatched_batched_rule_answers_from_on_failure() {
-        let text = "[default]\nrate = 1\n[cluster]\nredis = [\"redis://127.0.0.1:1\"]\nnode = \"n\"\non_failure = \"closed\"\n\
-                    [[l7.rule]]\nname = \"b\"\ndomain = \"api\"\ndescriptor = [{ key = \"user\" }]\nrate = 100\nscope = \"cluster\"\nbatch = \"10ms\"\n";
-        let config = Config::from_str(text, "rl.toml").unwrap();
-        let cluster = crate::cluster::Cluster::new(config.cluster.clone().unwrap());
-        let engine = Engine::new(&config.l7, 0, None).with_cluster(Some(cluster.clone()));
-        let user = [DescriptorEntry {
-            key: "user".into(),
-            value: "u".into(),
-        }];
-        let decide = || {
-            tokio::runtime::Builder::new_current_thread()
-                .build()
-                .unwrap()
-                .block_on(engine.decide_scoped("api", &user, 1))
-        };
+        let (engine, cluster) = batched("closed");
         cluster.set_mismatched(Vec::new());
-        assert_eq!(decide().code, "ok", "shared: decided here, batched");
+        assert_eq!(decide(&engine).code, "ok", "shared: decided here, batched");
         cluster.set_mismatched(vec!["l7:b".into()]);
         assert_eq!(
-            decide().code,
+            decide(&engine).code,
             "over_limit",
             "defined differently elsewhere: on_failure = closed"
         );
@@ -207,30 +222,16 @@ mod tests {
     /// does; a shared decision does not.
     #[test]
     fn a_batched_rule_decided_alone_counts_as_a_fallback() {
-        let text = "[default]\nrate = 1\n[cluster]\nredis = [\"redis://127.0.0.1:1\"]\nnode = \"n\"\non_failure = \"local\"\n\
-                    [[l7.rule]]\nname = \"b\"\ndomain = \"api\"\ndescriptor = [{ key = \"user\" }]\nrate = 100\nscope = \"cluster\"\nbatch = \"10ms\"\n";
-        let config = Config::from_str(text, "rl.toml").unwrap();
-        let cluster = crate::cluster::Cluster::new(config.cluster.clone().unwrap());
-        let engine = Engine::new(&config.l7, 0, None).with_cluster(Some(cluster.clone()));
-        let user = [DescriptorEntry {
-            key: "user".into(),
-            value: "u".into(),
-        }];
-        let decide = || {
-            tokio::runtime::Builder::new_current_thread()
-                .build()
-                .unwrap()
-                .block_on(engine.decide_scoped("api", &user, 1))
-        };
+        let (engine, cluster) = batched("local");
         // A new handle is degraded until its first probe answers.
-        assert_eq!(decide().code, "ok");
+        assert_eq!(decide(&engine).code, "ok");
         assert_eq!(
             cluster.health.fallbacks.load(Relaxed),
             1,
             "decided here alone while degraded"
         );
         cluster.set_mismatched(Vec::new());
-        assert_eq!(decide().code, "ok");
+        assert_eq!(decide(&engine).code, "ok");
         assert_eq!(
             cluster.health.fallbacks.load(Relaxed),
             1,
