@@ -69,8 +69,8 @@ pub fn fixed_refund(word: u64, now: u64, window_ns: u64, cost: u64) -> u64 {
 /// the word as it is (a word of the window before keeps its count, which
 /// now weighs as the previous window's: what passed then stays passed).
 /// While the word's previous count is not 0 its current count stays at
-/// least 1 (one unit not given back; a word's window is now read from both
-/// counts, [`SLIDE_COUNTS`], so this is no longer needed for that).
+/// least 1 (one unit not given back): a current count of 0 marks a word
+/// of no window ([`window_from`]), which would forget the previous one.
 pub fn sliding_refund(word: u64, now: u64, window_ns: u64, cost: u64) -> u64 {
     let now_w = (now / window_ns.max(1)) & 0xff;
     let idx = word >> (2 * SLIDE_BITS);

@@ -2,8 +2,9 @@
 //!
 //! Verdicts for what cannot be parsed (documented in README.md, "Datapath"):
 //! - Not IPv4/IPv6 (ARP, LLDP, a frame shorter than Ethernet, a truncated VLAN
-//!   tag, a third VLAN tag): [`Parsed::NotIp`] ➜ passed, never limited.
-//! - IPv4/IPv6 whose L3 header is truncated or invalid (version mismatch,
+//!   tag): [`Parsed::NotIp`] ➜ passed, never limited.
+//! - A third VLAN tag (the kernel would strip priority tags and deliver the
+//!   IP packet inside), or IPv4/IPv6 whose L3 header is truncated or invalid (version mismatch,
 //!   IHL < 5, more than [`MAX_IPV6_EXT`] extension headers), or whose TCP, UDP,
 //!   ICMP or ICMPv6 header is cut short: [`Parsed::Malformed`] ➜ dropped. No
 //!   host would accept them, and passing them would let a flood dodge the

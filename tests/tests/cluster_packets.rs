@@ -397,6 +397,15 @@ fn a_charge_past_its_deadline_is_not_applied() {
             ["1", "0", "3"],
             "{algo}: a late refund is applied: {out}"
         );
+        // The largest refund the daemon sends (hits clamped to
+        // MAX_LUA_HITS: Lua prints larger counts in exponent form, which
+        // ZPOPMIN refuses, and a script error degrades the cluster).
+        let most = rl_control::cluster::requests::MAX_LUA_HITS;
+        let out = decide(&k, algo, -most, 0);
+        assert!(
+            out.lines().next().map(str::trim) == Some("1"),
+            "{algo}: a refund of {most}: {out}"
+        );
     }
 }
 

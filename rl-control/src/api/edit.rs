@@ -208,23 +208,23 @@ pub(super) async fn post_ban(
     let now = unix_now();
     let until = now + ban.ttl_secs;
     let (key, reason) = (cidr.to_string(), ban.reason.clone());
-    // A ban already longer keeps its end (see `document::set_ban`).
-    let end = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(until));
-    let ends = end.clone();
+    // A ban already longer keeps its end and reason (see `document::set_ban`).
+    let kept = std::sync::Arc::new(std::sync::Mutex::new((until, ban.reason)));
+    let keep = kept.clone();
     change(&api, move |sh| {
         apply::apply_edit(sh, &format!("api: ban {key} for {}s", ban.ttl_secs), |s| {
-            let (text, until) = document::set_ban(&s.text, &key, until, &reason)?;
-            ends.store(until, std::sync::atomic::Ordering::Relaxed);
+            let (text, until, reason) = document::set_ban(&s.text, &key, until, &reason)?;
+            *keep.lock().unwrap_or_else(|e| e.into_inner()) = (until, reason);
             Ok::<_, ApiError>(text)
         })
     })
     .await?;
-    let until = end.load(std::sync::atomic::Ordering::Relaxed);
+    let (until, reason) = kept.lock().unwrap_or_else(|e| e.into_inner()).clone();
     let view = BanView {
         cidr: cidr.to_string(),
         until,
         ttl_secs: until.saturating_sub(now),
-        reason: ban.reason,
+        reason,
     };
     Ok((StatusCode::CREATED, Json(view)))
 }

@@ -41,9 +41,13 @@ pub async fn l7_state(
     }
     let entries: Vec<DescriptorEntry> = entries
         .iter()
-        .map(|(k, v)| DescriptorEntry {
-            key: k.clone(),
-            value: v.clone(),
+        .map(|(k, v)| {
+            // Fitted as the front ends fit them: the same bucket.
+            DescriptorEntry {
+                key: k.clone(),
+                value: v.clone(),
+            }
+            .fitted()
         })
         .collect();
     let engine = crate::daemon::state::lock(&api.state)

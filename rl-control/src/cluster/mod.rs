@@ -359,6 +359,12 @@ impl Cluster {
     /// too late to apply: now plus `timeout` (0 before any probe read the
     /// clock: no deadline).
     pub fn deadline_us(&self) -> u64 {
+        // A Redis Cluster's nodes each have a clock, and the probe reads a
+        // random one: a node ahead of it by more than `timeout` would refuse
+        // every charge as late. Single Redis only.
+        if self.config.is_redis_cluster() {
+            return 0;
+        }
         match *self.clock.lock().unwrap_or_else(|e| e.into_inner()) {
             Some(c) => c.redis_us + (c.at.elapsed() + self.timeout()).as_micros() as u64,
             None => 0,

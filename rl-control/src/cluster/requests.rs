@@ -22,6 +22,11 @@ static DECIDE: LazyLock<Script> = LazyLock::new(|| Script::new(DECIDE_LUA));
 /// have: Redis' Lua computes in doubles, exact below 2⁵³.
 pub const MAX_EXACT: u128 = 1 << 53;
 
+/// The most hits (or refunded hits) sent to `decide.lua`: beyond every
+/// limit a cluster rule may have, below the 10^14 where Lua's numbers turn
+/// to exponent form.
+pub const MAX_LUA_HITS: i64 = 1_000_000_000_000;
+
 /// What Redis answered for one descriptor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Answer {
@@ -111,6 +116,11 @@ impl Prepared {
         values: [u64; 2],
         hits: i64,
     ) -> Result<Answer, Failure> {
+        // Redis' Lua prints numbers of 10^14 and more in exponent form, which
+        // ZPOPMIN refuses as a count (a script error degrades the cluster):
+        // more hits than any limit holds are over it all the same, and a
+        // refund of them empties the bucket all the same.
+        let hits = hits.clamp(-MAX_LUA_HITS, MAX_LUA_HITS);
         let key = self.bucket_key(values);
         let mut inv = DECIDE.prepare_invoke();
         inv.key(&key);

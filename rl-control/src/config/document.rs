@@ -225,14 +225,14 @@ pub fn remove_rule(text: &str, name: &str) -> Result<String, EditError> {
 
 /// Sets the ban of `cidr` until `until`, replacing one of the same prefix
 /// but never shortening it (a short automated ban must not lift a longer
-/// one set by hand: DELETE it first to shorten it). Returns the text and
-/// the ban's end.
+/// one set by hand: DELETE it first to shorten it). Returns the text, and
+/// the end and reason of the ban in force (the longer one's).
 pub fn set_ban(
     text: &str,
     cidr: &str,
     until: u64,
     reason: &str,
-) -> Result<(String, u64), EditError> {
+) -> Result<(String, u64, String), EditError> {
     let mut doc = parse(text)?;
     let bans = tables(&mut doc, "ban")?;
     // The same prefix however it is written (`192.0.2.7` is `192.0.2.7/32`).
@@ -243,16 +243,22 @@ pub fn set_ban(
                 .zip(super::units::parse_cidr(cidr).ok())
                 .is_some_and(|(a, b)| a == b)
     };
-    let mut until = until;
+    let (mut until, mut reason) = (until, reason.to_string());
     bans.retain(|t| {
         let hit = t.get("cidr").and_then(|c| c.as_str()).is_some_and(same);
-        if hit {
-            let held = t
-                .get("until")
-                .and_then(|u| u.as_integer())
-                .unwrap_or(0)
-                .max(0) as u64;
-            until = until.max(held);
+        let held = t
+            .get("until")
+            .and_then(|u| u.as_integer())
+            .unwrap_or(0)
+            .max(0) as u64;
+        if hit && held > until {
+            // The longer ban stays, with its own reason.
+            until = held;
+            reason = t
+                .get("reason")
+                .and_then(|r| r.as_str())
+                .unwrap_or("")
+                .to_string();
         }
         !hit
     });
@@ -260,10 +266,10 @@ pub fn set_ban(
     t.insert("cidr", toml_edit::value(cidr));
     t.insert("until", toml_edit::value(until as i64));
     if !reason.is_empty() {
-        t.insert("reason", toml_edit::value(reason));
+        t.insert("reason", toml_edit::value(reason.as_str()));
     }
     bans.push(t);
-    Ok((doc.to_string(), until))
+    Ok((doc.to_string(), until, reason))
 }
 
 /// Removes the bans for which `lift(cidr, until)` holds; returns the new
@@ -352,13 +358,18 @@ mod tests {
 
     #[test]
     fn bans_are_set_replaced_and_lifted() {
-        let (text, _) = set_ban(FILE, "192.0.2.0/24", 2_000_000_000, "scanner").unwrap();
-        let (text, until) = set_ban(&text, "192.0.2.0/24", 2_000_000_100, "scanner again").unwrap();
+        let (text, _, _) = set_ban(FILE, "192.0.2.0/24", 2_000_000_000, "scanner").unwrap();
+        let (text, until, _) =
+            set_ban(&text, "192.0.2.0/24", 2_000_000_100, "scanner again").unwrap();
         assert_eq!(until, 2_000_000_100);
         // A shorter ban of the same prefix keeps the longer one's end.
-        let (shorter, kept) =
-            set_ban(&text, "192.0.2.0/24", 2_000_000_050, "scanner again").unwrap();
-        assert_eq!((kept, shorter.as_str()), (2_000_000_100, text.as_str()));
+        let (shorter, kept, reason) =
+            set_ban(&text, "192.0.2.0/24", 2_000_000_050, "a tool's").unwrap();
+        assert_eq!(
+            (kept, shorter.as_str(), reason.as_str()),
+            (2_000_000_100, text.as_str(), "scanner again"),
+            "the longer ban stays as it was"
+        );
         // Inline bans (the loader takes them) are edited as [[ban]] tables.
         let inline = "ban = [{ cidr = \"198.51.100.0/24\", until = 5 }]\n[default]\nrate = 1\n";
         assert_eq!(
@@ -372,7 +383,7 @@ mod tests {
             (1, 0),
             "{lifted}"
         );
-        let (added, _) = set_ban(inline, "203.0.113.0/24", 2_000_000_000, "").unwrap();
+        let (added, _, _) = set_ban(inline, "203.0.113.0/24", 2_000_000_000, "").unwrap();
         assert_eq!(
             Config::from_str(&added, "x").unwrap().bans.len(),
             2,
@@ -395,7 +406,7 @@ mod tests {
         assert!(Config::from_str(&text, "x").unwrap().bans.is_empty());
         // A ban written by hand in another form is the same prefix: replaced.
         let hand = format!("{FILE}\n[[ban]]\ncidr = \"2001:DB8::/32\"\nuntil = 2000000000\n");
-        let (text, _) = set_ban(&hand, "2001:db8::/32", 2_100_000_000, "").unwrap();
+        let (text, _, _) = set_ban(&hand, "2001:db8::/32", 2_100_000_000, "").unwrap();
         let c = Config::from_str(&text, "x").unwrap();
         assert_eq!(
             c.bans.iter().map(|b| b.until).collect::<Vec<_>>(),
@@ -408,7 +419,7 @@ mod tests {
     #[test]
     fn a_document_put_back_as_read_still_takes_bans_and_rules() {
         let text = from_json(&to_json("[default]\nrate = 100\n")).unwrap();
-        let (text, _) = set_ban(&text, "198.51.100.0/24", 2_000_000_000, "").unwrap();
+        let (text, _, _) = set_ban(&text, "198.51.100.0/24", 2_000_000_000, "").unwrap();
         let text = add_rule(&text, &serde_json::json!({"name": "x", "rate": 1})).unwrap();
         let c = Config::from_str(&text, "x").unwrap();
         assert_eq!((c.bans.len(), c.rules.len()), (1, 1), "{text}");

@@ -267,7 +267,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
     )));
     let (servers, _socket_file) = api::listen::serve(listeners, state.clone());
     let counter = spawn_jobs(&state, maps, events, cluster);
-    tokio::spawn(kept::keep(state.clone(), opts.runtime_dir.clone()));
+    let keeper = tokio::spawn(kept::keep(state.clone(), opts.runtime_dir.clone()));
     let _pid_file = opts.pid_file.as_ref().and_then(|p| PidFile::write(p));
     let signals = until_stopped(&state, signals, watched, opts.stats_interval).await?;
     signals.exit_on_second();
@@ -279,6 +279,7 @@ pub async fn run(opts: RunOptions) -> Result<()> {
         on,
         first: attachments[0].iface.clone(),
         runtime_dir: opts.runtime_dir.clone(),
+        keeper,
     };
     stopping.stop(state).await
 }
@@ -360,8 +361,11 @@ struct Stopping {
     /// The interfaces, for the last log line.
     on: String,
     first: String,
-    /// Where the retired rules' counters are kept ([`kept`]).
+    /// Where the retired rules' counters are kept ([`kept`]), and the task
+    /// that keeps them (stopped before the last write: an older snapshot of
+    /// its must not land after it).
     runtime_dir: PathBuf,
+    keeper: tokio::task::JoinHandle<()>,
 }
 
 impl Stopping {
@@ -378,6 +382,10 @@ impl Stopping {
             c.abort();
             let _ = c.await;
         }
+        // The counters' keeper (its older snapshot must not land after the
+        // last write below).
+        self.keeper.abort();
+        let _ = self.keeper.await;
         // A change under way finishes (its client sees the answer) before
         // the datapath is left or taken off; one still waiting is refused.
         let _changes = crate::daemon::apply::stop_changes();
@@ -430,7 +438,7 @@ impl Signals {
                 _ = self.int.recv() => "SIGINT",
                 _ = self.term.recv() => "SIGTERM",
             };
-            warn!("a second {which} while stopping: exiting now; the datapath stays as it is (pinned, it keeps enforcing; --detach-on-exit was not carried out)");
+            warn!("a second {which} while stopping: exiting now; the datapath stays as it is, pinned and enforcing (with --detach-on-exit it may be half taken off: run `rl-control detach` to finish)");
             std::process::exit(1);
         });
     }

@@ -141,17 +141,19 @@ async fn calls(s: TcpStream, svc: &grpc::Service) -> Result<(), String> {
             idle.as_mut().reset(tokio::time::Instant::now() + IDLE);
         }
         if !answered {
-            if !closing
-                && under_way.is_empty()
-                && std::future::Future::poll(idle.as_mut(), cx).is_ready()
-            {
+            if under_way.is_empty() && std::future::Future::poll(idle.as_mut(), cx).is_ready() {
                 if !called {
                     return Poll::Ready(Err(format!("no call within {HANDSHAKE:?} of connecting")));
                 }
+                if closing {
+                    // A peer that never closes after GOAWAY keeps no slot.
+                    return Poll::Ready(Err(format!("not closed within {HANDSHAKE:?} of GOAWAY")));
+                }
                 // Idle: GOAWAY, then the connection closes once the peer
-                // has seen it (polled on).
+                // has seen it (polled on), or HANDSHAKE later.
                 closing = true;
                 conn.graceful_shutdown();
+                idle.as_mut().reset(tokio::time::Instant::now() + HANDSHAKE);
                 continue;
             }
             return Poll::Pending;
