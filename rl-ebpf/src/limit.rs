@@ -69,13 +69,14 @@ static RL_RSTATS: PerCpuArray<RuleStats> = PerCpuArray::with_max_entries(RSTAT_L
 #[map(name = "RL_LOG_SEEN")]
 static RL_LOG_SEEN: PerCpuArray<u64> = PerCpuArray::with_max_entries(rl_common::STAT_COUNT, 0);
 
-/// Benchmark only: when the loader sets this to 1, every packet is treated as
-/// a new source (its address is salted with a per-CPU counter), so
-/// BPF_PROG_TEST_RUN can time the LRU insert path with one repeated frame.
-/// It is a load-time constant: at 0 (always, outside `cargo xtask bench`)
-/// the verifier removes the branch.
+/// Benchmark only: when the loader sets this mask, every packet's source
+/// is salted with a per-CPU counter under it (`src ^= counter & mask`), so
+/// BPF_PROG_TEST_RUN can time paths over many sources with one repeated
+/// frame: all ones for a new source every packet, `0xffff` for 65,536
+/// sources in turn. It is a load-time constant: at 0 (always, outside
+/// `cargo xtask bench`) the verifier removes the branch.
 #[unsafe(no_mangle)]
-static RL_BENCH_NEW_SOURCES: Global<u32> = Global::new(0);
+static RL_BENCH_SALT_MASK: Global<u32> = Global::new(0);
 
 #[map(name = "RL_BENCH")]
 static RL_BENCH: PerCpuArray<u32> = PerCpuArray::with_max_entries(1, 0);
@@ -103,11 +104,12 @@ pub fn limit(ctx: &XdpContext, pkt: &Packet, len: u64) -> Verdict {
     };
     let (slot, flags) = cfg.slot_flags();
     let mut src = pkt.src;
-    if RL_BENCH_NEW_SOURCES.load() != 0 {
+    let mask = RL_BENCH_SALT_MASK.load();
+    if mask != 0 {
         if let Some(salt) = RL_BENCH.get_ptr_mut(0) {
             unsafe {
                 *salt = (*salt).wrapping_add(1);
-                src[3] ^= *salt;
+                src[3] ^= *salt & mask;
             }
         }
     }

@@ -17,9 +17,11 @@ fn epoch_offset_ns() -> u64 {
 /// Load-time knobs of the XDP object.
 #[derive(Clone, Debug, Default)]
 pub struct LoadOptions {
-    /// Benchmarks only: treat every packet as coming from a new source, to
-    /// time the LRU insert path with one repeated frame.
-    pub bench_new_sources: bool,
+    /// Benchmarks only: salt every packet's source with a per-CPU counter
+    /// under this mask, to time paths over many sources with one repeated
+    /// frame ([`BENCH_NEW_SOURCES`]: a new source every packet; `0xffff`:
+    /// 65,536 sources in turn). 0: off.
+    pub bench_salt_mask: u32,
     /// Pin the maps (and, once attached, the link) in this directory on a
     /// bpffs (`<pin_dir>/<iface>`, see [`prepare_pins`]); adopt what is
     /// pinned there already. `None`: nothing outlives the `Datapath`.
@@ -36,7 +38,10 @@ pub struct LoadOptions {
     pub layout_at_attach: bool,
 }
 
-const GLOBAL_BENCH_NEW_SOURCES: &str = "RL_BENCH_NEW_SOURCES";
+const GLOBAL_BENCH_SALT_MASK: &str = "RL_BENCH_SALT_MASK";
+
+/// [`LoadOptions::bench_salt_mask`] for a new source every packet.
+pub const BENCH_NEW_SOURCES: u32 = u32::MAX;
 
 /// Room in each family's bucket table for last resorts: both slots' rules,
 /// four limits and a pool each.
@@ -129,12 +134,12 @@ fn load_object(
     opts: &LoadOptions,
     plan: &PinPlan,
 ) -> Result<Ebpf, DatapathError> {
-    let bench = u32::from(opts.bench_new_sources);
+    let bench = opts.bench_salt_mask;
     let mut loader = EbpfLoader::new();
     for (name, n) in sized {
         loader.map_max_entries(name, *n);
     }
-    loader.override_global(GLOBAL_BENCH_NEW_SOURCES, &bench, true);
+    loader.override_global(GLOBAL_BENCH_SALT_MASK, &bench, true);
     if let Some(dir) = &opts.pin {
         for s in specs {
             if !(plan.cells_from_tables && s.name == rl_common::MAP_CELL_COUNT) {

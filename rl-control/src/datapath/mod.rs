@@ -48,7 +48,7 @@ mod pressure;
 pub use cells::CellArray;
 pub use install::{fits, Plan};
 pub use known::KnownFilter;
-pub use load::{table_capacity, LoadOptions, LAST_RESORT_ROOM};
+pub use load::{table_capacity, LoadOptions, BENCH_NEW_SOURCES, LAST_RESORT_ROOM};
 pub use pin::{
     detach as detach_pinned, dirs_with as pin_dirs_with, group_name as pin_group,
     prepare as prepare_pins,
