@@ -42,6 +42,12 @@ static_resources:
             - name: all
               domains: ["*"]
               routes:
+              - match: { prefix: "/metered" }
+                route:
+                  cluster: upstream
+                  rate_limits:
+                  - actions: [{ request_headers: { header_name: x-user, descriptor_key: user } }]
+                    limit: { dynamic_metadata: { metadata_key: { key: rl, path: [{ key: limit }] } } }
               - match: { prefix: "/" }
                 route:
                   cluster: upstream
@@ -49,6 +55,16 @@ static_resources:
                   - actions: [{ request_headers: { header_name: x-user, descriptor_key: user } }]
                   - actions: [{ remote_address: {} }]
           http_filters:
+          # The limit override of /metered: 5 per minute, as a plan's
+          # metadata would give it.
+          - name: envoy.filters.http.lua
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua
+              default_source_code:
+                inline_string: |
+                  function envoy_on_request(h)
+                    h:streamInfo():dynamicMetadata():set("rl", "limit", { requests_per_unit = 5, unit = "MINUTE" })
+                  end
           - name: envoy.filters.http.ratelimit
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit
@@ -80,17 +96,22 @@ static_resources:
 
 /// One request through Envoy as `user`: status and lower-cased headers.
 fn through_envoy(lab: &Lab, user: &str) -> (u16, std::collections::HashMap<String, String>) {
-    let user = user.to_string();
+    through_envoy_to(lab, "/", user)
+}
+
+/// [`through_envoy`] to `path`.
+fn through_envoy_to(
+    lab: &Lab,
+    path: &str,
+    user: &str,
+) -> (u16, std::collections::HashMap<String, String>) {
+    let (user, url) = (user.to_string(), format!("http://127.0.0.1:10000{path}"));
     lab.b
         .run(move || {
             let agent = ureq::AgentBuilder::new()
                 .timeout(Duration::from_secs(5))
                 .build();
-            let r = match agent
-                .get("http://127.0.0.1:10000/")
-                .set("x-user", &user)
-                .call()
-            {
+            let r = match agent.get(&url).set("x-user", &user).call() {
                 Ok(r) => r,
                 Err(ureq::Error::Status(_, r)) => r,
                 Err(e) => return Err(e.into()),
@@ -149,6 +170,13 @@ fn a_real_envoy_limits_through_rl_and_fails_open_while_rl_is_down() {
             envoy.log()
         );
     }
+    // A route whose rate limit carries Envoy's limit override (5 per
+    // minute, from dynamic metadata): the override decides, not per-user's
+    // 3 per minute.
+    let got: Vec<u16> = (0..6)
+        .map(|_| through_envoy_to(&lab, "/metered", "dave").0)
+        .collect();
+    assert_eq!(got, [200, 200, 200, 200, 200, 429], "{}", envoy.log());
     // Another user has a bucket of their own; the shadow rule on the
     // address (1 per hour, long exceeded) never answers 429.
     assert_eq!(through_envoy(&lab, "bob").0, 200);
@@ -158,8 +186,8 @@ fn a_real_envoy_limits_through_rl_and_fails_open_while_rl_is_down() {
         "{m:?}"
     );
     assert_eq!(
-        m["rl_l7_decisions_total{rule=\"per-user\",result=\"over\"}"], 3.0,
-        "alice's fourth, and each long user's"
+        m["rl_l7_decisions_total{rule=\"per-user\",result=\"over\"}"], 4.0,
+        "alice's fourth, each long user's, and dave's sixth (an override counts under its rule)"
     );
 
     // rl stopped: Envoy's failure mode (allow) applies.
@@ -237,12 +265,25 @@ out["huge_hits"] = ask("api", [desc([("user", "u9"), ("op", "read")], 2**64 - 1)
 tokens = lambda h: desc([("user", "u1"), ("op", "tokens")], h)
 out["budget"] = [ask("api", [tokens(0)]), ask("api", [tokens(60)]), ask("api", [tokens(0)]),
                  ask("api", [tokens(70)]), ask("api", [tokens(0)])]
-# A descriptor with Envoy's limit override (1000 per second): not applied,
-# the rule's 10 per minute decides, and the metric counts it.
-over = desc([("user", "u7"), ("op", "read")], 11)
-over.limit.requests_per_unit = 1000
-over.limit.unit = 1
-out["override"] = ask("api", [over])
+# Envoy's limit override, as Envoy's own service applies it: 11 reads
+# under 1000 per second pass (the rule says 10 per minute); 2 per minute
+# lets two through; the rule's own bucket is untouched (10 reads pass).
+def overridden(entries, n, unit, hits=None):
+    d = desc(entries, hits)
+    d.limit.requests_per_unit = n
+    d.limit.unit = unit
+    return d
+u7 = [("user", "u7"), ("op", "read")]
+out["override"] = ask("api", [overridden(u7, 1000, 1, 11)])
+out["override_small"] = [ask("api", [overridden(u7, 2, 2)]) for _ in range(3)]
+out["override_rule_bucket"] = ask("api", [desc(u7, 10)])
+# No rule for this descriptor: a fixed window per descriptor.
+tenant = [("tenant", "t1")]
+out["override_unmatched"] = [ask("api", [overridden(tenant, 1, 3)]) for _ in range(2)]
+# Not applied: an unknown unit (the rule's 10 per minute decides 11 hits),
+# and a concurrency rule (its 2 permits decide).
+out["override_unit"] = ask("api", [overridden([("user", "u8"), ("op", "read")], 1000, 99, 11)])
+out["override_concurrency"] = ask("api", [overridden([("user", "u8"), ("op", "upload")], 1000, 1, 3)])
 print(json.dumps(out))
 "#;
 
@@ -338,13 +379,64 @@ fn envoys_python_grpc_client_gets_several_descriptors_hits_and_refunds_right() {
         "a drained budget is over at the next check: {v}"
     );
     assert_eq!(
-        codes("override"),
+        (codes("override"), &v["override"]["limits"][0]),
+        (vec![OK], &serde_json::json!(["reads", 1000, 1])),
+        "the override decides, not the rule: {v}"
+    );
+    let small: Vec<u64> = v["override_small"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["codes"][0].as_u64().unwrap())
+        .collect();
+    assert_eq!(small, [OK, OK, OVER], "2 per minute: {v}");
+    assert_eq!(
+        v["override_small"][0]["limits"][0],
+        serde_json::json!(["reads", 2, 2])
+    );
+    assert_eq!(
+        codes("override_rule_bucket"),
+        [OK],
+        "the rule's bucket untouched: {v}"
+    );
+    let unmatched: Vec<(u64, String)> = v["override_unmatched"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| {
+            (
+                a["codes"][0].as_u64().unwrap(),
+                a["limits"][0][0].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        unmatched,
+        [
+            (OK, "(override)".to_string()),
+            (OVER, "(override)".to_string())
+        ],
+        "1 per hour for a descriptor no rule matches: {v}"
+    );
+    assert_eq!(codes("override_unit"), [OVER], "the rule decides: {v}");
+    assert_eq!(
+        codes("override_concurrency"),
         [OVER],
-        "the rule decides, not the override: {v}"
+        "3 permits over max 2: {v}"
     );
     let m = parse_prometheus(&get(&lab.b, "/metrics").body);
-    assert_eq!(m.get("rl_l7_limit_overrides_ignored_total"), Some(&1.0));
-    assert!(d.log().contains("limit override"), "{}", d.log());
+    assert_eq!(m.get("rl_l7_limit_overrides_ignored_total"), Some(&2.0));
+    assert_eq!(
+        m.get("rl_l7_decisions_total{rule=\"(override)\",result=\"over\"}"),
+        Some(&1.0)
+    );
+    assert!(
+        d.log().contains("its unit is not one of")
+            && d.log()
+                .contains("a concurrency or scope = \"cluster\" rule"),
+        "{}",
+        d.log()
+    );
     assert_eq!(codes("huge_value"), [OVER], "{v}");
     assert_eq!(codes("huge_hits"), [OVER], "{v}");
     let (status, log) = d.stop(libc::SIGTERM).unwrap();

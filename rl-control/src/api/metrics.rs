@@ -265,7 +265,7 @@ fn requests(out: &mut String, s: &State) {
         out,
         "rl_l7_limit_overrides_ignored_total",
         "counter",
-        "Envoy descriptors whose limit override rl did not apply (the matching rule's limits decided).",
+        "Envoy descriptors whose limit override rl did not apply ([l7] apply_limit_overrides = false, an unknown unit, a concurrency or cluster rule, or 1024 distinct overrides held): the matching rule's limits decided.",
     );
     let _ = writeln!(
         out,

@@ -31,6 +31,9 @@ use super::{
 use crate::config::rules::{Action, Algorithm};
 
 mod collect;
+pub mod overrides;
+
+pub use overrides::LimitOverride;
 
 const SHARDS: usize = 64;
 const NS: u64 = 1_000_000_000;
@@ -153,6 +156,38 @@ pub(super) struct Compiled {
     counters: Arc<Counters>,
 }
 
+impl Compiled {
+    /// `rule` compiled, as number `slot` in bucket keys.
+    pub(super) fn new(rule: L7Rule, id: u64, slot: u32, counters: Arc<Counters>) -> Compiled {
+        let r = &rule;
+        Compiled {
+            id,
+            slot,
+            limits: match r.algorithm {
+                L7Algorithm::Packet(a) => r
+                    .limits
+                    .iter()
+                    .map(|l| crate::compile::limit_entry(a, l.unit, &l.enforced(r.mode)))
+                    .collect(),
+                _ => Vec::new(),
+            },
+            pool: match r.mode {
+                crate::config::rules::Mode::Elastic { pool } => Some(crate::compile::limit_entry(
+                    Algorithm::TokenBucket,
+                    crate::config::rules::Unit::Packets,
+                    &pool,
+                )),
+                _ => None,
+            },
+            cluster: (r.scope == crate::config::rules::Scope::Cluster)
+                .then(|| crate::cluster::requests::Prepared::new(r)),
+            batch_ns: r.batch_ms.map(|ms| ms * 1_000_000),
+            counters,
+            rule,
+        }
+    }
+}
+
 /// A request bucket, kept small (16 bytes, its key 16): a million keys must
 /// fit in about 100 MB with the map's own overhead. A one-limit token
 /// bucket or window, the common case, needs no allocation.
@@ -237,6 +272,9 @@ pub struct Engine {
     pub(super) cluster: Option<Arc<crate::cluster::Cluster>>,
     /// Hits of `batch` rules on their way to Redis (kept across reloads).
     pub batch: Arc<crate::cluster::batched::Batch>,
+    /// Envoy's limit overrides, as rules made when first sent (see
+    /// `overrides`); `None` when `[l7] apply_limit_overrides = false`.
+    overrides: Option<overrides::Table>,
 }
 
 fn rule_id(rule: &L7Rule) -> u64 {
@@ -264,46 +302,32 @@ impl Engine {
         let rules: Vec<Compiled> = config
             .rules
             .iter()
-            .map(|r| (r, rule_id(r)))
-            .map(|(r, id)| Compiled {
-                id,
-                slot: slot(id),
-                limits: match r.algorithm {
-                    L7Algorithm::Packet(a) => r
-                        .limits
-                        .iter()
-                        .map(|l| crate::compile::limit_entry(a, l.unit, &l.enforced(r.mode)))
-                        .collect(),
-                    _ => Vec::new(),
-                },
-                pool: match r.mode {
-                    crate::config::rules::Mode::Elastic { pool } => {
-                        Some(crate::compile::limit_entry(
-                            Algorithm::TokenBucket,
-                            crate::config::rules::Unit::Packets,
-                            &pool,
-                        ))
-                    }
-                    _ => None,
-                },
-                cluster: (r.scope == crate::config::rules::Scope::Cluster)
-                    .then(|| crate::cluster::requests::Prepared::new(r)),
-                batch_ns: r.batch_ms.map(|ms| ms * 1_000_000),
-                rule: r.clone(),
-                counters: previous
+            .map(|r| {
+                let id = rule_id(r);
+                let counters = previous
                     .and_then(|p| p.rules.iter().find(|q| q.rule.name == r.name))
-                    .map_or_else(Arc::default, |q| q.counters.clone()),
+                    .map_or_else(Arc::default, |q| q.counters.clone());
+                Compiled::new(r.clone(), id, slot(id), counters)
             })
             .collect();
         let mut by_domain: HashMap<String, Vec<usize>> = HashMap::new();
         for (i, c) in rules.iter().enumerate() {
             by_domain.entry(c.rule.domain.clone()).or_default().push(i);
         }
+        let overrides = config.apply_limit_overrides.then(|| {
+            overrides::kept(
+                previous.and_then(|p| p.overrides.as_ref()),
+                &rules,
+                &by_domain,
+            )
+        });
         let (shards, keys) = match previous {
             Some(p) => {
                 // The buckets of rules that are gone go now (a walk of
                 // every key: only when a rule went or changed).
-                let live: std::collections::HashSet<u32> = rules.iter().map(|c| c.slot).collect();
+                let mut live: std::collections::HashSet<u32> =
+                    rules.iter().map(|c| c.slot).collect();
+                live.extend(overrides.iter().flat_map(overrides::slots));
                 let any_gone = p.rules.iter().any(|q| !live.contains(&q.slot));
                 for s in p.shards.iter().filter(|_| any_gone) {
                     let mut m = s.lock().unwrap_or_else(|e| e.into_inner());
@@ -337,6 +361,7 @@ impl Engine {
             unmatched,
             cluster: None,
             batch,
+            overrides,
         }
     }
 
@@ -391,11 +416,17 @@ impl Engine {
         self.keys.load(Ordering::Relaxed)
     }
 
-    /// Per-rule counters, in file order.
+    /// Per-rule counters, in file order, then those of limit overrides no
+    /// rule matched ([`overrides::UNMATCHED`]).
     pub fn counters(&self) -> impl Iterator<Item = (&str, &Counters)> {
         self.rules
             .iter()
             .map(|c| (c.rule.name.as_str(), &*c.counters))
+            .chain(
+                self.overrides
+                    .as_ref()
+                    .map(|t| (overrides::UNMATCHED, &*t.unmatched)),
+            )
     }
 
     /// The first rule of `domain` whose descriptor matches `entries`.

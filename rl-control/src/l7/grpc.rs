@@ -11,9 +11,9 @@
 //!   down, at least 1): "5 per 90 s" reads "3 per minute". The decision
 //!   itself always uses the exact period. A `concurrency` rule reports
 //!   `max` per its lease.
-//! - A descriptor's `limit` override is not applied (counted in
-//!   `rl_l7_limit_overrides_ignored_total`, warned about once): the
-//!   matching rule's limits decide.
+//! - A descriptor's `limit` override is applied as Envoy's own service
+//!   applies it, in a domain that has rules (`engine::overrides`), unless
+//!   `[l7] apply_limit_overrides = false`.
 //! - Keys and values longer than 256 bytes are fitted (their start and a
 //!   hash of the whole), and hits may be any number: both come from
 //!   clients, and a refused call is one Envoy passes unlimited. Malformed
@@ -32,7 +32,7 @@ use envoy_types::pb::{
 };
 
 use super::{
-    engine::{DescriptorEntry, Status},
+    engine::{overrides, DescriptorEntry, LimitOverride, Status},
     http::{deciding, Shared, MAX_DESCRIPTORS},
     rules::{MAX_ENTRIES, MAX_VALUE_LEN},
 };
@@ -154,11 +154,13 @@ impl Service {
             if d.entries.iter().any(|e| e.key.is_empty()) {
                 return Err(invalid("descriptor keys must not be empty".into()));
             }
-            if d.limit.is_some()
-                && super::OVERRIDES_IGNORED.fetch_add(1, std::sync::atomic::Ordering::Relaxed) == 0
-            {
-                tracing::warn!(domain = r.domain, "Envoy sent a descriptor with a limit override (RateLimitDescriptor.limit): rl does not apply overrides; the matching [[l7.rule]]'s limits decide (rl_l7_limit_overrides_ignored_total counts them)");
-            }
+            let limit = d.limit.and_then(|l| {
+                let o = LimitOverride::from_envoy(l.requests_per_unit, l.unit);
+                if o.is_none() {
+                    overrides::ignored(&r.domain, overrides::Ignored::Unit);
+                }
+                o
+            });
             // Any number of hits: one past a limit's room is over it.
             let hits = d
                 .hits_addend
@@ -176,12 +178,20 @@ impl Service {
                     .fitted()
                 })
                 .collect();
-            charges.push((entries, if d.is_negative_hits { -hits } else { hits }));
+            charges.push((
+                entries,
+                if d.is_negative_hits { -hits } else { hits },
+                limit,
+            ));
         }
         let engine = self.l7.read().unwrap_or_else(|e| e.into_inner()).clone();
         let mut statuses: Vec<Status> = Vec::with_capacity(charges.len());
-        for (e, h) in &charges {
-            statuses.push(engine.decide_scoped(&r.domain, e, *h).await);
+        for (e, h, limit) in &charges {
+            let overridden = limit.and_then(|o| engine.decide_overridden(&r.domain, e, *h, o));
+            statuses.push(match overridden {
+                Some(s) => s,
+                None => engine.decide_scoped(&r.domain, e, *h).await,
+            });
         }
         let over = statuses.iter().any(|s| s.code == "over_limit");
         let mut out = RateLimitResponse {

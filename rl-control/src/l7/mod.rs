@@ -63,6 +63,6 @@ impl Latency {
 pub static HTTP_LATENCY: Latency = Latency::new();
 /// Answers of Envoy's rate-limit service.
 pub static GRPC_LATENCY: Latency = Latency::new();
-/// Descriptors that carried Envoy's per-descriptor `limit` override, which
-/// rl does not apply (the matching rule's limits do).
+/// Descriptors whose Envoy `limit` override rl did not apply (the matching
+/// rule's limits decided; see `engine::overrides`).
 pub static OVERRIDES_IGNORED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);

@@ -123,6 +123,9 @@ pub struct L7Config {
     pub grpc_threads: Option<u32>,
     /// Open connections per listener at most: more are closed at once.
     pub max_connections: u32,
+    /// Apply Envoy's per-descriptor `limit` override (`true`, as Envoy's
+    /// own service does) or ignore it (the matching rule decides).
+    pub apply_limit_overrides: bool,
     pub rules: Vec<L7Rule>,
 }
 
@@ -135,6 +138,7 @@ impl Default for L7Config {
             draft_headers: false,
             grpc_threads: None,
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            apply_limit_overrides: true,
             rules: Vec::new(),
         }
     }
@@ -149,6 +153,7 @@ pub(crate) struct RawL7 {
     draft_headers: Option<bool>,
     grpc_threads: Option<Spanned<i64>>,
     max_connections: Option<Spanned<i64>>,
+    apply_limit_overrides: Option<bool>,
     #[serde(default)]
     rule: Vec<Spanned<RawL7Rule>>,
 }
@@ -223,6 +228,7 @@ pub(crate) fn validate(
             MAX_CONNECTIONS.into(),
             DEFAULT_MAX_CONNECTIONS.into(),
         )? as u32,
+        apply_limit_overrides: raw.apply_limit_overrides.unwrap_or(true),
         rules: Vec::new(),
     };
     if raw.rule.len() > MAX_L7_RULES {

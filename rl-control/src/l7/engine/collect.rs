@@ -31,7 +31,17 @@ impl Engine {
     }
 
     fn collect_shard_at(&self, i: usize, now: u64) -> u64 {
-        let by_slot: HashMap<u32, &Compiled> = self.rules.iter().map(|c| (c.slot, c)).collect();
+        let made = self
+            .overrides
+            .as_ref()
+            .map(|t| t.rules())
+            .unwrap_or_default();
+        let by_slot: HashMap<u32, &Compiled> = self
+            .rules
+            .iter()
+            .chain(made.iter().map(|c| &**c))
+            .map(|c| (c.slot, c))
+            .collect();
         let mut gone = 0;
         {
             let mut m = self.shards[i % SHARDS]
