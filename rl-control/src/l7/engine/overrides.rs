@@ -313,7 +313,10 @@ fn rule_of(
 
 #[cfg(test)]
 mod tests {
-    use super::{super::NS, *};
+    use super::{
+        super::{tests::d, NS},
+        *,
+    };
     use crate::config::Config;
 
     fn engine(extra: &str) -> Engine {
@@ -327,16 +330,6 @@ mod tests {
         )
         .unwrap();
         Engine::new(&c.l7, 0, None)
-    }
-
-    fn d(pairs: &[(&str, &str)]) -> Vec<DescriptorEntry> {
-        pairs
-            .iter()
-            .map(|(k, v)| DescriptorEntry {
-                key: k.to_string(),
-                value: v.to_string(),
-            })
-            .collect()
     }
 
     const PER_MINUTE_2: LimitOverride = LimitOverride {

@@ -15,7 +15,7 @@ fn engine(rules: &str) -> Engine {
     Engine::new(&c.l7, 0, None)
 }
 
-fn d(pairs: &[(&str, &str)]) -> Vec<DescriptorEntry> {
+pub(super) fn d(pairs: &[(&str, &str)]) -> Vec<DescriptorEntry> {
     pairs
         .iter()
         .map(|(k, v)| DescriptorEntry {
