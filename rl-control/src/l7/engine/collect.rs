@@ -31,22 +31,24 @@ impl Engine {
     }
 
     fn collect_shard_at(&self, i: usize, now: u64) -> u64 {
-        let made = self
-            .overrides
-            .as_ref()
-            .map(|t| t.rules())
-            .unwrap_or_default();
-        let by_slot: HashMap<u32, &Compiled> = self
-            .rules
-            .iter()
-            .chain(made.iter().map(|c| &**c))
-            .map(|c| (c.slot, c))
-            .collect();
         let mut gone = 0;
         {
             let mut m = self.shards[i % SHARDS]
                 .lock()
                 .unwrap_or_else(|e| e.into_inner());
+            // The overrides' rules read under the shard's lock: one made
+            // since is charged only once the sweep is over.
+            let made = self
+                .overrides
+                .as_ref()
+                .map(|t| t.rules())
+                .unwrap_or_default();
+            let by_slot: HashMap<u32, &Compiled> = self
+                .rules
+                .iter()
+                .chain(made.iter().map(|c| &**c))
+                .map(|c| (c.slot, c))
+                .collect();
             m.retain(|key, b| {
                 let values = key.values();
                 let keep = by_slot.get(&key.slot).is_some_and(|c| match b {

@@ -13,9 +13,12 @@
 //! Not applied, so that the matching rule decides (counted in
 //! `rl_l7_limit_overrides_ignored_total`, warned about once per reason): a
 //! unit Envoy's enum does not name, a `concurrency` or `scope = "cluster"`
-//! rule (whose limits are a semaphore, or shared through Redis), more than
-//! [`MAX_OVERRIDES`] distinct overrides, or `[l7] apply_limit_overrides =
-//! false`.
+//! rule (whose limits are a semaphore, or shared through Redis), a limit
+//! above what a rule of its algorithm may have, more than [`MAX_OVERRIDES`]
+//! distinct overrides each charged within two of its periods (one idle
+//! longer is forgotten to make room), or `[l7] apply_limit_overrides =
+//! false`. A different limit for one descriptor is another override, with
+//! buckets of its own.
 //!
 //! Each distinct override (rule, or descriptor keys, and limit) is compiled
 //! once into a rule of its own, with a slot for its bucket keys; a reload
@@ -30,7 +33,7 @@ use std::{
     },
 };
 
-use super::{now_ns, rule_id, Compiled, Counters, DescriptorEntry, Engine, Status};
+use super::{now_ns, rule_id, Compiled, Counters, DescriptorEntry, Engine, Status, NS};
 use crate::{
     config::rules::{Action, Algorithm, Mode, Rate, RuleLimit, Scope, Unit},
     l7::rules::{Entry, L7Algorithm, L7Rule},
@@ -79,9 +82,16 @@ struct Id {
     limit: LimitOverride,
 }
 
+/// A compiled override, and when it was last charged (monotonic ns).
+#[derive(Clone)]
+struct Made {
+    c: Arc<Compiled>,
+    used: u64,
+}
+
 /// The overrides an engine has compiled.
 pub(in crate::l7) struct Overrides {
-    made: Mutex<HashMap<Id, Arc<Compiled>>>,
+    made: Mutex<HashMap<Id, Made>>,
     /// Decisions of overrides that no rule matched (kept across reloads).
     pub(super) unmatched: Arc<Counters>,
 }
@@ -91,17 +101,17 @@ pub(in crate::l7) type Table = Arc<Overrides>;
 impl Overrides {
     /// The rules made for overrides, for the collector.
     pub(super) fn rules(&self) -> Vec<Arc<Compiled>> {
-        self.lock().values().cloned().collect()
+        self.lock().values().map(|m| m.c.clone()).collect()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Id, Arc<Compiled>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Id, Made>> {
         self.made.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
 /// The slots of `t`'s overrides: their buckets stay at a reload.
 pub(super) fn slots(t: &Table) -> Vec<u32> {
-    t.lock().values().map(|c| c.slot).collect()
+    t.lock().values().map(|m| m.c.slot).collect()
 }
 
 /// The table of a new engine with `rules`: `previous`'s overrides whose
@@ -119,7 +129,7 @@ pub(super) fn kept(
                 Some(b) => ids.contains(&b),
                 None => by_domain.contains_key(&id.domain),
             })
-            .map(|(id, c)| (id.clone(), c.clone()))
+            .map(|(id, m)| (id.clone(), m.clone()))
             .collect()
     });
     Arc::new(Overrides {
@@ -135,17 +145,21 @@ pub enum Ignored {
     Unit,
     Rule,
     Full,
+    Range,
 }
 
 /// Counts an override not applied, and warns the first time for `why`.
 pub fn ignored(domain: &str, why: Ignored) {
-    static WARNED: [AtomicBool; 4] = [const { AtomicBool::new(false) }; 4];
+    static WARNED: [AtomicBool; 5] = [const { AtomicBool::new(false) }; 5];
     crate::l7::OVERRIDES_IGNORED.fetch_add(1, Relaxed);
     let text = match why {
         Ignored::Off => return,
         Ignored::Unit => "its unit is not one of Envoy's RateLimitUnit values",
         Ignored::Rule => "the matching [[l7.rule]] is a concurrency or scope = \"cluster\" rule",
-        Ignored::Full => "rl holds 1024 distinct overrides already",
+        Ignored::Full => {
+            "rl holds 1024 distinct overrides already, each charged within two of its periods"
+        }
+        Ignored::Range => "its requests_per_unit is more than a rule of that algorithm may allow",
     };
     if !WARNED[why as usize].swap(true, Relaxed) {
         tracing::warn!(
@@ -194,6 +208,10 @@ impl Engine {
         if o.requests == 0 {
             return Some(self.refused(t, base, o, hits));
         }
+        if !fits(base.map(|c| c.rule.algorithm), o) {
+            ignored(domain, Ignored::Range);
+            return None;
+        }
         let id = Id {
             domain: domain.to_string(),
             base: base.map(|c| c.id),
@@ -205,21 +223,27 @@ impl Engine {
         };
         let c = {
             let mut made = t.lock();
-            match made.get(&id) {
-                Some(c) => c.clone(),
-                None if made.len() >= MAX_OVERRIDES => {
+            if let Some(m) = made.get_mut(&id) {
+                m.used = m.used.max(now);
+                m.c.clone()
+            } else {
+                if made.len() >= MAX_OVERRIDES && !evict_idle(&mut made, now) {
                     drop(made);
                     ignored(domain, Ignored::Full);
                     return None;
                 }
-                None => {
-                    let rule = rule_of(base, domain, entries, o);
-                    let counters = base.map_or_else(|| t.unmatched.clone(), |c| c.counters.clone());
-                    let slot = self.next_slot.fetch_add(1, Relaxed);
-                    let c = Arc::new(Compiled::new(rule.clone(), rule_id(&rule), slot, counters));
-                    made.insert(id, c.clone());
-                    c
-                }
+                let rule = rule_of(base, domain, entries, o);
+                let counters = base.map_or_else(|| t.unmatched.clone(), |c| c.counters.clone());
+                let slot = self.next_slot.fetch_add(1, Relaxed);
+                let c = Arc::new(Compiled::new(rule.clone(), rule_id(&rule), slot, counters));
+                made.insert(
+                    id,
+                    Made {
+                        c: c.clone(),
+                        used: now,
+                    },
+                );
+                c
             }
         };
         let st = self.charge_here(&c, entries, hits, now);
@@ -265,6 +289,37 @@ impl Engine {
             }
         }
     }
+}
+
+/// Whether `o` is a limit a rule with `algorithm` (matched by none: a
+/// fixed window) may have: within what its state counts, and a token
+/// bucket's span within 2^63 ns.
+fn fits(algorithm: Option<L7Algorithm>, o: LimitOverride) -> bool {
+    let n = u64::from(o.requests);
+    match algorithm.unwrap_or(L7Algorithm::Packet(Algorithm::FixedWindow)) {
+        L7Algorithm::SlidingLog => n <= crate::l7::rules::MAX_LOG_RATE,
+        L7Algorithm::Packet(Algorithm::SlidingWindow) => n <= rl_common::window::SLIDING_MAX,
+        L7Algorithm::Packet(Algorithm::FixedWindow) => n <= rl_common::window::FIXED_MAX,
+        L7Algorithm::Packet(Algorithm::TokenBucket) => {
+            n <= crate::config::rules::MAX_RULE_RATE
+                && rl_common::Limit::new(n, o.per_secs * NS, n)
+                    .is_ok_and(|l| l.burst_span_ns <= u64::MAX / 2)
+        }
+        L7Algorithm::Concurrency { .. } => false,
+    }
+}
+
+/// Forgets the override charged longest ago, if that was two of its
+/// periods ago or more: its buckets are fresh then (a sliding window's
+/// previous window counts for one period more), so forgetting it changes
+/// no decision, and the collector frees them. Whether one went.
+fn evict_idle(made: &mut HashMap<Id, Made>, now: u64) -> bool {
+    let idle = made
+        .iter()
+        .filter(|(id, m)| m.used.saturating_add(2 * id.limit.per_secs * NS) <= now)
+        .min_by_key(|(_, m)| m.used)
+        .map(|(id, _)| id.clone());
+    idle.is_some_and(|id| made.remove(&id).is_some())
 }
 
 /// The rule an override decides by: `base`'s with the override's limit
@@ -313,10 +368,7 @@ fn rule_of(
 
 #[cfg(test)]
 mod tests {
-    use super::{
-        super::{tests::d, NS},
-        *,
-    };
+    use super::{super::tests::d, *};
     use crate::config::Config;
 
     fn engine(extra: &str) -> Engine {
@@ -457,6 +509,39 @@ mod tests {
     }
 
     #[test]
+    fn an_override_above_what_its_algorithm_counts_is_not_applied() {
+        let e = engine("");
+        let before = crate::l7::OVERRIDES_IGNORED.load(Relaxed);
+        let log_max = crate::l7::rules::MAX_LOG_RATE as u32;
+        let over = LimitOverride {
+            requests: log_max + 1,
+            per_secs: 60,
+        };
+        let alice = d(&[("user", "alice")]);
+        assert!(
+            e.decide_overridden_at("api", &alice, 1, over, NS).is_none(),
+            "a sliding log's cap"
+        );
+        assert!(crate::l7::OVERRIDES_IGNORED.load(Relaxed) > before);
+        let at_max = LimitOverride {
+            requests: log_max,
+            per_secs: 60,
+        };
+        assert!(e
+            .decide_overridden_at("api", &alice, 1, at_max, NS)
+            .is_some());
+        // Matched by none: a fixed window counts any u32.
+        let huge = LimitOverride {
+            requests: u32::MAX,
+            per_secs: 365 * 86_400,
+        };
+        let st = e
+            .decide_overridden_at("api", &d(&[("x", "1")]), 1, huge, NS)
+            .unwrap();
+        assert_eq!((st.code, st.limit), ("ok", u64::from(u32::MAX)));
+    }
+
+    #[test]
     fn a_reload_keeps_an_overrides_buckets_and_the_collector_frees_them_when_fresh() {
         let e = engine("");
         let alice = d(&[("user", "alice")]);
@@ -505,7 +590,8 @@ mod tests {
     }
 
     #[test]
-    fn at_most_max_overrides_are_held_and_envoys_units_are_read() {
+    fn at_most_max_overrides_are_held_the_longest_idle_goes_after_two_periods_and_envoys_units_are_read(
+    ) {
         let e = engine("");
         let t = d(&[("tenant", "t1")]);
         for n in 1..=MAX_OVERRIDES as u32 {
@@ -513,15 +599,30 @@ mod tests {
                 requests: n,
                 per_secs: 1,
             };
-            assert!(e.decide_overridden_at("api", &t, 1, o, NS).is_some());
+            assert!(e
+                .decide_overridden_at("api", &t, 1, o, NS + u64::from(n) * 1000)
+                .is_some());
         }
         let o = LimitOverride {
             requests: 5000,
             per_secs: 1,
         };
         assert!(
-            e.decide_overridden_at("api", &t, 1, o, NS).is_none(),
-            "one too many"
+            e.decide_overridden_at("api", &t, 1, o, 2 * NS).is_none(),
+            "one too many while all were charged within two periods"
+        );
+        // Two seconds on, the one charged first goes: its buckets are fresh.
+        assert!(e
+            .decide_overridden_at("api", &t, 1, o, 3 * NS + 1500)
+            .is_some());
+        let first = LimitOverride {
+            requests: 1,
+            per_secs: 1,
+        };
+        assert!(
+            e.decide_overridden_at("api", &t, 1, first, 3 * NS + 1600)
+                .is_none(),
+            "the next oldest was charged less than two seconds ago"
         );
         let secs: Vec<Option<u64>> = (0..=8)
             .map(|u| LimitOverride::from_envoy(1, u).map(|o| o.per_secs))
