@@ -35,6 +35,30 @@ pub fn request(
     Ok(Answer { status, body })
 }
 
+/// [`request`] with `extra` request headers: the answer and the value of
+/// its header `want` (case-insensitive), if any.
+pub fn request_headers(
+    ns: &Netns,
+    method: &str,
+    path: &str,
+    body: Option<(&str, Vec<u8>)>,
+    extra: &[(&str, &str)],
+    want: &str,
+) -> Result<(Answer, Option<String>)> {
+    let sock = ns.runtime_dir().join(rl_control::cli::API_SOCKET);
+    let content = body.as_ref().map(|(t, b)| (*t, b.as_slice()));
+    let (status, head, body) =
+        rl_control::cli::unix_exchange(&sock, method, path, content, None, extra)
+            .with_context(|| format!("{method} {path} on {}", sock.display()))?;
+    let value = head.lines().find_map(|l| {
+        let (name, value) = l.split_once(':')?;
+        name.trim()
+            .eq_ignore_ascii_case(want)
+            .then(|| value.trim().to_string())
+    });
+    Ok((Answer { status, body }, value))
+}
+
 /// `method path` over TCP to `addr` from inside `ns`.
 pub fn request_tcp(
     ns: &Netns,

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use rl_tests::{
     daemon::{run_once, write, Daemon},
-    http::{get, json, parse_prometheus, request},
+    http::{get, json, parse_prometheus, request, request_headers},
     lab::Lab,
     traffic::{join, paced, Receiver},
 };
@@ -388,6 +388,58 @@ fn rule_changes_are_validated_atomic_enforced_and_survive_a_restart_and_a_file_r
         (Some(1), Some(true)),
         "{st}"
     );
+    stop(d);
+}
+
+#[test]
+fn an_edit_with_if_match_of_rules_changed_since_is_refused_and_changes_nothing() {
+    let lab = Lab::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write(&dir, "rules.toml", "[default]\nrate = 1000\n");
+    let d = start(&lab, &cfg, &[]);
+    let etag = || {
+        let (a, tag) = request_headers(&lab.b, "GET", "/v1/rules", None, &[], "etag").unwrap();
+        assert_eq!(a.status, 200, "{}", a.body);
+        tag.expect("GET /v1/rules carries an ETag")
+    };
+    let names = || -> Vec<Value> {
+        get(&lab.b, "/v1/rules").json()["rules"]
+            .as_array()
+            .map(|a| a.iter().map(|r| r["name"].clone()).collect())
+            .unwrap_or_default()
+    };
+    let first = etag();
+    assert!(first.starts_with('"') && first.ends_with('"'), "{first}");
+    assert_eq!(etag(), first, "the same rules, the same tag");
+    let rule = |name: &str| json(&json!({"name": name, "proto": "udp", "rate": 5}));
+    let edit = |method: &str, path: &str, body, tag: &str| {
+        request_headers(&lab.b, method, path, body, &[("If-Match", tag)], "etag")
+            .unwrap()
+            .0
+    };
+    // A tag that matches: applied.
+    let a = edit("POST", "/v1/rules", rule("a"), &first);
+    assert_eq!(a.status, 201, "{}", a.body);
+    let second = etag();
+    assert_ne!(second, first, "the rules changed");
+    // Each edit on the old tag: refused, with what to do, and nothing changed.
+    let set = json(&json!({"default": {"rate": 1000}, "rules": []}));
+    for (method, path, body) in [
+        ("POST", "/v1/rules", rule("b")),
+        ("PUT", "/v1/rules", set.clone()),
+        ("DELETE", "/v1/rules/a", None),
+    ] {
+        let a = edit(method, path, body, &first);
+        assert_eq!(a.status, 412, "{method} {path}: {}", a.body);
+        assert!(a.body.contains("GET /v1/rules again"), "{}", a.body);
+    }
+    assert_eq!((names(), etag()), (vec![json!("a")], second.clone()));
+    // The current tag, one of several, or `*`: applied.
+    let a = edit("DELETE", "/v1/rules/a", None, &format!("\"0\", {second}"));
+    assert_eq!(a.status, 200, "{}", a.body);
+    let a = edit("PUT", "/v1/rules", set, "*");
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert!(names().is_empty());
     stop(d);
 }
 

@@ -47,14 +47,48 @@ pub(super) async fn change<T: Send + 'static>(
 /// The longest ban `reason`.
 const MAX_REASON: usize = 1024;
 
+/// The rule file's entity tag: changes whenever its text does (a hash of
+/// it, stable while the daemon runs).
+pub(super) fn etag(text: &str) -> String {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    text.hash(&mut h);
+    format!("\"{:016x}\"", h.finish())
+}
+
+/// `If-Match` against the rule file's `text`: absent or `*` passes, else
+/// one of its tags must be the file's (strong comparison), or the edit is
+/// refused with 412: someone changed the rules since the client read them.
+fn if_match(headers: &HeaderMap, text: &str) -> ApiResult<()> {
+    let Some(v) = headers.get(header::IF_MATCH) else {
+        return Ok(());
+    };
+    let given = v.to_str().unwrap_or("").trim();
+    let now = etag(text);
+    if given == "*" || given.split(',').any(|t| t.trim() == now) {
+        return Ok(());
+    }
+    Err(ApiError(
+        StatusCode::PRECONDITION_FAILED,
+        format!("the rules changed since they were read (If-Match {given}, now {now}): GET /v1/rules again, redo the edit on what it returns, and send it with the new ETag"),
+    ))
+}
+
 /// The active rule set as JSON: the rule file's tables, with `rules` for
-/// `[[rule]]` and `bans` for `[[ban]]`.
-#[utoipa::path(get, path = "/v1/rules", responses((status = 200, body = Object)))]
-pub(super) async fn get_rules(AxState(api): AxState<Api>) -> Json<serde_json::Value> {
+/// `[[rule]]` and `bans` for `[[ban]]`. Its `ETag` goes in `If-Match` of
+/// an edit that must not overwrite a change made since.
+#[utoipa::path(get, path = "/v1/rules", responses((status = 200, body = Object,
+    headers(("ETag" = String, description = "the rule file's tag, for If-Match on PUT, POST and DELETE")))))]
+pub(super) async fn get_rules(
+    AxState(api): AxState<Api>,
+) -> ([(header::HeaderName, String); 1], Json<serde_json::Value>) {
     // Copied out, then parsed without the state lock: a large file takes
     // a while, and /healthz, /metrics and the collector must not wait.
     let text = lock(&api.state).text.clone();
-    Json(document::to_json(&text))
+    (
+        [(header::ETAG, etag(&text))],
+        Json(document::to_json(&text)),
+    )
 }
 
 #[derive(Serialize, ToSchema)]
@@ -85,9 +119,11 @@ fn json_body(body: &[u8]) -> ApiResult<serde_json::Value> {
 
 /// Replaces the whole rule set: JSON like `GET /v1/rules` returns, or the
 /// rule file itself with `Content-Type: application/toml`. Validated first,
-/// applied atomically, written back to the config file.
+/// applied atomically, written back to the config file. With `If-Match`
+/// (the `ETag` of `GET /v1/rules`), only if the rules are still those.
 #[utoipa::path(put, path = "/v1/rules", request_body(content((Object = "application/json"), (String = "application/toml")), description = "the rule set: JSON as GET /v1/rules answers, or the rule file's TOML"),
-    responses((status = 200, body = Applied), (status = 400, body = ErrorBody), (status = 422, body = ErrorBody)))]
+    params(("If-Match" = Option<String>, Header, description = "the ETag of GET /v1/rules: refused with 412 if the rules changed since")),
+    responses((status = 200, body = Applied), (status = 400, body = ErrorBody), (status = 412, body = ErrorBody), (status = 422, body = ErrorBody)))]
 pub(super) async fn put_rules(
     AxState(api): AxState<Api>,
     headers: HeaderMap,
@@ -101,7 +137,8 @@ pub(super) async fn put_rules(
         document::from_json(&json_body(&body)?)?
     };
     let summary = change(&api, move |sh| {
-        apply::apply(sh, "api: PUT /v1/rules", |_| {
+        apply::apply(sh, "api: PUT /v1/rules", |s| {
+            if_match(&headers, &s.text)?;
             Ok::<_, ApiError>(Change {
                 text,
                 origin: "<PUT /v1/rules>".into(),
@@ -114,16 +151,20 @@ pub(super) async fn put_rules(
     Ok(Json(Applied { summary }))
 }
 
-/// Adds one rule (a `[[rule]]` table as JSON) after the existing ones.
+/// Adds one rule (a `[[rule]]` table as JSON) after the existing ones
+/// (with `If-Match`, only if the rules are still those read).
 #[utoipa::path(post, path = "/v1/rules", request_body(content = Object, description = "one rule, e.g. {\"name\": \"dns\", \"proto\": \"udp\", \"dst_ports\": [53], \"rate\": 100}"),
-    responses((status = 201, body = Applied), (status = 400, body = ErrorBody), (status = 409, body = ErrorBody), (status = 422, body = ErrorBody)))]
+    params(("If-Match" = Option<String>, Header, description = "the ETag of GET /v1/rules: refused with 412 if the rules changed since")),
+    responses((status = 201, body = Applied), (status = 400, body = ErrorBody), (status = 409, body = ErrorBody), (status = 412, body = ErrorBody), (status = 422, body = ErrorBody)))]
 pub(super) async fn post_rule(
     AxState(api): AxState<Api>,
+    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> ApiResult<(StatusCode, Json<Applied>)> {
     let rule = json_body(&body.map_err(body_error)?)?;
     let summary = change(&api, move |sh| {
         apply::apply(sh, "api: POST /v1/rules", |s| {
+            if_match(&headers, &s.text)?;
             let text = document::add_rule(&s.text, &rule)?;
             Ok::<_, ApiError>(Change {
                 text,
@@ -137,15 +178,19 @@ pub(super) async fn post_rule(
     Ok((StatusCode::CREATED, Json(Applied { summary })))
 }
 
-/// Removes the rule `name`.
-#[utoipa::path(delete, path = "/v1/rules/{name}", params(("name" = String, Path, description = "the rule's name")),
-    responses((status = 200, body = Applied), (status = 404, body = ErrorBody)))]
+/// Removes the rule `name` (with `If-Match`, only if the rules are still
+/// those read).
+#[utoipa::path(delete, path = "/v1/rules/{name}", params(("name" = String, Path, description = "the rule's name"),
+        ("If-Match" = Option<String>, Header, description = "the ETag of GET /v1/rules: refused with 412 if the rules changed since")),
+    responses((status = 200, body = Applied), (status = 404, body = ErrorBody), (status = 412, body = ErrorBody)))]
 pub(super) async fn delete_rule(
     AxState(api): AxState<Api>,
     Segment(name): Segment,
+    headers: HeaderMap,
 ) -> ApiResult<Json<Applied>> {
     let summary = change(&api, move |sh| {
         apply::apply_edit(sh, &format!("api: DELETE /v1/rules/{name}"), |s| {
+            if_match(&headers, &s.text)?;
             Ok::<_, ApiError>(document::remove_rule(&s.text, &name)?)
         })
     })

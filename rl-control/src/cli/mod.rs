@@ -123,12 +123,28 @@ pub fn unix_request(
     content: Option<(&str, &[u8])>,
     token: Option<&str>,
 ) -> std::io::Result<(u16, String)> {
+    unix_exchange(sock, method, path, content, token, &[]).map(|(code, _, body)| (code, body))
+}
+
+/// [`unix_request`] with `extra` request headers: the status, the
+/// answer's header block and its body.
+pub fn unix_exchange(
+    sock: &std::path::Path,
+    method: &str,
+    path: &str,
+    content: Option<(&str, &[u8])>,
+    token: Option<&str>,
+    extra: &[(&str, &str)],
+) -> std::io::Result<(u16, String, String)> {
     use std::io::{Read, Write};
     let mut s = std::os::unix::net::UnixStream::connect(sock)?;
     s.set_read_timeout(Some(Duration::from_secs(30)))?;
     let mut head = format!("{method} {path} HTTP/1.1\r\nHost: rl-control\r\nConnection: close\r\n");
     if let Some(t) = token {
         head += &format!("Authorization: Bearer {t}\r\n");
+    }
+    for (name, value) in extra {
+        head += &format!("{name}: {value}\r\n");
     }
     let body = match content {
         Some((ctype, b)) => {
@@ -186,7 +202,7 @@ pub fn unix_request(
     {
         body = dechunk(&body).ok_or_else(|| bad("broken chunked body"))?;
     }
-    Ok((code, String::from_utf8_lossy(&body).into_owned()))
+    Ok((code, head, String::from_utf8_lossy(&body).into_owned()))
 }
 
 fn dechunk(mut b: &[u8]) -> Option<Vec<u8>> {
