@@ -448,6 +448,17 @@ fn cluster(out: &mut String, c: &crate::cluster::Cluster) {
         "Cluster decisions answered by on_failure instead of Redis.",
     );
     let _ = writeln!(out, "rl_cluster_fallbacks_total {}", st.fallbacks);
+    family(
+        out,
+        "rl_cluster_sync_failing",
+        "gauge",
+        "1 while the packet-rule sync fails here (reading or raising the bucket tables): cluster packet rules are enforced by each host alone.",
+    );
+    let _ = writeln!(
+        out,
+        "rl_cluster_sync_failing {}",
+        u8::from(st.sync_error.is_some())
+    );
     let sync = *c.sync.lock().unwrap_or_else(|e| e.into_inner());
     family(
         out,

@@ -447,6 +447,11 @@ pub fn status(v: &Value) -> String {
             mismatched.join(", ")
         );
     }
+    if let Some(e) = c["sync_error"].as_str() {
+        cluster += &format!(
+            "                 packet-rule sync FAILING ({e}): cluster packet rules enforced by this host alone\n"
+        );
+    }
     let wide_rules: Vec<String> = p["wide_cell_rules"]
         .as_array()
         .into_iter()

@@ -96,6 +96,10 @@ pub struct ClusterStatus {
     /// Cluster rules another daemon defines differently: they stay in
     /// `on_failure` until the definitions agree.
     pub mismatched: Vec<String>,
+    /// Why the packet-rule sync failed here in its last round (reading or
+    /// raising the bucket tables), if it did: cluster packet rules are not
+    /// shared while it lasts, each host enforces them alone.
+    pub sync_error: Option<String>,
 }
 
 /// A change of the cluster's health, for the event log.
@@ -112,6 +116,10 @@ pub struct Cluster {
     transitions: Mutex<Vec<Transition>>,
     /// The packet-rule sync's counts, as of its last round.
     pub sync: Mutex<packets::SyncStats>,
+    /// Why the packet-rule sync's last round failed here (reading or
+    /// raising the bucket tables), if it did: cluster packet rules then
+    /// enforce on each host alone.
+    pub sync_error: Mutex<Option<String>>,
     /// When a degraded cluster is healthy again.
     breaker: Mutex<health::Breaker>,
     /// Redis' clock as of the last probe that read it.
@@ -143,6 +151,7 @@ impl Cluster {
             mismatched: Mutex::new(Vec::new()),
             transitions: Mutex::new(Vec::new()),
             sync: Mutex::new(packets::SyncStats::default()),
+            sync_error: Mutex::new(None),
             breaker: Mutex::new(health::Breaker::new(Duration::from_millis(
                 config.sync_interval_ms,
             ))),
@@ -268,7 +277,24 @@ impl Cluster {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .clone(),
+            sync_error: self
+                .sync_error
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
         }
+    }
+
+    /// Records how the packet-rule sync's round went here (`None`: it
+    /// read and raised the tables), logging a change once.
+    pub fn sync_went(&self, error: Option<String>) {
+        let mut e = self.sync_error.lock().unwrap_or_else(|e| e.into_inner());
+        match (&*e, &error) {
+            (None, Some(now)) => tracing::warn!("cluster sync: {now}; cluster packet rules enforce on each host alone until it works again"),
+            (Some(_), None) => tracing::info!("cluster sync: works again; cluster packet rules are shared again"),
+            _ => {}
+        }
+        *e = error;
     }
 
     /// Connects if not connected (within `timeout`).

@@ -392,10 +392,13 @@ pub const LINES_PER_CALL: usize = 1_000;
 
 /// Sends `lines` as `reporter` (a daemon run's name): one script call per
 /// [`LINES_PER_CALL`] buckets of one rule (and, on a Redis Cluster, one hash
-/// slot); returns, per line index, how far ahead of now its cluster bucket
-/// is (µs), the failure that stopped the round if one did (the cluster is
-/// then degraded: the lines not answered travel again, and are charged
-/// once), and the calls made.
+/// slot); returns, per line index, until when its cluster bucket is ahead
+/// (monotonic ns: the time its call was answered plus how far ahead Redis
+/// said it was; 0 when not ahead), the failure that stopped the round if
+/// one did (the cluster is then degraded: the lines not answered travel
+/// again, and are charged once), and the calls made. A call's answer is
+/// dated when it arrives, not when the round's raises are written: those
+/// wait for the round's other calls.
 pub async fn exchange(
     cluster: &Cluster,
     reporter: &str,
@@ -433,7 +436,14 @@ pub async fn exchange(
             inv.arg(lines[i].cum).arg(lines[i].delta);
         }
         match cluster.call::<Vec<u64>>(&inv).await {
-            Ok(ahead) => answers.extend(idx.into_iter().zip(ahead)),
+            Ok(ahead) => {
+                let at = crate::datapath::monotonic_ns();
+                answers.extend(
+                    idx.into_iter()
+                        .zip(ahead)
+                        .map(|(i, us)| (i, if us == 0 { 0 } else { at + us * 1000 })),
+                );
+            }
             Err(e) => return (answers, Some(e), calls),
         }
         calls += 1;
@@ -495,6 +505,35 @@ mod tests {
             (30, 30),
             "only the 30 passed since, under this run's name"
         );
+    }
+
+    /// A report is capped at what its bucket could pass in two of the
+    /// round's spans (an outage's backlog charges no more), where the span
+    /// is what the rounds take: 500 packets passed at 1,000/s over a 500 ms
+    /// round are all charged, where a cap of the 100 ms interval left 289
+    /// uncharged.
+    #[test]
+    fn a_report_of_a_slow_round_charges_all_the_round_passed() {
+        let (id, _, bucket, mut ledger) = one_bucket(0x100);
+        let shares: Shares = [(
+            0x100,
+            Share {
+                rule: "r".into(),
+                definition: 1,
+                which: 0,
+                ns_per_packet: 1_000_000,
+                burst_ns: 10_000_000,
+            },
+        )]
+        .into();
+        let r = ledger.reports(&[bucket(40)], &shares, INTERVAL, INTERVAL);
+        assert_eq!((r.len(), r[0].id), (1, id));
+        ledger.acknowledge(&r[0], INTERVAL);
+        let later = INTERVAL + 5 * INTERVAL;
+        let capped = ledger.reports(&[bucket(540)], &shares, INTERVAL, later);
+        assert_eq!(capped[0].line.delta, 211, "two intervals and the burst");
+        let all = ledger.reports(&[bucket(540)], &shares, 5 * INTERVAL, later);
+        assert_eq!(all[0].line.delta, 500, "the round's span");
     }
 
     #[test]

@@ -175,15 +175,23 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
     if lock(&state).dp.adopted() {
         ledger = ledger.from_the_tables();
     }
-    let Ok(ids) = lock(&state).dp.table_maps() else {
-        warn!("cluster sync: the bucket tables cannot be read; cluster packet rules enforce on each host alone");
-        return;
+    let ids = loop {
+        match lock(&state).dp.table_maps() {
+            Ok(ids) => break ids,
+            // Reported, and tried again: a sync that gave up would leave
+            // the status saying all is well.
+            Err(e) => cluster.sync_went(Some(format!("the bucket tables cannot be opened: {e}"))),
+        }
+        tokio::time::sleep(std::time::Duration::from_secs(5)).await;
     };
     // The shares of the config in force, worked out again when it changes.
     let mut shares_for: SharesCache = None;
     let collected = lock(&state).collected.clone();
     let mut every = tokio::time::interval(interval);
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // When the last round began (degraded ones too: after an outage, a
+    // report is still capped at about two intervals' worth).
+    let mut last_round: Option<u64> = None;
     loop {
         every.tick().await;
         follow_failure_mode(&state, &cluster).await;
@@ -194,6 +202,7 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
             (s.config.clone(), s.failure_mode.is_some())
         };
         if cluster.is_degraded() || variant {
+            last_round = Some(crate::datapath::monotonic_ns());
             // The collector's records are taken all the same (they are
             // bounded, and a bucket made again meanwhile counts from 0).
             if let Some((records, complete)) = under_records(&collected, take_records).await {
@@ -221,24 +230,37 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
                 ledger.collected(&records, complete, crate::datapath::monotonic_ns());
                 scan
             }
-            None => continue,
+            None => {
+                cluster.sync_went(Some("the table scan did not complete".into()));
+                continue;
+            }
         };
         let buckets = match buckets {
             Ok(b) => b,
             Err(e) => {
-                warn!("cluster sync: reading the bucket tables failed: {e}");
+                cluster.sync_went(Some(format!("reading the bucket tables failed: {e}")));
                 continue;
             }
         };
         let now = crate::datapath::monotonic_ns();
-        let reports = ledger.reports(&buckets, &shares, interval_ns, now);
+        // The round's span: the interval, or longer when rounds take
+        // longer (a large table, a slow Redis): what a bucket may have
+        // passed since its last report is capped by it.
+        let span = round_span(interval_ns, last_round.replace(now), now);
+        let reports = ledger.reports(&buckets, &shares, span, now);
         let (answers, _failure) = ledger.exchange(&cluster, &reports, keep_ms).await;
         let raises: Vec<_> = answers
             .iter()
-            .filter(|(_, ahead)| *ahead > 0)
-            .map(|&(i, ahead_us)| (reports[i].id, ahead_us))
+            .filter(|(_, until)| *until > 0)
+            .map(|&(i, until)| (reports[i].id, until))
             .collect();
-        ledger.stats.raised += raise(&collected, &ids, raises).await;
+        match raise(&collected, &ids, raises).await {
+            Ok(n) => {
+                ledger.stats.raised += n;
+                cluster.sync_went(None);
+            }
+            Err(e) => cluster.sync_went(Some(e)),
+        }
         for (i, _) in answers {
             ledger.acknowledge(&reports[i], now);
         }
@@ -271,38 +293,41 @@ fn shares_in_force(
     }
 }
 
-/// Moves each bucket of `raises` (its id, and how far the cluster's is
-/// ahead, in µs) up to the cluster's; returns how many moved. Under the
+/// The span a round's reports cover: `interval_ns`, or the time since the
+/// round before began (`last`) when rounds run slower than the interval.
+fn round_span(interval_ns: u64, last: Option<u64>, now: u64) -> u64 {
+    last.map_or(interval_ns, |l| now.saturating_sub(l).max(interval_ns))
+}
+
+/// Moves each bucket of `raises` (its id, and until when the cluster's is
+/// ahead, monotonic ns) up to the cluster's; returns how many moved, or
+/// why none could. Under the
 /// collector's lock: it decides a delete again under it, so it never
 /// deletes a bucket just raised.
 async fn raise(
     collected: &Arc<crate::datapath::share::Collected>,
     ids: &crate::datapath::TableMaps,
     raises: Vec<(BucketId, u64)>,
-) -> u64 {
+) -> Result<u64, String> {
     if raises.is_empty() {
-        return 0;
+        return Ok(0);
     }
     let ids = ids.clone();
     let raised = under_records(
         collected,
         move |_| -> Result<u64, crate::datapath::DatapathError> {
             let mut tables = Tables::open(&ids)?;
-            let now = crate::datapath::monotonic_ns();
             Ok(raises
                 .into_iter()
-                .filter(|(id, ahead_us)| tables.raise(id, now + ahead_us * 1000))
+                .filter(|(id, until)| tables.raise(id, *until))
                 .count() as u64)
         },
     )
     .await;
     match raised {
-        Some(Ok(n)) => n,
-        Some(Err(e)) => {
-            warn!("cluster sync: moving buckets up to the cluster's failed: {e}");
-            0
-        }
-        None => 0,
+        Some(Ok(n)) => Ok(n),
+        Some(Err(e)) => Err(format!("moving buckets up to the cluster's failed: {e}")),
+        None => Err("moving buckets up to the cluster's did not complete".into()),
     }
 }
 
@@ -386,12 +411,11 @@ pub async fn sync_requests(state: Shared, cluster: Arc<Cluster>) {
         let refs: Vec<&crate::cluster::packets::Line> = lines.iter().map(|(_, l)| l).collect();
         let (answers, _failure, _) =
             crate::cluster::packets::exchange(&cluster, &reporter, &refs, keep_ms).await;
-        let now = crate::datapath::monotonic_ns();
-        for (i, ahead_us) in answers {
+        for (i, until) in answers {
             let (key, line) = &lines[i];
             engine.batch.acknowledge(key, line.cum);
-            if ahead_us > 0 {
-                engine.raise(*key, now + ahead_us * 1000);
+            if until > 0 {
+                engine.raise(*key, until);
             }
         }
     }
@@ -428,6 +452,47 @@ mod tests {
             1,
             "shared again"
         );
+    }
+
+    /// A round's span is the interval, or the time since the round before
+    /// when rounds run slower: reports are capped by it, and a cap of the
+    /// configured interval alone left packets of slow rounds uncharged.
+    #[test]
+    fn a_rounds_span_is_the_time_since_the_last_round_when_longer_than_the_interval() {
+        const MS: u64 = 1_000_000;
+        assert_eq!(
+            round_span(20 * MS, None, 1_000 * MS),
+            20 * MS,
+            "the first round"
+        );
+        assert_eq!(
+            round_span(20 * MS, Some(900 * MS), 1_000 * MS),
+            100 * MS,
+            "slow rounds"
+        );
+        assert_eq!(
+            round_span(20 * MS, Some(995 * MS), 1_000 * MS),
+            20 * MS,
+            "a quick one"
+        );
+    }
+
+    /// A sync that fails here is in the cluster's status (and so in
+    /// /v1/status, /metrics and `rl-control status`) until a round works.
+    #[test]
+    fn a_failing_sync_is_reported_until_a_round_works() {
+        let text =
+            "[default]\nrate = 5\n[cluster]\nredis = [\"redis://127.0.0.1:1\"]\nnode = \"n\"\n";
+        let config = Config::from_str(text, "rl.toml").unwrap();
+        let cluster = Cluster::new(config.cluster.clone().unwrap());
+        assert_eq!(cluster.status().sync_error, None);
+        cluster.sync_went(Some("reading the bucket tables failed: EIO".into()));
+        assert_eq!(
+            cluster.status().sync_error.as_deref(),
+            Some("reading the bucket tables failed: EIO")
+        );
+        cluster.sync_went(None);
+        assert_eq!(cluster.status().sync_error, None);
     }
 
     /// Hosts that key a cluster rule differently register different
