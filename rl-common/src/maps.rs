@@ -6,14 +6,15 @@ use core::mem::size_of;
 
 use crate::{clock::TickClock, limiter::Limit, LimitEntry};
 
-/// IPv4 buckets (`BPF_MAP_TYPE_LRU_HASH`, [`Key4`] ➜ [`Bucket`]).
+/// IPv4 buckets (`BPF_MAP_TYPE_HASH`, [`Key4`] ➜ [`Bucket`]: nothing is
+/// evicted; the daemon's collector deletes buckets that are fresh again).
 /// Its capacity is set at load time from `datapath.max_sources`.
 pub const MAP_SOURCES_V4: &str = "RL_SRC4";
 /// IPv6 buckets ([`Key6`] ➜ [`Bucket`]), sized like [`MAP_SOURCES_V4`].
 ///
 /// Why two maps: an 8-byte IPv4 key hashes and compares in about half the
 /// time of a 20-byte one, on the lookup every packet makes; and a flood of
-/// one family cannot evict the other family's buckets.
+/// one family cannot fill the other family's table.
 pub const MAP_SOURCES_V6: &str = "RL_SRC6";
 /// The single-entry [`DatapathConfig`] array written by the daemon.
 pub const MAP_CONFIG: &str = "RL_CONFIG";

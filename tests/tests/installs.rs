@@ -175,6 +175,15 @@ fn the_counters_of_rules_that_stay_are_never_hidden_nor_lost() {
     install(&mut dp, &b).unwrap();
     install(&mut dp, &b).unwrap();
     assert_eq!(open(&dp), 5, "nor lost");
+    // The rule whose retire failed hands its counts over too, and so would
+    // every rule after it: they were left in the slot the failure made
+    // unknown, where no one reads them, and the totals went down.
+    let dp = failed_into_counts(60, 3, "retiring");
+    assert_eq!(
+        dp.rule_stats().unwrap()["x"].passed_pkts,
+        3,
+        "x's counts after a failure while retiring x: in the totals"
+    );
     // Counters that go to the totals are zeroed before they are added: a
     // failure of the zeroing adds nothing, and the next install that keeps
     // the rule in place finds them where they were, counted once.

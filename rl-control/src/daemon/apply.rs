@@ -343,7 +343,13 @@ fn install(
                 .into(),
         ));
     }
-    let failed = |what: &str, e: &dyn std::fmt::Display| ApplyError::Failed(format!("{what}: {e}"));
+    // The flip is the install's last write: whatever failed before it,
+    // the rules in force stay in force.
+    let failed = |what: &str, e: &dyn std::fmt::Display| {
+        ApplyError::Failed(format!(
+            "{what}: {e}; the rules in force before stay in force (retry the change; if it fails again, the daemon's log says why)"
+        ))
+    };
     let conflict = |p: &Path| {
         format!(
             "{} changed on disk since the daemon last read it, and that edit is not applied: \

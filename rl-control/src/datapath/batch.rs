@@ -59,12 +59,18 @@ pub(super) fn lookup_batch_each<
             ..Default::default()
         };
         let r = bpf_batch(BPF_MAP_LOOKUP_BATCH, &mut attr);
-        let n = attr.count as usize;
-        f(&keys[..n], &values[..n])?;
-        match r {
-            Ok(()) => {}
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(()),
+        // The kernel writes `count` back on success and at the end
+        // (ENOENT); after another error it may not have, and the chunk
+        // would be the last one's entries (or defaults) again.
+        let last = match r {
+            Ok(()) => false,
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => true,
             Err(e) => return Err(e.into()),
+        };
+        let n = (attr.count as usize).min(CHUNK);
+        f(&keys[..n], &values[..n])?;
+        if last {
+            return Ok(());
         }
         token_in = token_out;
         first = false;

@@ -69,7 +69,10 @@ impl Datapath {
     /// their names' totals, but for a rule that stays in place (the same id
     /// and name in `entries`, `new_names`): its counters stay with it
     /// (noted in `stayed` as they are left, so that a failure half-way
-    /// still knows them).
+    /// still knows them). A retire that fails notes itself and the rest in
+    /// `stayed` too: the failed install retires them all (one already
+    /// retired reads zero), where they would be left in a slot no one
+    /// reads, and the totals would go down.
     pub(super) fn retire_stats(
         &mut self,
         base: u32,
@@ -84,9 +87,14 @@ impl Datapath {
                 .is_some_and(|(o, e)| o.id == e.id);
             if same_id && new_names.get(i) == Some(name) {
                 stayed.push((base + i as u32, name.clone()));
-            } else {
-                self.failpoint("retiring")?;
-                self.retire_counters(base + i as u32, name.clone())?;
+                continue;
+            }
+            let retired = self
+                .failpoint("retiring")
+                .and_then(|()| self.retire_counters(base + i as u32, name.clone()));
+            if let Err(e) = retired {
+                stayed.extend((i..names.len()).map(|j| (base + j as u32, names[j].clone())));
+                return Err(e);
             }
         }
         Ok(())

@@ -107,7 +107,7 @@ impl Datapath {
     }
 
     /// Writes `plan` and flips to it. A plan made before another install
-    /// is recomputed here.
+    /// is refused ([`DatapathError::Stale`]).
     pub fn execute(&mut self, mut plan: Plan) -> Result<(), DatapathError> {
         let until = match plan
             .unnamed_until
@@ -201,7 +201,10 @@ impl Datapath {
         self.write_u32s(MAP_DIR16, &plan.dir16)?;
         let mut decide: HashMap<&mut MapData, u64, u32> = map_mut(&mut self.ebpf, MAP_DECIDE)?;
         for k in &plan.decide_remove {
-            let _ = decide.remove(k);
+            // Absent already is what is wanted; any other failure fails
+            // the install (the slot is then unknown, and cleared whole by
+            // the next), or a stale decision would outlive its rule.
+            absent_ok(decide.remove(k)).map_err(|e| map_error(MAP_DECIDE, e))?;
         }
         for (k, rule) in &plan.decide_insert {
             decide
@@ -225,9 +228,7 @@ impl Datapath {
     /// [`ready_at`]: Datapath::ready_at
     pub fn prepare(&mut self, plan: &mut Plan) -> Result<Instant, DatapathError> {
         if plan.generation != self.generation {
-            return Err(DatapathError::Load(
-                "a stale install plan (another install ran since it was made)".into(),
-            ));
+            return Err(DatapathError::Stale);
         }
         sleep_until(self.ready_at());
         let old = match plan.old_entries.take() {
@@ -428,9 +429,9 @@ impl Datapath {
         let mut decide: HashMap<&mut MapData, u64, u32> = map_mut(&mut self.ebpf, MAP_DECIDE)?;
         let stale: Vec<u64> = decide
             .keys()
-            .filter_map(Result::ok)
-            .filter(|k| k >> 48 == slot as u64)
-            .collect();
+            .filter(|k| k.as_ref().map_or(true, |k| k >> 48 == slot as u64))
+            .collect::<Result<_, _>>()
+            .map_err(|e| map_error(MAP_DECIDE, e))?;
         for k in stale {
             decide.remove(&k).map_err(|e| map_error(MAP_DECIDE, e))?;
         }
@@ -663,9 +664,9 @@ where
     let mut trie: LpmTrie<&mut MapData, [u8; N], u32> = map_mut(ebpf, name)?;
     let stale: Vec<_> = trie
         .keys()
-        .filter_map(Result::ok)
-        .filter(|k| k.data()[0] == slot as u8)
-        .collect();
+        .filter(|k| k.as_ref().map_or(true, |k| k.data()[0] == slot as u8))
+        .collect::<Result<_, _>>()
+        .map_err(|e| map_error(name, e))?;
     for k in stale {
         trie.remove(&k).map_err(|e| map_error(name, e))?;
     }
@@ -719,6 +720,18 @@ pub(super) fn flood_cap_per_cpu(per_sec: u32, cpus: usize) -> u32 {
     }
     let per_window = (per_sec as u64 * (1u64 << FLOOD_WINDOW_SHIFT)).div_ceil(1_000_000_000);
     per_window.div_ceil(cpus.max(1) as u64).min(u32::MAX as u64) as u32
+}
+
+/// `r`, with "no such key" taken as done (a removal of what is gone).
+fn absent_ok(r: Result<(), aya::maps::MapError>) -> Result<(), aya::maps::MapError> {
+    match r {
+        Err(aya::maps::MapError::SyscallError(e))
+            if e.io_error.raw_os_error() == Some(libc::ENOENT) =>
+        {
+            Ok(())
+        }
+        r => r,
+    }
 }
 
 #[cfg(test)]

@@ -17,7 +17,9 @@ use super::{cells::Mapped, DatapathError, MapRef};
 
 /// Every XDP program run that could have set a bit before the half was
 /// zeroed has inserted its bucket long before this (runs take microseconds
-/// and cannot sleep), so the walk that follows finds it.
+/// and cannot sleep), so the walk that follows finds it; `grace` then also
+/// waits for an RCU grace period, which bounds runs that the hypervisor
+/// (or a real-time kernel) held up longer.
 pub(super) const RUN_GRACE: Duration = Duration::from_millis(2);
 
 /// [`MAP_KNOWN`], mapped read-write.
@@ -64,7 +66,7 @@ impl KnownFilter {
             }
         }
         std::sync::atomic::fence(Ordering::SeqCst);
-        std::thread::sleep(RUN_GRACE);
+        super::grace::wait(RUN_GRACE);
         half
     }
 

@@ -34,6 +34,7 @@ mod attach;
 mod batch;
 mod cells;
 mod counters;
+mod grace;
 mod install;
 mod known;
 mod load;
@@ -119,6 +120,8 @@ pub enum DatapathError {
     },
     #[error("map {map}: {cause}")]
     Map { map: &'static str, cause: String },
+    #[error("another change was installed while this one was being prepared: nothing of it was applied; send it again")]
+    Stale,
     #[error(
         "the datapath pinned in {} does not fit this rl-control: {what}; keep its buckets by running the \
          rl-control and settings that pinned it, or drop it with `rl-control detach --iface {} --pin-dir {}`",
@@ -354,15 +357,15 @@ pub(super) struct SlotContents {
 }
 
 /// XDP programs finish within microseconds; waiting this long after a flip
-/// before rewriting the old slot leaves a wide margin.
+/// before rewriting the old slot leaves a wide margin (and `sleep_until`
+/// then waits for an RCU grace period, the kernel's bound).
 const SLOT_GRACE: Duration = Duration::from_millis(20);
 
-/// Sleeps until `t` (at once if it is past): the waits of an install,
-/// which its callers make without holding a lock.
+/// Sleeps until `t` (at once if it is past), then waits out every XDP
+/// run in progress (an RCU grace period, see `grace`): the waits of an
+/// install, which its callers make without holding a lock.
 pub fn sleep_until(t: Instant) {
-    if let Some(wait) = t.checked_duration_since(Instant::now()) {
-        std::thread::sleep(wait);
-    }
+    grace::wait_until(t)
 }
 
 impl Datapath {

@@ -186,7 +186,7 @@ impl Datapath {
     pub fn cells_moved(&mut self) -> Result<u64, DatapathError> {
         let mut merged = 0;
         if let (true, Some(dir)) = (self.old_arrays, self.pins.clone()) {
-            std::thread::sleep(RUN_GRACE);
+            super::grace::wait(RUN_GRACE);
             merged = self.move_old_arrays(&self.move_targets()?)?;
             for name in [MAP_OLD_CELLS_V4, MAP_OLD_CELLS_V6] {
                 let path = dir.join(name);

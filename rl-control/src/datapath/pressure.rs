@@ -501,7 +501,7 @@ impl Walk<'_> {
         if dying.is_empty() && writing.is_empty() {
             return (left, unknown);
         }
-        std::thread::sleep(RUN_GRACE);
+        super::grace::wait(RUN_GRACE);
         for (i, claim) in writing {
             // Still the same word a grace later: no program run is writing it.
             if cells.release_writing(i, claim) {

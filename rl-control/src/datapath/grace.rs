@@ -1,0 +1,152 @@
+//! Waiting out XDP program runs in progress: before the daemon rewrites
+//! what a run may still be reading (the inactive rule slot after a flip, a
+//! rule entry being renamed, a filter half or a cell being freed), every
+//! run that began earlier must be over.
+//!
+//! Runs take microseconds, so a short sleep covers them in practice, but
+//! not when the hypervisor stops the vCPU in the middle of one (steal) or
+//! on a PREEMPT_RT kernel. The kernel's own guarantee is an RCU grace
+//! period: non-sleepable BPF programs, XDP among them, run inside an RCU
+//! read-side section, and an update of an `ARRAY_OF_MAPS` map returns only
+//! after `synchronize_rcu()` (the kernel waits so that no program still
+//! uses the inner map replaced). [`wait`] sleeps as before, then makes
+//! such an update on a one-slot map of its own: both bounds hold.
+
+use std::{
+    os::fd::{AsRawFd, FromRawFd, OwnedFd},
+    sync::OnceLock,
+    time::{Duration, Instant},
+};
+
+const BPF_MAP_CREATE: libc::c_long = 0;
+const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
+const BPF_MAP_TYPE_ARRAY: u32 = 2;
+const BPF_MAP_TYPE_ARRAY_OF_MAPS: u32 = 12;
+
+/// `bpf(cmd, attr)` with `attr` zero-padded as the kernel wants it.
+fn bpf(cmd: libc::c_long, attr: &[u32]) -> std::io::Result<i64> {
+    let mut buf = [0u32; 32];
+    buf[..attr.len()].copy_from_slice(attr);
+    // SAFETY: a 128-byte, zero-filled `union bpf_attr` for `cmd`; the
+    // kernel reads no more than the size passed.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            cmd,
+            buf.as_mut_ptr(),
+            std::mem::size_of_val(&buf) as libc::c_uint,
+        )
+    };
+    if r < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
+}
+
+/// A one-slot `ARRAY_OF_MAPS` and the array it holds: each update of its
+/// slot is a grace period.
+struct Barrier {
+    outer: OwnedFd,
+    inner: OwnedFd,
+}
+
+impl Barrier {
+    fn new() -> std::io::Result<Barrier> {
+        let map = |map_type: u32, inner_fd: u32| {
+            // map_type, key_size, value_size, max_entries, map_flags,
+            // inner_map_fd
+            bpf(BPF_MAP_CREATE, &[map_type, 4, 4, 1, 0, inner_fd])
+                // SAFETY: a new file descriptor the kernel gave us.
+                .map(|fd| unsafe { OwnedFd::from_raw_fd(fd as i32) })
+        };
+        let inner = map(BPF_MAP_TYPE_ARRAY, 0)?;
+        let outer = map(BPF_MAP_TYPE_ARRAY_OF_MAPS, inner.as_raw_fd() as u32)?;
+        Ok(Barrier { outer, inner })
+    }
+
+    /// Returns once every BPF program run that began before the call is
+    /// over.
+    fn wait(&self) -> std::io::Result<()> {
+        let key = 0u32;
+        let value = self.inner.as_raw_fd() as u32;
+        let ptr = |p: *const u32| p as u64;
+        let (k, v) = (ptr(&key), ptr(&value));
+        // map_fd, pad, key (u64), value (u64), flags (u64)
+        bpf(
+            BPF_MAP_UPDATE_ELEM,
+            &[
+                self.outer.as_raw_fd() as u32,
+                0,
+                k as u32,
+                (k >> 32) as u32,
+                v as u32,
+                (v >> 32) as u32,
+                0,
+                0,
+            ],
+        )
+        .map(drop)
+    }
+}
+
+/// The process's barrier; `None` if the kernel refused one (warned once:
+/// the sleeps alone then bound the waits).
+fn barrier() -> Option<&'static Barrier> {
+    static B: OnceLock<Option<Barrier>> = OnceLock::new();
+    B.get_or_init(|| match Barrier::new() {
+        Ok(b) => Some(b),
+        Err(e) => {
+            tracing::warn!("cannot make the BPF map that waits out XDP runs in progress ({e}): waits after a reload are timed sleeps only");
+            None
+        }
+    })
+    .as_ref()
+}
+
+/// Sleeps until `t` (at once if past), then waits for an RCU grace period:
+/// every XDP run that began before the call is over.
+pub fn wait_until(t: Instant) {
+    if let Some(left) = t.checked_duration_since(Instant::now()) {
+        std::thread::sleep(left);
+    }
+    if let Some(b) = barrier() {
+        if let Err(e) = b.wait() {
+            static WARNED: std::sync::atomic::AtomicBool =
+                std::sync::atomic::AtomicBool::new(false);
+            if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                tracing::warn!("waiting out XDP runs in progress failed ({e}): this wait was a timed sleep only");
+            }
+        }
+    }
+}
+
+/// [`wait_until`] `d` from now.
+pub fn wait(d: Duration) {
+    wait_until(Instant::now() + d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The barrier is made and waits (as root: CI runs the tests so; a
+    /// non-root run fails here, saying so).
+    #[test]
+    fn the_kernel_makes_the_barrier_and_each_wait_is_a_grace_period() {
+        let b = Barrier::new().unwrap_or_else(|e| {
+            panic!("making an ARRAY_OF_MAPS failed ({e}): the tests need root and BPF")
+        });
+        let t = Instant::now();
+        for _ in 0..3 {
+            b.wait().expect("an update of the outer map");
+        }
+        // synchronize_rcu() takes at least a scheduler tick or so: three
+        // updates that return at once would be no grace period at all.
+        assert!(
+            t.elapsed() > Duration::from_micros(100),
+            "{:?}",
+            t.elapsed()
+        );
+    }
+}
