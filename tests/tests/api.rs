@@ -412,16 +412,22 @@ fn an_edit_with_if_match_of_rules_changed_since_is_refused_and_changes_nothing()
     assert!(first.starts_with('"') && first.ends_with('"'), "{first}");
     assert_eq!(etag(), first, "the same rules, the same tag");
     let rule = |name: &str| json(&json!({"name": name, "proto": "udp", "rate": 5}));
-    let edit = |method: &str, path: &str, body, tag: &str| {
-        request_headers(&lab.b, method, path, body, &[("If-Match", tag)], "etag")
-            .unwrap()
-            .0
+    let edit_tagged = |method: &str, path: &str, body, tags: &[&str]| {
+        let extra: Vec<(&str, &str)> = tags.iter().map(|t| ("If-Match", *t)).collect();
+        request_headers(&lab.b, method, path, body, &extra, "etag").unwrap()
     };
-    // A tag that matches: applied.
-    let a = edit("POST", "/v1/rules", rule("a"), &first);
+    let edit =
+        |method: &str, path: &str, body, tag: &str| edit_tagged(method, path, body, &[tag]).0;
+    // A tag that matches: applied, and the answer carries the new tag.
+    let (a, returned) = edit_tagged("POST", "/v1/rules", rule("a"), &[&first]);
     assert_eq!(a.status, 201, "{}", a.body);
     let second = etag();
     assert_ne!(second, first, "the rules changed");
+    assert_eq!(
+        returned,
+        Some(second.clone()),
+        "the tag of the rules it made"
+    );
     // Each edit on the old tag: refused, with what to do, and nothing changed.
     let set = json(&json!({"default": {"rate": 1000}, "rules": []}));
     for (method, path, body) in [
@@ -434,8 +440,15 @@ fn an_edit_with_if_match_of_rules_changed_since_is_refused_and_changes_nothing()
         assert!(a.body.contains("GET /v1/rules again"), "{}", a.body);
     }
     assert_eq!((names(), etag()), (vec![json!("a")], second.clone()));
-    // The current tag, one of several, or `*`: applied.
-    let a = edit("DELETE", "/v1/rules/a", None, &format!("\"0\", {second}"));
+    // A weak tag never matches (strong comparison).
+    let a = edit("DELETE", "/v1/rules/a", None, &format!("W/{second}"));
+    assert_eq!(a.status, 412, "{}", a.body);
+    // The current tag, one of several (in one header, or in several), or
+    // `*`: applied.
+    let (a, third) = edit_tagged("POST", "/v1/rules", rule("c"), &["\"0\"", &second]);
+    assert_eq!(a.status, 201, "{}", a.body);
+    let third = third.expect("the new tag");
+    let a = edit("DELETE", "/v1/rules/a", None, &format!("\"0\", {third}"));
     assert_eq!(a.status, 200, "{}", a.body);
     let a = edit("PUT", "/v1/rules", set, "*");
     assert_eq!(a.status, 200, "{}", a.body);

@@ -609,18 +609,36 @@ fn a_full_sources_table_and_full_prefix_cells_are_reported_and_so_is_their_room_
     let mut seed = 0x1234_5678u32;
     let list: Vec<[u8; 4]> = (0..200).map(|_| spoofed_source(&mut seed)).collect();
     let frame = eth(&[], ETH_P_IP, &ipv4([0; 4], UDP, &[], &udp(5000)));
-    join(forged(&lab.a, VA, frame, 200, 1000, None, move |i| {
-        list[i as usize]
-    }))
+    join(forged(
+        &lab.a,
+        VA,
+        frame.clone(),
+        200,
+        1000,
+        None,
+        move |i| list[i as usize],
+    ))
     .unwrap();
 
     assert!(
         wait_events(&lab, "table_full", 1, 5),
         "no table_full event after 136 sources beyond max_sources"
     );
-    // The pass that raised the event may have walked the table while its
-    // last insert was in flight (CI saw 63 of 64 once): the next pass, a
-    // second later, counts them all (the buckets stay for 9 s).
+    // A walk that sweeps while the flood inserts may find a bucket just
+    // made (a copy of its fresh cell, not yet charged) fresh and delete it:
+    // that packet goes to its cell, and the table holds 63 until the next
+    // walk sets the program's count right (CI saw 63 and 54 of 64). Eight
+    // more sources after that walk fill such a slot, and their refusals
+    // keep the episode going (without the race all eight are refused).
+    std::thread::sleep(Duration::from_millis(1500));
+    let mut seed = 0x0bad_cafe_u32;
+    let more: Vec<[u8; 4]> = (0..8).map(|_| spoofed_source(&mut seed)).collect();
+    join(forged(&lab.a, VA, frame, 8, 1000, None, move |i| {
+        more[i as usize]
+    }))
+    .unwrap();
+    // The next pass, within a second, counts them all (the buckets stay
+    // for 9 s).
     let deadline = std::time::Instant::now() + Duration::from_millis(2500);
     let p = loop {
         let p = get(&lab.b, "/v1/status").json()["pressure"].clone();

@@ -57,17 +57,25 @@ pub(super) fn etag(text: &str) -> String {
 }
 
 /// `If-Match` against the rule file's `text`: absent or `*` passes, else
-/// one of its tags must be the file's (strong comparison), or the edit is
-/// refused with 412: someone changed the rules since the client read them.
+/// one of its tags (in one header or several) must be the file's, compared
+/// strongly (a weak `W/"…"` tag never matches), or the edit is refused with
+/// 412: someone changed the rules since the client read them.
 fn if_match(headers: &HeaderMap, text: &str) -> ApiResult<()> {
-    let Some(v) = headers.get(header::IF_MATCH) else {
-        return Ok(());
-    };
-    let given = v.to_str().unwrap_or("").trim();
-    let now = etag(text);
-    if given == "*" || given.split(',').any(|t| t.trim() == now) {
+    let tags: Vec<&str> = headers
+        .get_all(header::IF_MATCH)
+        .iter()
+        .flat_map(|v| v.to_str().unwrap_or("").split(','))
+        .map(str::trim)
+        .filter(|t| !t.is_empty())
+        .collect();
+    if tags.is_empty() {
         return Ok(());
     }
+    let now = etag(text);
+    if tags.iter().any(|t| *t == "*" || *t == now) {
+        return Ok(());
+    }
+    let given = tags.join(", ");
     Err(ApiError(
         StatusCode::PRECONDITION_FAILED,
         format!("the rules changed since they were read (If-Match {given}, now {now}): GET /v1/rules again, redo the edit on what it returns, and send it with the new ETag"),
@@ -123,12 +131,12 @@ fn json_body(body: &[u8]) -> ApiResult<serde_json::Value> {
 /// (the `ETag` of `GET /v1/rules`), only if the rules are still those.
 #[utoipa::path(put, path = "/v1/rules", request_body(content((Object = "application/json"), (String = "application/toml")), description = "the rule set: JSON as GET /v1/rules answers, or the rule file's TOML"),
     params(("If-Match" = Option<String>, Header, description = "the ETag of GET /v1/rules: refused with 412 if the rules changed since")),
-    responses((status = 200, body = Applied), (status = 400, body = ErrorBody), (status = 412, body = ErrorBody), (status = 422, body = ErrorBody)))]
+    responses((status = 200, body = Applied, headers(("ETag" = String, description = "the rule file's tag now"))), (status = 400, body = ErrorBody), (status = 412, body = ErrorBody), (status = 422, body = ErrorBody)))]
 pub(super) async fn put_rules(
     AxState(api): AxState<Api>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
-) -> ApiResult<Json<Applied>> {
+) -> ApiResult<([(header::HeaderName, String); 1], Json<Applied>)> {
     let body = body.map_err(body_error)?;
     let text = if is_toml(&headers) {
         String::from_utf8(body.to_vec())
@@ -136,6 +144,7 @@ pub(super) async fn put_rules(
     } else {
         document::from_json(&json_body(&body)?)?
     };
+    let tag = etag(&text);
     let summary = change(&api, move |sh| {
         apply::apply(sh, "api: PUT /v1/rules", |s| {
             if_match(&headers, &s.text)?;
@@ -148,54 +157,65 @@ pub(super) async fn put_rules(
         })
     })
     .await?;
-    Ok(Json(Applied { summary }))
+    Ok(([(header::ETAG, tag)], Json(Applied { summary })))
 }
 
 /// Adds one rule (a `[[rule]]` table as JSON) after the existing ones
 /// (with `If-Match`, only if the rules are still those read).
 #[utoipa::path(post, path = "/v1/rules", request_body(content = Object, description = "one rule, e.g. {\"name\": \"dns\", \"proto\": \"udp\", \"dst_ports\": [53], \"rate\": 100}"),
     params(("If-Match" = Option<String>, Header, description = "the ETag of GET /v1/rules: refused with 412 if the rules changed since")),
-    responses((status = 201, body = Applied), (status = 400, body = ErrorBody), (status = 409, body = ErrorBody), (status = 412, body = ErrorBody), (status = 422, body = ErrorBody)))]
+    responses((status = 201, body = Applied, headers(("ETag" = String, description = "the rule file's tag now"))), (status = 400, body = ErrorBody), (status = 409, body = ErrorBody), (status = 412, body = ErrorBody), (status = 422, body = ErrorBody)))]
 pub(super) async fn post_rule(
     AxState(api): AxState<Api>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
-) -> ApiResult<(StatusCode, Json<Applied>)> {
+) -> ApiResult<(StatusCode, [(header::HeaderName, String); 1], Json<Applied>)> {
     let rule = json_body(&body.map_err(body_error)?)?;
-    let summary = change(&api, move |sh| {
-        apply::apply(sh, "api: POST /v1/rules", |s| {
+    let (summary, tag) = change(&api, move |sh| {
+        let mut tag = String::new();
+        let summary = apply::apply(sh, "api: POST /v1/rules", |s| {
             if_match(&headers, &s.text)?;
             let text = document::add_rule(&s.text, &rule)?;
+            tag = etag(&text);
             Ok::<_, ApiError>(Change {
                 text,
                 origin: "<POST /v1/rules> (the rule file with the new rule last)".into(),
                 persist: true,
                 read_as: None,
             })
-        })
+        })?;
+        Ok((summary, tag))
     })
     .await?;
-    Ok((StatusCode::CREATED, Json(Applied { summary })))
+    Ok((
+        StatusCode::CREATED,
+        [(header::ETAG, tag)],
+        Json(Applied { summary }),
+    ))
 }
 
 /// Removes the rule `name` (with `If-Match`, only if the rules are still
 /// those read).
 #[utoipa::path(delete, path = "/v1/rules/{name}", params(("name" = String, Path, description = "the rule's name"),
         ("If-Match" = Option<String>, Header, description = "the ETag of GET /v1/rules: refused with 412 if the rules changed since")),
-    responses((status = 200, body = Applied), (status = 404, body = ErrorBody), (status = 412, body = ErrorBody)))]
+    responses((status = 200, body = Applied, headers(("ETag" = String, description = "the rule file's tag now"))), (status = 404, body = ErrorBody), (status = 412, body = ErrorBody)))]
 pub(super) async fn delete_rule(
     AxState(api): AxState<Api>,
     Segment(name): Segment,
     headers: HeaderMap,
-) -> ApiResult<Json<Applied>> {
-    let summary = change(&api, move |sh| {
-        apply::apply_edit(sh, &format!("api: DELETE /v1/rules/{name}"), |s| {
+) -> ApiResult<([(header::HeaderName, String); 1], Json<Applied>)> {
+    let (summary, tag) = change(&api, move |sh| {
+        let mut tag = String::new();
+        let summary = apply::apply_edit(sh, &format!("api: DELETE /v1/rules/{name}"), |s| {
             if_match(&headers, &s.text)?;
-            Ok::<_, ApiError>(document::remove_rule(&s.text, &name)?)
-        })
+            let text = document::remove_rule(&s.text, &name)?;
+            tag = etag(&text);
+            Ok::<_, ApiError>(text)
+        })?;
+        Ok((summary, tag))
     })
     .await?;
-    Ok(Json(Applied { summary }))
+    Ok(([(header::ETAG, tag)], Json(Applied { summary })))
 }
 
 #[derive(Deserialize, ToSchema)]

@@ -606,9 +606,13 @@ impl Staged {
             std::process::id(),
             SEQ.fetch_add(1, Ordering::Relaxed)
         ));
+        use std::os::unix::fs::OpenOptionsExt;
+        // Made 0600 (then given the file's own mode): the text it will hold
+        // (a Redis password, say) is never readable by others meanwhile.
         let mut f = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
+            .mode(0o600)
             .open(&tmp)?;
         // From here the guard removes the file on any failure.
         let mut staged = Staged {

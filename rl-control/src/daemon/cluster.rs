@@ -189,11 +189,17 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
     let collected = lock(&state).collected.clone();
     let mut every = tokio::time::interval(interval);
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // When the last round began (degraded ones too: after an outage, a
-    // report is still capped at about two intervals' worth).
+    // When the last round began (every round, degraded or failed ones too:
+    // after an outage or a spell of failing scans, a report is still capped
+    // at about two intervals' worth).
     let mut last_round: Option<u64> = None;
     loop {
         every.tick().await;
+        let began = crate::datapath::monotonic_ns();
+        // The round's span: the interval, or longer when rounds take
+        // longer (a large table, a slow Redis): what a bucket may have
+        // passed since its last report is capped by it.
+        let span = round_span(interval_ns, last_round.replace(began), began);
         follow_failure_mode(&state, &cluster).await;
         // Degraded, or an on_failure variant still installed: each host
         // enforces alone until both are over.
@@ -202,7 +208,6 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
             (s.config.clone(), s.failure_mode.is_some())
         };
         if cluster.is_degraded() || variant {
-            last_round = Some(crate::datapath::monotonic_ns());
             // The collector's records are taken all the same (they are
             // bounded, and a bucket made again meanwhile counts from 0).
             if let Some((records, complete)) = under_records(&collected, take_records).await {
@@ -212,6 +217,8 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
         }
         let shares = shares_in_force(&mut shares_for, &config, &cluster);
         if shares.is_empty() {
+            // Nothing to share: nothing failing either.
+            cluster.sync_went(None);
             under_records(&collected, |r| r.limits.clear()).await;
             continue;
         }
@@ -243,10 +250,6 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
             }
         };
         let now = crate::datapath::monotonic_ns();
-        // The round's span: the interval, or longer when rounds take
-        // longer (a large table, a slow Redis): what a bucket may have
-        // passed since its last report is capped by it.
-        let span = round_span(interval_ns, last_round.replace(now), now);
         let reports = ledger.reports(&buckets, &shares, span, now);
         let (answers, _failure) = ledger.exchange(&cluster, &reports, keep_ms).await;
         let raises: Vec<_> = answers

@@ -95,6 +95,11 @@ pub fn restore(dp: &mut Datapath, runtime_dir: &Path) {
 /// Writes the totals if they differ from `last` (atomically: a temporary
 /// file renamed over): what it wrote, or why it could not.
 fn save(state: &Shared, runtime_dir: &Path, last: Option<&Kept>) -> Result<Option<Kept>, String> {
+    // One save at a time: the keeper's, already running on the blocking
+    // pool when it is aborted at stop, and the last one at stop write the
+    // same temporary file.
+    static SAVING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = SAVING.lock().unwrap_or_else(|e| e.into_inner());
     let Some(now) = kept_of(&lock(state).dp) else {
         return Ok(None);
     };

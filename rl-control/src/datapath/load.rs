@@ -320,6 +320,17 @@ impl Datapath {
             None => KNOWN_VALID,
         };
         known.set(0, word, 0).map_err(|e| map_error(MAP_KNOWN, e))?;
+        let checked = self.first_checks(pinned);
+        if checked.is_err() {
+            // The pinned program runs on: its filter as it was.
+            self.put_back_known();
+        }
+        checked
+    }
+
+    /// The layout version (pinned afresh), then a read of the counters and
+    /// sources: maps that do not match rl-common fail now, not later.
+    fn first_checks(&mut self, pinned: bool) -> Result<(), DatapathError> {
         if pinned && !self.layout_pending {
             self.write_layout()?;
         }
@@ -334,7 +345,12 @@ impl Datapath {
         if let Err(e) = self.write_config(config) {
             warn!("could not put the pinned config entry back after a failed start ({e}): the pinned program runs with this build's settings");
         }
-        // The pinned program's filter, valid again (its own inserts set its bits).
+        self.put_back_known();
+    }
+
+    /// The pinned program's filter, valid again (its own inserts set its
+    /// bits), after a start that failed.
+    fn put_back_known(&mut self) {
         if let Some(word) = self.pinned_known {
             let put = map_mut::<Array<&mut MapData, u64>>(&mut self.ebpf, MAP_KNOWN)
                 .and_then(|mut k| k.set(0, word, 0).map_err(|e| map_error(MAP_KNOWN, e)));

@@ -493,11 +493,10 @@ pub fn dirs_with(pin_dir: &Path, iface: &str) -> std::io::Result<Vec<PathBuf>> {
     Ok(entries
         .flatten()
         .filter(|e| {
-            e.path().is_dir()
-                && e.file_name()
-                    .to_string_lossy()
-                    .split('+')
-                    .any(|i| i == iface)
+            // One interface of a group (`eth0+eth1`), or the group's whole
+            // name, as the "does not fit" error names it.
+            let name = e.file_name().to_string_lossy().into_owned();
+            e.path().is_dir() && (name == iface || name.split('+').any(|i| i == iface))
         })
         .map(|e| e.path())
         .collect())
@@ -585,4 +584,26 @@ fn link_detach(fd: i32) -> std::io::Result<()> {
         return Err(std::io::Error::last_os_error());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `detach --iface` finds a group's directory by any of its interfaces
+    /// and by the group's name, which the "does not fit" error prints.
+    #[test]
+    fn a_groups_pins_are_found_by_each_interface_and_by_the_groups_name() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("eth0+eth1")).unwrap();
+        std::fs::create_dir(dir.path().join("eth10")).unwrap();
+        for iface in ["eth0", "eth1", "eth0+eth1"] {
+            assert_eq!(
+                dirs_with(dir.path(), iface).unwrap(),
+                [dir.path().join("eth0+eth1")],
+                "{iface}"
+            );
+        }
+        assert!(dirs_with(dir.path(), "eth").unwrap().is_empty());
+    }
 }

@@ -3,9 +3,11 @@
 //! applied as Envoy's own rate-limit service applies it: in a domain that
 //! has rules, the descriptor is limited at `requests_per_unit` per unit.
 //! - Matched by a rule with a token bucket, a window or the sliding log:
-//!   with that rule's algorithm, name, action and `drain_over_limit`, in
-//!   buckets of the override's own (burst: the limit; soft and elastic
-//!   modes do not apply). The rule's own buckets are not charged.
+//!   with that rule's algorithm (a sliding log's by a sliding window: a
+//!   log's memory grows with its limit, which the override sets), name,
+//!   action and `drain_over_limit`, in buckets of the override's own
+//!   (burst: the limit; soft and elastic modes do not apply). The rule's
+//!   own buckets are not charged.
 //! - Matched by no rule: a fixed window per distinct descriptor (keys and
 //!   values), counted under the name [`UNMATCHED`].
 //! - `requests_per_unit = 0`: every request is over the limit.
@@ -114,28 +116,27 @@ pub(super) fn slots(t: &Table) -> Vec<u32> {
     t.lock().values().map(|m| m.c.slot).collect()
 }
 
-/// The table of a new engine with `rules`: `previous`'s overrides whose
-/// rule is unchanged (matched by none: whose domain still has rules).
+/// The table of a new engine with `rules`: `previous`'s own, shared (the
+/// engine it replaces serves until the swap, and an override it makes
+/// meanwhile is kept), without the overrides whose rule is gone or changed
+/// (matched by none: whose domain no longer has rules).
 pub(super) fn kept(
     previous: Option<&Table>,
     rules: &[Compiled],
     by_domain: &HashMap<String, Vec<usize>>,
 ) -> Table {
+    let Some(p) = previous else {
+        return Arc::new(Overrides {
+            made: Mutex::new(HashMap::new()),
+            unmatched: Arc::default(),
+        });
+    };
     let ids: HashSet<u64> = rules.iter().map(|c| c.id).collect();
-    let made = previous.map_or_else(HashMap::new, |p| {
-        p.lock()
-            .iter()
-            .filter(|(id, _)| match id.base {
-                Some(b) => ids.contains(&b),
-                None => by_domain.contains_key(&id.domain),
-            })
-            .map(|(id, m)| (id.clone(), m.clone()))
-            .collect()
+    p.lock().retain(|id, _| match id.base {
+        Some(b) => ids.contains(&b),
+        None => by_domain.contains_key(&id.domain),
     });
-    Arc::new(Overrides {
-        made: Mutex::new(made),
-        unmatched: previous.map_or_else(Arc::default, |p| p.unmatched.clone()),
-    })
+    p.clone()
 }
 
 /// Why an override was not applied, warned about once each.
@@ -297,8 +298,10 @@ impl Engine {
 fn fits(algorithm: Option<L7Algorithm>, o: LimitOverride) -> bool {
     let n = u64::from(o.requests);
     match algorithm.unwrap_or(L7Algorithm::Packet(Algorithm::FixedWindow)) {
-        L7Algorithm::SlidingLog => n <= crate::l7::rules::MAX_LOG_RATE,
-        L7Algorithm::Packet(Algorithm::SlidingWindow) => n <= rl_common::window::SLIDING_MAX,
+        // A sliding log's override is decided by a sliding window.
+        L7Algorithm::SlidingLog | L7Algorithm::Packet(Algorithm::SlidingWindow) => {
+            n <= rl_common::window::SLIDING_MAX
+        }
         L7Algorithm::Packet(Algorithm::FixedWindow) => n <= rl_common::window::FIXED_MAX,
         L7Algorithm::Packet(Algorithm::TokenBucket) => {
             n <= crate::config::rules::MAX_RULE_RATE
@@ -339,6 +342,12 @@ fn rule_of(
     let limits = |unit| vec![RuleLimit { unit, rate }];
     match base {
         Some(c) => L7Rule {
+            // A log holds a time per hit, and Envoy's metadata sets the
+            // limit: a sliding window keeps a key in one word whatever it.
+            algorithm: match c.rule.algorithm {
+                L7Algorithm::SlidingLog => L7Algorithm::Packet(Algorithm::SlidingWindow),
+                a => a,
+            },
             limits: limits(c.rule.limits.first().map_or(Unit::Packets, |l| l.unit)),
             mode: Mode::Hard,
             scope: Scope::Local,
@@ -406,7 +415,7 @@ mod tests {
     }
 
     #[test]
-    fn an_override_limits_a_matched_descriptor_with_its_rules_algorithm_in_buckets_of_its_own() {
+    fn an_override_limits_a_matched_descriptor_in_buckets_of_its_own_a_logs_by_a_sliding_window() {
         let e = engine("");
         let alice = d(&[("user", "alice")]);
         assert_eq!(
@@ -432,8 +441,14 @@ mod tests {
             per_secs: 1,
         };
         assert_eq!(codes(&e, &alice, big, 5, 5 * NS), ["ok"; 5]);
-        // The sliding log: a minute after the first two, room again.
-        assert_eq!(codes(&e, &alice, PER_MINUTE_2, 1, 61 * NS + NS / 2), ["ok"]);
+        // Decided by a sliding window, not the rule's log (whose memory
+        // grows with the limit): a minute after the first two, the window
+        // still weighs them; the minute after, room again.
+        assert_eq!(
+            codes(&e, &alice, PER_MINUTE_2, 1, 61 * NS + NS / 2),
+            ["over_limit"]
+        );
+        assert_eq!(codes(&e, &alice, PER_MINUTE_2, 1, 121 * NS), ["ok"]);
         let (_, c) = e.counters().find(|(n, _)| *n == "reads").unwrap();
         assert!(c.over.load(Relaxed) >= 3, "counted under the rule");
     }
@@ -512,19 +527,20 @@ mod tests {
     fn an_override_above_what_its_algorithm_counts_is_not_applied() {
         let e = engine("");
         let before = crate::l7::OVERRIDES_IGNORED.load(Relaxed);
-        let log_max = crate::l7::rules::MAX_LOG_RATE as u32;
+        // The sliding log rule's override is a sliding window: 28 bits.
+        let window_max = rl_common::window::SLIDING_MAX as u32;
         let over = LimitOverride {
-            requests: log_max + 1,
+            requests: window_max + 1,
             per_secs: 60,
         };
         let alice = d(&[("user", "alice")]);
         assert!(
             e.decide_overridden_at("api", &alice, 1, over, NS).is_none(),
-            "a sliding log's cap"
+            "a sliding window's cap"
         );
         assert!(crate::l7::OVERRIDES_IGNORED.load(Relaxed) > before);
         let at_max = LimitOverride {
-            requests: log_max,
+            requests: window_max,
             per_secs: 60,
         };
         assert!(e
