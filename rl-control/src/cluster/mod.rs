@@ -402,8 +402,14 @@ impl Cluster {
         let before = std::time::Instant::now();
         let redis_us: u64 = self.call_anyway(&TIME.prepare_invoke()).await?;
         let rtt = before.elapsed();
+        // Redis read its clock somewhere in the round trip: taken as read at
+        // its end, so that its time now is never overestimated, nor a
+        // deadline late (a round trip slowed on this side, by a busy
+        // runtime, made a charge Redis ran after its caller gave up fall
+        // within its deadline: CI saw a semaphore permit held so). A
+        // deadline may fall up to a round trip early instead.
         *self.clock.lock().unwrap_or_else(|e| e.into_inner()) = Some(RedisClock {
-            at: before + rtt / 2,
+            at: before + rtt,
             redis_us,
         });
         Ok(())

@@ -458,21 +458,26 @@ mod tests {
 
     const INTERVAL: u64 = 100_000_000;
 
-    /// A ledger, one limit shared at 1,000 packets/s (θ = 25 a round), and
-    /// the bucket `rule`/1 of that limit holding a count.
-    fn one_bucket(rule: u32) -> (BucketId, Shares, impl Fn(u64) -> SharedBucket, Ledger) {
-        let id = BucketId::V4(Key4 { rule, addr: 1 });
-        let shares: Shares = [(
+    /// Limit 0x100 shared at 1,000 packets/s with a burst of `burst_ns`.
+    fn shared(burst_ns: u64) -> Shares {
+        [(
             0x100,
             Share {
                 rule: "r".into(),
                 definition: 1,
                 which: 0,
                 ns_per_packet: 1_000_000,
-                burst_ns: 1_000_000_000_000,
+                burst_ns,
             },
         )]
-        .into();
+        .into()
+    }
+
+    /// A ledger, one limit shared at 1,000 packets/s (θ = 25 a round), and
+    /// the bucket `rule`/1 of that limit holding a count.
+    fn one_bucket(rule: u32) -> (BucketId, Shares, impl Fn(u64) -> SharedBucket, Ledger) {
+        let id = BucketId::V4(Key4 { rule, addr: 1 });
+        let shares = shared(1_000_000_000_000);
         let bucket = move |passed| SharedBucket {
             id,
             bucket: Bucket {
@@ -515,17 +520,7 @@ mod tests {
     #[test]
     fn a_report_of_a_slow_round_charges_all_the_round_passed() {
         let (id, _, bucket, mut ledger) = one_bucket(0x100);
-        let shares: Shares = [(
-            0x100,
-            Share {
-                rule: "r".into(),
-                definition: 1,
-                which: 0,
-                ns_per_packet: 1_000_000,
-                burst_ns: 10_000_000,
-            },
-        )]
-        .into();
+        let shares = shared(10_000_000);
         let r = ledger.reports(&[bucket(40)], &shares, INTERVAL, INTERVAL);
         assert_eq!((r.len(), r[0].id), (1, id));
         ledger.acknowledge(&r[0], INTERVAL);
