@@ -440,6 +440,10 @@ fn an_edit_with_if_match_of_rules_changed_since_is_refused_and_changes_nothing()
         assert!(a.body.contains("GET /v1/rules again"), "{}", a.body);
     }
     assert_eq!((names(), etag()), (vec![json!("a")], second.clone()));
+    // A header that holds no tag matches nothing: the edit was meant to be
+    // conditional.
+    let a = edit("DELETE", "/v1/rules/a", None, ",");
+    assert_eq!(a.status, 412, "{}", a.body);
     // A weak tag never matches (strong comparison).
     let a = edit("DELETE", "/v1/rules/a", None, &format!("W/{second}"));
     assert_eq!(a.status, 412, "{}", a.body);

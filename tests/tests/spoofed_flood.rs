@@ -594,10 +594,8 @@ fn a_full_sources_table_and_full_prefix_cells_are_reported_and_so_is_their_room_
     // for 16 (no wide cells: a wide cell of this rule starts drained, and
     // would be fresh only 21 s later; the first test sees them made). The
     // flood's buckets and cells are fresh eight seconds after their packet,
-    // collectable a second later: well after the pass that finds the table
-    // and the cells full, and the reads of them below (at two, then five
-    // seconds, full runs on a busy machine read the table after its first
-    // buckets were collected: 63, then 54 of 64).
+    // collectable a second later: after the pass that finds the table and
+    // the cells full, and the reads of them below (see the race below).
     let cfg = write(
         &dir,
         "rl.toml",

@@ -61,6 +61,11 @@ pub(super) fn etag(text: &str) -> String {
 /// strongly (a weak `W/"…"` tag never matches), or the edit is refused with
 /// 412: someone changed the rules since the client read them.
 fn if_match(headers: &HeaderMap, text: &str) -> ApiResult<()> {
+    if headers.get(header::IF_MATCH).is_none() {
+        return Ok(());
+    }
+    // Present but holding no tag (empty, a bare comma, not text) matches
+    // nothing: the edit was meant to be conditional.
     let tags: Vec<&str> = headers
         .get_all(header::IF_MATCH)
         .iter()
@@ -68,9 +73,6 @@ fn if_match(headers: &HeaderMap, text: &str) -> ApiResult<()> {
         .map(str::trim)
         .filter(|t| !t.is_empty())
         .collect();
-    if tags.is_empty() {
-        return Ok(());
-    }
     let now = etag(text);
     if tags.iter().any(|t| *t == "*" || *t == now) {
         return Ok(());

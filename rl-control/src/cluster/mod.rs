@@ -133,7 +133,14 @@ pub struct Cluster {
 struct RedisClock {
     at: std::time::Instant,
     redis_us: u64,
+    /// The round trip it was read in: how early deadlines may fall.
+    rtt: Duration,
 }
+
+/// How long a clock reading is kept against slower ones: clocks drift
+/// apart by microseconds a minute, and a clock stepped meanwhile is read
+/// again within this.
+const CLOCK_KEPT: Duration = Duration::from_secs(10);
 
 static TIME: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(
@@ -407,11 +414,21 @@ impl Cluster {
         // deadline late (a round trip slowed on this side, by a busy
         // runtime, made a charge Redis ran after its caller gave up fall
         // within its deadline: CI saw a semaphore permit held so). A
-        // deadline may fall up to a round trip early instead.
-        *self.clock.lock().unwrap_or_else(|e| e.into_inner()) = Some(RedisClock {
-            at: before + rtt,
-            redis_us,
-        });
+        // deadline may fall up to that round trip early instead: a slower
+        // reading (a reconnect, a busy runtime) does not replace a quicker
+        // one under ten seconds old, or charges that reach Redis in time
+        // would be refused as late.
+        let mut clock = self.clock.lock().unwrap_or_else(|e| e.into_inner());
+        let keep = clock
+            .as_ref()
+            .is_some_and(|c| c.rtt < rtt && c.at.elapsed() < CLOCK_KEPT);
+        if !keep {
+            *clock = Some(RedisClock {
+                at: before + rtt,
+                redis_us,
+                rtt,
+            });
+        }
         Ok(())
     }
 

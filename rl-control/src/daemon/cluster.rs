@@ -189,17 +189,13 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
     let collected = lock(&state).collected.clone();
     let mut every = tokio::time::interval(interval);
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // When the last round began (every round, degraded or failed ones too:
-    // after an outage or a spell of failing scans, a report is still capped
-    // at about two intervals' worth).
+    // When the last round reported, or ended without reporting (degraded,
+    // or its scan failed: after an outage or a spell of failing scans, a
+    // report is still capped at about two intervals' worth).
     let mut last_round: Option<u64> = None;
+    let skipped = |last: &mut Option<u64>| *last = Some(crate::datapath::monotonic_ns());
     loop {
         every.tick().await;
-        let began = crate::datapath::monotonic_ns();
-        // The round's span: the interval, or longer when rounds take
-        // longer (a large table, a slow Redis): what a bucket may have
-        // passed since its last report is capped by it.
-        let span = round_span(interval_ns, last_round.replace(began), began);
         follow_failure_mode(&state, &cluster).await;
         // Degraded, or an on_failure variant still installed: each host
         // enforces alone until both are over.
@@ -213,6 +209,7 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
             if let Some((records, complete)) = under_records(&collected, take_records).await {
                 ledger.collected(&records, complete, crate::datapath::monotonic_ns());
             }
+            skipped(&mut last_round);
             continue;
         }
         let shares = shares_in_force(&mut shares_for, &config, &cluster);
@@ -220,6 +217,7 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
             // Nothing to share: nothing failing either.
             cluster.sync_went(None);
             under_records(&collected, |r| r.limits.clear()).await;
+            skipped(&mut last_round);
             continue;
         }
         let wanted: std::collections::HashSet<u32> = shares.keys().copied().collect();
@@ -239,6 +237,7 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
             }
             None => {
                 cluster.sync_went(Some("the table scan did not complete".into()));
+                skipped(&mut last_round);
                 continue;
             }
         };
@@ -246,10 +245,16 @@ pub async fn sync_packets(state: Shared, cluster: Arc<Cluster>) {
             Ok(b) => b,
             Err(e) => {
                 cluster.sync_went(Some(format!("reading the bucket tables failed: {e}")));
+                skipped(&mut last_round);
                 continue;
             }
         };
         let now = crate::datapath::monotonic_ns();
+        // The round's span: the interval, or longer when rounds take
+        // longer (a large table, a slow Redis), from report to report:
+        // what a bucket may have passed since its last report is capped by
+        // it.
+        let span = round_span(interval_ns, last_round.replace(now), now);
         let reports = ledger.reports(&buckets, &shares, span, now);
         let (answers, _failure) = ledger.exchange(&cluster, &reports, keep_ms).await;
         let raises: Vec<_> = answers

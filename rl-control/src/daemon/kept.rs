@@ -92,13 +92,14 @@ pub fn restore(dp: &mut Datapath, runtime_dir: &Path) {
     info!("the counters of {n} rules the daemon before retired go on from where it left them");
 }
 
+/// One save (or removal) at a time: the keeper's, already running on the
+/// blocking pool when it is aborted at stop, and the last one at stop write
+/// the same temporary file.
+static SAVING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Writes the totals if they differ from `last` (atomically: a temporary
 /// file renamed over): what it wrote, or why it could not.
 fn save(state: &Shared, runtime_dir: &Path, last: Option<&Kept>) -> Result<Option<Kept>, String> {
-    // One save at a time: the keeper's, already running on the blocking
-    // pool when it is aborted at stop, and the last one at stop write the
-    // same temporary file.
-    static SAVING: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _one = SAVING.lock().unwrap_or_else(|e| e.into_inner());
     let Some(now) = kept_of(&lock(state).dp) else {
         return Ok(None);
@@ -151,6 +152,7 @@ pub async fn keep(state: Shared, runtime_dir: std::path::PathBuf) {
 /// the datapath is detached, the file removed (its counters go with it).
 pub fn at_stop(state: &Shared, runtime_dir: &Path, detached: bool) {
     if detached {
+        let _one = SAVING.lock().unwrap_or_else(|e| e.into_inner());
         let _ = std::fs::remove_file(runtime_dir.join(FILE));
     } else if let Err(e) = save(state, runtime_dir, None) {
         warn!("{e}: the counters of rules retired since the daemon started start from 0 at the next start");

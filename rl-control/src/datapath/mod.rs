@@ -362,8 +362,9 @@ pub(super) struct SlotContents {
 const SLOT_GRACE: Duration = Duration::from_millis(20);
 
 /// Sleeps until `t` (at once if it is past), then waits out every XDP
-/// run in progress (an RCU grace period, see `grace`): the waits of an
-/// install, which its callers make without holding a lock.
+/// run that began before `t` (an RCU grace period, see `grace`): the waits
+/// of an install, which its callers make without holding a lock (repeated
+/// under it, they find the grace period done).
 pub fn sleep_until(t: Instant) {
     grace::wait_until(t)
 }
