@@ -28,11 +28,25 @@ pub fn request(
     body: Option<(&str, Vec<u8>)>,
     token: Option<&str>,
 ) -> Result<Answer> {
+    exchange(ns, method, path, body, token, &[]).map(|(a, _)| a)
+}
+
+/// [`request`] with `extra` request headers: the answer and its header
+/// block.
+fn exchange(
+    ns: &Netns,
+    method: &str,
+    path: &str,
+    body: Option<(&str, Vec<u8>)>,
+    token: Option<&str>,
+    extra: &[(&str, &str)],
+) -> Result<(Answer, String)> {
     let sock = ns.runtime_dir().join(rl_control::cli::API_SOCKET);
     let content = body.as_ref().map(|(t, b)| (*t, b.as_slice()));
-    let (status, body) = rl_control::cli::unix_request(&sock, method, path, content, token)
-        .with_context(|| format!("{method} {path} on {}", sock.display()))?;
-    Ok(Answer { status, body })
+    let (status, head, body) =
+        rl_control::cli::unix_exchange(&sock, method, path, content, token, extra)
+            .with_context(|| format!("{method} {path} on {}", sock.display()))?;
+    Ok((Answer { status, body }, head))
 }
 
 /// [`request`] with `extra` request headers: the answer and the value of
@@ -45,18 +59,14 @@ pub fn request_headers(
     extra: &[(&str, &str)],
     want: &str,
 ) -> Result<(Answer, Option<String>)> {
-    let sock = ns.runtime_dir().join(rl_control::cli::API_SOCKET);
-    let content = body.as_ref().map(|(t, b)| (*t, b.as_slice()));
-    let (status, head, body) =
-        rl_control::cli::unix_exchange(&sock, method, path, content, None, extra)
-            .with_context(|| format!("{method} {path} on {}", sock.display()))?;
+    let (answer, head) = exchange(ns, method, path, body, None, extra)?;
     let value = head.lines().find_map(|l| {
         let (name, value) = l.split_once(':')?;
         name.trim()
             .eq_ignore_ascii_case(want)
             .then(|| value.trim().to_string())
     });
-    Ok((Answer { status, body }, value))
+    Ok((answer, value))
 }
 
 /// `method path` over TCP to `addr` from inside `ns`.

@@ -47,13 +47,10 @@ pub(super) async fn change<T: Send + 'static>(
 /// The longest ban `reason`.
 const MAX_REASON: usize = 1024;
 
-/// The rule file's entity tag: changes whenever its text does (a hash of
-/// it, stable while the daemon runs).
+/// The rule file's entity tag: changes whenever its text does (the
+/// crate's stable hash of it, the same across daemon runs and builds).
 pub(super) fn etag(text: &str) -> String {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    text.hash(&mut h);
-    format!("\"{:016x}\"", h.finish())
+    format!("\"{:016x}\"", crate::compile::stable_hash(&text, 0))
 }
 
 /// `If-Match` against the rule file's `text`: absent or `*` passes, else

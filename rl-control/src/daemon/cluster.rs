@@ -302,7 +302,8 @@ fn shares_in_force(
 }
 
 /// The span a round's reports cover: `interval_ns`, or the time since the
-/// round before began (`last`) when rounds run slower than the interval.
+/// round before reported or ended without reporting (`last`) when rounds
+/// run slower than the interval.
 fn round_span(interval_ns: u64, last: Option<u64>, now: u64) -> u64 {
     last.map_or(interval_ns, |l| now.saturating_sub(l).max(interval_ns))
 }

@@ -12,6 +12,7 @@
 //! uses the inner map replaced). [`wait`] sleeps as before, then makes
 //! such an update on a one-slot map of its own: both bounds hold.
 
+use super::bpf::bpf;
 use std::{
     os::fd::{AsRawFd, FromRawFd, OwnedFd},
     sync::OnceLock,
@@ -23,27 +24,6 @@ const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
 const BPF_MAP_TYPE_ARRAY: u32 = 2;
 const BPF_MAP_TYPE_ARRAY_OF_MAPS: u32 = 12;
 
-/// `bpf(cmd, attr)` with `attr` zero-padded as the kernel wants it.
-fn bpf(cmd: libc::c_long, attr: &[u32]) -> std::io::Result<i64> {
-    let mut buf = [0u32; 32];
-    buf[..attr.len()].copy_from_slice(attr);
-    // SAFETY: a 128-byte, zero-filled `union bpf_attr` for `cmd`; the
-    // kernel reads no more than the size passed.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            cmd,
-            buf.as_mut_ptr(),
-            std::mem::size_of_val(&buf) as libc::c_uint,
-        )
-    };
-    if r < 0 {
-        Err(std::io::Error::last_os_error())
-    } else {
-        Ok(r)
-    }
-}
-
 /// A one-slot `ARRAY_OF_MAPS` and the array it holds: each update of its
 /// slot is a grace period.
 struct Barrier {
@@ -54,9 +34,13 @@ struct Barrier {
 impl Barrier {
     fn new() -> std::io::Result<Barrier> {
         let map = |map_type: u32, inner_fd: u32| {
-            // map_type, key_size, value_size, max_entries, map_flags,
-            // inner_map_fd
-            bpf(BPF_MAP_CREATE, &[map_type, 4, 4, 1, 0, inner_fd])
+            // map_type, key_size; value_size, max_entries; map_flags,
+            // inner_map_fd: 4-byte keys and values, one entry.
+            let mut attr = [0u64; 16];
+            attr[0] = u64::from(map_type) | 4 << 32;
+            attr[1] = 4 | 1 << 32;
+            attr[2] = u64::from(inner_fd) << 32;
+            bpf(BPF_MAP_CREATE, &mut attr)
                 // SAFETY: a new file descriptor the kernel gave us.
                 .map(|fd| unsafe { OwnedFd::from_raw_fd(fd as i32) })
         };
@@ -70,23 +54,12 @@ impl Barrier {
     fn wait(&self) -> std::io::Result<()> {
         let key = 0u32;
         let value = self.inner.as_raw_fd() as u32;
-        let ptr = |p: *const u32| p as u64;
-        let (k, v) = (ptr(&key), ptr(&value));
-        // map_fd, pad, key (u64), value (u64), flags (u64)
-        bpf(
-            BPF_MAP_UPDATE_ELEM,
-            &[
-                self.outer.as_raw_fd() as u32,
-                0,
-                k as u32,
-                (k >> 32) as u32,
-                v as u32,
-                (v >> 32) as u32,
-                0,
-                0,
-            ],
-        )
-        .map(drop)
+        // map_fd (and pad), key, value, flags (0: any).
+        let mut attr = [0u64; 16];
+        attr[0] = self.outer.as_raw_fd() as u32 as u64;
+        attr[1] = &key as *const u32 as u64;
+        attr[2] = &value as *const u32 as u64;
+        bpf(BPF_MAP_UPDATE_ELEM, &mut attr).map(drop)
     }
 }
 
@@ -117,18 +90,20 @@ pub fn wait_until(t: Instant) {
     if let Some(left) = t.checked_duration_since(Instant::now()) {
         std::thread::sleep(left);
     }
-    let last = || *LAST.lock().unwrap_or_else(|e| e.into_inner());
+    let last = || LAST.lock().unwrap_or_else(|e| e.into_inner());
     if last().is_some_and(|l| l >= t) {
         return;
     }
-    if let Some(b) = barrier() {
-        let began = Instant::now();
-        let waited = b.wait();
-        if waited.is_ok() {
-            let mut l = LAST.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(b) = barrier() else {
+        return;
+    };
+    let began = Instant::now();
+    match b.wait() {
+        Ok(()) => {
+            let mut l = last();
             *l = Some(l.map_or(began, |l| l.max(began)));
         }
-        if let Err(e) = waited {
+        Err(e) => {
             static WARNED: std::sync::atomic::AtomicBool =
                 std::sync::atomic::AtomicBool::new(false);
             if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {

@@ -32,6 +32,7 @@ use crate::compile::{Compiled, RuleSet};
 
 mod attach;
 mod batch;
+mod bpf;
 mod cells;
 mod counters;
 mod grace;

@@ -450,17 +450,7 @@ pub(super) fn pinned_link_info(path: &Path) -> std::io::Result<LinkInfo> {
     let mut attr = [0u64; 16];
     attr[0] = fd.as_raw_fd() as u32 as u64 | (std::mem::size_of_val(&info) as u64) << 32;
     attr[1] = info.as_mut_ptr() as u64;
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_OBJ_GET_INFO_BY_FD,
-            attr.as_mut_ptr(),
-            std::mem::size_of_val(&attr),
-        )
-    };
-    if rc < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
+    super::bpf::bpf(BPF_OBJ_GET_INFO_BY_FD, &mut attr)?;
     Ok(LinkInfo {
         prog_id: info[2],
         ifindex: info[4],
@@ -553,17 +543,8 @@ fn obj_get(path: &Path) -> std::io::Result<std::os::fd::OwnedFd> {
     let c = CString::new(path.as_os_str().as_encoded_bytes())?;
     let mut attr = [0u64; 16];
     attr[0] = c.as_ptr() as u64;
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_OBJ_GET,
-            attr.as_mut_ptr(),
-            std::mem::size_of_val(&attr),
-        )
-    };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
+    let fd = super::bpf::bpf(BPF_OBJ_GET, &mut attr)?;
+    // SAFETY: a new file descriptor the kernel gave us.
     Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) })
 }
 
@@ -572,18 +553,7 @@ fn link_detach(fd: i32) -> std::io::Result<()> {
     const BPF_LINK_DETACH: libc::c_long = 34;
     let mut attr = [0u64; 16];
     attr[0] = fd as u32 as u64;
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            BPF_LINK_DETACH,
-            attr.as_mut_ptr(),
-            std::mem::size_of_val(&attr),
-        )
-    };
-    if rc < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
+    super::bpf::bpf(BPF_LINK_DETACH, &mut attr).map(drop)
 }
 
 #[cfg(test)]

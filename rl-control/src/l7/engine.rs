@@ -327,7 +327,7 @@ impl Engine {
                 // every key: only when a rule went or changed).
                 let mut live: std::collections::HashSet<u32> =
                     rules.iter().map(|c| c.slot).collect();
-                live.extend(overrides.iter().flat_map(overrides::slots));
+                live.extend(overrides.iter().flat_map(|t| t.rules()).map(|c| c.slot));
                 let any_gone = p.rules.iter().any(|q| !live.contains(&q.slot));
                 for s in p.shards.iter().filter(|_| any_gone) {
                     let mut m = s.lock().unwrap_or_else(|e| e.into_inner());

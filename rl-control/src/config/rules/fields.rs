@@ -214,6 +214,14 @@ pub(crate) fn duration(
     }
 }
 
+/// Whether `amount` packets per `per_secs` with `burst` fit a token
+/// bucket: at most one packet a nanosecond, and the bucket's span (burst ×
+/// interval) within 2^63 ns.
+pub(crate) fn representable(amount: u64, per_secs: u64, burst: u64) -> bool {
+    rl_common::Limit::new(amount, per_secs * 1_000_000_000, burst)
+        .is_ok_and(|l| l.burst_span_ns <= u64::MAX / 2)
+}
+
 /// The packet and byte limits of one `rate`/`bytes` group.
 pub(crate) fn limits_of(
     loc: &Located,
@@ -247,10 +255,7 @@ pub(crate) fn limits_of(
             MAX_RULE_RATE as i64,
             amount,
         )?;
-        // The bucket's span (burst × interval) is kept within 2^63 ns.
-        if rl_common::Limit::new(amount, per_secs * 1_000_000_000, burst)
-            .map_or(true, |l| l.burst_span_ns > u64::MAX / 2)
-        {
+        if !representable(amount, per_secs, burst) {
             return Err(loc.at(rate.span(), format!("{who}: rate {amount} per {per_secs}s with burst {burst} cannot be represented (at most one packet per nanosecond, and a burst lasting at most 292 years)")));
         }
         out.push(RuleLimit {

@@ -234,7 +234,8 @@ impl RawLimit {
 
 mod fields;
 pub(crate) use fields::{
-    checked_name, choice, duration, int_in, int_or, limits_of, mode_of, sliding_fits, ModeFields,
+    checked_name, choice, duration, int_in, int_or, limits_of, mode_of, representable,
+    sliding_fits, ModeFields,
 };
 
 pub(crate) fn validate_list(

@@ -101,7 +101,8 @@ pub(in crate::l7) struct Overrides {
 pub(in crate::l7) type Table = Arc<Overrides>;
 
 impl Overrides {
-    /// The rules made for overrides, for the collector.
+    /// The rules made for overrides (for the collector, and a reload that
+    /// keeps their buckets).
     pub(super) fn rules(&self) -> Vec<Arc<Compiled>> {
         self.lock().values().map(|m| m.c.clone()).collect()
     }
@@ -109,11 +110,6 @@ impl Overrides {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Id, Made>> {
         self.made.lock().unwrap_or_else(|e| e.into_inner())
     }
-}
-
-/// The slots of `t`'s overrides: their buckets stay at a reload.
-pub(super) fn slots(t: &Table) -> Vec<u32> {
-    t.lock().values().map(|m| m.c.slot).collect()
 }
 
 /// The table of a new engine with `rules`: `previous`'s own, shared (the
@@ -305,8 +301,7 @@ fn fits(algorithm: Option<L7Algorithm>, o: LimitOverride) -> bool {
         L7Algorithm::Packet(Algorithm::FixedWindow) => n <= rl_common::window::FIXED_MAX,
         L7Algorithm::Packet(Algorithm::TokenBucket) => {
             n <= crate::config::rules::MAX_RULE_RATE
-                && rl_common::Limit::new(n, o.per_secs * NS, n)
-                    .is_ok_and(|l| l.burst_span_ns <= u64::MAX / 2)
+                && crate::config::rules::representable(n, o.per_secs, n)
         }
         L7Algorithm::Concurrency { .. } => false,
     }
