@@ -155,8 +155,8 @@ impl Event {
 ///
 /// Rule sets are double-buffered: every rule table has two slots, and a
 /// packet reads `slot` once and then looks only at that slot. A reload fills
-/// the other slot and flips `slot` with one write of this entry, so each
-/// packet sees the old rule set or the new one, never a mix.
+/// the other slot and flips `slot` (see [`DatapathConfig::flip_words`]), so
+/// each packet sees the old rule set or the new one, never a mix.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DatapathConfig {
@@ -177,9 +177,10 @@ pub struct DatapathConfig {
     /// Unseen keys one CPU may see per flood window (~67 ms) before it
     /// enters flood mode (see [`crate::pressure`]); `u32::MAX`: never.
     pub flood_cap: u32,
-    /// The active slot (bit 0) and the `CFG_*` bits of its rule set (high
-    /// half), in one word the program reads with one load: no packet sees
-    /// one slot with the other's flags. See [`DatapathConfig::slot_flags`].
+    /// The active slot (bit 0), each slot's `CFG_*` bits (bits 8-15 for
+    /// slot 0, 16-23 for slot 1) and the active slot's again (high half,
+    /// what programs built before the per-slot bytes read), in one word the
+    /// program reads with one load. See [`DatapathConfig::slot_flags`].
     pub slot_flags: u64,
     /// Prefix-cell masks (network order): a key's cell is its bucket key
     /// masked further to `flood_prefix_v4` / `flood_prefix_v6`.
@@ -201,18 +202,53 @@ const _: () = assert!(core::mem::offset_of!(DatapathConfig, slot_flags) % 8 == 0
 pub const DP_NO_WIDE_CELLS: u8 = 1;
 
 impl DatapathConfig {
-    /// The word for `slot` and its rule set's `CFG_*` `flags`.
-    pub const fn pack_slot_flags(slot: u32, flags: u32) -> u64 {
-        (slot & 1) as u64 | (flags as u64) << 32
+    /// `word` with `slot` active and `flags` as its rule set's `CFG_*`
+    /// bits; the other slot's byte is kept.
+    pub const fn pack_slot_flags(word: u64, slot: u32, flags: u32) -> u64 {
+        let shift = SLOT_FLAGS_SHIFT + 8 * (slot & 1);
+        let kept = word & !(0xff << shift) & 0xff_ff00;
+        (slot & 1) as u64 | kept | ((flags & 0xff) as u64) << shift | (flags as u64) << 32
+    }
+
+    /// The two writes that flip `word` to `slot` with `flags`, each a
+    /// `memcpy` that a packet may read half done. The first sets only the
+    /// new slot's byte, which no packet reads while that slot is inactive;
+    /// the second changes bit 0 and the high half, and leaves the per-slot
+    /// bytes alone. Each byte a packet reads is old or new, so it sees the
+    /// old slot with its flags or the new one with its own: never one slot
+    /// with the other's flags, as one write of both could show.
+    pub const fn flip_words(word: u64, slot: u32, flags: u32) -> [u64; 2] {
+        let after = Self::pack_slot_flags(word, slot, flags);
+        let first = (word & !0xff_ff00) | (after & 0xff_ff00);
+        [first, after]
+    }
+
+    /// A word written by a daemon that predates the per-slot bytes, with
+    /// its active slot's byte set from the high half (an older daemon's
+    /// pinned entry, before this build's program reads it).
+    pub const fn upgrade_slot_flags(word: u64) -> u64 {
+        Self::pack_slot_flags(word, (word & 1) as u32, (word >> 32) as u32)
     }
 
     /// `(slot, flags)` from one read of the word (volatile: one load).
     #[inline(always)]
     pub fn slot_flags(&self) -> (u32, u32) {
         let w = unsafe { core::ptr::read_volatile(&raw const self.slot_flags) };
-        ((w & 1) as u32, (w >> 32) as u32)
+        Self::decode_slot_flags(w)
+    }
+
+    /// `(slot, flags)` of a word: bit 0 and that slot's byte.
+    #[inline(always)]
+    pub const fn decode_slot_flags(w: u64) -> (u32, u32) {
+        let slot = (w & 1) as u32;
+        (slot, (w >> (SLOT_FLAGS_SHIFT + 8 * slot)) as u32 & 0xff)
     }
 }
+
+/// Where slot 0's byte of `CFG_*` bits starts in
+/// [`DatapathConfig::slot_flags`]; slot 1's follows.
+const SLOT_FLAGS_SHIFT: u32 = 8;
+const _: () = assert!(CFG_LPM_V4 < 0x100 && CFG_LPM_V6 < 0x100 && CFG_RULES < 0x100);
 
 /// The active rule set has IPv4 allow/deny/src CIDRs: look sources up in
 /// [`MAP_LPM_V4`].
@@ -666,6 +702,74 @@ mod pod {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every word a packet could read while `from` is overwritten by `to`,
+    /// one byte old or new at a time (a `memcpy` tears at bytes at worst).
+    fn torn(from: u64, to: u64) -> impl Iterator<Item = u64> {
+        (0u32..256).map(move |mix| {
+            (0..8).fold(0, |w, b| {
+                let src = if mix >> b & 1 == 1 { to } else { from };
+                w | src & 0xff << (8 * b)
+            })
+        })
+    }
+
+    /// Through a flip's two writes, a packet reading the word half written
+    /// sees the old slot with its own flags or the new slot with its own,
+    /// never a slot with the other's flags. One write of the final word
+    /// fails this (the new slot with the old flags).
+    #[test]
+    fn a_flip_never_shows_a_slot_with_the_other_slots_flags() {
+        let fresh = DatapathConfig::pack_slot_flags(0, 0, 0);
+        let mut word = fresh;
+        let mut slot = 0;
+        for flags in [
+            CFG_RULES,
+            CFG_LPM_V4 | CFG_RULES,
+            0,
+            CFG_LPM_V6,
+            7,
+            CFG_LPM_V4,
+        ] {
+            slot ^= 1;
+            let before = DatapathConfig::decode_slot_flags(word);
+            let steps = DatapathConfig::flip_words(word, slot, flags);
+            let mut prev = word;
+            for step in steps {
+                for w in torn(prev, step) {
+                    let seen = DatapathConfig::decode_slot_flags(w);
+                    assert!(
+                        seen == before || seen == (slot, flags),
+                        "flip to ({slot}, {flags:#x}) from {before:?}: a packet read {seen:?}"
+                    );
+                }
+                prev = step;
+            }
+            word = steps[1];
+            assert_eq!(DatapathConfig::decode_slot_flags(word), (slot, flags));
+            // A program built before the per-slot bytes reads the high half.
+            assert_eq!(((word & 1) as u32, (word >> 32) as u32), (slot, flags));
+        }
+        // The single write this replaced tears into a mix.
+        let one = DatapathConfig::pack_slot_flags(word, slot ^ 1, 3);
+        let before = DatapathConfig::decode_slot_flags(word);
+        assert!(torn(word, one)
+            .map(DatapathConfig::decode_slot_flags)
+            .any(|s| s != before && s != (slot ^ 1, 3)));
+    }
+
+    /// An older daemon's word (no per-slot bytes) gets its active slot's
+    /// byte from the high half.
+    #[test]
+    fn an_older_daemons_word_is_upgraded_for_this_program() {
+        for (slot, flags) in [(0, CFG_RULES), (1, CFG_LPM_V4 | CFG_RULES), (1, 0)] {
+            let old = slot as u64 | (flags as u64) << 32;
+            let up = DatapathConfig::upgrade_slot_flags(old);
+            assert_eq!(DatapathConfig::decode_slot_flags(up), (slot, flags));
+            assert_eq!(up >> 32, old >> 32);
+            assert_eq!(DatapathConfig::upgrade_slot_flags(up), up);
+        }
+    }
 
     /// A moved id gives its natural one back from the steps in its flags,
     /// across the id bits' wrap, and the other flags stay out of it.

@@ -29,7 +29,15 @@ fn a_failed_install_changes_nothing_and_the_next_install_is_exact() {
     let b = config("203.0.113.0/24", 54, "192.0.2.0/24");
     // C has lists and rules of its own, so the datapath consults its tables.
     let c = config("100.64.0.0/24", 55, "192.0.2.0/24");
-    for step in ["unnamed", "rewritten", "rules", "l4", "lpm", "decide"] {
+    for step in [
+        "unnamed",
+        "rewritten",
+        "rules",
+        "l4",
+        "lpm",
+        "decide",
+        "flip",
+    ] {
         let mut dp = datapath(&a).unwrap();
         dp.fail_next_install_at(step);
         let e = install(&mut dp, &b).expect_err("the injected failure");
@@ -132,7 +140,7 @@ fn the_counters_of_rules_that_stay_are_never_hidden_nor_lost() {
     // "open" for another port: another rule.
     let b = config("198.51.100.0/24", 54, "192.0.2.0/24");
     let open = |dp: &Datapath| dp.rule_stats().unwrap()["open"].passed_pkts;
-    for step in ["rewritten", "rules", "l4", "lpm", "decide"] {
+    for step in ["rewritten", "rules", "l4", "lpm", "decide", "flip"] {
         let mut dp = datapath(&a).unwrap();
         install(&mut dp, &a).unwrap();
         assert_eq!(offer(&dp, &to([192, 0, 2, 1], 53), 5), (5, 0));

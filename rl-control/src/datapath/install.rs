@@ -34,7 +34,10 @@ pub struct Plan {
     lpm_insert: Vec<(crate::config::units::Cidr, u32)>,
     decide_remove: Vec<u64>,
     decide_insert: Vec<(u64, u32)>,
+    /// The config entry after the flip, but its slot word.
     config: DatapathConfig,
+    /// The `CFG_*` bits of the rule set.
+    flags: u32,
     next: SlotContents,
 }
 
@@ -127,7 +130,7 @@ impl Datapath {
         // Then the flip.
         let written = self
             .write_slot(&plan, &mut stayed)
-            .and_then(|()| self.write_config(plan.config));
+            .and_then(|()| self.flip(&plan));
         if written.is_err() {
             // The slot is unknown now, and its names with it: counters left
             // in place for the rules that stay would be read by no one, and
@@ -369,7 +372,8 @@ impl Datapath {
     /// rule that does not stay go to the totals, "zeroing": between reading
     /// a rule's counters and zeroing them, "rewritten": the changed
     /// entries' new contents under the mark, "rules", "l4", "lpm",
-    /// "decide"), as a failed map write there would; or, at "swap", the
+    /// "decide", "flip": between the flip's two writes), as a failed map
+    /// write there would; or, at "swap", the
     /// next swap of a pinned link's program, as if the kernel refused it
     /// (`EPERM`).
     #[doc(hidden)]
@@ -382,6 +386,23 @@ impl Datapath {
     #[doc(hidden)]
     pub fn fail_install_at(&mut self, step: &'static str, skip: u32) {
         self.failpoint = Some((step, skip));
+    }
+
+    /// Makes `plan`'s slot the active one in two writes of the config
+    /// entry ([`DatapathConfig::flip_words`]): no packet sees one slot with
+    /// the other's flags. The second also brings `plan`'s settings.
+    fn flip(&mut self, plan: &Plan) -> Result<(), DatapathError> {
+        let now = self.config()?;
+        let [first, last] = DatapathConfig::flip_words(now.slot_flags, plan.slot, plan.flags);
+        self.write_config(DatapathConfig {
+            slot_flags: first,
+            ..now
+        })?;
+        self.failpoint("flip")?;
+        self.write_config(DatapathConfig {
+            slot_flags: last,
+            ..plan.config
+        })
     }
 
     /// Writes the config entry (the program reads it whole per packet).
@@ -531,10 +552,7 @@ impl Plan {
             .collect();
         decide.sort_unstable();
         let (decide_remove, decide_insert) = sorted_diff(&old.decide, &decide);
-        let config = basis.config(
-            &rules.tuning,
-            DatapathConfig::pack_slot_flags(slot, rules.flags),
-        );
+        let config = basis.config(&rules.tuning, 0);
         Ok(Plan {
             slot,
             generation: basis.generation,
@@ -551,6 +569,7 @@ impl Plan {
             decide_remove,
             decide_insert,
             config,
+            flags: rules.flags,
             next: SlotContents {
                 unknown: false,
                 names: rules.names.clone(),

@@ -364,7 +364,8 @@ impl Datapath {
     /// slot, flags and clock kept (the pinned rules' limits were set for
     /// that clock), before this build's program first reads it. An older
     /// build's entry may lack fields (the cell arrays' size was carved from
-    /// its `enabled`) or count its flood cap over another window.
+    /// its `enabled`) or count its flood cap over another window, and
+    /// lacks the per-slot bytes of `CFG_*` bits this program reads.
     pub(super) fn refresh_config(
         &mut self,
         pinned: &DatapathConfig,
@@ -372,7 +373,10 @@ impl Datapath {
     ) -> Result<(), DatapathError> {
         self.write_config(DatapathConfig {
             clock: pinned.clock,
-            ..self.basis().config(tuning, pinned.slot_flags)
+            ..self.basis().config(
+                tuning,
+                DatapathConfig::upgrade_slot_flags(pinned.slot_flags),
+            )
         })
     }
 
