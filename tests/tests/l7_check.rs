@@ -288,7 +288,12 @@ fn the_check_answers_429_with_rate_limit_headers_past_the_limit() {
         .collect();
     assert_eq!(answers, [200, 429, 429, 200]);
 
-    // Bad input: 400 with a message, never a decision.
+    // Bad input: 400 with a message, never a decision, and counted.
+    let refused = || {
+        parse_prometheus(&get(&lab.b, "/metrics").body)
+            ["rl_l7_refused_total{api=\"http\",code=\"400\"}"]
+    };
+    let before = refused();
     for bad in [
         json!({"domain": "auth"}),
         json!({"domain": "", "descriptors": [[{"key": "k", "value": "v"}]]}),
@@ -312,6 +317,7 @@ fn the_check_answers_429_with_rate_limit_headers_past_the_limit() {
     )
     .unwrap();
     assert_eq!(a.status, 400);
+    assert_eq!(refused() - before, 8.0, "each refused check is counted");
     // The check cannot change anything: no admin routes there.
     assert_eq!(
         request_tcp(&lab.b, CHECK, "POST", "/v1/bans", None, None)
@@ -438,11 +444,12 @@ fn the_daemon_drops_request_buckets_that_are_fresh_again_and_keeps_limited_ones(
 }
 
 /// Over real HTTP: negative hits give hits back (a refund, as Envoy's
-/// `is_negative_hits`), and hits whose cost would not fit 64 bits on a
+/// `is_negative_hits`), 0 hits is a check, and hits whose cost would not fit 64 bits on a
 /// slow rule are over the limit (on "1 a day" 213,504 hits wrapped to a
 /// cost inside the burst and passed).
 #[test]
-fn a_refund_gives_hits_back_and_hits_too_costly_to_count_are_over_the_limit() {
+fn a_refund_gives_hits_back_a_check_charges_nothing_and_hits_too_costly_to_count_are_over_the_limit(
+) {
     let lab = Lab::new().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let cfg = write(
@@ -464,8 +471,17 @@ fn a_refund_gives_hits_back_and_hits_too_costly_to_count_are_over_the_limit() {
     assert_eq!(hits("a", 10), (200, Some(0)));
     assert_eq!(hits("a", 1).0, 429);
     assert_eq!(hits("a", -4), (200, Some(4)), "4 given back");
+    // 0 hits is a check, as a descriptor's `hits_addend` 0 is over gRPC.
+    for _ in 0..3 {
+        assert_eq!(hits("a", 0), (200, Some(4)), "a check charges nothing");
+    }
     assert_eq!(hits("a", 4), (200, Some(0)));
     assert_eq!(hits("a", 1).0, 429, "and no more");
+    assert_eq!(
+        hits("a", 0).0,
+        429,
+        "a check says over when nothing is left"
+    );
     assert_eq!(
         hits("b", 213_504).0,
         429,

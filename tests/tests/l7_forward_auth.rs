@@ -20,7 +20,8 @@ fn rules() -> String {
         "[default]\nrate = 1000\n[l7]\nhttp_listen = \"{CHECK}\"\n\
          [[l7.rule]]\nname = \"login-per-ip\"\ndomain = \"auth\"\n\
          descriptor = [{{ key = \"auth_type\", value = \"login\" }}, {{ key = \"remote_address\" }}]\nrate = 3\nper = \"1m\"\nalgorithm = \"sliding_log\"\n\
-         [[l7.rule]]\nname = \"per-key\"\ndomain = \"api\"\ndescriptor = [{{ key = \"x-api-key\" }}]\nrate = 2\nper = \"1h\"\n"
+         [[l7.rule]]\nname = \"per-key\"\ndomain = \"api\"\ndescriptor = [{{ key = \"x-api-key\" }}]\nrate = 2\nper = \"1h\"\n\
+         [[l7.rule]]\nname = \"uploads\"\ndomain = \"up\"\ndescriptor = [{{ key = \"x-api-key\" }}]\nalgorithm = \"concurrency\"\nmax = 2\n"
     )
 }
 
@@ -155,6 +156,18 @@ fn caddy_forward_auth_limits_by_client_address_and_header() {
     assert!(a.body.contains("X-Forwarded-For"), "{}", a.body);
     let a = request_tcp(&lab.b, CHECK, "GET", "/v1/forward-auth/auth", None, None).unwrap();
     assert_eq!(a.status, 400, "{}", a.body);
+    // A concurrency rule: nothing would release the permits, so a 400 that
+    // says so, at the first call (it would read "max per lease" otherwise).
+    let up = get_from(
+        &lab.b,
+        "127.0.0.1",
+        CHECK,
+        "/v1/forward-auth/up?x-api-key",
+        &[("X-Api-Key", "k1")],
+    )
+    .unwrap();
+    assert_eq!(up.status, 400, "{}", up.body);
+    assert!(up.body.contains("no release"), "{}", up.body);
     // Over the limit, the status a gateway asks for (nginx needs 401/403).
     let direct = |over: &str| {
         let headers = [("X-Forwarded-For", "127.0.0.1"), ("RL-Over-Status", over)];

@@ -154,6 +154,12 @@ fn connections_are_dealt_over_the_threads_which_share_one_set_of_buckets() {
         "gRPC statuses of bad calls"
     );
     assert_eq!(codes[4], Code::Ok, "a connection serves on after bad calls");
+    // Envoy lets a refused call's request through: each is counted by code.
+    let m = parse_prometheus(&get(&lab.b, "/metrics").body);
+    for (code, n) in [("13", 4.0), ("3", 1.0), ("12", 3.0), ("8", 1.0)] {
+        let name = format!("rl_l7_refused_total{{api=\"grpc\",code=\"{code}\"}}");
+        assert_eq!(m.get(&name).copied(), Some(n), "{name}");
+    }
     assert_eq!(
         connections(&lab),
         (2.0, 2.0),

@@ -274,6 +274,26 @@ fn requests(out: &mut String, s: &State) {
     );
     family(
         out,
+        "rl_l7_refused_total",
+        "counter",
+        "Request-limit calls refused without a decision (gRPC by status code, the HTTP check's 400s): a gateway that lets requests through when its call fails (Envoy's default) did not limit them.",
+    );
+    for (code, c) in crate::l7::GRPC_REFUSED.iter().enumerate() {
+        let v = c.load(std::sync::atomic::Ordering::Relaxed);
+        if v > 0 {
+            let _ = writeln!(
+                out,
+                "rl_l7_refused_total{{api=\"grpc\",code=\"{code}\"}} {v}"
+            );
+        }
+    }
+    let _ = writeln!(
+        out,
+        "rl_l7_refused_total{{api=\"http\",code=\"400\"}} {}",
+        crate::l7::HTTP_REFUSED.load(std::sync::atomic::Ordering::Relaxed)
+    );
+    family(
+        out,
         "rl_l7_request_seconds",
         "histogram",
         "Time to answer a request decision (decode, decide, encode), by front end.",

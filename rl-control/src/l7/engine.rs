@@ -429,6 +429,14 @@ impl Engine {
             )
     }
 
+    /// The name of the `concurrency` rule that `entries` match, if they
+    /// match one (a caller that sends no release must not take permits).
+    pub fn concurrency_rule(&self, domain: &str, entries: &[DescriptorEntry]) -> Option<&str> {
+        self.matching(domain, entries)
+            .filter(|c| matches!(c.rule.algorithm, L7Algorithm::Concurrency { .. }))
+            .map(|c| c.rule.name.as_str())
+    }
+
     /// The first rule of `domain` whose descriptor matches `entries`.
     pub(super) fn matching(&self, domain: &str, entries: &[DescriptorEntry]) -> Option<&Compiled> {
         let matches = |d: &[Entry]| {

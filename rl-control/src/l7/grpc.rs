@@ -68,7 +68,10 @@ impl Failure {
 
 /// Envoy's unit and `requests_per_unit` for `limit` per `per_secs`.
 pub fn envoy_unit(limit: u64, per_secs: u64) -> (Unit, u32) {
-    const UNITS: [(u64, Unit); 5] = [
+    // Envoy's own service: a month is 30 days, a year 365.
+    const UNITS: [(u64, Unit); 7] = [
+        (31_536_000, Unit::Year),
+        (2_592_000, Unit::Month),
         (604_800, Unit::Week),
         (86_400, Unit::Day),
         (3_600, Unit::Hour),
@@ -136,7 +139,9 @@ impl Service {
         }
         if r.descriptors.is_empty() || r.descriptors.len() > MAX_DESCRIPTORS {
             return Err(invalid(format!(
-                "a request needs 1..={MAX_DESCRIPTORS} descriptors"
+                "a request needs 1..={MAX_DESCRIPTORS} descriptors, not {} (domain {:?})",
+                r.descriptors.len(),
+                r.domain
             )));
         }
         let request_hits = if r.hits_addend == 0 {
@@ -148,7 +153,9 @@ impl Service {
         for d in r.descriptors {
             if d.entries.is_empty() || d.entries.len() > MAX_ENTRIES {
                 return Err(invalid(format!(
-                    "a descriptor needs 1..={MAX_ENTRIES} entries"
+                    "a descriptor needs 1..={MAX_ENTRIES} entries, not {} (domain {:?})",
+                    d.entries.len(),
+                    r.domain
                 )));
             }
             if d.entries.iter().any(|e| e.key.is_empty()) {
@@ -332,5 +339,9 @@ mod tests {
         );
         assert_eq!(envoy_unit(7, 1), (Unit::Second, 7));
         assert_eq!(envoy_unit(2, 1_209_600), (Unit::Week, 1));
+        // Months and years, as Envoy's overrides name them (30 d, 365 d).
+        assert_eq!(envoy_unit(1_000, 2_592_000), (Unit::Month, 1_000));
+        assert_eq!(envoy_unit(1_000, 5_184_000), (Unit::Month, 500));
+        assert_eq!(envoy_unit(12, 31_536_000), (Unit::Year, 12));
     }
 }

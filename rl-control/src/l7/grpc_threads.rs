@@ -298,6 +298,7 @@ fn send(mut respond: SendResponse<Bytes>, outcome: Result<Bytes, Failure>) {
             }
         }
         Err(f) => {
+            super::refused("grpc", f.code, &f.message);
             let h = head.headers_mut();
             h.insert("grpc-status", HeaderValue::from(f.code as u16));
             if let Ok(m) = HeaderValue::from_str(&percent_encoded(&f.message)) {

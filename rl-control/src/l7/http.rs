@@ -46,6 +46,7 @@ struct Check {
 }
 
 fn bad(msg: String) -> Response {
+    super::refused("http", 0, &msg);
     (
         StatusCode::BAD_REQUEST,
         Json(serde_json::json!({ "error": msg })),
@@ -138,7 +139,8 @@ async fn check(State(l7): State<Shared>, req: axum::extract::Request) -> Respons
 }
 
 /// A forward-auth gateway's call: the descriptor from the query and the
-/// forwarded request, one hit. Over the limit it answers 429, or the status
+/// forwarded request, one hit (400 on a `concurrency` rule: nothing would
+/// release its permit). Over the limit it answers 429, or the status
 /// in the gateway's `RL-Over-Status` header (401 or 403: nginx's
 /// `auth_request` takes any other as an error).
 async fn forward_auth(
@@ -168,6 +170,12 @@ async fn forward_answer(l7: Shared, domain: String, q: &str, headers: &HeaderMap
         // A header it names is absent: the descriptor does not apply.
         Ok(None) => answered(&[]),
         Ok(Some(d)) => {
+            let engine = l7.read().unwrap_or_else(|e| e.into_inner()).clone();
+            if let Some(rule) = engine.concurrency_rule(&domain, &d) {
+                return bad(format!(
+                    "rule {rule:?} is a concurrency rule, and forward auth sends no release: each call would hold a permit for its whole lease. Give this descriptor a rate rule, or release with POST /v1/check and negative hits"
+                ));
+            }
             decided(
                 l7,
                 Check {
@@ -207,11 +215,9 @@ async fn decided(l7: Shared, c: Check) -> Response {
     if let Some(m) = invalid(&c) {
         return bad(m);
     }
-    // Envoy's convention: 0 hits means 1.
-    let hits = match c.hits.unwrap_or(1) {
-        0 => 1,
-        h => h,
-    };
+    // Absent: 1. JSON, unlike Envoy's request-level field, can tell 0 from
+    // absent: 0 is a check, as a descriptor's `hits_addend` 0 is.
+    let hits = c.hits.unwrap_or(1);
     let engine = l7.read().unwrap_or_else(|e| e.into_inner()).clone();
     let mut statuses: Vec<Status> = Vec::with_capacity(c.descriptors.len());
     for d in c.descriptors {

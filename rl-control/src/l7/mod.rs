@@ -66,3 +66,37 @@ pub static GRPC_LATENCY: Latency = Latency::new();
 /// Descriptors whose Envoy `limit` override rl did not apply (the matching
 /// rule's limits decided; see `engine::overrides`).
 pub static OVERRIDES_IGNORED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Calls refused without a decision: gRPC by status code (index), HTTP
+/// checks answered 400. Envoy lets a request through when its call fails
+/// (`failure_mode_deny = false`, its default), so each is a request that
+/// went unlimited.
+pub static GRPC_REFUSED: [AtomicU64; 17] = [const { AtomicU64::new(0) }; 17];
+/// See [`GRPC_REFUSED`].
+pub static HTTP_REFUSED: AtomicU64 = AtomicU64::new(0);
+
+/// Counts a refused call of front end `api` ("grpc" with its `code`, or
+/// "http") and warns at most once a minute per front end, with the reason.
+pub fn refused(api: &'static str, code: u8, why: &str) {
+    static WARNED_AT: [AtomicU64; 2] = [const { AtomicU64::new(0) }; 2];
+    let (slot, counter) = match api {
+        "grpc" => (0, &GRPC_REFUSED[(code as usize).min(16)]),
+        _ => (1, &HTTP_REFUSED),
+    };
+    counter.fetch_add(1, Relaxed);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let last = WARNED_AT[slot].load(Relaxed);
+    if now >= last + 60
+        && WARNED_AT[slot]
+            .compare_exchange(last, now, Relaxed, Relaxed)
+            .is_ok()
+    {
+        tracing::warn!(
+            api,
+            code,
+            "a request-limit call was refused without a decision: {why}. A gateway that lets requests through when the call fails (Envoy's default) does not limit them: fix the caller (rl_l7_refused_total counts these; this warning repeats at most once a minute)"
+        );
+    }
+}
