@@ -313,6 +313,20 @@ pub const DIR16_LEN: u32 = 65_536;
 /// holds longer CIDRs, so the trie decides.
 pub const DIR16_LOOKUP: u32 = 1 << 8;
 
+/// Set in a [`CidrEntry`] denied by bans alone (no `[[deny]]` covers it,
+/// nor an `[[allow]]`): the source is denied only while a ban covering it
+/// holds, which [`MAP_BANS_V4`] / [`MAP_BANS_V6`] say. (Outside the list
+/// byte: a program built before it reads the entry as denied.)
+pub const DENY_BY_BANS: u32 = 1 << 9;
+
+/// When bans end (`LpmTrie`, keyed as [`MAP_LPM_V4`] / [`MAP_LPM_V6`]):
+/// for each ban's CIDR, the latest end (ktime ns) of the bans covering it,
+/// so the longest ban matching a source gives the end of every ban that
+/// covers it. The kernel ends a ban at its time whether or not a daemon
+/// runs then.
+pub const MAP_BANS_V4: &str = "RL_BANS4";
+pub const MAP_BANS_V6: &str = "RL_BANS6";
+
 /// The longest CIDR matching a source: whether the source is allowed or
 /// denied (allow wins over deny whatever the lengths), and its source class:
 /// which rules' `src` lists contain it.

@@ -21,13 +21,13 @@ use rl_common::{
     STAT_EVENTS, STAT_EVENTS_SUPPRESSED,
     Admit, Bucket, CidrEntry, DIR16_LEN, DIR16_LOOKUP, DatapathConfig, L4Entry, LimitEntry, RuleEntry, RuleStats,
     SharedWord, CFG_LPM_V4, CFG_LPM_V6, CFG_RULES, L4_ICMP, L4_ICMPV6, L4_OTHER, L4_SLOT_LEN, L4_TCP,
-    L4_TCP_SYN, L4_UDP, LIMIT_BYTES, LIMIT_COARSE, LIMIT_GCRA, LIST_ALLOW, LIST_DENY,
+    L4_TCP_SYN, L4_UDP, LIMIT_BYTES, LIMIT_COARSE, LIMIT_GCRA, LIST_ALLOW,
     MAX_LIMITS, POOL_INDEX, RSTAT_ALLOW, RSTAT_DENY, RSTAT_LEN, RULE_ELASTIC, RULE_SHADOW, RULE_SLOTS,
     STAT_CONTENDED, STAT_NO_STATE,
 };
 
 use crate::{
-    buckets, frag,
+    bans, buckets, frag,
     parse::{Frag, Packet, IPPROTO_ICMP, IPPROTO_ICMPV6, IPPROTO_TCP, IPPROTO_UDP},
     stats,
 };
@@ -163,11 +163,13 @@ fn classify(slot: u32, flags: u32, pkt: &Packet, src: &[u32; 4]) -> u32 {
     // allow / deny / source class: one longest-prefix lookup.
     let mut src_class = 0;
     if let Some(v) = lpm(slot, flags, pkt.is_v6, src) {
-        match CidrEntry::list(v) {
-            LIST_ALLOW => return RSTAT_ALLOW,
-            LIST_DENY => return RSTAT_DENY,
-            _ => src_class = CidrEntry::src_class(v),
+        if CidrEntry::list(v) == LIST_ALLOW {
+            return RSTAT_ALLOW;
         }
+        if bans::denies(v, slot, pkt.is_v6, src) {
+            return RSTAT_DENY;
+        }
+        src_class = CidrEntry::src_class(v);
     }
     let mut index = 0;
     if flags & CFG_RULES != 0 {
@@ -212,16 +214,7 @@ fn lpm(slot: u32, flags: u32, is_v6: bool, src: &[u32; 4]) -> Option<u32> {
         if flags & CFG_LPM_V6 == 0 {
             return None;
         }
-        let mut data = [0u8; 17];
-        data[0] = slot as u8;
-        for i in 0..4 {
-            let b = src[i].to_ne_bytes();
-            data[1 + 4 * i] = b[0];
-            data[2 + 4 * i] = b[1];
-            data[3 + 4 * i] = b[2];
-            data[4 + 4 * i] = b[3];
-        }
-        RL_LPM6.get(Key::new(8 + 128, data)).copied()
+        RL_LPM6.get(&key6(slot, src)).copied()
     } else {
         if flags & CFG_LPM_V4 == 0 {
             return None;
@@ -232,9 +225,30 @@ fn lpm(slot: u32, flags: u32, is_v6: bool, src: &[u32; 4]) -> Option<u32> {
         if v & DIR16_LOOKUP == 0 {
             return Some(v);
         }
-        let b = src[3].to_ne_bytes();
-        RL_LPM4.get(Key::new(8 + 32, [slot as u8, b[0], b[1], b[2], b[3]])).copied()
+        RL_LPM4.get(&key4(slot, src)).copied()
     }
+}
+
+/// The trie key of an IPv4 source (in `src[3]`) in `slot`: all its bits.
+#[inline(always)]
+pub fn key4(slot: u32, src: &[u32; 4]) -> Key<[u8; 5]> {
+    let b = src[3].to_ne_bytes();
+    Key::new(8 + 32, [slot as u8, b[0], b[1], b[2], b[3]])
+}
+
+/// The trie key of an IPv6 source in `slot`: all its bits.
+#[inline(always)]
+pub fn key6(slot: u32, src: &[u32; 4]) -> Key<[u8; 17]> {
+    let mut data = [0u8; 17];
+    data[0] = slot as u8;
+    for i in 0..4 {
+        let b = src[i].to_ne_bytes();
+        data[1 + 4 * i] = b[0];
+        data[2 + 4 * i] = b[1];
+        data[3 + 4 * i] = b[2];
+        data[4 + 4 * i] = b[3];
+    }
+    Key::new(8 + 128, data)
 }
 
 #[inline(always)]

@@ -11,6 +11,7 @@
 #![allow(internal_features)]
 #![feature(core_intrinsics)]
 
+mod bans;
 mod buckets;
 mod frag;
 mod known;

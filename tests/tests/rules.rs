@@ -186,6 +186,77 @@ per = "1d"
     );
 }
 
+/// A ban ends in the kernel at its time, with no install (no daemon, say,
+/// to lift it): its sources pass again, under the rules their class gives.
+/// A ban inside a longer-lasting one ends with it; `[[deny]]`, bans that
+/// have not ended and `[[allow]]` over a ban stay as they were.
+#[test]
+fn bans_end_in_the_kernel_at_their_time() {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let end = now + 3;
+    let dp = load(&format!(
+        r#"
+[[allow]]
+cidr = "198.51.100.64/26"
+[[deny]]
+cidr = "192.0.2.0/24"
+[[ban]]
+cidr = "198.51.100.0/24"
+until = {end}
+[[ban]]
+cidr = "198.51.100.128/25"
+until = {early}
+[[ban]]
+cidr = "203.0.113.0/24"
+until = {late}
+[[ban]]
+cidr = "2001:db8:2::/48"
+until = {end}
+
+[[rule]]
+name = "listed"
+src = ["198.51.100.0/28"]
+rate = 1
+per = "1d"
+"#,
+        early = now + 1,
+        late = now + 3600,
+    ));
+    let (listed, nested, allowed) = ([198, 51, 100, 1], [198, 51, 100, 200], [198, 51, 100, 70]);
+    let banned = |dp: &Datapath| {
+        [
+            offer(dp, &udp4(listed), 2),
+            offer(dp, &udp4(nested), 2),
+            offer(dp, &udp6(V6_OUT), 2),
+            offer(dp, &udp4([203, 0, 113, 5]), 2),
+            offer(dp, &udp4([192, 0, 2, 5]), 2),
+            offer(dp, &udp4(allowed), 2),
+        ]
+    };
+    let during = [(0, 2), (0, 2), (0, 2), (0, 2), (0, 2), (2, 0)];
+    assert_eq!(banned(&dp), during, "while the bans hold");
+    // The nested ban's own end passes: the longer ban around it holds.
+    let wait_until = |t: u64| {
+        let unix = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap();
+        let left = std::time::Duration::from_secs(t).saturating_sub(unix);
+        std::thread::sleep(left + std::time::Duration::from_millis(300));
+    };
+    wait_until(now + 2);
+    assert_eq!(banned(&dp), during, "after the nested ban's end");
+    wait_until(end);
+    assert_eq!(
+        banned(&dp),
+        [(1, 1), (2, 0), (2, 0), (0, 2), (0, 2), (2, 0)],
+        "after the ban's end: its sources pass, the listed one under its rule"
+    );
+    assert_eq!(charged(&dp, "listed"), 2);
+}
+
 #[test]
 fn key_scopes_source_prefix_global() {
     let dp = load(

@@ -3,23 +3,27 @@
 
 use super::*;
 
-/// Every CIDR the trie needs, with its list and source class, and each
-/// class's set of rule indices (class 0: the empty set).
-pub(super) fn compile_sources(config: &Config) -> (Vec<(Cidr, u32)>, Vec<BTreeSet<u32>>) {
-    // Bans in force are deny entries (so `allow` still wins over them).
-    let deny_list: Vec<Cidr> = config
-        .deny
-        .iter()
-        .copied()
-        .chain(
-            config
-                .active_bans(crate::config::unix_now())
-                .map(|b| b.cidr),
-        )
+/// The sources' tables: every CIDR the trie needs, with its list and
+/// source class; each class's set of rule indices (class 0: the empty
+/// set); and the bans' ends ([`compile_bans`]).
+pub(super) struct Sources {
+    pub lpm: Vec<(Cidr, u32)>,
+    pub classes: Vec<BTreeSet<u32>>,
+    pub bans: Vec<(Cidr, u64)>,
+}
+
+pub(super) fn compile_sources(config: &Config) -> Sources {
+    // Bans in force are deny entries (so `allow` still wins over them),
+    // marked when no `[[deny]]` covers them: they end in the kernel.
+    let bans: Vec<(Cidr, u64)> = config
+        .active_bans(crate::config::unix_now())
+        .map(|b| (b.cidr, b.until))
         .collect();
+    let ban_list: Vec<Cidr> = bans.iter().map(|(c, _)| *c).collect();
     let mut prefixes: BTreeSet<Cidr> = BTreeSet::new();
     prefixes.extend(config.allow.iter().copied());
-    prefixes.extend(deny_list.iter().copied());
+    prefixes.extend(config.deny.iter().copied());
+    prefixes.extend(ban_list.iter().copied());
     let mut src_of: HashMap<Cidr, Vec<u32>> = HashMap::new();
     for (i, r) in config.rules.iter().enumerate() {
         for c in &r.src {
@@ -28,7 +32,8 @@ pub(super) fn compile_sources(config: &Config) -> (Vec<(Cidr, u32)>, Vec<BTreeSe
         }
     }
     let allow: HashMap<(bool, u8), BTreeSet<Vec<u8>>> = by_len(&config.allow);
-    let deny = by_len(&deny_list);
+    let deny = by_len(&config.deny);
+    let banned = by_len(&ban_list);
     let src_list: Vec<Cidr> = src_of.keys().copied().collect();
     let srcs = by_len(&src_list);
     // Whether any CIDR in `set` covers `c`: one probe per length present.
@@ -53,6 +58,8 @@ pub(super) fn compile_sources(config: &Config) -> (Vec<(Cidr, u32)>, Vec<BTreeSe
             LIST_ALLOW
         } else if !covered_by(&deny, &c).is_empty() {
             LIST_DENY
+        } else if !covered_by(&banned, &c).is_empty() {
+            LIST_DENY | rl_common::DENY_BY_BANS
         } else {
             LIST_NONE
         };
@@ -67,7 +74,47 @@ pub(super) fn compile_sources(config: &Config) -> (Vec<(Cidr, u32)>, Vec<BTreeSe
         });
         out.push((c, CidrEntry::pack(list, class)));
     }
-    (out, classes)
+    Sources {
+        lpm: out,
+        classes,
+        bans: compile_bans(&bans),
+    }
+}
+
+/// The bans' trie ([`rl_common::MAP_BANS_V4`]): each ban's CIDR with the
+/// latest end (Unix seconds) of the bans covering it, itself included, so
+/// that the longest ban matching a source ends when the last ban covering
+/// it does. Sorted by CIDR.
+pub(super) fn compile_bans(bans: &[(Cidr, u64)]) -> Vec<(Cidr, u64)> {
+    // Each ban's own end, by family and length: one probe per length.
+    let mut own: HashMap<(bool, u8), HashMap<Vec<u8>, u64>> = HashMap::new();
+    for &(c, until) in bans {
+        let e = own
+            .entry((c.addr.is_ipv4(), c.len))
+            .or_default()
+            .entry(c.octets())
+            .or_insert(until);
+        *e = (*e).max(until);
+    }
+    let mut out: Vec<(Cidr, u64)> = own
+        .iter()
+        .flat_map(|(&(v4, len), nets)| {
+            let own = &own;
+            nets.keys().map(move |net| {
+                let end = own
+                    .iter()
+                    .filter(|((fam, l), _)| *fam == v4 && *l <= len)
+                    .filter_map(|((_, l), outer)| outer.get(&crate::config::units::mask(net, *l)))
+                    .max()
+                    .copied()
+                    .unwrap_or(0);
+                let addr = crate::config::units::bytes_to_addr(net);
+                (Cidr { addr, len }, end)
+            })
+        })
+        .collect();
+    out.sort_unstable();
+    out
 }
 
 /// The IPv4 first level: each /16 takes the value of the longest CIDR of at

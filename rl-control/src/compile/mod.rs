@@ -77,6 +77,9 @@ pub struct RuleSet {
     pub dir16: Vec<u32>,
     /// (L4 class, source class) ➜ rule index.
     pub decide: Vec<((u16, u16), u32)>,
+    /// The bans' trie: each ban's CIDR and the latest end (Unix seconds)
+    /// of the bans covering it; sorted by CIDR.
+    pub bans: Vec<(Cidr, u64)>,
 }
 
 impl RuleSet {
@@ -270,7 +273,11 @@ fn compile_rules(config: &Config) -> RuleSet {
         e.id = id;
     }
 
-    let (lpm, src_classes) = compile_sources(config);
+    let classify::Sources {
+        lpm,
+        classes: src_classes,
+        bans,
+    } = compile_sources(config);
     let (l4, decide) = compile_l4(&config.rules, &src_classes);
     let mut flags = 0;
     let mut dir16 = Vec::new();
@@ -310,6 +317,7 @@ fn compile_rules(config: &Config) -> RuleSet {
         lpm,
         dir16,
         decide,
+        bans,
     }
 }
 
@@ -361,6 +369,62 @@ mod tests {
 
     fn config(text: &str) -> Config {
         Config::from_str(text, "x").unwrap()
+    }
+
+    /// Each ban's trie entry carries the latest end of the bans covering
+    /// it; the sources' trie marks what bans alone deny (a `[[deny]]` over
+    /// a ban never ends, an `[[allow]]` over one always wins).
+    #[test]
+    fn bans_carry_the_latest_end_around_them_and_only_ban_denials_are_marked() {
+        let cidr = |s: &str| crate::config::units::parse_cidr(s).unwrap();
+        let ends = classify::compile_bans(&[
+            (cidr("10.0.0.0/8"), 50),
+            (cidr("10.1.0.0/16"), 20),
+            (cidr("10.1.2.0/24"), 90),
+            (cidr("10.1.2.0/24"), 30),
+            (cidr("192.0.2.0/24"), 10),
+            (cidr("2001:db8::/32"), 70),
+            (cidr("2001:db8:1::/48"), 40),
+        ]);
+        assert_eq!(
+            ends,
+            vec![
+                (cidr("10.0.0.0/8"), 50),
+                (cidr("10.1.0.0/16"), 50),
+                (cidr("10.1.2.0/24"), 90),
+                (cidr("192.0.2.0/24"), 10),
+                (cidr("2001:db8::/32"), 70),
+                (cidr("2001:db8:1::/48"), 70),
+            ]
+        );
+        let far = crate::config::unix_now() + 3_600;
+        let c = compile(&config(&format!(
+            "[default]\nrate = 5\n[[deny]]\ncidr = \"192.0.2.0/24\"\n[[allow]]\ncidr = \"198.51.100.0/26\"\n\
+             [[ban]]\ncidr = \"192.0.2.0/25\"\nuntil = {far}\n[[ban]]\ncidr = \"198.51.100.0/24\"\nuntil = {far}\n\
+             [[ban]]\ncidr = \"203.0.113.0/24\"\nuntil = 1\n"
+        )));
+        let v = |s: &str| {
+            c.rules
+                .lpm
+                .iter()
+                .find(|(k, _)| *k == cidr(s))
+                .map(|(_, v)| *v)
+        };
+        assert_eq!(
+            v("192.0.2.0/25"),
+            Some(LIST_DENY),
+            "under a deny: never ends"
+        );
+        assert_eq!(
+            v("198.51.100.0/24"),
+            Some(LIST_DENY | rl_common::DENY_BY_BANS)
+        );
+        assert_eq!(v("198.51.100.0/26"), Some(rl_common::LIST_ALLOW));
+        assert_eq!(v("203.0.113.0/24"), None, "an ended ban is left out");
+        assert_eq!(
+            c.rules.bans,
+            vec![(cidr("192.0.2.0/25"), far), (cidr("198.51.100.0/24"), far)]
+        );
     }
 
     #[test]

@@ -32,6 +32,9 @@ pub struct Plan {
     dir16: (Vec<u32>, Vec<u32>),
     lpm_remove: Vec<crate::config::units::Cidr>,
     lpm_insert: Vec<(crate::config::units::Cidr, u32)>,
+    /// The bans' trie: entries to remove, and to write (ends in ktime ns).
+    bans_remove: Vec<crate::config::units::Cidr>,
+    bans_insert: Vec<(crate::config::units::Cidr, u64)>,
     decide_remove: Vec<u64>,
     decide_insert: Vec<(u64, u32)>,
     /// The config entry after the flip, but its slot word.
@@ -193,7 +196,11 @@ impl Datapath {
         self.failpoint("rules")?;
         self.write_u32s(MAP_L4, &plan.l4)?;
         self.failpoint("l4")?;
-        // Trie first, then the first level that points into it.
+        // The bans' ends before the entries that read them; the trie, then
+        // the first level that points into it.
+        for (c, end) in &plan.bans_insert {
+            self.trie_write(MAPS_BANS, slot, c, Some(*end))?;
+        }
         for c in &plan.lpm_remove {
             self.lpm_write(slot, c, None)?;
         }
@@ -202,6 +209,10 @@ impl Datapath {
         }
         self.failpoint("lpm")?;
         self.write_u32s(MAP_DIR16, &plan.dir16)?;
+        // Ends no entry reads any more.
+        for c in &plan.bans_remove {
+            self.trie_write::<u64>(MAPS_BANS, slot, c, None)?;
+        }
         let mut decide: HashMap<&mut MapData, u64, u32> = map_mut(&mut self.ebpf, MAP_DECIDE)?;
         for k in &plan.decide_remove {
             // Absent already is what is wanted; any other failure fails
@@ -434,7 +445,7 @@ impl Datapath {
     }
 
     /// Empties every table of `slot` whose contents are unknown: the L4 and
-    /// first-level arrays, its trie and decision entries, its rule counters
+    /// first-level arrays, its tries and decision entries, its rule counters
     /// but those of the entries `kept`. (Rule entries are left: nothing
     /// points at them any more.)
     pub(super) fn clear_slot(&mut self, slot: u32, kept: &[u32]) -> Result<(), DatapathError> {
@@ -445,8 +456,10 @@ impl Datapath {
         let dir_keys: Vec<u32> = (slot * DIR16_LEN..(slot + 1) * DIR16_LEN).collect();
         update_batch(self.array_fd(MAP_DIR16)?, &dir_keys, &zeros(DIR16_LEN))
             .map_err(|e| map_error(MAP_DIR16, e))?;
-        clear_trie::<5>(&mut self.ebpf, MAP_LPM_V4, slot)?;
-        clear_trie::<17>(&mut self.ebpf, MAP_LPM_V6, slot)?;
+        clear_trie::<5, u32>(&mut self.ebpf, MAP_LPM_V4, slot)?;
+        clear_trie::<17, u32>(&mut self.ebpf, MAP_LPM_V6, slot)?;
+        clear_trie::<5, u64>(&mut self.ebpf, MAPS_BANS[0], slot)?;
+        clear_trie::<17, u64>(&mut self.ebpf, MAPS_BANS[1], slot)?;
         let mut decide: HashMap<&mut MapData, u64, u32> = map_mut(&mut self.ebpf, MAP_DECIDE)?;
         let stale: Vec<u64> = decide
             .keys()
@@ -476,18 +489,30 @@ impl Datapath {
         c: &crate::config::units::Cidr,
         value: Option<u32>,
     ) -> Result<(), DatapathError> {
+        self.trie_write([MAP_LPM_V4, MAP_LPM_V6], slot, c, value)
+    }
+
+    /// Inserts (`Some`) or removes (`None`) `c`'s entry of `slot` in the
+    /// trie of its family among `[v4, v6]`.
+    fn trie_write<V: aya::Pod>(
+        &mut self,
+        [v4, v6]: [&'static str; 2],
+        slot: u32,
+        c: &crate::config::units::Cidr,
+        value: Option<V>,
+    ) -> Result<(), DatapathError> {
         let prefix = 8 + c.len as u32;
         match c.addr {
             IpAddr::V4(a) => lpm_set(
                 &mut self.ebpf,
-                MAP_LPM_V4,
+                v4,
                 prefix,
                 slot_key::<5>(slot, &a.octets()),
                 value,
             ),
             IpAddr::V6(a) => lpm_set(
                 &mut self.ebpf,
-                MAP_LPM_V6,
+                v6,
                 prefix,
                 slot_key::<17>(slot, &a.octets()),
                 value,
@@ -545,6 +570,12 @@ impl Plan {
         let mut lpm = rules.lpm.clone();
         lpm.sort_unstable_by_key(|(c, _)| *c);
         let (lpm_remove, lpm_insert) = sorted_diff(&old.lpm, &lpm);
+        let bans: Vec<_> = rules
+            .bans
+            .iter()
+            .map(|&(c, until)| (c, ktime_of(until, basis.epoch_offset_ns)))
+            .collect();
+        let (bans_remove, bans_insert) = sorted_diff(&old.bans, &bans);
         let mut decide: Vec<(u64, u32)> = rules
             .decide
             .iter()
@@ -566,6 +597,8 @@ impl Plan {
             dir16: u32_diff(slot * DIR16_LEN, &old.dir16, &rules.dir16),
             lpm_remove,
             lpm_insert,
+            bans_remove,
+            bans_insert,
             decide_remove,
             decide_insert,
             config,
@@ -578,6 +611,7 @@ impl Plan {
                 lpm,
                 dir16: rules.dir16.clone(),
                 decide,
+                bans,
             },
         })
     }
@@ -671,7 +705,7 @@ pub fn fits(rules: &RuleSet) -> Result<(), DatapathError> {
 }
 
 /// Removes every entry of `slot` from the trie `name`.
-fn clear_trie<const N: usize>(
+fn clear_trie<const N: usize, V: aya::Pod>(
     ebpf: &mut Ebpf,
     name: &'static str,
     slot: u32,
@@ -680,7 +714,7 @@ where
     [u8; N]: aya::Pod,
 {
     use aya::maps::lpm_trie::LpmTrie;
-    let mut trie: LpmTrie<&mut MapData, [u8; N], u32> = map_mut(ebpf, name)?;
+    let mut trie: LpmTrie<&mut MapData, [u8; N], V> = map_mut(ebpf, name)?;
     let stale: Vec<_> = trie
         .keys()
         .filter(|k| k.as_ref().map_or(true, |k| k.data()[0] == slot as u8))
@@ -701,24 +735,34 @@ fn slot_key<const N: usize>(slot: u32, addr: &[u8]) -> [u8; N] {
 }
 
 /// Inserts (`Some`) or removes (`None`) one trie entry.
-fn lpm_set<const N: usize>(
+fn lpm_set<const N: usize, V: aya::Pod>(
     ebpf: &mut Ebpf,
     name: &'static str,
     prefix: u32,
     data: [u8; N],
-    value: Option<u32>,
+    value: Option<V>,
 ) -> Result<(), DatapathError>
 where
     [u8; N]: aya::Pod,
 {
     use aya::maps::lpm_trie::{Key, LpmTrie};
-    let mut trie: LpmTrie<&mut MapData, [u8; N], u32> = map_mut(ebpf, name)?;
+    let mut trie: LpmTrie<&mut MapData, [u8; N], V> = map_mut(ebpf, name)?;
     let key = Key::new(prefix, data);
     match value {
         Some(v) => trie.insert(&key, v, 0),
         None => trie.remove(&key),
     }
     .map_err(|e| map_error(name, e))
+}
+
+/// The bans' tries, IPv4 then IPv6.
+const MAPS_BANS: [&str; 2] = [rl_common::MAP_BANS_V4, rl_common::MAP_BANS_V6];
+
+/// The ktime (ns) at Unix time `secs`, by the datapath's offset; 0 for a
+/// time before ktime's start, `u64::MAX` past its range.
+fn ktime_of(secs: u64, epoch_offset_ns: u64) -> u64 {
+    secs.checked_mul(1_000_000_000)
+        .map_or(u64::MAX, |ns| ns.saturating_sub(epoch_offset_ns))
 }
 
 /// The online CPUs, among which the flood rate is shared: counted by every

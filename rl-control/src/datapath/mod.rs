@@ -355,6 +355,8 @@ pub(super) struct SlotContents {
     dir16: Vec<u32>,
     /// Sorted by key.
     decide: Vec<(u64, u32)>,
+    /// The bans' trie, ends in ktime ns; sorted by CIDR.
+    bans: Vec<(crate::config::units::Cidr, u64)>,
 }
 
 /// XDP programs finish within microseconds; waiting this long after a flip

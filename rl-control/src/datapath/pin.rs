@@ -301,6 +301,8 @@ fn added_since_layout(name: &str) -> bool {
     name == rl_common::MAP_KNOWN
         || name == rl_common::MAP_OWNED
         || name == rl_common::MAP_WIDE_COUNT
+        || name == rl_common::MAP_BANS_V4
+        || name == rl_common::MAP_BANS_V6
         || rl_common::CELL_MAPS.contains(&name)
 }
 
