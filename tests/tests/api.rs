@@ -629,6 +629,23 @@ fn a_ban_drops_at_once_lifts_after_its_ttl_and_is_kept_across_a_restart() {
         0,
         "the ban survived the restart"
     );
+    // A PUT of rules that say nothing of bans (a config manager's file)
+    // keeps the bans in force.
+    let a = request(
+        &lab.b,
+        "PUT",
+        "/v1/rules",
+        Some(("application/toml", b"[default]\nrate = 100001\n".to_vec())),
+        None,
+    )
+    .unwrap();
+    assert_eq!(a.status, 200, "{}", a.body);
+    assert_eq!(
+        burst_of(&lab, lab.v4(1), 10),
+        0,
+        "kept by a PUT without bans"
+    );
+    assert_eq!(get(&lab.b, "/v1/bans").json()[0]["cidr"], cidr.as_str());
     let (status, out) = run_once(Some(&lab.b), &["unban", &cidr]).unwrap();
     assert!(status.success(), "{out}");
     assert_eq!(burst_of(&lab, lab.v4(1), 10), 10);

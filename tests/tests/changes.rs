@@ -194,6 +194,9 @@ fn a_refused_reload_leaves_the_edit_unapplied_and_expiring_bans_never_write_over
         "a refused reload made the file the running one: {}",
         a.body
     );
+    // Read and refused already: the answer says to fix the file (a reload
+    // would only be refused again).
+    assert!(a.body.contains("does not load"), "{}", a.body);
     assert_eq!(
         std::fs::read_to_string(&cfg).unwrap(),
         edited,

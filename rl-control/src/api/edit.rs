@@ -143,17 +143,20 @@ pub(super) async fn put_rules(
     } else {
         document::from_json(&json_body(&body)?)?
     };
-    let tag = etag(&text);
-    let summary = change(&api, move |sh| {
-        apply::apply(sh, "api: PUT /v1/rules", |s| {
+    let (summary, tag) = change(&api, move |sh| {
+        let mut tag = String::new();
+        let summary = apply::apply(sh, "api: PUT /v1/rules", |s| {
             if_match(&headers, &s.text)?;
+            let text = document::keep_bans(text, &s.text)?;
+            tag = etag(&text);
             Ok::<_, ApiError>(Change {
                 text,
                 origin: "<PUT /v1/rules>".into(),
                 persist: true,
                 read_as: None,
             })
-        })
+        })?;
+        Ok((summary, tag))
     })
     .await?;
     Ok(([(header::ETAG, tag)], Json(Applied { summary })))
@@ -205,7 +208,7 @@ pub(super) async fn delete_rule(
 ) -> ApiResult<([(header::HeaderName, String); 1], Json<Applied>)> {
     let (summary, tag) = change(&api, move |sh| {
         let mut tag = String::new();
-        let summary = apply::apply_edit(sh, &format!("api: DELETE /v1/rules/{name}"), |s| {
+        let summary = apply::apply_edit(sh, &format!("api: DELETE /v1/rules/{name:?}"), |s| {
             if_match(&headers, &s.text)?;
             let text = document::remove_rule(&s.text, &name)?;
             tag = etag(&text);

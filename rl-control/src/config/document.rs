@@ -107,6 +107,25 @@ pub fn from_json(json: &serde_json::Value) -> Result<String, EditError> {
     Ok(out)
 }
 
+/// `text` with the `[[ban]]`s of `current` when it has no `ban` of its
+/// own: rules put from elsewhere (a config manager's file, which knows
+/// nothing of bans) keep the bans in force; `ban = []` (JSON `"bans": []`,
+/// as `GET /v1/rules` answers with none) lifts them. A `text` that does not
+/// parse is left for the loader to report.
+pub fn keep_bans(text: String, current: &str) -> Result<String, EditError> {
+    let Ok(mut doc) = text.parse::<DocumentMut>() else {
+        return Ok(text);
+    };
+    if doc.contains_key("ban") {
+        return Ok(text);
+    }
+    let Some(bans) = parse(current)?.remove("ban") else {
+        return Ok(text);
+    };
+    doc.insert("ban", bans);
+    Ok(doc.to_string())
+}
+
 fn parse(text: &str) -> Result<DocumentMut, EditError> {
     text.parse::<DocumentMut>()
         .map_err(|e| EditError::Invalid(format!("the current rule file does not parse: {e}")))
@@ -303,6 +322,39 @@ mod tests {
     use crate::config::Config;
 
     const FILE: &str = "# our limits\n[default]\nrate = 100 # per source\n\n[[rule]]\nname = \"ssh\"\nproto = \"tcp\"\ndst_ports = [22]\nrate = 5\n";
+
+    /// Rules put without bans keep the bans in force; `ban = []` (or a
+    /// list of its own) replaces them; a body that does not parse is left
+    /// for the loader to report.
+    #[test]
+    fn rules_put_without_bans_keep_the_bans_in_force() {
+        let current = set_ban(FILE, "198.51.100.0/24", 4_000_000_000, "scan")
+            .unwrap()
+            .0;
+        let kept = keep_bans("[default]\nrate = 7\n".into(), &current).unwrap();
+        let c = Config::from_str(&kept, "x").unwrap();
+        assert_eq!(c.bans.len(), 1, "{kept}");
+        assert_eq!(c.bans[0].until, 4_000_000_000);
+        let lifted = keep_bans("ban = []\n[default]\nrate = 7\n".into(), &current).unwrap();
+        assert!(
+            Config::from_str(&lifted, "x").unwrap().bans.is_empty(),
+            "{lifted}"
+        );
+        let json = from_json(&serde_json::json!({"default": {"rate": 7}, "bans": []})).unwrap();
+        let lifted = keep_bans(json, &current).unwrap();
+        assert!(
+            Config::from_str(&lifted, "x").unwrap().bans.is_empty(),
+            "{lifted}"
+        );
+        assert_eq!(
+            keep_bans("[default\n".into(), &current).unwrap(),
+            "[default\n"
+        );
+        assert_eq!(
+            keep_bans("[default]\nrate = 7\n".into(), FILE).unwrap(),
+            "[default]\nrate = 7\n"
+        );
+    }
 
     #[test]
     fn adding_and_removing_a_rule_keeps_comments_and_validates() {

@@ -119,6 +119,16 @@ pub fn apply<E: From<ApplyError>>(
             s.stamp = Some(st);
         }
     }
+    if let (Err(ApplyError::Conflict(_)), Some(p)) = (&result, &path) {
+        if file_stamp(p) == s.seen {
+            // Read already, and refused: not an edit waiting to be applied.
+            return Err(ApplyError::Conflict(format!(
+                "{} does not load (`rl-control status` shows why), so the daemon runs the rules it had before: fix the file, then repeat this change",
+                p.display()
+            ))
+            .into());
+        }
+    }
     let (summary, config, text, written) = result?;
     if persist && path.is_some() {
         // The stamp of the file as written (an edit after it is seen by

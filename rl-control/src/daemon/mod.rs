@@ -584,14 +584,20 @@ async fn until_stopped(
                 missing = tokio::task::spawn_blocking(move || {
                     crate::daemon::apply::expire_bans(&st);
                     let Some(path) = watched else { return false };
-                    let now = file_stamp(&path);
+                    // Read with changes held off: an API change writes the
+                    // file before it records what it wrote, and its own
+                    // write must not read as an edit on disk.
+                    let (now, seen) = {
+                        let _held = crate::daemon::apply::hold_changes();
+                        (file_stamp(&path), lock(&st).seen)
+                    };
                     if now.is_none() {
                         if !was_missing {
                             warn!(config = %path.display(), "the config file is gone: the rules in force stay; restore it (it is reloaded when it returns)");
                         }
                         return true;
                     }
-                    if now != lock(&st).seen || was_missing {
+                    if now != seen || was_missing {
                         info!("the config file changed on disk: reloading");
                         let _ = crate::daemon::apply::reload_file(&st, "file change");
                     }
