@@ -100,6 +100,27 @@ pub fn redacted(url: &str) -> String {
     }
 }
 
+/// `text` with every URL in it (`scheme://…` up to a quote or space)
+/// [`redacted`]: for what must not reveal a password, or let anyone test
+/// guesses of it.
+pub fn redacted_in(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(i) = rest.find("://") {
+        let start = rest[..i]
+            .rfind(|c: char| !(c.is_ascii_alphanumeric() || c == '+'))
+            .map_or(0, |j| j + 1);
+        let end = rest[i..]
+            .find(|c: char| c == '"' || c == '\'' || c.is_whitespace())
+            .map_or(rest.len(), |j| i + j);
+        out.push_str(&rest[..start]);
+        out.push_str(&redacted(&rest[start..end]));
+        rest = &rest[end..];
+    }
+    out.push_str(rest);
+    out
+}
+
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct RawCluster {
@@ -275,6 +296,14 @@ mod tests {
             super::redacted("unix:///run/redis.sock"),
             "unix:///run/redis.sock"
         );
+        // Every URL of a text, wherever it is quoted.
+        assert_eq!(
+            super::redacted_in(
+                "redis = [\"redis://a:s3cret@h:1\", 'rediss://:x@h2']\n# http://u:p@w\n"
+            ),
+            "redis = [\"redis://a:***@h:1\", 'rediss://:***@h2']\n# http://u:***@w\n"
+        );
+        assert_eq!(super::redacted_in("no url: here"), "no url: here");
     }
 
     #[test]

@@ -51,7 +51,65 @@ pub fn to_json(text: &str) -> serde_json::Value {
         }
     }
     rename(&mut v, true);
+    // One admin token must not hand out the Redis password every host of
+    // the cluster shares: shown as `***` ([`with_secrets_of`] puts it back).
+    if let Some(urls) = v
+        .pointer_mut("/cluster/redis")
+        .and_then(|u| u.as_array_mut())
+    {
+        for u in urls {
+            if let Some(url) = u.as_str() {
+                *u = crate::cluster::settings::redacted(url).into();
+            }
+        }
+    }
     v
+}
+
+/// `text` with each `[cluster] redis` URL that reads as one of `current`'s
+/// with its password shown as `***` given that URL back: what `GET
+/// /v1/rules` answered can be put back as is.
+pub fn with_secrets_of(text: String, current: &str) -> String {
+    let urls = |doc: &DocumentMut| -> Vec<String> {
+        doc.get("cluster")
+            .and_then(|c| c.get("redis"))
+            .and_then(Item::as_array)
+            .map(|a| {
+                a.iter()
+                    .filter_map(|u| u.as_str().map(String::from))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let (Ok(mut doc), Ok(cur)) = (text.parse::<DocumentMut>(), current.parse::<DocumentMut>())
+    else {
+        return text;
+    };
+    let known = urls(&cur);
+    let mut changed = false;
+    if let Some(list) = doc
+        .get_mut("cluster")
+        .and_then(|c| c.get_mut("redis"))
+        .and_then(Item::as_array_mut)
+    {
+        for u in list.iter_mut() {
+            let Some(shown) = u.as_str().filter(|s| s.contains("***")) else {
+                continue;
+            };
+            if let Some(real) = known
+                .iter()
+                .find(|k| crate::cluster::settings::redacted(k) == shown)
+            {
+                *u = real.as_str().into();
+                changed = true;
+            }
+        }
+    }
+    if changed {
+        doc.to_string()
+    } else {
+        text
+    }
 }
 
 /// TOML text for a JSON document (validated afterwards by the caller):
@@ -322,6 +380,24 @@ mod tests {
     use crate::config::Config;
 
     const FILE: &str = "# our limits\n[default]\nrate = 100 # per source\n\n[[rule]]\nname = \"ssh\"\nproto = \"tcp\"\ndst_ports = [22]\nrate = 5\n";
+
+    /// The Redis password is not shown, and what was shown can be put back.
+    #[test]
+    fn redis_passwords_are_shown_as_stars_and_put_back() {
+        let file = "[default]\nrate = 5\n[cluster]\nredis = [\"redis://rl:s3cret@10.0.0.5:6379\"]\nnode = \"a\"\n";
+        let json = to_json(file);
+        assert_eq!(json["cluster"]["redis"][0], "redis://rl:***@10.0.0.5:6379");
+        assert!(!json.to_string().contains("s3cret"));
+        let back = with_secrets_of(from_json(&json).unwrap(), file);
+        let c = Config::from_str(&back, "x").unwrap();
+        assert_eq!(
+            c.cluster.unwrap().redis,
+            ["redis://rl:s3cret@10.0.0.5:6379"]
+        );
+        // Another host's URL with stars is not one of ours: left as sent.
+        let other = "[cluster]\nredis = [\"redis://rl:***@10.0.0.6:6379\"]\n";
+        assert_eq!(with_secrets_of(other.into(), file), other);
+    }
 
     /// Rules put without bans keep the bans in force; `ban = []` (or a
     /// list of its own) replaces them; a body that does not parse is left
