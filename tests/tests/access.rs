@@ -304,7 +304,37 @@ fn tcp_is_refused_without_a_private_token_and_guards_every_change_with_it() {
         );
     }
     assert_eq!(m("GET", "/v1/status"), 404);
+    // Whoever reaches the port cannot take the daemon's open files: past
+    // 256 open connections a new one is closed at once, and served again
+    // once some close.
+    let mut idle = lab
+        .b
+        .run(|| {
+            (0..256)
+                .map(|_| Ok(std::net::TcpStream::connect("127.0.0.1:9101")?))
+                .collect::<anyhow::Result<Vec<_>>>()
+        })
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let over = request_tcp(&lab.b, "127.0.0.1:9101", "GET", "/metrics", None, None);
+    assert!(
+        over.as_ref().map_or(true, |a| a.status != 200),
+        "a connection past the cap was served"
+    );
+    assert_eq!(
+        tcp("GET", "/healthz", None, None).status,
+        200,
+        "the admin port has its own cap"
+    );
+    idle.truncate(200);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert_eq!(m("GET", "/metrics"), 200, "served again once some closed");
+    drop(idle);
     let log = d.log();
+    assert!(
+        log.contains("256 connections open: closing new ones"),
+        "{log}"
+    );
     assert!(!log.contains(TOKEN), "the token appears in the log:\n{log}");
     let (status, log) = d.stop(libc::SIGTERM).unwrap();
     assert!(status.success(), "{log}");

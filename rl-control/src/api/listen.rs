@@ -222,24 +222,67 @@ pub fn serve(l: Listeners, state: Shared) -> (Vec<tokio::task::JoinHandle<()>>, 
             state: state.clone(),
             token: l.token.clone(),
         });
-        tasks.push(tokio::spawn(async move {
-            if let Err(e) = axum::serve(listener, app).await {
-                error!("the admin API (TCP) stopped: {e}");
-            }
-        }));
+        tasks.push(tokio::spawn(serve_tcp(listener, app, "the admin API")));
         info!("admin API on http://{addr} (bearer token required for /v1)");
     }
     if let Some(listener) = l.metrics {
         let addr = at(&listener);
         let app = metrics_router(Api { state, token: None });
-        tasks.push(tokio::spawn(async move {
-            if let Err(e) = axum::serve(listener, app).await {
-                error!("the metrics listener stopped: {e}");
-            }
-        }));
+        tasks.push(tokio::spawn(serve_tcp(
+            listener,
+            app,
+            "the metrics listener",
+        )));
         info!("metrics on http://{addr}/metrics (read-only, no token)");
     }
     (tasks, l.socket_file)
+}
+
+/// Open connections one TCP listener holds at most: far more than scrapers
+/// and admin clients need, and far fewer than the daemon's open files,
+/// which its maps and files need too.
+const MAX_TCP_CONNECTIONS: usize = 256;
+
+/// Serves `app` on a TCP listener: past [`MAX_TCP_CONNECTIONS`] open ones a
+/// new connection is closed at once (warned at most once a minute), and a
+/// client that does not send its request head within 30 s is dropped, so
+/// whoever can reach the port (before any token is checked) cannot take
+/// the daemon's open files.
+async fn serve_tcp(listener: TcpListener, app: axum::Router, what: &'static str) {
+    let open = Arc::new(tokio::sync::Semaphore::new(MAX_TCP_CONNECTIONS));
+    let mut warned: Option<std::time::Instant> = None;
+    loop {
+        let (s, peer) = match listener.accept().await {
+            Ok(c) => c,
+            Err(e) => {
+                // Out of file descriptors, say: serve the open connections
+                // and try again shortly.
+                tracing::warn!("{what}: accepting a connection failed: {e}; retrying in 100 ms");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Ok(permit) = open.clone().try_acquire_owned() else {
+            if warned.is_none_or(|t| t.elapsed() >= std::time::Duration::from_secs(60)) {
+                warned = Some(std::time::Instant::now());
+                tracing::warn!("{what}: {MAX_TCP_CONNECTIONS} connections open: closing new ones (this one from {peer}) until some close");
+            }
+            continue;
+        };
+        let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+        tokio::spawn(async move {
+            let mut http = hyper::server::conn::http1::Builder::new();
+            http.timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(std::time::Duration::from_secs(30));
+            if let Err(e) = http
+                .serve_connection(hyper_util::rt::TokioIo::new(s), svc)
+                .await
+            {
+                tracing::debug!("{what}: a connection from {peer} ended: {e}");
+            }
+            drop(permit);
+        });
+    }
 }
 
 /// Removes the socket file when the daemon exits, then lets the runtime
