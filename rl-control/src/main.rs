@@ -141,9 +141,9 @@ enum Command {
     ///
     /// Example: rl-control top -n 20
     Top {
-        /// How many.
-        #[arg(short = 'n', long, default_value_t = 10)]
-        count: usize,
+        /// How many (1 ..= 1000).
+        #[arg(short = 'n', long, default_value_t = 10, value_parser = clap::value_parser!(u16).range(1..=1000))]
+        count: u16,
         #[command(flatten)]
         remote: Remote,
     },
@@ -151,9 +151,9 @@ enum Command {
     /// forged sources shows, by rule and prefix (those sources have no buckets of their own to rank
     /// in `top`).
     Cells {
-        /// How many (at most 100).
-        #[arg(short = 'n', long, default_value_t = 10)]
-        count: usize,
+        /// How many (1 ..= 100).
+        #[arg(short = 'n', long, default_value_t = 10, value_parser = clap::value_parser!(u16).range(1..=100))]
+        count: u16,
         #[command(flatten)]
         remote: Remote,
     },
@@ -161,9 +161,9 @@ enum Command {
     /// host's (flood mode, full tables, wide cells by rule, the cluster's health), which the first
     /// kind never pushes out.
     Events {
-        /// How many.
-        #[arg(short = 'n', long, default_value_t = 20)]
-        count: usize,
+        /// How many (1 ..= 1256).
+        #[arg(short = 'n', long, default_value_t = 20, value_parser = clap::value_parser!(u16).range(1..=1256))]
+        count: u16,
         #[command(flatten)]
         remote: Remote,
     },
@@ -195,24 +195,44 @@ enum Command {
         #[command(flatten)]
         remote: Remote,
     },
-    /// Drop everything from a prefix for a while (lifts by itself; kept
-    /// across restarts).
+    /// Drop everything from a prefix for a while. The ban lifts by itself
+    /// at its end (in the kernel too: also while no daemon runs), is kept
+    /// in the rule file across restarts, and an `[[allow]]` CIDR still wins
+    /// over it. A ban of a prefix banned longer already keeps the longer
+    /// end: unban it first to shorten it.
     ///
     /// Example: rl-control ban 198.51.100.0/24 --ttl 10m --reason "scanner"
+    /// Example: rl-control ban 2001:db8:bad::/48 --ttl 1d
     Ban {
-        /// An IPv4 or IPv6 prefix.
+        /// An IPv4 or IPv6 prefix (an address alone is its /32 or /128).
         cidr: String,
-        /// How long: "90s", "10m", "1h", "1d".
-        #[arg(long, value_name = "DURATION")]
-        ttl: String,
-        /// Why (shown by `GET /v1/bans` and kept in the rule file).
+        /// How long: "90s", "10m", "1h", "1d" (at most 366d).
+        #[arg(long, value_name = "DURATION", value_parser = parse_ttl)]
+        ttl: u64,
+        /// Why (shown by `rl-control bans` and kept in the rule file; at
+        /// most 1,024 bytes).
         #[arg(long, default_value = "")]
         reason: String,
+        /// Ban a prefix broader than /8 (IPv4) or /16 (IPv6), which drops
+        /// most of the Internet, this host's management traffic included
+        /// unless an `[[allow]]` covers it.
+        #[arg(long)]
+        force: bool,
         #[command(flatten)]
         remote: Remote,
     },
-    /// Lift a ban now.
+    /// The bans in force: prefix, time left, end and reason.
+    ///
+    /// Example: rl-control bans
+    Bans {
+        #[command(flatten)]
+        remote: Remote,
+    },
+    /// Lift a ban now (a prefix as `rl-control bans` lists it).
+    ///
+    /// Example: rl-control unban 198.51.100.0/24
     Unban {
+        /// The banned prefix.
         cidr: String,
         #[command(flatten)]
         remote: Remote,
@@ -227,6 +247,15 @@ enum Command {
         /// Rule file (TOML).
         file: PathBuf,
     },
+}
+
+/// `--ttl`: a duration ("10m"), at most 366 days, in seconds.
+fn parse_ttl(text: &str) -> Result<u64, String> {
+    let secs = rl_control::config::units::parse_duration(text)?;
+    if !(1..=366 * 86_400).contains(&secs) {
+        return Err("a ban lasts 1s ..= 366d".into());
+    }
+    Ok(secs)
 }
 
 /// One API call, printed as a table or JSON.
@@ -249,6 +278,13 @@ fn remote_call(
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if !matches!(cli.command, Command::Run { .. }) {
+        // A client's output piped into `head` ends it quietly, as for any
+        // Unix tool, instead of a panic on the closed pipe. (Not the
+        // daemon: a log reader gone must not end enforcement.)
+        // SAFETY: setting a signal's disposition to its default.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -321,13 +357,13 @@ fn main() -> ExitCode {
             cidr,
             ttl,
             reason,
+            force,
             remote,
-        } => rl_control::config::units::parse_duration(&ttl)
-            .map_err(|e| anyhow::anyhow!("--ttl {ttl}: {e}"))
-            .and_then(|secs| {
-                let body = serde_json::json!({ "cidr": cidr, "ttl_secs": secs, "reason": reason });
-                remote_call(&remote, "POST", "/v1/bans", Some(&body), cli::ban)
-            }),
+        } => {
+            let body = serde_json::json!({ "cidr": cidr, "ttl_secs": ttl, "reason": reason, "force": force });
+            remote_call(&remote, "POST", "/v1/bans", Some(&body), cli::ban)
+        }
+        Command::Bans { remote } => remote_call(&remote, "GET", "/v1/bans", None, cli::bans),
         Command::Unban { cidr, remote } => remote_call(
             &remote,
             "DELETE",

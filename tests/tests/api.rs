@@ -544,6 +544,14 @@ fn a_ban_drops_at_once_lifts_after_its_ttl_and_is_kept_across_a_restart() {
     let bans = get(&lab.b, "/v1/bans").json();
     assert_eq!(bans[0]["cidr"], cidr.as_str());
     assert_eq!(bans[0]["reason"], "test");
+    let (status, out) = run_once(Some(&lab.b), &["bans"]).unwrap();
+    assert!(
+        status.success() && out.contains(&cidr) && out.contains("test"),
+        "{out}"
+    );
+    // Bad input stops at the CLI (exit 2) before the daemon is asked.
+    let (status, out) = run_once(Some(&lab.b), &["ban", &cidr, "--ttl", "400d"]).unwrap();
+    assert_eq!(status.code(), Some(2), "{out}");
     assert!(std::fs::read_to_string(&cfg).unwrap().contains("[[ban]]"));
     assert_eq!(
         parse_prometheus(&get(&lab.b, "/metrics").body)["rl_active_bans"],
@@ -618,10 +626,18 @@ fn a_ban_drops_at_once_lifts_after_its_ttl_and_is_kept_across_a_restart() {
         json!({"cidr": "10.0.0.0/8", "ttl_secs": 0}),
         json!({"cidr": "10.0.0.0/8"}),
         json!({"cidr": "10.0.0.0/8", "ttl_secs": 5, "reason": "x".repeat(1025)}),
+        // Most of the Internet, the host's own management included: only
+        // with force.
+        json!({"cidr": "0.0.0.0/0", "ttl_secs": 5}),
+        json!({"cidr": "10.0.0.0/7", "ttl_secs": 5}),
+        json!({"cidr": "::/0", "ttl_secs": 5}),
+        json!({"cidr": "2001::/15", "ttl_secs": 5}),
     ] {
         let a = request(&lab.b, "POST", "/v1/bans", json(&bad), None).unwrap();
         assert_eq!(a.status, 400, "{bad}: {}", a.body);
     }
+    let (status, out) = run_once(Some(&lab.b), &["ban", "0.0.0.0/0", "--ttl", "5s"]).unwrap();
+    assert!(status.code() == Some(1) && out.contains("--force"), "{out}");
     stop(d);
     let d = start(&lab, &cfg, &[]);
     assert_eq!(

@@ -130,13 +130,29 @@ fn connections_are_dealt_over_the_threads_which_share_one_set_of_buckets() {
                 conns[0].raw(RLS, huge.into()).await?.0,
             ];
             codes.push(conns[0].call(encode(&request("v"))).await?);
-            opened.send((codes, bad))?;
+            // gRPC's health service, as Envoy's gRPC health checks ask it.
+            const HEALTH: &str = "/grpc.health.v1.Health/Check";
+            let health = [
+                conns[1].raw(HEALTH, frame(&[0, 0, 0, 0, 0])).await?,
+                conns[2]
+                    .raw(
+                        HEALTH,
+                        frame(b"\0\0\0\0\x2d\x0a\x2benvoy.service.ratelimit.v3.RateLimitService"),
+                    )
+                    .await?,
+                conns[3]
+                    .raw(HEALTH, frame(&[0, 0, 0, 0, 3, 0x0a, 1, b'x']))
+                    .await?,
+            ];
+            let health: Vec<(String, Vec<u8>)> =
+                health.into_iter().map(|(c, d)| (c, d.to_vec())).collect();
+            opened.send((codes, bad, health))?;
             let _ = closing.recv();
             drop(conns);
             Ok::<_, anyhow::Error>(())
         })
     });
-    let (codes, bad) = wait_open
+    let (codes, bad, health) = wait_open
         .recv_timeout(Duration::from_secs(10))
         .expect("the client did not finish its calls");
     assert_eq!(
@@ -156,7 +172,19 @@ fn connections_are_dealt_over_the_threads_which_share_one_set_of_buckets() {
     assert_eq!(codes[4], Code::Ok, "a connection serves on after bad calls");
     // Envoy lets a refused call's request through: each is counted by code.
     let m = parse_prometheus(&get(&lab.b, "/metrics").body);
-    for (code, n) in [("13", 4.0), ("3", 1.0), ("12", 3.0), ("8", 1.0)] {
+    let serving = vec![0u8, 0, 0, 0, 2, 0x08, 0x01];
+    assert_eq!(
+        health,
+        [
+            ("0".to_string(), serving.clone()),
+            ("0".to_string(), serving),
+            ("5".to_string(), vec![])
+        ],
+        "health: SERVING for the server and the rate-limit service, NOT_FOUND else"
+    );
+    // Calls of the rate-limit method only (not the unknown methods, nor the
+    // health checks): a refused one is a request Envoy let through.
+    for (code, n) in [("13", 4.0), ("3", 1.0), ("12", 1.0), ("8", 1.0), ("4", 0.0)] {
         let name = format!("rl_l7_refused_total{{api=\"grpc\",code=\"{code}\"}}");
         assert_eq!(m.get(&name).copied(), Some(n), "{name}");
     }

@@ -215,6 +215,9 @@ until = {late}
 [[ban]]
 cidr = "2001:db8:2::/48"
 until = {end}
+[[ban]]
+cidr = "10.16.0.0/12"
+until = {end}
 
 [[rule]]
 name = "listed"
@@ -234,9 +237,11 @@ per = "1d"
             offer(dp, &udp4([203, 0, 113, 5]), 2),
             offer(dp, &udp4([192, 0, 2, 5]), 2),
             offer(dp, &udp4(allowed), 2),
+            // A /12: decided by the first level alone (no trie walk).
+            offer(dp, &udp4([10, 17, 1, 1]), 2),
         ]
     };
-    let during = [(0, 2), (0, 2), (0, 2), (0, 2), (0, 2), (2, 0)];
+    let during = [(0, 2), (0, 2), (0, 2), (0, 2), (0, 2), (2, 0), (0, 2)];
     assert_eq!(banned(&dp), during, "while the bans hold");
     // The nested ban's own end passes: the longer ban around it holds.
     let wait_until = |t: u64| {
@@ -251,7 +256,7 @@ per = "1d"
     wait_until(end);
     assert_eq!(
         banned(&dp),
-        [(1, 1), (2, 0), (2, 0), (0, 2), (0, 2), (2, 0)],
+        [(1, 1), (2, 0), (2, 0), (0, 2), (0, 2), (2, 0), (2, 0)],
         "after the ban's end: its sources pass, the listed one under its rule"
     );
     assert_eq!(charged(&dp, "listed"), 2);

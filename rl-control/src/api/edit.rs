@@ -233,7 +233,15 @@ pub struct NewBan {
     pub ttl_secs: u64,
     #[serde(default)]
     pub reason: String,
+    /// Needed for a prefix broader than /8 (IPv4) or /16 (IPv6): such a
+    /// ban drops most of the Internet, this host's own management traffic
+    /// included unless an `[[allow]]` covers it.
+    #[serde(default)]
+    pub force: bool,
 }
+
+/// The broadest prefixes a ban takes without `force` (IPv4, IPv6).
+pub const BROADEST_BAN: (u8, u8) = (8, 16);
 
 #[derive(Serialize, Deserialize, ToSchema, Debug)]
 pub struct BanView {
@@ -264,6 +272,17 @@ pub(super) async fn post_ban(
     })?;
     let cidr = parse_cidr(&ban.cidr)
         .map_err(|m| ApiError(StatusCode::BAD_REQUEST, format!("cidr: {m}")))?;
+    let broadest = if cidr.addr.is_ipv4() {
+        BROADEST_BAN.0
+    } else {
+        BROADEST_BAN.1
+    };
+    if cidr.len < broadest && !ban.force {
+        return Err(ApiError(
+            StatusCode::BAD_REQUEST,
+            format!("{cidr} is broader than /{broadest}: it would drop most of the Internet, this host's own management traffic included unless an [[allow]] covers it; ban narrower prefixes, or send \"force\": true (rl-control ban --force) if you mean it"),
+        ));
+    }
     if !(1..=MAX_BAN_SECS).contains(&ban.ttl_secs) {
         return Err(ApiError(
             StatusCode::BAD_REQUEST,

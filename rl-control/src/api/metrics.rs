@@ -280,7 +280,9 @@ fn requests(out: &mut String, s: &State) {
     );
     for (code, c) in crate::l7::GRPC_REFUSED.iter().enumerate() {
         let v = c.load(std::sync::atomic::Ordering::Relaxed);
-        if v > 0 {
+        // The codes the service answers are always exported (a series
+        // that appears at its first count hides that count from increase()).
+        if v > 0 || [3, 4, 8, 12, 13].contains(&code) {
             let _ = writeln!(
                 out,
                 "rl_l7_refused_total{{api=\"grpc\",code=\"{code}\"}} {v}"

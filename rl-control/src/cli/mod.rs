@@ -45,6 +45,9 @@ impl Client {
             None => None,
         };
         let to = match api {
+            Some(api) if api.starts_with("https://") => bail!(
+                "--api {api}: rl-control speaks plain HTTP to the daemon (its [api] listen, which belongs on loopback or a private network); reach a remote daemon through an SSH tunnel, or use curl through your TLS proxy"
+            ),
             Some(api) => To::Tcp {
                 base: if api.contains("://") {
                     api.trim_end_matches('/').to_string()
@@ -68,6 +71,9 @@ impl Client {
                 let content = bytes.as_deref().map(|b| ("application/json", b));
                 unix_request(sock, method, path, content, self.token.as_deref()).map_err(|e| {
                     let hint = match e.kind() {
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+                            "no answer within 30 s: the daemon is busy or stuck, and a change may still take effect (check `rl-control status` and the daemon's log)"
+                        }
                         std::io::ErrorKind::PermissionDenied => "only root may use the admin socket",
                         std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused => {
                             "is rl-control running? (start it with `rl-control run`; point --runtime-dir at its runtime directory)"
@@ -754,6 +760,28 @@ pub fn ban(v: &Value) -> String {
             .filter(|r| !r.is_empty())
             .map_or(String::new(), |r| format!(": {r}"))
     )
+}
+
+/// `GET /v1/bans` as a table: prefix, time left, end, reason.
+pub fn bans(v: &Value) -> String {
+    let rows: Vec<Vec<String>> = v
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|b| {
+            let left = b["ttl_secs"].as_u64().unwrap_or(0);
+            vec![
+                s(&b["cidr"]),
+                format!("{}h{:02}m{:02}s", left / 3600, left / 60 % 60, left % 60),
+                s(&b["until"]),
+                b["reason"].as_str().unwrap_or("").to_string(),
+            ]
+        })
+        .collect();
+    if rows.is_empty() {
+        return "no bans in force\n".into();
+    }
+    table(&["PREFIX", "LEFT", "UNTIL (Unix)", "REASON"], &rows)
 }
 
 /// `text` percent-encoded for a path segment or a query value: every byte

@@ -106,6 +106,20 @@ pub fn apply<E: From<ApplyError>>(
         crate::l7::engine::Engine::new(&config.l7, offset, Some(&old)).with_cluster(cluster)
     });
     let mut s = lock(shared);
+    if let (Err(ApplyError::Conflict(_)), Some(p)) = (&result, &path) {
+        if file_stamp(p) == s.seen {
+            // Read already, and refused: not an edit waiting to be applied.
+            // Counted, but the last reload's record keeps why the file was
+            // refused.
+            let e = ApplyError::Conflict(format!(
+                "{} does not load (`rl-control status` shows why), so the daemon runs the rules it had before: fix the file, then repeat this change",
+                p.display()
+            ));
+            s.reloads_failed += 1;
+            error!("{trigger}: refused: {e}");
+            return Err(e.into());
+        }
+    }
     record(
         &mut s,
         trigger,
@@ -117,16 +131,6 @@ pub fn apply<E: From<ApplyError>>(
         s.seen = Some(st);
         if result.is_ok() {
             s.stamp = Some(st);
-        }
-    }
-    if let (Err(ApplyError::Conflict(_)), Some(p)) = (&result, &path) {
-        if file_stamp(p) == s.seen {
-            // Read already, and refused: not an edit waiting to be applied.
-            return Err(ApplyError::Conflict(format!(
-                "{} does not load (`rl-control status` shows why), so the daemon runs the rules it had before: fix the file, then repeat this change",
-                p.display()
-            ))
-            .into());
         }
     }
     let (summary, config, text, written) = result?;
@@ -415,9 +419,15 @@ fn install(
         // An edit that landed while this change was installed is not
         // written over: the file keeps it, and the old rules go back.
         let placed = match file_stamp(p) == stamp {
-            true => staged
-                .commit()
-                .map_err(|e| ApplyError::Unwritable(format!("cannot write {}: {e}", p.display()))),
+            true => {
+                // Seen before it is in place, so the watcher never reads
+                // this change's own write as an edit on disk.
+                let before = std::mem::replace(&mut lock(shared).seen, staged.stamp());
+                staged.commit().map_err(|e| {
+                    lock(shared).seen = before;
+                    ApplyError::Unwritable(format!("cannot write {}: {e}", p.display()))
+                })
+            }
             false => Err(ApplyError::Conflict(conflict(p))),
         };
         match placed {
@@ -529,6 +539,24 @@ pub fn expire_bans(shared: &Shared) {
     let pending = {
         let s = lock(shared);
         if !s.config.bans.iter().any(|b| b.until <= now) {
+            let stepped = s.dp.ban_clock_stepped();
+            drop(s);
+            if stepped {
+                // The kernel ends bans by ktime, converted from the wall
+                // clock: after a step, convert them again.
+                let _ = apply(
+                    shared,
+                    "the wall clock stepped: the bans' ends rewritten",
+                    |s| {
+                        Ok::<_, ApplyError>(Change {
+                            text: s.text.to_string(),
+                            origin: s.origin(),
+                            persist: false,
+                            read_as: None,
+                        })
+                    },
+                );
+            }
             return;
         }
         s.path.as_deref().is_some_and(|p| file_stamp(p) != s.stamp)
@@ -649,6 +677,11 @@ impl Staged {
         // back from the path, where an edit may land after the rename.
         staged.stamp = crate::daemon::state::file_stamp(&staged.tmp);
         Ok(staged)
+    }
+
+    /// What the file's stamp will be once committed.
+    pub fn stamp(&self) -> Option<crate::daemon::state::FileStamp> {
+        self.stamp
     }
 
     /// Puts the text in place of the file; its stamp.

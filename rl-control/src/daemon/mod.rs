@@ -584,13 +584,9 @@ async fn until_stopped(
                 missing = tokio::task::spawn_blocking(move || {
                     crate::daemon::apply::expire_bans(&st);
                     let Some(path) = watched else { return false };
-                    // Read with changes held off: an API change writes the
-                    // file before it records what it wrote, and its own
-                    // write must not read as an edit on disk.
-                    let (now, seen) = {
-                        let _held = crate::daemon::apply::hold_changes();
-                        (file_stamp(&path), lock(&st).seen)
-                    };
+                    // (An API change records what it writes before it
+                    // renames it into place: its own write is not an edit.)
+                    let (now, seen) = (file_stamp(&path), lock(&st).seen);
                     if now.is_none() {
                         if !was_missing {
                             warn!(config = %path.display(), "the config file is gone: the rules in force stay; restore it (it is reloaded when it returns)");

@@ -37,6 +37,8 @@ pub struct Plan {
     bans_insert: Vec<(crate::config::units::Cidr, u64)>,
     decide_remove: Vec<u64>,
     decide_insert: Vec<(u64, u32)>,
+    /// The offset the bans' ends were converted with.
+    ban_offset_ns: u64,
     /// The config entry after the flip, but its slot word.
     config: DatapathConfig,
     /// The `CFG_*` bits of the rule set.
@@ -51,6 +53,8 @@ pub struct Basis {
     old: Arc<SlotContents>,
     clock: TickClock,
     epoch_offset_ns: u64,
+    /// The offset the bans' ends are converted with ([`ban_offset`]).
+    ban_offset_ns: u64,
     cell_slots_log2: u16,
     /// Possible CPUs (the per-CPU maps' width).
     cpus: usize,
@@ -84,6 +88,7 @@ impl Datapath {
             old: self.slots[slot as usize].clone(),
             clock: self.clock,
             epoch_offset_ns: self.epoch_offset_ns,
+            ban_offset_ns: ban_offset(self.ban_offset_ns, super::load::epoch_offset_ns()),
             cell_slots_log2: self.cell_slots_log2,
             cpus: self.cpus,
             held: self.held_ids.clone(),
@@ -158,6 +163,7 @@ impl Datapath {
         self.held_ids = Arc::new(held);
         written?;
         self.active = Some(slot);
+        self.ban_offset_ns = plan.ban_offset_ns;
         self.flipped_at = Instant::now();
         self.slots[slot as usize] = Arc::new(plan.next);
         Ok(())
@@ -573,7 +579,7 @@ impl Plan {
         let bans: Vec<_> = rules
             .bans
             .iter()
-            .map(|&(c, until)| (c, ktime_of(until, basis.epoch_offset_ns)))
+            .map(|&(c, until)| (c, ktime_of(until, basis.ban_offset_ns)))
             .collect();
         let (bans_remove, bans_insert) = sorted_diff(&old.bans, &bans);
         let mut decide: Vec<(u64, u32)> = rules
@@ -601,6 +607,7 @@ impl Plan {
             bans_insert,
             decide_remove,
             decide_insert,
+            ban_offset_ns: basis.ban_offset_ns,
             config,
             flags: rules.flags,
             next: SlotContents {
@@ -758,6 +765,18 @@ where
 /// The bans' tries, IPv4 then IPv6.
 const MAPS_BANS: [&str; 2] = [rl_common::MAP_BANS_V4, rl_common::MAP_BANS_V6];
 
+/// The offset to convert bans' ends with: the one in use, unless the wall
+/// clock has stepped more than a second away from it (`fresh`, measured
+/// now). Jitter alone never changes it, so an install rewrites no end that
+/// did not change.
+pub(super) fn ban_offset(in_use: u64, fresh: u64) -> u64 {
+    if (fresh.wrapping_sub(in_use) as i64).unsigned_abs() > 1_000_000_000 {
+        fresh
+    } else {
+        in_use
+    }
+}
+
 /// The ktime (ns) at Unix time `secs`, by the datapath's offset; 0 for a
 /// time before ktime's start, `u64::MAX` past its range.
 fn ktime_of(secs: u64, epoch_offset_ns: u64) -> u64 {
@@ -799,7 +818,28 @@ fn absent_ok(r: Result<(), aya::maps::MapError>) -> Result<(), aya::maps::MapErr
 
 #[cfg(test)]
 mod tests {
-    use super::{flood_cap_per_cpu, sorted_diff};
+    use super::{ban_offset, flood_cap_per_cpu, ktime_of, sorted_diff};
+
+    /// A ban's end follows a step of the wall clock, never its jitter.
+    #[test]
+    fn ban_ends_follow_a_stepped_wall_clock_only() {
+        let t = 1_700_000_000_000_000_000u64;
+        assert_eq!(ban_offset(t, t + 900_000_000), t, "jitter: kept");
+        assert_eq!(ban_offset(t, t - 900_000_000), t);
+        assert_eq!(
+            ban_offset(t, t + 5_000_000_000),
+            t + 5_000_000_000,
+            "stepped"
+        );
+        assert_eq!(ban_offset(t, t - 600_000_000_000), t - 600_000_000_000);
+        // 10 minutes from now, converted by a clock stepped back 10 minutes,
+        // ends 10 minutes later in ktime.
+        let until = 1_700_000_600;
+        assert_eq!(
+            ktime_of(until, t - 600_000_000_000) - ktime_of(until, t),
+            600_000_000_000
+        );
+    }
 
     #[test]
     fn a_sorted_diff_removes_what_went_and_writes_what_came_or_changed() {

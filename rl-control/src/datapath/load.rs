@@ -6,7 +6,7 @@ use super::*;
 
 /// Unix-epoch time minus `CLOCK_MONOTONIC` (the clock `bpf_ktime_get_ns`
 /// reads), in ns, modulo 2⁶⁴.
-fn epoch_offset_ns() -> u64 {
+pub(super) fn epoch_offset_ns() -> u64 {
     let mono = monotonic_ns();
     let real = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -209,6 +209,7 @@ impl Datapath {
             attachments: Vec::new(),
             clock: TickClock::default(),
             epoch_offset_ns: 0,
+            ban_offset_ns: epoch_offset_ns(),
             active: None,
             flipped_at: Instant::now(),
             slots: Default::default(),

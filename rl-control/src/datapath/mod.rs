@@ -286,6 +286,10 @@ pub struct Datapath {
     clock: TickClock,
     /// Unix-epoch ns minus ktime ns, for epoch-aligned windows.
     epoch_offset_ns: u64,
+    /// The same, as measured when the bans' ends in the active slot were
+    /// converted to ktime (fresh: the wall clock may have stepped since
+    /// load, and a ban ends by the wall clock).
+    ban_offset_ns: u64,
     /// The slot packets read now (`None` before the first install).
     active: Option<u32>,
     /// When the last flip happened: a slot is rewritten only after packets
@@ -434,6 +438,18 @@ impl Datapath {
     /// Unix-epoch ns minus ktime ns, as measured at load.
     pub fn epoch_offset_ns(&self) -> u64 {
         self.epoch_offset_ns
+    }
+
+    /// The wall clock has stepped by more than a second since the bans' ends
+    /// in force were converted to ktime: they end off by that much, until
+    /// an install converts them again.
+    pub fn ban_clock_stepped(&self) -> bool {
+        let holds_bans = self
+            .active
+            .is_some_and(|a| !self.slots[a as usize].bans.is_empty());
+        holds_bans
+            && install::ban_offset(self.ban_offset_ns, load::epoch_offset_ns())
+                != self.ban_offset_ns
     }
 
     /// The tick clock measured at load (`tick_ns` 0 if it could not be).

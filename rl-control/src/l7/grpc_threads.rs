@@ -165,7 +165,15 @@ async fn calls(s: TcpStream, svc: &grpc::Service) -> Result<(), String> {
 /// One unary call: reads its message, answers it, sends the answer (or a
 /// trailers-only failure).
 async fn call(svc: &grpc::Service, req: http::Request<RecvStream>, respond: SendResponse<Bytes>) {
-    let outcome = if req.uri().path() != PATH {
+    if req.uri().path() == HEALTH_CHECK {
+        let read = tokio::time::timeout(CALL_READ, message(req.into_body())).await;
+        return send(
+            respond,
+            health(read.unwrap_or(Err(Failure::new(Failure::DEADLINE_EXCEEDED, "")))),
+        );
+    }
+    let rls = req.uri().path() == PATH;
+    let outcome = if !rls {
         Err(Failure::new(
             Failure::UNIMPLEMENTED,
             format!(
@@ -196,7 +204,32 @@ async fn call(svc: &grpc::Service, req: http::Request<RecvStream>, respond: Send
             Err(f) => Err(f),
         }
     };
+    if let (true, Err(f)) = (rls, &outcome) {
+        super::refused("grpc", f.code, &f.message);
+    }
     send(respond, outcome);
+}
+
+/// gRPC's health service (`grpc.health.v1.Health/Check`), as Envoy's gRPC
+/// health checks and Kubernetes probes ask it: SERVING for the whole
+/// server (`""`) and for the rate-limit service, NOT_FOUND for any other.
+pub const HEALTH_CHECK: &str = "/grpc.health.v1.Health/Check";
+
+fn health(request: Result<Bytes, Failure>) -> Result<Bytes, Failure> {
+    let m = request?;
+    // HealthCheckRequest { string service = 1; } (names under 128 bytes).
+    let service = match &m[..] {
+        [] => "",
+        [0x0a, len, rest @ ..] if (*len as usize) == rest.len() => {
+            std::str::from_utf8(rest).unwrap_or("?")
+        }
+        _ => "?",
+    };
+    if !service.is_empty() && service != "envoy.service.ratelimit.v3.RateLimitService" {
+        return Err(Failure::new(5, format!("no service {service:?} here")));
+    }
+    // HealthCheckResponse { status: SERVING (1) }.
+    Ok(Bytes::from_static(&[0, 0, 0, 0, 2, 0x08, 0x01]))
 }
 
 /// The request's one gRPC message (length-prefixed, uncompressed), read to
@@ -298,7 +331,6 @@ fn send(mut respond: SendResponse<Bytes>, outcome: Result<Bytes, Failure>) {
             }
         }
         Err(f) => {
-            super::refused("grpc", f.code, &f.message);
             let h = head.headers_mut();
             h.insert("grpc-status", HeaderValue::from(f.code as u16));
             if let Ok(m) = HeaderValue::from_str(&percent_encoded(&f.message)) {

@@ -83,10 +83,14 @@ pub fn refused(api: &'static str, code: u8, why: &str) {
         "grpc" => (0, &GRPC_REFUSED[(code as usize).min(16)]),
         _ => (1, &HTTP_REFUSED),
     };
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
     counter.fetch_add(1, Relaxed);
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
+    // Seconds on the monotonic clock, from 60 so the first warns.
+    let now = 60
+        + START
+            .get_or_init(std::time::Instant::now)
+            .elapsed()
+            .as_secs();
     let last = WARNED_AT[slot].load(Relaxed);
     if now >= last + 60
         && WARNED_AT[slot]
