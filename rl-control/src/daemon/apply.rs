@@ -13,7 +13,7 @@
 use std::{
     path::{Path, PathBuf},
     sync::{Arc, Mutex},
-    time::Instant,
+    time::{Duration, Instant},
 };
 
 use tracing::{error, info, warn};
@@ -105,9 +105,13 @@ pub fn apply<E: From<ApplyError>>(
         };
         crate::l7::engine::Engine::new(&config.l7, offset, Some(&old)).with_cluster(cluster)
     });
+    let on_disk = match (&result, &path) {
+        (Err(ApplyError::Conflict(_)), Some(p)) => Some(file_stamp(p)),
+        _ => None,
+    };
     let mut s = lock(shared);
-    if let (Err(ApplyError::Conflict(_)), Some(p)) = (&result, &path) {
-        if file_stamp(p) == s.seen {
+    if let (Some(on_disk), Some(p)) = (on_disk, &path) {
+        if on_disk == s.seen {
             // Read already, and refused: not an edit waiting to be applied.
             // Counted, but the last reload's record keeps why the file was
             // refused.
@@ -535,7 +539,16 @@ pub fn reload_file(shared: &Shared, trigger: &str) -> Result<String, ApplyError>
 /// holds an edit not applied yet, in the datapath only (the file's expired
 /// ban is inert, and the edit is not overwritten).
 pub fn expire_bans(shared: &Shared) {
+    if !BAN_RETRY.lock().unwrap_or_else(|e| e.into_inner()).due() {
+        return;
+    }
     let now = unix_now();
+    let (path, stamp) = {
+        let s = lock(shared);
+        (s.path.clone(), s.stamp)
+    };
+    // Read without the state lock: a slow disk must not stall /healthz.
+    let on_disk = path.as_deref().map(file_stamp);
     let pending = {
         let s = lock(shared);
         if !s.config.bans.iter().any(|b| b.until <= now) {
@@ -544,7 +557,7 @@ pub fn expire_bans(shared: &Shared) {
             if stepped {
                 // The kernel ends bans by ktime, converted from the wall
                 // clock: after a step, convert them again.
-                let _ = apply(
+                let r = apply(
                     shared,
                     "the wall clock stepped: the bans' ends rewritten",
                     |s| {
@@ -556,10 +569,14 @@ pub fn expire_bans(shared: &Shared) {
                         })
                     },
                 );
+                BAN_RETRY
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .after(r.is_ok());
             }
             return;
         }
-        s.path.as_deref().is_some_and(|p| file_stamp(p) != s.stamp)
+        on_disk.is_some_and(|st| st != stamp)
     };
     let trigger = if pending {
         "ban(s) expired (lifted, the config file not written: it holds an edit not applied yet)"
@@ -587,9 +604,17 @@ pub fn expire_bans(shared: &Shared) {
     // datapath anyway, once, or the same failure would repeat every second.
     if matches!(r, Err(ApplyError::Unwritable(_))) {
         let trigger = "ban(s) expired (lifted, the config file not written: writing it failed)";
-        let _ = apply(shared, trigger, lift(false));
+        let r = apply(shared, trigger, lift(false));
+        BAN_RETRY
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .after(r.is_ok());
         return;
     }
+    BAN_RETRY
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .after(r.is_ok());
     // A failure before the install (the edit itself) is on no record: said
     // once per reason, since it is tried again every second and the
     // expired bans keep dropping meanwhile.
@@ -597,11 +622,39 @@ pub fn expire_bans(shared: &Shared) {
     let mut said = SAID.lock().unwrap_or_else(|e| e.into_inner());
     match r {
         Err(e) if said.as_deref() != Some(e.to_string().as_str()) => {
-            tracing::error!("expired bans cannot be lifted ({e}): they keep dropping until this is fixed (edit the file, then `rl-control reload`); tried again every second");
+            tracing::error!("expired bans cannot be lifted ({e}): the kernel ended them at their time, but the rules in force and the file still list them until this is fixed (edit the file, then `rl-control reload`); tried again, backing off to once a minute");
             *said = Some(e.to_string());
         }
         Ok(_) => *said = None,
         Err(_) => {}
+    }
+}
+
+/// When the periodic ban change may be tried next: after a failure, 1 s
+/// doubling to a minute, so a lasting failure (maps that refuse writes) is
+/// not logged and recorded as a failed reload every second.
+static BAN_RETRY: Mutex<Backoff> = Mutex::new(Backoff {
+    next: None,
+    delay: Duration::from_secs(1),
+});
+
+struct Backoff {
+    next: Option<Instant>,
+    delay: Duration,
+}
+
+impl Backoff {
+    fn due(&self) -> bool {
+        self.next.is_none_or(|t| Instant::now() >= t)
+    }
+
+    fn after(&mut self, ok: bool) {
+        if ok {
+            (self.next, self.delay) = (None, Duration::from_secs(1));
+        } else {
+            self.next = Some(Instant::now() + self.delay);
+            self.delay = (self.delay * 2).min(Duration::from_secs(60));
+        }
     }
 }
 
@@ -755,5 +808,36 @@ impl Drop for Staged {
         if !self.committed {
             let _ = std::fs::remove_file(&self.tmp);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A failing periodic change is tried again after 1, 2, 4 … s, at most
+    /// a minute apart, and at once after it works again.
+    #[test]
+    fn a_failing_ban_change_backs_off_to_a_minute() {
+        let mut b = Backoff {
+            next: None,
+            delay: Duration::from_secs(1),
+        };
+        assert!(b.due());
+        let mut waits = Vec::new();
+        for _ in 0..8 {
+            b.after(false);
+            assert!(!b.due(), "due again at once after a failure");
+            waits.push((b.next.unwrap() - Instant::now()).as_secs_f64().round() as u64);
+        }
+        assert_eq!(waits, [1, 2, 4, 8, 16, 32, 60, 60]);
+        b.after(true);
+        assert!(b.due());
+        b.after(false);
+        assert_eq!(
+            b.delay,
+            Duration::from_secs(2),
+            "back to 1 s after a success"
+        );
     }
 }

@@ -333,12 +333,40 @@ fn spawn_jobs(
     }
     match maps {
         Ok(ids) => {
-            let (walk, floods) = (
-                collect::watch_pressure(state.clone(), ids.clone()),
-                floods::watch_floods(state.clone(), ids),
-            );
+            let state = state.clone();
             Some(tokio::spawn(async move {
-                tokio::join!(walk, floods);
+                // Each reader loops for good; one that panics is reported
+                // failing and started again, never left dead while its
+                // health says all is well.
+                use futures_util::FutureExt;
+                let watch = |reader: collect::Reader| {
+                    let (state, ids) = (state.clone(), ids.clone());
+                    async move {
+                        loop {
+                            let run = match reader {
+                                collect::Reader::Walk => {
+                                    collect::watch_pressure(state.clone(), ids.clone()).boxed()
+                                }
+                                _ => floods::watch_floods(state.clone(), ids.clone()).boxed(),
+                            };
+                            let ended = std::panic::AssertUnwindSafe(run).catch_unwind().await;
+                            let why = match ended {
+                                Err(_) => "panicked",
+                                Ok(()) => "returned",
+                            };
+                            collect::tried(
+                                &mut lock(&state),
+                                reader,
+                                Err(format!("the reader {why}: started again in 1 s")),
+                            );
+                            tokio::time::sleep(Duration::from_secs(1)).await;
+                        }
+                    }
+                };
+                tokio::join!(
+                    watch(collect::Reader::Walk),
+                    watch(collect::Reader::FloodReading)
+                );
             }))
         }
         Err(e) => {
@@ -563,48 +591,79 @@ async fn until_stopped(
     stats_interval: Duration,
 ) -> Result<Signals> {
     let mut tick = tokio::time::interval(stats_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tick.tick().await;
-    let mut last = counters_or_warn(state);
+    let mut last = counters_or_warn(state).map(|c| (c, std::time::Instant::now()));
     let mut watch = tokio::time::interval(WATCH_INTERVAL);
+    watch.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // Whether the watched file was gone at the last look (warned once).
     let mut missing = false;
+    // The reload or file check running (on a blocking thread, which a slow
+    // disk or a long collector walk may hold): polled beside the signals,
+    // never waited for, so SIGTERM is acted on at once. `Some(missing)`
+    // from a file check.
+    let mut job: Option<tokio::task::JoinHandle<Option<bool>>> = None;
+    let mut hup = false;
     loop {
+        if hup && job.is_none() {
+            hup = false;
+            let st = state.clone();
+            job = Some(tokio::task::spawn_blocking(move || {
+                let _ = crate::daemon::apply::reload_file(&st, "SIGHUP");
+                None
+            }));
+        }
         tokio::select! {
             _ = signals.int.recv() => { info!("SIGINT received: stopping"); return Ok(signals); }
             _ = signals.term.recv() => { info!("SIGTERM received: stopping"); return Ok(signals); }
             _ = signals.hup.recv() => {
                 info!("SIGHUP received: reloading");
-                let st = state.clone();
-                let _ = tokio::task::spawn_blocking(move || crate::daemon::apply::reload_file(&st, "SIGHUP")).await;
+                hup = true;
             }
-            _ = watch.tick() => {
+            done = async { job.as_mut().expect("polled only while set").await }, if job.is_some() => {
+                job = None;
+                match done {
+                    Ok(Some(m)) => missing = m,
+                    Ok(None) => {}
+                    Err(e) => {
+                        // A panic: not retried every second on the same file.
+                        let now = watched.as_deref().and_then(file_stamp);
+                        lock(state).seen = now;
+                        tracing::error!("a reload or file check failed ({e}): the rules in force stay; tried again when the file changes or on SIGHUP");
+                    }
+                }
+            }
+            _ = watch.tick(), if job.is_none() => {
                 let st = state.clone();
                 let watched = watched.clone();
                 let was_missing = missing;
-                missing = tokio::task::spawn_blocking(move || {
+                job = Some(tokio::task::spawn_blocking(move || {
                     crate::daemon::apply::expire_bans(&st);
-                    let Some(path) = watched else { return false };
+                    let Some(path) = watched else { return Some(false) };
                     // (An API change records what it writes before it
                     // renames it into place: its own write is not an edit.)
-                    let (now, seen) = (file_stamp(&path), lock(&st).seen);
+                    let now = file_stamp(&path);
                     if now.is_none() {
                         if !was_missing {
                             warn!(config = %path.display(), "the config file is gone: the rules in force stay; restore it (it is reloaded when it returns)");
                         }
-                        return true;
+                        return Some(true);
                     }
-                    if now != seen || was_missing {
+                    if now != lock(&st).seen || was_missing {
                         info!("the config file changed on disk: reloading");
                         let _ = crate::daemon::apply::reload_file(&st, "file change");
                     }
-                    false
-                }).await.unwrap_or(was_missing);
+                    Some(false)
+                }));
             }
             _ = tick.tick() => {
                 let Some(now) = counters_or_warn(state) else { continue };
-                if let Some(last) = &last {
+                let at = std::time::Instant::now();
+                if let Some((last, then)) = &last {
                     let d = now.since(last);
-                    let secs = stats_interval.as_secs_f64();
+                    // The time that passed, not the interval: a stalled
+                    // tick must not overstate the rate.
+                    let secs = (at - *then).as_secs_f64().max(1e-3);
                     info!(
                         "last {:.0}s: passed {:.0} pkt/s, dropped {:.0} pkt/s; totals: {now}",
                         secs,
@@ -612,7 +671,7 @@ async fn until_stopped(
                         d.get(rl_common::STAT_DROPPED_PKTS) as f64 / secs,
                     );
                 }
-                last = Some(now);
+                last = Some((now, at));
             }
         }
     }
@@ -649,7 +708,9 @@ async fn forward_events(state: Shared, ring: aya::maps::RingBuf<aya::maps::MapDa
         }
         let mut s = lock(&state);
         collect::tried(&mut s, collect::Reader::Events, Ok(()));
-        let offset = s.dp.epoch_offset_ns();
+        // Dated by the wall clock as it reads now, as the host's notices
+        // are: they sort together even after a step of the clock.
+        let offset = crate::datapath::Datapath::wall_offset_ns();
         for e in got {
             let view = crate::daemon::state::EventView {
                 at_unix_ms: e.at_ns.wrapping_add(offset) / 1_000_000,

@@ -440,6 +440,12 @@ impl Datapath {
         self.epoch_offset_ns
     }
 
+    /// Unix-epoch ns minus ktime ns, measured now: to date a kernel time by
+    /// the wall clock as it reads now (it may have stepped since load).
+    pub fn wall_offset_ns() -> u64 {
+        load::epoch_offset_ns()
+    }
+
     /// The wall clock has stepped by more than a second since the bans' ends
     /// in force were converted to ktime: they end off by that much, until
     /// an install converts them again.
