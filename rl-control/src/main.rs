@@ -98,8 +98,10 @@ enum Command {
         detach_on_exit: bool,
     },
     /// Remove rl from an interface for good: detach the program (even while
-    /// a daemon still runs) and remove its link and map pins. Exits 0 when
-    /// done, and when nothing was pinned there.
+    /// a daemon still runs) and remove its link and map pins. An interface
+    /// of a group (`run --iface eth0 --iface eth1`) takes the whole group:
+    /// one program and one set of buckets serve them all. Exits 0 when done,
+    /// and when nothing was pinned there.
     ///
     /// Example: rl-control detach --iface eth0
     Detach {
@@ -117,22 +119,34 @@ enum Command {
     /// Example: rl-control reload
     Reload {
         /// Signal the process named in this pid file instead of using the API.
-        #[arg(long, value_name = "FILE")]
+        #[arg(long, value_name = "FILE", conflicts_with_all = ["api", "token_file", "json"])]
         pid_file: Option<PathBuf>,
         #[command(flatten)]
         remote: Remote,
     },
     /// The running daemon: interface, XDP mode, rules, sources tracked, last reload.
+    ///
+    /// Exits 0 when all is well, 3 when the daemon runs but something is
+    /// wrong (an interface no longer attached, the last reload refused, a
+    /// background reader failing, the cluster degraded or its sync
+    /// failing: said on stderr), 1 when the daemon cannot be reached.
+    ///
+    /// Example: rl-control status
+    /// Example: rl-control status --json
     Status {
         #[command(flatten)]
         remote: Remote,
     },
     /// The rules in force.
+    ///
+    /// Example: rl-control rules --json
     Rules {
         #[command(flatten)]
         remote: Remote,
     },
     /// Packets and bytes passed, dropped and shadow-dropped, per rule.
+    ///
+    /// Example: rl-control stats
     Stats {
         #[command(flatten)]
         remote: Remote,
@@ -322,7 +336,27 @@ fn main() -> ExitCode {
             pid_file: None,
             remote,
         } => remote_call(&remote, "POST", "/v1/reload", None, cli::applied),
-        Command::Status { remote } => remote_call(&remote, "GET", "/v1/status", None, cli::status),
+        Command::Status { remote } => {
+            let shown = cli::Client::new(
+                &remote.runtime_dir,
+                remote.api.as_deref(),
+                remote.token_file.as_ref(),
+            )
+            .and_then(|c| c.call("GET", "/v1/status", None));
+            match shown {
+                Ok(v) => {
+                    cli::print(&v, remote.json, cli::status);
+                    let wrong = cli::unhealthy(&v);
+                    if !wrong.is_empty() {
+                        // For health checks: running, but not all is well.
+                        eprintln!("rl-control status: {}", wrong.join("; "));
+                        return ExitCode::from(3);
+                    }
+                    Ok(())
+                }
+                Err(e) => Err(e),
+            }
+        }
         Command::Rules { remote } => remote_call(&remote, "GET", "/v1/rules", None, cli::rules),
         Command::Stats { remote } => remote_call(&remote, "GET", "/v1/stats", None, cli::stats),
         Command::Top { count, remote } => remote_call(

@@ -34,11 +34,12 @@ fn one_source_through_two_interfaces_shares_one_limit() {
         .map(|i| i["iface"].as_str().unwrap())
         .collect();
     assert_eq!(ifaces, [VB, VB2]);
-    let (_, out) = run_once(Some(&lab.b), &["status"]).unwrap();
+    let (status, out) = run_once(Some(&lab.b), &["status"]).unwrap();
     assert!(
         out.contains("interfaces:      vb (XDP native), vb2 (XDP native); one program"),
         "{out}"
     );
+    assert!(status.success(), "all well: exit 0: {out}");
 
     // One source, 150 frames through each interface at once.
     let src = [192, 0, 2, 77];

@@ -271,8 +271,10 @@ fn a_program_taken_off_under_a_running_daemon_is_reported_not_hidden() {
         get(&lab.b, "/v1/status").json()["interfaces"][0]["attached"],
         false
     );
-    let (_, out) = run_once(Some(&lab.b), &["status"]).unwrap();
+    let (status, out) = run_once(Some(&lab.b), &["status"]).unwrap();
     assert!(out.contains(&format!("NOT ATTACHED:    {VB}")), "{out}");
+    assert_eq!(status.code(), Some(3), "not all well: {out}");
+    assert!(out.contains(&format!("{VB} not attached")), "{out}");
     let (status, log) = d.stop(libc::SIGTERM).unwrap();
     assert!(status.success(), "{log}");
     assert!(

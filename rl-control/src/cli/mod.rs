@@ -3,7 +3,8 @@
 //!
 //! Tables for people, `--json` for scripts (the API's own JSON, unchanged).
 //! Exit codes: 0 done, 1 the daemon refused or could not be reached (the
-//! message says which and what to do), 2 bad usage (clap).
+//! message says which and what to do), 2 bad usage (clap), 3 `status` of a
+//! daemon that runs but is not all well.
 
 use std::{path::PathBuf, time::Duration};
 
@@ -326,6 +327,34 @@ pub fn l7_state(v: &Value) -> String {
         s(&v["retry_after_ms"]),
         s(&v["reset_ms"]),
     )
+}
+
+/// What is wrong with a running daemon, from its status: an interface no
+/// longer attached, the last reload refused, a background reader failing,
+/// the cluster degraded or its packet sync failing.
+pub fn unhealthy(v: &Value) -> Vec<String> {
+    let mut wrong = Vec::new();
+    for i in v["interfaces"].as_array().into_iter().flatten() {
+        if i["attached"] == false {
+            wrong.push(format!("{} not attached", s(&i["iface"])));
+        }
+    }
+    if v["last_reload"]["ok"] == false {
+        wrong.push("the last reload was refused".into());
+    }
+    for k in ["walk", "flood_reading", "events"] {
+        if v["pressure"]["collector"][k]["error"].is_string() {
+            wrong.push(format!("the {k} reader is failing"));
+        }
+    }
+    let c = &v["cluster"];
+    if c["state"].as_str().is_some_and(|st| st != "ok") {
+        wrong.push("the cluster is degraded".into());
+    }
+    if c["sync_error"].is_string() {
+        wrong.push("the cluster's packet sync is failing".into());
+    }
+    wrong
 }
 
 pub fn status(v: &Value) -> String {
