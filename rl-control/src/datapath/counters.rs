@@ -22,6 +22,20 @@ impl Datapath {
         for (name, r) in kept {
             add_stats(self.retired.entry(name).or_default(), [r].iter());
         }
+        self.fold_retired();
+    }
+
+    /// Past [`MAX_RETIRED_NAMES`], the totals of names no slot holds go
+    /// into one [`RETIRED_FOLDED`]: automation that adds and deletes
+    /// uniquely named rules must not grow the totals, `/metrics` and the
+    /// kept file for good. Every count stays in the sums.
+    fn fold_retired(&mut self) {
+        let held: std::collections::HashSet<&str> = self
+            .slots
+            .iter()
+            .flat_map(|c| c.names.iter().map(String::as_str))
+            .collect();
+        fold_absent(&mut self.retired, &held);
     }
 
     /// The kernel id of the rule counters' map: which pinned datapath the
@@ -115,6 +129,7 @@ impl Datapath {
         self.failpoint("zeroing")?;
         self.zero_counters(idx)?;
         add_stats(self.retired.entry(name).or_default(), per_cpu.iter());
+        self.fold_retired();
         Ok(())
     }
 
@@ -135,5 +150,68 @@ impl Datapath {
         stats
             .set(idx, zero, 0)
             .map_err(|e| map_error(MAP_RULE_STATS, e))
+    }
+}
+
+/// Retired rule names kept apart in the totals before the absent ones are
+/// folded into [`RETIRED_FOLDED`].
+pub const MAX_RETIRED_NAMES: usize = 1024;
+/// The name the totals of folded retired rules go under.
+pub const RETIRED_FOLDED: &str = "(retired)";
+
+/// Past [`MAX_RETIRED_NAMES`] names, moves the totals of every name not in
+/// `held` into [`RETIRED_FOLDED`].
+fn fold_absent(
+    retired: &mut StdHashMap<String, RuleStats>,
+    held: &std::collections::HashSet<&str>,
+) {
+    if retired.len() <= MAX_RETIRED_NAMES {
+        return;
+    }
+    let absent: Vec<String> = retired
+        .keys()
+        .filter(|n| !held.contains(n.as_str()) && *n != RETIRED_FOLDED)
+        .cloned()
+        .collect();
+    let mut folded = retired.remove(RETIRED_FOLDED).unwrap_or_default();
+    for name in absent {
+        if let Some(r) = retired.remove(&name) {
+            add_stats(&mut folded, [r].iter());
+        }
+    }
+    retired.insert(RETIRED_FOLDED.to_string(), folded);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Past the cap, absent names fold into one entry; held names stay;
+    /// no count is lost.
+    #[test]
+    fn retired_names_past_the_cap_fold_into_one() {
+        let one = RuleStats {
+            passed_pkts: 1,
+            dropped_pkts: 2,
+            ..Default::default()
+        };
+        let mut retired: StdHashMap<String, RuleStats> = (0..MAX_RETIRED_NAMES)
+            .map(|i| (format!("r{i}"), one))
+            .collect();
+        let held: std::collections::HashSet<&str> = ["r0", "r7"].into_iter().collect();
+        fold_absent(&mut retired, &held);
+        assert_eq!(retired.len(), MAX_RETIRED_NAMES, "at the cap: kept apart");
+        retired.insert("one-more".into(), one);
+        fold_absent(&mut retired, &held);
+        assert_eq!(retired.len(), 3, "{:?}", retired.keys());
+        assert_eq!(retired["r0"], one);
+        let f = retired[RETIRED_FOLDED];
+        assert_eq!(
+            (f.passed_pkts, f.dropped_pkts),
+            (
+                MAX_RETIRED_NAMES as u64 - 1,
+                2 * (MAX_RETIRED_NAMES as u64 - 1)
+            )
+        );
     }
 }
