@@ -93,13 +93,14 @@ fn if_match(headers: &HeaderMap, text: &str) -> ApiResult<()> {
 pub(super) async fn get_rules(
     AxState(api): AxState<Api>,
 ) -> ([(header::HeaderName, String); 1], Json<serde_json::Value>) {
-    // Copied out, then parsed without the state lock: a large file takes
-    // a while, and /healthz, /metrics and the collector must not wait.
+    // Copied out, then parsed without the state lock and off the async
+    // workers: a large file takes a while, and /healthz, /metrics and the
+    // collector must not wait.
     let text = lock(&api.state).text.clone();
-    (
-        [(header::ETAG, etag(&text))],
-        Json(document::to_json(&text)),
-    )
+    let (tag, json) = tokio::task::spawn_blocking(move || (etag(&text), document::to_json(&text)))
+        .await
+        .unwrap_or_default();
+    ([(header::ETAG, tag)], Json(json))
 }
 
 #[derive(Serialize, ToSchema)]
@@ -141,13 +142,16 @@ pub(super) async fn put_rules(
     body: Result<Bytes, BytesRejection>,
 ) -> ApiResult<([(header::HeaderName, String); 1], Json<Applied>)> {
     let body = body.map_err(body_error)?;
-    let text = if is_toml(&headers) {
-        String::from_utf8(body.to_vec())
-            .map_err(|_| ApiError(StatusCode::BAD_REQUEST, "the TOML body is not UTF-8".into()))?
-    } else {
-        document::from_json(&json_body(&body)?)?
-    };
+    let toml = is_toml(&headers);
     let (summary, tag) = change(&api, move |sh| {
+        // Parsed here, off the async workers (a body may be megabytes).
+        let text = if toml {
+            String::from_utf8(body.to_vec()).map_err(|_| {
+                ApiError(StatusCode::BAD_REQUEST, "the TOML body is not UTF-8".into())
+            })?
+        } else {
+            document::from_json(&json_body(&body)?)?
+        };
         let mut tag = String::new();
         let summary = apply::apply(sh, "api: PUT /v1/rules", |s| {
             if_match(&headers, &s.text)?;

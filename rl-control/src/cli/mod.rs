@@ -539,8 +539,12 @@ pub fn rules(v: &Value) -> String {
             .map(|c| s(&c["cidr"]))
             .collect();
         if !cidrs.is_empty() {
-            out += &format!("{list} ({what}): {}\n", cidrs.join(", "));
+            out += &format!("{list} ({what}): {}\n", first_of(&cidrs, 10));
         }
+    }
+    let bans = v["bans"].as_array().map_or(0, Vec::len);
+    if bans > 0 {
+        out += &format!("bans: {bans} in the file (rl-control bans lists those in force)\n");
     }
     let rows: Vec<Vec<String>> = v["rules"]
         .as_array()
@@ -557,19 +561,55 @@ pub fn rules(v: &Value) -> String {
                         .collect::<Vec<_>>()
                         .join(", ")
             } else {
-                format!("{}/{}", s(&r["rate"]), r.get("per").map_or("1s".into(), s))
+                let mut l = format!("{}/{}", s(&r["rate"]), r.get("per").map_or("1s".into(), s));
+                if let Some(b) = r.get("burst") {
+                    l += &format!(" burst {}", s(b));
+                }
+                if let Some(b) = r.get("bytes") {
+                    l += &format!(", {} bytes", s(b));
+                }
+                l
             };
+            let src: Vec<String> = r["src"].as_array().into_iter().flatten().map(s).collect();
+            let mut proto = r.get("proto").map_or("any".into(), s);
+            if let Some(f) = r.get("tcp_flags") {
+                proto += &format!(" {}", s(f));
+            }
+            let mut action = r.get("action").map_or("drop".into(), s);
+            if let Some(m) = r.get("mode") {
+                action += &format!(" ({})", s(m));
+            }
             vec![
                 s(&r["name"]),
-                r.get("proto").map_or("any".into(), s),
+                proto,
                 r.get("dst_ports").map_or("*".into(), |p| p.to_string()),
+                if src.is_empty() {
+                    "*".into()
+                } else {
+                    first_of(&src, 3)
+                },
                 limit,
                 r.get("key").map_or("source".into(), s),
-                r.get("action").map_or("drop".into(), s),
+                action,
             ]
         })
         .collect();
-    out + &table(&["RULE", "PROTO", "PORTS", "LIMIT", "KEY", "ACTION"], &rows)
+    out + &table(
+        &["RULE", "PROTO", "PORTS", "SRC", "LIMIT", "KEY", "ACTION"],
+        &rows,
+    )
+}
+
+/// The first `n` of `items`, and how many more (`--json` shows them all).
+fn first_of(items: &[String], n: usize) -> String {
+    match items.len() {
+        len if len <= n => items.join(", "),
+        len => format!(
+            "{} and {} more (--json for all)",
+            items[..n].join(", "),
+            len - n
+        ),
+    }
 }
 
 pub fn stats(v: &Value) -> String {
@@ -832,6 +872,38 @@ pub fn encode_segment(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The rules table shows what decides a packet (source lists, TCP
+    /// flags, burst, mode), long CIDR lists cut short, and the bans.
+    #[test]
+    fn the_rules_table_shows_sources_flags_and_bans() {
+        let deny: Vec<Value> = (0..12)
+            .map(|i| serde_json::json!({ "cidr": format!("192.0.2.{i}/32") }))
+            .collect();
+        let v = serde_json::json!({
+            "default": {"rate": 100, "burst": 200},
+            "allow": [], "deny": deny,
+            "bans": [{"cidr": "198.51.100.0/24", "until": 1}],
+            "rules": [{"name": "ssh-syn", "proto": "tcp", "tcp_flags": "syn", "dst_ports": [22],
+                       "src": ["203.0.113.0/24"], "rate": 5, "per": "1m", "burst": 10, "mode": "soft"}],
+        });
+        let out = rules(&v);
+        assert!(
+            out.contains("192.0.2.9/32 and 2 more (--json for all)"),
+            "{out}"
+        );
+        assert!(out.contains("bans: 1 in the file"), "{out}");
+        let row = out.lines().find(|l| l.starts_with("ssh-syn")).unwrap();
+        for part in [
+            "tcp syn",
+            "[22]",
+            "203.0.113.0/24",
+            "5/1m burst 10",
+            "drop (soft)",
+        ] {
+            assert!(row.contains(part), "{part:?} missing: {row}");
+        }
+    }
 
     #[test]
     fn tables_align_and_segments_encode() {
