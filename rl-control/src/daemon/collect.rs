@@ -89,11 +89,15 @@ pub(super) async fn watch_pressure(state: Shared, ids: TableMaps) {
         })
         .await;
         let walked = outcome(walked);
+        let ranked = match &walked {
+            Ok((pass, _)) => collector.rank(pass.as_ref()),
+            Err(_) => None,
+        };
         let mut s = lock(&state);
         match walked {
             Ok((pass, filter)) => {
                 known = Some(filter);
-                collector.record(&mut s, pass);
+                collector.record(&mut s, pass, ranked);
                 tried(&mut s, Reader::Walk, Ok(()));
             }
             Err(e) => {
@@ -231,7 +235,7 @@ impl Collector {
     /// Records a pass (`pass` if the tables were walked): the pressure
     /// figures, the events of what changed, and every TOP_EVERY passes the
     /// top sources.
-    fn record(&mut self, s: &mut State, pass: Option<Pass>) {
+    fn record(&mut self, s: &mut State, pass: Option<Pass>, ranked: Option<Ranked>) {
         let now = Instant::now();
         if let Some(pass) = &pass {
             self.left = pass.own.0 + pass.own.1 + pass.cells.0 + pass.cells.1;
@@ -281,11 +285,16 @@ impl Collector {
             s.push_host_event(event, unix_now_ms());
         }
         self.passes += 1;
-        if let Some(pass) = pass.as_ref().filter(|_| self.passes % TOP_EVERY == 1) {
-            if let Some(t) = self.top.rank(&pass.sources, now, s) {
-                s.top = t;
-            }
+        if let Some(ranked) = ranked {
+            s.top = ranked.named(s);
         }
+    }
+
+    /// The top sources of `pass`, counted and ranked without the state lock
+    /// when this pass ranks them (every TOP_EVERY passes).
+    fn rank(&mut self, pass: Option<&Pass>) -> Option<Ranked> {
+        let pass = pass.filter(|_| (self.passes + 1) % TOP_EVERY == 1)?;
+        self.top.rank(&pass.sources, Instant::now())
     }
 
     /// Updates the pressure figures from the walk and the datapath's
@@ -376,13 +385,17 @@ struct TopRanker {
 /// (key address, key rule) ➜ (seen, dropped).
 type Counts = std::collections::HashMap<(IpAddr, u32), (u64, u64)>;
 
+/// The sources ranked by drops over `secs` (key, drops, packets seen), not
+/// yet named: counted without the state lock.
+struct Ranked {
+    secs: f64,
+    sources: Vec<((IpAddr, u32), u64, u64)>,
+}
+
 impl TopRanker {
-    fn rank(
-        &mut self,
-        buckets: &[crate::datapath::Source],
-        now: Instant,
-        s: &State,
-    ) -> Option<crate::daemon::state::Top> {
+    /// Counts and ranks (every bucket of the walk: not under the state
+    /// lock, which `/healthz` and `/metrics` need meanwhile).
+    fn rank(&mut self, buckets: &[crate::datapath::Source], now: Instant) -> Option<Ranked> {
         let counts: Counts = buckets
             .iter()
             .map(|b| {
@@ -411,9 +424,22 @@ impl TopRanker {
             .collect();
         ranked.sort_by_key(|r| std::cmp::Reverse(r.1));
         ranked.truncate(crate::daemon::state::TOP_KEPT);
-        Some(crate::daemon::state::Top {
+        Some(Ranked {
+            secs,
+            sources: ranked,
+        })
+    }
+}
+
+impl Ranked {
+    /// The ranking with its rules' names (under the state lock: at most
+    /// TOP_KEPT lookups).
+    fn named(self, s: &State) -> crate::daemon::state::Top {
+        let secs = self.secs;
+        crate::daemon::state::Top {
             interval_secs: secs,
-            sources: ranked
+            sources: self
+                .sources
                 .into_iter()
                 .map(
                     |((addr, rule), drops, seen)| crate::daemon::state::TopSource {
@@ -429,7 +455,7 @@ impl TopRanker {
                     },
                 )
                 .collect(),
-        })
+        }
     }
 }
 
