@@ -328,12 +328,15 @@ impl Engine {
                 let mut live: std::collections::HashSet<u32> =
                     rules.iter().map(|c| c.slot).collect();
                 live.extend(overrides.iter().flat_map(|t| t.rules()).map(|c| c.slot));
+                // Slots handed out from here on (an override the old
+                // engine makes during this walk) are live too.
+                let first_new = next_slot.load(Ordering::Relaxed);
                 let any_gone = p.rules.iter().any(|q| !live.contains(&q.slot));
                 for s in p.shards.iter().filter(|_| any_gone) {
                     let mut m = s.lock().unwrap_or_else(|e| e.into_inner());
                     let mut gone = 0u64;
                     m.retain(|key, _| {
-                        let keep = live.contains(&key.slot);
+                        let keep = live.contains(&key.slot) || key.slot >= first_new;
                         gone +=
                             u64::from(!keep && key.values() != OVERFLOW && key.values() != POOL);
                         keep
@@ -494,7 +497,16 @@ impl Engine {
                 drop(shard);
                 return charge(c, &mut new_bucket(c), now, hits, self.epoch_offset_ns);
             }
-            if full {
+            // A place taken in one step: threads deciding on other shards
+            // cannot all take the last one and overshoot max_keys.
+            let placed = !full
+                && self
+                    .keys
+                    .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |k| {
+                        (k < self.max_keys).then_some(k + 1)
+                    })
+                    .is_ok();
+            if !placed {
                 // Full: the rule's overflow bucket (fails closed, coarser).
                 key = Key::new(c.slot, OVERFLOW);
                 drop(shard);
@@ -502,8 +514,6 @@ impl Engine {
                 if hits > 0 {
                     c.counters.overflow.fetch_add(1, Ordering::Relaxed);
                 }
-            } else {
-                self.keys.fetch_add(1, Ordering::Relaxed);
             }
         }
         let bucket = shard.entry(key).or_insert_with(|| new_bucket(c));

@@ -44,11 +44,15 @@ impl Runs {
         }
     }
 
-    /// Adds `n` hits at `t` (no earlier than the newest held).
+    /// Adds `n` hits at `t`, or at the newest time held if that is later:
+    /// callers read the clock before they take the bucket's lock, so a
+    /// later charge may come first, and the log must stay in order (expiry
+    /// takes from the front, and `newest` is when the key is fresh again).
     pub fn push(&mut self, t: u64, n: u64) {
         if n == 0 {
             return;
         }
+        let t = t.max(self.newest().unwrap_or(0));
         match self.runs.back_mut() {
             Some(back) if back.0 == t => back.1 += n,
             _ => self.runs.push_back((t, n)),
@@ -90,6 +94,20 @@ impl Runs {
 #[cfg(test)]
 mod tests {
     use super::Runs;
+
+    /// A charge whose clock was read before a later one took the lock is
+    /// logged at the later time: the log stays in order.
+    #[test]
+    fn a_charge_that_comes_late_keeps_the_log_in_order() {
+        let mut r = Runs::default();
+        r.push(105, 1);
+        r.push(100, 1);
+        assert_eq!(r.newest(), Some(105));
+        r.expire(|t| t + 60 <= 164);
+        assert_eq!(r.total, 2, "neither has expired at 164");
+        r.expire(|t| t + 60 <= 165);
+        assert_eq!(r.total, 0);
+    }
 
     #[test]
     fn runs_count_hits_and_give_back_the_oldest() {

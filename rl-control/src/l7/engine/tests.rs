@@ -715,3 +715,32 @@ fn drain_over_limit_empties_the_bucket_on_a_charge_over_it() {
     assert_eq!(e.decide_at("d", &k, 100, 10 * S).code, "over_limit");
     assert_eq!(e.decide_at("d", &k, 0, 10 * S).remaining, 0);
 }
+
+/// Threads making new keys at once never take more than max_keys places
+/// (a check and an increment apart let each thread see one place left).
+#[test]
+fn threads_making_keys_at_once_never_overshoot_max_keys() {
+    let e = Arc::new(engine(
+        "[[l7.rule]]\nname = \"r\"\ndomain = \"api\"\ndescriptor = [{ key = \"user\" }]\nrate = 100\nper = \"1d\"\n",
+    ));
+    for round in 0..200 {
+        let start = Arc::new(std::sync::Barrier::new(8));
+        let t = now_ns();
+        let threads: Vec<_> = (0..8)
+            .map(|i| {
+                let (e, start) = (e.clone(), start.clone());
+                std::thread::spawn(move || {
+                    start.wait();
+                    for k in 0..4 {
+                        let user = format!("{round}-{i}-{k}");
+                        e.decide_at("api", &d(&[("user", &user)]), 1, t);
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert!(e.keys() <= 8, "round {round}: {} keys held", e.keys());
+    }
+}
