@@ -346,6 +346,26 @@ fn a_window_opened_on_a_clock_ahead_is_never_opened_again() {
             "{algo}: the window went back"
         );
     }
+    // A sliding window's previous count weighs in full at a time before
+    // the window (as rl-common weighs it), not by where that time falls in
+    // its own window: 5 of 5 in the previous window leave no room.
+    let k = "rl:l7:{w:prev}";
+    let next = redis_now_ms(&redis) * 1000 / per_us + 1;
+    redis
+        .cli(&["HSET", k, "w0", &next.to_string(), "c0", "0", "p0", "5"])
+        .unwrap();
+    let per = per_us.to_string();
+    let out = redis
+        .cli(&[
+            "EVAL", DECIDE, "1", k, "sliding", "1", "1", "0", "5", &per, "0",
+        ])
+        .unwrap();
+    let lines: Vec<&str> = out.lines().map(str::trim).collect();
+    assert_eq!(
+        lines[0], "0",
+        "the previous count weighed less than in full: {out}"
+    );
+    assert_ne!(lines[4], "0", "refused, yet told to retry at once: {out}");
 }
 
 /// `decide.lua` on a real Redis: a charge whose deadline has passed (its

@@ -118,9 +118,12 @@ elseif algo == 'fixed' or algo == 'sliding' then
     -- rl-common does, never opened a second time.
     if sw > w then w, prev, cur = sw, p, c end
     -- rl-common's weighting: the previous count times the share of the
-    -- window still ahead at t, in 1/65536, rounded up.
+    -- window still ahead at t, in 1/65536, rounded up. A time before the
+    -- window (the clock behind it) reads as its start: the previous
+    -- count weighs in full, as in rl-common.
     local function weighted(count, t)
       if algo == 'fixed' or count == 0 then return 0 end
+      t = math.max(t, w * per)
       local left = math.floor((per - (t - math.floor(t / per) * per)) * 65536 / per)
       return math.floor((count * left + 65535) / 65536)
     end
@@ -134,6 +137,7 @@ elseif algo == 'fixed' or algo == 'sliding' then
       -- Room at t: this window's, the next one's (this count then weighs
       -- as the previous), or the whole limit after that.
       local function room(t)
+        t = math.max(t, w * per)
         local wt = math.floor(t / per)
         if wt == w then return amount - weighted(prev, t) - cur end
         if wt == w + 1 then return amount - weighted(cur, t) end

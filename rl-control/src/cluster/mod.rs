@@ -374,6 +374,12 @@ impl Cluster {
             }
             Err(e) => {
                 self.health.calls_failed.fetch_add(1, Relaxed);
+                if matches!(e, Failure::Redis(m) if m.contains("LATE")) {
+                    // Redis' clock is ahead of the reading kept (it stepped):
+                    // the next probe reads it afresh, or every charge until
+                    // the kept reading ages out would be late again.
+                    *self.clock.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                }
                 self.set_degraded(e.to_string());
                 if self.config.is_redis_cluster() {
                     // A Redis Cluster that failed over may have moved slots

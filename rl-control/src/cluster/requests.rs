@@ -146,8 +146,20 @@ impl Prepared {
     }
 }
 
+/// Largest `max` of a `scope = "cluster"` concurrency rule (a local one
+/// keeps its permits as runs, whatever their number).
+pub const MAX_CLUSTER_PERMITS: u64 = 10_000;
+
 /// Why `rule` cannot be decided exactly in Redis, if it cannot.
 pub fn too_large(rule: &L7Rule) -> Option<String> {
+    // Redis keeps a sorted-set member per permit held: one acquire of a
+    // million hits would write a million members in one script, stalling
+    // Redis for every host.
+    if let crate::l7::rules::L7Algorithm::Concurrency { max, .. } = rule.algorithm {
+        if max > MAX_CLUSTER_PERMITS {
+            return Some(format!("max = {max}: at most {MAX_CLUSTER_PERMITS} for a cluster concurrency rule (Redis keeps a member per permit held)"));
+        }
+    }
     let p = Prepared::new(rule);
     p.limits.iter().find_map(|[amount, per, burst]| {
         let worst = u128::from(*amount.max(burst)) * u128::from(*per);

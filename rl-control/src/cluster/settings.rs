@@ -357,6 +357,11 @@ mod tests {
                 "rl.toml:12:9:",
                 "at most 2^53",
             ),
+            (
+                format!("{REDIS}[[l7.rule]]\nname = \"a\"\ndomain = \"d\"\ndescriptor = [{{ key = \"k\" }}]\nalgorithm = \"concurrency\"\nmax = 10001\nscope = \"cluster\"\n"),
+                "rl.toml:11:9:",
+                "at most 10000 for a cluster concurrency rule",
+            ),
         ] {
             let e = error_of(&text);
             assert!(e.starts_with(at) && e.contains(needle), "{text:?}: expected {at} … {needle:?}, got: {e}");

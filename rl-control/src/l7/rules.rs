@@ -313,8 +313,8 @@ fn validate_rule(
     }
     let drain = drain_of(loc, &who, r, kind, scope, mode)?;
     if kind == 4 {
-        let algorithm = concurrency_of(loc, &who, r, table)?;
-        return Ok(L7Rule {
+        let algorithm = concurrency_of(loc, &who, r, table.clone())?;
+        let rule = L7Rule {
             name: n.clone(),
             domain,
             descriptor,
@@ -325,7 +325,8 @@ fn validate_rule(
             scope,
             batch_ms: None,
             drain,
-        });
+        };
+        return cluster_fits(loc, &who, r, table, rule);
     }
     for (field, v) in [
         ("max", r.max.as_ref().map(|v| v.span())),
@@ -367,7 +368,18 @@ fn validate_rule(
         batch_ms,
         drain,
     };
-    if scope == Scope::Cluster {
+    cluster_fits(loc, &who, r, table, rule)
+}
+
+/// `rule`, unless it is a cluster rule Redis cannot decide exactly.
+fn cluster_fits(
+    loc: &Located,
+    who: &str,
+    r: &RawL7Rule,
+    table: std::ops::Range<usize>,
+    rule: L7Rule,
+) -> Result<L7Rule, ConfigError> {
+    if rule.scope == Scope::Cluster {
         if let Some(why) = crate::cluster::requests::too_large(&rule) {
             return Err(loc.at(
                 r.scope.as_ref().map(|s| s.span()).unwrap_or(table),
