@@ -370,7 +370,8 @@ fn a_window_opened_on_a_clock_ahead_is_never_opened_again() {
 
 /// `decide.lua` on a real Redis: a charge whose deadline has passed (its
 /// caller gave up) changes nothing and says so; a refund past it, or a
-/// charge with time left, is applied.
+/// charge with time left, is applied; a check or a refund for a key
+/// without state writes nothing.
 #[test]
 fn a_charge_past_its_deadline_is_not_applied() {
     let hub = rl_tests::redis::Hub::new(245 + std::process::id() % 5).unwrap();
@@ -390,6 +391,18 @@ fn a_charge_past_its_deadline_is_not_applied() {
         redis.cli(&args).unwrap()
     };
     for algo in ["gcra", "fixed", "sliding", "log", "sem"] {
+        // A check or a refund for a key without state reads a fresh bucket
+        // and writes nothing: checks of random values do not grow Redis.
+        let k = format!("rl:l7:{{check:{algo}}}");
+        for hits in [0, -1] {
+            let out = decide(&k, algo, hits, 0);
+            assert_eq!(out.lines().next().map(str::trim), Some("1"), "{algo}: {out}");
+            assert_eq!(
+                redis.cli(&["EXISTS", &k, &format!("{k}:z0")]).unwrap().trim(),
+                "0",
+                "{algo}: {hits} hits made a key"
+            );
+        }
         let k = format!("rl:l7:{{late:{algo}}}");
         let now_us = redis_now_ms(&redis) * 1000;
         let out = decide(&k, algo, 1, now_us - 5_000);

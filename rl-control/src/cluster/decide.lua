@@ -27,6 +27,10 @@ if hits > 0 and deadline > 0 and now > deadline then
   return redis.error_reply('LATE the decision reached Redis ' .. math.ceil((now - deadline) / 1000) ..
     ' ms after its caller gave up (timeout); not applied')
 end
+-- A check (0 hits) or a refund for a key without state reads a fresh
+-- bucket and writes nothing, as the local path keeps no bucket for it:
+-- checks of random values must not grow Redis.
+local stateless = hits <= 0 and redis.call('EXISTS', K) == 0
 local function ms(us)
   if us <= 0 then return 0 end
   return math.ceil(us / 1000)
@@ -100,7 +104,9 @@ if algo == 'gcra' then
       s.reset = s.ahead / amount
       s.wait = function(k) return math.max(s.ahead + math.min(k, burst) * per - span, 0) / amount end
       local whole = math.floor(s.ahead / amount)
-      redis.call('HSET', K, 't' .. i, now + whole, 'f' .. i, s.ahead - whole * amount)
+      if not stateless then
+        redis.call('HSET', K, 't' .. i, now + whole, 'f' .. i, s.ahead - whole * amount)
+      end
       life = math.max(life, ms(s.reset) + 1)
     end
     states[i] = s
@@ -149,7 +155,9 @@ elseif algo == 'fixed' or algo == 'sliding' then
         local t = first(now, (w + 1) * per, fits) or first((w + 1) * per, (w + 2) * per, fits) or (w + 2) * per
         return t - now
       end
-      redis.call('HSET', K, 'w' .. i, w, 'c' .. i, cur, 'p' .. i, prev)
+      if not stateless then
+        redis.call('HSET', K, 'w' .. i, w, 'c' .. i, cur, 'p' .. i, prev)
+      end
       life = math.max(life, ms(s.reset) + 1)
     end
     states[i] = s
