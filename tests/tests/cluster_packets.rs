@@ -396,9 +396,16 @@ fn a_charge_past_its_deadline_is_not_applied() {
         let k = format!("rl:l7:{{check:{algo}}}");
         for hits in [0, -1] {
             let out = decide(&k, algo, hits, 0);
-            assert_eq!(out.lines().next().map(str::trim), Some("1"), "{algo}: {out}");
             assert_eq!(
-                redis.cli(&["EXISTS", &k, &format!("{k}:z0")]).unwrap().trim(),
+                out.lines().next().map(str::trim),
+                Some("1"),
+                "{algo}: {out}"
+            );
+            assert_eq!(
+                redis
+                    .cli(&["EXISTS", &k, &format!("{k}:z0")])
+                    .unwrap()
+                    .trim(),
                 "0",
                 "{algo}: {hits} hits made a key"
             );

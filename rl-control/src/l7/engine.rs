@@ -486,8 +486,15 @@ impl Engine {
     ) -> Status {
         let mut key = Key::new(c.slot, values_hash(entries));
         let mut shard = self.shard(&key);
+        let mut hits = hits;
         if !shard.contains_key(&key) {
             let full = self.keys.load(Ordering::Relaxed) >= self.max_keys;
+            if hits < 0 && full {
+                // Nothing to give back (below), and the key's next charge
+                // goes to the overflow bucket: what that holds is the
+                // answer, not a fresh bucket's whole limit.
+                hits = 0;
+            }
             if hits < 0 || (hits == 0 && !full) {
                 // A refund for a key without a bucket: what it gives back
                 // has expired, or went to the rule's overflow bucket, which

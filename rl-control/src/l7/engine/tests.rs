@@ -171,6 +171,10 @@ fn charges_to_the_overflow_bucket_are_counted() {
     // A key that would be charged to the overflow bucket reads its
     // state: 3 of its 100 spent.
     assert_eq!(e.peek("api", &d(&[("user", "new")])).remaining, 97);
+    // So does a refund for such a key: it gives nothing back, and its
+    // answer is the overflow bucket's, not a fresh bucket's whole limit.
+    let refund = e.decide_at("api", &d(&[("user", "new")]), -1, t);
+    assert_eq!((refund.code, refund.remaining), ("ok", 97));
     assert_eq!(
         e.peek("api", &d(&[("user", "0")])).remaining,
         99,
