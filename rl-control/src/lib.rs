@@ -15,4 +15,5 @@ pub mod compile;
 pub mod config;
 pub mod daemon;
 pub mod datapath;
+pub mod http1;
 pub mod l7;

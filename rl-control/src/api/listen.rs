@@ -245,9 +245,9 @@ const MAX_TCP_CONNECTIONS: usize = 256;
 
 /// Serves `app` on a TCP listener: past [`MAX_TCP_CONNECTIONS`] open ones a
 /// new connection is closed at once (warned at most once a minute), and a
-/// client that does not send its request head within 30 s is dropped, so
-/// whoever can reach the port (before any token is checked) cannot take
-/// the daemon's open files.
+/// client that does not send its request head within 30 s is dropped
+/// ([`crate::http1`]), so whoever can reach the port (before any token is
+/// checked) cannot take the daemon's open files.
 async fn serve_tcp(listener: TcpListener, app: axum::Router, what: &'static str) {
     let open = Arc::new(tokio::sync::Semaphore::new(MAX_TCP_CONNECTIONS));
     let mut warned: Option<std::time::Instant> = None;
@@ -269,15 +269,9 @@ async fn serve_tcp(listener: TcpListener, app: axum::Router, what: &'static str)
             }
             continue;
         };
-        let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+        let app = app.clone();
         tokio::spawn(async move {
-            let mut http = hyper::server::conn::http1::Builder::new();
-            http.timer(hyper_util::rt::TokioTimer::new())
-                .header_read_timeout(std::time::Duration::from_secs(30));
-            if let Err(e) = http
-                .serve_connection(hyper_util::rt::TokioIo::new(s), svc)
-                .await
-            {
+            if let Err(e) = crate::http1::serve(s, app).await {
                 tracing::debug!("{what}: a connection from {peer} ended: {e}");
             }
             drop(permit);

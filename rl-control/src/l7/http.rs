@@ -287,16 +287,9 @@ pub fn serve(
     let app = router(l7);
     let limits = super::threads::Limits::new("http", max_connections);
     threads.serve(listener, "HTTP check", limits, move |s, thread| {
-        let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+        let app = app.clone();
         async move {
-            let mut http = hyper::server::conn::http1::Builder::new();
-            // A client that never finishes its request head is dropped.
-            http.timer(hyper_util::rt::TokioTimer::new())
-                .header_read_timeout(std::time::Duration::from_secs(30));
-            if let Err(e) = http
-                .serve_connection(hyper_util::rt::TokioIo::new(s), svc)
-                .await
-            {
+            if let Err(e) = crate::http1::serve(s, app).await {
                 tracing::debug!("an HTTP check connection on thread {thread} ended: {e}");
             }
         }
