@@ -119,7 +119,7 @@ enum Command {
     /// Example: rl-control reload
     Reload {
         /// Signal the process named in this pid file instead of using the API.
-        #[arg(long, value_name = "FILE", conflicts_with_all = ["api", "token_file", "json"])]
+        #[arg(long, value_name = "FILE", conflicts_with = "json")]
         pid_file: Option<PathBuf>,
         #[command(flatten)]
         remote: Remote,
@@ -292,13 +292,6 @@ fn remote_call(
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    if !matches!(cli.command, Command::Run { .. }) {
-        // A client's output piped into `head` ends it quietly, as for any
-        // Unix tool, instead of a panic on the closed pipe. (Not the
-        // daemon: a log reader gone must not end enforcement.)
-        // SAFETY: setting a signal's disposition to its default.
-        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
-    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()

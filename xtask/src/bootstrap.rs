@@ -249,7 +249,7 @@ fn debian_packages() -> Result<()> {
     }
     step!("installing Debian packages: {}", missing.join(" "));
     // The image's package lists may be older than the archive.
-    run(Command::new("apt-get").args(["update", "-q"]))
+    run(Command::new("apt-get").args(["update", "-q", "-o", "DPkg::Lock::Timeout=120"]))
         .context("apt-get update (are you root?)")?;
     run(Command::new("apt-get")
         .args(["install", "-y", "--no-install-recommends"])

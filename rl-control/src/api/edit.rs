@@ -92,15 +92,20 @@ fn if_match(headers: &HeaderMap, text: &str) -> ApiResult<()> {
     headers(("ETag" = String, description = "the rule file's tag, for If-Match on PUT, POST and DELETE")))))]
 pub(super) async fn get_rules(
     AxState(api): AxState<Api>,
-) -> ([(header::HeaderName, String); 1], Json<serde_json::Value>) {
+) -> ApiResult<([(header::HeaderName, String); 1], Json<serde_json::Value>)> {
     // Copied out, then parsed without the state lock and off the async
     // workers: a large file takes a while, and /healthz, /metrics and the
     // collector must not wait.
     let text = lock(&api.state).text.clone();
     let (tag, json) = tokio::task::spawn_blocking(move || (etag(&text), document::to_json(&text)))
         .await
-        .unwrap_or_default();
-    ([(header::ETAG, tag)], Json(json))
+        .map_err(|e| {
+            ApiError(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("reading the rules failed: {e}"),
+            )
+        })?;
+    Ok(([(header::ETAG, tag)], Json(json)))
 }
 
 #[derive(Serialize, ToSchema)]

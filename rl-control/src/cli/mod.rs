@@ -236,11 +236,15 @@ fn dechunk(mut b: &[u8]) -> Option<Vec<u8>> {
 
 /// Prints `v` as JSON or, for people, with `human`.
 pub fn print(v: &Value, json: bool, human: impl FnOnce(&Value) -> String) {
-    if json {
-        println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
+    use std::io::Write;
+    let text = if json {
+        serde_json::to_string_pretty(v).unwrap_or_default() + "\n"
     } else {
-        print!("{}", human(v));
-    }
+        human(v)
+    };
+    // A reader gone (`| head`) ends the output quietly, as for any Unix
+    // tool, where print! would panic.
+    let _ = std::io::stdout().lock().write_all(text.as_bytes());
 }
 
 fn s(v: &Value) -> String {
@@ -339,8 +343,16 @@ pub fn unhealthy(v: &Value) -> Vec<String> {
             wrong.push(format!("{} not attached", s(&i["iface"])));
         }
     }
-    if v["last_reload"]["ok"] == false {
-        wrong.push("the last reload was refused".into());
+    // A refused reload of the file (not an API edit refused for its own
+    // content, which leaves all as it was).
+    let last = &v["last_reload"];
+    let of_file = last["trigger"].as_str().is_some_and(|t| {
+        ["SIGHUP", "file change", "api: POST /v1/reload"].contains(&t)
+            || t.starts_with("ban(s) expired")
+            || t.starts_with("the wall clock stepped")
+    });
+    if last["ok"] == false && of_file {
+        wrong.push("the last reload of the file was refused".into());
     }
     for k in ["walk", "flood_reading", "events"] {
         if v["pressure"]["collector"][k]["error"].is_string() {

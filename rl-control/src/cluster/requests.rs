@@ -156,9 +156,8 @@ pub fn too_large(rule: &L7Rule) -> Option<String> {
     // million hits would write a million members in one script, stalling
     // Redis for every host.
     if let crate::l7::rules::L7Algorithm::Concurrency { max, .. } = rule.algorithm {
-        if max > MAX_CLUSTER_PERMITS {
-            return Some(format!("max = {max}: at most {MAX_CLUSTER_PERMITS} for a cluster concurrency rule (Redis keeps a member per permit held)"));
-        }
+        // (Its script only adds the lease to now: no product to bound.)
+        return (max > MAX_CLUSTER_PERMITS).then(|| format!("max = {max}: at most {MAX_CLUSTER_PERMITS} for a cluster concurrency rule (Redis keeps a member per permit held)"));
     }
     let p = Prepared::new(rule);
     p.limits.iter().find_map(|[amount, per, burst]| {

@@ -368,6 +368,14 @@ mod tests {
         }
     }
 
+    /// A cluster semaphore at the most permits, with a long lease, loads:
+    /// its script never multiplies the two.
+    #[test]
+    fn a_cluster_semaphore_with_a_long_lease_loads() {
+        let text = format!("[default]\nrate = 1\n{REDIS}[[l7.rule]]\nname = \"a\"\ndomain = \"d\"\ndescriptor = [{{ key = \"k\" }}]\nalgorithm = \"concurrency\"\nmax = 10000\nlease = \"120d\"\nscope = \"cluster\"\n");
+        Config::from_str(&text, "rl.toml").unwrap();
+    }
+
     #[test]
     fn a_local_rule_keeps_its_stable_id_when_scopes_exist() {
         // The scope writes nothing into the hash of a local rule, so pinned

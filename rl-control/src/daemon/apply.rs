@@ -630,6 +630,16 @@ pub fn expire_bans(shared: &Shared) {
     }
 }
 
+/// The periodic ban change panicked: tried again after a back-off, as
+/// after a failure.
+pub fn ban_change_failed() {
+    tracing::error!("lifting expired bans panicked: the kernel ends them at their time; tried again, backing off to once a minute");
+    BAN_RETRY
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .after(false);
+}
+
 /// When the periodic ban change may be tried next: after a failure, 1 s
 /// doubling to a minute, so a lasting failure (maps that refuse writes) is
 /// not logged and recorded as a failed reload every second.

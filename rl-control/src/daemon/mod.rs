@@ -638,7 +638,13 @@ async fn until_stopped(
                 let watched = watched.clone();
                 let was_missing = missing;
                 job = Some(tokio::task::spawn_blocking(move || {
-                    crate::daemon::apply::expire_bans(&st);
+                    // Apart: a panic lifting bans must not stop file reloads.
+                    let lift = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        crate::daemon::apply::expire_bans(&st)
+                    }));
+                    if lift.is_err() {
+                        crate::daemon::apply::ban_change_failed();
+                    }
                     let Some(path) = watched else { return Some(false) };
                     // (An API change records what it writes before it
                     // renames it into place: its own write is not an edit.)

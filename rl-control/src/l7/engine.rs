@@ -486,13 +486,13 @@ impl Engine {
     ) -> Status {
         let mut key = Key::new(c.slot, values_hash(entries));
         let mut shard = self.shard(&key);
-        let mut hits = hits;
+        let (mut hits, refund) = (hits, hits < 0);
         if !shard.contains_key(&key) {
             let full = self.keys.load(Ordering::Relaxed) >= self.max_keys;
-            if hits < 0 && full {
+            if refund && full {
                 // Nothing to give back (below), and the key's next charge
                 // goes to the overflow bucket: what that holds is the
-                // answer, not a fresh bucket's whole limit.
+                // answer (read with 0 hits), not a fresh bucket's limit.
                 hits = 0;
             }
             if hits < 0 || (hits == 0 && !full) {
@@ -526,6 +526,11 @@ impl Engine {
         let bucket = shard.entry(key).or_insert_with(|| new_bucket(c));
         let mut st = charge(c, bucket, now, hits, self.epoch_offset_ns);
         drop(shard);
+        if refund {
+            // A refund always passes, whatever is left.
+            st.code = "ok";
+            return st;
+        }
         if st.code == "over_limit" && hits >= 0 {
             if let Some(pool) = &c.pool {
                 // Elastic: over its own limit, the key may use the rule's
