@@ -127,9 +127,10 @@ enum Command {
     /// The running daemon: interface, XDP mode, rules, sources tracked, last reload.
     ///
     /// Exits 0 when all is well, 3 when the daemon runs but something is
-    /// wrong (an interface no longer attached, the last reload refused, a
-    /// background reader failing, the cluster degraded or its sync
-    /// failing: said on stderr), 1 when the daemon cannot be reached.
+    /// wrong (an interface no longer attached, the config file as last
+    /// read refused, a background reader failing, the cluster degraded or
+    /// its sync failing: said on stderr), 1 when the daemon cannot be
+    /// reached.
     ///
     /// Example: rl-control status
     /// Example: rl-control status --json
@@ -309,16 +310,18 @@ fn main() -> ExitCode {
                 let mut rules = rl_control::compile::compile(&c).rules;
                 rl_control::datapath::fits(&rules)
                     .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
-                println!(
-                    "{}: ok ({}; up to {} sources)",
+                let mut out = format!(
+                    "{}: ok ({}; up to {} sources)\n",
                     file.display(),
                     c.summary(),
                     c.datapath.max_sources
                 );
                 rl_control::compile::part_wide_counts(&mut rules.entries, &Default::default());
                 for note in rl_control::compile::wide_count_notes(&rules.entries, &rules.names) {
-                    println!("note: {note}");
+                    out += &format!("note: {note}\n");
                 }
+                // A reader gone (`| head`) ends it quietly.
+                let _ = std::io::Write::write_all(&mut std::io::stdout().lock(), out.as_bytes());
                 Ok(())
             }),
         Command::Reload {

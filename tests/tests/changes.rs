@@ -197,13 +197,21 @@ fn a_refused_reload_leaves_the_edit_unapplied_and_expiring_bans_never_write_over
     // Read and refused already: the answer says to fix the file (a reload
     // would only be refused again).
     assert!(a.body.contains("does not load"), "{}", a.body);
-    // And the status still says why the file was refused.
+    // And the status still says why the file was refused, and that it was
+    // (rl-control status exits 3: not all is well).
     let st = get(&lab.b, "/v1/status").json();
     assert!(
         st["last_reload"]["message"]
             .as_str()
             .is_some_and(|m| m.contains("rl.toml:")),
         "{st}"
+    );
+    assert_eq!(st["config_file_refused"], true, "{st}");
+    let (status, out) = run_once(Some(&lab.b), &["status"]).unwrap();
+    assert_eq!(status.code(), Some(3), "{out}");
+    assert!(
+        out.contains("the config file as last read does not load"),
+        "{out}"
     );
     assert_eq!(
         std::fs::read_to_string(&cfg).unwrap(),

@@ -196,7 +196,9 @@ fn bans_end_in_the_kernel_at_their_time() {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_secs();
-    let end = now + 3;
+    // Ends far enough out that loading (the verifier: seconds in CI) and
+    // each check fit before the next end.
+    let (early, end) = (now + 5, now + 9);
     let dp = load(&format!(
         r#"
 [[allow]]
@@ -225,7 +227,6 @@ src = ["198.51.100.0/28"]
 rate = 1
 per = "1d"
 "#,
-        early = now + 1,
         late = now + 3600,
     ));
     let (listed, nested, allowed) = ([198, 51, 100, 1], [198, 51, 100, 200], [198, 51, 100, 70]);
@@ -241,17 +242,27 @@ per = "1d"
             offer(dp, &udp4([10, 17, 1, 1]), 2),
         ]
     };
+    let unix = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+    };
     let during = [(0, 2), (0, 2), (0, 2), (0, 2), (0, 2), (2, 0), (0, 2)];
+    assert!(
+        unix() < std::time::Duration::from_secs(early),
+        "loading took past the first ban's end: the test cannot see the bans hold"
+    );
     assert_eq!(banned(&dp), during, "while the bans hold");
     // The nested ban's own end passes: the longer ban around it holds.
     let wait_until = |t: u64| {
-        let unix = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap();
-        let left = std::time::Duration::from_secs(t).saturating_sub(unix);
+        let left = std::time::Duration::from_secs(t).saturating_sub(unix());
         std::thread::sleep(left + std::time::Duration::from_millis(300));
     };
-    wait_until(now + 2);
+    wait_until(early);
+    assert!(
+        unix() < std::time::Duration::from_secs(end - 1),
+        "a wait overran"
+    );
     assert_eq!(banned(&dp), during, "after the nested ban's end");
     wait_until(end);
     assert_eq!(

@@ -189,6 +189,10 @@ pub struct Status {
     /// Table occupancy, unseen keys, refusals, fallbacks and flood mode.
     pub pressure: crate::daemon::state::Pressure,
     pub config_file: Option<String>,
+    /// The config file as the daemon last read it was refused (it does not
+    /// load, or is gone): the rules in force are older than the file.
+    /// `last_reload` of that reload says why, unless a change came since.
+    pub config_file_refused: bool,
     pub last_reload: Option<ReloadRecord>,
     /// `[cluster]`: `state` is `degraded` while Redis does not answer.
     pub cluster: Option<crate::cluster::ClusterStatus>,
@@ -234,6 +238,7 @@ async fn status(AxState(api): AxState<Api>) -> Json<Status> {
             ..s.pressure.clone()
         },
         config_file: s.path.as_ref().map(|p| p.display().to_string()),
+        config_file_refused: s.path.is_some() && s.seen != s.stamp,
         last_reload: s.last_reload.clone(),
         cluster: s.cluster.as_ref().map(|c| c.status()),
     })

@@ -343,16 +343,10 @@ pub fn unhealthy(v: &Value) -> Vec<String> {
             wrong.push(format!("{} not attached", s(&i["iface"])));
         }
     }
-    // A refused reload of the file (not an API edit refused for its own
-    // content, which leaves all as it was).
-    let last = &v["last_reload"];
-    let of_file = last["trigger"].as_str().is_some_and(|t| {
-        ["SIGHUP", "file change", "api: POST /v1/reload"].contains(&t)
-            || t.starts_with("ban(s) expired")
-            || t.starts_with("the wall clock stepped")
-    });
-    if last["ok"] == false && of_file {
-        wrong.push("the last reload of the file was refused".into());
+    // The file as last read was refused (not an API edit refused for its
+    // own content, which leaves all as it was).
+    if v["config_file_refused"] == true {
+        wrong.push("the config file as last read does not load: older rules are in force".into());
     }
     for k in ["walk", "flood_reading", "events"] {
         if v["pressure"]["collector"][k]["error"].is_string() {

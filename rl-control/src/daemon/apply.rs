@@ -424,11 +424,18 @@ fn install(
         // written over: the file keeps it, and the old rules go back.
         let placed = match file_stamp(p) == stamp {
             true => {
-                // Seen before it is in place, so the watcher never reads
-                // this change's own write as an edit on disk.
-                let before = std::mem::replace(&mut lock(shared).seen, staged.stamp());
+                // Seen (and in force: installed above) before it is in
+                // place, so the watcher never reads this change's own write
+                // as an edit on disk, nor the status a refused file.
+                let before = {
+                    let mut s = lock(shared);
+                    let before = (s.seen, s.stamp);
+                    (s.seen, s.stamp) = (staged.stamp(), staged.stamp());
+                    before
+                };
                 staged.commit().map_err(|e| {
-                    lock(shared).seen = before;
+                    let mut s = lock(shared);
+                    (s.seen, s.stamp) = before;
                     ApplyError::Unwritable(format!("cannot write {}: {e}", p.display()))
                 })
             }
