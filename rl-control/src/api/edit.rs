@@ -160,7 +160,7 @@ pub(super) async fn put_rules(
         let mut tag = String::new();
         let summary = apply::apply(sh, "api: PUT /v1/rules", |s| {
             if_match(&headers, &s.text)?;
-            let text = document::with_secrets_of(document::keep_bans(text, &s.text)?, &s.text);
+            let text = document::for_put(text, &s.text)?;
             tag = etag(&text);
             Ok::<_, ApiError>(Change {
                 text,

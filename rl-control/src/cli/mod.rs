@@ -334,8 +334,8 @@ pub fn l7_state(v: &Value) -> String {
 }
 
 /// What is wrong with a running daemon, from its status: an interface no
-/// longer attached, the last reload refused, a background reader failing,
-/// the cluster degraded or its packet sync failing.
+/// longer attached, the config file as last read refused, a background
+/// reader failing, the cluster degraded or its packet sync failing.
 pub fn unhealthy(v: &Value) -> Vec<String> {
     let mut wrong = Vec::new();
     for i in v["interfaces"].as_array().into_iter().flatten() {

@@ -52,7 +52,7 @@ pub fn to_json(text: &str) -> serde_json::Value {
     }
     rename(&mut v, true);
     // One admin token must not hand out the Redis password every host of
-    // the cluster shares: shown as `***` ([`with_secrets_of`] puts it back).
+    // the cluster shares: shown as `***` ([`for_put`] puts it back).
     if let Some(urls) = v
         .pointer_mut("/cluster/redis")
         .and_then(|u| u.as_array_mut())
@@ -66,26 +66,36 @@ pub fn to_json(text: &str) -> serde_json::Value {
     v
 }
 
-/// `text` with each `[cluster] redis` URL that reads as one of `current`'s
-/// with its password shown as `***` given that URL back: what `GET
-/// /v1/rules` answered can be put back as is.
-pub fn with_secrets_of(text: String, current: &str) -> String {
-    let urls = |doc: &DocumentMut| -> Vec<String> {
-        doc.get("cluster")
-            .and_then(|c| c.get("redis"))
-            .and_then(Item::as_array)
-            .map(|a| {
-                a.iter()
-                    .filter_map(|u| u.as_str().map(String::from))
-                    .collect()
-            })
-            .unwrap_or_default()
+/// What a `PUT /v1/rules` of `text` writes, against the running file
+/// `current` (each parsed once, however large): `current`'s `[[ban]]`s
+/// kept when `text` has no `ban` of its own ([`keep_bans`]), and each
+/// `[cluster] redis` URL shown with its password starred given back
+/// ([`give_secrets`]). A `text` that does not parse is left for the loader
+/// to report.
+pub fn for_put(text: String, current: &str) -> Result<String, EditError> {
+    let Ok(mut doc) = text.parse::<DocumentMut>() else {
+        return Ok(text);
     };
-    let (Ok(mut doc), Ok(cur)) = (text.parse::<DocumentMut>(), current.parse::<DocumentMut>())
-    else {
-        return text;
-    };
-    let known = urls(&cur);
+    let mut cur = parse(current)?;
+    let given = give_secrets(&mut doc, &cur);
+    let kept = keep_bans(&mut doc, &mut cur);
+    Ok(if given || kept { doc.to_string() } else { text })
+}
+
+/// Gives each `[cluster] redis` URL of `doc` that reads as one of `cur`'s
+/// with its password shown as `***` that URL back: what `GET /v1/rules`
+/// answered can be put back as is. Whether any was.
+fn give_secrets(doc: &mut DocumentMut, cur: &DocumentMut) -> bool {
+    let known: Vec<String> = cur
+        .get("cluster")
+        .and_then(|c| c.get("redis"))
+        .and_then(Item::as_array)
+        .map(|a| {
+            a.iter()
+                .filter_map(|u| u.as_str().map(String::from))
+                .collect()
+        })
+        .unwrap_or_default();
     let mut changed = false;
     if let Some(list) = doc
         .get_mut("cluster")
@@ -105,11 +115,7 @@ pub fn with_secrets_of(text: String, current: &str) -> String {
             }
         }
     }
-    if changed {
-        doc.to_string()
-    } else {
-        text
-    }
+    changed
 }
 
 /// TOML text for a JSON document (validated afterwards by the caller):
@@ -165,23 +171,19 @@ pub fn from_json(json: &serde_json::Value) -> Result<String, EditError> {
     Ok(out)
 }
 
-/// `text` with the `[[ban]]`s of `current` when it has no `ban` of its
-/// own: rules put from elsewhere (a config manager's file, which knows
-/// nothing of bans) keep the bans in force; `ban = []` (JSON `"bans": []`,
-/// as `GET /v1/rules` answers with none) lifts them. A `text` that does not
-/// parse is left for the loader to report.
-pub fn keep_bans(text: String, current: &str) -> Result<String, EditError> {
-    let Ok(mut doc) = text.parse::<DocumentMut>() else {
-        return Ok(text);
-    };
+/// `cur`'s `[[ban]]`s moved into `doc` when it has no `ban` of its own:
+/// rules put from elsewhere (a config manager's file, which knows nothing
+/// of bans) keep the bans in force; `ban = []` (JSON `"bans": []`, as `GET
+/// /v1/rules` answers with none) lifts them. Whether any were.
+fn keep_bans(doc: &mut DocumentMut, cur: &mut DocumentMut) -> bool {
     if doc.contains_key("ban") {
-        return Ok(text);
+        return false;
     }
-    let Some(bans) = parse(current)?.remove("ban") else {
-        return Ok(text);
+    let Some(bans) = cur.remove("ban") else {
+        return false;
     };
     doc.insert("ban", bans);
-    Ok(doc.to_string())
+    true
 }
 
 fn parse(text: &str) -> Result<DocumentMut, EditError> {
@@ -388,7 +390,7 @@ mod tests {
         let json = to_json(file);
         assert_eq!(json["cluster"]["redis"][0], "redis://rl:***@10.0.0.5:6379");
         assert!(!json.to_string().contains("s3cret"));
-        let back = with_secrets_of(from_json(&json).unwrap(), file);
+        let back = for_put(from_json(&json).unwrap(), file).unwrap();
         let c = Config::from_str(&back, "x").unwrap();
         assert_eq!(
             c.cluster.unwrap().redis,
@@ -396,7 +398,7 @@ mod tests {
         );
         // Another host's URL with stars is not one of ours: left as sent.
         let other = "[cluster]\nredis = [\"redis://rl:***@10.0.0.6:6379\"]\n";
-        assert_eq!(with_secrets_of(other.into(), file), other);
+        assert_eq!(for_put(other.into(), file).unwrap(), other);
     }
 
     /// Rules put without bans keep the bans in force; `ban = []` (or a
@@ -407,27 +409,27 @@ mod tests {
         let current = set_ban(FILE, "198.51.100.0/24", 4_000_000_000, "scan")
             .unwrap()
             .0;
-        let kept = keep_bans("[default]\nrate = 7\n".into(), &current).unwrap();
+        let kept = for_put("[default]\nrate = 7\n".into(), &current).unwrap();
         let c = Config::from_str(&kept, "x").unwrap();
         assert_eq!(c.bans.len(), 1, "{kept}");
         assert_eq!(c.bans[0].until, 4_000_000_000);
-        let lifted = keep_bans("ban = []\n[default]\nrate = 7\n".into(), &current).unwrap();
+        let lifted = for_put("ban = []\n[default]\nrate = 7\n".into(), &current).unwrap();
         assert!(
             Config::from_str(&lifted, "x").unwrap().bans.is_empty(),
             "{lifted}"
         );
         let json = from_json(&serde_json::json!({"default": {"rate": 7}, "bans": []})).unwrap();
-        let lifted = keep_bans(json, &current).unwrap();
+        let lifted = for_put(json, &current).unwrap();
         assert!(
             Config::from_str(&lifted, "x").unwrap().bans.is_empty(),
             "{lifted}"
         );
         assert_eq!(
-            keep_bans("[default\n".into(), &current).unwrap(),
+            for_put("[default\n".into(), &current).unwrap(),
             "[default\n"
         );
         assert_eq!(
-            keep_bans("[default]\nrate = 7\n".into(), FILE).unwrap(),
+            for_put("[default]\nrate = 7\n".into(), FILE).unwrap(),
             "[default]\nrate = 7\n"
         );
     }

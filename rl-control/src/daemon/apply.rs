@@ -546,45 +546,38 @@ pub fn reload_file(shared: &Shared, trigger: &str) -> Result<String, ApplyError>
 /// holds an edit not applied yet, in the datapath only (the file's expired
 /// ban is inert, and the edit is not overwritten).
 pub fn expire_bans(shared: &Shared) {
-    if !BAN_RETRY.lock().unwrap_or_else(|e| e.into_inner()).due() {
+    if !ban_retry().due() {
         return;
     }
     let now = unix_now();
-    let (path, stamp) = {
+    let (expired, stepped, path, stamp) = {
         let s = lock(shared);
-        (s.path.clone(), s.stamp)
+        let expired = s.config.bans.iter().any(|b| b.until <= now);
+        let stepped = !expired && s.dp.ban_clock_stepped();
+        (expired, stepped, s.path.clone(), s.stamp)
     };
-    // Read without the state lock: a slow disk must not stall /healthz.
-    let on_disk = path.as_deref().map(file_stamp);
-    let pending = {
-        let s = lock(shared);
-        if !s.config.bans.iter().any(|b| b.until <= now) {
-            let stepped = s.dp.ban_clock_stepped();
-            drop(s);
-            if stepped {
-                // The kernel ends bans by ktime, converted from the wall
-                // clock: after a step, convert them again.
-                let r = apply(
-                    shared,
-                    "the wall clock stepped: the bans' ends rewritten",
-                    |s| {
-                        Ok::<_, ApplyError>(Change {
-                            text: s.text.to_string(),
-                            origin: s.origin(),
-                            persist: false,
-                            read_as: None,
-                        })
-                    },
-                );
-                BAN_RETRY
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .after(r.is_ok());
-            }
-            return;
+    if !expired {
+        if stepped {
+            // The kernel ends bans by ktime, converted from the wall
+            // clock: after a step, convert them again.
+            let r = apply(
+                shared,
+                "the wall clock stepped: the bans' ends rewritten",
+                |s| {
+                    Ok::<_, ApplyError>(Change {
+                        text: s.text.to_string(),
+                        origin: s.origin(),
+                        persist: false,
+                        read_as: None,
+                    })
+                },
+            );
+            ban_retry().after(r.is_ok());
         }
-        on_disk.is_some_and(|st| st != stamp)
-    };
+        return;
+    }
+    // Read without the state lock: a slow disk must not stall /healthz.
+    let pending = path.as_deref().is_some_and(|p| file_stamp(p) != stamp);
     let trigger = if pending {
         "ban(s) expired (lifted, the config file not written: it holds an edit not applied yet)"
     } else {
@@ -612,16 +605,10 @@ pub fn expire_bans(shared: &Shared) {
     if matches!(r, Err(ApplyError::Unwritable(_))) {
         let trigger = "ban(s) expired (lifted, the config file not written: writing it failed)";
         let r = apply(shared, trigger, lift(false));
-        BAN_RETRY
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .after(r.is_ok());
+        ban_retry().after(r.is_ok());
         return;
     }
-    BAN_RETRY
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .after(r.is_ok());
+    ban_retry().after(r.is_ok());
     // A failure before the install (the edit itself) is on no record: said
     // once per reason, since it is tried again every second and the
     // expired bans keep dropping meanwhile.
@@ -641,10 +628,7 @@ pub fn expire_bans(shared: &Shared) {
 /// after a failure.
 pub fn ban_change_failed() {
     tracing::error!("lifting expired bans panicked: the kernel ends them at their time; tried again, backing off to once a minute");
-    BAN_RETRY
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .after(false);
+    ban_retry().after(false);
 }
 
 /// When the periodic ban change may be tried next: after a failure, 1 s
@@ -654,6 +638,10 @@ static BAN_RETRY: Mutex<Backoff> = Mutex::new(Backoff {
     next: None,
     delay: Duration::from_secs(1),
 });
+
+fn ban_retry() -> std::sync::MutexGuard<'static, Backoff> {
+    BAN_RETRY.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 struct Backoff {
     next: Option<Instant>,

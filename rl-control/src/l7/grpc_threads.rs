@@ -166,11 +166,7 @@ async fn calls(s: TcpStream, svc: &grpc::Service) -> Result<(), String> {
 /// trailers-only failure).
 async fn call(svc: &grpc::Service, req: http::Request<RecvStream>, respond: SendResponse<Bytes>) {
     if req.uri().path() == HEALTH_CHECK {
-        let read = tokio::time::timeout(CALL_READ, message(req.into_body())).await;
-        return send(
-            respond,
-            health(read.unwrap_or(Err(Failure::new(Failure::DEADLINE_EXCEEDED, "")))),
-        );
+        return send(respond, health(message_in_time(req.into_body()).await));
     }
     let rls = req.uri().path() == PATH;
     let outcome = if !rls {
@@ -182,13 +178,7 @@ async fn call(svc: &grpc::Service, req: http::Request<RecvStream>, respond: Send
             ),
         ))
     } else {
-        let read = tokio::time::timeout(CALL_READ, message(req.into_body())).await;
-        match read.unwrap_or_else(|_| {
-            Err(Failure::new(
-                Failure::DEADLINE_EXCEEDED,
-                format!("the request message did not arrive within {CALL_READ:?}"),
-            ))
-        }) {
+        match message_in_time(req.into_body()).await {
             Ok(m) => {
                 let t = Instant::now();
                 let answer = match RateLimitRequest::decode(m) {
@@ -230,6 +220,19 @@ fn health(request: Result<Bytes, Failure>) -> Result<Bytes, Failure> {
     }
     // HealthCheckResponse { status: SERVING (1) }.
     Ok(Bytes::from_static(&[0, 0, 0, 0, 2, 0x08, 0x01]))
+}
+
+/// [`message`], or DEADLINE_EXCEEDED when it does not arrive within
+/// [`CALL_READ`].
+async fn message_in_time(body: RecvStream) -> Result<Bytes, Failure> {
+    tokio::time::timeout(CALL_READ, message(body))
+        .await
+        .unwrap_or_else(|_| {
+            Err(Failure::new(
+                Failure::DEADLINE_EXCEEDED,
+                format!("the request message did not arrive within {CALL_READ:?}"),
+            ))
+        })
 }
 
 /// The request's one gRPC message (length-prefixed, uncompressed), read to
